@@ -1,0 +1,1 @@
+//! The `#[derive(TitoModel)]` procedural macro for Tito.

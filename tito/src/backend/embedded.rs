@@ -1,0 +1,680 @@
+//! The embedded engine: a durable store in a local directory, no server needed.
+//!
+//! Built on [`surrealkv`], an LSM tree with snapshot-isolation transactions and write-write
+//! conflict detection, the same transaction model as TiKV. It is the default engine for a
+//! single machine, for tests and for examples.
+//!
+//! # Durability
+//!
+//! [`Durability::Immediate`] (the default of [`Embedded::open`]) makes every commit wait for an
+//! `fsync` of the write-ahead log: a transaction that committed survives a process crash and a
+//! power loss. [`Durability::Buffered`] returns once the write is in the operating system's page
+//! cache: it survives a crash of the process but may lose the last commits on a power loss or a
+//! kernel crash.
+//!
+//! # Versions
+//!
+//! Start versions come from a timestamp oracle in the store: physical milliseconds shifted left
+//! by [`LOGICAL_BITS`](crate::engine::LOGICAL_BITS) plus a logical counter, strictly increasing.
+//! Like TiKV's PD, the oracle persists a high-water mark three seconds ahead of the versions it
+//! hands out, and a reopened store starts above it, so versions keep increasing across a restart
+//! even when the clock moved back.
+//!
+//! # Garbage collection
+//!
+//! The store keeps no history beyond what open transactions still read: superseded versions are
+//! dropped by compaction once no snapshot needs them. [`garbage_collect`](TitoEngine::garbage_collect)
+//! therefore validates its argument, records the safe point (which only moves forward) and
+//! returns it; it never removes a version an open transaction can still read.
+//!
+//! # Blocking
+//!
+//! Reads, scans and commits of the underlying store are synchronous and may touch the disk. On a
+//! multi-threaded Tokio runtime they run through [`tokio::task::block_in_place`], so other tasks
+//! keep running while one waits for the disk; on a current-thread runtime they run inline.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use surrealkv::{LSMIterator, Mode, Tree, TreeBuilder};
+
+use crate::engine::{
+    self, KvPair, LOGICAL_BITS, RetryPolicy, TitoEngine, TitoTransaction, check_range,
+    check_retention, check_scan,
+};
+use crate::error::{TitoError, TitoResult};
+
+/// How a commit reaches the disk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Durability {
+    /// Every commit waits for an `fsync`: nothing committed is lost, even on power loss.
+    #[default]
+    Immediate,
+    /// Commits return once written to the operating system: they survive a process crash, but
+    /// the last ones may be lost on power loss.
+    Buffered,
+}
+
+/// Options for [`Embedded::open_with`].
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct EmbeddedOptions {
+    durability: Durability,
+    partitions: u32,
+    memtable_bytes: usize,
+    retry: RetryPolicy,
+}
+
+impl Default for EmbeddedOptions {
+    fn default() -> Self {
+        EmbeddedOptions {
+            durability: Durability::Immediate,
+            partitions: engine::DEFAULT_PARTITIONS,
+            memtable_bytes: 32 * 1024 * 1024,
+            retry: RetryPolicy::default(),
+        }
+    }
+}
+
+impl EmbeddedOptions {
+    /// Durable commits, 16 partitions, a 32 MiB memtable and the default retry policy.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// How commits reach the disk.
+    pub fn durability(mut self, durability: Durability) -> Self {
+        self.durability = durability;
+        self
+    }
+
+    /// The default partition count for queues and model events (1 to 10000).
+    pub fn partitions(mut self, partitions: u32) -> Self {
+        self.partitions = partitions;
+        self
+    }
+
+    /// The size of the in-memory write buffer before it is flushed to a table file. Memory use
+    /// of an open store is roughly this much plus caches; tests can set it small.
+    pub fn memtable_bytes(mut self, bytes: usize) -> Self {
+        self.memtable_bytes = bytes;
+        self
+    }
+
+    /// The retry policy of [`TitoEngine::transaction`] on this handle.
+    pub fn retry_policy(mut self, policy: RetryPolicy) -> Self {
+        self.retry = policy;
+        self
+    }
+}
+
+/// A handle to an embedded store. Cheap to clone; the store closes when the last clone drops
+/// (or explicitly with [`Embedded::close`]).
+///
+/// # Examples
+///
+/// ```
+/// use tito::backend::embedded::Embedded;
+/// use tito::{TitoEngine, TitoError, TitoTransaction};
+///
+/// # #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+/// # async fn main() -> Result<(), TitoError> {
+/// let dir = tempfile::tempdir().unwrap();
+/// let db = Embedded::open(dir.path()).await?;
+/// db.transaction(|tx| async move { tx.put(b"k".to_vec(), b"v".to_vec()).await })
+///     .await?;
+/// db.close().await?;
+///
+/// let db = Embedded::open(dir.path()).await?;
+/// let tx = db.begin().await?;
+/// assert_eq!(tx.get(b"k").await?, Some(b"v".to_vec()));
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct Embedded {
+    inner: Arc<Inner>,
+    retry: RetryPolicy,
+}
+
+// Field order matters: the tree is dropped (and closed) before the temporary directory is removed.
+struct Inner {
+    tree: Tree,
+    oracle: tokio::sync::Mutex<Oracle>,
+    durability: Durability,
+    partitions: u32,
+    path: PathBuf,
+    _temp: Option<tempfile::TempDir>,
+}
+
+impl std::fmt::Debug for Embedded {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Embedded")
+            .field("path", &self.inner.path)
+            .field("durability", &self.inner.durability)
+            .field("partitions", &self.inner.partitions)
+            .finish()
+    }
+}
+
+/// User keys live under this byte; the store's own metadata under `0x00`, out of their reach.
+const DATA: u8 = 0x01;
+const META_ORACLE: &[u8] = b"\x00oracle-high-water";
+const META_SAFE_POINT: &[u8] = b"\x00gc-safe-point";
+/// How far ahead of the versions it hands out the oracle persists its high-water mark.
+const ORACLE_WINDOW_MS: u64 = 3_000;
+/// How many keys one transaction of [`Embedded::delete_range`] removes.
+const DELETE_RANGE_BATCH: usize = 1_000;
+
+fn data_key(key: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(key.len() + 1);
+    out.push(DATA);
+    out.extend_from_slice(key);
+    out
+}
+
+/// The internal end bound of a user range: an empty user end means the end of the data space.
+fn data_end(end: &[u8]) -> Vec<u8> {
+    if end.is_empty() {
+        vec![DATA + 1]
+    } else {
+        data_key(end)
+    }
+}
+
+fn storage_err(what: &str, err: surrealkv::Error) -> TitoError {
+    TitoError::storage(format!("embedded store: {what}"), err)
+}
+
+fn now_millis() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Runs a synchronous storage call where blocking is allowed.
+fn blocking<R>(f: impl FnOnce() -> R) -> R {
+    match tokio::runtime::Handle::try_current() {
+        Ok(handle) if handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(f)
+        }
+        _ => f(),
+    }
+}
+
+struct Oracle {
+    last: u64,
+    persisted_limit: u64,
+}
+
+impl Embedded {
+    /// Opens (or creates) a durable store in `path`: every commit is synced to disk before it
+    /// returns.
+    pub async fn open(path: impl AsRef<Path>) -> TitoResult<Self> {
+        Self::open_with(path, EmbeddedOptions::default()).await
+    }
+
+    /// Opens (or creates) a store in `path` with options.
+    pub async fn open_with(path: impl AsRef<Path>, options: EmbeddedOptions) -> TitoResult<Self> {
+        Self::open_inner(path.as_ref().to_path_buf(), None, options).await
+    }
+
+    /// A fresh store in a new temporary directory, removed when the last handle drops. Commits
+    /// are buffered (the directory does not outlive the process anyway) and the memtable is
+    /// small. For tests and examples.
+    pub async fn temporary() -> TitoResult<Self> {
+        Self::temporary_with(
+            EmbeddedOptions::default()
+                .durability(Durability::Buffered)
+                .memtable_bytes(4 * 1024 * 1024),
+        )
+        .await
+    }
+
+    /// [`Embedded::temporary`] with options.
+    pub async fn temporary_with(options: EmbeddedOptions) -> TitoResult<Self> {
+        let dir = tempfile::Builder::new()
+            .prefix("tito-")
+            .tempdir()
+            .map_err(|err| TitoError::storage("cannot create a temporary directory", err))?;
+        let path = dir.path().to_path_buf();
+        Self::open_inner(path, Some(dir), options).await
+    }
+
+    async fn open_inner(
+        path: PathBuf,
+        temp: Option<tempfile::TempDir>,
+        options: EmbeddedOptions,
+    ) -> TitoResult<Self> {
+        let partitions = engine::check_partitions(options.partitions)?;
+        if options.memtable_bytes < 64 * 1024 {
+            return Err(TitoError::invalid_argument(
+                "memtable_bytes must be at least 64 KiB",
+            ));
+        }
+        std::fs::create_dir_all(&path).map_err(|err| {
+            TitoError::storage(format!("cannot create directory {}", path.display()), err)
+        })?;
+        let builder = TreeBuilder::new()
+            .with_path(path.clone())
+            .with_max_memtable_size(options.memtable_bytes);
+        let tree = builder
+            .build_async()
+            .await
+            .map_err(|err| storage_err(&format!("cannot open {}", path.display()), err))?;
+
+        let stored_limit = {
+            let tx = tree
+                .begin_with_mode(Mode::ReadOnly)
+                .map_err(|e| storage_err("begin", e))?;
+            let raw =
+                blocking(|| tx.get(META_ORACLE)).map_err(|e| storage_err("read oracle", e))?;
+            match raw {
+                None => 0,
+                Some(bytes) => decode_u64(&bytes).ok_or_else(|| {
+                    TitoError::Integrity("embedded store: malformed oracle high-water mark".into())
+                })?,
+            }
+        };
+        let inner = Inner {
+            tree,
+            oracle: tokio::sync::Mutex::new(Oracle {
+                last: stored_limit,
+                persisted_limit: stored_limit,
+            }),
+            durability: options.durability,
+            partitions,
+            path,
+            _temp: temp,
+        };
+        Ok(Embedded {
+            inner: Arc::new(inner),
+            retry: options.retry,
+        })
+    }
+
+    /// The directory of the store.
+    pub fn path(&self) -> &Path {
+        &self.inner.path
+    }
+
+    /// The durability of commits on this handle.
+    pub fn durability(&self) -> Durability {
+        self.inner.durability
+    }
+
+    /// Flushes and closes the store. Every handle fails afterwards. Dropping the last handle
+    /// also closes the store, in the background.
+    pub async fn close(&self) -> TitoResult<()> {
+        self.inner
+            .tree
+            .close()
+            .await
+            .map_err(|e| storage_err("close", e))
+    }
+
+    /// A new handle to the same store with another retry policy for
+    /// [`TitoEngine::transaction`].
+    pub fn with_retry_policy(&self, policy: RetryPolicy) -> Self {
+        Embedded {
+            inner: Arc::clone(&self.inner),
+            retry: policy,
+        }
+    }
+
+    /// The next version of the oracle.
+    async fn next_version(&self) -> TitoResult<u64> {
+        let mut oracle = self.inner.oracle.lock().await;
+        let physical = now_millis() << LOGICAL_BITS;
+        let next = physical.max(oracle.last + 1);
+        if next >= oracle.persisted_limit {
+            let limit = next + ((ORACLE_WINDOW_MS) << LOGICAL_BITS);
+            self.write_meta(META_ORACLE, limit).await?;
+            oracle.persisted_limit = limit;
+        }
+        oracle.last = next;
+        Ok(next)
+    }
+
+    /// Writes a metadata value durably, whatever the handle's durability.
+    async fn write_meta(&self, key: &[u8], value: u64) -> TitoResult<()> {
+        let mut tx = self
+            .inner
+            .tree
+            .begin()
+            .map_err(|e| storage_err("begin", e))?;
+        tx.set_durability(surrealkv::Durability::Immediate);
+        tx.set(key, value.to_be_bytes().as_slice())
+            .map_err(|e| storage_err("write metadata", e))?;
+        commit_blocking(tx)
+            .await
+            .map_err(|e| storage_err("write metadata", e))
+    }
+
+    fn read_meta(&self, key: &[u8]) -> TitoResult<Option<u64>> {
+        let tx = self
+            .inner
+            .tree
+            .begin_with_mode(Mode::ReadOnly)
+            .map_err(|e| storage_err("begin", e))?;
+        match blocking(|| tx.get(key)).map_err(|e| storage_err("read metadata", e))? {
+            None => Ok(None),
+            Some(bytes) => decode_u64(&bytes).map(Some).ok_or_else(|| {
+                TitoError::Integrity("embedded store: malformed metadata value".into())
+            }),
+        }
+    }
+}
+
+fn decode_u64(bytes: &[u8]) -> Option<u64> {
+    Some(u64::from_be_bytes(bytes.try_into().ok()?))
+}
+
+/// Commits a surrealkv transaction, letting the runtime thread go while it waits for the disk.
+async fn commit_blocking(mut tx: surrealkv::Transaction) -> Result<(), surrealkv::Error> {
+    match tokio::runtime::Handle::try_current() {
+        Ok(handle) if handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(|| handle.block_on(tx.commit()))
+        }
+        _ => tx.commit().await,
+    }
+}
+
+impl TitoEngine for Embedded {
+    type Transaction = EmbeddedTransaction;
+
+    async fn begin(&self) -> TitoResult<EmbeddedTransaction> {
+        let start_version = self.next_version().await?;
+        let mut tx = self
+            .inner
+            .tree
+            .begin()
+            .map_err(|e| storage_err("begin", e))?;
+        tx.set_durability(match self.inner.durability {
+            Durability::Immediate => surrealkv::Durability::Immediate,
+            Durability::Buffered => surrealkv::Durability::Eventual,
+        });
+        Ok(EmbeddedTransaction {
+            inner: Arc::new(TxInner {
+                start_version,
+                state: Mutex::new(TxState::Active(tx)),
+            }),
+        })
+    }
+
+    async fn current_version(&self) -> TitoResult<u64> {
+        self.next_version().await
+    }
+
+    async fn garbage_collect(&self, retention: Duration) -> TitoResult<u64> {
+        let retention_ms = check_retention(retention)?;
+        let now = self.next_version().await?;
+        let wanted =
+            (crate::engine::version_millis(now).saturating_sub(retention_ms)) << LOGICAL_BITS;
+        let current = self.read_meta(META_SAFE_POINT)?.unwrap_or(0);
+        if wanted <= current {
+            return Ok(current);
+        }
+        self.write_meta(META_SAFE_POINT, wanted).await?;
+        Ok(wanted)
+    }
+
+    async fn delete_range(&self, start: &[u8], end: &[u8]) -> TitoResult<()> {
+        check_range(start, end)?;
+        let mut from = data_key(start);
+        let to = data_end(end);
+        loop {
+            let mut tx = self
+                .inner
+                .tree
+                .begin()
+                .map_err(|e| storage_err("begin", e))?;
+            let keys = blocking(|| collect_keys(&tx, &from, &to, DELETE_RANGE_BATCH))
+                .map_err(|e| storage_err("scan for delete_range", e))?;
+            let Some(last) = keys.last().cloned() else {
+                return Ok(());
+            };
+            for key in &keys {
+                tx.delete(key.as_slice())
+                    .map_err(|e| storage_err("delete_range", e))?;
+            }
+            commit_blocking(tx).await.map_err(|e| match e {
+                surrealkv::Error::TransactionWriteConflict => TitoError::conflict(
+                    "delete_range raced a concurrent write; it is an offline operation",
+                ),
+                other => storage_err("delete_range commit", other),
+            })?;
+            if keys.len() < DELETE_RANGE_BATCH {
+                return Ok(());
+            }
+            from = last;
+            from.push(0);
+        }
+    }
+
+    fn partitions(&self) -> u32 {
+        self.inner.partitions
+    }
+
+    fn retry_policy(&self) -> RetryPolicy {
+        self.retry.clone()
+    }
+}
+
+fn collect_keys(
+    tx: &surrealkv::Transaction,
+    from: &[u8],
+    to: &[u8],
+    limit: usize,
+) -> Result<Vec<Vec<u8>>, surrealkv::Error> {
+    let mut iter = tx.range(from, to)?;
+    let mut out = Vec::new();
+    let mut valid = iter.seek_first()?;
+    while valid && out.len() < limit {
+        out.push(iter.key().user_key().to_vec());
+        valid = iter.next()?;
+    }
+    Ok(out)
+}
+
+/// A transaction of the [`Embedded`] engine.
+#[derive(Clone)]
+pub struct EmbeddedTransaction {
+    inner: Arc<TxInner>,
+}
+
+struct TxInner {
+    start_version: u64,
+    state: Mutex<TxState>,
+}
+
+enum TxState {
+    Active(surrealkv::Transaction),
+    Finished(&'static str),
+}
+
+impl Drop for TxInner {
+    fn drop(&mut self) {
+        let state = self
+            .state
+            .get_mut()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let TxState::Active(tx) = state {
+            tx.rollback();
+        }
+    }
+}
+
+impl std::fmt::Debug for EmbeddedTransaction {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EmbeddedTransaction")
+            .field("start_version", &self.inner.start_version)
+            .finish()
+    }
+}
+
+impl EmbeddedTransaction {
+    fn lock(&self) -> MutexGuard<'_, TxState> {
+        // A panic while the lock was held cannot leave the transaction half-updated in a way
+        // that matters: surrealkv keeps its own state consistent per call.
+        self.inner
+            .state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Runs `f` on the active transaction where blocking is allowed.
+    fn with_active<R>(
+        &self,
+        f: impl FnOnce(&mut surrealkv::Transaction) -> TitoResult<R>,
+    ) -> TitoResult<R> {
+        blocking(|| {
+            let mut state = self.lock();
+            match &mut *state {
+                TxState::Active(tx) => f(tx),
+                TxState::Finished(how) => Err(TitoError::TransactionFinished(how)),
+            }
+        })
+    }
+
+    fn scan_dir(
+        &self,
+        start: &[u8],
+        end: &[u8],
+        limit: usize,
+        reverse: bool,
+    ) -> TitoResult<Vec<KvPair>> {
+        check_scan(start, end, limit)?;
+        let from = data_key(start);
+        let to = data_end(end);
+        self.with_active(|tx| {
+            let run = || -> Result<Vec<KvPair>, surrealkv::Error> {
+                let mut iter = tx.range(from.as_slice(), to.as_slice())?;
+                let mut out = Vec::with_capacity(limit.min(256));
+                let mut valid = if reverse {
+                    iter.seek_last()?
+                } else {
+                    iter.seek_first()?
+                };
+                while valid && out.len() < limit {
+                    let key = iter.key().user_key()[1..].to_vec();
+                    out.push((key, iter.value()?));
+                    valid = if reverse { iter.prev()? } else { iter.next()? };
+                }
+                Ok(out)
+            };
+            run().map_err(|e| storage_err("scan", e))
+        })
+    }
+}
+
+impl TitoTransaction for EmbeddedTransaction {
+    fn start_version(&self) -> u64 {
+        self.inner.start_version
+    }
+
+    async fn get(&self, key: &[u8]) -> TitoResult<Option<Vec<u8>>> {
+        let key = data_key(key);
+        self.with_active(|tx| tx.get(key.as_slice()).map_err(|e| storage_err("get", e)))
+    }
+
+    async fn batch_get(&self, keys: &[Vec<u8>]) -> TitoResult<Vec<Option<Vec<u8>>>> {
+        self.with_active(|tx| {
+            keys.iter()
+                .map(|key| {
+                    tx.get(data_key(key).as_slice())
+                        .map_err(|e| storage_err("batch_get", e))
+                })
+                .collect()
+        })
+    }
+
+    async fn scan(&self, start: &[u8], end: &[u8], limit: usize) -> TitoResult<Vec<KvPair>> {
+        self.scan_dir(start, end, limit, false)
+    }
+
+    async fn scan_reverse(
+        &self,
+        start: &[u8],
+        end: &[u8],
+        limit: usize,
+    ) -> TitoResult<Vec<KvPair>> {
+        self.scan_dir(start, end, limit, true)
+    }
+
+    async fn put(&self, key: Vec<u8>, value: Vec<u8>) -> TitoResult<()> {
+        let key = data_key(&key);
+        let mut state = self.lock();
+        match &mut *state {
+            TxState::Active(tx) => tx.set(key, value).map_err(|e| storage_err("put", e)),
+            TxState::Finished(how) => Err(TitoError::TransactionFinished(how)),
+        }
+    }
+
+    async fn delete(&self, key: Vec<u8>) -> TitoResult<()> {
+        let key = data_key(&key);
+        let mut state = self.lock();
+        match &mut *state {
+            TxState::Active(tx) => tx.delete(key).map_err(|e| storage_err("delete", e)),
+            TxState::Finished(how) => Err(TitoError::TransactionFinished(how)),
+        }
+    }
+
+    async fn lock_keys(&self, keys: &[Vec<u8>]) -> TitoResult<()> {
+        self.with_active(|tx| {
+            for key in keys {
+                tx.get_for_update(data_key(key).as_slice())
+                    .map_err(|e| storage_err("lock_keys", e))?;
+            }
+            Ok(())
+        })
+    }
+
+    async fn commit(&self) -> TitoResult<()> {
+        let tx = {
+            let mut state = self.lock();
+            match std::mem::replace(&mut *state, TxState::Finished("committed")) {
+                TxState::Active(tx) => tx,
+                TxState::Finished(how) => {
+                    *state = TxState::Finished(how);
+                    return Err(TitoError::TransactionFinished(how));
+                }
+            }
+        };
+        commit_blocking(tx).await.map_err(classify_commit_error)
+    }
+
+    async fn rollback(&self) -> TitoResult<()> {
+        let mut state = self.lock();
+        match std::mem::replace(&mut *state, TxState::Finished("rolled back")) {
+            TxState::Active(mut tx) => {
+                tx.rollback();
+                Ok(())
+            }
+            TxState::Finished(how) => {
+                *state = TxState::Finished(how);
+                Err(TitoError::TransactionFinished(how))
+            }
+        }
+    }
+}
+
+fn classify_commit_error(err: surrealkv::Error) -> TitoError {
+    match err {
+        surrealkv::Error::TransactionWriteConflict | surrealkv::Error::TransactionRetry => {
+            TitoError::Conflict {
+                message: err.to_string(),
+                source: Some(Box::new(err)),
+            }
+        }
+        // A failure after part of a commit group was applied: recovery decides the outcome.
+        surrealkv::Error::DatabaseStopped(_) => TitoError::CommitOutcomeUnknown {
+            message: err.to_string(),
+            source: Some(Box::new(err)),
+        },
+        other => storage_err("commit", other),
+    }
+}

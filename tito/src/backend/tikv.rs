@@ -1,0 +1,395 @@
+//! The TiKV engine: Tito on a TiKV cluster, through the official `tikv-client`.
+//!
+//! Transactions are optimistic (Percolator two-phase commit with snapshot isolation), which is
+//! the contract of [`crate::engine`]. Start versions come from PD's timestamp oracle.
+//!
+//! - Both gRPC clients decode responses of up to 32 MiB, twice the largest page of valid queue
+//!   invocations Tito reads at once.
+//! - Errors are classified recursively: a write conflict (possibly wrapped in a list of key
+//!   errors) is a retryable [`TitoError::Conflict`]; an undetermined commit, and any commit
+//!   failure that is not a per-key error, is [`TitoError::CommitOutcomeUnknown`].
+//! - A transaction dropped before commit or rollback is rolled back in the background; it never
+//!   panics.
+//!
+//! ```no_run
+//! use tito::backend::tikv::TiKV;
+//!
+//! # async fn run() -> Result<(), tito::TitoError> {
+//! let db = TiKV::connect(vec!["127.0.0.1:2379"]).await?;
+//! let db = TiKV::connect_with_partitions(vec!["127.0.0.1:2379"], 1024).await?;
+//! # Ok(())
+//! # }
+//! ```
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tikv_client::{
+    CheckLevel, Key, Timestamp, TimestampExt, TransactionClient, TransactionOptions,
+};
+
+use crate::engine::{
+    self, KvPair, LOGICAL_BITS, RetryPolicy, TitoEngine, TitoTransaction, check_range,
+    check_retention, check_scan,
+};
+use crate::error::{TitoError, TitoResult};
+
+/// The gRPC decoding budget of both clients.
+pub const GRPC_MAX_DECODING_BYTES: usize = 32 * 1024 * 1024;
+
+/// A handle to a TiKV cluster. Cheap to clone.
+#[derive(Clone)]
+pub struct TiKV {
+    client: Arc<TransactionClient>,
+    partitions: u32,
+    retry: RetryPolicy,
+}
+
+impl std::fmt::Debug for TiKV {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TiKV")
+            .field("partitions", &self.partitions)
+            .finish()
+    }
+}
+
+impl TiKV {
+    /// Connects to the cluster whose PD endpoints are given, with the default partition count.
+    pub async fn connect<S: Into<String>>(pd_endpoints: Vec<S>) -> TitoResult<Self> {
+        Self::connect_with_partitions(pd_endpoints, engine::DEFAULT_PARTITIONS).await
+    }
+
+    /// Connects with a partition count for the queues and model events of this handle.
+    pub async fn connect_with_partitions<S: Into<String>>(
+        pd_endpoints: Vec<S>,
+        partitions: u32,
+    ) -> TitoResult<Self> {
+        Self::connect_with_config(pd_endpoints, partitions, Duration::from_secs(2)).await
+    }
+
+    /// Connects with a partition count and a per-request timeout.
+    pub async fn connect_with_config<S: Into<String>>(
+        pd_endpoints: Vec<S>,
+        partitions: u32,
+        request_timeout: Duration,
+    ) -> TitoResult<Self> {
+        let partitions = engine::check_partitions(partitions)?;
+        let endpoints: Vec<String> = pd_endpoints.into_iter().map(Into::into).collect();
+        if endpoints.is_empty() {
+            return Err(TitoError::invalid_argument(
+                "at least one PD endpoint is needed",
+            ));
+        }
+        let mut config = tikv_client::Config::default().with_timeout(request_timeout);
+        config.grpc_max_decoding_message_size = GRPC_MAX_DECODING_BYTES;
+        let client = TransactionClient::new_with_config(endpoints, config)
+            .await
+            .map_err(|err| TitoError::storage("cannot connect to PD", err))?;
+        Ok(TiKV {
+            client: Arc::new(client),
+            partitions,
+            retry: RetryPolicy::default(),
+        })
+    }
+
+    /// A new handle to the same cluster with another retry policy.
+    pub fn with_retry_policy(&self, policy: RetryPolicy) -> Self {
+        TiKV {
+            retry: policy,
+            ..self.clone()
+        }
+    }
+
+    /// The underlying `tikv-client` client, for what Tito does not cover.
+    pub fn client(&self) -> &TransactionClient {
+        &self.client
+    }
+}
+
+fn range(start: &[u8], end: &[u8]) -> tikv_client::BoundRange {
+    if end.is_empty() {
+        (Key::from(start.to_vec())..).into()
+    } else {
+        (Key::from(start.to_vec())..Key::from(end.to_vec())).into()
+    }
+}
+
+impl TitoEngine for TiKV {
+    type Transaction = TiKVTransaction;
+
+    async fn begin(&self) -> TitoResult<TiKVTransaction> {
+        let options = TransactionOptions::new_optimistic().drop_check(CheckLevel::None);
+        let tx = self
+            .client
+            .begin_with_options(options)
+            .await
+            .map_err(|err| classify_read(err, "begin"))?;
+        let start_version = tx.start_timestamp().version();
+        Ok(TiKVTransaction {
+            inner: Arc::new(TxInner {
+                start_version,
+                tx: tokio::sync::Mutex::new(Some(tx)),
+            }),
+        })
+    }
+
+    async fn current_version(&self) -> TitoResult<u64> {
+        let ts = self
+            .client
+            .current_timestamp()
+            .await
+            .map_err(|err| classify_read(err, "timestamp"))?;
+        Ok(ts.version())
+    }
+
+    async fn garbage_collect(&self, retention: Duration) -> TitoResult<u64> {
+        let retention_ms = check_retention(retention)?;
+        let now = self.current_version().await?;
+        let safe_ms = engine::version_millis(now).saturating_sub(retention_ms);
+        if safe_ms == 0 {
+            return Ok(0);
+        }
+        let safe_point = Timestamp::from_version(safe_ms << LOGICAL_BITS);
+        // `false` means PD already holds a newer safe point: still a success.
+        let applied = self
+            .client
+            .gc(safe_point)
+            .await
+            .map_err(|err| TitoError::storage("garbage collection", err))?;
+        if !applied {
+            tracing::info!("PD already holds a newer GC safe point");
+        }
+        Ok(safe_ms << LOGICAL_BITS)
+    }
+
+    async fn delete_range(&self, start: &[u8], end: &[u8]) -> TitoResult<()> {
+        check_range(start, end)?;
+        self.client
+            .unsafe_destroy_range(range(start, end))
+            .await
+            .map_err(|err| TitoError::storage("unsafe range destruction", err))
+    }
+
+    fn partitions(&self) -> u32 {
+        self.partitions
+    }
+
+    fn retry_policy(&self) -> RetryPolicy {
+        self.retry.clone()
+    }
+}
+
+/// A transaction of the [`TiKV`] engine.
+#[derive(Clone)]
+pub struct TiKVTransaction {
+    inner: Arc<TxInner>,
+}
+
+struct TxInner {
+    start_version: u64,
+    tx: tokio::sync::Mutex<Option<tikv_client::Transaction>>,
+}
+
+impl std::fmt::Debug for TiKVTransaction {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TiKVTransaction")
+            .field("start_version", &self.inner.start_version)
+            .finish()
+    }
+}
+
+impl Drop for TxInner {
+    fn drop(&mut self) {
+        let Some(mut tx) = self.tx.get_mut().take() else {
+            return;
+        };
+        // An unfinished transaction: roll it back in the background so its locks (if a commit
+        // was under way) do not wait for their TTL. Without a runtime the locks expire on their own.
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            handle.spawn(async move {
+                if let Err(err) = tx.rollback().await {
+                    tracing::debug!(error = %err, "background rollback of a dropped transaction failed");
+                }
+            });
+        }
+    }
+}
+
+macro_rules! active {
+    ($self:ident, $tx:ident) => {
+        let mut guard = $self.inner.tx.lock().await;
+        let Some($tx) = guard.as_mut() else {
+            return Err(TitoError::TransactionFinished("finished"));
+        };
+    };
+}
+
+impl TitoTransaction for TiKVTransaction {
+    fn start_version(&self) -> u64 {
+        self.inner.start_version
+    }
+
+    async fn get(&self, key: &[u8]) -> TitoResult<Option<Vec<u8>>> {
+        active!(self, tx);
+        tx.get(key.to_vec())
+            .await
+            .map_err(|err| classify_read(err, "get"))
+    }
+
+    async fn batch_get(&self, keys: &[Vec<u8>]) -> TitoResult<Vec<Option<Vec<u8>>>> {
+        active!(self, tx);
+        let found: std::collections::HashMap<Vec<u8>, Vec<u8>> = tx
+            .batch_get(keys.to_vec())
+            .await
+            .map_err(|err| classify_read(err, "batch_get"))?
+            .map(|pair| {
+                let (key, value): (Key, Vec<u8>) = pair.into();
+                (Vec::from(key), value)
+            })
+            .collect();
+        Ok(keys.iter().map(|key| found.get(key).cloned()).collect())
+    }
+
+    async fn scan(&self, start: &[u8], end: &[u8], limit: usize) -> TitoResult<Vec<KvPair>> {
+        check_scan(start, end, limit)?;
+        active!(self, tx);
+        let pairs = tx
+            .scan(range(start, end), limit as u32)
+            .await
+            .map_err(|err| classify_read(err, "scan"))?;
+        Ok(pairs.map(into_pair).collect())
+    }
+
+    async fn scan_reverse(
+        &self,
+        start: &[u8],
+        end: &[u8],
+        limit: usize,
+    ) -> TitoResult<Vec<KvPair>> {
+        check_scan(start, end, limit)?;
+        active!(self, tx);
+        let pairs = tx
+            .scan_reverse(range(start, end), limit as u32)
+            .await
+            .map_err(|err| classify_read(err, "scan_reverse"))?;
+        Ok(pairs.map(into_pair).collect())
+    }
+
+    async fn put(&self, key: Vec<u8>, value: Vec<u8>) -> TitoResult<()> {
+        active!(self, tx);
+        tx.put(key, value)
+            .await
+            .map_err(|err| classify_read(err, "put"))
+    }
+
+    async fn delete(&self, key: Vec<u8>) -> TitoResult<()> {
+        active!(self, tx);
+        tx.delete(key)
+            .await
+            .map_err(|err| classify_read(err, "delete"))
+    }
+
+    async fn lock_keys(&self, keys: &[Vec<u8>]) -> TitoResult<()> {
+        active!(self, tx);
+        tx.lock_keys(keys.to_vec())
+            .await
+            .map_err(|err| classify_read(err, "lock_keys"))
+    }
+
+    async fn commit(&self) -> TitoResult<()> {
+        let mut guard = self.inner.tx.lock().await;
+        let Some(mut tx) = guard.take() else {
+            return Err(TitoError::TransactionFinished("finished"));
+        };
+        match tx.commit().await {
+            Ok(_) => Ok(()),
+            Err(err) => {
+                let classified = classify_commit(err);
+                if classified.is_retryable() {
+                    // Prewrite failed: clean up whatever locks it left, best effort.
+                    if let Err(err) = tx.rollback().await {
+                        tracing::debug!(error = %err, "rollback after a conflicting prewrite failed");
+                    }
+                }
+                Err(classified)
+            }
+        }
+    }
+
+    async fn rollback(&self) -> TitoResult<()> {
+        let mut guard = self.inner.tx.lock().await;
+        let Some(mut tx) = guard.take() else {
+            return Err(TitoError::TransactionFinished("finished"));
+        };
+        tx.rollback()
+            .await
+            .map_err(|err| TitoError::storage("rollback", err))
+    }
+}
+
+fn into_pair(pair: tikv_client::KvPair) -> KvPair {
+    let (key, value): (Key, Vec<u8>) = pair.into();
+    (Vec::from(key), value)
+}
+
+/// Whether an error is (or wraps) a write conflict or another per-key error TiKV marks as
+/// retryable.
+pub(crate) fn is_conflict(err: &tikv_client::Error) -> bool {
+    use tikv_client::Error as E;
+    match err {
+        E::KeyError(key_error) => {
+            key_error.conflict.is_some()
+                || !key_error.retryable.is_empty()
+                || key_error.locked.is_some()
+        }
+        E::ExtractedErrors(errors) | E::MultipleKeyErrors(errors) => errors.iter().any(is_conflict),
+        E::PessimisticLockError { inner, .. } => is_conflict(inner),
+        _ => false,
+    }
+}
+
+/// Whether an error consists only of per-key errors (a determined failure of a prewrite).
+fn only_key_errors(err: &tikv_client::Error) -> bool {
+    use tikv_client::Error as E;
+    match err {
+        E::KeyError(_) | E::DuplicateKeyInsertion => true,
+        E::ExtractedErrors(errors) | E::MultipleKeyErrors(errors) => {
+            !errors.is_empty() && errors.iter().all(only_key_errors)
+        }
+        _ => false,
+    }
+}
+
+/// Classifies an error of `commit()`.
+pub(crate) fn classify_commit(err: tikv_client::Error) -> TitoError {
+    if matches!(err, tikv_client::Error::UndeterminedError(_)) {
+        return TitoError::CommitOutcomeUnknown {
+            message: err.to_string(),
+            source: Some(Box::new(err)),
+        };
+    }
+    if is_conflict(&err) {
+        return TitoError::Conflict {
+            message: err.to_string(),
+            source: Some(Box::new(err)),
+        };
+    }
+    if only_key_errors(&err) {
+        return TitoError::storage("commit rejected", err);
+    }
+    TitoError::CommitOutcomeUnknown {
+        message: err.to_string(),
+        source: Some(Box::new(err)),
+    }
+}
+
+/// Classifies an error of a read or a buffered write.
+fn classify_read(err: tikv_client::Error, what: &str) -> TitoError {
+    if is_conflict(&err) {
+        return TitoError::Conflict {
+            message: format!("{what}: {err}"),
+            source: Some(Box::new(err)),
+        };
+    }
+    TitoError::storage(format!("TiKV {what}"), err)
+}

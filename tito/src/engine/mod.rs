@@ -1,0 +1,293 @@
+//! The storage contract: what Tito needs from a transactional key/value store.
+//!
+//! ```text
+//!  models, queries, queue, kv          (talk to the two traits only)
+//!            |
+//!   TitoEngine::transaction(|tx| ..)   (replay on conflict, never after an unknown outcome)
+//!            |
+//!   TitoEngine  --begin-->  TitoTransaction (get, scan, put, delete, lock, commit)
+//!            |
+//!   backends: embedded (surrealkv, no server)   tikv (tikv-client, a TiKV cluster)
+//!             FaultyEngine<E> (wraps any engine and injects failures, for tests)
+//! ```
+//!
+//! Keys and values are bytes. Keys are ordered bytewise. Everything above this module speaks
+//! only to [`TitoEngine`] and [`TitoTransaction`], so a model, an index query or a queue worker
+//! behaves the same on every backend.
+//!
+//! # Versions
+//!
+//! Every transaction has a start version, a `u64` drawn from a globally ordered source (PD's
+//! timestamp oracle on TiKV, a persisted counter on the embedded engine). Versions follow the
+//! layout of TiKV's timestamp oracle: physical milliseconds since the Unix epoch shifted left by
+//! [`LOGICAL_BITS`], plus a logical counter. A version therefore also tells time
+//! ([`version_millis`]), and leases, garbage collection and the queue read time from the engine
+//! rather than from a node's clock.
+//!
+//! # Implementing a backend
+//!
+//! A backend MUST guarantee, for every transaction it hands out:
+//!
+//! - **Snapshot isolation.** Reads see the committed state as of the transaction's start version,
+//!   plus the transaction's own uncommitted writes (read-your-own-writes), for point reads and
+//!   scans alike.
+//! - **Write-write conflict detection.** If another transaction committed a write to a key that
+//!   this transaction writes, after this transaction's start version, the commit MUST fail with
+//!   [`TitoError::Conflict`] (retryable) and MUST NOT have written anything.
+//! - **Locked reads.** [`TitoTransaction::lock_keys`] makes the commit fail with a conflict when
+//!   another transaction committed a write to one of those keys after this one started, as if
+//!   this transaction had written it. Locking alone does not exclude another transaction that
+//!   also only locks; code that needs mutual exclusion writes the key.
+//! - **Reads are not validated.** A backend MAY fail a commit because of keys that were only read,
+//!   but callers MUST NOT rely on it: write skew is possible, as on TiKV.
+//! - **Ordered versions.** Start versions are strictly increasing across all transactions of a
+//!   store, also across a restart, and follow the layout described above.
+//! - **Unknown outcomes are reported as such.** When a backend cannot tell whether a commit took
+//!   effect it MUST return [`TitoError::CommitOutcomeUnknown`], never a retryable error.
+//! - **Atomic durability.** A commit that returned `Ok` is durable as the backend documents, and
+//!   all of a transaction's writes become visible together or not at all.
+//! - **Safe cancellation.** Dropping a transaction handle (or a future using it) without
+//!   committing rolls it back, and never panics.
+//! - **Bounded reads.** Scans take a limit between 1 and [`MAX_SCAN_LIMIT`].
+//!
+//! The conformance suite in the repository's `tests/engine_conformance.rs` checks these
+//! properties; run it against a new backend before trusting it.
+
+use std::future::Future;
+use std::time::Duration;
+
+use crate::error::{TitoError, TitoResult};
+
+mod fault;
+mod retry;
+
+pub use fault::{Fault, FaultPoint, FaultRule, Faults, FaultyEngine, FaultyTransaction};
+pub use retry::RetryPolicy;
+
+/// A key and its value, as returned by scans.
+pub type KvPair = (Vec<u8>, Vec<u8>);
+
+/// How many low bits of a version hold the logical counter; the bits above hold milliseconds.
+pub const LOGICAL_BITS: u32 = 18;
+
+/// The largest `limit` a single scan accepts. Larger reads are made of several scans.
+pub const MAX_SCAN_LIMIT: usize = 10_000;
+
+/// The partition count used by queues and model events when a connection does not name one.
+pub const DEFAULT_PARTITIONS: u32 = 16;
+
+/// The largest partition count a store accepts (partitions are written as four digits in keys).
+pub const MAX_PARTITIONS: u32 = 10_000;
+
+/// The version whose physical part is `millis` and whose logical part is zero.
+pub fn version_from_millis(millis: u64) -> u64 {
+    millis << LOGICAL_BITS
+}
+
+/// The physical part of a version: milliseconds since the Unix epoch.
+pub fn version_millis(version: u64) -> u64 {
+    version >> LOGICAL_BITS
+}
+
+/// A transactional, ordered key/value store.
+///
+/// A handle is cheap to clone and every clone talks to the same store. See the
+/// [module documentation](self) for what an implementation must guarantee.
+pub trait TitoEngine: Clone + Send + Sync + 'static {
+    /// The transaction type of this backend.
+    type Transaction: TitoTransaction;
+
+    /// Starts a transaction with a fresh start version.
+    fn begin(&self) -> impl Future<Output = TitoResult<Self::Transaction>> + Send;
+
+    /// A fresh version from the store's ordered source: greater than the start version of every
+    /// transaction begun before this call.
+    fn current_version(&self) -> impl Future<Output = TitoResult<u64>> + Send;
+
+    /// Lets the store discard versions older than `retention` before the store's current time.
+    ///
+    /// Returns the safe point in effect afterwards (a version). A zero `retention` is
+    /// [`TitoError::InvalidArgument`]. Succeeds also when the store already holds a newer safe
+    /// point, or has nothing to collect. Choose a window longer than every transaction and
+    /// historical read still running.
+    fn garbage_collect(&self, retention: Duration) -> impl Future<Output = TitoResult<u64>> + Send;
+
+    /// Destroys every key in `start..end` (start inclusive, end exclusive; an empty `end` means
+    /// the end of the key space). `start < end` is checked.
+    ///
+    /// This is an offline, destructive maintenance operation for reset, restore and drop-style
+    /// work with application traffic stopped. It is not a transaction: concurrent transactions
+    /// may observe it half done. Use ordinary deletes in transactions for everything else.
+    fn delete_range(&self, start: &[u8], end: &[u8])
+    -> impl Future<Output = TitoResult<()>> + Send;
+
+    /// The partition count given when this handle was opened; queues and model events created
+    /// from this handle use it unless they name their own.
+    fn partitions(&self) -> u32 {
+        DEFAULT_PARTITIONS
+    }
+
+    /// The retry policy [`TitoEngine::transaction`] uses for this handle.
+    fn retry_policy(&self) -> RetryPolicy {
+        RetryPolicy::default()
+    }
+
+    /// Runs `f` in a transaction and commits it, replaying `f` in a new transaction after a
+    /// retryable conflict.
+    ///
+    /// - `f` is called with a transaction handle. On `Ok` the transaction is committed; on `Err`
+    ///   it is rolled back and the error is returned unchanged.
+    /// - A commit that fails with [`TitoError::Conflict`] is retried with jittered exponential
+    ///   backoff as [`TitoEngine::retry_policy`] says; each attempt calls a fresh clone of `f`,
+    ///   so every attempt starts from the same captured values. When the attempts run out the
+    ///   result is [`TitoError::RetriesExhausted`].
+    /// - A commit whose outcome is unknown returns [`TitoError::CommitOutcomeUnknown`] and `f`
+    ///   is never run again.
+    /// - Dropping the returned future rolls the transaction back.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tito::backend::embedded::Embedded;
+    /// use tito::{TitoEngine, TitoError, TitoTransaction};
+    ///
+    /// # #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+    /// # async fn main() -> Result<(), TitoError> {
+    /// let db = Embedded::temporary().await?;
+    /// db.transaction(|tx| async move {
+    ///     tx.put(b"greeting".to_vec(), b"hello".to_vec()).await?;
+    ///     Ok::<_, TitoError>(())
+    /// })
+    /// .await?;
+    ///
+    /// let value = db
+    ///     .transaction(|tx| async move { tx.get(b"greeting").await })
+    ///     .await?;
+    /// assert_eq!(value.as_deref(), Some(&b"hello"[..]));
+    /// # Ok(())
+    /// # }
+    /// ```
+    fn transaction<F, Fut, T, E>(&self, f: F) -> impl Future<Output = Result<T, E>> + Send
+    where
+        F: FnOnce(Self::Transaction) -> Fut + Clone + Send,
+        Fut: Future<Output = Result<T, E>> + Send,
+        T: Send,
+        E: From<TitoError> + Send,
+    {
+        let policy = self.retry_policy();
+        retry::run(self, policy, f)
+    }
+
+    /// [`TitoEngine::transaction`] with an explicit retry policy.
+    fn transaction_with<F, Fut, T, E>(
+        &self,
+        policy: RetryPolicy,
+        f: F,
+    ) -> impl Future<Output = Result<T, E>> + Send
+    where
+        F: FnOnce(Self::Transaction) -> Fut + Clone + Send,
+        Fut: Future<Output = Result<T, E>> + Send,
+        T: Send,
+        E: From<TitoError> + Send,
+    {
+        retry::run(self, policy, f)
+    }
+}
+
+/// One transaction of a [`TitoEngine`].
+///
+/// The handle is cheap to clone; clones share the transaction. Writes are buffered until
+/// [`commit`](TitoTransaction::commit). After commit or rollback every call fails with
+/// [`TitoError::TransactionFinished`]. Dropping the last handle of an unfinished transaction
+/// rolls it back.
+pub trait TitoTransaction: Clone + Send + Sync + 'static {
+    /// The start version: the snapshot this transaction reads, unique to this transaction.
+    fn start_version(&self) -> u64;
+
+    /// Reads one key.
+    fn get(&self, key: &[u8]) -> impl Future<Output = TitoResult<Option<Vec<u8>>>> + Send;
+
+    /// Reads many keys in one round trip. The result has one entry per requested key, in the
+    /// same order.
+    fn batch_get(
+        &self,
+        keys: &[Vec<u8>],
+    ) -> impl Future<Output = TitoResult<Vec<Option<Vec<u8>>>>> + Send;
+
+    /// Reads up to `limit` pairs of `start..end` in ascending key order (an empty `end` means the
+    /// end of the key space). `limit` must be between 1 and [`MAX_SCAN_LIMIT`].
+    fn scan(
+        &self,
+        start: &[u8],
+        end: &[u8],
+        limit: usize,
+    ) -> impl Future<Output = TitoResult<Vec<KvPair>>> + Send;
+
+    /// Reads up to `limit` pairs of `start..end` in descending key order, starting from the
+    /// greatest key below `end`.
+    fn scan_reverse(
+        &self,
+        start: &[u8],
+        end: &[u8],
+        limit: usize,
+    ) -> impl Future<Output = TitoResult<Vec<KvPair>>> + Send;
+
+    /// Writes a key (buffered until commit).
+    fn put(&self, key: Vec<u8>, value: Vec<u8>) -> impl Future<Output = TitoResult<()>> + Send;
+
+    /// Deletes a key (buffered until commit). Deleting a missing key is not an error.
+    fn delete(&self, key: Vec<u8>) -> impl Future<Output = TitoResult<()>> + Send;
+
+    /// Makes the commit conflict if another transaction commits a write to any of these keys
+    /// after this transaction started, as if this transaction wrote them.
+    fn lock_keys(&self, keys: &[Vec<u8>]) -> impl Future<Output = TitoResult<()>> + Send;
+
+    /// Commits the buffered writes atomically.
+    fn commit(&self) -> impl Future<Output = TitoResult<()>> + Send;
+
+    /// Discards the buffered writes. Rolling back a finished transaction is an error.
+    fn rollback(&self) -> impl Future<Output = TitoResult<()>> + Send;
+}
+
+/// Checks the arguments of a scan: a limit in range and `start < end` (or an open end).
+pub(crate) fn check_scan(start: &[u8], end: &[u8], limit: usize) -> TitoResult<()> {
+    if limit == 0 || limit > MAX_SCAN_LIMIT {
+        return Err(TitoError::invalid_argument(format!(
+            "scan limit must be between 1 and {MAX_SCAN_LIMIT}, got {limit}"
+        )));
+    }
+    check_range(start, end)
+}
+
+/// Checks that a range is not empty: `start < end`, or `end` empty (the end of the key space).
+pub(crate) fn check_range(start: &[u8], end: &[u8]) -> TitoResult<()> {
+    if !end.is_empty() && start >= end {
+        return Err(TitoError::invalid_argument(format!(
+            "range start must sort before its end (start {}, end {})",
+            crate::keys::display_key(start),
+            crate::keys::display_key(end)
+        )));
+    }
+    Ok(())
+}
+
+/// Checks a garbage-collection retention window.
+pub(crate) fn check_retention(retention: Duration) -> TitoResult<u64> {
+    let millis = u64::try_from(retention.as_millis()).unwrap_or(u64::MAX);
+    if millis == 0 {
+        return Err(TitoError::invalid_argument(
+            "garbage collection retention must be at least one millisecond",
+        ));
+    }
+    Ok(millis)
+}
+
+/// Checks a partition count given when a store is opened.
+pub(crate) fn check_partitions(partitions: u32) -> TitoResult<u32> {
+    if partitions == 0 || partitions > MAX_PARTITIONS {
+        return Err(TitoError::invalid_argument(format!(
+            "partition count must be between 1 and {MAX_PARTITIONS}, got {partitions}"
+        )));
+    }
+    Ok(partitions)
+}

@@ -1,0 +1,163 @@
+//! The transaction runner behind [`TitoEngine::transaction`]: commit, and replay after a
+//! retryable conflict with jittered exponential backoff.
+
+use std::future::Future;
+use std::hash::{BuildHasher, Hasher};
+use std::time::Duration;
+
+use super::{TitoEngine, TitoTransaction};
+use crate::error::TitoError;
+
+/// How [`TitoEngine::transaction`] replays a closure whose commit conflicted.
+///
+/// The delay before attempt `n + 1` is drawn uniformly from the upper half of
+/// `min(max_backoff, initial_backoff * 2^(n-1))`, so contending transactions spread out instead
+/// of colliding again in step.
+///
+/// ```
+/// use std::time::Duration;
+/// use tito::RetryPolicy;
+///
+/// let policy = RetryPolicy::default()
+///     .max_attempts(20)
+///     .initial_backoff(Duration::from_millis(1))
+///     .max_backoff(Duration::from_millis(50));
+/// assert_eq!(policy.attempts(), 20);
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RetryPolicy {
+    max_attempts: u32,
+    initial_backoff: Duration,
+    max_backoff: Duration,
+}
+
+impl Default for RetryPolicy {
+    /// Ten attempts, backing off from 2 ms up to 250 ms.
+    fn default() -> Self {
+        RetryPolicy {
+            max_attempts: 10,
+            initial_backoff: Duration::from_millis(2),
+            max_backoff: Duration::from_millis(250),
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// A policy that runs the closure once and never replays it.
+    pub fn no_retry() -> Self {
+        RetryPolicy::default().max_attempts(1)
+    }
+
+    /// How many times the closure may run in all (at least one).
+    pub fn max_attempts(mut self, attempts: u32) -> Self {
+        self.max_attempts = attempts.max(1);
+        self
+    }
+
+    /// The backoff before the second attempt.
+    pub fn initial_backoff(mut self, backoff: Duration) -> Self {
+        self.initial_backoff = backoff;
+        self
+    }
+
+    /// The largest backoff between two attempts.
+    pub fn max_backoff(mut self, backoff: Duration) -> Self {
+        self.max_backoff = backoff;
+        self
+    }
+
+    /// How many times the closure may run in all.
+    pub fn attempts(&self) -> u32 {
+        self.max_attempts
+    }
+
+    /// The delay after failed attempt number `attempt` (1-based).
+    pub(crate) fn backoff(&self, attempt: u32) -> Duration {
+        let exp = attempt.saturating_sub(1).min(30);
+        let ceiling = self
+            .initial_backoff
+            .saturating_mul(1 << exp)
+            .min(self.max_backoff);
+        let nanos = u64::try_from(ceiling.as_nanos()).unwrap_or(u64::MAX);
+        if nanos == 0 {
+            return Duration::ZERO;
+        }
+        let half = nanos / 2;
+        Duration::from_nanos(half + random_u64() % (nanos - half).max(1))
+    }
+}
+
+/// A random number from the standard library's randomly keyed hasher: enough for jitter, and
+/// no extra dependency.
+fn random_u64() -> u64 {
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u64(0x9e37_79b9_7f4a_7c15);
+    hasher.finish()
+}
+
+pub(crate) async fn run<D, F, Fut, T, E>(db: &D, policy: RetryPolicy, f: F) -> Result<T, E>
+where
+    D: TitoEngine,
+    F: FnOnce(D::Transaction) -> Fut + Clone + Send,
+    Fut: Future<Output = Result<T, E>> + Send,
+    T: Send,
+    E: From<TitoError> + Send,
+{
+    let mut attempt: u32 = 0;
+    loop {
+        attempt += 1;
+        let tx = db.begin().await?;
+        let value = match (f.clone())(tx.clone()).await {
+            Ok(value) => value,
+            Err(err) => {
+                // The closure's error wins; a rollback failure only matters to the log.
+                if let Err(rollback_err) = tx.rollback().await {
+                    if !matches!(rollback_err, TitoError::TransactionFinished(_)) {
+                        tracing::warn!(error = %rollback_err, "rollback after a failed transaction closure failed");
+                    }
+                }
+                return Err(err);
+            }
+        };
+        match tx.commit().await {
+            Ok(()) => return Ok(value),
+            Err(err) if err.is_retryable() => {
+                if attempt >= policy.attempts() {
+                    return Err(E::from(TitoError::RetriesExhausted {
+                        attempts: attempt,
+                        source: Box::new(err),
+                    }));
+                }
+                let delay = policy.backoff(attempt);
+                tracing::debug!(attempt, ?delay, error = %err, "transaction conflicted; replaying");
+                tokio::time::sleep(delay).await;
+            }
+            Err(err) => return Err(E::from(err)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_grows_and_stays_under_the_ceiling() {
+        let policy = RetryPolicy::default()
+            .initial_backoff(Duration::from_millis(4))
+            .max_backoff(Duration::from_millis(20));
+        for _ in 0..100 {
+            let first = policy.backoff(1);
+            assert!(first >= Duration::from_millis(2) && first <= Duration::from_millis(4));
+            let late = policy.backoff(10);
+            assert!(late >= Duration::from_millis(10) && late <= Duration::from_millis(20));
+        }
+    }
+
+    #[test]
+    fn at_least_one_attempt() {
+        assert_eq!(RetryPolicy::default().max_attempts(0).attempts(), 1);
+        assert_eq!(RetryPolicy::no_retry().attempts(), 1);
+    }
+}

@@ -1,0 +1,137 @@
+//! The one error type of the crate.
+//!
+//! Every fallible call in Tito returns [`TitoError`]. Backend errors are boxed as the
+//! [`source`](std::error::Error::source) of a variant and never leak as the backend's own type,
+//! so code written against one engine compiles and behaves the same against another.
+
+use std::error::Error as StdError;
+
+/// A boxed error from a storage backend or another library, kept as the source of a variant.
+pub type BoxError = Box<dyn StdError + Send + Sync + 'static>;
+
+/// The result type of every fallible Tito call.
+pub type TitoResult<T> = Result<T, TitoError>;
+
+/// Everything that can go wrong in Tito.
+///
+/// Match on the variants you handle and treat the rest as failures: the enum is
+/// `#[non_exhaustive]` so new kinds of error can be added without breaking callers.
+/// [`TitoError::is_retryable`] says whether running the same transaction again may succeed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TitoError {
+    /// Another transaction committed a write to a key this transaction wrote (or locked) after
+    /// this one started. Nothing of this transaction was written; running it again may succeed.
+    #[error("transaction conflict: {message}")]
+    Conflict {
+        /// What conflicted, as far as the backend says.
+        message: String,
+        /// The backend's own error, when there is one.
+        #[source]
+        source: Option<BoxError>,
+    },
+
+    /// [`TitoEngine::transaction`](crate::TitoEngine::transaction) replayed a closure as often as
+    /// its retry policy allows, and the last commit still conflicted.
+    #[error("transaction still conflicted after {attempts} attempts")]
+    RetriesExhausted {
+        /// How many times the closure ran.
+        attempts: u32,
+        /// The conflict of the last attempt.
+        #[source]
+        source: Box<TitoError>,
+    },
+
+    /// The commit may or may not have taken effect (for example the connection broke after the
+    /// commit request was sent). The closure is never run again after this error: reconcile
+    /// against the stored state instead.
+    #[error("the outcome of the commit is unknown: {message}")]
+    CommitOutcomeUnknown {
+        /// What happened.
+        message: String,
+        /// The backend's own error, when there is one.
+        #[source]
+        source: Option<BoxError>,
+    },
+
+    /// An argument was outside what the call accepts. Nothing was read or written.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+
+    /// The transaction was already committed or rolled back.
+    #[error("the transaction is already {0}")]
+    TransactionFinished(&'static str),
+
+    /// A key or value read from storage is not what Tito wrote there: a malformed key, a value
+    /// that is not valid JSON, a broken reverse-index manifest. The message names the key.
+    #[error("storage integrity error: {0}")]
+    Integrity(String),
+
+    /// A value could not be encoded or decoded.
+    #[error("serialization error: {message}")]
+    Serialization {
+        /// What was being encoded or decoded.
+        message: String,
+        /// The underlying error.
+        #[source]
+        source: Option<BoxError>,
+    },
+
+    /// The storage backend failed for a reason that is not a conflict.
+    #[error("storage error: {message}")]
+    Storage {
+        /// What the backend was doing.
+        message: String,
+        /// The backend's own error.
+        #[source]
+        source: Option<BoxError>,
+    },
+}
+
+impl TitoError {
+    /// Whether the failed transaction may succeed if it runs again from the start.
+    ///
+    /// Only [`TitoError::Conflict`] is retryable. [`TitoError::CommitOutcomeUnknown`] is not:
+    /// running the transaction again could apply its effects twice.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, TitoError::Conflict { .. })
+    }
+
+    /// A [`TitoError::Conflict`] with a message and no source.
+    pub fn conflict(message: impl Into<String>) -> Self {
+        TitoError::Conflict {
+            message: message.into(),
+            source: None,
+        }
+    }
+
+    /// A [`TitoError::CommitOutcomeUnknown`] with a message and no source.
+    pub fn commit_outcome_unknown(message: impl Into<String>) -> Self {
+        TitoError::CommitOutcomeUnknown {
+            message: message.into(),
+            source: None,
+        }
+    }
+
+    /// A [`TitoError::InvalidArgument`].
+    pub fn invalid_argument(message: impl Into<String>) -> Self {
+        TitoError::InvalidArgument(message.into())
+    }
+
+    /// A [`TitoError::Storage`] wrapping a backend error.
+    pub fn storage(message: impl Into<String>, source: impl Into<BoxError>) -> Self {
+        TitoError::Storage {
+            message: message.into(),
+            source: Some(source.into()),
+        }
+    }
+}
+
+impl From<serde_json::Error> for TitoError {
+    fn from(err: serde_json::Error) -> Self {
+        TitoError::Serialization {
+            message: err.to_string(),
+            source: Some(Box::new(err)),
+        }
+    }
+}

@@ -1,0 +1,526 @@
+//! Storage keys: the one module that builds and parses them.
+//!
+//! Keys are UTF-8 text made of segments joined by `:`. Every value placed in a segment is
+//! encoded so that
+//!
+//! - **no value can end a segment early**: an encoded value never contains `:`, so the prefix
+//!   built for the value `ab` never matches the value `ab:c` or `ab;c`;
+//! - **encodings are lossless**: a key parses back to the exact values;
+//! - **byte order is value order**: for two values of one type, the encoded segments (followed by
+//!   `:` and anything) compare bytewise as the values compare.
+//!
+//! # Encodings
+//!
+//! | type | encoding | example |
+//! |---|---|---|
+//! | string | bytes `0x00..=0x39` as `;` + the byte; `:` as `;<`; `;` as `;=`; the rest as is | `a-1` → `a;-;1` |
+//! | `u64` | 20 decimal digits | `42` → `00000000000000000042` |
+//! | `i64` | the value with its sign bit flipped, as a `u64` | `-1` → `09223372036854775807` |
+//! | `f64` | IEEE 754 bits made totally ordered, as a `u64`; NaN is rejected | |
+//! | `bool` | `false` / `true` | |
+//! | timestamp | seconds as `i64`, `.`, nanoseconds as 9 digits | |
+//!
+//! Why strings escape more than `:`: the segment separator `:` (0x3A) must sort below every
+//! byte an encoded value can hold, or the value `a` (key `a:…`) would sort after `a0` (key
+//! `a0:…`) although `a < a0`. So every byte below `;` is written as `;` followed by a byte that
+//! keeps their order, and `;` itself as `;=`. Letters and every non-ASCII character stay as they
+//! are.
+//!
+//! # Ranges
+//!
+//! [`prefix_end`] gives the exclusive end of all keys that start with a prefix; [`key_after`]
+//! gives the first key after one exact key, for continuing a scan. They are different
+//! operations: continuing after `a2` with `prefix_end("a2")` = `a3` would skip `a20`.
+
+use chrono::{DateTime, Utc};
+
+use crate::error::{TitoError, TitoResult};
+
+/// The separator between the segments of a key.
+pub const SEPARATOR: char = ':';
+
+const ESCAPE: u8 = b';';
+const ESCAPED_SEPARATOR: u8 = b'<';
+const ESCAPED_ESCAPE: u8 = b'=';
+
+/// The exclusive end of the range of every key that starts with `prefix`: the least string
+/// greater than all of them.
+///
+/// The last character that can be advanced is advanced and everything after it dropped. An
+/// empty result means "no upper bound" (the prefix was empty, or made only of `char::MAX`).
+///
+/// ```
+/// assert_eq!(tito::prefix_end("index:by_store:".to_string()), "index:by_store;");
+/// ```
+pub fn prefix_end(prefix: String) -> String {
+    let mut chars: Vec<char> = prefix.chars().collect();
+    while let Some(last) = chars.pop() {
+        if let Some(next) = next_char(last) {
+            chars.push(next);
+            return chars.into_iter().collect();
+        }
+    }
+    String::new()
+}
+
+/// The first key after `key` in byte order: `key` followed by a NUL character. Use it to
+/// continue a forward scan after an exact key.
+///
+/// ```
+/// assert_eq!(tito::key_after("table:item:a2".to_string()), "table:item:a2\0");
+/// ```
+pub fn key_after(key: String) -> String {
+    let mut key = key;
+    key.push('\0');
+    key
+}
+
+/// An alias of [`prefix_end`], kept for source compatibility.
+///
+/// Do not use it to continue after an exact key: advancing the last character skips keys such
+/// as `a20` after `a2`. Use [`key_after`] for that.
+#[deprecated(
+    note = "use `prefix_end` for prefix ranges or `key_after` to continue after an exact key"
+)]
+pub fn next_string_lexicographically(prefix: String) -> String {
+    prefix_end(prefix)
+}
+
+fn next_char(c: char) -> Option<char> {
+    match c {
+        char::MAX => None,
+        '\u{D7FF}' => Some('\u{E000}'),
+        c => char::from_u32(c as u32 + 1),
+    }
+}
+
+/// [`prefix_end`] on bytes: the exclusive end of every key starting with `prefix`; empty means
+/// no upper bound.
+pub fn prefix_end_bytes(prefix: &[u8]) -> Vec<u8> {
+    let mut out = prefix.to_vec();
+    while let Some(last) = out.pop() {
+        if last < u8::MAX {
+            out.push(last + 1);
+            return out;
+        }
+    }
+    Vec::new()
+}
+
+/// [`key_after`] on bytes: `key` followed by a zero byte.
+pub fn key_after_bytes(key: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(key.len() + 1);
+    out.extend_from_slice(key);
+    out.push(0);
+    out
+}
+
+/// A key for messages: UTF-8 shown as text, anything else escaped.
+pub fn display_key(key: &[u8]) -> String {
+    match std::str::from_utf8(key) {
+        Ok(text) => format!("{text:?}"),
+        Err(_) => format!("{:?}", String::from_utf8_lossy(key)),
+    }
+}
+
+/// Appends the segment encoding of a string to `out`.
+pub fn encode_str(value: &str, out: &mut String) {
+    for (index, byte) in value.bytes().enumerate() {
+        match byte {
+            b':' => out.push_str(";<"),
+            b';' => out.push_str(";="),
+            0x00..=0x39 => {
+                out.push(ESCAPE as char);
+                out.push(byte as char);
+            }
+            // Multi-byte characters are copied whole at their first byte.
+            0x80.. => {
+                if value.is_char_boundary(index) {
+                    let ch = value[index..].chars().next().unwrap_or_default();
+                    out.push(ch);
+                }
+            }
+            _ => out.push(byte as char),
+        }
+    }
+}
+
+/// Decodes a string segment written by [`encode_str`].
+pub fn decode_str(segment: &str) -> TitoResult<String> {
+    let bytes = segment.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut index = 0;
+    while index < bytes.len() {
+        let byte = bytes[index];
+        if byte == ESCAPE {
+            let Some(&next) = bytes.get(index + 1) else {
+                return Err(malformed(segment, "ends inside an escape"));
+            };
+            out.push(match next {
+                ESCAPED_SEPARATOR => b':',
+                ESCAPED_ESCAPE => b';',
+                0x00..=0x39 => next,
+                _ => return Err(malformed(segment, "has an unknown escape")),
+            });
+            index += 2;
+        } else if byte < 0x3C {
+            return Err(malformed(segment, "holds an unescaped byte below `<`"));
+        } else {
+            out.push(byte);
+            index += 1;
+        }
+    }
+    String::from_utf8(out).map_err(|_| malformed(segment, "is not UTF-8"))
+}
+
+fn malformed(segment: &str, why: &str) -> TitoError {
+    TitoError::Integrity(format!("key segment {segment:?} {why}"))
+}
+
+/// Appends the segment encoding of a `u64` (20 digits).
+pub fn encode_u64(value: u64, out: &mut String) {
+    use std::fmt::Write;
+    let _ = write!(out, "{value:020}");
+}
+
+/// Decodes a `u64` segment.
+pub fn decode_u64(segment: &str) -> TitoResult<u64> {
+    if segment.len() != 20 || !segment.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(malformed(segment, "is not a 20-digit unsigned integer"));
+    }
+    segment
+        .parse()
+        .map_err(|_| malformed(segment, "is out of range for u64"))
+}
+
+const SIGN: u64 = 1 << 63;
+
+/// Appends the segment encoding of an `i64`.
+pub fn encode_i64(value: i64, out: &mut String) {
+    encode_u64((value as u64) ^ SIGN, out);
+}
+
+/// Decodes an `i64` segment.
+pub fn decode_i64(segment: &str) -> TitoResult<i64> {
+    Ok((decode_u64(segment)? ^ SIGN) as i64)
+}
+
+/// Appends the segment encoding of an `f64`. NaN has no place in an order and is rejected;
+/// `-0.0` is written as `0.0` so that equal numbers have one key.
+pub fn encode_f64(value: f64, out: &mut String) -> TitoResult<()> {
+    if value.is_nan() {
+        return Err(TitoError::invalid_argument("NaN cannot be stored in a key"));
+    }
+    let value = if value == 0.0 { 0.0 } else { value };
+    let bits = value.to_bits();
+    let ordered = if bits & SIGN != 0 { !bits } else { bits | SIGN };
+    encode_u64(ordered, out);
+    Ok(())
+}
+
+/// Decodes an `f64` segment.
+pub fn decode_f64(segment: &str) -> TitoResult<f64> {
+    let ordered = decode_u64(segment)?;
+    let bits = if ordered & SIGN != 0 {
+        ordered & !SIGN
+    } else {
+        !ordered
+    };
+    let value = f64::from_bits(bits);
+    if value.is_nan() {
+        return Err(malformed(segment, "encodes NaN"));
+    }
+    Ok(value)
+}
+
+/// Appends the segment encoding of a `bool`.
+pub fn encode_bool(value: bool, out: &mut String) {
+    out.push_str(if value { "true" } else { "false" });
+}
+
+/// Decodes a `bool` segment.
+pub fn decode_bool(segment: &str) -> TitoResult<bool> {
+    match segment {
+        "true" => Ok(true),
+        "false" => Ok(false),
+        _ => Err(malformed(segment, "is not a boolean")),
+    }
+}
+
+/// Appends the segment encoding of a timestamp: seconds (as an `i64` segment), `.`, and the
+/// nanoseconds as nine digits.
+pub fn encode_timestamp(value: &DateTime<Utc>, out: &mut String) {
+    use std::fmt::Write;
+    encode_i64(value.timestamp(), out);
+    let _ = write!(out, ".{:09}", value.timestamp_subsec_nanos());
+}
+
+/// Decodes a timestamp segment.
+pub fn decode_timestamp(segment: &str) -> TitoResult<DateTime<Utc>> {
+    let (secs, nanos) = segment
+        .split_once('.')
+        .ok_or_else(|| malformed(segment, "is not a timestamp"))?;
+    let secs = decode_i64(secs)?;
+    if nanos.len() != 9 || !nanos.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(malformed(segment, "has malformed nanoseconds"));
+    }
+    let nanos: u32 = nanos
+        .parse()
+        .map_err(|_| malformed(segment, "has malformed nanoseconds"))?;
+    DateTime::from_timestamp(secs, nanos).ok_or_else(|| malformed(segment, "is out of range"))
+}
+
+/// One typed value in a key segment.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub enum KeyValue {
+    /// A string.
+    String(String),
+    /// An unsigned integer.
+    U64(u64),
+    /// A signed integer.
+    I64(i64),
+    /// A float (never NaN).
+    F64(f64),
+    /// A boolean.
+    Bool(bool),
+    /// A point in time.
+    Timestamp(DateTime<Utc>),
+}
+
+impl KeyValue {
+    /// Appends the segment encoding of this value.
+    pub fn encode(&self, out: &mut String) -> TitoResult<()> {
+        match self {
+            KeyValue::String(value) => encode_str(value, out),
+            KeyValue::U64(value) => encode_u64(*value, out),
+            KeyValue::I64(value) => encode_i64(*value, out),
+            KeyValue::F64(value) => encode_f64(*value, out)?,
+            KeyValue::Bool(value) => encode_bool(*value, out),
+            KeyValue::Timestamp(value) => encode_timestamp(value, out),
+        }
+        Ok(())
+    }
+}
+
+/// Builds a key segment by segment.
+///
+/// ```
+/// use tito::keys::KeyBuilder;
+///
+/// let key = KeyBuilder::new().raw("table").raw("user").string("a:b").finish();
+/// assert_eq!(key, "table:user:a;<b");
+/// ```
+#[derive(Clone, Debug, Default)]
+pub struct KeyBuilder {
+    key: String,
+    first: bool,
+}
+
+impl KeyBuilder {
+    /// An empty key.
+    pub fn new() -> Self {
+        KeyBuilder {
+            key: String::new(),
+            first: true,
+        }
+    }
+
+    fn separate(&mut self) {
+        if !self.first {
+            self.key.push(SEPARATOR);
+        }
+        self.first = false;
+    }
+
+    /// Appends a literal segment (a keyword such as `table`). It must not contain `:`.
+    pub fn raw(mut self, literal: &str) -> Self {
+        debug_assert!(
+            !literal.contains(SEPARATOR),
+            "literal segment {literal:?} holds a separator"
+        );
+        self.separate();
+        self.key.push_str(literal);
+        self
+    }
+
+    /// Appends an encoded string segment.
+    pub fn string(mut self, value: &str) -> Self {
+        self.separate();
+        encode_str(value, &mut self.key);
+        self
+    }
+
+    /// Appends an encoded `u64` segment.
+    pub fn u64(mut self, value: u64) -> Self {
+        self.separate();
+        encode_u64(value, &mut self.key);
+        self
+    }
+
+    /// Appends an encoded typed value.
+    pub fn value(mut self, value: &KeyValue) -> TitoResult<Self> {
+        self.separate();
+        value.encode(&mut self.key)?;
+        Ok(self)
+    }
+
+    /// Ends the key with a separator, making it a prefix of every key with more segments.
+    pub fn prefix(mut self) -> String {
+        self.key.push(SEPARATOR);
+        self.key
+    }
+
+    /// The key.
+    pub fn finish(self) -> String {
+        self.key
+    }
+}
+
+/// Splits a key into its segments. The segments are still encoded.
+pub fn segments(key: &str) -> std::str::Split<'_, char> {
+    key.split(SEPARATOR)
+}
+
+/// A key as text, or an integrity error naming it when it is not UTF-8.
+pub fn key_str(key: &[u8]) -> TitoResult<&str> {
+    std::str::from_utf8(key)
+        .map_err(|_| TitoError::Integrity(format!("key {} is not UTF-8", display_key(key))))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn s(value: &str) -> String {
+        let mut out = String::new();
+        encode_str(value, &mut out);
+        out
+    }
+
+    #[test]
+    fn prefix_end_advances_the_last_character() {
+        assert_eq!(prefix_end("abc:".into()), "abc;");
+        assert_eq!(prefix_end("a".into()), "b");
+        assert_eq!(prefix_end("".into()), "");
+        assert_eq!(prefix_end(format!("a{}", char::MAX)), "b");
+        assert_eq!(prefix_end("\u{D7FF}".into()), "\u{E000}");
+        #[allow(deprecated)]
+        let alias = next_string_lexicographically("abc:".into());
+        assert_eq!(alias, "abc;");
+    }
+
+    #[test]
+    fn key_after_does_not_skip_longer_keys() {
+        // Continuing after `a2` must still see `a20`: key_after does, prefix_end does not.
+        let keys = ["a2", "a20", "a3"];
+        let after = key_after("a2".into());
+        let visible: Vec<_> = keys.iter().filter(|k| **k >= after.as_str()).collect();
+        assert_eq!(visible, [&"a20", &"a3"]);
+        let wrong = prefix_end("a2".into());
+        let skipped: Vec<_> = keys.iter().filter(|k| **k >= wrong.as_str()).collect();
+        assert_eq!(skipped, [&"a3"], "prefix_end jumps over a20");
+    }
+
+    #[test]
+    fn string_escapes_keep_values_apart() {
+        assert_eq!(s("ab"), "ab");
+        assert_eq!(s("a:b"), "a;<b");
+        assert_eq!(s("a;b"), "a;=b");
+        assert_eq!(s("a-1"), "a;-;1");
+        assert_eq!(s("é"), "é");
+        // The prefix of `ab` never matches `ab:c`.
+        let prefix = format!("{}:", s("ab"));
+        assert!(!format!("{}:", s("ab:c")).starts_with(&prefix));
+        assert!(decode_str("a;").is_err());
+        assert!(decode_str("a:b").is_err());
+        assert!(decode_str("a;zb").is_err());
+    }
+
+    #[test]
+    fn numbers_have_fixed_width() {
+        let mut out = String::new();
+        encode_i64(-1, &mut out);
+        assert_eq!(out, "09223372036854775807");
+        assert!(decode_u64("12").is_err());
+        assert!(encode_f64(f64::NAN, &mut String::new()).is_err());
+    }
+
+    fn terminated(encoded: String) -> String {
+        format!("{encoded}:tail")
+    }
+
+    proptest! {
+        #[test]
+        fn string_round_trip_and_order(a in ".*", b in ".*") {
+            prop_assert_eq!(decode_str(&s(&a)).unwrap(), a.clone());
+            prop_assert!(!s(&a).contains(':'));
+            prop_assert_eq!(a.cmp(&b), terminated(s(&a)).cmp(&terminated(s(&b))));
+        }
+
+        #[test]
+        fn ascii_string_order(a in "[ -~]{0,6}", b in "[ -~]{0,6}") {
+            // Printable ASCII around the separator and escape bytes, where order is hardest.
+            prop_assert_eq!(a.cmp(&b), terminated(s(&a)).cmp(&terminated(s(&b))));
+        }
+
+        #[test]
+        fn u64_round_trip_and_order(a: u64, b: u64) {
+            let (mut x, mut y) = (String::new(), String::new());
+            encode_u64(a, &mut x);
+            encode_u64(b, &mut y);
+            prop_assert_eq!(decode_u64(&x).unwrap(), a);
+            prop_assert_eq!(a.cmp(&b), x.cmp(&y));
+        }
+
+        #[test]
+        fn i64_round_trip_and_order(a: i64, b: i64) {
+            let (mut x, mut y) = (String::new(), String::new());
+            encode_i64(a, &mut x);
+            encode_i64(b, &mut y);
+            prop_assert_eq!(decode_i64(&x).unwrap(), a);
+            prop_assert_eq!(a.cmp(&b), x.cmp(&y));
+        }
+
+        #[test]
+        fn f64_round_trip_and_order(a in proptest::num::f64::ANY, b in proptest::num::f64::ANY) {
+            prop_assume!(!a.is_nan() && !b.is_nan());
+            let (mut x, mut y) = (String::new(), String::new());
+            encode_f64(a, &mut x).unwrap();
+            encode_f64(b, &mut y).unwrap();
+            prop_assert_eq!(decode_f64(&x).unwrap(), a);
+            prop_assert_eq!(a.partial_cmp(&b).unwrap(), x.cmp(&y));
+        }
+
+        #[test]
+        fn bool_order(a: bool, b: bool) {
+            let (mut x, mut y) = (String::new(), String::new());
+            encode_bool(a, &mut x);
+            encode_bool(b, &mut y);
+            prop_assert_eq!(decode_bool(&x).unwrap(), a);
+            prop_assert_eq!(a.cmp(&b), terminated(x).cmp(&terminated(y)));
+        }
+
+        #[test]
+        fn timestamp_round_trip_and_order(
+            a_secs in -62_135_596_800i64..253_402_300_799i64, a_nanos in 0u32..1_000_000_000,
+            b_secs in -62_135_596_800i64..253_402_300_799i64, b_nanos in 0u32..1_000_000_000,
+        ) {
+            let a = DateTime::from_timestamp(a_secs, a_nanos).unwrap();
+            let b = DateTime::from_timestamp(b_secs, b_nanos).unwrap();
+            let (mut x, mut y) = (String::new(), String::new());
+            encode_timestamp(&a, &mut x);
+            encode_timestamp(&b, &mut y);
+            prop_assert_eq!(decode_timestamp(&x).unwrap(), a);
+            prop_assert_eq!(a.cmp(&b), x.cmp(&y));
+        }
+
+        #[test]
+        fn prefix_end_bounds_every_extension(prefix in ".{0,8}", rest in ".{0,8}") {
+            let end = prefix_end(prefix.clone());
+            let key = format!("{prefix}{rest}");
+            prop_assert!(end.is_empty() || key < end);
+        }
+    }
+}

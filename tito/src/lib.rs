@@ -1,0 +1,44 @@
+//! Tito: a data layer for TiKV.
+//!
+//! Models with secondary indexes, transactions with safe retry, and a partitioned scheduled
+//! queue whose events commit in the same transaction as the data, on an embedded store today
+//! and on a TiKV cluster tomorrow.
+//!
+//! - [`engine`]: the storage contract ([`TitoEngine`], [`TitoTransaction`]), transactions with
+//!   replay on conflict, and a fault-injecting wrapper for tests.
+//! - [`backend`]: the engines: [`backend::embedded::Embedded`] and [`backend::tikv::TiKV`].
+//! - [`keys`]: the key layout and its order-preserving encodings.
+//!
+//! # Examples
+//!
+//! ```
+//! use tito::backend::embedded::Embedded;
+//! use tito::{TitoEngine, TitoError, TitoTransaction};
+//!
+//! # #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+//! # async fn main() -> Result<(), TitoError> {
+//! let db = Embedded::temporary().await?;
+//! db.transaction(|tx| async move {
+//!     tx.put(b"table:user:1".to_vec(), br#"{"id":"1"}"#.to_vec()).await?;
+//!     tx.put(b"table:user:2".to_vec(), br#"{"id":"2"}"#.to_vec()).await
+//! })
+//! .await?;
+//!
+//! let tx = db.begin().await?;
+//! let rows = tx.scan(b"table:user:", b"table:user;", 10).await?;
+//! assert_eq!(rows.len(), 2);
+//! # Ok(())
+//! # }
+//! ```
+
+#![warn(missing_docs)]
+
+pub mod backend;
+pub mod engine;
+mod error;
+pub mod keys;
+
+pub use engine::{RetryPolicy, TitoEngine, TitoTransaction};
+pub use error::{BoxError, TitoError, TitoResult};
+#[allow(deprecated)]
+pub use keys::{key_after, next_string_lexicographically, prefix_end};

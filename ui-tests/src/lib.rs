@@ -1,0 +1,1 @@
+//! UI tests for `#[derive(TitoModel)]` live here.
