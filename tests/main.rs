@@ -1,1 +1,12 @@
+//! Tito's integration tests, in one binary so they build once.
+//!
+//! Engine-generic suites are written once in a module and instantiated per backend with one
+//! line (see `support::engine_suite!`).
 
+mod support;
+
+mod crash;
+mod engine_conformance;
+mod engine_embedded;
+mod engine_tikv;
+mod transactions;

@@ -177,10 +177,10 @@ impl Faults {
             if rule.point != point {
                 continue;
             }
-            if let Some(prefix) = &rule.key_prefix {
-                if !keys.clone().into_iter().any(|key| key.starts_with(prefix)) {
-                    continue;
-                }
+            if let Some(prefix) = &rule.key_prefix
+                && !keys.clone().into_iter().any(|key| key.starts_with(prefix))
+            {
+                continue;
             }
             *seen += 1;
             if *seen > rule.skip && *count < rule.times {

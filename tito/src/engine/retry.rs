@@ -112,10 +112,10 @@ where
             Ok(value) => value,
             Err(err) => {
                 // The closure's error wins; a rollback failure only matters to the log.
-                if let Err(rollback_err) = tx.rollback().await {
-                    if !matches!(rollback_err, TitoError::TransactionFinished(_)) {
-                        tracing::warn!(error = %rollback_err, "rollback after a failed transaction closure failed");
-                    }
+                if let Err(rollback_err) = tx.rollback().await
+                    && !matches!(rollback_err, TitoError::TransactionFinished(_))
+                {
+                    tracing::warn!(error = %rollback_err, "rollback after a failed transaction closure failed");
                 }
                 return Err(err);
             }

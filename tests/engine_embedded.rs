@@ -1,0 +1,3 @@
+//! The storage contract on the embedded engine.
+
+crate::conformance_suite!(crate::support::EmbeddedBackend);

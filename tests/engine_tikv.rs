@@ -1,0 +1,3 @@
+//! The storage contract on a TiKV cluster named by `TITO_PD_ENDPOINTS` (skipped without it).
+
+crate::conformance_suite!(crate::support::TikvBackend);
