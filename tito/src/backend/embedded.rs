@@ -142,7 +142,9 @@ pub struct Embedded {
 // Field order matters: the tree is dropped (and closed) before the temporary directory is removed.
 struct Inner {
     tree: Tree,
-    oracle: tokio::sync::Mutex<Oracle>,
+    oracle: Mutex<Oracle>,
+    /// Held while the oracle's high-water mark is being persisted.
+    oracle_persist: tokio::sync::Mutex<()>,
     durability: Durability,
     partitions: u32,
     path: PathBuf,
@@ -281,7 +283,8 @@ impl Embedded {
         };
         let inner = Inner {
             tree,
-            oracle: tokio::sync::Mutex::new(Oracle {
+            oracle_persist: tokio::sync::Mutex::new(()),
+            oracle: Mutex::new(Oracle {
                 last: stored_limit,
                 persisted_limit: stored_limit,
             }),
@@ -325,18 +328,39 @@ impl Embedded {
         }
     }
 
-    /// The next version of the oracle.
+    fn oracle(&self) -> MutexGuard<'_, Oracle> {
+        self.inner
+            .oracle
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The next version of the oracle. No version at or above the persisted high-water mark
+    /// is ever handed out, so a reopened store (which starts at that mark) stays above them all.
     async fn next_version(&self) -> TitoResult<u64> {
-        let mut oracle = self.inner.oracle.lock().await;
-        let physical = now_millis() << LOGICAL_BITS;
-        let next = physical.max(oracle.last + 1);
-        if next >= oracle.persisted_limit {
-            let limit = next + ((ORACLE_WINDOW_MS) << LOGICAL_BITS);
-            self.write_meta(META_ORACLE, limit).await?;
-            oracle.persisted_limit = limit;
+        loop {
+            {
+                let mut oracle = self.oracle();
+                let next = (now_millis() << LOGICAL_BITS).max(oracle.last + 1);
+                if next < oracle.persisted_limit {
+                    oracle.last = next;
+                    return Ok(next);
+                }
+            }
+            // Slow path, about once per window: move the mark ahead, then try again.
+            let _persisting = self.inner.oracle_persist.lock().await;
+            let wanted = {
+                let oracle = self.oracle();
+                let next = (now_millis() << LOGICAL_BITS).max(oracle.last + 1);
+                if next < oracle.persisted_limit {
+                    continue; // another task moved it meanwhile
+                }
+                next + (ORACLE_WINDOW_MS << LOGICAL_BITS)
+            };
+            self.write_meta(META_ORACLE, wanted).await?;
+            let mut oracle = self.oracle();
+            oracle.persisted_limit = oracle.persisted_limit.max(wanted);
         }
-        oracle.last = next;
-        Ok(next)
     }
 
     /// Writes a metadata value durably, whatever the handle's durability.
@@ -373,7 +397,8 @@ fn decode_u64(bytes: &[u8]) -> Option<u64> {
     Some(u64::from_be_bytes(bytes.try_into().ok()?))
 }
 
-/// Commits a surrealkv transaction, letting the runtime thread go while it waits for the disk.
+/// Commits a surrealkv transaction that waits for an `fsync`, letting the runtime thread go
+/// while it waits for the disk.
 async fn commit_blocking(mut tx: surrealkv::Transaction) -> Result<(), surrealkv::Error> {
     match tokio::runtime::Handle::try_current() {
         Ok(handle) if handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
@@ -400,6 +425,7 @@ impl TitoEngine for Embedded {
         Ok(EmbeddedTransaction {
             inner: Arc::new(TxInner {
                 start_version,
+                durability: self.inner.durability,
                 state: Mutex::new(TxState::Active(tx)),
             }),
         })
@@ -488,6 +514,7 @@ pub struct EmbeddedTransaction {
 
 struct TxInner {
     start_version: u64,
+    durability: Durability,
     state: Mutex<TxState>,
 }
 
@@ -644,7 +671,15 @@ impl TitoTransaction for EmbeddedTransaction {
                 }
             }
         };
-        commit_blocking(tx).await.map_err(classify_commit_error)
+        match self.inner.durability {
+            Durability::Immediate => commit_blocking(tx).await,
+            // Without an fsync the commit only appends to the log: no disk wait to hand off.
+            Durability::Buffered => {
+                let mut tx = tx;
+                tx.commit().await
+            }
+        }
+        .map_err(classify_commit_error)
     }
 
     async fn rollback(&self) -> TitoResult<()> {
