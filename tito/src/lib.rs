@@ -42,3 +42,8 @@ pub use engine::{RetryPolicy, TitoEngine, TitoTransaction};
 pub use error::{BoxError, TitoError, TitoResult};
 #[allow(deprecated)]
 pub use keys::{key_after, next_string_lexicographically, prefix_end};
+
+/// The README's code samples, compiled as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+pub struct ReadmeDoctests;
