@@ -1,1 +1,3 @@
 //! The `#[derive(TitoModel)]` procedural macro for Tito.
+
+#![warn(missing_docs)]

@@ -393,3 +393,79 @@ fn classify_read(err: tikv_client::Error, what: &str) -> TitoError {
     }
     TitoError::storage(format!("TiKV {what}"), err)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tikv_client::{Error, ProtoKeyError};
+
+    fn conflict() -> Error {
+        Error::KeyError(Box::new(ProtoKeyError {
+            conflict: Some(Default::default()),
+            ..Default::default()
+        }))
+    }
+
+    fn aborted() -> Error {
+        Error::KeyError(Box::new(ProtoKeyError {
+            abort: "txn not found".into(),
+            ..Default::default()
+        }))
+    }
+
+    #[test]
+    fn wrapped_write_conflicts_are_retryable() {
+        for err in [
+            conflict(),
+            Error::ExtractedErrors(vec![conflict()]),
+            Error::MultipleKeyErrors(vec![aborted(), conflict()]),
+            Error::ExtractedErrors(vec![Error::MultipleKeyErrors(vec![conflict()])]),
+            Error::PessimisticLockError {
+                inner: Box::new(conflict()),
+                success_keys: vec![],
+            },
+        ] {
+            let classified = classify_commit(err);
+            assert!(classified.is_retryable(), "{classified:?}");
+        }
+    }
+
+    #[test]
+    fn undetermined_commits_are_unknown_even_around_a_conflict() {
+        let classified = classify_commit(Error::UndeterminedError(Box::new(conflict())));
+        assert!(
+            matches!(classified, TitoError::CommitOutcomeUnknown { .. }),
+            "{classified:?}"
+        );
+    }
+
+    #[test]
+    fn transport_failures_at_commit_are_unknown() {
+        for err in [
+            transport_error(),
+            Error::StringError("connection reset".into()),
+        ] {
+            let classified = classify_commit(err);
+            assert!(
+                matches!(classified, TitoError::CommitOutcomeUnknown { .. }),
+                "{classified:?}"
+            );
+            assert!(!classified.is_retryable());
+        }
+    }
+
+    #[test]
+    fn other_key_errors_are_determined_failures() {
+        let classified = classify_commit(Error::ExtractedErrors(vec![aborted()]));
+        assert!(
+            matches!(classified, TitoError::Storage { .. }),
+            "{classified:?}"
+        );
+    }
+
+    fn transport_error() -> tikv_client::Error {
+        // A gRPC failure as the client reports it, built through the public conversion.
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset");
+        tikv_client::Error::Io(io)
+    }
+}
