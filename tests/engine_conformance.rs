@@ -10,7 +10,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tito::engine::{MAX_SCAN_LIMIT, version_millis};
 use tito::{RetryPolicy, TitoEngine, TitoError, TitoTransaction};
 
-use crate::support::Ctx;
+use crate::support::{Ctx, read};
 
 /// Runs every case of this suite on one backend.
 #[macro_export]
@@ -45,13 +45,6 @@ async fn put_committed<E: TitoEngine>(db: &E, key: Vec<u8>, value: &[u8]) {
     db.transaction(|tx| async move { tx.put(key, value).await })
         .await
         .expect("commit");
-}
-
-async fn read<E: TitoEngine>(db: &E, key: &[u8]) -> Option<Vec<u8>> {
-    let tx = db.begin().await.expect("begin");
-    let value = tx.get(key).await.expect("get");
-    tx.rollback().await.expect("rollback");
-    value
 }
 
 pub async fn snapshot_reads_ignore_later_commits<E: TitoEngine>(ctx: Ctx<E>) {
@@ -183,21 +176,20 @@ pub async fn concurrent_increments_converge<E: TitoEngine>(ctx: Ctx<E>) {
     assert!(runs.load(Ordering::SeqCst) >= total);
 }
 
+/// A transaction that locks `fence` and writes `effect`, not yet committed.
+async fn locked_writer<E: TitoEngine>(db: &E, fence: &[u8], effect: Vec<u8>) -> E::Transaction {
+    let locker = db.begin().await.unwrap();
+    locker.lock_keys(&[fence.to_vec()]).await.unwrap();
+    locker.put(effect, b"done".to_vec()).await.unwrap();
+    locker
+}
+
 pub async fn locked_keys_conflict_with_writers<E: TitoEngine>(ctx: Ctx<E>) {
     let db = &ctx.db;
     let fence = ctx.key("fence");
     put_committed(db, fence.clone(), b"v1").await;
 
-    let locker = db.begin().await.unwrap();
-    locker
-        .lock_keys(std::slice::from_ref(&fence))
-        .await
-        .unwrap();
-    locker
-        .put(ctx.key("effect"), b"done".to_vec())
-        .await
-        .unwrap();
-
+    let locker = locked_writer(db, &fence, ctx.key("effect")).await;
     put_committed(db, fence.clone(), b"v2").await;
     let err = locker
         .commit()
@@ -207,15 +199,7 @@ pub async fn locked_keys_conflict_with_writers<E: TitoEngine>(ctx: Ctx<E>) {
     assert_eq!(read(db, &ctx.key("effect")).await, None);
 
     // Without an interfering writer the locked commit goes through.
-    let locker = db.begin().await.unwrap();
-    locker
-        .lock_keys(std::slice::from_ref(&fence))
-        .await
-        .unwrap();
-    locker
-        .put(ctx.key("effect"), b"done".to_vec())
-        .await
-        .unwrap();
+    let locker = locked_writer(db, &fence, ctx.key("effect")).await;
     locker.commit().await.unwrap();
     assert_eq!(
         read(db, &ctx.key("effect")).await.as_deref(),

@@ -3,9 +3,9 @@
 use std::future::Future;
 use std::time::Duration;
 
-use tito::TitoEngine;
 use tito::backend::embedded::Embedded;
 use tito::backend::tikv::TiKV;
+use tito::{TitoEngine, TitoTransaction};
 
 /// One store for one test, with a key namespace so tests can share a real cluster.
 pub struct Ctx<E> {
@@ -69,6 +69,14 @@ impl Backend for TikvBackend {
             ns: format!("tito-test:{version:020}:"),
         })
     }
+}
+
+/// Reads one key in a transaction of its own.
+pub async fn read<E: TitoEngine>(db: &E, key: &[u8]) -> Option<Vec<u8>> {
+    let tx = db.begin().await.expect("begin");
+    let value = tx.get(key).await.expect("get");
+    tx.rollback().await.expect("rollback");
+    value
 }
 
 /// Says once per process, past the test harness's output capture, that a backend's tests were

@@ -9,15 +9,10 @@ use tito::backend::embedded::Embedded;
 use tito::engine::{Fault, FaultPoint, FaultRule, FaultyEngine};
 use tito::{RetryPolicy, TitoEngine, TitoError, TitoTransaction};
 
+use crate::support::read;
+
 async fn faulty() -> FaultyEngine<Embedded> {
     FaultyEngine::new(Embedded::temporary().await.unwrap())
-}
-
-async fn read(db: &impl TitoEngine, key: &[u8]) -> Option<Vec<u8>> {
-    let tx = db.begin().await.unwrap();
-    let value = tx.get(key).await.unwrap();
-    tx.rollback().await.unwrap();
-    value
 }
 
 /// Runs a transaction that counts its attempts and writes `key`.
