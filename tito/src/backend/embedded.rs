@@ -143,8 +143,8 @@ pub struct Embedded {
 struct Inner {
     tree: Tree,
     oracle: Mutex<Oracle>,
-    /// Held while the oracle's high-water mark is being persisted.
-    oracle_persist: tokio::sync::Mutex<()>,
+    /// Serializes the read-modify-writes of the store's metadata (oracle mark, GC safe point).
+    meta_writes: tokio::sync::Mutex<()>,
     durability: Durability,
     partitions: u32,
     path: PathBuf,
@@ -268,22 +268,10 @@ impl Embedded {
             .await
             .map_err(|err| storage_err(&format!("cannot open {}", path.display()), err))?;
 
-        let stored_limit = {
-            let tx = tree
-                .begin_with_mode(Mode::ReadOnly)
-                .map_err(|e| storage_err("begin", e))?;
-            let raw =
-                blocking(|| tx.get(META_ORACLE)).map_err(|e| storage_err("read oracle", e))?;
-            match raw {
-                None => 0,
-                Some(bytes) => decode_u64(&bytes).ok_or_else(|| {
-                    TitoError::Integrity("embedded store: malformed oracle high-water mark".into())
-                })?,
-            }
-        };
+        let stored_limit = read_meta(&tree, META_ORACLE)?.unwrap_or(0);
         let inner = Inner {
             tree,
-            oracle_persist: tokio::sync::Mutex::new(()),
+            meta_writes: tokio::sync::Mutex::new(()),
             oracle: Mutex::new(Oracle {
                 last: stored_limit,
                 persisted_limit: stored_limit,
@@ -348,7 +336,7 @@ impl Embedded {
                 }
             }
             // Slow path, about once per window: move the mark ahead, then try again.
-            let _persisting = self.inner.oracle_persist.lock().await;
+            let _persisting = self.inner.meta_writes.lock().await;
             let wanted = {
                 let oracle = self.oracle();
                 let next = (now_millis() << LOGICAL_BITS).max(oracle.last + 1);
@@ -377,19 +365,21 @@ impl Embedded {
             .await
             .map_err(|e| storage_err("write metadata", e))
     }
+}
 
-    fn read_meta(&self, key: &[u8]) -> TitoResult<Option<u64>> {
-        let tx = self
-            .inner
-            .tree
-            .begin_with_mode(Mode::ReadOnly)
-            .map_err(|e| storage_err("begin", e))?;
-        match blocking(|| tx.get(key)).map_err(|e| storage_err("read metadata", e))? {
-            None => Ok(None),
-            Some(bytes) => decode_u64(&bytes).map(Some).ok_or_else(|| {
-                TitoError::Integrity("embedded store: malformed metadata value".into())
-            }),
-        }
+/// Reads a metadata value of the store.
+fn read_meta(tree: &Tree, key: &[u8]) -> TitoResult<Option<u64>> {
+    let tx = tree
+        .begin_with_mode(Mode::ReadOnly)
+        .map_err(|e| storage_err("begin", e))?;
+    match blocking(|| tx.get(key)).map_err(|e| storage_err("read metadata", e))? {
+        None => Ok(None),
+        Some(bytes) => decode_u64(&bytes).map(Some).ok_or_else(|| {
+            TitoError::Integrity(format!(
+                "embedded store: malformed metadata value under {}",
+                crate::keys::display_key(key)
+            ))
+        }),
     }
 }
 
@@ -440,7 +430,10 @@ impl TitoEngine for Embedded {
         let now = self.next_version().await?;
         let wanted =
             (crate::engine::version_millis(now).saturating_sub(retention_ms)) << LOGICAL_BITS;
-        let current = self.read_meta(META_SAFE_POINT)?.unwrap_or(0);
+        // Taken after `next_version`, which may take it too: the safe point only moves forward
+        // even when collections race.
+        let _writing = self.inner.meta_writes.lock().await;
+        let current = read_meta(&self.inner.tree, META_SAFE_POINT)?.unwrap_or(0);
         if wanted <= current {
             return Ok(current);
         }

@@ -1,0 +1,79 @@
+//! What only the embedded engine promises: its options, its directory, its safe point.
+
+use std::time::Duration;
+
+use tito::backend::embedded::{Embedded, EmbeddedOptions};
+use tito::{TitoEngine, TitoError, TitoTransaction};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_safe_point_only_moves_forward() {
+    let db = Embedded::temporary().await.unwrap();
+    let recent = db.garbage_collect(Duration::from_secs(60)).await.unwrap();
+    // A longer window asks for an older safe point: the newer one stays in effect.
+    let older = db.garbage_collect(Duration::from_secs(3600)).await.unwrap();
+    assert_eq!(older, recent);
+    // Racing collections never move it back either.
+    let mut handles = Vec::new();
+    for i in 0..8u64 {
+        let db = db.clone();
+        handles.push(tokio::spawn(async move {
+            db.garbage_collect(Duration::from_secs(1 + i * 600))
+                .await
+                .unwrap()
+        }));
+    }
+    for handle in handles {
+        assert!(handle.await.unwrap() >= recent);
+    }
+    let last = db.garbage_collect(Duration::from_secs(7200)).await.unwrap();
+    assert!(last >= recent);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_safe_point_survives_a_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = Embedded::open(dir.path()).await.unwrap();
+    let safe = db.garbage_collect(Duration::from_secs(1)).await.unwrap();
+    db.close().await.unwrap();
+    drop(db);
+    let db = Embedded::open(dir.path()).await.unwrap();
+    assert_eq!(
+        db.garbage_collect(Duration::from_secs(86_400))
+            .await
+            .unwrap(),
+        safe
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_temporary_store_removes_its_directory() {
+    let db = Embedded::temporary().await.unwrap();
+    let path = db.path().to_path_buf();
+    db.transaction(|tx| async move { tx.put(b"k".to_vec(), b"v".to_vec()).await })
+        .await
+        .unwrap();
+    assert!(path.exists());
+    db.close().await.unwrap();
+    drop(db);
+    assert!(!path.exists(), "{} is still there", path.display());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_options_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    for options in [
+        EmbeddedOptions::new().partitions(0),
+        EmbeddedOptions::new().partitions(10_001),
+        EmbeddedOptions::new().memtable_bytes(1024),
+    ] {
+        let result = Embedded::open_with(dir.path(), options).await;
+        assert!(
+            matches!(result, Err(TitoError::InvalidArgument(_))),
+            "got {result:?}"
+        );
+    }
+    let db = Embedded::open_with(dir.path(), EmbeddedOptions::new().partitions(1024))
+        .await
+        .unwrap();
+    assert_eq!(db.partitions(), 1024);
+}
