@@ -212,6 +212,14 @@ struct Oracle {
     persisted_limit: u64,
 }
 
+impl Oracle {
+    /// The version to hand out next: the clock, or one above the last version if the clock
+    /// has not moved past it.
+    fn candidate(&self) -> u64 {
+        (now_millis() << LOGICAL_BITS).max(self.last + 1)
+    }
+}
+
 impl Embedded {
     /// Opens (or creates) a durable store in `path`: every commit is synced to disk before it
     /// returns.
@@ -329,7 +337,7 @@ impl Embedded {
         loop {
             {
                 let mut oracle = self.oracle();
-                let next = (now_millis() << LOGICAL_BITS).max(oracle.last + 1);
+                let next = oracle.candidate();
                 if next < oracle.persisted_limit {
                     oracle.last = next;
                     return Ok(next);
@@ -339,7 +347,7 @@ impl Embedded {
             let _persisting = self.inner.meta_writes.lock().await;
             let wanted = {
                 let oracle = self.oracle();
-                let next = (now_millis() << LOGICAL_BITS).max(oracle.last + 1);
+                let next = oracle.candidate();
                 if next < oracle.persisted_limit {
                     continue; // another task moved it meanwhile
                 }
