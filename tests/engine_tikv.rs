@@ -1,3 +1,3 @@
-//! The storage contract on a TiKV cluster named by `TITO_PD_ENDPOINTS` (skipped without it).
+//! The storage contract on TiKV: the test server by default, a real cluster with `TITO_PD_ENDPOINTS`.
 
 crate::conformance_suite!(crate::support::TikvBackend);

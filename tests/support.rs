@@ -1,16 +1,21 @@
 //! The test harness: how each backend is made, and the macro that runs a generic suite on it.
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tito::backend::embedded::Embedded;
 use tito::backend::tikv::TiKV;
 use tito::{TitoEngine, TitoTransaction};
+use tito_tikv_test_server::TestCluster;
 
 /// One store for one test, with a key namespace so tests can share a real cluster.
 pub struct Ctx<E> {
     pub db: E,
     pub ns: String,
+    /// The TiKV test server behind `db`, when the test runs on one (for fault injection).
+    #[allow(dead_code)]
+    pub cluster: Option<Arc<TestCluster>>,
 }
 
 impl<E: TitoEngine> Ctx<E> {
@@ -38,21 +43,24 @@ impl Backend for EmbeddedBackend {
         Some(Ctx {
             db,
             ns: "t:".into(),
+            cluster: None,
         })
     }
 }
 
+/// TiKV through the real `tikv-client`: the cluster named by `TITO_PD_ENDPOINTS` when it is set,
+/// otherwise a fresh protocol-level test server per test, its key space split into several
+/// regions so that scans, batch reads and commits cross region boundaries.
 pub struct TikvBackend;
+
+/// Where the test server splits the key space, under the test namespace.
+pub const TEST_SPLITS: [&str; 4] = ["b", "k05", "r01000", "y"];
 
 impl Backend for TikvBackend {
     type Engine = TiKV;
     async fn make() -> Option<Ctx<TiKV>> {
         let Ok(endpoints) = std::env::var("TITO_PD_ENDPOINTS") else {
-            skipped(
-                "TiKV",
-                "TITO_PD_ENDPOINTS is not set, so no TiKV cluster is reachable",
-            );
-            return None;
+            return Some(test_server_ctx().await);
         };
         let endpoints: Vec<String> = endpoints
             .split(',')
@@ -67,7 +75,25 @@ impl Backend for TikvBackend {
         Some(Ctx {
             db,
             ns: format!("tito-test:{version:020}:"),
+            cluster: None,
         })
+    }
+}
+
+/// A TiKV engine on a fresh test server, split at [`TEST_SPLITS`].
+pub async fn test_server_ctx() -> Ctx<TiKV> {
+    let cluster = TestCluster::start().await.expect("start the TiKV test server");
+    let ns = "t:".to_string();
+    for split in TEST_SPLITS {
+        cluster.split(format!("{ns}{split}"));
+    }
+    let db = TiKV::connect(cluster.pd_endpoints())
+        .await
+        .expect("connect to the TiKV test server");
+    Ctx {
+        db,
+        ns,
+        cluster: Some(Arc::new(cluster)),
     }
 }
 
@@ -77,19 +103,6 @@ pub async fn read<E: TitoEngine>(db: &E, key: &[u8]) -> Option<Vec<u8>> {
     let value = tx.get(key).await.expect("get");
     tx.rollback().await.expect("rollback");
     value
-}
-
-/// Says once per process, past the test harness's output capture, that a backend's tests were
-/// skipped and why.
-fn skipped(backend: &str, why: &str) {
-    use std::io::Write;
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        let _ = writeln!(
-            std::io::stderr(),
-            "SKIPPED: the {backend} tests did not run: {why}"
-        );
-    });
 }
 
 /// Waits for a condition, polling, up to a bound; panics with `what` when it never holds.
