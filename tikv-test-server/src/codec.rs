@@ -102,7 +102,7 @@ mod tests {
     #[test]
     fn rejects_malformed_input() {
         assert!(decode(&[1, 2, 3]).is_err());
-        assert!(decode(&[b'a', 1, 0, 0, 0, 0, 0, 0, 0xfa]).is_err());
+        assert!(decode(&[b'a', 0, 0, 0, 0, 0, 0, 1, 0xfa]).is_err());
         assert!(decode(&[b'a', 0, 0, 0, 0, 0, 0, 0, 0xff]).is_err());
     }
 }
