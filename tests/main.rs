@@ -10,4 +10,5 @@ mod embedded;
 mod engine_conformance;
 mod engine_embedded;
 mod engine_tikv;
+mod tikv_server;
 mod transactions;

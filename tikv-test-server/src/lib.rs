@@ -189,10 +189,14 @@ impl State {
         self.regions.iter().find(|r| r.id == id)
     }
 
-    pub fn region_for_key(&self, key: &[u8]) -> &RegionInfo {
+    /// The region holding `key`, compared with the regions' encoded boundaries (PD's view).
+    pub fn region_for_encoded_key(&self, key: &[u8]) -> &RegionInfo {
         self.regions
             .iter()
-            .find(|r| r.start_key.as_slice() <= key && (r.end_key.is_empty() || key < r.end_key.as_slice()))
+            .find(|r| {
+                codec::encode_boundary(&r.start_key).as_slice() <= key
+                    && (r.end_key.is_empty() || key < codec::encode(&r.end_key).as_slice())
+            })
             .expect("regions cover the key space")
     }
 

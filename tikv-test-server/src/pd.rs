@@ -153,17 +153,10 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
                 "/pdpb.PD/GetRegion" => {
                     grpc::unary(request, move |request: pdpb::GetRegionRequest| {
                         serve(shared, "GetRegion", move |shared| {
-                            let key = match codec::decode(&request.region_key) {
-                                Ok(key) => key,
-                                Err(message) => {
-                                    return pdpb::GetRegionResponse {
-                                        header: error_header(message),
-                                        ..Default::default()
-                                    };
-                                }
-                            };
+                            // Like PD, compare the key as given with the encoded boundaries: the
+                            // transactional client sends encoded keys, the raw client raw ones.
                             let state = shared.state();
-                            let region = state.region_for_key(&key);
+                            let region = state.region_for_encoded_key(&request.region_key);
                             pdpb::GetRegionResponse {
                                 header: header(),
                                 region: Some(region_message(region)),
