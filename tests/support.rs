@@ -82,7 +82,9 @@ impl Backend for TikvBackend {
 
 /// A TiKV engine on a fresh test server, split at [`TEST_SPLITS`].
 pub async fn test_server_ctx() -> Ctx<TiKV> {
-    let cluster = TestCluster::start().await.expect("start the TiKV test server");
+    let cluster = TestCluster::start()
+        .await
+        .expect("start the TiKV test server");
     let ns = "t:".to_string();
     for split in TEST_SPLITS {
         cluster.split(format!("{ns}{split}"));

@@ -30,8 +30,12 @@ async fn scans_and_commits_cross_region_boundaries() {
     assert_eq!(cluster.regions().len(), 5);
 
     // One transaction over four regions; the scan must stitch them back in order.
-    let keys: Vec<Vec<u8>> = ["a", "c", "k10", "s", "z"].iter().map(|k| ctx.key(k)).collect();
-    let pairs: Vec<(Vec<u8>, &'static [u8])> = keys.iter().map(|k| (k.clone(), &b"v"[..])).collect();
+    let keys: Vec<Vec<u8>> = ["a", "c", "k10", "s", "z"]
+        .iter()
+        .map(|k| ctx.key(k))
+        .collect();
+    let pairs: Vec<(Vec<u8>, &'static [u8])> =
+        keys.iter().map(|k| (k.clone(), &b"v"[..])).collect();
     write_all(&ctx.db, &pairs).await.unwrap();
     let prewrites = cluster.calls("KvPrewrite");
     assert!(prewrites >= 4, "one prewrite per region, got {prewrites}");
@@ -40,10 +44,19 @@ async fn scans_and_commits_cross_region_boundaries() {
     let forward = tx.scan(&ctx.key(""), &ctx.key("~"), 100).await.unwrap();
     let found: Vec<Vec<u8>> = forward.into_iter().map(|(k, _)| k).collect();
     assert_eq!(found, keys);
-    let backward = tx.scan_reverse(&ctx.key(""), &ctx.key("~"), 3).await.unwrap();
+    let backward = tx
+        .scan_reverse(&ctx.key(""), &ctx.key("~"), 3)
+        .await
+        .unwrap();
     let found: Vec<Vec<u8>> = backward.into_iter().map(|(k, _)| k).collect();
-    assert_eq!(found, vec![keys[4].clone(), keys[3].clone(), keys[2].clone()]);
-    let got = tx.batch_get(&[keys[4].clone(), ctx.key("nothing"), keys[0].clone()]).await.unwrap();
+    assert_eq!(
+        found,
+        vec![keys[4].clone(), keys[3].clone(), keys[2].clone()]
+    );
+    let got = tx
+        .batch_get(&[keys[4].clone(), ctx.key("nothing"), keys[0].clone()])
+        .await
+        .unwrap();
     assert_eq!(got, vec![Some(b"v".to_vec()), None, Some(b"v".to_vec())]);
     tx.rollback().await.unwrap();
 }
@@ -52,12 +65,19 @@ async fn scans_and_commits_cross_region_boundaries() {
 async fn a_split_under_a_cached_region_is_followed() {
     let ctx = test_server_ctx().await;
     let cluster = cluster(&ctx);
-    write_all(&ctx.db, &[(ctx.key("m1"), b"1"), (ctx.key("m2"), b"2")]).await.unwrap();
+    write_all(&ctx.db, &[(ctx.key("m1"), b"1"), (ctx.key("m2"), b"2")])
+        .await
+        .unwrap();
 
     // The client caches the region of m1/m2; splitting it between them makes the cache stale.
     assert!(cluster.split(ctx.key("m2")));
-    write_all(&ctx.db, &[(ctx.key("m1"), b"one"), (ctx.key("m2"), b"two")]).await.unwrap();
-    assert_eq!(read(&ctx.db, &ctx.key("m2")).await.as_deref(), Some(&b"two"[..]));
+    write_all(&ctx.db, &[(ctx.key("m1"), b"one"), (ctx.key("m2"), b"two")])
+        .await
+        .unwrap();
+    assert_eq!(
+        read(&ctx.db, &ctx.key("m2")).await.as_deref(),
+        Some(&b"two"[..])
+    );
     assert!(cluster.calls("GetRegion") + cluster.calls("GetRegionByID") >= 2);
 }
 
@@ -69,7 +89,10 @@ async fn region_errors_are_retried_by_the_client() {
     cluster.inject_region_error("KvCommit", RegionFault::EpochNotMatch, 2);
     cluster.inject_region_error("KvGet", RegionFault::EpochNotMatch, 1);
     write_all(&ctx.db, &[(ctx.key("a"), b"1")]).await.unwrap();
-    assert_eq!(read(&ctx.db, &ctx.key("a")).await.as_deref(), Some(&b"1"[..]));
+    assert_eq!(
+        read(&ctx.db, &ctx.key("a")).await.as_deref(),
+        Some(&b"1"[..])
+    );
     assert!(cluster.calls("KvPrewrite") >= 3);
     assert!(cluster.calls("KvCommit") >= 3);
 
@@ -93,7 +116,10 @@ async fn write_conflicts_from_the_server_are_retryable() {
     assert!(matches!(err, TitoError::Conflict { .. }), "got {err:?}");
     // The loser's locks (if any) were rolled back; the winner's value stands.
     assert_eq!(cluster(&ctx).lock_count(), 0);
-    assert_eq!(read(&ctx.db, &ctx.key("x")).await.as_deref(), Some(&b"1"[..]));
+    assert_eq!(
+        read(&ctx.db, &ctx.key("x")).await.as_deref(),
+        Some(&b"1"[..])
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -102,11 +128,21 @@ async fn a_lost_primary_commit_reply_is_an_unknown_outcome_that_did_commit() {
     let cluster = cluster(&ctx);
     // Keys in two regions: the primary commits on the server, every reply to it is lost.
     let (primary, secondary) = (ctx.key("a"), ctx.key("z"));
-    cluster.add_fault(FaultRule::new("KvCommit", Fault::LoseResponse).when_key_starts_with(primary.clone()).always());
-    let err = write_all(&ctx.db, &[(primary.clone(), b"p"), (secondary.clone(), b"s")])
-        .await
-        .unwrap_err();
-    assert!(matches!(err, TitoError::CommitOutcomeUnknown { .. }), "got {err:?}");
+    cluster.add_fault(
+        FaultRule::new("KvCommit", Fault::LoseResponse)
+            .when_key_starts_with(primary.clone())
+            .always(),
+    );
+    let err = write_all(
+        &ctx.db,
+        &[(primary.clone(), b"p"), (secondary.clone(), b"s")],
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(err, TitoError::CommitOutcomeUnknown { .. }),
+        "got {err:?}"
+    );
     assert!(!err.is_retryable());
     cluster.clear_faults();
 
@@ -123,11 +159,21 @@ async fn an_undelivered_primary_commit_is_an_unknown_outcome_rolled_back_after_i
     let ctx = test_server_ctx().await;
     let cluster = cluster(&ctx);
     let (primary, secondary) = (ctx.key("a"), ctx.key("z"));
-    cluster.add_fault(FaultRule::new("KvCommit", Fault::Unavailable).when_key_starts_with(primary.clone()).always());
-    let err = write_all(&ctx.db, &[(primary.clone(), b"p"), (secondary.clone(), b"s")])
-        .await
-        .unwrap_err();
-    assert!(matches!(err, TitoError::CommitOutcomeUnknown { .. }), "got {err:?}");
+    cluster.add_fault(
+        FaultRule::new("KvCommit", Fault::Unavailable)
+            .when_key_starts_with(primary.clone())
+            .always(),
+    );
+    let err = write_all(
+        &ctx.db,
+        &[(primary.clone(), b"p"), (secondary.clone(), b"s")],
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(err, TitoError::CommitOutcomeUnknown { .. }),
+        "got {err:?}"
+    );
     cluster.clear_faults();
     assert_eq!(cluster.lock_count(), 2);
 
@@ -135,16 +181,20 @@ async fn an_undelivered_primary_commit_is_an_unknown_outcome_rolled_back_after_i
     // reader rolls the transaction back and sees nothing.
     let db = ctx.db.clone();
     let key = secondary.clone();
-    wait_for("the abandoned transaction to be rolled back", Duration::from_secs(30), || {
-        let db = db.clone();
-        let key = key.clone();
-        async move {
-            let tx = db.begin().await.unwrap();
-            let result = tx.get(&key).await;
-            let _ = tx.rollback().await;
-            matches!(result, Ok(None))
-        }
-    })
+    wait_for(
+        "the abandoned transaction to be rolled back",
+        Duration::from_secs(30),
+        || {
+            let db = db.clone();
+            let key = key.clone();
+            async move {
+                let tx = db.begin().await.unwrap();
+                let result = tx.get(&key).await;
+                let _ = tx.rollback().await;
+                matches!(result, Ok(None))
+            }
+        },
+    )
     .await;
     assert_eq!(read(&ctx.db, &primary).await, None);
 }
@@ -158,21 +208,40 @@ async fn gc_resolves_abandoned_locks_and_keeps_the_safe_point_moving_forward() {
     }
     // An abandoned transaction: prewritten, never committed.
     cluster.add_fault(FaultRule::new("KvCommit", Fault::Unavailable).always());
-    write_all(&ctx.db, &[(ctx.key("abandoned"), b"x")]).await.unwrap_err();
+    write_all(&ctx.db, &[(ctx.key("abandoned"), b"x")])
+        .await
+        .unwrap_err();
     cluster.clear_faults();
     assert_eq!(cluster.lock_count(), 1);
     let versions = cluster.version_count();
 
     tokio::time::sleep(Duration::from_millis(20)).await;
-    let safe_point = ctx.db.garbage_collect(Duration::from_millis(1)).await.unwrap();
+    let safe_point = ctx
+        .db
+        .garbage_collect(Duration::from_millis(1))
+        .await
+        .unwrap();
     assert_eq!(cluster.gc_safe_point(), safe_point);
-    assert_eq!(cluster.lock_count(), 0, "GC resolves locks older than the safe point");
-    assert!(cluster.version_count() < versions, "old versions were collected");
-    assert_eq!(read(&ctx.db, &ctx.key("k")).await.as_deref(), Some(&b"3"[..]));
+    assert_eq!(
+        cluster.lock_count(),
+        0,
+        "GC resolves locks older than the safe point"
+    );
+    assert!(
+        cluster.version_count() < versions,
+        "old versions were collected"
+    );
+    assert_eq!(
+        read(&ctx.db, &ctx.key("k")).await.as_deref(),
+        Some(&b"3"[..])
+    );
     assert_eq!(read(&ctx.db, &ctx.key("abandoned")).await, None);
 
     // An older safe point does not move PD's back.
-    ctx.db.garbage_collect(Duration::from_secs(3600)).await.unwrap();
+    ctx.db
+        .garbage_collect(Duration::from_secs(3600))
+        .await
+        .unwrap();
     assert_eq!(cluster.gc_safe_point(), safe_point);
 }
 
@@ -180,10 +249,18 @@ async fn gc_resolves_abandoned_locks_and_keeps_the_safe_point_moving_forward() {
 async fn delays_are_waited_out() {
     let ctx = test_server_ctx().await;
     let cluster = cluster(&ctx);
-    write_all(&ctx.db, &[(ctx.key("slow"), b"v")]).await.unwrap();
-    cluster.add_fault(FaultRule::new("KvGet", Fault::Delay(Duration::from_millis(300))));
+    write_all(&ctx.db, &[(ctx.key("slow"), b"v")])
+        .await
+        .unwrap();
+    cluster.add_fault(FaultRule::new(
+        "KvGet",
+        Fault::Delay(Duration::from_millis(300)),
+    ));
     let started = Instant::now();
-    assert_eq!(read(&ctx.db, &ctx.key("slow")).await.as_deref(), Some(&b"v"[..]));
+    assert_eq!(
+        read(&ctx.db, &ctx.key("slow")).await.as_deref(),
+        Some(&b"v"[..])
+    );
     assert!(started.elapsed() >= Duration::from_millis(300));
 }
 
@@ -198,7 +275,10 @@ async fn a_killed_server_fails_the_transaction_instead_of_hanging() {
     // The bound is generous: the client backs off and retries before it gives up.
     let outcome = tokio::time::timeout(Duration::from_secs(60), tx.commit()).await;
     let err = outcome.expect("the commit gave up").unwrap_err();
-    assert!(matches!(err, TitoError::CommitOutcomeUnknown { .. }), "got {err:?}");
+    assert!(
+        matches!(err, TitoError::CommitOutcomeUnknown { .. }),
+        "got {err:?}"
+    );
     // Nothing was applied.
     assert_eq!(cluster.lock_count(), 0);
 }
@@ -206,10 +286,15 @@ async fn a_killed_server_fails_the_transaction_instead_of_hanging() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn methods_it_does_not_serve_fail_fast() {
     let cluster = TestCluster::start().await.unwrap();
-    let raw = tikv_client::RawClient::new(cluster.pd_endpoints()).await.unwrap();
+    let raw = tikv_client::RawClient::new(cluster.pd_endpoints())
+        .await
+        .unwrap();
     let started = Instant::now();
     let err = raw.get(b"k".to_vec()).await.unwrap_err();
-    assert!(err.to_string().to_lowercase().contains("unimplemented")
-        || format!("{err:?}").contains("Unimplemented"), "got {err:?}");
+    assert!(
+        err.to_string().to_lowercase().contains("unimplemented")
+            || format!("{err:?}").contains("Unimplemented"),
+        "got {err:?}"
+    );
     assert!(started.elapsed() < Duration::from_secs(30));
 }

@@ -1,5 +1,5 @@
 //! `TitoEngine::transaction`: replay after conflicts, never after an unknown outcome, rollback
-//! on error and on cancellation. Failures are injected with `FaultyEngine`.
+//! on error and on cancellation. Failures are injected with `FaultyEngine` around each backend.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -9,50 +9,76 @@ use tito::backend::embedded::Embedded;
 use tito::engine::{Fault, FaultPoint, FaultRule, FaultyEngine};
 use tito::{RetryPolicy, TitoEngine, TitoError, TitoTransaction};
 
-use crate::support::read;
+use crate::support::{Ctx, read};
 
-async fn faulty() -> FaultyEngine<Embedded> {
-    FaultyEngine::new(Embedded::temporary().await.unwrap())
+/// Runs every case of this suite on one backend.
+#[macro_export]
+macro_rules! transactions_suite {
+    ($backend:ty) => {
+        $crate::engine_suite!(
+            $backend,
+            transactions,
+            [
+                conflicts_are_replayed_until_the_commit_goes_through,
+                exhausted_retries_say_how_many_attempts_ran,
+                an_unknown_outcome_is_never_replayed,
+                a_closure_error_rolls_back_and_comes_back_unchanged,
+                a_non_retryable_commit_failure_is_returned_at_once,
+                fault_rules_skip_and_filter_by_key,
+                each_attempt_starts_from_the_captured_values,
+            ]
+        );
+    };
+}
+
+mod embedded {
+    crate::transactions_suite!(crate::support::EmbeddedBackend);
+}
+
+mod tikv {
+    crate::transactions_suite!(crate::support::TikvBackend);
+}
+
+fn faulty<E: TitoEngine>(ctx: &Ctx<E>) -> FaultyEngine<E> {
+    FaultyEngine::new(ctx.db.clone())
 }
 
 /// Runs a transaction that counts its attempts and writes `key`.
 async fn counted_write<E: TitoEngine>(
     db: &E,
     policy: RetryPolicy,
-    key: &'static [u8],
+    key: Vec<u8>,
 ) -> (Result<(), TitoError>, u32) {
     let runs = Arc::new(AtomicU32::new(0));
     let counter = Arc::clone(&runs);
     let result = db
         .transaction_with(policy, |tx| async move {
             counter.fetch_add(1, Ordering::SeqCst);
-            tx.put(key.to_vec(), b"v".to_vec()).await
+            tx.put(key, b"v".to_vec()).await
         })
         .await;
     (result, runs.load(Ordering::SeqCst))
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn conflicts_are_replayed_until_the_commit_goes_through() {
-    let db = faulty().await;
+pub async fn conflicts_are_replayed_until_the_commit_goes_through<E: TitoEngine>(ctx: Ctx<E>) {
+    let db = faulty(&ctx);
     db.faults()
         .add(FaultRule::new(FaultPoint::Commit, Fault::Conflict).times(3));
-    let (result, runs) = counted_write(&db, RetryPolicy::default(), b"k").await;
+    let (result, runs) = counted_write(&db, RetryPolicy::default(), ctx.key("k")).await;
     result.unwrap();
     assert_eq!(runs, 4, "three injected conflicts mean three replays");
     assert_eq!(db.faults().calls(FaultPoint::Commit), 4);
-    assert_eq!(read(&db, b"k").await.as_deref(), Some(&b"v"[..]));
+    assert_eq!(read(&db, &ctx.key("k")).await.as_deref(), Some(&b"v"[..]));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn exhausted_retries_say_how_many_attempts_ran() {
-    let db = faulty().await;
+pub async fn exhausted_retries_say_how_many_attempts_ran<E: TitoEngine>(ctx: Ctx<E>) {
+    let db = faulty(&ctx);
     db.faults()
         .add(FaultRule::new(FaultPoint::Commit, Fault::Conflict).always());
     let policy = RetryPolicy::default()
         .max_attempts(3)
         .initial_backoff(Duration::from_millis(1));
-    let (result, runs) = counted_write(&db, policy, b"k").await;
+    let (result, runs) = counted_write(&db, policy, ctx.key("k")).await;
     let err = result.unwrap_err();
     assert!(
         matches!(err, TitoError::RetriesExhausted { attempts: 3, .. }),
@@ -60,42 +86,43 @@ async fn exhausted_retries_say_how_many_attempts_ran() {
     );
     assert!(err.to_string().contains("3 attempts"), "{err}");
     assert_eq!(runs, 3);
-    assert_eq!(read(&db, b"k").await, None);
+    assert_eq!(read(&db, &ctx.key("k")).await, None);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_unknown_outcome_is_never_replayed() {
+pub async fn an_unknown_outcome_is_never_replayed<E: TitoEngine>(ctx: Ctx<E>) {
     // The commit applied but its reply was lost.
-    let db = faulty().await;
+    let db = faulty(&ctx);
     db.faults().add(FaultRule::new(
         FaultPoint::Commit,
         Fault::UnknownOutcomeCommitted,
     ));
-    let (result, runs) = counted_write(&db, RetryPolicy::default(), b"applied").await;
+    let (result, runs) = counted_write(&db, RetryPolicy::default(), ctx.key("applied")).await;
     assert!(
         matches!(result, Err(TitoError::CommitOutcomeUnknown { .. })),
         "got {result:?}"
     );
     assert_eq!(runs, 1);
-    assert_eq!(read(&db, b"applied").await.as_deref(), Some(&b"v"[..]));
+    assert_eq!(
+        read(&db, &ctx.key("applied")).await.as_deref(),
+        Some(&b"v"[..])
+    );
 
     // The commit request was lost.
     db.faults().add(FaultRule::new(
         FaultPoint::Commit,
         Fault::UnknownOutcomeNotCommitted,
     ));
-    let (result, runs) = counted_write(&db, RetryPolicy::default(), b"lost").await;
+    let (result, runs) = counted_write(&db, RetryPolicy::default(), ctx.key("lost")).await;
     assert!(
         matches!(result, Err(TitoError::CommitOutcomeUnknown { .. })),
         "got {result:?}"
     );
     assert!(!result.unwrap_err().is_retryable());
     assert_eq!(runs, 1);
-    assert_eq!(read(&db, b"lost").await, None);
+    assert_eq!(read(&db, &ctx.key("lost")).await, None);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_closure_error_rolls_back_and_comes_back_unchanged() {
+pub async fn a_closure_error_rolls_back_and_comes_back_unchanged<E: TitoEngine>(ctx: Ctx<E>) {
     #[derive(Debug)]
     enum AppError {
         OutOfStock(u32),
@@ -107,13 +134,14 @@ async fn a_closure_error_rolls_back_and_comes_back_unchanged() {
         }
     }
 
-    let db = faulty().await;
+    let db = faulty(&ctx);
     let runs = Arc::new(AtomicU32::new(0));
     let counter = Arc::clone(&runs);
+    let key = ctx.key("reserved");
     let result = db
         .transaction(|tx| async move {
             counter.fetch_add(1, Ordering::SeqCst);
-            tx.put(b"reserved".to_vec(), b"1".to_vec()).await?;
+            tx.put(key, b"1".to_vec()).await?;
             Err::<(), _>(AppError::OutOfStock(7))
         })
         .await;
@@ -127,17 +155,14 @@ async fn a_closure_error_rolls_back_and_comes_back_unchanged() {
         "a closure error is not retried"
     );
     assert_eq!(db.faults().calls(FaultPoint::Commit), 0);
-    assert_eq!(read(&db, b"reserved").await, None);
+    assert_eq!(read(&db, &ctx.key("reserved")).await, None);
 
     // A store error inside the closure arrives through From<TitoError>.
     db.faults()
         .add(FaultRule::new(FaultPoint::Put, Fault::Storage));
+    let key = ctx.key("x");
     let result = db
-        .transaction(|tx| async move {
-            tx.put(b"x".to_vec(), b"1".to_vec())
-                .await
-                .map_err(AppError::from)
-        })
+        .transaction(|tx| async move { tx.put(key, b"1".to_vec()).await.map_err(AppError::from) })
         .await;
     assert!(
         matches!(result, Err(AppError::Store(TitoError::Storage { .. }))),
@@ -145,70 +170,78 @@ async fn a_closure_error_rolls_back_and_comes_back_unchanged() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_non_retryable_commit_failure_is_returned_at_once() {
-    let db = faulty().await;
+pub async fn a_non_retryable_commit_failure_is_returned_at_once<E: TitoEngine>(ctx: Ctx<E>) {
+    let db = faulty(&ctx);
     db.faults()
         .add(FaultRule::new(FaultPoint::Commit, Fault::Storage));
-    let (result, runs) = counted_write(&db, RetryPolicy::default(), b"k").await;
+    let (result, runs) = counted_write(&db, RetryPolicy::default(), ctx.key("k")).await;
     assert!(
         matches!(result, Err(TitoError::Storage { .. })),
         "got {result:?}"
     );
     assert_eq!(runs, 1);
-    assert_eq!(read(&db, b"k").await, None);
+    assert_eq!(read(&db, &ctx.key("k")).await, None);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn fault_rules_skip_and_filter_by_key() {
-    let db = faulty().await;
+pub async fn fault_rules_skip_and_filter_by_key<E: TitoEngine>(ctx: Ctx<E>) {
+    let db = faulty(&ctx);
     // Only the second commit that writes a `queue:` key conflicts.
     db.faults().add(
         FaultRule::new(FaultPoint::Commit, Fault::Conflict)
             .skip(1)
-            .when_key_starts_with("queue:"),
+            .when_key_starts_with(ctx.key("queue:")),
     );
-    let (result, runs) = counted_write(&db, RetryPolicy::default(), b"table:a").await;
+    let (result, runs) = counted_write(&db, RetryPolicy::default(), ctx.key("table:a")).await;
     result.unwrap();
     assert_eq!(runs, 1);
-    let (result, runs) = counted_write(&db, RetryPolicy::default(), b"queue:a").await;
+    let (result, runs) = counted_write(&db, RetryPolicy::default(), ctx.key("queue:a")).await;
     result.unwrap();
     assert_eq!(runs, 1, "the first matching commit is skipped");
-    let (result, runs) = counted_write(&db, RetryPolicy::default(), b"queue:b").await;
+    let (result, runs) = counted_write(&db, RetryPolicy::default(), ctx.key("queue:b")).await;
     result.unwrap();
     assert_eq!(runs, 2, "the second matching commit conflicts once");
     assert_eq!(db.faults().injected(), 1);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn each_attempt_starts_from_the_captured_values() {
+pub async fn each_attempt_starts_from_the_captured_values<E: TitoEngine>(ctx: Ctx<E>) {
     // The closure is cloned per attempt: a value moved into the async block is the original on
     // every attempt (this is what lets `build_with_options(user, ..)` be replayed).
-    let db = faulty().await;
+    let db = faulty(&ctx);
     db.faults()
         .add(FaultRule::new(FaultPoint::Commit, Fault::Conflict).times(2));
     let mut payload = vec![1u8, 2, 3];
     payload.push(4);
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
     let log = Arc::clone(&seen);
+    let key = ctx.key("p");
     db.transaction(|tx| async move {
         let mut payload = payload;
         log.lock().unwrap().push(payload.clone());
         payload.push(9);
-        tx.put(b"p".to_vec(), payload).await
+        tx.put(key, payload).await
     })
     .await
     .unwrap();
     let seen = seen.lock().unwrap().clone();
     assert_eq!(seen, vec![vec![1, 2, 3, 4]; 3]);
-    assert_eq!(read(&db, b"p").await, Some(vec![1, 2, 3, 4, 9]));
+    assert_eq!(read(&db, &ctx.key("p")).await, Some(vec![1, 2, 3, 4, 9]));
 }
 
 #[tokio::test(flavor = "current_thread")]
-async fn transactions_work_on_a_current_thread_runtime() {
+async fn embedded_transactions_work_on_a_current_thread_runtime() {
     let db = Embedded::temporary().await.unwrap();
     db.transaction(|tx| async move { tx.put(b"k".to_vec(), b"v".to_vec()).await })
         .await
         .unwrap();
     assert_eq!(read(&db, b"k").await.as_deref(), Some(&b"v"[..]));
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn tikv_transactions_work_on_a_current_thread_runtime() {
+    let ctx = crate::support::test_server_ctx().await;
+    ctx.db
+        .transaction(|tx| async move { tx.put(b"t:k".to_vec(), b"v".to_vec()).await })
+        .await
+        .unwrap();
+    assert_eq!(read(&ctx.db, b"t:k").await.as_deref(), Some(&b"v"[..]));
 }

@@ -18,8 +18,15 @@ fn main() {
     let protoc = protoc_bin_vendored::protoc_bin_path().expect("vendored protoc");
     // SAFETY: a build script is single-threaded here; prost-build reads PROTOC.
     unsafe { std::env::set_var("PROTOC", protoc) };
-    let protos: Vec<PathBuf> =
-        ["kvrpcpb.proto", "pdpb.proto", "metapb.proto", "errorpb.proto"].iter().map(|p| proto_dir.join(p)).collect();
+    let protos: Vec<PathBuf> = [
+        "kvrpcpb.proto",
+        "pdpb.proto",
+        "metapb.proto",
+        "errorpb.proto",
+    ]
+    .iter()
+    .map(|p| proto_dir.join(p))
+    .collect();
     prost_build::Config::new()
         .compile_protos(&protos, &[proto_dir.clone(), proto_dir.join("include")])
         .expect("compile TiKV's protocol definitions");
@@ -37,7 +44,9 @@ fn main() {
     modules.sort();
     let all: String = modules
         .iter()
-        .map(|name| format!("pub mod {name} {{ include!(concat!(env!(\"OUT_DIR\"), \"/{name}.rs\")); }}\n"))
+        .map(|name| {
+            format!("pub mod {name} {{ include!(concat!(env!(\"OUT_DIR\"), \"/{name}.rs\")); }}\n")
+        })
         .collect();
     std::fs::write(out_dir.join("all.rs"), all).expect("write all.rs");
 }

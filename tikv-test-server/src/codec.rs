@@ -58,7 +58,9 @@ fn decode(data: &[u8]) -> Result<Vec<u8>, String> {
         }
         out.extend_from_slice(&chunk[..GROUP - pad]);
         if chunks.next().is_some() {
-            return Err(format!("bytes after the last group of memcomparable key {data:?}"));
+            return Err(format!(
+                "bytes after the last group of memcomparable key {data:?}"
+            ));
         }
         return Ok(out);
     }
@@ -87,7 +89,12 @@ mod tests {
         }
         for pair in keys.windows(2) {
             assert!(pair[0] < pair[1]);
-            assert!(encode(&pair[0]) < encode(&pair[1]), "{:?} vs {:?}", pair[0], pair[1]);
+            assert!(
+                encode(&pair[0]) < encode(&pair[1]),
+                "{:?} vs {:?}",
+                pair[0],
+                pair[1]
+            );
         }
         // The same bytes as tikv-client's encoder for a known key.
         assert_eq!(encode(b"abc"), vec![b'a', b'b', b'c', 0, 0, 0, 0, 0, 0xfa]);

@@ -58,7 +58,10 @@ impl Server {
                 tasks.push(task.abort_handle());
             }
         });
-        tasks.lock().expect("connection list").push(accept.abort_handle());
+        tasks
+            .lock()
+            .expect("connection list")
+            .push(accept.abort_handle());
         Ok(Server { addr, tasks })
     }
 
@@ -124,7 +127,10 @@ where
 }
 
 /// Serves one bidirectional stream with `handler`, which maps the request stream to responses.
-pub(crate) fn streaming<Req, Resp, F>(request: HttpRequest, handler: F) -> BoxFuture<'static, HttpResponse>
+pub(crate) fn streaming<Req, Resp, F>(
+    request: HttpRequest,
+    handler: F,
+) -> BoxFuture<'static, HttpResponse>
 where
     Req: prost::Message + Default + Send + 'static,
     Resp: prost::Message + Send + 'static,

@@ -1,6 +1,9 @@
 //! The TiKV service: every transactional call is checked against its region (id, epoch, key
 //! range) as TiKV does, then served by the MVCC store.
 
+// Region errors are protocol messages built once per failed call and sent as they are.
+#![allow(clippy::result_large_err)]
+
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -65,15 +68,39 @@ macro_rules! call {
 }
 
 call!(GetRequest, |r| vec![&r.key[..]]);
-call!(BatchGetRequest, |r| r.keys.iter().map(Vec::as_slice).collect());
+call!(BatchGetRequest, |r| r
+    .keys
+    .iter()
+    .map(Vec::as_slice)
+    .collect());
 call!(ScanRequest, |r| vec![&r.start_key[..]]);
-call!(PrewriteRequest, |r| r.mutations.iter().map(|m| &m.key[..]).collect());
-call!(CommitRequest, |r| r.keys.iter().map(Vec::as_slice).collect());
-call!(BatchRollbackRequest, |r| r.keys.iter().map(Vec::as_slice).collect());
+call!(PrewriteRequest, |r| r
+    .mutations
+    .iter()
+    .map(|m| &m.key[..])
+    .collect());
+call!(CommitRequest, |r| r
+    .keys
+    .iter()
+    .map(Vec::as_slice)
+    .collect());
+call!(BatchRollbackRequest, |r| r
+    .keys
+    .iter()
+    .map(Vec::as_slice)
+    .collect());
 call!(CleanupRequest, |r| vec![&r.key[..]]);
 call!(CheckTxnStatusRequest, |r| vec![&r.primary_key[..]]);
-call!(CheckSecondaryLocksRequest, |r| r.keys.iter().map(Vec::as_slice).collect());
-call!(ResolveLockRequest, |r| r.keys.iter().map(Vec::as_slice).collect());
+call!(CheckSecondaryLocksRequest, |r| r
+    .keys
+    .iter()
+    .map(Vec::as_slice)
+    .collect());
+call!(ResolveLockRequest, |r| r
+    .keys
+    .iter()
+    .map(Vec::as_slice)
+    .collect());
 call!(ScanLockRequest, |r| vec![&r.start_key[..]]);
 call!(TxnHeartBeatRequest, |r| vec![&r.primary_lock[..]]);
 call!(GcRequest, |_r| Vec::new());
@@ -112,10 +139,14 @@ fn locate(state: &State, context: Option<&kvrpcpb::Context>) -> Result<RegionInf
 }
 
 fn contains(region: &RegionInfo, key: &[u8]) -> bool {
-    region.start_key.as_slice() <= key && (region.end_key.is_empty() || key < region.end_key.as_slice())
+    region.start_key.as_slice() <= key
+        && (region.end_key.is_empty() || key < region.end_key.as_slice())
 }
 
-fn check_keys<'a>(region: &RegionInfo, keys: impl IntoIterator<Item = &'a [u8]>) -> Result<(), errorpb::Error> {
+fn check_keys<'a>(
+    region: &RegionInfo,
+    keys: impl IntoIterator<Item = &'a [u8]>,
+) -> Result<(), errorpb::Error> {
     for key in keys {
         if !contains(region, key) {
             return Err(errorpb::Error {
@@ -135,7 +166,11 @@ fn check_keys<'a>(region: &RegionInfo, keys: impl IntoIterator<Item = &'a [u8]>)
 
 /// `[lower, upper)` clipped to the region (empty `upper`: unbounded); the lower bound must lie
 /// in the region.
-fn clip(region: &RegionInfo, lower: &[u8], upper: &[u8]) -> Result<(Vec<u8>, Vec<u8>), errorpb::Error> {
+fn clip(
+    region: &RegionInfo,
+    lower: &[u8],
+    upper: &[u8],
+) -> Result<(Vec<u8>, Vec<u8>), errorpb::Error> {
     let lower = if lower < region.start_key.as_slice() {
         region.start_key.clone()
     } else {
@@ -150,7 +185,11 @@ fn clip(region: &RegionInfo, lower: &[u8], upper: &[u8]) -> Result<(Vec<u8>, Vec
     Ok((lower, upper))
 }
 
-fn injected(fault: RegionFault, state: &State, context: Option<&kvrpcpb::Context>) -> errorpb::Error {
+fn injected(
+    fault: RegionFault,
+    state: &State,
+    context: Option<&kvrpcpb::Context>,
+) -> errorpb::Error {
     let region_id = context.map(|c| c.region_id).unwrap_or_default();
     match fault {
         RegionFault::NotLeader => errorpb::Error {
@@ -203,7 +242,11 @@ where
     let response = {
         let mut state = shared.state();
         if let Some(fault) = shared.take_region_fault(method) {
-            return Ok(Resp::with_region_error(injected(fault, &state, request.context())));
+            return Ok(Resp::with_region_error(injected(
+                fault,
+                &state,
+                request.context(),
+            )));
         }
         let region = if by_region {
             match locate(&state, request.context()) {
@@ -221,13 +264,17 @@ where
         f(&mut state, &region, request).unwrap_or_else(Resp::with_region_error)
     };
     if lose {
-        return Err(Status::unavailable(format!("injected lost response of {method}")));
+        return Err(Status::unavailable(format!(
+            "injected lost response of {method}"
+        )));
     }
     Ok(response)
 }
 
 fn resolved(context: Option<&kvrpcpb::Context>) -> Vec<u64> {
-    context.map(|c| c.resolved_locks.clone()).unwrap_or_default()
+    context
+        .map(|c| c.resolved_locks.clone())
+        .unwrap_or_default()
 }
 
 pub(crate) fn router(shared: Arc<Shared>) -> Router {
@@ -248,17 +295,39 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
             match path.as_str() {
                 "/tikvpb.Tikv/KvGet" => route!(kvrpcpb::GetRequest, true, |state, region, r| {
                     check_keys(region, [r.key.as_slice()])?;
-                    Ok(match state.mvcc.get(&r.key, r.version, &resolved(r.context.as_ref())) {
-                        Ok(Some(value)) => kvrpcpb::GetResponse { value, ..Default::default() },
-                        Ok(None) => kvrpcpb::GetResponse { not_found: true, ..Default::default() },
-                        Err(error) => kvrpcpb::GetResponse { error: Some(error), ..Default::default() },
+                    Ok(
+                        match state
+                            .mvcc
+                            .get(&r.key, r.version, &resolved(r.context.as_ref()))
+                        {
+                            Ok(Some(value)) => kvrpcpb::GetResponse {
+                                value,
+                                ..Default::default()
+                            },
+                            Ok(None) => kvrpcpb::GetResponse {
+                                not_found: true,
+                                ..Default::default()
+                            },
+                            Err(error) => kvrpcpb::GetResponse {
+                                error: Some(error),
+                                ..Default::default()
+                            },
+                        },
+                    )
+                }),
+                "/tikvpb.Tikv/KvBatchGet" => {
+                    route!(kvrpcpb::BatchGetRequest, true, |state, region, r| {
+                        check_keys(region, r.keys.iter().map(Vec::as_slice))?;
+                        let pairs =
+                            state
+                                .mvcc
+                                .batch_get(&r.keys, r.version, &resolved(r.context.as_ref()));
+                        Ok(kvrpcpb::BatchGetResponse {
+                            pairs,
+                            ..Default::default()
+                        })
                     })
-                }),
-                "/tikvpb.Tikv/KvBatchGet" => route!(kvrpcpb::BatchGetRequest, true, |state, region, r| {
-                    check_keys(region, r.keys.iter().map(Vec::as_slice))?;
-                    let pairs = state.mvcc.batch_get(&r.keys, r.version, &resolved(r.context.as_ref()));
-                    Ok(kvrpcpb::BatchGetResponse { pairs, ..Default::default() })
-                }),
+                }
                 "/tikvpb.Tikv/KvScan" => route!(kvrpcpb::ScanRequest, true, |state, region, r| {
                     // A reverse scan names its upper bound in `start_key` and its lower bound in
                     // `end_key`.
@@ -276,139 +345,213 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
                         r.reverse,
                         &resolved(r.context.as_ref()),
                     );
-                    Ok(kvrpcpb::ScanResponse { pairs, ..Default::default() })
-                }),
-                "/tikvpb.Tikv/KvPrewrite" => route!(kvrpcpb::PrewriteRequest, true, |state, region, r| {
-                    check_keys(region, r.mutations.iter().map(|m| m.key.as_slice()))?;
-                    let mutations: Vec<Mutation<'_>> = r
-                        .mutations
-                        .iter()
-                        .map(|m| Mutation {
-                            op: kvrpcpb::Op::try_from(m.op).unwrap_or(kvrpcpb::Op::Rollback),
-                            key: &m.key,
-                            value: &m.value,
-                        })
-                        .collect();
-                    let errors = state.mvcc.prewrite(
-                        &mutations,
-                        &Prewrite {
-                            primary: &r.primary_lock,
-                            start_ts: r.start_version,
-                            ttl: r.lock_ttl,
-                            txn_size: r.txn_size,
-                            min_commit_ts: r.min_commit_ts,
-                            // Served as two-phase commit, which the client accepts.
-                            use_async_commit: false,
-                            secondaries: &r.secondaries,
-                        },
-                    );
-                    Ok(kvrpcpb::PrewriteResponse { errors, ..Default::default() })
-                }),
-                "/tikvpb.Tikv/KvCommit" => route!(kvrpcpb::CommitRequest, true, |state, region, r| {
-                    check_keys(region, r.keys.iter().map(Vec::as_slice))?;
-                    Ok(match state.mvcc.commit(&r.keys, r.start_version, r.commit_version) {
-                        Ok(()) => kvrpcpb::CommitResponse {
-                            commit_version: r.commit_version,
-                            ..Default::default()
-                        },
-                        Err(error) => kvrpcpb::CommitResponse { error: Some(error), ..Default::default() },
-                    })
-                }),
-                "/tikvpb.Tikv/KvBatchRollback" => route!(kvrpcpb::BatchRollbackRequest, true, |state, region, r| {
-                    check_keys(region, r.keys.iter().map(Vec::as_slice))?;
-                    Ok(kvrpcpb::BatchRollbackResponse {
-                        error: state.mvcc.batch_rollback(&r.keys, r.start_version).err(),
+                    Ok(kvrpcpb::ScanResponse {
+                        pairs,
                         ..Default::default()
                     })
                 }),
-                "/tikvpb.Tikv/KvCleanup" => route!(kvrpcpb::CleanupRequest, true, |state, region, r| {
-                    check_keys(region, [r.key.as_slice()])?;
-                    Ok(match state.mvcc.cleanup(&r.key, r.start_version, r.current_ts) {
-                        Ok(0) => kvrpcpb::CleanupResponse::default(),
-                        Ok(commit_version) => kvrpcpb::CleanupResponse {
-                            commit_version,
-                            error: Some(kvrpcpb::KeyError {
-                                abort: format!("Committed {{ commit_ts: {commit_version} }}"),
-                                ..Default::default()
-                            }),
-                            ..Default::default()
-                        },
-                        Err(error) => kvrpcpb::CleanupResponse { error: Some(error), ..Default::default() },
-                    })
-                }),
-                "/tikvpb.Tikv/KvCheckTxnStatus" => route!(kvrpcpb::CheckTxnStatusRequest, true, |state, region, r| {
-                    check_keys(region, [r.primary_key.as_slice()])?;
-                    Ok(
-                        match state.mvcc.check_txn_status(
-                            &r.primary_key,
-                            r.lock_ts,
-                            r.current_ts,
-                            r.rollback_if_not_exist,
-                        ) {
-                            Ok(status) => kvrpcpb::CheckTxnStatusResponse {
-                                lock_ttl: status.lock_ttl,
-                                commit_version: status.commit_version,
-                                action: status.action as i32,
-                                lock_info: status.lock_info,
-                                ..Default::default()
+                "/tikvpb.Tikv/KvPrewrite" => {
+                    route!(kvrpcpb::PrewriteRequest, true, |state, region, r| {
+                        check_keys(region, r.mutations.iter().map(|m| m.key.as_slice()))?;
+                        let mutations: Vec<Mutation<'_>> = r
+                            .mutations
+                            .iter()
+                            .map(|m| Mutation {
+                                op: kvrpcpb::Op::try_from(m.op).unwrap_or(kvrpcpb::Op::Rollback),
+                                key: &m.key,
+                                value: &m.value,
+                            })
+                            .collect();
+                        let errors = state.mvcc.prewrite(
+                            &mutations,
+                            &Prewrite {
+                                primary: &r.primary_lock,
+                                start_ts: r.start_version,
+                                ttl: r.lock_ttl,
+                                txn_size: r.txn_size,
+                                min_commit_ts: r.min_commit_ts,
+                                // Served as two-phase commit, which the client accepts.
+                                use_async_commit: false,
+                                secondaries: &r.secondaries,
                             },
-                            Err(error) => kvrpcpb::CheckTxnStatusResponse {
-                                error: Some(error),
-                                ..Default::default()
-                            },
-                        },
-                    )
-                }),
-                "/tikvpb.Tikv/KvCheckSecondaryLocks" => {
-                    route!(kvrpcpb::CheckSecondaryLocksRequest, true, |state, region, r| {
-                        check_keys(region, r.keys.iter().map(Vec::as_slice))?;
-                        let (locks, commit_ts) = state.mvcc.check_secondary_locks(&r.keys, r.start_version);
-                        Ok(kvrpcpb::CheckSecondaryLocksResponse {
-                            locks,
-                            commit_ts,
+                        );
+                        Ok(kvrpcpb::PrewriteResponse {
+                            errors,
                             ..Default::default()
                         })
                     })
                 }
-                "/tikvpb.Tikv/KvResolveLock" => route!(kvrpcpb::ResolveLockRequest, true, |state, region, r| {
-                    check_keys(region, r.keys.iter().map(Vec::as_slice))?;
-                    let txns: HashMap<u64, u64> = if r.txn_infos.is_empty() {
-                        HashMap::from([(r.start_version, r.commit_version)])
-                    } else {
-                        r.txn_infos.iter().map(|info| (info.txn, info.status)).collect()
-                    };
-                    state.mvcc.resolve_locks(&region.start_key, &region.end_key, &txns, &r.keys);
-                    Ok(kvrpcpb::ResolveLockResponse::default())
-                }),
-                "/tikvpb.Tikv/KvScanLock" => route!(kvrpcpb::ScanLockRequest, true, |state, region, r| {
-                    let (lower, upper) = clip(region, &r.start_key, &r.end_key)?;
-                    let locks = state.mvcc.scan_locks(&lower, &upper, r.max_version, r.limit as usize);
-                    Ok(kvrpcpb::ScanLockResponse { locks, ..Default::default() })
-                }),
-                "/tikvpb.Tikv/KvTxnHeartBeat" => route!(kvrpcpb::TxnHeartBeatRequest, true, |state, region, r| {
-                    check_keys(region, [r.primary_lock.as_slice()])?;
-                    Ok(match state.mvcc.heart_beat(&r.primary_lock, r.start_version, r.advise_lock_ttl) {
-                        Ok(lock_ttl) => kvrpcpb::TxnHeartBeatResponse { lock_ttl, ..Default::default() },
-                        Err(error) => kvrpcpb::TxnHeartBeatResponse { error: Some(error), ..Default::default() },
+                "/tikvpb.Tikv/KvCommit" => {
+                    route!(kvrpcpb::CommitRequest, true, |state, region, r| {
+                        check_keys(region, r.keys.iter().map(Vec::as_slice))?;
+                        Ok(
+                            match state
+                                .mvcc
+                                .commit(&r.keys, r.start_version, r.commit_version)
+                            {
+                                Ok(()) => kvrpcpb::CommitResponse {
+                                    commit_version: r.commit_version,
+                                    ..Default::default()
+                                },
+                                Err(error) => kvrpcpb::CommitResponse {
+                                    error: Some(error),
+                                    ..Default::default()
+                                },
+                            },
+                        )
                     })
-                }),
+                }
+                "/tikvpb.Tikv/KvBatchRollback" => {
+                    route!(kvrpcpb::BatchRollbackRequest, true, |state, region, r| {
+                        check_keys(region, r.keys.iter().map(Vec::as_slice))?;
+                        Ok(kvrpcpb::BatchRollbackResponse {
+                            error: state.mvcc.batch_rollback(&r.keys, r.start_version).err(),
+                            ..Default::default()
+                        })
+                    })
+                }
+                "/tikvpb.Tikv/KvCleanup" => {
+                    route!(kvrpcpb::CleanupRequest, true, |state, region, r| {
+                        check_keys(region, [r.key.as_slice()])?;
+                        Ok(
+                            match state.mvcc.cleanup(&r.key, r.start_version, r.current_ts) {
+                                Ok(0) => kvrpcpb::CleanupResponse::default(),
+                                Ok(commit_version) => kvrpcpb::CleanupResponse {
+                                    commit_version,
+                                    error: Some(kvrpcpb::KeyError {
+                                        abort: format!(
+                                            "Committed {{ commit_ts: {commit_version} }}"
+                                        ),
+                                        ..Default::default()
+                                    }),
+                                    ..Default::default()
+                                },
+                                Err(error) => kvrpcpb::CleanupResponse {
+                                    error: Some(error),
+                                    ..Default::default()
+                                },
+                            },
+                        )
+                    })
+                }
+                "/tikvpb.Tikv/KvCheckTxnStatus" => {
+                    route!(kvrpcpb::CheckTxnStatusRequest, true, |state, region, r| {
+                        check_keys(region, [r.primary_key.as_slice()])?;
+                        Ok(
+                            match state.mvcc.check_txn_status(
+                                &r.primary_key,
+                                r.lock_ts,
+                                r.current_ts,
+                                r.rollback_if_not_exist,
+                            ) {
+                                Ok(status) => kvrpcpb::CheckTxnStatusResponse {
+                                    lock_ttl: status.lock_ttl,
+                                    commit_version: status.commit_version,
+                                    action: status.action as i32,
+                                    lock_info: status.lock_info,
+                                    ..Default::default()
+                                },
+                                Err(error) => kvrpcpb::CheckTxnStatusResponse {
+                                    error: Some(error),
+                                    ..Default::default()
+                                },
+                            },
+                        )
+                    })
+                }
+                "/tikvpb.Tikv/KvCheckSecondaryLocks" => {
+                    route!(
+                        kvrpcpb::CheckSecondaryLocksRequest,
+                        true,
+                        |state, region, r| {
+                            check_keys(region, r.keys.iter().map(Vec::as_slice))?;
+                            let (locks, commit_ts) =
+                                state.mvcc.check_secondary_locks(&r.keys, r.start_version);
+                            Ok(kvrpcpb::CheckSecondaryLocksResponse {
+                                locks,
+                                commit_ts,
+                                ..Default::default()
+                            })
+                        }
+                    )
+                }
+                "/tikvpb.Tikv/KvResolveLock" => {
+                    route!(kvrpcpb::ResolveLockRequest, true, |state, region, r| {
+                        check_keys(region, r.keys.iter().map(Vec::as_slice))?;
+                        let txns: HashMap<u64, u64> = if r.txn_infos.is_empty() {
+                            HashMap::from([(r.start_version, r.commit_version)])
+                        } else {
+                            r.txn_infos
+                                .iter()
+                                .map(|info| (info.txn, info.status))
+                                .collect()
+                        };
+                        state.mvcc.resolve_locks(
+                            &region.start_key,
+                            &region.end_key,
+                            &txns,
+                            &r.keys,
+                        );
+                        Ok(kvrpcpb::ResolveLockResponse::default())
+                    })
+                }
+                "/tikvpb.Tikv/KvScanLock" => {
+                    route!(kvrpcpb::ScanLockRequest, true, |state, region, r| {
+                        let (lower, upper) = clip(region, &r.start_key, &r.end_key)?;
+                        let locks =
+                            state
+                                .mvcc
+                                .scan_locks(&lower, &upper, r.max_version, r.limit as usize);
+                        Ok(kvrpcpb::ScanLockResponse {
+                            locks,
+                            ..Default::default()
+                        })
+                    })
+                }
+                "/tikvpb.Tikv/KvTxnHeartBeat" => {
+                    route!(kvrpcpb::TxnHeartBeatRequest, true, |state, region, r| {
+                        check_keys(region, [r.primary_lock.as_slice()])?;
+                        Ok(
+                            match state.mvcc.heart_beat(
+                                &r.primary_lock,
+                                r.start_version,
+                                r.advise_lock_ttl,
+                            ) {
+                                Ok(lock_ttl) => kvrpcpb::TxnHeartBeatResponse {
+                                    lock_ttl,
+                                    ..Default::default()
+                                },
+                                Err(error) => kvrpcpb::TxnHeartBeatResponse {
+                                    error: Some(error),
+                                    ..Default::default()
+                                },
+                            },
+                        )
+                    })
+                }
                 "/tikvpb.Tikv/KvGC" => route!(kvrpcpb::GcRequest, true, |state, _region, r| {
                     state.mvcc.gc(r.safe_point.min(state.safe_point));
                     Ok(kvrpcpb::GcResponse::default())
                 }),
-                "/tikvpb.Tikv/KvDeleteRange" => route!(kvrpcpb::DeleteRangeRequest, true, |state, region, r| {
-                    let (lower, upper) = clip(region, &r.start_key, &r.end_key)?;
-                    if !r.notify_only {
-                        state.mvcc.destroy_range(&lower, &upper);
-                    }
-                    Ok(kvrpcpb::DeleteRangeResponse::default())
-                }),
+                "/tikvpb.Tikv/KvDeleteRange" => {
+                    route!(kvrpcpb::DeleteRangeRequest, true, |state, region, r| {
+                        let (lower, upper) = clip(region, &r.start_key, &r.end_key)?;
+                        if !r.notify_only {
+                            state.mvcc.destroy_range(&lower, &upper);
+                        }
+                        Ok(kvrpcpb::DeleteRangeResponse::default())
+                    })
+                }
                 "/tikvpb.Tikv/UnsafeDestroyRange" => {
                     // Sent to every store, not to a region.
-                    route!(kvrpcpb::UnsafeDestroyRangeRequest, false, |state, _region, r| {
-                        state.mvcc.destroy_range(&r.start_key, &r.end_key);
-                        Ok(kvrpcpb::UnsafeDestroyRangeResponse::default())
-                    })
+                    route!(
+                        kvrpcpb::UnsafeDestroyRangeRequest,
+                        false,
+                        |state, _region, r| {
+                            state.mvcc.destroy_range(&r.start_key, &r.end_key);
+                            Ok(kvrpcpb::UnsafeDestroyRangeResponse::default())
+                        }
+                    )
                 }
                 other => grpc::unimplemented(other),
             }
@@ -435,5 +578,9 @@ fn method_name(method: &str) -> &'static str {
         "KvDeleteRange",
         "UnsafeDestroyRange",
     ];
-    NAMES.iter().find(|name| **name == method).copied().unwrap_or("unknown")
+    NAMES
+        .iter()
+        .find(|name| **name == method)
+        .copied()
+        .unwrap_or("unknown")
 }

@@ -204,7 +204,10 @@ impl State {
         let index = self
             .regions
             .iter()
-            .position(|r| r.start_key.as_slice() <= key && (r.end_key.is_empty() || key < r.end_key.as_slice()))
+            .position(|r| {
+                r.start_key.as_slice() <= key
+                    && (r.end_key.is_empty() || key < r.end_key.as_slice())
+            })
             .expect("regions cover the key space");
         if self.regions[index].start_key == key {
             return false;
@@ -276,7 +279,9 @@ impl Shared {
     /// The region error `method` must answer with next, if one was injected.
     pub fn take_region_fault(&self, method: &str) -> Option<RegionFault> {
         let mut faults = self.region_faults.lock().unwrap_or_else(|e| e.into_inner());
-        let index = faults.iter().position(|(m, _, left)| m == method && *left > 0)?;
+        let index = faults
+            .iter()
+            .position(|(m, _, left)| m == method && *left > 0)?;
         faults[index].2 -= 1;
         let fault = faults[index].1;
         if faults[index].2 == 0 {
@@ -327,7 +332,10 @@ impl TestCluster {
             pd_address: Mutex::default(),
         });
         let tikv = grpc::Server::start(kv::router(shared.clone())).await?;
-        *shared.tikv_address.lock().unwrap_or_else(|e| e.into_inner()) = tikv.addr.to_string();
+        *shared
+            .tikv_address
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = tikv.addr.to_string();
         let pd = grpc::Server::start(pd::router(shared.clone())).await?;
         *shared.pd_address.lock().unwrap_or_else(|e| e.into_inner()) = pd.addr.to_string();
         Ok(TestCluster { shared, pd, tikv })
@@ -371,7 +379,11 @@ impl TestCluster {
 
     /// Disarms every fault rule and pending region error.
     pub fn clear_faults(&self) {
-        self.shared.faults.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.shared
+            .faults
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
         self.shared
             .region_faults
             .lock()

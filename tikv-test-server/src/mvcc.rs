@@ -5,6 +5,9 @@
 //! client sees the same answers: the same key errors in the same fields, the same atomicity (a
 //! prewrite or commit that fails on one key writes nothing), the same status transitions.
 
+// Key errors are protocol messages returned to the client as they are.
+#![allow(clippy::result_large_err)]
+
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Bound;
 
@@ -379,7 +382,12 @@ impl Mvcc {
 
     /// The second phase: turns this transaction's locks on `keys` into writes at `commit_ts`.
     /// All or nothing; a key already committed by this transaction is fine (a retry).
-    pub fn commit(&mut self, keys: &[Vec<u8>], start_ts: u64, commit_ts: u64) -> Result<(), KeyError> {
+    pub fn commit(
+        &mut self,
+        keys: &[Vec<u8>],
+        start_ts: u64,
+        commit_ts: u64,
+    ) -> Result<(), KeyError> {
         for key in keys {
             let state = self.keys.get(key);
             match state.and_then(|s| s.lock.as_ref()) {
@@ -545,7 +553,11 @@ impl Mvcc {
 
     /// `KvCheckSecondaryLocks`: the locks this transaction still holds on `keys`, or its commit
     /// version; a key with neither is rolled back, which decides the whole transaction.
-    pub fn check_secondary_locks(&mut self, keys: &[Vec<u8>], start_ts: u64) -> (Vec<LockInfo>, u64) {
+    pub fn check_secondary_locks(
+        &mut self,
+        keys: &[Vec<u8>],
+        start_ts: u64,
+    ) -> (Vec<LockInfo>, u64) {
         let mut locks = Vec::new();
         let mut commit_ts = 0;
         for key in keys {
@@ -605,7 +617,13 @@ impl Mvcc {
     }
 
     /// Locks in `[start, end)` taken at or before `max_version`, up to `limit` (0: no limit).
-    pub fn scan_locks(&self, start: &[u8], end: &[u8], max_version: u64, limit: usize) -> Vec<LockInfo> {
+    pub fn scan_locks(
+        &self,
+        start: &[u8],
+        end: &[u8],
+        max_version: u64,
+        limit: usize,
+    ) -> Vec<LockInfo> {
         let limit = if limit == 0 { usize::MAX } else { limit };
         self.keys
             .range(range_bounds(start, end))
@@ -618,7 +636,12 @@ impl Mvcc {
     }
 
     /// Extends the TTL of the primary lock; returns the TTL now in force.
-    pub fn heart_beat(&mut self, primary: &[u8], start_ts: u64, advise_ttl: u64) -> Result<u64, KeyError> {
+    pub fn heart_beat(
+        &mut self,
+        primary: &[u8],
+        start_ts: u64,
+        advise_ttl: u64,
+    ) -> Result<u64, KeyError> {
         match self
             .keys
             .get_mut(primary)
@@ -718,7 +741,12 @@ mod tests {
         ms << LOGICAL_BITS
     }
 
-    fn prewrite(mvcc: &mut Mvcc, keys: &[(&[u8], Option<&[u8]>)], primary: &[u8], start: u64) -> Vec<KeyError> {
+    fn prewrite(
+        mvcc: &mut Mvcc,
+        keys: &[(&[u8], Option<&[u8]>)],
+        primary: &[u8],
+        start: u64,
+    ) -> Vec<KeyError> {
         let mutations: Vec<Mutation<'_>> = keys
             .iter()
             .map(|(key, value)| Mutation {
@@ -750,7 +778,10 @@ mod tests {
         // A reader older than the lock ignores it; a newer reader is blocked by it.
         assert_eq!(mvcc.get(b"a", ts(15), &[]).unwrap(), Some(b"1".to_vec()));
         assert!(mvcc.get(b"a", ts(25), &[]).unwrap_err().locked.is_some());
-        assert_eq!(mvcc.get(b"a", ts(25), &[ts(20)]).unwrap(), Some(b"1".to_vec()));
+        assert_eq!(
+            mvcc.get(b"a", ts(25), &[ts(20)]).unwrap(),
+            Some(b"1".to_vec())
+        );
         mvcc.commit(&[b"a".to_vec()], ts(20), ts(21)).unwrap();
         assert_eq!(mvcc.get(b"a", ts(15), &[]).unwrap(), Some(b"1".to_vec()));
         assert_eq!(mvcc.get(b"a", ts(25), &[]).unwrap(), Some(b"2".to_vec()));
@@ -762,10 +793,18 @@ mod tests {
         assert!(prewrite(&mut mvcc, &[(b"b", Some(b"x"))], b"b", ts(10)).is_empty());
         mvcc.commit(&[b"b".to_vec()], ts(10), ts(12)).unwrap();
         // Started before the commit at 12: a write conflict on b, so no lock on a either.
-        let errors = prewrite(&mut mvcc, &[(b"a", Some(b"1")), (b"b", Some(b"2"))], b"a", ts(11));
+        let errors = prewrite(
+            &mut mvcc,
+            &[(b"a", Some(b"1")), (b"b", Some(b"2"))],
+            b"a",
+            ts(11),
+        );
         assert_eq!(errors.len(), 1);
         let conflict = errors[0].conflict.as_ref().unwrap();
-        assert_eq!((conflict.conflict_ts, conflict.conflict_commit_ts), (ts(10), ts(12)));
+        assert_eq!(
+            (conflict.conflict_ts, conflict.conflict_commit_ts),
+            (ts(10), ts(12))
+        );
         assert_eq!(mvcc.lock_count(), 0);
     }
 
@@ -774,7 +813,13 @@ mod tests {
         let mut mvcc = Mvcc::default();
         assert!(prewrite(&mut mvcc, &[(b"a", Some(b"1"))], b"a", ts(10)).is_empty());
         mvcc.batch_rollback(&[b"a".to_vec()], ts(10)).unwrap();
-        assert!(!mvcc.commit(&[b"a".to_vec()], ts(10), ts(11)).unwrap_err().retryable.is_empty());
+        assert!(
+            !mvcc
+                .commit(&[b"a".to_vec()], ts(10), ts(11))
+                .unwrap_err()
+                .retryable
+                .is_empty()
+        );
         // The rollback record stops a late prewrite of the same transaction.
         let late = prewrite(&mut mvcc, &[(b"a", Some(b"1"))], b"a", ts(10));
         assert!(late[0].conflict.is_some());
@@ -782,24 +827,47 @@ mod tests {
         assert!(prewrite(&mut mvcc, &[(b"c", Some(b"1"))], b"c", ts(20)).is_empty());
         mvcc.commit(&[b"c".to_vec()], ts(20), ts(21)).unwrap();
         mvcc.commit(&[b"c".to_vec()], ts(20), ts(21)).unwrap();
-        assert!(!mvcc.batch_rollback(&[b"c".to_vec()], ts(20)).unwrap_err().abort.is_empty());
+        assert!(
+            !mvcc
+                .batch_rollback(&[b"c".to_vec()], ts(20))
+                .unwrap_err()
+                .abort
+                .is_empty()
+        );
     }
 
     #[test]
     fn txn_status_follows_the_primary() {
         let mut mvcc = Mvcc::default();
-        assert!(prewrite(&mut mvcc, &[(b"p", Some(b"1")), (b"s", Some(b"2"))], b"p", ts(100)).is_empty());
-        let alive = mvcc.check_txn_status(b"p", ts(100), ts(200), false).unwrap();
+        assert!(
+            prewrite(
+                &mut mvcc,
+                &[(b"p", Some(b"1")), (b"s", Some(b"2"))],
+                b"p",
+                ts(100)
+            )
+            .is_empty()
+        );
+        let alive = mvcc
+            .check_txn_status(b"p", ts(100), ts(200), false)
+            .unwrap();
         assert_eq!(alive.lock_ttl, 3000);
         assert!(alive.lock_info.is_some());
         // Past the TTL, the primary is rolled back and the secondary's lock resolves to it.
-        let expired = mvcc.check_txn_status(b"p", ts(100), ts(3100), false).unwrap();
+        let expired = mvcc
+            .check_txn_status(b"p", ts(100), ts(3100), false)
+            .unwrap();
         assert_eq!(expired.action, Action::TtlExpireRollback);
         mvcc.resolve_locks(b"", b"", &HashMap::from([(ts(100), 0)]), &[]);
         assert_eq!(mvcc.lock_count(), 0);
         assert_eq!(mvcc.get(b"s", ts(4000), &[]).unwrap(), None);
         // Unknown transaction.
-        assert!(mvcc.check_txn_status(b"q", ts(5), ts(6), false).unwrap_err().txn_not_found.is_some());
+        assert!(
+            mvcc.check_txn_status(b"q", ts(5), ts(6), false)
+                .unwrap_err()
+                .txn_not_found
+                .is_some()
+        );
         let rolled = mvcc.check_txn_status(b"q", ts(5), ts(6), true).unwrap();
         assert_eq!(rolled.action, Action::LockNotExistRollback);
     }
@@ -807,9 +875,15 @@ mod tests {
     #[test]
     fn gc_keeps_the_newest_version_below_the_safe_point() {
         let mut mvcc = Mvcc::default();
-        for (start, value) in [(10u64, Some(&b"1"[..])), (20, Some(b"2")), (30, None), (40, Some(b"4"))] {
+        for (start, value) in [
+            (10u64, Some(&b"1"[..])),
+            (20, Some(b"2")),
+            (30, None),
+            (40, Some(b"4")),
+        ] {
             assert!(prewrite(&mut mvcc, &[(b"k", value)], b"k", ts(start)).is_empty());
-            mvcc.commit(&[b"k".to_vec()], ts(start), ts(start + 1)).unwrap();
+            mvcc.commit(&[b"k".to_vec()], ts(start), ts(start + 1))
+                .unwrap();
         }
         assert_eq!(mvcc.gc(ts(25)), 1);
         assert_eq!(mvcc.get(b"k", ts(25), &[]).unwrap(), Some(b"2".to_vec()));

@@ -80,16 +80,23 @@ async fn before(shared: &Shared, method: &str) -> Result<bool, Status> {
     }
 }
 
-async fn serve<T>(shared: Arc<Shared>, method: &'static str, f: impl FnOnce(&Shared) -> T) -> Result<T, Status> {
+async fn serve<T>(
+    shared: Arc<Shared>,
+    method: &'static str,
+    f: impl FnOnce(&Shared) -> T,
+) -> Result<T, Status> {
     let lose = before(&shared, method).await?;
     let response = f(&shared);
     if lose {
-        return Err(Status::unavailable(format!("injected lost response of {method}")));
+        return Err(Status::unavailable(format!(
+            "injected lost response of {method}"
+        )));
     }
     Ok(response)
 }
 
 /// Answers each TSO request of the stream with the last of `count` fresh timestamps.
+#[allow(clippy::result_large_err)] // the item type is tonic's
 fn tso_stream(
     shared: Arc<Shared>,
     requests: tonic::codec::Streaming<pdpb::TsoRequest>,
@@ -147,8 +154,7 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
                 }
                 "/pdpb.PD/Tso" => {
                     shared.on_call("Tso", &[]);
-                    grpc::streaming(request, move |requests| tso_stream(shared, requests))
-                    .await
+                    grpc::streaming(request, move |requests| tso_stream(shared, requests)).await
                 }
                 "/pdpb.PD/GetRegion" => {
                     grpc::unary(request, move |request: pdpb::GetRegionRequest| {
@@ -188,7 +194,10 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
                         serve(shared, "GetStore", move |shared| {
                             if request.store_id != STORE_ID {
                                 return pdpb::GetStoreResponse {
-                                    header: error_header(format!("invalid store ID {}, not found", request.store_id)),
+                                    header: error_header(format!(
+                                        "invalid store ID {}, not found",
+                                        request.store_id
+                                    )),
                                     ..Default::default()
                                 };
                             }
@@ -203,18 +212,22 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
                 }
                 "/pdpb.PD/GetAllStores" => {
                     grpc::unary(request, move |_: pdpb::GetAllStoresRequest| {
-                        serve(shared, "GetAllStores", |shared| pdpb::GetAllStoresResponse {
-                            header: header(),
-                            stores: vec![store(shared)],
+                        serve(shared, "GetAllStores", |shared| {
+                            pdpb::GetAllStoresResponse {
+                                header: header(),
+                                stores: vec![store(shared)],
+                            }
                         })
                     })
                     .await
                 }
                 "/pdpb.PD/GetGCSafePoint" => {
                     grpc::unary(request, move |_: pdpb::GetGcSafePointRequest| {
-                        serve(shared, "GetGCSafePoint", |shared| pdpb::GetGcSafePointResponse {
-                            header: header(),
-                            safe_point: shared.state().safe_point,
+                        serve(shared, "GetGCSafePoint", |shared| {
+                            pdpb::GetGcSafePointResponse {
+                                header: header(),
+                                safe_point: shared.state().safe_point,
+                            }
                         })
                     })
                     .await
