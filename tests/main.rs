@@ -10,5 +10,7 @@ mod embedded;
 mod engine_conformance;
 mod engine_embedded;
 mod engine_tikv;
+mod models;
+mod models_on_backends;
 mod tikv_server;
 mod transactions;

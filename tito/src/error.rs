@@ -54,6 +54,23 @@ pub enum TitoError {
         source: Option<BoxError>,
     },
 
+    /// The row (or other record) the operation needs does not exist.
+    #[error("not found: {0}")]
+    NotFound(String),
+
+    /// An insert found a row with the same id. Nothing was written.
+    #[error("already exists: {0}")]
+    AlreadyExists(String),
+
+    /// A write would give a unique index's values to a second row. Nothing was written.
+    #[error("unique index {index:?} already holds these values for row {owner:?}")]
+    UniqueViolation {
+        /// The unique index.
+        index: String,
+        /// The id of the row that holds the values.
+        owner: String,
+    },
+
     /// An argument was outside what the call accepts. Nothing was read or written.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

@@ -388,6 +388,89 @@ pub fn key_str(key: &[u8]) -> TitoResult<&str> {
         .map_err(|_| TitoError::Integrity(format!("key {} is not UTF-8", display_key(key))))
 }
 
+// ---------------------------------------------------------------------------------------------
+// Model keys
+//
+// table:{table}:{id}                                        the row (JSON)
+// index:{index}:{field}:{value}[:{field}:{value}..]:table:{table}:{id}   a secondary index entry
+// unique:{index}:{field}:{value}[:{field}:{value}..]        a unique index's claim (value: the id)
+// reverse-index:table:{table}:{id}                          the row's manifest of index keys
+// ---------------------------------------------------------------------------------------------
+
+/// The key of a model row: `table:{table}:{id}`.
+pub fn row_key(table: &str, id: &str) -> String {
+    KeyBuilder::new()
+        .raw("table")
+        .string(table)
+        .string(id)
+        .finish()
+}
+
+/// The prefix of every row of a table: `table:{table}:`.
+pub fn table_prefix(table: &str) -> String {
+    KeyBuilder::new().raw("table").string(table).prefix()
+}
+
+/// The key of a row's reverse-index manifest: `reverse-index:table:{table}:{id}`.
+pub fn manifest_key(table: &str, id: &str) -> String {
+    format!("reverse-index:{}", row_key(table, id))
+}
+
+/// The prefix of an index's entries with the given leading fields bound:
+/// `index:{index}:{field}:{value}:...:`.
+pub fn index_prefix(index: &str, bound: &[(&str, &KeyValue)]) -> TitoResult<String> {
+    let mut builder = KeyBuilder::new().raw("index").string(index);
+    for (field, value) in bound {
+        builder = builder.string(field).value(value)?;
+    }
+    Ok(builder.prefix())
+}
+
+/// The key of one index entry: the index prefix with every field bound, then the row key.
+pub fn index_key(
+    index: &str,
+    fields: &[(&str, &KeyValue)],
+    table: &str,
+    id: &str,
+) -> TitoResult<String> {
+    Ok(format!(
+        "{}{}",
+        index_prefix(index, fields)?,
+        row_key(table, id)
+    ))
+}
+
+/// The key a unique index claims for one combination of values; its value is the owning id.
+pub fn unique_claim_key(index: &str, fields: &[(&str, &KeyValue)]) -> TitoResult<String> {
+    let mut builder = KeyBuilder::new().raw("unique").string(index);
+    for (field, value) in fields {
+        builder = builder.string(field).value(value)?;
+    }
+    Ok(builder.finish())
+}
+
+/// Whether `key` is an index entry of the row `table:{table}:{id}`: it starts with `index:` and
+/// ends with `:` and that exact row key (the only keys a manifest may name).
+pub fn is_index_key_of(key: &str, table: &str, id: &str) -> bool {
+    let row = row_key(table, id);
+    key.starts_with("index:")
+        && key.len() > row.len()
+        && key.ends_with(&row)
+        && key.as_bytes()[key.len() - row.len() - 1] == SEPARATOR as u8
+}
+
+/// The `(table, id)` of the row an index entry points at, decoded from its last segments.
+pub fn index_key_row(key: &str) -> TitoResult<(String, String)> {
+    let malformed = || TitoError::Integrity(format!("index key {key:?} does not end in a row key"));
+    let mut parts = key.rsplitn(4, SEPARATOR);
+    let id = parts.next().ok_or_else(malformed)?;
+    let table = parts.next().ok_or_else(malformed)?;
+    if parts.next() != Some("table") || parts.next().is_none() {
+        return Err(malformed());
+    }
+    Ok((decode_str(table)?, decode_str(id)?))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -522,5 +605,25 @@ mod tests {
             let key = format!("{prefix}{rest}");
             prop_assert!(end.is_empty() || key < end);
         }
+    }
+
+    #[test]
+    fn model_keys_follow_the_layout() {
+        assert_eq!(row_key("user", "a:1"), "table:user:a;<;1");
+        assert_eq!(table_prefix("user"), "table:user:");
+        assert_eq!(manifest_key("user", "7"), "reverse-index:table:user:;7");
+        let email = KeyValue::String("x@y".into());
+        let key = index_key("by_email", &[("email", &email)], "user", "7").unwrap();
+        assert_eq!(key, "index:by_email:email:x@y:table:user:;7");
+        assert!(key.starts_with(&index_prefix("by_email", &[("email", &email)]).unwrap()));
+        assert!(is_index_key_of(&key, "user", "7"));
+        assert!(!is_index_key_of(&key, "user", "17"));
+        assert!(!is_index_key_of(&row_key("user", "7"), "user", "7"));
+        assert_eq!(index_key_row(&key).unwrap(), ("user".into(), "7".into()));
+        assert!(index_key_row("index:x").is_err());
+        assert_eq!(
+            unique_claim_key("by_email", &[("email", &email)]).unwrap(),
+            "unique:by_email:email:x@y"
+        );
     }
 }

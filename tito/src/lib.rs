@@ -37,11 +37,16 @@ pub mod backend;
 pub mod engine;
 mod error;
 pub mod keys;
+pub mod model;
 
 pub use engine::{RetryPolicy, TitoEngine, TitoTransaction};
 pub use error::{BoxError, TitoError, TitoResult};
 #[allow(deprecated)]
 pub use keys::{key_after, next_string_lexicographically, prefix_end};
+pub use model::{
+    TitoEventConfig, TitoIndexBlockType, TitoIndexConfig, TitoIndexField, TitoModel,
+    TitoModelTrait, TitoOperation, TitoOptions, TitoPage,
+};
 
 /// The README's code samples, compiled as doc tests.
 #[cfg(doctest)]

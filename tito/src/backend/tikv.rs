@@ -231,17 +231,25 @@ impl TitoTransaction for TiKVTransaction {
 
     async fn get(&self, key: &[u8]) -> TitoResult<Option<Vec<u8>>> {
         active!(self, tx);
-        tx.get(key.to_vec())
-            .await
-            .map_err(|err| classify_read(err, "get"))
+        let mut waited = LockWait::new();
+        loop {
+            match tx.get(key.to_vec()).await {
+                Err(err) if waited.again(&err).await => continue,
+                result => return result.map_err(|err| classify_read(err, "get")),
+            }
+        }
     }
 
     async fn batch_get(&self, keys: &[Vec<u8>]) -> TitoResult<Vec<Option<Vec<u8>>>> {
         active!(self, tx);
-        let found: std::collections::HashMap<Vec<u8>, Vec<u8>> = tx
-            .batch_get(keys.to_vec())
-            .await
-            .map_err(|err| classify_read(err, "batch_get"))?
+        let mut waited = LockWait::new();
+        let pairs = loop {
+            match tx.batch_get(keys.to_vec()).await {
+                Err(err) if waited.again(&err).await => continue,
+                result => break result.map_err(|err| classify_read(err, "batch_get"))?,
+            }
+        };
+        let found: std::collections::HashMap<Vec<u8>, Vec<u8>> = pairs
             .map(|pair| {
                 let (key, value): (Key, Vec<u8>) = pair.into();
                 (Vec::from(key), value)
@@ -253,10 +261,13 @@ impl TitoTransaction for TiKVTransaction {
     async fn scan(&self, start: &[u8], end: &[u8], limit: usize) -> TitoResult<Vec<KvPair>> {
         check_scan(start, end, limit)?;
         active!(self, tx);
-        let pairs = tx
-            .scan(range(start, end), limit as u32)
-            .await
-            .map_err(|err| classify_read(err, "scan"))?;
+        let mut waited = LockWait::new();
+        let pairs = loop {
+            match tx.scan(range(start, end), limit as u32).await {
+                Err(err) if waited.again(&err).await => continue,
+                result => break result.map_err(|err| classify_read(err, "scan"))?,
+            }
+        };
         Ok(pairs.map(into_pair).collect())
     }
 
@@ -268,10 +279,13 @@ impl TitoTransaction for TiKVTransaction {
     ) -> TitoResult<Vec<KvPair>> {
         check_scan(start, end, limit)?;
         active!(self, tx);
-        let pairs = tx
-            .scan_reverse(range(start, end), limit as u32)
-            .await
-            .map_err(|err| classify_read(err, "scan_reverse"))?;
+        let mut waited = LockWait::new();
+        let pairs = loop {
+            match tx.scan_reverse(range(start, end), limit as u32).await {
+                Err(err) if waited.again(&err).await => continue,
+                result => break result.map_err(|err| classify_read(err, "scan_reverse"))?,
+            }
+        };
         Ok(pairs.map(into_pair).collect())
     }
 
@@ -327,13 +341,59 @@ impl TitoTransaction for TiKVTransaction {
     }
 }
 
+/// How long a read waits, in all, for locks of concurrent transactions to be decided. The
+/// client's own lock backoff gives up after about 1.5 s, before the 3 s TTL of an abandoned or
+/// stuck transaction's locks runs out; waiting past the TTL lets the client roll them back.
+const READ_LOCK_WAIT: Duration = Duration::from_secs(10);
+
+/// Re-runs a read that met locks it could not resolve yet, with a growing pause, up to
+/// [`READ_LOCK_WAIT`].
+struct LockWait {
+    started: std::time::Instant,
+    pause: Duration,
+}
+
+impl LockWait {
+    fn new() -> Self {
+        LockWait {
+            started: std::time::Instant::now(),
+            pause: Duration::from_millis(5),
+        }
+    }
+
+    /// Whether to read again after `err` (having paused).
+    async fn again(&mut self, err: &tikv_client::Error) -> bool {
+        if !is_lock_wait(err) || self.started.elapsed() >= READ_LOCK_WAIT {
+            return false;
+        }
+        tokio::time::sleep(self.pause).await;
+        self.pause = (self.pause * 2).min(Duration::from_millis(250));
+        true
+    }
+}
+
+/// Whether an error means "a concurrent transaction's lock is still undecided".
+fn is_lock_wait(err: &tikv_client::Error) -> bool {
+    use tikv_client::Error as E;
+    match err {
+        E::KeyError(key_error) => key_error.locked.is_some() || key_error.txn_not_found.is_some(),
+        E::ResolveLockError(_) | E::TxnNotFound(_) => true,
+        E::ExtractedErrors(errors) | E::MultipleKeyErrors(errors) => {
+            !errors.is_empty() && errors.iter().all(is_lock_wait)
+        }
+        _ => false,
+    }
+}
+
 fn into_pair(pair: tikv_client::KvPair) -> KvPair {
     let (key, value): (Key, Vec<u8>) = pair.into();
     (Vec::from(key), value)
 }
 
-/// Whether an error is (or wraps) a write conflict or another per-key error TiKV marks as
-/// retryable.
+/// Whether an error is (or wraps) a write conflict, another per-key error TiKV marks as
+/// retryable, or a lock of a concurrent transaction that could not be resolved in time. None of
+/// them leaves this transaction committed: they come from reads or the prewrite phase (a
+/// primary commit that meets a lock has not been applied either).
 pub(crate) fn is_conflict(err: &tikv_client::Error) -> bool {
     use tikv_client::Error as E;
     match err {
@@ -341,7 +401,12 @@ pub(crate) fn is_conflict(err: &tikv_client::Error) -> bool {
             key_error.conflict.is_some()
                 || !key_error.retryable.is_empty()
                 || key_error.locked.is_some()
+                // Another transaction's lock whose owner could not be decided in time: this
+                // transaction's prewrite did not go through.
+                || key_error.txn_not_found.is_some()
         }
+        // Locks of live transactions still in the way after the client's lock backoff.
+        E::ResolveLockError(_) | E::TxnNotFound(_) => true,
         E::ExtractedErrors(errors) | E::MultipleKeyErrors(errors) => errors.iter().any(is_conflict),
         E::PessimisticLockError { inner, .. } => is_conflict(inner),
         _ => false,

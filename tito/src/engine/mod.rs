@@ -132,6 +132,11 @@ pub trait TitoEngine: Clone + Send + Sync + 'static {
         RetryPolicy::default()
     }
 
+    /// The operations on model `T` stored in this engine: `db.clone().model::<User>()`.
+    fn model<T: crate::model::TitoModelTrait>(self) -> crate::model::TitoModel<Self, T> {
+        crate::model::TitoModel::new(self)
+    }
+
     /// Runs `f` in a transaction and commits it, replaying `f` in a new transaction after a
     /// retryable conflict.
     ///

@@ -1,0 +1,162 @@
+//! What a model says about itself: its id and table, its indexes, its events.
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+/// A type stored as rows of one table, with secondary indexes and events.
+///
+/// Write the impl by hand, as below, or let `#[derive(TitoModel)]` generate the same one.
+///
+/// ```
+/// use serde::{Deserialize, Serialize};
+/// use tito::model::{TitoEventConfig, TitoIndexBlockType, TitoIndexConfig, TitoIndexField, TitoModelTrait};
+///
+/// #[derive(Default, Clone, Serialize, Deserialize)]
+/// struct User {
+///     id: String,
+///     name: String,
+///     email: String,
+/// }
+///
+/// impl TitoModelTrait for User {
+///     fn id(&self) -> String {
+///         self.id.clone()
+///     }
+///
+///     fn table(&self) -> String {
+///         "user".to_string()
+///     }
+///
+///     fn indexes(&self) -> Vec<TitoIndexConfig> {
+///         vec![TitoIndexConfig {
+///             condition: true,
+///             name: "by_email".to_string(),
+///             fields: vec![TitoIndexField {
+///                 name: "email".to_string(),
+///                 r#type: TitoIndexBlockType::String,
+///             }],
+///         }]
+///     }
+///
+///     fn events(&self) -> Vec<TitoEventConfig> {
+///         vec![]
+///     }
+/// }
+/// ```
+///
+/// `table` and the names and fields of the indexes must not depend on the row: queries read them
+/// from `Self::default()`. `condition` may depend on the row.
+pub trait TitoModelTrait:
+    Default + Clone + Serialize + DeserializeOwned + Send + Sync + 'static
+{
+    /// The row's id, unique within the table.
+    fn id(&self) -> String;
+
+    /// The table's name.
+    fn table(&self) -> String;
+
+    /// The secondary indexes. An entry is written for a row only where `condition` holds and
+    /// every field holds a value of its type (indexes are sparse).
+    fn indexes(&self) -> Vec<TitoIndexConfig> {
+        Vec::new()
+    }
+
+    /// Indexes whose combination of values may belong to one row only. They are queried like
+    /// the others; a second row with the same values fails with
+    /// [`TitoError::UniqueViolation`](crate::TitoError::UniqueViolation). Names share one space
+    /// with [`Self::indexes`].
+    fn unique_indexes(&self) -> Vec<TitoIndexConfig> {
+        Vec::new()
+    }
+
+    /// The events a write of this row publishes when its options ask for events.
+    fn events(&self) -> Vec<TitoEventConfig> {
+        Vec::new()
+    }
+}
+
+/// One secondary index.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TitoIndexConfig {
+    /// Whether this row belongs in the index at all (a model-specific inclusion rule).
+    pub condition: bool,
+    /// The index's name, unique in the key space (index keys do not carry the table).
+    pub name: String,
+    /// The indexed fields, in key order. A query binds a prefix of them.
+    pub fields: Vec<TitoIndexField>,
+}
+
+/// One field of an index.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TitoIndexField {
+    /// The field's name in the row's JSON. A dotted name (`address.city`) reaches into objects.
+    pub name: String,
+    /// The type a value must have to be indexed.
+    pub r#type: TitoIndexBlockType,
+}
+
+/// The type of an indexed field, which decides its key encoding (and so its order).
+///
+/// A JSON array in the field yields one entry per element of the type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TitoIndexBlockType {
+    /// A non-empty JSON string.
+    String,
+    /// Any JSON number, ordered as an `f64` (integers beyond 2^53 lose precision: use
+    /// [`Self::Integer`] or [`Self::Unsigned`] for them).
+    Number,
+    /// A JSON number that is an `i64`.
+    Integer,
+    /// A JSON number that is a `u64`.
+    Unsigned,
+    /// A JSON boolean.
+    Boolean,
+    /// An RFC 3339 string (chrono's serde format), ordered by instant.
+    Timestamp,
+}
+
+/// An event a model publishes when written with events enabled.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TitoEventConfig {
+    /// The queue (topic) the event goes to.
+    pub name: String,
+    /// When the event becomes runnable, in Unix seconds (never negative).
+    pub timestamp: i64,
+}
+
+/// The write an event reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[non_exhaustive]
+pub enum TitoOperation {
+    /// A new row.
+    Insert,
+    /// A changed row.
+    Update,
+    /// A row written whether or not it existed.
+    Upsert,
+    /// A removed row.
+    Delete,
+}
+
+/// Options of one write.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct TitoOptions {
+    /// Publish the model's events for this operation in the same transaction.
+    pub events: Option<TitoOperation>,
+}
+
+impl TitoOptions {
+    /// Publishes the model's events, reporting `operation`.
+    pub fn with_events(operation: TitoOperation) -> Self {
+        TitoOptions {
+            events: Some(operation),
+        }
+    }
+
+    /// No events.
+    pub fn without_events() -> Self {
+        TitoOptions::default()
+    }
+}

@@ -1,0 +1,208 @@
+//! From a row's JSON to its index entries: sparse, typed, one entry per array element.
+
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+
+use super::config::{TitoIndexBlockType, TitoIndexConfig};
+use crate::error::{TitoError, TitoResult};
+use crate::keys::{self, KeyValue};
+
+/// At most this many entries per index per row (arrays multiply in composite indexes).
+pub const MAX_INDEX_ENTRIES_PER_ROW: usize = 1024;
+
+/// One index entry of a row: the `index:` key and, for a unique index, its claim key.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Entry {
+    pub index: String,
+    pub key: String,
+    pub claim: Option<String>,
+}
+
+/// The value at a dotted path.
+fn lookup<'a>(row: &'a Value, path: &str) -> Option<&'a Value> {
+    path.split('.').try_fold(row, |value, part| value.get(part))
+}
+
+/// A JSON value as a key value of the type, or `None` when it holds no value of that type
+/// (null, an empty string, another type).
+pub(crate) fn coerce(value: &Value, kind: TitoIndexBlockType) -> Option<KeyValue> {
+    match kind {
+        TitoIndexBlockType::String => value
+            .as_str()
+            .filter(|s| !s.is_empty())
+            .map(|s| KeyValue::String(s.to_string())),
+        TitoIndexBlockType::Number => value.as_f64().map(KeyValue::F64),
+        TitoIndexBlockType::Integer => value.as_i64().map(KeyValue::I64),
+        TitoIndexBlockType::Unsigned => value.as_u64().map(KeyValue::U64),
+        TitoIndexBlockType::Boolean => value.as_bool().map(KeyValue::Bool),
+        TitoIndexBlockType::Timestamp => value
+            .as_str()
+            .and_then(|s| DateTime::parse_from_rfc3339(s).ok())
+            .map(|t| KeyValue::Timestamp(t.with_timezone(&Utc))),
+    }
+}
+
+/// The values a field contributes: one, one per array element of the type, or none.
+fn field_values(row: &Value, name: &str, kind: TitoIndexBlockType) -> Vec<KeyValue> {
+    match lookup(row, name) {
+        None => Vec::new(),
+        Some(Value::Array(items)) => items.iter().filter_map(|item| coerce(item, kind)).collect(),
+        Some(value) => coerce(value, kind).into_iter().collect(),
+    }
+}
+
+/// The entries of one index for a row (none when the row is not in the index).
+pub(crate) fn entries(
+    config: &TitoIndexConfig,
+    unique: bool,
+    row: &Value,
+    table: &str,
+    id: &str,
+) -> TitoResult<Vec<Entry>> {
+    if !config.condition || config.fields.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut combinations: Vec<Vec<KeyValue>> = vec![Vec::new()];
+    for field in &config.fields {
+        let values = field_values(row, &field.name, field.r#type);
+        if values.is_empty() {
+            return Ok(Vec::new());
+        }
+        if combinations.len() * values.len() > MAX_INDEX_ENTRIES_PER_ROW {
+            return Err(TitoError::invalid_argument(format!(
+                "row {id:?} of table {table:?} would have more than {MAX_INDEX_ENTRIES_PER_ROW} \
+                 entries in index {:?}",
+                config.name
+            )));
+        }
+        combinations = combinations
+            .into_iter()
+            .flat_map(|prefix| {
+                values.iter().map(move |value| {
+                    let mut next = prefix.clone();
+                    next.push(value.clone());
+                    next
+                })
+            })
+            .collect();
+    }
+    let mut out = Vec::with_capacity(combinations.len());
+    for values in combinations {
+        let fields: Vec<(&str, &KeyValue)> = config
+            .fields
+            .iter()
+            .map(|f| f.name.as_str())
+            .zip(values.iter())
+            .collect();
+        let key = keys::index_key(&config.name, &fields, table, id)?;
+        let claim = if unique {
+            Some(keys::unique_claim_key(&config.name, &fields)?)
+        } else {
+            None
+        };
+        let entry = Entry {
+            index: config.name.clone(),
+            key,
+            claim,
+        };
+        if !out.contains(&entry) {
+            out.push(entry);
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::TitoIndexField;
+    use serde_json::json;
+
+    fn index(fields: &[(&str, TitoIndexBlockType)]) -> TitoIndexConfig {
+        TitoIndexConfig {
+            condition: true,
+            name: "ix".into(),
+            fields: fields
+                .iter()
+                .map(|(name, kind)| TitoIndexField {
+                    name: name.to_string(),
+                    r#type: *kind,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn sparse_rules() {
+        let by_name = index(&[("name", TitoIndexBlockType::String)]);
+        for row in [
+            json!({}),
+            json!({"name": null}),
+            json!({"name": ""}),
+            json!({"name": []}),
+            json!({"name": 3}),
+            json!({"name": {}}),
+        ] {
+            assert!(
+                entries(&by_name, false, &row, "t", "1").unwrap().is_empty(),
+                "{row}"
+            );
+        }
+        assert_eq!(
+            entries(&by_name, false, &json!({"name": "a"}), "t", "1")
+                .unwrap()
+                .len(),
+            1
+        );
+        let tags = entries(
+            &by_name,
+            false,
+            &json!({"name": ["a", "b", "a", 7, ""]}),
+            "t",
+            "1",
+        )
+        .unwrap();
+        assert_eq!(tags.len(), 2);
+        let mut off = by_name.clone();
+        off.condition = false;
+        assert!(
+            entries(&off, false, &json!({"name": "a"}), "t", "1")
+                .unwrap()
+                .is_empty()
+        );
+    }
+
+    #[test]
+    fn composite_and_nested_fields() {
+        let ix = index(&[
+            ("team", TitoIndexBlockType::String),
+            ("address.zip", TitoIndexBlockType::Integer),
+        ]);
+        let row = json!({"team": ["x", "y"], "address": {"zip": 75001}});
+        let got = entries(&ix, true, &row, "t", "1").unwrap();
+        assert_eq!(got.len(), 2);
+        assert!(got[0].claim.is_some());
+        assert!(
+            entries(
+                &ix,
+                false,
+                &json!({"team": "x", "address": {"zip": 1.5}}),
+                "t",
+                "1"
+            )
+            .unwrap()
+            .is_empty()
+        );
+    }
+
+    #[test]
+    fn too_many_entries_is_an_error() {
+        let ix = index(&[
+            ("a", TitoIndexBlockType::Integer),
+            ("b", TitoIndexBlockType::Integer),
+        ]);
+        let many: Vec<i64> = (0..100).collect();
+        let row = json!({"a": many, "b": many});
+        assert!(entries(&ix, false, &row, "t", "1").is_err());
+    }
+}

@@ -1,0 +1,534 @@
+//! Models: rows of a table with sparse secondary indexes and reverse-index manifests, written
+//! and read one model at a time, in a caller's transaction or in one of their own.
+//!
+//! Storage layout (see [`crate::keys`]):
+//!
+//! ```text
+//! table:{table}:{id}                          the row, as JSON
+//! index:{index}:{field}:{value}..:table:{table}:{id}   an index entry, a clone of the row JSON
+//! unique:{index}:{field}:{value}..            a unique index's claim, holding the owner's id
+//! reverse-index:table:{table}:{id}            the manifest: a JSON array of the row's index keys
+//! ```
+//!
+//! Every write validates what it is about to change first: the row and its manifest exist
+//! together, the manifest is a JSON array naming only `index:` keys that end in this exact row
+//! key, and every key it names exists. Anything else is [`TitoError::Integrity`] naming the key,
+//! and nothing is written.
+//!
+//! ```
+//! use serde::{Deserialize, Serialize};
+//! use tito::backend::embedded::Embedded;
+//! use tito::model::{TitoIndexBlockType, TitoIndexConfig, TitoIndexField, TitoModelTrait};
+//! use tito::TitoEngine;
+//!
+//! #[derive(Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+//! struct User {
+//!     id: String,
+//!     email: String,
+//! }
+//!
+//! impl TitoModelTrait for User {
+//!     fn id(&self) -> String {
+//!         self.id.clone()
+//!     }
+//!     fn table(&self) -> String {
+//!         "user".into()
+//!     }
+//!     fn indexes(&self) -> Vec<TitoIndexConfig> {
+//!         vec![TitoIndexConfig {
+//!             condition: true,
+//!             name: "by_email".into(),
+//!             fields: vec![TitoIndexField { name: "email".into(), r#type: TitoIndexBlockType::String }],
+//!         }]
+//!     }
+//! }
+//!
+//! # #[tokio::main(flavor = "multi_thread")]
+//! # async fn main() -> Result<(), tito::TitoError> {
+//! let db = Embedded::temporary().await?;
+//! let users = db.clone().model::<User>();
+//! users.build(User { id: "1".into(), email: "ada@example.com".into() }).await?;
+//!
+//! let page = users.query_by_index("by_email").value("ada@example.com").execute().await?;
+//! assert_eq!(page.items[0].id, "1");
+//! assert_eq!(users.find_by_id("1", vec![]).await?.email, "ada@example.com");
+//! # Ok(())
+//! # }
+//! ```
+
+mod config;
+mod index;
+mod query;
+
+use std::collections::HashSet;
+use std::marker::PhantomData;
+
+use serde_json::Value;
+
+pub use config::{
+    TitoEventConfig, TitoIndexBlockType, TitoIndexConfig, TitoIndexField, TitoModelTrait,
+    TitoOperation, TitoOptions,
+};
+pub use index::MAX_INDEX_ENTRIES_PER_ROW;
+pub use query::{DEFAULT_PAGE_LIMIT, IndexQuery, MAX_PAGE_LIMIT, TableQuery, TitoPage};
+
+use crate::engine::{self, TitoEngine, TitoTransaction};
+use crate::error::{TitoError, TitoResult};
+use crate::keys;
+
+/// The operations on one model type. Cheap to clone; get one with
+/// [`TitoEngine::model`](crate::TitoEngine::model).
+pub struct TitoModel<E, T> {
+    db: E,
+    _model: PhantomData<fn() -> T>,
+}
+
+impl<E: Clone, T> Clone for TitoModel<E, T> {
+    fn clone(&self) -> Self {
+        TitoModel {
+            db: self.db.clone(),
+            _model: PhantomData,
+        }
+    }
+}
+
+impl<E, T> std::fmt::Debug for TitoModel<E, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TitoModel")
+            .field("model", &std::any::type_name::<T>())
+            .finish()
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    Insert,
+    Update,
+    Upsert,
+}
+
+/// A row and its manifest as stored, validated.
+struct Stored {
+    row: Value,
+    manifest: Vec<String>,
+}
+
+fn integrity(message: String) -> TitoError {
+    TitoError::Integrity(message)
+}
+
+/// All index configs of a model, each with whether it is unique; duplicate names are an error.
+fn index_configs<T: TitoModelTrait>(model: &T) -> TitoResult<Vec<(TitoIndexConfig, bool)>> {
+    let mut all: Vec<(TitoIndexConfig, bool)> = model
+        .indexes()
+        .into_iter()
+        .map(|c| (c, false))
+        .chain(model.unique_indexes().into_iter().map(|c| (c, true)))
+        .collect();
+    let mut names = HashSet::new();
+    for (config, _) in &all {
+        if config.name.is_empty() {
+            return Err(TitoError::invalid_argument(format!(
+                "an index of table {:?} has an empty name",
+                model.table()
+            )));
+        }
+        if !names.insert(config.name.clone()) {
+            return Err(TitoError::invalid_argument(format!(
+                "table {:?} declares index {:?} twice",
+                model.table(),
+                config.name
+            )));
+        }
+    }
+    all.shrink_to_fit();
+    Ok(all)
+}
+
+/// The index entries of a row.
+fn row_entries(
+    configs: &[(TitoIndexConfig, bool)],
+    row: &Value,
+    table: &str,
+    id: &str,
+) -> TitoResult<Vec<index::Entry>> {
+    let mut out = Vec::new();
+    for (config, unique) in configs {
+        out.extend(index::entries(config, *unique, row, table, id)?);
+    }
+    Ok(out)
+}
+
+fn parse_row(key: &str, bytes: &[u8]) -> TitoResult<Value> {
+    serde_json::from_slice(bytes)
+        .map_err(|err| integrity(format!("row {key:?} is not valid JSON: {err}")))
+}
+
+pub(crate) fn decode_model<T: TitoModelTrait>(key: &str, bytes: &[u8]) -> TitoResult<T> {
+    serde_json::from_slice(bytes).map_err(|err| {
+        integrity(format!(
+            "value of {key:?} does not deserialize into {}: {err}",
+            std::any::type_name::<T>()
+        ))
+    })
+}
+
+/// Reads and validates a row with its manifest and every key the manifest lists.
+async fn load<X: TitoTransaction>(tx: &X, table: &str, id: &str) -> TitoResult<Option<Stored>> {
+    let row_key = keys::row_key(table, id);
+    let manifest_key = keys::manifest_key(table, id);
+    let found = tx
+        .batch_get(&[
+            row_key.clone().into_bytes(),
+            manifest_key.clone().into_bytes(),
+        ])
+        .await?;
+    let (row, manifest) = match (&found[0], &found[1]) {
+        (None, None) => return Ok(None),
+        (Some(_), None) => {
+            return Err(integrity(format!(
+                "row {row_key:?} has no manifest {manifest_key:?}"
+            )));
+        }
+        (None, Some(_)) => {
+            return Err(integrity(format!(
+                "manifest {manifest_key:?} is orphaned: row {row_key:?} does not exist"
+            )));
+        }
+        (Some(row), Some(manifest)) => (row, manifest),
+    };
+    let row = parse_row(&row_key, row)?;
+    let manifest: Vec<String> = serde_json::from_slice(manifest).map_err(|err| {
+        integrity(format!(
+            "manifest {manifest_key:?} is not a JSON array of keys: {err}"
+        ))
+    })?;
+    if let Some(bad) = manifest
+        .iter()
+        .find(|key| !keys::is_index_key_of(key, table, id))
+    {
+        return Err(integrity(format!(
+            "manifest {manifest_key:?} names {bad:?}, which is not an index key of {row_key:?}"
+        )));
+    }
+    if !manifest.is_empty() {
+        let listed: Vec<Vec<u8>> = manifest.iter().map(|k| k.clone().into_bytes()).collect();
+        let present = tx.batch_get(&listed).await?;
+        if let Some((key, _)) = manifest.iter().zip(&present).find(|(_, v)| v.is_none()) {
+            return Err(integrity(format!(
+                "manifest {manifest_key:?} names {key:?}, which does not exist"
+            )));
+        }
+    }
+    Ok(Some(Stored { row, manifest }))
+}
+
+/// Sets `created_at` / `updated_at` where the row's shape has them (as a number: Unix seconds;
+/// as a string: RFC 3339). Fields the model does not serialize are never added.
+fn stamp(row: &mut Value, previous: Option<&Value>, now_millis: u64) {
+    let Some(object) = row.as_object_mut() else {
+        return;
+    };
+    let now = chrono::DateTime::from_timestamp_millis(now_millis as i64).unwrap_or_default();
+    let value_like = |template: &Value| match template {
+        Value::Number(_) => Some(Value::from(now.timestamp())),
+        Value::String(_) => Some(Value::from(
+            now.to_rfc3339_opts(chrono::SecondsFormat::AutoSi, true),
+        )),
+        _ => None,
+    };
+    if let Some(template) = object.get("created_at") {
+        let kept = previous
+            .and_then(|p| p.get("created_at"))
+            .filter(|v| !v.is_null())
+            .cloned();
+        if let Some(value) = kept.or_else(|| value_like(template)) {
+            object.insert("created_at".into(), value);
+        }
+    }
+    if let Some(value) = object.get("updated_at").and_then(value_like) {
+        object.insert("updated_at".into(), value);
+    }
+}
+
+impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
+    /// The operations on `T` stored in `db`.
+    pub fn new(db: E) -> Self {
+        TitoModel {
+            db,
+            _model: PhantomData,
+        }
+    }
+
+    /// The engine.
+    pub fn engine(&self) -> &E {
+        &self.db
+    }
+
+    fn table() -> String {
+        T::default().table()
+    }
+
+    /// Inserts a new row in a transaction of its own (replayed on conflicts). A row with the
+    /// same id is [`TitoError::AlreadyExists`].
+    pub async fn build(&self, model: T) -> TitoResult<T> {
+        self.in_own_transaction(model, Mode::Insert).await
+    }
+
+    /// Inserts a new row inside `tx`.
+    pub async fn build_with_options(
+        &self,
+        model: T,
+        options: TitoOptions,
+        tx: &E::Transaction,
+    ) -> TitoResult<T> {
+        self.write(tx, model, Mode::Insert, &options).await
+    }
+
+    /// Replaces an existing row in a transaction of its own. A missing row is
+    /// [`TitoError::NotFound`].
+    pub async fn update(&self, model: T) -> TitoResult<T> {
+        self.in_own_transaction(model, Mode::Update).await
+    }
+
+    /// Replaces an existing row inside `tx`.
+    pub async fn update_with_options(
+        &self,
+        model: T,
+        options: TitoOptions,
+        tx: &E::Transaction,
+    ) -> TitoResult<T> {
+        self.write(tx, model, Mode::Update, &options).await
+    }
+
+    /// Inserts or replaces a row in a transaction of its own.
+    pub async fn upsert(&self, model: T) -> TitoResult<T> {
+        self.in_own_transaction(model, Mode::Upsert).await
+    }
+
+    /// Inserts or replaces a row inside `tx`.
+    pub async fn upsert_with_options(
+        &self,
+        model: T,
+        options: TitoOptions,
+        tx: &E::Transaction,
+    ) -> TitoResult<T> {
+        self.write(tx, model, Mode::Upsert, &options).await
+    }
+
+    /// Deletes a row, its index entries, claims and manifest in a transaction of its own.
+    pub async fn delete_by_id(&self, id: &str) -> TitoResult<()> {
+        let this = self.clone();
+        let id = id.to_string();
+        self.db
+            .transaction(|tx| async move {
+                this.delete_by_id_with_options(&id, TitoOptions::default(), &tx)
+                    .await
+            })
+            .await
+    }
+
+    /// Deletes a row inside `tx`. A missing row is [`TitoError::NotFound`].
+    pub async fn delete_by_id_with_options(
+        &self,
+        id: &str,
+        _options: TitoOptions,
+        tx: &E::Transaction,
+    ) -> TitoResult<()> {
+        let table = Self::table();
+        let stored = load(tx, &table, id).await?.ok_or_else(|| {
+            TitoError::NotFound(format!("no row {:?}", keys::row_key(&table, id)))
+        })?;
+        let configs = index_configs(&T::default())?;
+        for entry in row_entries(&configs, &stored.row, &table, id)? {
+            if let Some(claim) = entry.claim {
+                self.release_claim(tx, &claim, id).await?;
+            }
+        }
+        for key in stored.manifest {
+            tx.delete(key.into_bytes()).await?;
+        }
+        tx.delete(keys::manifest_key(&table, id).into_bytes())
+            .await?;
+        tx.delete(keys::row_key(&table, id).into_bytes()).await
+    }
+
+    async fn in_own_transaction(&self, model: T, mode: Mode) -> TitoResult<T> {
+        let this = self.clone();
+        self.db
+            .transaction(
+                |tx| async move { this.write(&tx, model, mode, &TitoOptions::default()).await },
+            )
+            .await
+    }
+
+    async fn release_claim(&self, tx: &E::Transaction, claim: &str, id: &str) -> TitoResult<()> {
+        let owner = tx.get(claim.as_bytes()).await?;
+        // A claim held by another row is not ours to remove.
+        if owner.as_deref() == Some(id.as_bytes()) {
+            tx.delete(claim.as_bytes().to_vec()).await?;
+        }
+        Ok(())
+    }
+
+    async fn write(
+        &self,
+        tx: &E::Transaction,
+        model: T,
+        mode: Mode,
+        _options: &TitoOptions,
+    ) -> TitoResult<T> {
+        let id = model.id();
+        let table = model.table();
+        if id.is_empty() {
+            return Err(TitoError::invalid_argument(format!(
+                "a row of table {table:?} has an empty id"
+            )));
+        }
+        let row_key = keys::row_key(&table, &id);
+        let stored = load(tx, &table, &id).await?;
+        match (mode, &stored) {
+            (Mode::Insert, Some(_)) => {
+                return Err(TitoError::AlreadyExists(format!("row {row_key:?}")));
+            }
+            (Mode::Update, None) => {
+                return Err(TitoError::NotFound(format!("no row {row_key:?}")));
+            }
+            _ => {}
+        }
+
+        let mut row = serde_json::to_value(&model)?;
+        stamp(
+            &mut row,
+            stored.as_ref().map(|s| &s.row),
+            engine::version_millis(tx.start_version()),
+        );
+        let stored_model: T = serde_json::from_value(row.clone())?;
+        let bytes = serde_json::to_vec(&row)?;
+
+        let configs = index_configs(&model)?;
+        let new_entries = row_entries(&configs, &row, &table, &id)?;
+        let old_entries = match &stored {
+            Some(stored) => row_entries(&configs, &stored.row, &table, &id)?,
+            None => Vec::new(),
+        };
+
+        // Unique claims: taken ones are checked and (re)written so racing writers conflict;
+        // claims the row no longer holds are released.
+        for entry in &new_entries {
+            let Some(claim) = &entry.claim else { continue };
+            match tx.get(claim.as_bytes()).await? {
+                Some(owner) if owner != id.as_bytes() => {
+                    return Err(TitoError::UniqueViolation {
+                        index: entry.index.clone(),
+                        owner: String::from_utf8_lossy(&owner).into_owned(),
+                    });
+                }
+                Some(_) => {}
+                None => {
+                    tx.put(claim.clone().into_bytes(), id.clone().into_bytes())
+                        .await?
+                }
+            }
+        }
+        let new_claims: HashSet<&String> = new_entries
+            .iter()
+            .filter_map(|e| e.claim.as_ref())
+            .collect();
+        for entry in &old_entries {
+            if let Some(claim) = &entry.claim
+                && !new_claims.contains(claim)
+            {
+                self.release_claim(tx, claim, &id).await?;
+            }
+        }
+
+        let new_keys: Vec<String> = new_entries.into_iter().map(|e| e.key).collect();
+        let old_keys: HashSet<String> = stored
+            .as_ref()
+            .map(|s| s.manifest.iter().cloned().collect())
+            .unwrap_or_default();
+        let row_changed = stored.as_ref().is_none_or(|s| s.row != row);
+        let keys_changed = stored.as_ref().is_none_or(|s| {
+            s.manifest.len() != new_keys.len() || new_keys.iter().any(|k| !old_keys.contains(k))
+        });
+        let new_set: HashSet<&String> = new_keys.iter().collect();
+        for key in old_keys.iter().filter(|k| !new_set.contains(k)) {
+            tx.delete(key.clone().into_bytes()).await?;
+        }
+        for key in &new_keys {
+            // Entries are clones of the row: kept entries change only when the row does.
+            if row_changed || !old_keys.contains(key) {
+                tx.put(key.clone().into_bytes(), bytes.clone()).await?;
+            }
+        }
+        if keys_changed {
+            let manifest = serde_json::to_vec(&new_keys)?;
+            tx.put(keys::manifest_key(&table, &id).into_bytes(), manifest)
+                .await?;
+        }
+        if row_changed {
+            tx.put(row_key.into_bytes(), bytes).await?;
+        }
+        Ok(stored_model)
+    }
+
+    /// Reads one row by id in a transaction of its own. A missing row is
+    /// [`TitoError::NotFound`]. Tito loads one model at a time: `relationships` must be empty
+    /// (load related records explicitly).
+    pub async fn find_by_id(&self, id: &str, relationships: Vec<String>) -> TitoResult<T> {
+        if !relationships.is_empty() {
+            return Err(TitoError::invalid_argument(format!(
+                "Tito does not load relationships ({relationships:?}); read related models explicitly"
+            )));
+        }
+        let tx = self.db.begin().await?;
+        let result = self.find_by_id_tx(id, &tx).await;
+        let _ = tx.rollback().await;
+        result
+    }
+
+    /// Reads one row by id inside `tx`.
+    pub async fn find_by_id_tx(&self, id: &str, tx: &E::Transaction) -> TitoResult<T> {
+        let key = keys::row_key(&Self::table(), id);
+        match tx.get(key.as_bytes()).await? {
+            Some(bytes) => decode_model(&key, &bytes),
+            None => Err(TitoError::NotFound(format!("no row {key:?}"))),
+        }
+    }
+
+    /// Reads many rows in one round trip, in a transaction of its own; the answer is aligned
+    /// with `ids` (`None` for a missing row).
+    pub async fn find_by_ids(&self, ids: &[String]) -> TitoResult<Vec<Option<T>>> {
+        let tx = self.db.begin().await?;
+        let result = self.find_by_ids_tx(ids, &tx).await;
+        let _ = tx.rollback().await;
+        result
+    }
+
+    /// Reads many rows in one round trip inside `tx`.
+    pub async fn find_by_ids_tx(
+        &self,
+        ids: &[String],
+        tx: &E::Transaction,
+    ) -> TitoResult<Vec<Option<T>>> {
+        let table = Self::table();
+        let keys: Vec<String> = ids.iter().map(|id| keys::row_key(&table, id)).collect();
+        let raw: Vec<Vec<u8>> = keys.iter().map(|k| k.clone().into_bytes()).collect();
+        let values = tx.batch_get(&raw).await?;
+        keys.iter()
+            .zip(values)
+            .map(|(key, value)| value.map(|bytes| decode_model(key, &bytes)).transpose())
+            .collect()
+    }
+
+    /// A query over one index.
+    pub fn query_by_index(&self, index: &str) -> IndexQuery<E, T> {
+        IndexQuery::new(self.db.clone(), index)
+    }
+
+    /// A scan of the table in id order.
+    pub fn find(&self) -> TableQuery<E, T> {
+        TableQuery::new(self.db.clone())
+    }
+}
