@@ -769,6 +769,21 @@ pub async fn scans_fail_on_corrupt_rows<E: TitoEngine>(ctx: Ctx<E>) {
         Err(TitoError::Integrity(_))
     ));
     assert!(users.find_by_id("2", vec![]).await.is_err());
+
+    // A key that is not UTF-8 inside the table's range fails the scan too.
+    let (key, value) = (
+        b"table:user:\xff".to_vec(),
+        br#"{"id":"x","name":"","email":""}"#.to_vec(),
+    );
+    ctx.db
+        .transaction(|tx| async move { tx.put(key, value).await })
+        .await
+        .unwrap();
+    let err = users.find().start("3").execute().await.unwrap_err();
+    assert!(
+        matches!(&err, TitoError::Integrity(m) if m.contains("UTF-8")),
+        "{err:?}"
+    );
 }
 
 pub async fn cursors_page_forward_and_backward<E: TitoEngine>(ctx: Ctx<E>) {
