@@ -224,11 +224,13 @@ async fn load<X: TitoTransaction>(tx: &X, table: &str, id: &str) -> TitoResult<O
 }
 
 /// Sets `created_at` / `updated_at` where the row's shape has them (as a number: Unix seconds;
-/// as a string: RFC 3339). Fields the model does not serialize are never added.
-fn stamp(row: &mut Value, previous: Option<&Value>, now_millis: u64) {
+/// as a string: RFC 3339). Fields the model does not serialize are never added. Returns whether
+/// it set any.
+fn stamp(row: &mut Value, previous: Option<&Value>, now_millis: u64) -> bool {
     let Some(object) = row.as_object_mut() else {
-        return;
+        return false;
     };
+    let mut changed = false;
     let now = chrono::DateTime::from_timestamp_millis(now_millis as i64).unwrap_or_default();
     let value_like = |template: &Value| match template {
         Value::Number(_) => Some(Value::from(now.timestamp())),
@@ -244,11 +246,14 @@ fn stamp(row: &mut Value, previous: Option<&Value>, now_millis: u64) {
             .cloned();
         if let Some(value) = kept.or_else(|| value_like(template)) {
             object.insert("created_at".into(), value);
+            changed = true;
         }
     }
     if let Some(value) = object.get("updated_at").and_then(value_like) {
         object.insert("updated_at".into(), value);
+        changed = true;
     }
+    changed
 }
 
 impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
@@ -398,15 +403,20 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         }
 
         let mut row = serde_json::to_value(&model)?;
-        stamp(
+        let stamped = stamp(
             &mut row,
             stored.as_ref().map(|s| &s.row),
             engine::version_millis(tx.start_version()),
         );
-        let stored_model: T = serde_json::from_value(row.clone())?;
+        // What was stored, as the model: re-read only when timestamps changed it.
+        let stored_model: T = if stamped {
+            serde_json::from_value(row.clone())?
+        } else {
+            model
+        };
         let bytes = serde_json::to_vec(&row)?;
 
-        let configs = index_configs(&model)?;
+        let configs = index_configs(&stored_model)?;
         let new_entries = row_entries(&configs, &row, &table, &id)?;
         let old_entries = match &stored {
             Some(stored) => row_entries(&configs, &stored.row, &table, &id)?,
