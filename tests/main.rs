@@ -6,6 +6,7 @@
 mod support;
 
 mod crash;
+mod derive;
 mod embedded;
 mod engine_conformance;
 mod engine_embedded;

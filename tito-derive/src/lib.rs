@@ -1,3 +1,19 @@
-//! The `#[derive(TitoModel)]` procedural macro for Tito.
+//! `#[derive(TitoModel)]`: generates `tito::TitoModelTrait` for a struct from `#[tito(...)]`
+//! attributes, plus a typed query method per index. See the `tito` crate's `model` module for
+//! the attribute grammar.
 
 #![warn(missing_docs)]
+
+mod ast;
+mod attr;
+mod check;
+mod expand;
+
+use proc_macro::TokenStream;
+
+/// Derives `tito::TitoModelTrait` and typed index queries. See `tito::model` for the grammar.
+#[proc_macro_derive(TitoModel, attributes(tito))]
+pub fn derive_tito_model(input: TokenStream) -> TokenStream {
+    let input = syn::parse_macro_input!(input as syn::DeriveInput);
+    expand::derive(&input).into()
+}

@@ -39,6 +39,10 @@ mod error;
 pub mod keys;
 pub mod model;
 
+#[doc(hidden)]
+#[path = "private.rs"]
+pub mod __private;
+
 pub use engine::{RetryPolicy, TitoEngine, TitoTransaction};
 pub use error::{BoxError, TitoError, TitoResult};
 #[allow(deprecated)]
@@ -47,6 +51,9 @@ pub use model::{
     TitoEventConfig, TitoIndexBlockType, TitoIndexConfig, TitoIndexField, TitoModel,
     TitoModelTrait, TitoOperation, TitoOptions, TitoPage,
 };
+/// Derives [`TitoModelTrait`] and typed index queries from `#[tito(...)]` attributes; see
+/// [`model`].
+pub use tito_derive::TitoModel;
 
 /// The README's code samples, compiled as doc tests.
 #[cfg(doctest)]

@@ -3,4 +3,5 @@
 //! runs on either.
 
 pub mod embedded;
+#[cfg(feature = "tikv")]
 pub mod tikv;

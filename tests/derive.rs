@@ -1,0 +1,207 @@
+//! `#[derive(TitoModel)]`: the generated impl equals the hand-written one, and the typed query
+//! methods return what the untyped builder returns. Run on every backend.
+
+use chrono::{DateTime, TimeZone, Utc};
+use serde::{Deserialize, Serialize};
+use tito::model::{TitoIndexBlockType, TitoIndexConfig, TitoIndexField, TitoModelTrait};
+use tito::{TitoEngine, TitoModel};
+
+use crate::support::Ctx;
+
+/// Runs every case of this suite on one backend.
+#[macro_export]
+macro_rules! derive_suite {
+    ($backend:ty) => {
+        $crate::engine_suite!(
+            $backend,
+            derive,
+            [
+                typed_queries_match_the_builder,
+                unique_and_conditional_indexes_work
+            ]
+        );
+    };
+}
+
+#[derive(TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(index = "order_by_customer_date: customer, placed_at")]
+#[tito(index = "order_by_tags: tags")]
+#[tito(index = "open_orders_by_total: total_cents", condition = "is_open")]
+#[tito(unique_index = "order_by_number: number")]
+#[tito(event = "order")]
+#[tito(event = "order_reminder", at = "remind_at")]
+#[tito(event = "order_followup", at = "followup_at")]
+pub struct Order {
+    #[tito(id)]
+    pub order_id: u64,
+    pub customer: String,
+    pub placed_at: DateTime<Utc>,
+    pub total_cents: i64,
+    pub number: String,
+    pub tags: Vec<String>,
+    pub open: bool,
+    pub note: Option<String>,
+    pub remind_at: i64,
+}
+
+impl Order {
+    fn is_open(&self) -> bool {
+        self.open
+    }
+
+    fn followup_at(&self) -> i64 {
+        self.remind_at + 60
+    }
+}
+
+fn at(day: u32) -> DateTime<Utc> {
+    Utc.with_ymd_and_hms(2026, 11, day, 12, 0, 0).unwrap()
+}
+
+fn order(id: u64, customer: &str, day: u32, total: i64) -> Order {
+    Order {
+        order_id: id,
+        customer: customer.into(),
+        placed_at: at(day),
+        total_cents: total,
+        number: format!("N-{id}"),
+        tags: vec!["gift".into(), format!("t{}", id % 2)],
+        open: id % 2 == 1,
+        note: None,
+        remind_at: 1_000 + id as i64,
+    }
+}
+
+#[test]
+fn the_generated_impl_is_the_hand_written_one() {
+    let o = order(7, "ada", 3, 1200);
+    assert_eq!(o.id(), "7");
+    assert_eq!(o.table(), "order");
+    let field = |name: &str, kind| TitoIndexField {
+        name: name.into(),
+        r#type: kind,
+    };
+    assert_eq!(
+        o.indexes(),
+        vec![
+            TitoIndexConfig {
+                condition: true,
+                name: "order_by_customer_date".into(),
+                fields: vec![
+                    field("customer", TitoIndexBlockType::String),
+                    field("placed_at", TitoIndexBlockType::Timestamp),
+                ],
+            },
+            TitoIndexConfig {
+                condition: true,
+                name: "order_by_tags".into(),
+                fields: vec![field("tags", TitoIndexBlockType::String)],
+            },
+            TitoIndexConfig {
+                condition: true,
+                name: "open_orders_by_total".into(),
+                fields: vec![field("total_cents", TitoIndexBlockType::Integer)],
+            },
+        ]
+    );
+    assert_eq!(o.unique_indexes()[0].name, "order_by_number");
+    let events = o.events();
+    let names: Vec<&str> = events.iter().map(|e| e.name.as_str()).collect();
+    assert_eq!(names, ["order", "order_reminder", "order_followup"]);
+    assert!(events[0].timestamp >= Utc::now().timestamp() - 5);
+    assert_eq!(events[1].timestamp, 1_007);
+    assert_eq!(events[2].timestamp, 1_067);
+    assert!(!order(8, "ada", 3, 1).indexes()[2].condition);
+}
+
+pub async fn typed_queries_match_the_builder<E: TitoEngine>(ctx: Ctx<E>) {
+    let orders = ctx.db.clone().model::<Order>();
+    for (id, customer, day, total) in [
+        (1, "ada", 1, 500),
+        (2, "ada", 5, 900),
+        (3, "bob", 2, 100),
+        (4, "ada", 9, 50),
+    ] {
+        orders.build(order(id, customer, day, total)).await.unwrap();
+    }
+    let ids = |items: Vec<Order>| items.into_iter().map(|o| o.order_id).collect::<Vec<_>>();
+
+    // A prefix, then a range on the next field.
+    let page = orders
+        .order_by_customer_date("ada")
+        .execute()
+        .await
+        .unwrap();
+    assert_eq!(ids(page.items), [1, 2, 4]);
+    let page = orders
+        .order_by_customer_date("ada")
+        .placed_at(at(2)..at(9))
+        .execute()
+        .await
+        .unwrap();
+    assert_eq!(ids(page.items), [2]);
+    let page = orders
+        .order_by_customer_date("ada")
+        .placed_at_eq(&at(9))
+        .execute()
+        .await
+        .unwrap();
+    assert_eq!(ids(page.items), [4]);
+    let untyped = orders
+        .query_by_index("order_by_customer_date")
+        .value("ada")
+        .range(at(2)..at(9))
+        .execute()
+        .await
+        .unwrap();
+    assert_eq!(ids(untyped.items), [2]);
+
+    // The typed builder keeps limit, reverse and cursors.
+    let page = orders
+        .order_by_customer_date("ada")
+        .reverse(true)
+        .limit(Some(2))
+        .execute()
+        .await
+        .unwrap();
+    assert_eq!(ids(page.items), [4, 2]);
+    let customer = String::from("bob");
+    let page = orders
+        .order_by_customer_date(&customer)
+        .execute()
+        .await
+        .unwrap();
+    assert_eq!(ids(page.items), [3]);
+
+    // Vec fields: one entry per element.
+    let page = orders.order_by_tags("t0").execute().await.unwrap();
+    assert_eq!(ids(page.items), [2, 4]);
+    // A range over the first field.
+    let page = orders
+        .open_orders_by_total_range(100..=500)
+        .execute()
+        .await
+        .unwrap();
+    assert_eq!(ids(page.items), [3, 1]);
+}
+
+pub async fn unique_and_conditional_indexes_work<E: TitoEngine>(ctx: Ctx<E>) {
+    let orders = ctx.db.clone().model::<Order>();
+    orders.build(order(1, "ada", 1, 10)).await.unwrap();
+    let mut twin = order(2, "ada", 1, 10);
+    twin.number = "N-1".into();
+    let err = orders.build(twin).await.unwrap_err();
+    assert!(
+        matches!(err, tito::TitoError::UniqueViolation { .. }),
+        "{err:?}"
+    );
+    let page = orders.order_by_number("N-1").execute().await.unwrap();
+    assert_eq!(page.items.len(), 1);
+    // Order 2 is closed (even id): not in the conditional index.
+    orders.build(order(2, "ada", 1, 10)).await.unwrap();
+    let page = orders.open_orders_by_total(&10).execute().await.unwrap();
+    assert_eq!(
+        page.items.iter().map(|o| o.order_id).collect::<Vec<_>>(),
+        [1]
+    );
+}

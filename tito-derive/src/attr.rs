@@ -1,0 +1,224 @@
+//! Parsing of `#[tito(...)]` attributes, keeping the literal tokens for error spans.
+//!
+//! On the struct: `table = ".."`, `index = "name: field, field"` (optionally with
+//! `condition = "method"` in the same attribute), `unique_index = ".."` (same form), `event =
+//! ".."` (optionally with `at = "field_or_method"`). On a field: `id`.
+
+use syn::spanned::Spanned;
+use syn::{Attribute, LitStr};
+
+use crate::ast::Errors;
+
+const TABLE: &str = "table";
+const INDEX: &str = "index";
+const UNIQUE_INDEX: &str = "unique_index";
+const CONDITION: &str = "condition";
+const EVENT: &str = "event";
+const AT: &str = "at";
+const ID: &str = "id";
+
+/// An index as written: `name: field, field`.
+pub struct IndexSpec {
+    pub lit: LitStr,
+    pub name: String,
+    pub fields: Vec<String>,
+    pub unique: bool,
+    pub condition: Option<LitStr>,
+}
+
+/// An event as written.
+pub struct EventSpec {
+    pub lit: LitStr,
+    pub at: Option<LitStr>,
+}
+
+/// Everything the struct's attributes say.
+#[derive(Default)]
+pub struct ContainerAttrs {
+    pub table: Option<LitStr>,
+    pub indexes: Vec<IndexSpec>,
+    pub events: Vec<EventSpec>,
+}
+
+fn is_tito(attr: &Attribute) -> bool {
+    attr.path().is_ident("tito")
+}
+
+/// What the last item of one attribute was, for the modifiers that follow it.
+enum Last {
+    None,
+    Index,
+    Event,
+}
+
+pub fn container(attrs: &[Attribute], errors: &mut Errors) -> ContainerAttrs {
+    let mut out = ContainerAttrs::default();
+    for attr in attrs.iter().filter(|a| is_tito(a)) {
+        let mut last = Last::None;
+        let result = attr.parse_nested_meta(|meta| {
+            let key = meta
+                .path
+                .get_ident()
+                .map(ToString::to_string)
+                .unwrap_or_default();
+            match key.as_str() {
+                TABLE => {
+                    let lit: LitStr = meta.value()?.parse()?;
+                    if lit.value().is_empty() {
+                        errors.push(syn::Error::new(lit.span(), "the table name is empty"));
+                    }
+                    if out.table.is_some() {
+                        errors.push(syn::Error::new(lit.span(), "duplicate `table`"));
+                    }
+                    out.table = Some(lit);
+                    last = Last::None;
+                }
+                INDEX | UNIQUE_INDEX => {
+                    if !matches!(last, Last::None) {
+                        return Err(meta.error(format!(
+                            "one `index`, `unique_index` or `event` per `#[tito(...)]`; put `{key}` in an attribute of its own"
+                        )));
+                    }
+                    let lit: LitStr = meta.value()?.parse()?;
+                    if let Some(spec) = parse_index(&lit, key == UNIQUE_INDEX, errors) {
+                        out.indexes.push(spec);
+                        last = Last::Index;
+                    }
+                }
+                CONDITION => {
+                    let lit: LitStr = meta.value()?.parse()?;
+                    match (&last, out.indexes.last_mut()) {
+                        (Last::Index, Some(index)) => index.condition = Some(lit),
+                        _ => {
+                            return Err(syn::Error::new(
+                                lit.span(),
+                                "`condition` belongs to an `index` or `unique_index` in the same attribute",
+                            ));
+                        }
+                    }
+                }
+                EVENT => {
+                    if !matches!(last, Last::None) {
+                        return Err(meta.error(
+                            "one `index`, `unique_index` or `event` per `#[tito(...)]`; put `event` in an attribute of its own",
+                        ));
+                    }
+                    let lit: LitStr = meta.value()?.parse()?;
+                    if lit.value().is_empty() {
+                        errors.push(syn::Error::new(lit.span(), "the event name is empty"));
+                    }
+                    out.events.push(EventSpec { lit, at: None });
+                    last = Last::Event;
+                }
+                AT => {
+                    let lit: LitStr = meta.value()?.parse()?;
+                    match (&last, out.events.last_mut()) {
+                        (Last::Event, Some(event)) => event.at = Some(lit),
+                        _ => {
+                            return Err(syn::Error::new(
+                                lit.span(),
+                                "`at` belongs to an `event` in the same attribute",
+                            ));
+                        }
+                    }
+                }
+                ID => {
+                    return Err(meta.error("`id` goes on a field: `#[tito(id)] id: String`"));
+                }
+                _ => {
+                    return Err(meta.error(format!(
+                        "unknown tito attribute `{}`; expected `table`, `index`, `unique_index`, `condition`, `event` or `at`",
+                        path_text(&meta.path)
+                    )));
+                }
+            }
+            Ok(())
+        });
+        if let Err(err) = result {
+            errors.push(err);
+        }
+    }
+    out
+}
+
+fn path_text(path: &syn::Path) -> String {
+    path.segments
+        .iter()
+        .map(|s| s.ident.to_string())
+        .collect::<Vec<_>>()
+        .join("::")
+}
+
+fn is_identifier(text: &str) -> bool {
+    let mut chars = text.chars();
+    matches!(chars.next(), Some(c) if c == '_' || c.is_ascii_alphabetic())
+        && chars.all(|c| c == '_' || c.is_ascii_alphanumeric())
+}
+
+/// `name: field, field`.
+fn parse_index(lit: &LitStr, unique: bool, errors: &mut Errors) -> Option<IndexSpec> {
+    let text = lit.value();
+    let Some((name, fields)) = text.split_once(':') else {
+        errors.push(syn::Error::new(
+            lit.span(),
+            format!("malformed index `{text}`: expected `name: field, field`"),
+        ));
+        return None;
+    };
+    let name = name.trim().to_string();
+    if !is_identifier(&name) {
+        errors.push(syn::Error::new(
+            lit.span(),
+            format!("index name `{name}` is not an identifier"),
+        ));
+        return None;
+    }
+    let fields: Vec<String> = fields
+        .split(',')
+        .map(|f| f.trim().to_string())
+        .filter(|f| !f.is_empty())
+        .collect();
+    if fields.is_empty() {
+        errors.push(syn::Error::new(
+            lit.span(),
+            format!("index `{name}` has no fields"),
+        ));
+        return None;
+    }
+    if let Some(bad) = fields.iter().find(|f| !is_identifier(f)) {
+        errors.push(syn::Error::new(
+            lit.span(),
+            format!("malformed field `{bad}` in index `{name}`"),
+        ));
+        return None;
+    }
+    Some(IndexSpec {
+        lit: lit.clone(),
+        name,
+        fields,
+        unique,
+        condition: None,
+    })
+}
+
+/// Whether a field carries `#[tito(id)]`; unknown keys are errors.
+pub fn field_is_id(field: &syn::Field, errors: &mut Errors) -> Option<proc_macro2::Span> {
+    let mut found = None;
+    for attr in field.attrs.iter().filter(|a| is_tito(a)) {
+        let result = attr.parse_nested_meta(|meta| {
+            if meta.path.is_ident(ID) {
+                found = Some(meta.path.span());
+                Ok(())
+            } else {
+                Err(meta.error(format!(
+                    "unknown tito field attribute `{}`; expected `id`",
+                    path_text(&meta.path)
+                )))
+            }
+        });
+        if let Err(err) = result {
+            errors.push(err);
+        }
+    }
+    found
+}

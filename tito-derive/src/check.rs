@@ -1,0 +1,104 @@
+//! Rules that span several attributes or fields, one function per rule. Type rules (which field
+//! types can be ids, index fields or event times; the signature of a condition) are left to
+//! rustc through trait bounds and typed calls that `expand` spans on the user's tokens.
+
+use std::collections::HashSet;
+
+use crate::ast::{Errors, Model};
+
+/// Runs every rule; returns the index of the id field when there is exactly one.
+pub fn model(model: &Model, errors: &mut Errors) -> Option<usize> {
+    check_index_fields_exist(model, errors);
+    check_index_names_unique(model, errors);
+    check_event_names(model, errors);
+    check_id(model, errors)
+}
+
+/// The id is the field marked `#[tito(id)]` (exactly one), or else the field named `id`.
+fn check_id(model: &Model, errors: &mut Errors) -> Option<usize> {
+    let marked: Vec<usize> = model
+        .fields
+        .iter()
+        .enumerate()
+        .filter(|(_, f)| f.id_attr.is_some())
+        .map(|(i, _)| i)
+        .collect();
+    match marked.as_slice() {
+        [one] => Some(*one),
+        [_, rest @ ..] => {
+            for &index in rest {
+                let span = model.fields[index].id_attr.expect("marked");
+                errors.push(syn::Error::new(
+                    span,
+                    "duplicate `#[tito(id)]`: a model has one id field",
+                ));
+            }
+            None
+        }
+        [] => match model.fields.iter().position(|f| f.ident == "id") {
+            Some(index) => Some(index),
+            None => {
+                errors.push(syn::Error::new_spanned(
+                    &model.ident,
+                    "missing `#[tito(id)]`: mark the id field, or name it `id`",
+                ));
+                None
+            }
+        },
+    }
+}
+
+/// Every field an index names exists, once per index.
+fn check_index_fields_exist(model: &Model, errors: &mut Errors) {
+    for index in &model.attrs.indexes {
+        let mut seen = HashSet::new();
+        for field in &index.fields {
+            if model.field(field).is_none() {
+                errors.push(syn::Error::new(
+                    index.lit.span(),
+                    format!("unknown field `{field}` in index `{}`", index.name),
+                ));
+            } else if !seen.insert(field) {
+                errors.push(syn::Error::new(
+                    index.lit.span(),
+                    format!("field `{field}` appears twice in index `{}`", index.name),
+                ));
+            }
+        }
+    }
+}
+
+/// Index names are unique across `index` and `unique_index`.
+fn check_index_names_unique(model: &Model, errors: &mut Errors) {
+    let mut seen = HashSet::new();
+    for index in &model.attrs.indexes {
+        if !seen.insert(index.name.as_str()) {
+            errors.push(syn::Error::new(
+                index.lit.span(),
+                format!("duplicate index name `{}`", index.name),
+            ));
+        }
+    }
+}
+
+/// Event names are unique (empty ones were refused while parsing); `at` names something.
+fn check_event_names(model: &Model, errors: &mut Errors) {
+    let mut seen = HashSet::new();
+    for event in &model.attrs.events {
+        let name = event.lit.value();
+        if !name.is_empty() && !seen.insert(name.clone()) {
+            errors.push(syn::Error::new(
+                event.lit.span(),
+                format!("duplicate event `{name}`"),
+            ));
+        }
+        if let Some(at) = &event.at
+            && at.value().trim().is_empty()
+        {
+            errors.push(syn::Error::new(
+                at.span(),
+                "`at` is empty: name a field or a method `fn(&self) -> i64`",
+            ));
+        }
+    }
+}

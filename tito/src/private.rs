@@ -1,0 +1,138 @@
+//! Helpers for the code `#[derive(TitoModel)]` generates. Not a stable API: everything here may
+//! change between releases. Each item exists so that a type rule of the derive is checked by
+//! rustc on the user's own tokens.
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+
+use crate::model::TitoIndexBlockType;
+
+/// A Rust type an index field may have, with its key encoding and the argument types of the
+/// typed query methods.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be an index field",
+    label = "unsupported index field type",
+    note = "index fields are `String`, integers, floats, `bool`, `chrono::DateTime<Utc>`, or an `Option` or `Vec` of those"
+)]
+pub trait IndexField {
+    /// The block type of the index configuration.
+    const BLOCK_TYPE: TitoIndexBlockType;
+    /// What a typed query takes by reference to bind the field.
+    type Arg: ?Sized + Serialize;
+    /// What a typed query's range is made of.
+    type RangeArg<'a>: Serialize;
+}
+
+/// An index field type that is a single value (what `Vec<T>` may hold).
+pub trait ScalarIndexField: IndexField {}
+
+impl IndexField for String {
+    const BLOCK_TYPE: TitoIndexBlockType = TitoIndexBlockType::String;
+    type Arg = str;
+    type RangeArg<'a> = &'a str;
+}
+impl ScalarIndexField for String {}
+
+macro_rules! scalar {
+    ($kind:ident: $($t:ty),*) => {$(
+        impl IndexField for $t {
+            const BLOCK_TYPE: TitoIndexBlockType = TitoIndexBlockType::$kind;
+            type Arg = $t;
+            type RangeArg<'a> = $t;
+        }
+        impl ScalarIndexField for $t {}
+    )*};
+}
+
+scalar!(Integer: i8, i16, i32, i64, isize);
+scalar!(Unsigned: u8, u16, u32, u64, usize);
+scalar!(Number: f32, f64);
+scalar!(Boolean: bool);
+scalar!(Timestamp: DateTime<Utc>);
+
+impl<T: IndexField> IndexField for Option<T> {
+    const BLOCK_TYPE: TitoIndexBlockType = T::BLOCK_TYPE;
+    type Arg = T::Arg;
+    type RangeArg<'a> = T::RangeArg<'a>;
+}
+impl<T: ScalarIndexField> ScalarIndexField for Option<T> {}
+
+impl<T: ScalarIndexField> IndexField for Vec<T> {
+    const BLOCK_TYPE: TitoIndexBlockType = T::BLOCK_TYPE;
+    type Arg = T::Arg;
+    type RangeArg<'a> = T::RangeArg<'a>;
+}
+
+/// A Rust type a model id may have.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be a model id",
+    label = "unsupported id type",
+    note = "ids are `String` or an integer type"
+)]
+pub trait IdField {
+    /// The id as the row key's last segment holds it.
+    fn to_id(&self) -> String;
+}
+
+impl IdField for String {
+    fn to_id(&self) -> String {
+        self.clone()
+    }
+}
+
+macro_rules! integer_id {
+    ($($t:ty),*) => {$(
+        impl IdField for $t {
+            fn to_id(&self) -> String {
+                self.to_string()
+            }
+        }
+    )*};
+}
+
+integer_id!(i8, i16, i32, i64, isize, u8, u16, u32, u64, usize);
+
+/// A field type an event's `at` may name: when the event becomes runnable.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot tell when an event runs",
+    label = "`at` needs an `i64` of Unix seconds, a `chrono::DateTime<Utc>`, or an `Option` of those",
+    note = "or name a method `fn(&self) -> i64`"
+)]
+pub trait EventTime {
+    /// Unix seconds.
+    fn event_timestamp(&self) -> i64;
+}
+
+impl EventTime for i64 {
+    fn event_timestamp(&self) -> i64 {
+        *self
+    }
+}
+
+impl EventTime for DateTime<Utc> {
+    fn event_timestamp(&self) -> i64 {
+        self.timestamp()
+    }
+}
+
+impl<T: EventTime> EventTime for Option<T> {
+    /// `None` means now.
+    fn event_timestamp(&self) -> i64 {
+        self.as_ref().map_or_else(now, EventTime::event_timestamp)
+    }
+}
+
+/// Now, in Unix seconds.
+pub fn now() -> i64 {
+    Utc::now().timestamp()
+}
+
+/// Calls an index condition; its type makes a method of the wrong signature a compile error.
+pub fn condition<T>(model: &T, rule: fn(&T) -> bool) -> bool {
+    rule(model)
+}
+
+/// Calls an event's `at` method; its type makes a method of the wrong signature a compile error.
+pub fn event_at<T>(model: &T, at: fn(&T) -> i64) -> i64 {
+    at(model)
+}
