@@ -9,6 +9,7 @@ use crate::ast::{Errors, Model};
 /// Runs every rule; returns the index of the id field when there is exactly one.
 pub fn model(model: &Model, errors: &mut Errors) -> Option<usize> {
     check_index_fields_exist(model, errors);
+    check_index_field_types(model, errors);
     check_index_names_unique(model, errors);
     check_event_names(model, errors);
     check_id(model, errors)
@@ -100,5 +101,79 @@ fn check_event_names(model: &Model, errors: &mut Errors) {
                 "`at` is empty: name a field or a method `fn(&self) -> i64`",
             ));
         }
+    }
+}
+
+/// Index fields of a type that can never be indexed (maps, sets, tuples, references...) are
+/// reported here, once, at the field's type. Other types go through the `IndexField` bound that
+/// `expand` generates, so type aliases and newer supported types keep working.
+fn check_index_field_types(model: &Model, errors: &mut Errors) {
+    let mut reported = HashSet::new();
+    for index in &model.attrs.indexes {
+        for name in &index.fields {
+            let Some(field) = model.field(name) else {
+                continue;
+            };
+            if let Some(why) = never_indexable(&field.ty)
+                && reported.insert(name.clone())
+            {
+                errors.push(syn::Error::new_spanned(
+                    &field.ty,
+                    format!(
+                        "field `{name}` cannot be indexed: {why}; index fields are `String`, integers, floats, `bool`, `chrono::DateTime<Utc>`, or an `Option` or `Vec` of those"
+                    ),
+                ));
+            }
+        }
+    }
+}
+
+/// Why a type can never be an index field, when that is clear from its syntax.
+fn never_indexable(ty: &syn::Type) -> Option<String> {
+    match ty {
+        syn::Type::Path(path) => {
+            let last = path.path.segments.last()?;
+            let name = last.ident.to_string();
+            const NEVER: &[&str] = &[
+                "HashMap",
+                "BTreeMap",
+                "HashSet",
+                "BTreeSet",
+                "VecDeque",
+                "LinkedList",
+                "BinaryHeap",
+                "Box",
+                "Rc",
+                "Arc",
+                "Cell",
+                "RefCell",
+                "Mutex",
+                "Value",
+                "char",
+                "i128",
+                "u128",
+            ];
+            if NEVER.contains(&name.as_str()) {
+                return Some(format!("`{name}` is not a supported type"));
+            }
+            if name == "Option" || name == "Vec" {
+                if let syn::PathArguments::AngleBracketed(args) = &last.arguments
+                    && let Some(syn::GenericArgument::Type(inner)) = args.args.first()
+                {
+                    return never_indexable(inner);
+                }
+            }
+            None
+        }
+        syn::Type::Paren(inner) => never_indexable(&inner.elem),
+        syn::Type::Group(inner) => never_indexable(&inner.elem),
+        syn::Type::Tuple(_) => Some("a tuple is not a supported type".into()),
+        syn::Type::Array(_) | syn::Type::Slice(_) => {
+            Some("arrays and slices are not supported; use `Vec`".into())
+        }
+        syn::Type::Reference(_) | syn::Type::Ptr(_) => {
+            Some("references are not supported; use an owned type".into())
+        }
+        _ => Some("this kind of type is not supported".into()),
     }
 }

@@ -64,8 +64,20 @@ fn lit_ident(lit: &LitStr, errors: &mut Errors, what: &str) -> Option<Ident> {
     }
 }
 
-fn index_field_type(ty: &Type) -> TokenStream {
-    quote_spanned! {ty.span()=> <#ty as ::tito::__private::IndexField> }
+/// `<Type as IndexField>::BLOCK_TYPE`, spanned on the field's type so that an unsupported type
+/// is reported there.
+fn index_block_type(ty: &Type) -> TokenStream {
+    quote! { <#ty as ::tito::__private::IndexField>::BLOCK_TYPE }
+}
+
+/// The argument type of a typed query binding the field (spanned likewise).
+fn index_arg(ty: &Type) -> TokenStream {
+    quote! { <#ty as ::tito::__private::IndexField>::Arg }
+}
+
+/// The element type of a typed query range over the field (spanned likewise).
+fn index_range_arg(ty: &Type) -> TokenStream {
+    quote! { <#ty as ::tito::__private::IndexField>::RangeArg<'a> }
 }
 
 fn expand(model: &Model, id: usize, errors: &mut Errors) -> TokenStream {
@@ -86,18 +98,18 @@ fn expand(model: &Model, id: usize, errors: &mut Errors) -> TokenStream {
             None => quote!(true),
             Some(lit) => match lit_ident(lit, errors, "method") {
                 Some(method) => quote_spanned! {lit.span()=>
-                    ::tito::__private::condition(self, #ident::#method)
+                    ::tito::__private::condition(self, Self::#method)
                 },
                 None => quote!(true),
             },
         };
         let fields = index.fields.iter().map(|field_name| {
             let ty = &model.field(field_name).expect("checked").ty;
-            let kind = index_field_type(ty);
+            let kind = index_block_type(ty);
             quote! {
                 ::tito::model::TitoIndexField {
                     name: ::std::string::String::from(#field_name),
-                    r#type: #kind::BLOCK_TYPE,
+                    r#type: #kind,
                 }
             }
         });
@@ -129,7 +141,7 @@ fn expand(model: &Model, id: usize, errors: &mut Errors) -> TokenStream {
                 }
                 None => match lit_ident(at, errors, "field or method") {
                     Some(method) => quote_spanned! {at.span()=>
-                        ::tito::__private::event_at(self, #ident::#method)
+                        ::tito::__private::event_at(self, Self::#method)
                     },
                     None => quote!(0),
                 },
@@ -262,7 +274,7 @@ fn index_queries(
 
     let first = &fields[0];
     let first_ident = first.ident;
-    let first_kind = index_field_type(first.ty);
+    let (first_arg, first_range) = (index_arg(first.ty), index_range_arg(first.ty));
     let ret1 = returns(1);
     let body1 = wrap(1, quote!(query));
     let unique_note = if index.unique { " (unique)" } else { "" };
@@ -274,17 +286,17 @@ fn index_queries(
     );
     let methods = vec![quote! {
         #[doc = #doc_eq]
-        fn #method(&self, value: &#first_kind::Arg) -> #ret1;
+        fn #method(&self, value: &#first_arg) -> #ret1;
         #[doc = #doc_range]
-        fn #range_method<'a, R: ::std::ops::RangeBounds<#first_kind::RangeArg<'a>>>(&self, range: R) -> #query_ty;
+        fn #range_method<'a, R: ::std::ops::RangeBounds<#first_range>>(&self, range: R) -> #query_ty;
     }];
     let bodies = vec![quote! {
-        fn #method(&self, value: &#first_kind::Arg) -> #ret1 {
+        fn #method(&self, value: &#first_arg) -> #ret1 {
             let mut query = self.query_by_index(#name);
             query.value(value);
             #body1
         }
-        fn #range_method<'a, R: ::std::ops::RangeBounds<#first_kind::RangeArg<'a>>>(&self, range: R) -> #query_ty {
+        fn #range_method<'a, R: ::std::ops::RangeBounds<#first_range>>(&self, range: R) -> #query_ty {
             let mut query = self.query_by_index(#name);
             query.range(range);
             query
@@ -297,7 +309,7 @@ fn index_queries(
         let next = &fields[bound];
         let next_ident = next.ident;
         let eq_method = format_ident!("{}_eq", next_ident);
-        let next_kind = index_field_type(next.ty);
+        let (next_arg, next_range) = (index_arg(next.ty), index_range_arg(next.ty));
         let ret = returns(bound + 1);
         let body = wrap(bound + 1, quote!(self.query));
         let bound_names = fields[..bound]
@@ -320,13 +332,13 @@ fn index_queries(
 
             impl<E: ::tito::TitoEngine> #stage<E> {
                 #[doc = #doc_eq]
-                pub fn #eq_method(mut self, value: &#next_kind::Arg) -> #ret {
+                pub fn #eq_method(mut self, value: &#next_arg) -> #ret {
                     self.query.value(value);
                     #body
                 }
 
                 #[doc = #doc_range]
-                pub fn #next_ident<'a, R: ::std::ops::RangeBounds<#next_kind::RangeArg<'a>>>(mut self, range: R) -> #query_ty {
+                pub fn #next_ident<'a, R: ::std::ops::RangeBounds<#next_range>>(mut self, range: R) -> #query_ty {
                     self.query.range(range);
                     self.query
                 }

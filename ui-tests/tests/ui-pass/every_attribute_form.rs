@@ -1,0 +1,97 @@
+//! Every attribute form of `#[derive(TitoModel)]` compiles, and every public item it generates
+//! is documented (this crate denies missing docs).
+#![deny(missing_docs)]
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use tito::backend::embedded::Embedded;
+use tito::model::TitoModelTrait;
+use tito::{TitoEngine, TitoModel};
+
+/// A model using every attribute form.
+#[derive(TitoModel, Default, Clone, Debug, Serialize, Deserialize)]
+#[tito(table = "people")]
+#[tito(index = "by_email: email")]
+#[tito(index = "by_team_created: team_id, created_at")]
+#[tito(index = "active_by_team: team_id", condition = "is_active")]
+#[tito(unique_index = "by_handle: handle")]
+#[tito(unique_index = "active_by_handle: handle", condition = "is_active")]
+#[tito(index = "by_tag: tags")]
+#[tito(index = "by_nickname: nickname")]
+#[tito(index = "by_score_joined: score, joined, verified")]
+#[tito(event = "user")]
+#[tito(event = "reminder", at = "remind_at")]
+#[tito(event = "followup", at = "followup_at")]
+#[tito(event = "maybe", at = "maybe_at")]
+pub struct User {
+    /// Id.
+    #[tito(id)]
+    pub key: u32,
+    /// Email.
+    pub email: String,
+    /// Team.
+    pub team_id: String,
+    /// Creation time, Unix seconds.
+    pub created_at: i64,
+    /// Handle.
+    pub handle: String,
+    /// Tags.
+    pub tags: Vec<String>,
+    /// Nickname.
+    pub nickname: Option<String>,
+    /// Score.
+    pub score: f64,
+    /// Join time.
+    pub joined: DateTime<Utc>,
+    /// Verified.
+    pub verified: bool,
+    /// Reminder time.
+    pub remind_at: i64,
+    /// Maybe time.
+    pub maybe_at: Option<DateTime<Utc>>,
+    /// Active.
+    pub active: bool,
+}
+
+impl User {
+    fn is_active(&self) -> bool {
+        self.active
+    }
+
+    fn followup_at(&self) -> i64 {
+        self.remind_at + 3600
+    }
+}
+
+/// A model with the defaults: id field named `id`, table from the struct name.
+#[derive(TitoModel, Default, Clone, Debug, Serialize, Deserialize)]
+pub struct AuditEntry {
+    /// Id.
+    pub id: String,
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    assert_eq!(AuditEntry::default().table(), "audit_entry");
+    assert_eq!(User::default().table(), "people");
+    let db = Embedded::temporary().await.unwrap();
+    let users = db.model::<User>();
+    let joined = DateTime::<Utc>::from_timestamp(0, 0).unwrap();
+    let _ = users.by_email("a@b").limit(Some(5)).execute().await.unwrap();
+    let _ = users.by_team_created("t").created_at(0..10).execute().await.unwrap();
+    let _ = users.by_team_created("t").created_at_eq(&3).execute().await.unwrap();
+    let _ = users.by_team_created_range("a".."b").execute().await.unwrap();
+    let _ = users.active_by_team("t").execute().await.unwrap();
+    let _ = users.by_handle("h").execute().await.unwrap();
+    let _ = users.by_tag("x").cursor(None).execute().await.unwrap();
+    let _ = users.by_nickname("n").reverse(true).execute().await.unwrap();
+    let _ = users
+        .by_score_joined(&1.5)
+        .joined_eq(&joined)
+        .verified(..=true)
+        .execute()
+        .await
+        .unwrap();
+    let query = users.by_score_joined(&1.5).into_query();
+    let _ = query.execute().await.unwrap();
+}

@@ -1,0 +1,19 @@
+// A typed query takes the indexed field's type: `team` is a String, not an integer.
+use serde::{Deserialize, Serialize};
+use tito::backend::embedded::Embedded;
+use tito::{TitoEngine, TitoModel};
+
+#[derive(TitoModel, Default, Clone, Serialize, Deserialize)]
+#[tito(index = "by_team_rank: team, rank")]
+struct Player {
+    id: String,
+    team: String,
+    rank: i64,
+}
+
+async fn query(db: Embedded) {
+    let players = db.model::<Player>();
+    let _ = players.by_team_rank(&7).execute().await;
+}
+
+fn main() {}
