@@ -156,12 +156,11 @@ fn never_indexable(ty: &syn::Type) -> Option<String> {
             if NEVER.contains(&name.as_str()) {
                 return Some(format!("`{name}` is not a supported type"));
             }
-            if name == "Option" || name == "Vec" {
-                if let syn::PathArguments::AngleBracketed(args) = &last.arguments
-                    && let Some(syn::GenericArgument::Type(inner)) = args.args.first()
-                {
-                    return never_indexable(inner);
-                }
+            if (name == "Option" || name == "Vec")
+                && let syn::PathArguments::AngleBracketed(args) = &last.arguments
+                && let Some(syn::GenericArgument::Type(inner)) = args.args.first()
+            {
+                return never_indexable(inner);
             }
             None
         }
