@@ -17,7 +17,8 @@ macro_rules! derive_suite {
             derive,
             [
                 typed_queries_match_the_builder,
-                unique_and_conditional_indexes_work
+                unique_and_conditional_indexes_work,
+                serde_renames_are_followed,
             ]
         );
     };
@@ -203,5 +204,54 @@ pub async fn unique_and_conditional_indexes_work<E: TitoEngine>(ctx: Ctx<E>) {
     assert_eq!(
         page.items.iter().map(|o| o.order_id).collect::<Vec<_>>(),
         [1]
+    );
+}
+
+/// serde renames the stored keys; the indexes follow them.
+#[derive(TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+#[tito(index = "member_by_team: team_id")]
+#[tito(index = "member_by_mail: email")]
+pub struct Member {
+    pub id: String,
+    pub team_id: String,
+    #[serde(rename = "mail", default)]
+    pub email: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nickname: Option<String>,
+}
+
+pub async fn serde_renames_are_followed<E: TitoEngine>(ctx: Ctx<E>) {
+    let names: Vec<String> = Member::default()
+        .indexes()
+        .into_iter()
+        .map(|i| i.fields[0].name.clone())
+        .collect();
+    assert_eq!(names, ["teamId", "mail"]);
+    let members = ctx.db.clone().model::<Member>();
+    let ada = Member {
+        id: "1".into(),
+        team_id: "core".into(),
+        email: "ada@x".into(),
+        nickname: None,
+    };
+    members.build(ada.clone()).await.unwrap();
+    assert_eq!(
+        members
+            .member_by_team("core")
+            .execute()
+            .await
+            .unwrap()
+            .items,
+        [ada.clone()]
+    );
+    assert_eq!(
+        members
+            .member_by_mail("ada@x")
+            .execute()
+            .await
+            .unwrap()
+            .items,
+        [ada]
     );
 }

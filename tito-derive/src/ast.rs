@@ -32,6 +32,10 @@ pub struct Field {
     pub ident: Ident,
     pub ty: Type,
     pub id_attr: Option<Span>,
+    /// The key serde writes for this field (after `rename` / `rename_all`).
+    pub json_name: String,
+    /// The field is not serialized (`#[serde(skip)]` or `skip_serializing`).
+    pub serde_skip: Option<Span>,
 }
 
 pub struct Model {
@@ -68,6 +72,27 @@ pub fn snake_case(name: &str) -> String {
         }
     }
     out
+}
+
+/// serde's `rename_all` rules, for a snake_case Rust field name.
+fn apply_rename_rule(rule: &str, name: &str) -> String {
+    match rule {
+        "lowercase" => name.to_lowercase(),
+        "UPPERCASE" => name.to_uppercase(),
+        "PascalCase" => pascal_case(name),
+        "camelCase" => {
+            let pascal = pascal_case(name);
+            let mut chars = pascal.chars();
+            match chars.next() {
+                Some(first) => first.to_lowercase().chain(chars).collect(),
+                None => String::new(),
+            }
+        }
+        "SCREAMING_SNAKE_CASE" => name.to_uppercase(),
+        "kebab-case" => name.replace('_', "-"),
+        "SCREAMING-KEBAB-CASE" => name.replace('_', "-").to_uppercase(),
+        _ => name.to_string(),
+    }
 }
 
 pub fn pascal_case(name: &str) -> String {
@@ -119,13 +144,28 @@ pub fn parse(input: &DeriveInput, errors: &mut Errors) -> Option<Model> {
     }
     let attrs = attr::container(&input.attrs, errors);
     let named = named?;
+    let rename_all = attr::serde_rename_all(&input.attrs);
     let fields = named
         .named
         .iter()
-        .map(|field| Field {
-            ident: field.ident.clone().expect("named field"),
-            ty: field.ty.clone(),
-            id_attr: attr::field_is_id(field, errors),
+        .map(|field| {
+            let ident = field.ident.clone().expect("named field");
+            let serde = attr::serde_field(field);
+            let json_name = serde.rename.unwrap_or_else(|| {
+                let name = ident.to_string();
+                let name = name.strip_prefix("r#").unwrap_or(&name).to_string();
+                match &rename_all {
+                    Some(rule) => apply_rename_rule(rule, &name),
+                    None => name,
+                }
+            });
+            Field {
+                ident,
+                ty: field.ty.clone(),
+                id_attr: attr::field_is_id(field, errors),
+                json_name,
+                serde_skip: serde.skip,
+            }
         })
         .collect();
     Some(Model {
@@ -145,5 +185,7 @@ mod tests {
         assert_eq!(snake_case("UserProfile"), "user_profile");
         assert_eq!(snake_case("User"), "user");
         assert_eq!(pascal_case("by_team_created"), "ByTeamCreated");
+        assert_eq!(apply_rename_rule("camelCase", "team_id"), "teamId");
+        assert_eq!(apply_rename_rule("kebab-case", "team_id"), "team-id");
     }
 }

@@ -222,3 +222,83 @@ pub fn field_is_id(field: &syn::Field, errors: &mut Errors) -> Option<proc_macro
     }
     found
 }
+
+/// What serde's attributes say about a field, as far as the stored JSON is concerned.
+#[derive(Default)]
+pub struct SerdeField {
+    pub rename: Option<String>,
+    pub skip: Option<proc_macro2::Span>,
+}
+
+/// Reads `#[serde(rename = "..")]` (or `rename(serialize = "..")`) and `skip` /
+/// `skip_serializing` on a field. Other serde keys are serde's business and are ignored.
+pub fn serde_field(field: &syn::Field) -> SerdeField {
+    let mut out = SerdeField::default();
+    for attr in field.attrs.iter().filter(|a| a.path().is_ident("serde")) {
+        let _ = attr.parse_nested_meta(|meta| {
+            if meta.path.is_ident("rename") {
+                if meta.input.peek(syn::Token![=]) {
+                    let lit: LitStr = meta.value()?.parse()?;
+                    out.rename = Some(lit.value());
+                } else {
+                    meta.parse_nested_meta(|inner| {
+                        if inner.path.is_ident("serialize") {
+                            let lit: LitStr = inner.value()?.parse()?;
+                            out.rename = Some(lit.value());
+                        } else {
+                            skip_value(&inner)?;
+                        }
+                        Ok(())
+                    })?;
+                }
+            } else if meta.path.is_ident("skip") || meta.path.is_ident("skip_serializing") {
+                out.skip = Some(meta.path.span());
+            } else {
+                skip_value(&meta)?;
+            }
+            Ok(())
+        });
+    }
+    out
+}
+
+/// `#[serde(rename_all = "..")]` (or its `serialize` form) on the struct.
+pub fn serde_rename_all(attrs: &[Attribute]) -> Option<String> {
+    let mut out = None;
+    for attr in attrs.iter().filter(|a| a.path().is_ident("serde")) {
+        let _ = attr.parse_nested_meta(|meta| {
+            if meta.path.is_ident("rename_all") {
+                if meta.input.peek(syn::Token![=]) {
+                    let lit: LitStr = meta.value()?.parse()?;
+                    out = Some(lit.value());
+                } else {
+                    meta.parse_nested_meta(|inner| {
+                        if inner.path.is_ident("serialize") {
+                            let lit: LitStr = inner.value()?.parse()?;
+                            out = Some(lit.value());
+                        } else {
+                            skip_value(&inner)?;
+                        }
+                        Ok(())
+                    })?;
+                }
+            } else {
+                skip_value(&meta)?;
+            }
+            Ok(())
+        });
+    }
+    out
+}
+
+/// Consumes whatever follows a serde key we do not read (`= value` or `(...)`).
+fn skip_value(meta: &syn::meta::ParseNestedMeta<'_>) -> syn::Result<()> {
+    if meta.input.peek(syn::Token![=]) {
+        let _: syn::Expr = meta.value()?.parse()?;
+    } else if meta.input.peek(syn::token::Paren) {
+        let content;
+        syn::parenthesized!(content in meta.input);
+        let _: proc_macro2::TokenStream = content.parse()?;
+    }
+    Ok(())
+}

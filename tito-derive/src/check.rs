@@ -54,6 +54,17 @@ fn check_index_fields_exist(model: &Model, errors: &mut Errors) {
     for index in &model.attrs.indexes {
         let mut seen = HashSet::new();
         for field in &index.fields {
+            if let Some(found) = model.field(field)
+                && let Some(span) = found.serde_skip
+            {
+                errors.push(syn::Error::new(
+                    span,
+                    format!(
+                        "field `{field}` of index `{}` is skipped by serde, so it is never stored",
+                        index.name
+                    ),
+                ));
+            }
             if model.field(field).is_none() {
                 errors.push(syn::Error::new(
                     index.lit.span(),

@@ -104,11 +104,13 @@ fn expand(model: &Model, id: usize, errors: &mut Errors) -> TokenStream {
             },
         };
         let fields = index.fields.iter().map(|field_name| {
-            let ty = &model.field(field_name).expect("checked").ty;
+            let field = model.field(field_name).expect("checked");
+            let ty = &field.ty;
+            let json_name = &field.json_name;
             let kind = index_block_type(ty);
             quote! {
                 ::tito::model::TitoIndexField {
-                    name: ::std::string::String::from(#field_name),
+                    name: ::std::string::String::from(#json_name),
                     r#type: #kind,
                 }
             }
