@@ -243,7 +243,7 @@ pub async fn serde_renames_are_followed<E: TitoEngine>(ctx: Ctx<E>) {
             .await
             .unwrap()
             .items,
-        [ada.clone()]
+        vec![ada.clone()]
     );
     assert_eq!(
         members
