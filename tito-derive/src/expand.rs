@@ -367,3 +367,52 @@ fn index_queries(
     }
     (methods, bodies, structs)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn expand_str(source: &str) -> String {
+        let input: DeriveInput = syn::parse_str(source).expect("valid Rust");
+        derive(&input).to_string()
+    }
+
+    #[test]
+    fn generates_the_impl_and_typed_queries() {
+        let out = expand_str(
+            r#"
+            #[tito(index = "by_team_rank: team, rank")]
+            #[tito(event = "user")]
+            pub struct User { id: String, team: String, rank: i64 }
+            "#,
+        );
+        assert!(
+            out.contains("impl :: tito :: model :: TitoModelTrait for User"),
+            "{out}"
+        );
+        assert!(out.contains("pub trait UserQueries"), "{out}");
+        assert!(out.contains("fn by_team_rank_range"), "{out}");
+        assert!(out.contains("pub struct UserByTeamRankQuery1"), "{out}");
+        assert!(out.contains("fn rank_eq"), "{out}");
+        assert!(!out.contains("compile_error"), "{out}");
+    }
+
+    #[test]
+    fn reports_every_mistake_and_a_stub() {
+        let out = expand_str(
+            r#"
+            #[tito(index = "a: nope")]
+            #[tito(index = "a: id")]
+            #[tito(event = "")]
+            struct User { email: String }
+            "#,
+        );
+        // Unknown `nope`, unknown `id`, the duplicate `a`, the empty event, the missing id.
+        assert_eq!(out.matches("compile_error").count(), 5, "{out}");
+        assert!(
+            out.contains("unreachable"),
+            "a stub impl stops cascades: {out}"
+        );
+        assert!(!out.contains("Queries"), "{out}");
+    }
+}

@@ -55,6 +55,63 @@
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! # `#[derive(TitoModel)]`
+//!
+//! The derive writes the same `impl TitoModelTrait` from attributes, and a typed query method
+//! per index (on a generated `{Struct}Queries` trait, implemented for `TitoModel<E, Struct>`).
+//!
+//! | attribute | meaning |
+//! |---|---|
+//! | `#[tito(table = "user")]` | the table (default: the struct's name in snake case) |
+//! | `#[tito(index = "name: field, field")]` | a secondary index over those fields, in key order |
+//! | `#[tito(index = "..", condition = "method")]` | only rows where `fn method(&self) -> bool` holds |
+//! | `#[tito(unique_index = "name: field")]` | a unique index (same forms) |
+//! | `#[tito(event = "name")]` | an event runnable at the time of the write |
+//! | `#[tito(event = "name", at = "x")]` | runnable at field `x` (`i64` seconds, `DateTime<Utc>`, `Option` of those) or method `fn x(&self) -> i64` |
+//! | `#[tito(id)]` on a field | the id (`String` or an integer); default: the field named `id` |
+//!
+//! Index field types come from the Rust types: `String`, integers, floats, `bool`,
+//! `chrono::DateTime<Utc>`, and `Option<T>` (sparse) or `Vec<T>` (one entry per element) of
+//! those. Field names follow serde's `rename` and `rename_all`. Mistakes are compile errors at
+//! the token that is wrong.
+//!
+//! For `index = "by_team_created: team_id, created_at"` the typed methods are
+//! `by_team_created(&team)` (binds `team_id`; `by_team_created_range(a..b)` ranges over it), then
+//! on the result `created_at_eq(&t)` (binds the next field) or `created_at(from..to)` (ranges
+//! over it). Binding out of order, ranging before the earlier fields are bound, or a value of
+//! the wrong type does not compile. Every stage is the ordinary [`IndexQuery`] through `Deref`:
+//! `limit`, `cursor`, `reverse`, `execute`.
+//!
+//! ```
+//! use serde::{Deserialize, Serialize};
+//! use tito::backend::embedded::Embedded;
+//! use tito::{TitoEngine, TitoModel};
+//!
+//! #[derive(TitoModel, Default, Clone, Debug, Serialize, Deserialize)]
+//! #[tito(index = "by_team_created: team_id, created_at")]
+//! #[tito(unique_index = "by_email: email")]
+//! #[tito(event = "user")]
+//! struct User {
+//!     #[tito(id)]
+//!     id: String,
+//!     email: String,
+//!     team_id: String,
+//!     created_at: i64,
+//! }
+//!
+//! # #[tokio::main(flavor = "multi_thread")]
+//! # async fn main() -> Result<(), tito::TitoError> {
+//! let db = Embedded::temporary().await?;
+//! let users = db.clone().model::<User>();
+//! users.build(User { id: "1".into(), email: "a@x".into(), team_id: "core".into(), created_at: 0 }).await?;
+//! // `created_at` is set from the transaction's time on insert.
+//! let page = users.by_team_created("core").created_at(1..).limit(Some(10)).execute().await?;
+//! assert_eq!(page.items.len(), 1);
+//! assert_eq!(users.by_email("a@x").execute().await?.items[0].id, "1");
+//! # Ok(())
+//! # }
+//! ```
 
 mod config;
 mod index;
