@@ -931,3 +931,18 @@ pub async fn query_mistakes_are_clear_errors<E: TitoEngine>(ctx: Ctx<E>) {
         "zero limit on find",
     );
 }
+
+/// The futures of every model operation can be spawned on a multi-threaded runtime.
+#[allow(dead_code)]
+fn model_futures_are_send<E: TitoEngine>(db: E, tx: &E::Transaction) {
+    fn send<T: Send>(_: T) {}
+    let users = db.model::<User>();
+    send(users.build(user("1", "a@x")));
+    send(users.update_with_options(user("1", "a@x"), TitoOptions::default(), tx));
+    send(users.delete_by_id("1"));
+    send(users.find_by_id("1", vec![]));
+    send(users.find_by_ids(&[]));
+    send(users.find().execute());
+    send(users.query_by_index("by_email").value("a@x").execute());
+    send(users.query_by_index("by_email").execute_tx(tx));
+}

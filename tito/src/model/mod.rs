@@ -216,6 +216,18 @@ fn row_entries(
     Ok(out)
 }
 
+/// Runs `read` in a transaction of its own, then rolls that transaction back.
+pub(crate) async fn read_only<E: TitoEngine, R>(
+    db: &E,
+    read: impl AsyncFnOnce(&E::Transaction) -> TitoResult<R>,
+) -> TitoResult<R> {
+    let tx = db.begin().await?;
+    let result = read(&tx).await;
+    // Nothing was written: a failed rollback loses nothing.
+    let _ = tx.rollback().await;
+    result
+}
+
 fn parse_row(key: &str, bytes: &[u8]) -> TitoResult<Value> {
     serde_json::from_slice(bytes)
         .map_err(|err| integrity(format!("row {key:?} is not valid JSON: {err}")))
@@ -549,10 +561,7 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
                 "Tito does not load relationships ({relationships:?}); read related models explicitly"
             )));
         }
-        let tx = self.db.begin().await?;
-        let result = self.find_by_id_tx(id, &tx).await;
-        let _ = tx.rollback().await;
-        result
+        read_only(&self.db, async |tx| self.find_by_id_tx(id, tx).await).await
     }
 
     /// Reads one row by id inside `tx`.
@@ -567,10 +576,7 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
     /// Reads many rows in one round trip, in a transaction of its own; the answer is aligned
     /// with `ids` (`None` for a missing row).
     pub async fn find_by_ids(&self, ids: &[String]) -> TitoResult<Vec<Option<T>>> {
-        let tx = self.db.begin().await?;
-        let result = self.find_by_ids_tx(ids, &tx).await;
-        let _ = tx.rollback().await;
-        result
+        read_only(&self.db, async |tx| self.find_by_ids_tx(ids, tx).await).await
     }
 
     /// Reads many rows in one round trip inside `tx`.

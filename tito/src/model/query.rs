@@ -10,7 +10,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use super::config::{TitoIndexBlockType, TitoModelTrait};
-use super::{decode_model, index, index_configs};
+use super::{decode_model, index, index_configs, read_only};
 use crate::engine::{TitoEngine, TitoTransaction};
 use crate::error::{TitoError, TitoResult};
 use crate::keys::{self, KeyValue};
@@ -212,10 +212,7 @@ impl<E: TitoEngine, T: TitoModelTrait> IndexQuery<E, T> {
 
     /// Runs the query in a transaction of its own.
     pub async fn execute(&self) -> TitoResult<TitoPage<T>> {
-        let tx = self.db.begin().await?;
-        let result = self.execute_tx(&tx).await;
-        let _ = tx.rollback().await;
-        result
+        read_only(&self.db, async |tx| self.execute_tx(tx).await).await
     }
 
     /// Runs the query inside `tx`.
@@ -360,10 +357,7 @@ impl<E: TitoEngine, T: TitoModelTrait> TableQuery<E, T> {
 
     /// Runs the scan in a transaction of its own.
     pub async fn execute(&self) -> TitoResult<TitoPage<T>> {
-        let tx = self.db.begin().await?;
-        let result = self.execute_tx(&tx).await;
-        let _ = tx.rollback().await;
-        result
+        read_only(&self.db, async |tx| self.execute_tx(tx).await).await
     }
 
     /// Runs the scan inside `tx`.
