@@ -12,6 +12,7 @@ mod engine_conformance;
 mod engine_embedded;
 mod engine_tikv;
 mod models;
-mod models_on_backends;
+mod queue;
+mod suites;
 mod tikv_server;
 mod transactions;

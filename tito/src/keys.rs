@@ -471,6 +471,206 @@ pub fn index_key_row(key: &str) -> TitoResult<(String, String)> {
     Ok((decode_str(table)?, decode_str(id)?))
 }
 
+// ---------------------------------------------------------------------------------------------
+// Queue keys
+//
+// The default queue keeps the seed's layout under `queue:`; a named queue (topic) `t` uses the
+// same layout under `queue@{t}:` with `t` encoded as a string segment. No prefix of one queue is
+// a prefix of another's: the topic segment ends at `:`, and `queue:` differs from `queue@` at
+// its sixth byte.
+//
+// {queue}:pending:{partition:04}:{timestamp:020}:{enqueue_version:020}:{event_id}
+// {queue}:completed:{processed_at:020}:{event_timestamp:020}:{event_id}
+// {queue}:owner:{b64url(kind)}:{b64url(id)}:{state}:{b64url(queue_storage_key)}
+// {queue}:lease:{partition:04}                   a partition lease (JSON)
+// {queue}:meta                                   the queue's partition count (JSON)
+//
+// `processed_at` is the version of the transaction that completed the invocation (unique per
+// transaction, so two invocations of one event never share a completed key).
+// ---------------------------------------------------------------------------------------------
+
+/// The key prefix of a queue: `queue` for the default queue, `queue@{topic}` for a named one.
+pub fn queue_root(topic: Option<&str>) -> String {
+    match topic {
+        None => "queue".to_string(),
+        Some(topic) => {
+            let mut out = "queue@".to_string();
+            encode_str(topic, &mut out);
+            out
+        }
+    }
+}
+
+/// `{queue}:pending:{partition:04}:`, the prefix of one partition's pending rows.
+pub fn pending_partition_prefix(root: &str, partition: u32) -> String {
+    format!("{root}:pending:{partition:04}:")
+}
+
+/// `{queue}:pending:{partition:04}:{timestamp:020}:`, one due-time bucket of a partition.
+pub fn pending_bucket_prefix(root: &str, partition: u32, timestamp: u64) -> String {
+    format!("{root}:pending:{partition:04}:{timestamp:020}:")
+}
+
+/// The key of a pending invocation.
+pub fn pending_key(
+    root: &str,
+    partition: u32,
+    timestamp: u64,
+    version: u64,
+    event_id: &str,
+) -> String {
+    let mut key = format!("{root}:pending:{partition:04}:{timestamp:020}:{version:020}:");
+    encode_str(event_id, &mut key);
+    key
+}
+
+/// A pending key's parts.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PendingKey {
+    /// The partition.
+    pub partition: u32,
+    /// When the invocation becomes runnable (Unix seconds).
+    pub timestamp: u64,
+    /// The version of the transaction that enqueued it.
+    pub version: u64,
+    /// The logical event id.
+    pub event_id: String,
+}
+
+/// Parses a pending key of the queue `root`.
+pub fn parse_pending_key(root: &str, key: &str) -> TitoResult<PendingKey> {
+    let malformed = |why: &str| TitoError::Integrity(format!("pending key {key:?} {why}"));
+    let rest = key
+        .strip_prefix(root)
+        .and_then(|r| r.strip_prefix(":pending:"))
+        .ok_or_else(|| malformed("is not in this queue"))?;
+    let mut parts = rest.splitn(4, SEPARATOR);
+    let number = |part: Option<&str>, width: usize, what: &str| -> TitoResult<u64> {
+        let part = part.ok_or_else(|| malformed(&format!("has no {what}")))?;
+        if part.len() != width || !part.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(malformed(&format!("has a malformed {what}")));
+        }
+        part.parse()
+            .map_err(|_| malformed(&format!("has a malformed {what}")))
+    };
+    let partition = number(parts.next(), 4, "partition")? as u32;
+    let timestamp = number(parts.next(), 20, "timestamp")?;
+    let version = number(parts.next(), 20, "version")?;
+    let event_id = decode_str(parts.next().ok_or_else(|| malformed("has no event id"))?)?;
+    Ok(PendingKey {
+        partition,
+        timestamp,
+        version,
+        event_id,
+    })
+}
+
+/// The key of a completed invocation.
+pub fn completed_key(
+    root: &str,
+    processed_at: u64,
+    event_timestamp: u64,
+    event_id: &str,
+) -> String {
+    let mut key = format!("{root}:completed:{processed_at:020}:{event_timestamp:020}:");
+    encode_str(event_id, &mut key);
+    key
+}
+
+/// `{queue}:completed:`, the prefix of every completed invocation.
+pub fn completed_prefix(root: &str) -> String {
+    format!("{root}:completed:")
+}
+
+/// `{queue}:completed:{processed_at:020}:`: completed rows processed before `processed_at` sort
+/// below it.
+pub fn completed_before(root: &str, processed_at: u64) -> String {
+    format!("{root}:completed:{processed_at:020}:")
+}
+
+/// The state segment of an owner key.
+pub const OWNER_PENDING: &str = "pending";
+/// The state segment of an owner key.
+pub const OWNER_COMPLETED: &str = "completed";
+
+/// `{queue}:owner:{b64url(kind)}:{b64url(id)}:`, every key of one owner.
+pub fn owner_prefix(root: &str, kind: &str, id: &str) -> String {
+    format!(
+        "{root}:owner:{}:{}:",
+        base64url(kind.as_bytes()),
+        base64url(id.as_bytes())
+    )
+}
+
+/// The owner key of one queue row in one state.
+pub fn owner_key(root: &str, kind: &str, id: &str, state: &str, queue_key: &str) -> String {
+    format!(
+        "{}{state}:{}",
+        owner_prefix(root, kind, id),
+        base64url(queue_key.as_bytes())
+    )
+}
+
+/// The queue row an owner key points at.
+pub fn owner_key_target(key: &str) -> TitoResult<String> {
+    let encoded = key
+        .rsplit(SEPARATOR)
+        .next()
+        .ok_or_else(|| TitoError::Integrity(format!("owner key {key:?} is malformed")))?;
+    let bytes = base64url_decode(encoded)
+        .ok_or_else(|| TitoError::Integrity(format!("owner key {key:?} is malformed")))?;
+    String::from_utf8(bytes)
+        .map_err(|_| TitoError::Integrity(format!("owner key {key:?} is malformed")))
+}
+
+/// The lease key of a partition.
+pub fn lease_key(root: &str, partition: u32) -> String {
+    format!("{root}:lease:{partition:04}")
+}
+
+/// The key holding a queue's partition count.
+pub fn queue_meta_key(root: &str) -> String {
+    format!("{root}:meta")
+}
+
+const B64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+
+/// Unpadded base64url (RFC 4648 section 5).
+pub fn base64url(bytes: &[u8]) -> String {
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |acc, (i, b)| acc | (u32::from(*b) << (16 - 8 * i)));
+        let chars = chunk.len() + 1;
+        for i in 0..chars {
+            out.push(B64[((n >> (18 - 6 * i)) & 63) as usize] as char);
+        }
+    }
+    out
+}
+
+/// Decodes unpadded base64url; `None` on anything else.
+pub fn base64url_decode(text: &str) -> Option<Vec<u8>> {
+    let value = |c: u8| B64.iter().position(|&b| b == c).map(|v| v as u32);
+    let bytes = text.as_bytes();
+    if bytes.len() % 4 == 1 {
+        return None;
+    }
+    let mut out = Vec::with_capacity(bytes.len() * 3 / 4);
+    for chunk in bytes.chunks(4) {
+        let mut n = 0u32;
+        for (i, &c) in chunk.iter().enumerate() {
+            n |= value(c)? << (18 - 6 * i);
+        }
+        for i in 0..chunk.len() - 1 {
+            out.push((n >> (16 - 8 * i)) as u8);
+        }
+    }
+    Some(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -625,5 +825,64 @@ mod tests {
             unique_claim_key("by_email", &[("email", &email)]).unwrap(),
             "unique:by_email:email:x@y"
         );
+    }
+
+    #[test]
+    fn queue_keys_follow_the_layout() {
+        let root = queue_root(None);
+        assert_eq!(root, "queue");
+        assert_eq!(queue_root(Some("user")), "queue@user");
+        let key = pending_key(&root, 3, 1700000000, 42, "e:1");
+        assert_eq!(
+            key,
+            "queue:pending:0003:00000000001700000000:00000000000000000042:e;<;1"
+        );
+        let parsed = parse_pending_key(&root, &key).unwrap();
+        assert_eq!(
+            (
+                parsed.partition,
+                parsed.timestamp,
+                parsed.version,
+                parsed.event_id.as_str()
+            ),
+            (3, 1700000000, 42, "e:1")
+        );
+        assert!(key.starts_with(&pending_bucket_prefix(&root, 3, 1700000000)));
+        assert!(parse_pending_key(&root, "queue:pending:0003:17:1:x").is_err());
+        assert!(parse_pending_key("queue@a", &key).is_err());
+        assert_eq!(
+            completed_key(&root, 9, 8, "x"),
+            "queue:completed:00000000000000000009:00000000000000000008:x"
+        );
+        let owner = owner_key(&root, "user", "42", OWNER_PENDING, &key);
+        assert!(owner.starts_with(&owner_prefix(&root, "user", "42")));
+        assert_eq!(owner_key_target(&owner).unwrap(), key);
+        // Named queues never share a prefix with each other or the default queue.
+        // (every queue key is its root, `:`, and more).
+        assert!(
+            !pending_partition_prefix(&queue_root(Some("ab")), 0)
+                .starts_with(&format!("{}:", queue_root(Some("a"))))
+        );
+        assert!(!queue_root(Some("pending")).starts_with("queue:"));
+    }
+
+    #[test]
+    fn base64url_round_trips() {
+        for input in [
+            &b""[..],
+            b"f",
+            b"fo",
+            b"foo",
+            b"foob",
+            b"fooba",
+            b"foobar",
+            &[0xff, 0xfe, 0x00],
+        ] {
+            assert_eq!(base64url_decode(&base64url(input)).unwrap(), input);
+        }
+        assert_eq!(base64url(b"foobar"), "Zm9vYmFy");
+        assert_eq!(base64url(&[0xfb, 0xff]), "-_8");
+        assert!(base64url_decode("a").is_none());
+        assert!(base64url_decode("a=").is_none());
     }
 }

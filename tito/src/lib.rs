@@ -38,6 +38,7 @@ pub mod engine;
 mod error;
 pub mod keys;
 pub mod model;
+pub mod queue;
 
 #[doc(hidden)]
 #[path = "private.rs"]
@@ -50,6 +51,10 @@ pub use keys::{key_after, next_string_lexicographically, prefix_end};
 pub use model::{
     TitoEventConfig, TitoIndexBlockType, TitoIndexConfig, TitoIndexField, TitoModel,
     TitoModelTrait, TitoOperation, TitoOptions, TitoPage,
+};
+pub use queue::{
+    Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, QueueHandlerResult, QueueOwner,
+    WorkerConfig,
 };
 /// Derives [`TitoModelTrait`] and typed index queries from `#[tito(...)]` attributes; see
 /// [`model`].

@@ -406,7 +406,7 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
     pub async fn delete_by_id_with_options(
         &self,
         id: &str,
-        _options: TitoOptions,
+        options: TitoOptions,
         tx: &E::Transaction,
     ) -> TitoResult<()> {
         let table = Self::table();
@@ -424,7 +424,47 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         }
         tx.delete(keys::manifest_key(&table, id).into_bytes())
             .await?;
-        tx.delete(keys::row_key(&table, id).into_bytes()).await
+        tx.delete(keys::row_key(&table, id).into_bytes()).await?;
+        if let Some(operation) = options.events {
+            let model: T = serde_json::from_value(stored.row.clone()).map_err(|err| {
+                integrity(format!(
+                    "row {:?} does not deserialize: {err}",
+                    keys::row_key(&table, id)
+                ))
+            })?;
+            self.publish_events(tx, operation, &model, &stored.row)
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Publishes the model's events for `operation` in `tx`: one [`ModelEvent`] per event
+    /// config, to the queue named like the config, keyed `{table}:{id}`.
+    ///
+    /// [`ModelEvent`]: crate::queue::ModelEvent
+    async fn publish_events<R: serde::Serialize>(
+        &self,
+        tx: &E::Transaction,
+        operation: TitoOperation,
+        model: &T,
+        row: &R,
+    ) -> TitoResult<()> {
+        let (table, id) = (model.table(), model.id());
+        for config in model.events() {
+            let event = crate::queue::QueueEvent::new(
+                format!("{table}:{id}"),
+                crate::queue::ModelEvent {
+                    operation,
+                    table: table.clone(),
+                    id: id.clone(),
+                    row,
+                },
+                config.timestamp,
+            );
+            crate::queue::publish_model_event(tx, &config.name, self.db.partitions(), &event)
+                .await?;
+        }
+        Ok(())
     }
 
     async fn in_own_transaction(&self, model: T, mode: Mode) -> TitoResult<T> {
@@ -450,7 +490,7 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         tx: &E::Transaction,
         model: T,
         mode: Mode,
-        _options: &TitoOptions,
+        options: &TitoOptions,
     ) -> TitoResult<T> {
         let id = model.id();
         let table = model.table();
@@ -548,6 +588,10 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         }
         if row_changed {
             tx.put(row_key.into_bytes(), bytes).await?;
+        }
+        if let Some(operation) = options.events {
+            self.publish_events(tx, operation, &stored_model, &stored_model)
+                .await?;
         }
         Ok(stored_model)
     }

@@ -1,0 +1,876 @@
+//! The queue: publication (alone, in a caller's transaction, from model writes), validation,
+//! workers and outcomes, fairness, leases, shutdown, retention, owners, unknown commit outcomes.
+//! Written once, run on every backend.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::FutureExt;
+use serde::{Deserialize, Serialize};
+use tito::engine::{Fault, FaultPoint, FaultRule, FaultyEngine};
+use tito::model::{TitoEventConfig, TitoModelTrait, TitoOperation, TitoOptions};
+use tito::queue::{ModelEvent, run_worker};
+use tito::{
+    Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, QueueHandlerResult, QueueOwner,
+    TitoEngine, TitoError, TitoTransaction, WorkerConfig,
+};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::support::{Ctx, wait_for};
+
+/// Runs every case of this suite on one backend.
+#[macro_export]
+macro_rules! queue_suite {
+    ($backend:ty) => {
+        $crate::engine_suite!(
+            $backend,
+            queue,
+            [
+                the_seed_sample_works,
+                publication_joins_the_callers_transaction,
+                model_writes_publish_their_events,
+                bad_events_are_refused_before_writing,
+                a_partition_count_mismatch_is_refused,
+                reschedule_replaces_the_row_atomically,
+                failures_leave_the_invocation_pending,
+                future_events_wait_for_their_time,
+                same_time_work_never_starves_later_buckets,
+                scans_read_at_most_sixteen_rows,
+                overlapping_workers_never_share_a_partition,
+                a_lost_lease_applies_no_outcome,
+                shutdown_drains_started_handlers,
+                handlers_run_concurrently,
+                completed_rows_expire,
+                owners_move_with_their_rows_and_can_be_erased,
+                unknown_acknowledgements_converge,
+            ]
+        );
+    };
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct Job {
+    n: u32,
+}
+
+fn now() -> i64 {
+    chrono::Utc::now().timestamp()
+}
+
+fn queue<E: TitoEngine>(db: &E, partitions: u32) -> Arc<Queue<E>> {
+    Arc::new(Queue::new(
+        db.clone(),
+        QueueConfig::new(partitions, Duration::from_secs(3600)),
+    ))
+}
+
+fn fast(partitions: std::ops::Range<u32>) -> WorkerConfig {
+    WorkerConfig::new(partitions).max_idle_backoff(Duration::from_millis(50))
+}
+
+struct Running {
+    stop: watch::Sender<bool>,
+    task: JoinHandle<()>,
+}
+
+impl Running {
+    async fn stop(self) {
+        self.stop.send(true).unwrap();
+        tokio::time::timeout(Duration::from_secs(30), self.task)
+            .await
+            .expect("the worker stops")
+            .unwrap();
+    }
+}
+
+fn start<E, F, Fut>(queue: &Arc<Queue<E>>, config: WorkerConfig, handler: F) -> Running
+where
+    E: TitoEngine,
+    F: Fn(QueueEvent<Job>) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = QueueHandlerResult<Job>> + Send + 'static,
+{
+    let (stop, rx) = watch::channel(false);
+    let task = tokio::spawn(run_worker(queue.clone(), config, handler, rx));
+    Running { stop, task }
+}
+
+/// Every invocation a handler saw.
+type Seen = Arc<Mutex<Vec<QueueEvent<Job>>>>;
+
+/// A handler that records what it saw and acknowledges.
+fn recorder() -> (
+    Seen,
+    impl Fn(QueueEvent<Job>) -> futures::future::BoxFuture<'static, QueueHandlerResult<Job>>
+    + Send
+    + Sync
+    + 'static,
+) {
+    let seen: Seen = Arc::default();
+    let log = seen.clone();
+    let handler = move |event: QueueEvent<Job>| {
+        let log = log.clone();
+        async move {
+            log.lock().unwrap().push(event);
+            Ok(QueueHandlerOutcome::Acknowledge)
+        }
+        .boxed()
+    };
+    (seen, handler)
+}
+
+async fn pending_total<E: TitoEngine>(queue: &Queue<E>) -> usize {
+    let mut total = 0;
+    for p in 0..queue.config().partitions {
+        total += queue.pending_count(p).await.unwrap();
+    }
+    total
+}
+
+async fn drained<E: TitoEngine>(queue: &Arc<Queue<E>>, completed: usize) {
+    let q = queue.clone();
+    wait_for("the queue to drain", Duration::from_secs(30), move || {
+        let q = q.clone();
+        async move {
+            pending_total(&q).await == 0 && q.completed_count().await.unwrap() == completed
+        }
+    })
+    .await;
+}
+
+pub async fn the_seed_sample_works<E: TitoEngine>(ctx: Ctx<E>) {
+    #[derive(Clone, Debug, Serialize, Deserialize)]
+    struct UserCreated {
+        id: String,
+    }
+    async fn handle_user_created(
+        event: QueueEvent<UserCreated>,
+        seen: Arc<Mutex<Vec<String>>>,
+    ) -> Result<(), TitoError> {
+        seen.lock().unwrap().push(event.payload.id);
+        Ok(())
+    }
+    let db = ctx.db.clone();
+    let queue = Arc::new(Queue::new(
+        db.clone(),
+        QueueConfig::new(4, Duration::from_secs(3 * 24 * 60 * 60)),
+    ));
+    queue
+        .publish(QueueEvent::new(
+            "user:123",
+            UserCreated { id: "123".into() },
+            chrono::Utc::now().timestamp(),
+        ))
+        .await
+        .unwrap();
+
+    let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    let seen: Arc<Mutex<Vec<String>>> = Arc::default();
+    let log = seen.clone();
+    let worker = tokio::spawn(run_worker(
+        queue.clone(),
+        WorkerConfig::new(0..4),
+        move |event: QueueEvent<UserCreated>| {
+            let log = log.clone();
+            async move {
+                handle_user_created(event, log).await?;
+                Ok(QueueHandlerOutcome::Acknowledge)
+            }
+            .boxed()
+        },
+        shutdown_rx,
+    ));
+    drained(&queue, 1).await;
+    assert_eq!(*seen.lock().unwrap(), ["123"]);
+    shutdown_tx.send(true).unwrap();
+    worker.await.unwrap();
+    assert_eq!(queue.stats().acknowledged.load(Ordering::Relaxed), 1);
+}
+
+pub async fn publication_joins_the_callers_transaction<E: TitoEngine>(ctx: Ctx<E>) {
+    let queue = queue(&ctx.db, 4);
+    // Rolled back: neither the data nor the event exist.
+    let tx = ctx.db.begin().await.unwrap();
+    tx.put(ctx.key("order"), b"1".to_vec()).await.unwrap();
+    queue
+        .publish_in_tx(&QueueEvent::new("order:1", Job { n: 1 }, now()), &tx)
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    assert_eq!(pending_total(&queue).await, 0);
+
+    // Committed: both.
+    let q = queue.clone();
+    let key = ctx.key("order");
+    ctx.db
+        .transaction(|tx| async move {
+            tx.put(key, b"1".to_vec()).await?;
+            q.publish_in_tx(&QueueEvent::new("order:1", Job { n: 1 }, now()), &tx)
+                .await
+        })
+        .await
+        .unwrap();
+    assert_eq!(pending_total(&queue).await, 1);
+}
+
+#[derive(Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct Account {
+    id: String,
+    email: String,
+}
+
+impl TitoModelTrait for Account {
+    fn id(&self) -> String {
+        self.id.clone()
+    }
+    fn table(&self) -> String {
+        "account".into()
+    }
+    fn events(&self) -> Vec<TitoEventConfig> {
+        vec![
+            TitoEventConfig {
+                name: "account".into(),
+                timestamp: chrono::Utc::now().timestamp(),
+            },
+            TitoEventConfig {
+                name: "account_later".into(),
+                timestamp: chrono::Utc::now().timestamp() + 3600,
+            },
+        ]
+    }
+}
+
+pub async fn model_writes_publish_their_events<E: TitoEngine>(ctx: Ctx<E>) {
+    let accounts = ctx.db.clone().model::<Account>();
+    let account = Account {
+        id: "a1".into(),
+        email: "a@x".into(),
+    };
+    let a = accounts.clone();
+    let row = account.clone();
+    ctx.db
+        .transaction(|tx| async move {
+            a.build_with_options(row, TitoOptions::with_events(TitoOperation::Insert), &tx)
+                .await
+        })
+        .await
+        .unwrap();
+    accounts
+        .build(Account {
+            id: "a2".into(),
+            email: "b@x".into(),
+        })
+        .await
+        .unwrap();
+
+    let topic = Arc::new(Queue::new(
+        ctx.db.clone(),
+        QueueConfig::new(ctx.db.partitions(), Duration::from_secs(60)).topic("account"),
+    ));
+    let later = Queue::new(
+        ctx.db.clone(),
+        QueueConfig::new(ctx.db.partitions(), Duration::from_secs(60)).topic("account_later"),
+    );
+    let seen: Arc<Mutex<Vec<ModelEvent<Account>>>> = Arc::default();
+    let log = seen.clone();
+    let (stop, rx) = watch::channel(false);
+    let worker = tokio::spawn(run_worker(
+        topic.clone(),
+        fast(0..ctx.db.partitions()),
+        move |event: QueueEvent<ModelEvent<Account>>| {
+            let log = log.clone();
+            async move {
+                log.lock().unwrap().push(event.payload);
+                Ok(QueueHandlerOutcome::Acknowledge)
+            }
+        },
+        rx,
+    ));
+    let s = seen.clone();
+    wait_for("the model event", Duration::from_secs(30), move || {
+        let s = s.clone();
+        async move { !s.lock().unwrap().is_empty() }
+    })
+    .await;
+    stop.send(true).unwrap();
+    worker.await.unwrap();
+    let events = seen.lock().unwrap().clone();
+    // Only the write with events published; the future event waits in its own queue.
+    assert_eq!(
+        events,
+        vec![ModelEvent {
+            operation: TitoOperation::Insert,
+            table: "account".into(),
+            id: "a1".into(),
+            row: account
+        }]
+    );
+    let mut later_pending = 0;
+    for p in 0..ctx.db.partitions() {
+        later_pending += later.pending_count(p).await.unwrap();
+    }
+    assert_eq!(later_pending, 1);
+
+    // A delete with events publishes the row as it was.
+    let a = accounts.clone();
+    ctx.db
+        .transaction(|tx| async move {
+            a.delete_by_id_with_options("a1", TitoOptions::with_events(TitoOperation::Delete), &tx)
+                .await
+        })
+        .await
+        .unwrap();
+    let mut pending = 0;
+    for p in 0..ctx.db.partitions() {
+        pending += topic.pending_count(p).await.unwrap();
+    }
+    assert_eq!(pending, 1);
+}
+
+pub async fn bad_events_are_refused_before_writing<E: TitoEngine>(ctx: Ctx<E>) {
+    let queue = queue(&ctx.db, 4);
+    let invalid = |r: Result<(), TitoError>| {
+        assert!(matches!(r, Err(TitoError::InvalidArgument(_))), "{r:?}")
+    };
+    invalid(queue.publish(QueueEvent::new("k", Job { n: 1 }, -1)).await);
+    let huge = QueueEvent::new("k", "x".repeat(tito::queue::MAX_QUEUE_EVENT_BYTES), now());
+    assert!(matches!(
+        queue.publish(huge).await,
+        Err(TitoError::InvalidArgument(_))
+    ));
+    invalid(
+        queue
+            .publish(QueueEvent::new("k", Job { n: 1 }, now()).with_owner(QueueOwner::new("", "1")))
+            .await,
+    );
+    invalid(
+        queue
+            .publish(
+                QueueEvent::new("k", Job { n: 1 }, now())
+                    .with_owner(QueueOwner::new("u", "x".repeat(513))),
+            )
+            .await,
+    );
+    assert_eq!(pending_total(&queue).await, 0);
+    // Not even the queue's metadata was written.
+    let tx = ctx.db.begin().await.unwrap();
+    assert!(tx.get(b"queue:meta").await.unwrap().is_none());
+    tx.rollback().await.unwrap();
+}
+
+pub async fn a_partition_count_mismatch_is_refused<E: TitoEngine>(ctx: Ctx<E>) {
+    queue(&ctx.db, 4)
+        .publish(QueueEvent::new("k", Job { n: 1 }, now()))
+        .await
+        .unwrap();
+    let other = queue(&ctx.db, 8);
+    let err = other
+        .publish(QueueEvent::new("k", Job { n: 2 }, now()))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, TitoError::InvalidArgument(m) if m.contains("4 partitions")),
+        "{err:?}"
+    );
+    assert_eq!(pending_total(&queue(&ctx.db, 4)).await, 1);
+}
+
+pub async fn reschedule_replaces_the_row_atomically<E: TitoEngine>(ctx: Ctx<E>) {
+    let queue = queue(&ctx.db, 2);
+    let event =
+        QueueEvent::new("job:1", Job { n: 1 }, now()).with_owner(QueueOwner::new("user", "7"));
+    let id = event.id.clone();
+    queue.publish(event).await.unwrap();
+    queue
+        .publish(QueueEvent::new("job:2", Job { n: 2 }, now()))
+        .await
+        .unwrap();
+    let worker = start(&queue, fast(0..2), |event: QueueEvent<Job>| async move {
+        Ok(match event.payload.n {
+            // A proper replacement, an hour later.
+            1 => QueueHandlerOutcome::Reschedule(event.rescheduled(now() + 3600)),
+            // A replacement with another payload is refused: the invocation stays pending.
+            _ => QueueHandlerOutcome::Reschedule(QueueEvent {
+                payload: Job { n: 99 },
+                ..event
+            }),
+        })
+    });
+    let q = queue.clone();
+    wait_for("the outcomes", Duration::from_secs(30), move || {
+        let q = q.clone();
+        async move {
+            q.stats().rescheduled.load(Ordering::Relaxed) == 1
+                && q.stats().failed.load(Ordering::Relaxed) >= 1
+        }
+    })
+    .await;
+    worker.stop().await;
+    assert_eq!(queue.completed_count().await.unwrap(), 1);
+    assert_eq!(
+        pending_total(&queue).await,
+        2,
+        "the replacement and the refused one"
+    );
+    // The replacement kept the identity.
+    let tx = ctx.db.begin().await.unwrap();
+    let rows = tx
+        .scan(b"queue:pending:", b"queue:pending;", 10)
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    let ids: Vec<String> = rows
+        .iter()
+        .map(|(_, v)| {
+            serde_json::from_slice::<serde_json::Value>(v).unwrap()["id"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert!(ids.contains(&id), "{ids:?}");
+}
+
+pub async fn failures_leave_the_invocation_pending<E: TitoEngine>(ctx: Ctx<E>) {
+    let queue = queue(&ctx.db, 1);
+    for n in 0..3 {
+        queue
+            .publish(QueueEvent::new("k", Job { n }, now()))
+            .await
+            .unwrap();
+    }
+    let attempts: Arc<Mutex<HashMap<u32, usize>>> = Arc::default();
+    let log = attempts.clone();
+    let config = fast(0..1).handler_timeout(Duration::from_millis(200));
+    let worker = start(&queue, config, move |event: QueueEvent<Job>| {
+        let log = log.clone();
+        async move {
+            let attempt = {
+                let mut map = log.lock().unwrap();
+                let count = map.entry(event.payload.n).or_default();
+                *count += 1;
+                *count
+            };
+            if attempt == 1 {
+                match event.payload.n {
+                    0 => return Err(TitoError::invalid_argument("first attempt fails")),
+                    1 => panic!("first attempt panics"),
+                    _ => tokio::time::sleep(Duration::from_secs(5)).await,
+                }
+            }
+            Ok(QueueHandlerOutcome::Acknowledge)
+        }
+    });
+    drained(&queue, 3).await;
+    worker.stop().await;
+    let attempts = attempts.lock().unwrap().clone();
+    assert_eq!(attempts, HashMap::from([(0, 2), (1, 2), (2, 2)]));
+    assert_eq!(queue.stats().failed.load(Ordering::Relaxed), 3);
+}
+
+pub async fn future_events_wait_for_their_time<E: TitoEngine>(ctx: Ctx<E>) {
+    let queue = queue(&ctx.db, 1);
+    let due = now() + 2;
+    queue
+        .publish(QueueEvent::new("k", Job { n: 1 }, due))
+        .await
+        .unwrap();
+    let (seen, handler) = recorder();
+    let worker = start(&queue, fast(0..1), handler);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(seen.lock().unwrap().is_empty(), "not before its time");
+    drained(&queue, 1).await;
+    assert!(now() >= due);
+    worker.stop().await;
+}
+
+pub async fn same_time_work_never_starves_later_buckets<E: TitoEngine>(ctx: Ctx<E>) {
+    let queue = queue(&ctx.db, 1);
+    let t0 = now() - 10;
+    // n = 0..4 re-create themselves at the same due time forever; n = 100 is due later.
+    for n in 0..4 {
+        queue
+            .publish(QueueEvent::new("k", Job { n }, t0))
+            .await
+            .unwrap();
+    }
+    queue
+        .publish(QueueEvent::new("k", Job { n: 100 }, t0 + 5))
+        .await
+        .unwrap();
+    let later_seen = Arc::new(AtomicUsize::new(0));
+    let flag = later_seen.clone();
+    let worker = start(
+        &queue,
+        fast(0..1).concurrency(2).page_size(2),
+        move |event: QueueEvent<Job>| {
+            let flag = flag.clone();
+            async move {
+                if event.payload.n == 100 {
+                    flag.fetch_add(1, Ordering::SeqCst);
+                    return Ok(QueueHandlerOutcome::Acknowledge);
+                }
+                let t = event.timestamp;
+                Ok(QueueHandlerOutcome::Reschedule(event.rescheduled(t)))
+            }
+        },
+    );
+    let f = later_seen.clone();
+    wait_for(
+        "the later bucket to run",
+        Duration::from_secs(30),
+        move || {
+            let f = f.clone();
+            async move { f.load(Ordering::SeqCst) == 1 }
+        },
+    )
+    .await;
+    worker.stop().await;
+    assert!(queue.stats().rescheduled.load(Ordering::Relaxed) >= 4);
+}
+
+pub async fn scans_read_at_most_sixteen_rows<E: TitoEngine>(ctx: Ctx<E>) {
+    let queue = queue(&ctx.db, 1);
+    let q = queue.clone();
+    ctx.db
+        .transaction(|tx| async move {
+            for n in 0..40 {
+                q.publish_in_tx(&QueueEvent::new("k", Job { n }, now() - 1), &tx)
+                    .await?;
+            }
+            Ok::<_, TitoError>(())
+        })
+        .await
+        .unwrap();
+    let (seen, handler) = recorder();
+    let worker = start(&queue, fast(0..1).concurrency(40).page_size(40), handler);
+    drained(&queue, 40).await;
+    worker.stop().await;
+    assert_eq!(seen.lock().unwrap().len(), 40);
+    // 40 rows need at least three scans of 16.
+    assert!(queue.stats().scans.load(Ordering::Relaxed) >= 3);
+}
+
+pub async fn overlapping_workers_never_share_a_partition<E: TitoEngine>(ctx: Ctx<E>) {
+    let queue = queue(&ctx.db, 4);
+    for n in 0..40 {
+        queue
+            .publish(QueueEvent::new(format!("key-{n}"), Job { n }, now()))
+            .await
+            .unwrap();
+    }
+    let owners: Arc<Mutex<HashMap<u32, String>>> = Arc::default();
+    let seen: Arc<Mutex<Vec<u32>>> = Arc::default();
+    let mut workers = Vec::new();
+    for name in ["a", "b"] {
+        let (owners, seen) = (owners.clone(), seen.clone());
+        let partitions = 4;
+        workers.push(start(
+            &queue,
+            fast(0..4).worker_id(name),
+            move |event: QueueEvent<Job>| {
+                let (owners, seen) = (owners.clone(), seen.clone());
+                async move {
+                    let partition = tito::queue::partition_for(&event.key, partitions);
+                    let owner = owners
+                        .lock()
+                        .unwrap()
+                        .entry(partition)
+                        .or_insert(name.to_string())
+                        .clone();
+                    assert_eq!(owner, name, "partition {partition} ran on two workers");
+                    seen.lock().unwrap().push(event.payload.n);
+                    Ok(QueueHandlerOutcome::Acknowledge)
+                }
+            },
+        ));
+    }
+    drained(&queue, 40).await;
+    for worker in workers {
+        worker.stop().await;
+    }
+    let mut seen = seen.lock().unwrap().clone();
+    seen.sort_unstable();
+    assert_eq!(seen, (0..40).collect::<Vec<_>>(), "each event exactly once");
+}
+
+pub async fn a_lost_lease_applies_no_outcome<E: TitoEngine>(ctx: Ctx<E>) {
+    let queue = queue(&ctx.db, 1);
+    queue
+        .publish(QueueEvent::new("k", Job { n: 1 }, now()))
+        .await
+        .unwrap();
+    let (release_tx, release_rx) = watch::channel(false);
+    let started = Arc::new(AtomicUsize::new(0));
+    let s = started.clone();
+    let worker = start(
+        &queue,
+        fast(0..1).lease_duration(Duration::from_secs(60)),
+        move |_event: QueueEvent<Job>| {
+            let mut release = release_rx.clone();
+            let s = s.clone();
+            async move {
+                s.fetch_add(1, Ordering::SeqCst);
+                let _ = release.wait_for(|go| *go).await;
+                Ok(QueueHandlerOutcome::Acknowledge)
+            }
+        },
+    );
+    let s = started.clone();
+    wait_for("the handler to start", Duration::from_secs(30), move || {
+        let s = s.clone();
+        async move { s.load(Ordering::SeqCst) == 1 }
+    })
+    .await;
+    // Another worker takes the partition (a new generation) while the handler runs.
+    let stolen = br#"{"owner":"thief","generation":99,"expires":18446744073709551615}"#.to_vec();
+    ctx.db
+        .transaction(|tx| async move { tx.put(b"queue:lease:0000".to_vec(), stolen).await })
+        .await
+        .unwrap();
+    release_tx.send(true).unwrap();
+    let q = queue.clone();
+    wait_for("the refused outcome", Duration::from_secs(30), move || {
+        let q = q.clone();
+        async move { q.stats().outcome_failures.load(Ordering::Relaxed) >= 1 }
+    })
+    .await;
+    worker.stop().await;
+    assert_eq!(
+        pending_total(&queue).await,
+        1,
+        "the invocation stays pending"
+    );
+    assert_eq!(queue.completed_count().await.unwrap(), 0);
+}
+
+pub async fn shutdown_drains_started_handlers<E: TitoEngine>(ctx: Ctx<E>) {
+    let queue = queue(&ctx.db, 1);
+    queue
+        .publish(QueueEvent::new("k", Job { n: 1 }, now()))
+        .await
+        .unwrap();
+    let started = Arc::new(AtomicUsize::new(0));
+    let s = started.clone();
+    let worker = start(&queue, fast(0..1), move |_event: QueueEvent<Job>| {
+        let s = s.clone();
+        async move {
+            s.fetch_add(1, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            Ok(QueueHandlerOutcome::Acknowledge)
+        }
+    });
+    let s = started.clone();
+    wait_for("the handler to start", Duration::from_secs(30), move || {
+        let s = s.clone();
+        async move { s.load(Ordering::SeqCst) == 1 }
+    })
+    .await;
+    worker.stop().await;
+    // The handler finished and its outcome was applied before the worker returned.
+    assert_eq!(queue.completed_count().await.unwrap(), 1);
+    assert_eq!(pending_total(&queue).await, 0);
+    // The lease was released.
+    let tx = ctx.db.begin().await.unwrap();
+    assert!(tx.get(b"queue:lease:0000").await.unwrap().is_none());
+    tx.rollback().await.unwrap();
+}
+
+pub async fn handlers_run_concurrently<E: TitoEngine>(ctx: Ctx<E>) {
+    let queue = queue(&ctx.db, 1);
+    for n in 0..8 {
+        queue
+            .publish(QueueEvent::new("k", Job { n }, now()))
+            .await
+            .unwrap();
+    }
+    let running = Arc::new(AtomicUsize::new(0));
+    let peak = Arc::new(AtomicUsize::new(0));
+    let (r, p) = (running.clone(), peak.clone());
+    let worker = start(
+        &queue,
+        fast(0..1).concurrency(8),
+        move |_event: QueueEvent<Job>| {
+            let (r, p) = (r.clone(), p.clone());
+            async move {
+                let now_running = r.fetch_add(1, Ordering::SeqCst) + 1;
+                p.fetch_max(now_running, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                r.fetch_sub(1, Ordering::SeqCst);
+                Ok(QueueHandlerOutcome::Acknowledge)
+            }
+        },
+    );
+    drained(&queue, 8).await;
+    worker.stop().await;
+    assert!(
+        peak.load(Ordering::SeqCst) >= 2,
+        "peak {}",
+        peak.load(Ordering::SeqCst)
+    );
+}
+
+pub async fn completed_rows_expire<E: TitoEngine>(ctx: Ctx<E>) {
+    let queue = Arc::new(Queue::new(
+        ctx.db.clone(),
+        QueueConfig::new(1, Duration::from_millis(1)),
+    ));
+    for n in 0..3 {
+        let event = QueueEvent::new("k", Job { n }, now()).with_owner(QueueOwner::new("user", "1"));
+        queue.publish(event).await.unwrap();
+    }
+    let (_seen, handler) = recorder();
+    let worker = start(
+        &queue,
+        fast(0..1).maintenance_interval(Duration::from_millis(50)),
+        handler,
+    );
+    let q = queue.clone();
+    wait_for(
+        "completed rows to expire",
+        Duration::from_secs(30),
+        move || {
+            let q = q.clone();
+            async move {
+                q.stats().acknowledged.load(Ordering::Relaxed) == 3
+                    && q.completed_count().await.unwrap() == 0
+            }
+        },
+    )
+    .await;
+    worker.stop().await;
+    assert!(queue.stats().expired.load(Ordering::Relaxed) >= 3);
+    // Their owner keys went with them.
+    let tx = ctx.db.begin().await.unwrap();
+    assert!(
+        tx.scan(b"queue:owner:", b"queue:owner;", 10)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    tx.rollback().await.unwrap();
+}
+
+pub async fn owners_move_with_their_rows_and_can_be_erased<E: TitoEngine>(ctx: Ctx<E>) {
+    let queue = queue(&ctx.db, 2);
+    let ada = QueueOwner::new("user", "ada");
+    let bob = QueueOwner::new("user", "bob");
+    for n in 0..3 {
+        queue
+            .publish(QueueEvent::new("k", Job { n }, now()).with_owner(ada.clone()))
+            .await
+            .unwrap();
+    }
+    queue
+        .publish(QueueEvent::new("k", Job { n: 10 }, now()).with_owner(bob.clone()))
+        .await
+        .unwrap();
+    // Ada's n = 0 completes first; its owner key moves to completed.
+    let worker = start(&queue, fast(0..2), |event: QueueEvent<Job>| async move {
+        if event.payload.n == 0 {
+            Ok(QueueHandlerOutcome::Acknowledge)
+        } else {
+            Err(TitoError::invalid_argument("not now"))
+        }
+    });
+    let q = queue.clone();
+    wait_for(
+        "the first acknowledgement",
+        Duration::from_secs(30),
+        move || {
+            let q = q.clone();
+            async move { q.stats().acknowledged.load(Ordering::Relaxed) == 1 }
+        },
+    )
+    .await;
+    worker.stop().await;
+    let owner_keys = |prefix: &'static str| {
+        let db = ctx.db.clone();
+        async move {
+            let tx = db.begin().await.unwrap();
+            let end = tito::prefix_end(prefix.to_string());
+            let rows = tx
+                .scan(prefix.as_bytes(), end.as_bytes(), 100)
+                .await
+                .unwrap();
+            tx.rollback().await.unwrap();
+            rows.into_iter()
+                .map(|(k, _)| String::from_utf8(k).unwrap())
+                .collect::<Vec<_>>()
+        }
+    };
+    let ada_prefix = "queue:owner:dXNlcg:YWRh:";
+    let keys = owner_keys(ada_prefix).await;
+    assert_eq!(
+        keys.iter().filter(|k| k.contains(":pending:")).count(),
+        2,
+        "{keys:?}"
+    );
+    assert_eq!(
+        keys.iter().filter(|k| k.contains(":completed:")).count(),
+        1,
+        "{keys:?}"
+    );
+
+    // Erase Ada's work except n = 2; Bob is untouched.
+    let q = queue.clone();
+    let owner = ada.clone();
+    let deleted = ctx
+        .db
+        .transaction(|tx| async move {
+            q.delete_by_owner_matching_in_tx(
+                &owner,
+                |event: &QueueEvent<Job>| event.payload.n != 2,
+                &tx,
+            )
+            .await
+        })
+        .await
+        .unwrap();
+    assert_eq!(deleted, 2);
+    assert_eq!(owner_keys(ada_prefix).await.len(), 1);
+    assert_eq!(pending_total(&queue).await, 2, "Ada's n = 2 and Bob's");
+    assert_eq!(queue.completed_count().await.unwrap(), 0);
+}
+
+pub async fn unknown_acknowledgements_converge<E: TitoEngine>(ctx: Ctx<E>) {
+    let faulty = FaultyEngine::new(ctx.db.clone());
+    let queue = Arc::new(Queue::new(
+        faulty.clone(),
+        QueueConfig::new(1, Duration::from_secs(3600)),
+    ));
+    for n in 0..6 {
+        queue
+            .publish(QueueEvent::new("k", Job { n }, now()))
+            .await
+            .unwrap();
+    }
+    // Outcome commits (they write completed rows) come back with an unknown outcome: twice
+    // after being applied, twice without being applied.
+    faulty.faults().add(
+        FaultRule::new(FaultPoint::Commit, Fault::UnknownOutcomeCommitted)
+            .when_key_starts_with("queue:completed")
+            .times(2),
+    );
+    faulty.faults().add(
+        FaultRule::new(FaultPoint::Commit, Fault::UnknownOutcomeNotCommitted)
+            .when_key_starts_with("queue:completed")
+            .times(2),
+    );
+    let (seen, handler) = recorder();
+    let worker = start(&queue, fast(0..1).page_size(1).concurrency(1), handler);
+    drained(&queue, 6).await;
+    worker.stop().await;
+    assert_eq!(faulty.faults().injected(), 4);
+    // Every event completed once; the ones whose outcome was not applied ran again.
+    let mut ns: Vec<u32> = seen.lock().unwrap().iter().map(|e| e.payload.n).collect();
+    ns.sort_unstable();
+    ns.dedup();
+    assert_eq!(ns, (0..6).collect::<Vec<_>>());
+    assert!(
+        seen.lock().unwrap().len() >= 8,
+        "two invocations were delivered again"
+    );
+}

@@ -1,0 +1,25 @@
+//! The feature suites (models, derive, queue) on every backend: one line per suite.
+
+mod embedded {
+    mod models {
+        crate::models_suite!(crate::support::EmbeddedBackend);
+    }
+    mod derive {
+        crate::derive_suite!(crate::support::EmbeddedBackend);
+    }
+    mod queue {
+        crate::queue_suite!(crate::support::EmbeddedBackend);
+    }
+}
+
+mod tikv {
+    mod models {
+        crate::models_suite!(crate::support::TikvBackend);
+    }
+    mod derive {
+        crate::derive_suite!(crate::support::TikvBackend);
+    }
+    mod queue {
+        crate::queue_suite!(crate::support::TikvBackend);
+    }
+}

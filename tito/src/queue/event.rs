@@ -1,0 +1,262 @@
+//! Queue events, owners, handler outcomes, and the stored form of an invocation.
+
+use std::hash::{BuildHasher, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::error::{TitoError, TitoResult};
+
+/// The largest serialized invocation a queue accepts (1 MiB).
+pub const MAX_QUEUE_EVENT_BYTES: usize = 1024 * 1024;
+
+/// The longest owner kind or id, in bytes.
+pub const MAX_OWNER_BYTES: usize = 512;
+
+/// Who an event belongs to, for bounded erasure (`delete_by_owner_matching_in_tx`). Opaque to
+/// Tito; kind and id are non-empty and at most [`MAX_OWNER_BYTES`] each.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct QueueOwner {
+    /// The owner's kind, such as `"user"`.
+    pub kind: String,
+    /// The owner's id.
+    pub id: String,
+}
+
+impl QueueOwner {
+    /// An owner.
+    pub fn new(kind: impl Into<String>, id: impl Into<String>) -> Self {
+        QueueOwner {
+            kind: kind.into(),
+            id: id.into(),
+        }
+    }
+
+    pub(crate) fn check(&self) -> TitoResult<()> {
+        for (what, value) in [("kind", &self.kind), ("id", &self.id)] {
+            if value.is_empty() || value.len() > MAX_OWNER_BYTES {
+                return Err(TitoError::invalid_argument(format!(
+                    "a queue owner {what} must be 1 to {MAX_OWNER_BYTES} bytes, not {}",
+                    value.len()
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One event: a logical id, the business key that picks its partition, a payload, the Unix
+/// second when it becomes runnable, and an optional owner.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct QueueEvent<T> {
+    /// The logical id; kept across [`QueueEvent::rescheduled`] replacements.
+    pub id: String,
+    /// The business key; events with one key share a partition.
+    pub key: String,
+    /// The application's data.
+    pub payload: T,
+    /// When the event becomes runnable, in Unix seconds (never negative).
+    pub timestamp: i64,
+    /// Who the event belongs to, if anyone.
+    pub owner: Option<QueueOwner>,
+}
+
+static ID_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// A new, unique logical id: the time, a process counter and a random number.
+pub(crate) fn new_event_id() -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or_default();
+    let count = ID_COUNTER.fetch_add(1, Ordering::Relaxed);
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u64(nanos);
+    hasher.write_u64(count);
+    format!("{nanos:016x}{count:08x}{:016x}", hasher.finish())
+}
+
+impl<T> QueueEvent<T> {
+    /// An event with a fresh logical id.
+    pub fn new(key: impl Into<String>, payload: T, timestamp: i64) -> Self {
+        QueueEvent {
+            id: new_event_id(),
+            key: key.into(),
+            payload,
+            timestamp,
+            owner: None,
+        }
+    }
+
+    /// The same event with this logical id (for idempotent publication).
+    pub fn with_id(mut self, id: impl Into<String>) -> Self {
+        self.id = id.into();
+        self
+    }
+
+    /// The same event with an owner.
+    pub fn with_owner(mut self, owner: QueueOwner) -> Self {
+        self.owner = Some(owner);
+        self
+    }
+
+    /// The replacement of this event for `Reschedule`: the same id, key, owner and payload,
+    /// runnable at `timestamp`.
+    pub fn rescheduled(self, timestamp: i64) -> Self {
+        QueueEvent { timestamp, ..self }
+    }
+
+    /// The replacement of this event, runnable after `backoff` (a helper for applications that
+    /// want retries; Tito itself never reschedules).
+    pub fn retried_after(self, backoff: std::time::Duration) -> Self {
+        let now = chrono::Utc::now().timestamp();
+        let secs = i64::try_from(backoff.as_secs()).unwrap_or(i64::MAX);
+        self.rescheduled(now.saturating_add(secs))
+    }
+}
+
+/// What a handler decided about one invocation.
+#[derive(Clone, Debug, PartialEq)]
+pub enum QueueHandlerOutcome<T> {
+    /// Done: the invocation moves to completed.
+    Acknowledge,
+    /// Done, and the replacement (same id, key, owner and payload; see
+    /// [`QueueEvent::rescheduled`]) is inserted in the same transaction.
+    Reschedule(QueueEvent<T>),
+}
+
+/// What a handler returns. An `Err` leaves the invocation pending, unchanged.
+pub type QueueHandlerResult<T> = Result<QueueHandlerOutcome<T>, TitoError>;
+
+/// The partition of a business key: FNV-1a (64-bit) of its UTF-8 bytes, modulo the partition
+/// count. Stable across processes, platforms and Rust releases.
+pub fn partition_for(key: &str, partitions: u32) -> u32 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in key.as_bytes() {
+        hash ^= u64::from(*byte);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    (hash % u64::from(partitions.max(1))) as u32
+}
+
+/// An invocation as stored in a pending or completed row.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub(crate) struct StoredEvent {
+    pub id: String,
+    pub key: String,
+    pub timestamp: i64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<QueueOwner>,
+    pub payload: Value,
+    /// Set on completed rows: the version of the completing transaction.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub processed_at: Option<u64>,
+}
+
+impl StoredEvent {
+    /// Checks an event and turns it into its stored form. Nothing is written on error.
+    pub fn from_event<T: Serialize>(event: &QueueEvent<T>) -> TitoResult<StoredEvent> {
+        if event.timestamp < 0 {
+            return Err(TitoError::invalid_argument(format!(
+                "event {:?} has a negative timestamp {}",
+                event.id, event.timestamp
+            )));
+        }
+        if event.id.is_empty() {
+            return Err(TitoError::invalid_argument("an event id is empty"));
+        }
+        if let Some(owner) = &event.owner {
+            owner.check()?;
+        }
+        Ok(StoredEvent {
+            id: event.id.clone(),
+            key: event.key.clone(),
+            timestamp: event.timestamp,
+            owner: event.owner.clone(),
+            payload: serde_json::to_value(&event.payload)?,
+            processed_at: None,
+        })
+    }
+
+    /// The bytes of the row, refused when over [`MAX_QUEUE_EVENT_BYTES`].
+    pub fn to_bytes(&self) -> TitoResult<Vec<u8>> {
+        let bytes = serde_json::to_vec(self)?;
+        if bytes.len() > MAX_QUEUE_EVENT_BYTES {
+            return Err(TitoError::invalid_argument(format!(
+                "event {:?} is {} bytes serialized, over MAX_QUEUE_EVENT_BYTES ({MAX_QUEUE_EVENT_BYTES})",
+                self.id,
+                bytes.len()
+            )));
+        }
+        Ok(bytes)
+    }
+
+    /// A stored row's value, or an integrity error.
+    pub fn parse(bytes: &[u8]) -> TitoResult<StoredEvent> {
+        serde_json::from_slice(bytes)
+            .map_err(|err| TitoError::Integrity(format!("queue row is not an invocation: {err}")))
+    }
+
+    pub fn typed<T: DeserializeOwned>(&self) -> TitoResult<QueueEvent<T>> {
+        Ok(QueueEvent {
+            id: self.id.clone(),
+            key: self.key.clone(),
+            payload: serde_json::from_value(self.payload.clone())?,
+            timestamp: self.timestamp,
+            owner: self.owner.clone(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn partitions_are_pinned() {
+        // Test vectors: changing the hash would move every pending event of a deployed queue.
+        assert_eq!(
+            partition_for("", 1024),
+            (0xcbf2_9ce4_8422_2325u64 % 1024) as u32
+        );
+        assert_eq!(partition_for("user:123", 4), partition_for("user:123", 4));
+        let vectors = [
+            ("a", 0xaf63_dc4c_8601_ec8cu64),
+            ("foobar", 0x85944171f73967e8),
+        ];
+        for (key, hash) in vectors {
+            assert_eq!(
+                partition_for(key, u32::MAX),
+                (hash % u64::from(u32::MAX)) as u32,
+                "{key}"
+            );
+        }
+    }
+
+    #[test]
+    fn events_are_checked() {
+        assert!(StoredEvent::from_event(&QueueEvent::new("k", 1, -1)).is_err());
+        let owner = QueueOwner::new("", "1");
+        assert!(StoredEvent::from_event(&QueueEvent::new("k", 1, 0).with_owner(owner)).is_err());
+        let owner = QueueOwner::new("u", "x".repeat(513));
+        assert!(StoredEvent::from_event(&QueueEvent::new("k", 1, 0).with_owner(owner)).is_err());
+        let big =
+            StoredEvent::from_event(&QueueEvent::new("k", "x".repeat(MAX_QUEUE_EVENT_BYTES), 0))
+                .unwrap();
+        assert!(big.to_bytes().is_err());
+        let event = QueueEvent::new("k", 5, 10).with_owner(QueueOwner::new("u", "1"));
+        let again = event.clone().rescheduled(20);
+        assert_eq!(
+            (
+                again.id.as_str(),
+                again.key.as_str(),
+                again.payload,
+                again.timestamp
+            ),
+            (event.id.as_str(), "k", 5, 20)
+        );
+        assert_ne!(new_event_id(), new_event_id());
+    }
+}

@@ -1,0 +1,488 @@
+//! The partitioned scheduled queue: events published in the same transaction as your data,
+//! handled by workers whose closures are typed by the event struct.
+//!
+//! - **Publication** writes a pending row keyed by partition, due time, the publishing
+//!   transaction's version and the event id (see [`crate::keys`] for the layout; named queues
+//!   live under `queue@{name}:`, the default one under the seed's `queue:`). A model written with
+//!   [`TitoOptions::with_events`](crate::model::TitoOptions::with_events) publishes one
+//!   [`ModelEvent`] per event config to the queue named like the config, in the same
+//!   transaction.
+//! - **Partitions**: `FNV-1a-64(key) % partitions` ([`partition_for`]). The count is stored with
+//!   the queue on first use; a handle that disagrees is refused before it writes anything.
+//! - **Workers** ([`run_worker`]) lease their partitions (leases timed by engine versions), pull
+//!   due rows with a fair cursor, run handlers concurrently under a timeout, and apply outcomes
+//!   in transactions that re-check (by writing) the partition lease. `Acknowledge` completes the
+//!   row; `Reschedule` completes it and inserts the replacement atomically. Anything else (error,
+//!   panic, timeout, lost lease, failed commit) leaves the exact invocation pending. There is no
+//!   automatic retry, counter, backoff or dead-letter state.
+//! - **Retention**: completed rows older than `completed_retention` are deleted by the workers'
+//!   maintenance in bounded batches.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use std::time::Duration;
+//! use futures::FutureExt;
+//! use serde::{Deserialize, Serialize};
+//! use tito::backend::embedded::Embedded;
+//! use tito::queue::run_worker;
+//! use tito::{Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, WorkerConfig};
+//!
+//! #[derive(Clone, Debug, Serialize, Deserialize)]
+//! struct UserCreated {
+//!     id: String,
+//! }
+//!
+//! # #[tokio::main(flavor = "multi_thread")]
+//! # async fn main() -> Result<(), tito::TitoError> {
+//! let db = Embedded::temporary().await?;
+//! let queue = Arc::new(Queue::new(
+//!     db.clone(),
+//!     QueueConfig::new(4, Duration::from_secs(3 * 24 * 60 * 60)),
+//! ));
+//! queue
+//!     .publish(QueueEvent::new("user:123", UserCreated { id: "123".into() }, chrono::Utc::now().timestamp()))
+//!     .await?;
+//!
+//! let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
+//! let (seen_tx, mut seen_rx) = tokio::sync::mpsc::unbounded_channel();
+//! let worker = tokio::spawn(run_worker(
+//!     queue.clone(),
+//!     WorkerConfig::new(0..4),
+//!     move |event: QueueEvent<UserCreated>| {
+//!         let seen_tx = seen_tx.clone();
+//!         async move {
+//!             seen_tx.send(event.payload.id.clone()).unwrap();
+//!             Ok(QueueHandlerOutcome::Acknowledge)
+//!         }
+//!         .boxed()
+//!     },
+//!     shutdown_rx,
+//! ));
+//! assert_eq!(seen_rx.recv().await.as_deref(), Some("123"));
+//! shutdown_tx.send(true).unwrap();
+//! worker.await.unwrap();
+//! # Ok(())
+//! # }
+//! ```
+
+mod event;
+mod lease;
+mod pull;
+mod worker;
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+pub use event::{
+    MAX_OWNER_BYTES, MAX_QUEUE_EVENT_BYTES, QueueEvent, QueueHandlerOutcome, QueueHandlerResult,
+    QueueOwner, partition_for,
+};
+pub use worker::{Shutdown, WorkerConfig, run_worker};
+
+use crate::engine::{self, TitoEngine, TitoTransaction};
+use crate::error::{TitoError, TitoResult};
+use crate::keys;
+use crate::model::TitoOperation;
+use event::StoredEvent;
+
+/// How many completed rows one maintenance batch deletes at most.
+pub const RETENTION_BATCH: usize = 256;
+
+/// A queue's fixed settings.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct QueueConfig {
+    /// The number of partitions (1..=10 000); stored with the queue on first use.
+    pub partitions: u32,
+    /// How long completed invocations are kept before maintenance deletes them.
+    pub completed_retention: Duration,
+    /// The queue's name; `None` is the default queue (keys under `queue:`).
+    pub topic: Option<String>,
+}
+
+impl QueueConfig {
+    /// The default queue with `partitions` partitions, keeping completed rows for
+    /// `completed_retention`.
+    pub fn new(partitions: u32, completed_retention: Duration) -> Self {
+        QueueConfig {
+            partitions,
+            completed_retention,
+            topic: None,
+        }
+    }
+
+    /// The queue named `topic` instead (the queue a model's `event = "topic"` publishes to).
+    pub fn topic(mut self, topic: impl Into<String>) -> Self {
+        self.topic = Some(topic.into());
+        self
+    }
+}
+
+/// The event a model write publishes when its options ask for events.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModelEvent<T> {
+    /// The write.
+    pub operation: TitoOperation,
+    /// The model's table.
+    pub table: String,
+    /// The row's id.
+    pub id: String,
+    /// The row as written (for a delete: as it was).
+    pub row: T,
+}
+
+/// Counters of one queue handle, shared by its publishers and workers.
+#[derive(Debug, Default)]
+pub struct QueueStats {
+    /// Invocations handed to handlers.
+    pub delivered: AtomicU64,
+    /// Invocations acknowledged.
+    pub acknowledged: AtomicU64,
+    /// Invocations completed with a replacement.
+    pub rescheduled: AtomicU64,
+    /// Handler errors, panics and timeouts (the invocation stayed pending).
+    pub failed: AtomicU64,
+    /// Outcome transactions that did not commit (the invocations stayed pending or their
+    /// outcome is unknown).
+    pub outcome_failures: AtomicU64,
+    /// Pending rows that could not be read as invocations of this queue (left in place).
+    pub malformed: AtomicU64,
+    /// Storage scans of pending rows.
+    pub scans: AtomicU64,
+    /// Completed rows deleted by maintenance.
+    pub expired: AtomicU64,
+    /// Partition leases lost to another worker or to expiry.
+    pub leases_lost: AtomicU64,
+}
+
+impl QueueStats {
+    fn bump(counter: &AtomicU64, by: u64) {
+        counter.fetch_add(by, Ordering::Relaxed);
+    }
+}
+
+/// Partitions with fresh publications from this process, for workers to poll at once.
+#[derive(Default)]
+pub(crate) struct Wakeups {
+    partitions: Mutex<HashSet<u32>>,
+    notify: tokio::sync::Notify,
+}
+
+impl Wakeups {
+    fn wake(&self, partition: u32) {
+        self.partitions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(partition);
+        self.notify.notify_waiters();
+    }
+
+    pub(crate) fn take(&self) -> HashSet<u32> {
+        std::mem::take(&mut *self.partitions.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+}
+
+/// A queue on an engine. Share it as `Arc<Queue<E>>` between publishers and workers.
+pub struct Queue<E> {
+    db: E,
+    config: QueueConfig,
+    root: String,
+    stats: Arc<QueueStats>,
+    meta_known: AtomicBool,
+    pub(crate) wakeups: Arc<Wakeups>,
+}
+
+impl<E> std::fmt::Debug for Queue<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Queue")
+            .field("root", &self.root)
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct QueueMeta {
+    partitions: u32,
+}
+
+/// Checks (and on first use records) the partition count of the queue at `root`. Returns whether
+/// it was already recorded.
+async fn check_meta<X: TitoTransaction>(tx: &X, root: &str, partitions: u32) -> TitoResult<bool> {
+    let key = keys::queue_meta_key(root);
+    match tx.get(key.as_bytes()).await? {
+        Some(bytes) => {
+            let meta: QueueMeta = serde_json::from_slice(&bytes).map_err(|err| {
+                TitoError::Integrity(format!("queue metadata {key:?} is malformed: {err}"))
+            })?;
+            if meta.partitions != partitions {
+                return Err(TitoError::invalid_argument(format!(
+                    "queue {root:?} has {} partitions; this handle was configured with {partitions}",
+                    meta.partitions
+                )));
+            }
+            Ok(true)
+        }
+        None => {
+            tx.put(
+                key.into_bytes(),
+                serde_json::to_vec(&QueueMeta { partitions })?,
+            )
+            .await?;
+            Ok(false)
+        }
+    }
+}
+
+/// Writes a pending invocation (and its owner key) in `tx`; returns its storage key.
+pub(crate) async fn write_pending<X: TitoTransaction>(
+    tx: &X,
+    root: &str,
+    partitions: u32,
+    stored: &StoredEvent,
+) -> TitoResult<(String, u32)> {
+    let bytes = stored.to_bytes()?;
+    let partition = partition_for(&stored.key, partitions);
+    let key = keys::pending_key(
+        root,
+        partition,
+        stored.timestamp as u64,
+        tx.start_version(),
+        &stored.id,
+    );
+    tx.put(key.clone().into_bytes(), bytes).await?;
+    if let Some(owner) = &stored.owner {
+        let owner_key = keys::owner_key(root, &owner.kind, &owner.id, keys::OWNER_PENDING, &key);
+        tx.put(owner_key.into_bytes(), Vec::new()).await?;
+    }
+    Ok((key, partition))
+}
+
+/// Publishes a model's event to the queue named `topic` in `tx` (the model layer's hook).
+pub(crate) async fn publish_model_event<X: TitoTransaction, T: Serialize>(
+    tx: &X,
+    topic: &str,
+    partitions: u32,
+    event: &QueueEvent<ModelEvent<T>>,
+) -> TitoResult<()> {
+    let stored = StoredEvent::from_event(event)?;
+    stored.to_bytes()?;
+    let root = keys::queue_root(Some(topic));
+    check_meta(tx, &root, partitions).await?;
+    write_pending(tx, &root, partitions, &stored).await?;
+    Ok(())
+}
+
+impl<E: TitoEngine> Queue<E> {
+    /// A queue handle. Nothing is read or written until the first publication or pull.
+    pub fn new(db: E, config: QueueConfig) -> Self {
+        let root = keys::queue_root(config.topic.as_deref());
+        Queue {
+            db,
+            config,
+            root,
+            stats: Arc::default(),
+            meta_known: AtomicBool::new(false),
+            wakeups: Arc::default(),
+        }
+    }
+
+    /// The engine.
+    pub fn engine(&self) -> &E {
+        &self.db
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &QueueConfig {
+        &self.config
+    }
+
+    /// The counters of this handle and its workers.
+    pub fn stats(&self) -> &QueueStats {
+        &self.stats
+    }
+
+    pub(crate) fn root(&self) -> &str {
+        &self.root
+    }
+
+    fn check_config(&self) -> TitoResult<()> {
+        engine::check_partitions(self.config.partitions)?;
+        if let Some(topic) = &self.config.topic
+            && topic.is_empty()
+        {
+            return Err(TitoError::invalid_argument("a queue topic is empty"));
+        }
+        Ok(())
+    }
+
+    /// Checks the stored partition count in `tx` (once per handle after it was found).
+    pub(crate) async fn ensure_meta(&self, tx: &E::Transaction) -> TitoResult<()> {
+        self.check_config()?;
+        if self.meta_known.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        if check_meta(tx, &self.root, self.config.partitions).await? {
+            self.meta_known.store(true, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Publishes an event in a transaction of its own.
+    pub async fn publish<T: Serialize + Clone + Send + Sync>(
+        &self,
+        event: QueueEvent<T>,
+    ) -> TitoResult<()> {
+        // Checked once before any transaction, so a bad event costs nothing.
+        StoredEvent::from_event(&event)?.to_bytes()?;
+        self.db
+            .transaction(|tx| {
+                let event = event.clone();
+                async move { self.publish_in_tx(&event, &tx).await.map(drop) }
+            })
+            .await
+    }
+
+    /// Publishes an event inside `tx`, atomically with the rest of it. Returns the invocation's
+    /// storage key.
+    pub async fn publish_in_tx<T: Serialize>(
+        &self,
+        event: &QueueEvent<T>,
+        tx: &E::Transaction,
+    ) -> TitoResult<String> {
+        let stored = StoredEvent::from_event(event)?;
+        stored.to_bytes()?;
+        self.ensure_meta(tx).await?;
+        let (key, partition) =
+            write_pending(tx, &self.root, self.config.partitions, &stored).await?;
+        self.wakeups.wake(partition);
+        Ok(key)
+    }
+
+    /// How many invocations are pending in a partition (counted in bounded scans).
+    pub async fn pending_count(&self, partition: u32) -> TitoResult<usize> {
+        let prefix = keys::pending_partition_prefix(&self.root, partition);
+        self.count_prefix(&prefix).await
+    }
+
+    /// How many completed invocations are kept (counted in bounded scans).
+    pub async fn completed_count(&self) -> TitoResult<usize> {
+        self.count_prefix(&keys::completed_prefix(&self.root)).await
+    }
+
+    async fn count_prefix(&self, prefix: &str) -> TitoResult<usize> {
+        let end = keys::prefix_end(prefix.to_string()).into_bytes();
+        let mut start = prefix.as_bytes().to_vec();
+        let mut count = 0;
+        let tx = self.db.begin().await?;
+        loop {
+            let rows = tx.scan(&start, &end, 1000).await?;
+            count += rows.len();
+            match rows.last() {
+                Some((key, _)) if rows.len() == 1000 => start = keys::key_after_bytes(key),
+                _ => break,
+            }
+        }
+        let _ = tx.rollback().await;
+        Ok(count)
+    }
+
+    /// Deletes, inside `tx`, this owner's invocations (pending or completed) for which
+    /// `predicate` returns true, with their owner keys; returns how many. Only the owner's keys
+    /// are scanned. Rows whose payload does not decode as `T` are left alone.
+    pub async fn delete_by_owner_matching_in_tx<T, F>(
+        &self,
+        owner: &QueueOwner,
+        predicate: F,
+        tx: &E::Transaction,
+    ) -> TitoResult<usize>
+    where
+        T: DeserializeOwned,
+        F: Fn(&QueueEvent<T>) -> bool,
+    {
+        owner.check()?;
+        let prefix = keys::owner_prefix(&self.root, &owner.kind, &owner.id);
+        let end = keys::prefix_end(prefix.clone()).into_bytes();
+        let mut start = prefix.into_bytes();
+        let mut deleted = 0;
+        loop {
+            let rows = tx.scan(&start, &end, 256).await?;
+            let full = rows.len() == 256;
+            for (owner_key, _) in &rows {
+                let owner_key_text = keys::key_str(owner_key)?;
+                let target = keys::owner_key_target(owner_key_text)?;
+                let Some(bytes) = tx.get(target.as_bytes()).await? else {
+                    // A dangling owner key: remove it.
+                    tx.delete(owner_key.clone()).await?;
+                    continue;
+                };
+                let Ok(stored) = serde_json::from_slice::<StoredEvent>(&bytes) else {
+                    continue;
+                };
+                let Ok(event) = stored.typed::<T>() else {
+                    continue;
+                };
+                if predicate(&event) {
+                    tx.delete(target.into_bytes()).await?;
+                    tx.delete(owner_key.clone()).await?;
+                    deleted += 1;
+                }
+            }
+            match rows.last() {
+                Some((key, _)) if full => start = keys::key_after_bytes(key),
+                _ => break,
+            }
+        }
+        Ok(deleted)
+    }
+
+    /// One maintenance step: deletes up to [`RETENTION_BATCH`] completed rows older than the
+    /// retention (malformed ones too), with their owner keys. Returns how many it deleted; a
+    /// full batch means more may be waiting.
+    pub async fn expire_completed(&self) -> TitoResult<usize> {
+        let root = self.root.clone();
+        let retention_ms =
+            u64::try_from(self.config.completed_retention.as_millis()).unwrap_or(u64::MAX);
+        let stats = self.stats.clone();
+        let deleted = self
+            .db
+            .transaction(|tx| {
+                let root = root.clone();
+                async move {
+                    let now_ms = engine::version_millis(tx.start_version());
+                    let Some(cutoff_ms) = now_ms.checked_sub(retention_ms) else {
+                        return Ok(0);
+                    };
+                    let start = keys::completed_prefix(&root).into_bytes();
+                    let end = keys::completed_before(&root, engine::version_from_millis(cutoff_ms))
+                        .into_bytes();
+                    let rows = tx.scan(&start, &end, RETENTION_BATCH).await?;
+                    for (key, value) in &rows {
+                        if let Ok(stored) = serde_json::from_slice::<StoredEvent>(value)
+                            && let Some(owner) = &stored.owner
+                            && let Ok(text) = keys::key_str(key)
+                        {
+                            let owner_key = keys::owner_key(
+                                &root,
+                                &owner.kind,
+                                &owner.id,
+                                keys::OWNER_COMPLETED,
+                                text,
+                            );
+                            tx.delete(owner_key.into_bytes()).await?;
+                        }
+                        tx.delete(key.clone()).await?;
+                    }
+                    Ok::<_, TitoError>(rows.len())
+                }
+            })
+            .await?;
+        QueueStats::bump(&stats.expired, deleted as u64);
+        Ok(deleted)
+    }
+}

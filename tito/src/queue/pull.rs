@@ -1,0 +1,154 @@
+//! The fair cursor over one partition's pending rows.
+//!
+//! A pass starts by freezing two things: the runnable boundary (the engine's current time in
+//! seconds: rows due at or before it are runnable) and the version horizon (the engine's current
+//! version). The pass then walks rows in key order (due time, then enqueue version) in scans of
+//! at most [`SCAN_ROWS`] rows. A row enqueued at or after the horizon (for example one a handler
+//! just created for "now") makes the cursor jump past its whole due-time bucket, so newly created
+//! same-time work can never keep later buckets waiting. Malformed rows are counted, logged, left
+//! in place and stepped over. When a scan finds nothing more, the pass is over; the next pull
+//! starts a new pass from the oldest runnable row.
+
+use std::collections::HashSet;
+
+use crate::engine::{self, TitoTransaction};
+use crate::error::TitoResult;
+use crate::keys::{self, PendingKey};
+
+use super::QueueStats;
+use super::event::StoredEvent;
+
+/// At most this many rows per storage scan.
+pub const SCAN_ROWS: usize = 16;
+
+/// One runnable invocation.
+#[derive(Clone, Debug)]
+pub(crate) struct Pulled {
+    pub key: String,
+    pub parsed: PendingKey,
+    pub stored: StoredEvent,
+}
+
+#[derive(Debug)]
+struct Pass {
+    boundary: u64,
+    horizon: u64,
+    next: Vec<u8>,
+}
+
+/// A partition's cursor; executor state only, never stored.
+#[derive(Debug)]
+pub(crate) struct Cursor {
+    partition: u32,
+    pass: Option<Pass>,
+}
+
+/// What a pull found.
+#[derive(Debug, Default)]
+pub(crate) struct PullResult {
+    pub items: Vec<Pulled>,
+    /// The pass ended (nothing more runnable before the next pass).
+    pub exhausted: bool,
+    /// When the pass ended: the due time (Unix seconds) of the first row after the boundary.
+    pub next_due: Option<u64>,
+}
+
+impl Cursor {
+    pub fn new(partition: u32) -> Self {
+        Cursor {
+            partition,
+            pass: None,
+        }
+    }
+
+    /// Pulls up to `want` runnable invocations that are not `in_flight`.
+    pub async fn pull<X: TitoTransaction>(
+        &mut self,
+        tx: &X,
+        root: &str,
+        want: usize,
+        in_flight: &HashSet<String>,
+        stats: &QueueStats,
+    ) -> TitoResult<PullResult> {
+        let mut result = PullResult::default();
+        let partition_prefix = keys::pending_partition_prefix(root, self.partition);
+        while result.items.len() < want {
+            let pass = self.pass.get_or_insert_with(|| Pass {
+                boundary: engine::version_millis(tx.start_version()) / 1000,
+                horizon: tx.start_version(),
+                next: partition_prefix.clone().into_bytes(),
+            });
+            let end = keys::pending_bucket_prefix(root, self.partition, pass.boundary + 1);
+            let rows = tx.scan(&pass.next, end.as_bytes(), SCAN_ROWS).await?;
+            QueueStats::bump(&stats.scans, 1);
+            if rows.is_empty() {
+                self.pass = None;
+                result.exhausted = true;
+                result.next_due = next_due(tx, root, self.partition, &end).await?;
+                break;
+            }
+            for (key, value) in rows {
+                pass.next = keys::key_after_bytes(&key);
+                let Ok(text) = keys::key_str(&key) else {
+                    malformed(stats, &key, "is not UTF-8");
+                    continue;
+                };
+                let parsed = match keys::parse_pending_key(root, text) {
+                    Ok(parsed) => parsed,
+                    Err(err) => {
+                        malformed(stats, &key, &err.to_string());
+                        continue;
+                    }
+                };
+                if parsed.version >= pass.horizon {
+                    // Enqueued during this pass: skip the rest of its due-time bucket.
+                    let bucket =
+                        keys::pending_bucket_prefix(root, self.partition, parsed.timestamp);
+                    pass.next = keys::prefix_end(bucket).into_bytes();
+                    break;
+                }
+                if in_flight.contains(text) {
+                    continue;
+                }
+                let stored = match StoredEvent::parse(&value) {
+                    Ok(stored) => stored,
+                    Err(err) => {
+                        malformed(stats, &key, &err.to_string());
+                        continue;
+                    }
+                };
+                result.items.push(Pulled {
+                    key: text.to_string(),
+                    parsed,
+                    stored,
+                });
+                if result.items.len() == want {
+                    break;
+                }
+            }
+        }
+        Ok(result)
+    }
+}
+
+fn malformed(stats: &QueueStats, key: &[u8], why: &str) {
+    QueueStats::bump(&stats.malformed, 1);
+    tracing::warn!(key = %keys::display_key(key), why, "malformed pending queue row left in place");
+}
+
+/// The due time of the first pending row at or after `from` in the partition.
+async fn next_due<X: TitoTransaction>(
+    tx: &X,
+    root: &str,
+    partition: u32,
+    from: &str,
+) -> TitoResult<Option<u64>> {
+    let end = keys::prefix_end(keys::pending_partition_prefix(root, partition));
+    let rows = tx.scan(from.as_bytes(), end.as_bytes(), 1).await?;
+    Ok(rows.first().and_then(|(key, _)| {
+        let text = keys::key_str(key).ok()?;
+        keys::parse_pending_key(root, text)
+            .ok()
+            .map(|k| k.timestamp)
+    }))
+}
