@@ -946,3 +946,42 @@ fn model_futures_are_send<E: TitoEngine>(db: E, tx: &E::Transaction) {
     send(users.query_by_index("by_email").value("a@x").execute());
     send(users.query_by_index("by_email").execute_tx(tx));
 }
+
+/// The same, with a concrete engine: what users write (auto traits of async fns are checked at
+/// the call site there).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn model_futures_spawn_with_a_concrete_engine() {
+    let db = tito::backend::embedded::Embedded::temporary()
+        .await
+        .unwrap();
+    let users = db.clone().model::<User>();
+    let u = users.clone();
+    tokio::spawn(async move { u.build(user("1", "a@x")).await })
+        .await
+        .unwrap()
+        .unwrap();
+    let u = users.clone();
+    let found = tokio::spawn(async move { u.find_by_id("1", vec![]).await })
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(found.email, "a@x");
+    let u = users.clone();
+    let page =
+        tokio::spawn(async move { u.query_by_index("by_email").value("a@x").execute().await })
+            .await
+            .unwrap()
+            .unwrap();
+    assert_eq!(page.items.len(), 1);
+    let u = users.clone();
+    tokio::spawn(async move {
+        db.transaction(|tx| async move {
+            u.update_with_options(user("1", "b@x"), TitoOptions::default(), &tx)
+                .await
+        })
+        .await
+    })
+    .await
+    .unwrap()
+    .unwrap();
+}

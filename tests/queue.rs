@@ -874,3 +874,28 @@ pub async fn unknown_acknowledgements_converge<E: TitoEngine>(ctx: Ctx<E>) {
         "two invocations were delivered again"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queue_futures_spawn_with_a_concrete_engine() {
+    let db = tito::backend::embedded::Embedded::temporary()
+        .await
+        .unwrap();
+    let queue = queue(&db, 2);
+    let q = queue.clone();
+    tokio::spawn(async move { q.publish(QueueEvent::new("k", Job { n: 1 }, now())).await })
+        .await
+        .unwrap()
+        .unwrap();
+    let q = queue.clone();
+    let count =
+        tokio::spawn(async move { q.pending_count(tito::queue::partition_for("k", 2)).await })
+            .await
+            .unwrap()
+            .unwrap();
+    assert_eq!(count, 1);
+    let q = queue.clone();
+    tokio::spawn(async move { q.expire_completed().await })
+        .await
+        .unwrap()
+        .unwrap();
+}

@@ -334,18 +334,28 @@ impl<E: TitoEngine> Queue<E> {
     }
 
     /// Publishes an event in a transaction of its own.
-    pub async fn publish<T: Serialize + Clone + Send + Sync>(
-        &self,
-        event: QueueEvent<T>,
-    ) -> TitoResult<()> {
-        // Checked once before any transaction, so a bad event costs nothing.
-        StoredEvent::from_event(&event)?.to_bytes()?;
-        self.db
+    pub async fn publish<T: Serialize>(&self, event: QueueEvent<T>) -> TitoResult<()> {
+        // Checked before any transaction, so a bad event costs nothing.
+        let stored = StoredEvent::from_event(&event)?;
+        stored.to_bytes()?;
+        self.check_config()?;
+        let root = self.root.clone();
+        let partitions = self.config.partitions;
+        // The closure owns what it uses (no borrow of `self`), so the future stays `Send` for
+        // callers with a concrete engine.
+        let (_, partition) = self
+            .db
             .transaction(|tx| {
-                let event = event.clone();
-                async move { self.publish_in_tx(&event, &tx).await.map(drop) }
+                let (root, stored) = (root.clone(), stored.clone());
+                async move {
+                    check_meta(&tx, &root, partitions).await?;
+                    write_pending(&tx, &root, partitions, &stored).await
+                }
             })
-            .await
+            .await?;
+        self.meta_known.store(true, Ordering::Relaxed);
+        self.wakeups.wake(partition);
+        Ok(())
     }
 
     /// Publishes an event inside `tx`, atomically with the rest of it. Returns the invocation's

@@ -193,7 +193,27 @@ const MIN_IDLE_BACKOFF: Duration = Duration::from_millis(10);
 /// that re-checks the partition lease, and deletes expired completed rows. Returns after the
 /// handlers that started have finished (bounded by the handler timeout) and their outcomes were
 /// applied.
-pub async fn run_worker<E, T, F, Fut, S>(
+///
+/// The returned future is `Send + 'static`: spawn it, or await it in place.
+pub fn run_worker<E, T, F, Fut, S>(
+    queue: Arc<Queue<E>>,
+    config: WorkerConfig,
+    handler: F,
+    shutdown: S,
+) -> BoxFuture<'static, ()>
+where
+    E: TitoEngine,
+    T: Serialize + DeserializeOwned + Send + 'static,
+    F: Fn(QueueEvent<T>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = QueueHandlerResult<T>> + Send + 'static,
+    S: Shutdown,
+{
+    // Boxed here, where the engine is generic: the compiler proves the loop `Send` once, instead
+    // of at every call site with a concrete engine (where it trips over higher-ranked lifetimes).
+    Box::pin(worker_loop(queue, config, handler, shutdown))
+}
+
+async fn worker_loop<E, T, F, Fut, S>(
     queue: Arc<Queue<E>>,
     config: WorkerConfig,
     handler: F,

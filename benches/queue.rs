@@ -1,0 +1,325 @@
+//! The queue end to end, beside the raw engine's transaction limit and a job table on SQLite.
+//!
+//! - throughput: publish N events (one transaction each), then run one worker until every
+//!   event is completed; events per second for each phase and for both together;
+//! - lateness: events due over the next seconds, time from due time to handler start (p50/p99);
+//! - idle cost: storage scans per second of a worker holding 1024 empty partitions.
+//!
+//! The peer is the job table applications hand-roll on SQLite through rusqlite (due index,
+//! claim-and-complete in one transaction, polled by one task); apalis' SQLite backend pulls in
+//! sqlx's own libsqlite3-sys, which cannot link beside rusqlite's in one build.
+//!
+//! `cargo bench --bench queue` (`TITO_BENCH_EVENTS` sets N, default 4000).
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use rusqlite::{Connection, params};
+use serde::{Deserialize, Serialize};
+use tito::backend::embedded::{Durability, Embedded, EmbeddedOptions};
+use tito::queue::run_worker;
+use tito::{
+    Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, TitoEngine, TitoTransaction, WorkerConfig,
+};
+use tokio::sync::{Mutex, watch};
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct Job {
+    n: u64,
+    body: String,
+}
+
+fn events() -> u64 {
+    std::env::var("TITO_BENCH_EVENTS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(4000)
+}
+
+fn job(n: u64) -> Job {
+    Job {
+        n,
+        body: format!("send the welcome email to user {n}"),
+    }
+}
+
+fn now_ms() -> i64 {
+    chrono::Utc::now().timestamp_millis()
+}
+
+async fn open(dir: &std::path::Path, durability: Durability) -> Embedded {
+    Embedded::open_with(dir, EmbeddedOptions::new().durability(durability))
+        .await
+        .unwrap()
+}
+
+fn percentile(sorted: &[i64], p: f64) -> i64 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+/// Raw engine: one-key write transactions per second (the limit a queue row write meets).
+async fn raw_limit(db: &Embedded, n: u64) -> f64 {
+    let start = Instant::now();
+    for i in 0..n {
+        let tx = db.begin().await.unwrap();
+        tx.put(
+            format!("raw:{i:012}").into_bytes(),
+            serde_json::to_vec(&job(i)).unwrap(),
+        )
+        .await
+        .unwrap();
+        tx.commit().await.unwrap();
+    }
+    n as f64 / start.elapsed().as_secs_f64()
+}
+
+struct Throughput {
+    publish: f64,
+    drain: f64,
+    end_to_end: f64,
+}
+
+async fn tito_throughput(db: &Embedded, n: u64) -> Throughput {
+    let queue = Arc::new(Queue::new(
+        db.clone(),
+        QueueConfig::new(4, Duration::from_secs(3600)),
+    ));
+    let start = Instant::now();
+    let due = chrono::Utc::now().timestamp();
+    for i in 0..n {
+        queue
+            .publish(QueueEvent::new(format!("user:{i}"), job(i), due))
+            .await
+            .unwrap();
+    }
+    let published = start.elapsed();
+    let (stop, rx) = watch::channel(false);
+    let drain_start = Instant::now();
+    let worker = tokio::spawn(run_worker(
+        queue.clone(),
+        WorkerConfig::new(0..4).concurrency(64).page_size(64),
+        |_event: QueueEvent<Job>| async { Ok(QueueHandlerOutcome::Acknowledge) },
+        rx,
+    ));
+    while queue.stats().acknowledged.load(Ordering::Relaxed) < n {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let drained = drain_start.elapsed();
+    stop.send(true).unwrap();
+    worker.await.unwrap();
+    Throughput {
+        publish: n as f64 / published.as_secs_f64(),
+        drain: n as f64 / drained.as_secs_f64(),
+        end_to_end: n as f64 / (published + drained).as_secs_f64(),
+    }
+}
+
+async fn tito_lateness(db: &Embedded) -> (i64, i64) {
+    let queue = Arc::new(Queue::new(
+        db.clone(),
+        QueueConfig::new(16, Duration::from_secs(3600)).topic("lateness"),
+    ));
+    let lateness: Arc<Mutex<Vec<i64>>> = Arc::default();
+    let log = lateness.clone();
+    let (stop, rx) = watch::channel(false);
+    let worker = tokio::spawn(run_worker(
+        queue.clone(),
+        WorkerConfig::new(0..16),
+        move |event: QueueEvent<Job>| {
+            let log = log.clone();
+            async move {
+                log.lock().await.push(now_ms() - event.timestamp * 1000);
+                Ok(QueueHandlerOutcome::Acknowledge)
+            }
+        },
+        rx,
+    ));
+    let base = chrono::Utc::now().timestamp() + 1;
+    let count = 300;
+    for i in 0..count {
+        queue
+            .publish(QueueEvent::new(
+                format!("user:{i}"),
+                job(i),
+                base + (i % 3) as i64,
+            ))
+            .await
+            .unwrap();
+    }
+    while lateness.lock().await.len() < count as usize {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    stop.send(true).unwrap();
+    worker.await.unwrap();
+    let mut values = lateness.lock().await.clone();
+    values.sort_unstable();
+    (percentile(&values, 0.5), percentile(&values, 0.99))
+}
+
+async fn tito_idle_scans(db: &Embedded) -> f64 {
+    let queue = Arc::new(Queue::new(
+        db.clone(),
+        QueueConfig::new(1024, Duration::from_secs(3600)).topic("idle"),
+    ));
+    let (stop, rx) = watch::channel(false);
+    let worker = tokio::spawn(run_worker(
+        queue.clone(),
+        WorkerConfig::new(0..1024),
+        |_event: QueueEvent<Job>| async { Ok(QueueHandlerOutcome::Acknowledge) },
+        rx,
+    ));
+    // Let it take its leases and settle into its idle backoff, then count.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let before = queue.stats().scans.load(Ordering::Relaxed);
+    let window = Duration::from_secs(5);
+    tokio::time::sleep(window).await;
+    let scans = queue.stats().scans.load(Ordering::Relaxed) - before;
+    stop.send(true).unwrap();
+    worker.await.unwrap();
+    scans as f64 / window.as_secs_f64()
+}
+
+fn sqlite(dir: &std::path::Path, durable: bool) -> Connection {
+    let conn = Connection::open(dir.join("jobs.sqlite")).unwrap();
+    conn.pragma_update(None, "journal_mode", "WAL").unwrap();
+    conn.pragma_update(None, "synchronous", if durable { "FULL" } else { "OFF" })
+        .unwrap();
+    conn.execute_batch(
+        "CREATE TABLE job (id INTEGER PRIMARY KEY, run_at INTEGER NOT NULL, payload TEXT NOT NULL, done_at INTEGER);
+         CREATE INDEX job_due ON job (run_at) WHERE done_at IS NULL;",
+    )
+    .unwrap();
+    conn
+}
+
+/// Claims and completes up to `batch` due jobs in one transaction; returns how many, with the
+/// due times of the ones it ran.
+fn sqlite_run_batch(conn: &Connection, batch: usize, now_s: i64, due: &mut Vec<i64>) -> usize {
+    let tx = conn.unchecked_transaction().unwrap();
+    let rows: Vec<(i64, i64, String)> = tx
+        .prepare_cached("SELECT id, run_at, payload FROM job WHERE done_at IS NULL AND run_at <= ?1 ORDER BY run_at LIMIT ?2")
+        .unwrap()
+        .query_map(params![now_s, batch as i64], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    for (id, run_at, payload) in &rows {
+        let _job: Job = serde_json::from_str(payload).unwrap();
+        due.push(*run_at);
+        tx.prepare_cached("UPDATE job SET done_at = ?1 WHERE id = ?2")
+            .unwrap()
+            .execute(params![now_s, id])
+            .unwrap();
+    }
+    tx.commit().unwrap();
+    rows.len()
+}
+
+fn sqlite_throughput(dir: &std::path::Path, durable: bool, n: u64) -> Throughput {
+    let conn = sqlite(dir, durable);
+    let due_s = chrono::Utc::now().timestamp();
+    let start = Instant::now();
+    for i in 0..n {
+        conn.prepare_cached("INSERT INTO job (run_at, payload) VALUES (?1, ?2)")
+            .unwrap()
+            .execute(params![due_s, serde_json::to_string(&job(i)).unwrap()])
+            .unwrap();
+    }
+    let published = start.elapsed();
+    let drain_start = Instant::now();
+    let mut done = 0;
+    let mut due = Vec::new();
+    while done < n as usize {
+        done += sqlite_run_batch(&conn, 64, chrono::Utc::now().timestamp(), &mut due);
+    }
+    let drained = drain_start.elapsed();
+    Throughput {
+        publish: n as f64 / published.as_secs_f64(),
+        drain: n as f64 / drained.as_secs_f64(),
+        end_to_end: n as f64 / (published + drained).as_secs_f64(),
+    }
+}
+
+/// The SQLite job table polled every 50 ms (what a hand-rolled poller does).
+fn sqlite_lateness(dir: &std::path::Path) -> (i64, i64) {
+    let conn = sqlite(dir, false);
+    let base = chrono::Utc::now().timestamp() + 1;
+    let count = 300;
+    for i in 0..count {
+        conn.execute(
+            "INSERT INTO job (run_at, payload) VALUES (?1, ?2)",
+            params![
+                base + (i % 3) as i64,
+                serde_json::to_string(&job(i)).unwrap()
+            ],
+        )
+        .unwrap();
+    }
+    let mut lateness = Vec::new();
+    while lateness.len() < count as usize {
+        let mut due = Vec::new();
+        sqlite_run_batch(&conn, 64, chrono::Utc::now().timestamp(), &mut due);
+        let now = now_ms();
+        lateness.extend(due.into_iter().map(|d| now - d * 1000));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    lateness.sort_unstable();
+    (percentile(&lateness, 0.5), percentile(&lateness, 0.99))
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let n = events();
+    println!("queue: {n} events, one worker (4 partitions, 64 handlers in flight), no-op handler");
+    println!(
+        "{:<10} {:<28} {:>12} {:>12} {:>10}",
+        "durability", "events/s", "tito", "sqlite jobs", "tito/sqlite"
+    );
+    for (label, durability) in [
+        ("buffered", Durability::Buffered),
+        ("durable", Durability::Immediate),
+    ] {
+        let (dir, raw_dir, sql_dir) = (
+            tempfile::tempdir().unwrap(),
+            tempfile::tempdir().unwrap(),
+            tempfile::tempdir().unwrap(),
+        );
+        let db = open(dir.path(), durability).await;
+        let tito = tito_throughput(&db, n).await;
+        let raw_db = open(raw_dir.path(), durability).await;
+        let raw = raw_limit(&raw_db, n.min(2000)).await;
+        let sql = sqlite_throughput(sql_dir.path(), durability == Durability::Immediate, n);
+        for (name, t, s) in [
+            ("publish (1 tx each)", tito.publish, sql.publish),
+            ("drain (handle + complete)", tito.drain, sql.drain),
+            ("end to end", tito.end_to_end, sql.end_to_end),
+        ] {
+            println!("{label:<10} {name:<28} {t:>12.0} {s:>12.0} {:>10.2}", t / s);
+        }
+        println!(
+            "{label:<10} {:<28} {raw:>12.0}   (publish is {:.2} of it; each event is 2 transactions end to end)",
+            "raw engine 1-key tx/s",
+            tito.publish / raw
+        );
+        db.close().await.unwrap();
+        raw_db.close().await.unwrap();
+    }
+
+    let dir = tempfile::tempdir().unwrap();
+    let db = open(dir.path(), Durability::Buffered).await;
+    let (p50, p99) = tito_lateness(&db).await;
+    let sql_dir = tempfile::tempdir().unwrap();
+    let (s50, s99) = sqlite_lateness(sql_dir.path());
+    println!("lateness, due time to handler start (ms; due times are whole seconds):");
+    println!("  tito   p50 {p50:>5}  p99 {p99:>5}");
+    println!("  sqlite p50 {s50:>5}  p99 {s99:>5}  (polled every 50 ms)");
+    let scans = tito_idle_scans(&db).await;
+    println!(
+        "idle cost: 1024 empty partitions, {scans:.0} scans/s (limit: 1024 partitions at the 2 s idle backoff = 512/s; sqlite's poller: 20 queries/s)"
+    );
+    db.close().await.unwrap();
+}
