@@ -157,6 +157,10 @@ async fn tito_lateness(db: &Embedded) -> (i64, i64) {
     worker.await.unwrap();
     let mut values = lateness.lock().await.clone();
     values.sort_unstable();
+    if std::env::var("TITO_BENCH_DEBUG").is_ok() {
+        eprintln!("lateness {:?}", &values[values.len().saturating_sub(12)..]);
+        eprintln!("lateness low {:?}", &values[..12.min(values.len())]);
+    }
     (percentile(&values, 0.5), percentile(&values, 0.99))
 }
 

@@ -341,6 +341,7 @@ impl<E: TitoEngine> Queue<E> {
         self.check_config()?;
         let root = self.root.clone();
         let partitions = self.config.partitions;
+        let known = self.meta_known.load(Ordering::Relaxed);
         // The closure owns what it uses (no borrow of `self`), so the future stays `Send` for
         // callers with a concrete engine.
         let (_, partition) = self
@@ -348,7 +349,9 @@ impl<E: TitoEngine> Queue<E> {
             .transaction(|tx| {
                 let (root, stored) = (root.clone(), stored.clone());
                 async move {
-                    check_meta(&tx, &root, partitions).await?;
+                    if !known {
+                        check_meta(&tx, &root, partitions).await?;
+                    }
                     write_pending(&tx, &root, partitions, &stored).await
                 }
             })

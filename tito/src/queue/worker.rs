@@ -454,8 +454,10 @@ impl<E: TitoEngine> Worker<E> {
                 state.backoff = (state.backoff * 2).min(self.config.max_idle_backoff);
                 let mut next = Instant::now() + state.backoff;
                 if let Some(due) = pulled.next_due {
-                    let now_secs = chrono::Utc::now().timestamp().max(0) as u64;
-                    let until_due = Duration::from_secs(due.saturating_sub(now_secs));
+                    // Wake at the due second exactly (plus a millisecond), not a whole second late.
+                    let now_ms = chrono::Utc::now().timestamp_millis().max(0) as u64;
+                    let until_due =
+                        Duration::from_millis(due.saturating_mul(1000).saturating_sub(now_ms) + 1);
                     next = next.min(Instant::now() + until_due);
                 }
                 state.next_poll = next;
