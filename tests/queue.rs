@@ -46,6 +46,7 @@ macro_rules! queue_suite {
                 completed_rows_expire,
                 owners_move_with_their_rows_and_can_be_erased,
                 unknown_acknowledgements_converge,
+                malformed_rows_are_counted_and_left_in_place,
             ]
         );
     };
@@ -898,4 +899,88 @@ async fn queue_futures_spawn_with_a_concrete_engine() {
         .await
         .unwrap()
         .unwrap();
+}
+
+pub async fn malformed_rows_are_counted_and_left_in_place<E: TitoEngine>(ctx: Ctx<E>) {
+    let queue = Arc::new(Queue::new(
+        ctx.db.clone(),
+        QueueConfig::new(1, Duration::from_millis(1)),
+    ));
+    queue
+        .publish(QueueEvent::new("k", Job { n: 1 }, now() - 5))
+        .await
+        .unwrap();
+    // Before and after the good row: a value that is not an invocation, a key that is not a
+    // pending key, and an invocation whose payload is not a Job.
+    let stamp = now() - 10;
+    let rows: Vec<(String, Vec<u8>)> = vec![
+        (
+            format!("queue:pending:0000:{stamp:020}:00000000000000000001:bad"),
+            b"{not json".to_vec(),
+        ),
+        (
+            format!("queue:pending:0000:{stamp:020}:notaversion:x"),
+            b"{}".to_vec(),
+        ),
+        (
+            format!(
+                "queue:pending:0000:{:020}:00000000000000000002:other",
+                now() - 1
+            ),
+            br#"{"id":"other","key":"k","timestamp":0,"payload":"a string"}"#.to_vec(),
+        ),
+        // An expired completed row that is not an invocation: retention deletes it anyway.
+        (
+            "queue:completed:00000000000000000001:00000000000000000001:junk".to_string(),
+            b"junk".to_vec(),
+        ),
+    ];
+    ctx.db
+        .transaction(|tx| {
+            let rows = rows.clone();
+            async move {
+                for (key, value) in rows {
+                    tx.put(key.into_bytes(), value).await?;
+                }
+                Ok::<_, TitoError>(())
+            }
+        })
+        .await
+        .unwrap();
+    let (seen, handler) = recorder();
+    let worker = start(
+        &queue,
+        fast(0..1).maintenance_interval(Duration::from_millis(50)),
+        handler,
+    );
+    let q = queue.clone();
+    wait_for(
+        "the good row and the malformed count",
+        Duration::from_secs(30),
+        move || {
+            let q = q.clone();
+            async move {
+                q.stats().acknowledged.load(Ordering::Relaxed) == 1
+                    && q.stats().malformed.load(Ordering::Relaxed) >= 3
+            }
+        },
+    )
+    .await;
+    let q = queue.clone();
+    wait_for(
+        "the expired junk to go",
+        Duration::from_secs(30),
+        move || {
+            let q = q.clone();
+            async move { q.completed_count().await.unwrap() == 0 }
+        },
+    )
+    .await;
+    worker.stop().await;
+    assert_eq!(seen.lock().unwrap().len(), 1);
+    assert_eq!(
+        queue.pending_count(0).await.unwrap(),
+        3,
+        "malformed rows stay where they are"
+    );
 }
