@@ -11,6 +11,7 @@ mod embedded;
 mod engine_conformance;
 mod engine_embedded;
 mod engine_tikv;
+mod kv;
 mod models;
 mod queue;
 mod suites;

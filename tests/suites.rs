@@ -1,4 +1,4 @@
-//! The feature suites (models, derive, queue) on every backend: one line per suite.
+//! The feature suites (models, derive, queue, kv) on every backend: one line per suite.
 
 mod embedded {
     mod models {
@@ -9,6 +9,9 @@ mod embedded {
     }
     mod queue {
         crate::queue_suite!(crate::support::EmbeddedBackend);
+    }
+    mod kv {
+        crate::kv_suite!(crate::support::EmbeddedBackend);
     }
 }
 
@@ -21,5 +24,8 @@ mod tikv {
     }
     mod queue {
         crate::queue_suite!(crate::support::TikvBackend);
+    }
+    mod kv {
+        crate::kv_suite!(crate::support::TikvBackend);
     }
 }

@@ -71,6 +71,17 @@ pub enum TitoError {
         owner: String,
     },
 
+    /// A compare-and-set found another version than the one expected. Nothing was written.
+    #[error("version mismatch on {key}: expected {expected}, found {actual}")]
+    VersionMismatch {
+        /// What was compared.
+        key: String,
+        /// The version the caller expected (0: absent).
+        expected: u64,
+        /// The version found (0: absent or expired).
+        actual: u64,
+    },
+
     /// An argument was outside what the call accepts. Nothing was read or written.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

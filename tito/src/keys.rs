@@ -671,6 +671,68 @@ pub fn base64url_decode(text: &str) -> Option<Vec<u8>> {
     Some(out)
 }
 
+// ---------------------------------------------------------------------------------------------
+// Key/value store keys
+//
+// kv:{namespace}:{key}                          a value (JSON with its version and expiry)
+// kv-exp:{expires_ms:020}:{namespace}:{key}     the expiry index the sweeper reads
+// ---------------------------------------------------------------------------------------------
+
+/// `kv:{namespace}:`, every key of a namespace.
+pub fn kv_namespace_prefix(namespace: &str) -> String {
+    KeyBuilder::new().raw("kv").string(namespace).prefix()
+}
+
+/// The storage key of a kv entry. The encoding keeps byte order and prefixes: the storage keys
+/// of keys starting with `p` start with `kv_key(namespace, p)`.
+pub fn kv_key(namespace: &str, key: &str) -> String {
+    let mut out = kv_namespace_prefix(namespace);
+    encode_str(key, &mut out);
+    out
+}
+
+/// The kv key stored at a storage key of `namespace`.
+pub fn kv_key_name(namespace: &str, storage_key: &str) -> TitoResult<String> {
+    let prefix = kv_namespace_prefix(namespace);
+    let encoded = storage_key.strip_prefix(&prefix).ok_or_else(|| {
+        TitoError::Integrity(format!("{storage_key:?} is not a kv key of {namespace:?}"))
+    })?;
+    decode_str(encoded)
+}
+
+/// The expiry index entry of a kv key.
+pub fn kv_expiry_key(expires_ms: u64, namespace: &str, key: &str) -> String {
+    KeyBuilder::new()
+        .raw("kv-exp")
+        .u64(expires_ms)
+        .string(namespace)
+        .string(key)
+        .finish()
+}
+
+/// `kv-exp:`, the whole expiry index.
+pub fn kv_expiry_prefix() -> String {
+    "kv-exp:".to_string()
+}
+
+/// Expiry index entries of keys expiring before `ms` sort below this.
+pub fn kv_expiry_before(ms: u64) -> String {
+    KeyBuilder::new().raw("kv-exp").u64(ms).prefix()
+}
+
+/// `(expires_ms, namespace, key)` of an expiry index entry.
+pub fn parse_kv_expiry_key(key: &str) -> TitoResult<(u64, String, String)> {
+    let malformed = || TitoError::Integrity(format!("kv expiry key {key:?} is malformed"));
+    let mut parts = key.splitn(4, SEPARATOR);
+    if parts.next() != Some("kv-exp") {
+        return Err(malformed());
+    }
+    let exp = decode_u64(parts.next().ok_or_else(malformed)?)?;
+    let namespace = decode_str(parts.next().ok_or_else(malformed)?)?;
+    let name = decode_str(parts.next().ok_or_else(malformed)?)?;
+    Ok((exp, namespace, name))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -884,5 +946,20 @@ mod tests {
         assert_eq!(base64url(&[0xfb, 0xff]), "-_8");
         assert!(base64url_decode("a").is_none());
         assert!(base64url_decode("a=").is_none());
+    }
+
+    #[test]
+    fn kv_keys_follow_the_layout() {
+        assert_eq!(kv_key("ns", "a:b"), "kv:ns:a;<b");
+        assert!(kv_key("ns", "ab").starts_with(&kv_key("ns", "a")));
+        assert!(!kv_key("ns2", "a").starts_with(&kv_namespace_prefix("ns")));
+        assert_eq!(kv_key_name("ns", &kv_key("ns", "a:b")).unwrap(), "a:b");
+        let exp = kv_expiry_key(42, "n:s", "k");
+        assert_eq!(
+            parse_kv_expiry_key(&exp).unwrap(),
+            (42, "n:s".into(), "k".into())
+        );
+        assert!(exp < kv_expiry_before(43));
+        assert!(exp >= kv_expiry_before(42));
     }
 }

@@ -37,6 +37,7 @@ pub mod backend;
 pub mod engine;
 mod error;
 pub mod keys;
+pub mod kv;
 pub mod model;
 pub mod queue;
 
