@@ -6,7 +6,12 @@ use std::time::Duration;
 
 use serde_json::json;
 use tito::kv::{Kv, MAX_KV_KEY_BYTES, MAX_KV_VALUE_BYTES, is_live};
-use tito::{TitoEngine, TitoError, TitoTransaction};
+use tito::model::TitoOptions;
+use tito::queue::run_transactional_worker;
+use tito::{
+    Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, TitoEngine, TitoError, TitoModel,
+    TitoTransaction, WorkerConfig,
+};
 
 use crate::support::{Ctx, wait_for};
 
@@ -28,6 +33,8 @@ macro_rules! kv_suite {
                 bad_input_is_refused_before_writing,
                 writes_join_the_callers_transaction,
                 the_sweeper_prunes_in_bounded_batches,
+                a_redelivered_event_has_no_second_effect,
+                sweepers_run_alone_or_in_a_worker,
             ]
         );
     };
@@ -367,4 +374,159 @@ pub async fn the_sweeper_prunes_in_bounded_batches<E: TitoEngine>(ctx: Ctx<E>) {
         .unwrap();
     tx.rollback().await.unwrap();
     assert_eq!(rows.len(), 2, "only the live keys are left");
+}
+
+#[derive(TitoModel, Default, Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct Wallet {
+    pub id: String,
+    pub balance: i64,
+}
+
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct Credit {
+    pub wallet: String,
+    pub amount: i64,
+}
+
+/// The idempotency marker, the effect and the acknowledgement commit in one transaction, so a
+/// second delivery of one logical event (published twice here) has no second effect.
+pub async fn a_redelivered_event_has_no_second_effect<E: TitoEngine>(ctx: Ctx<E>) {
+    let wallets = ctx.db.clone().model::<Wallet>();
+    wallets
+        .build(Wallet {
+            id: "w".into(),
+            balance: 0,
+        })
+        .await
+        .unwrap();
+    let queue = Arc::new(Queue::new(
+        ctx.db.clone(),
+        QueueConfig::new(2, Duration::from_secs(60)),
+    ));
+    let credit = QueueEvent::new(
+        "wallet:w",
+        Credit {
+            wallet: "w".into(),
+            amount: 10,
+        },
+        chrono::Utc::now().timestamp(),
+    );
+    queue.publish(credit.clone()).await.unwrap();
+    queue.publish(credit.clone()).await.unwrap(); // the producer retried: same logical id
+    queue
+        .publish(QueueEvent::new(
+            "wallet:w",
+            Credit {
+                wallet: "w".into(),
+                amount: 5,
+            },
+            chrono::Utc::now().timestamp(),
+        ))
+        .await
+        .unwrap();
+
+    let kv = Kv::new(ctx.db.clone());
+    let markers = ns(&ctx);
+    let (stop, rx) = tokio::sync::watch::channel(false);
+    let (w, k) = (wallets.clone(), kv.clone());
+    let worker = tokio::spawn(run_transactional_worker(
+        queue.clone(),
+        WorkerConfig::new(0..2).max_idle_backoff(Duration::from_millis(50)),
+        move |event: QueueEvent<Credit>, tx: E::Transaction| {
+            let (wallets, kv, markers) = (w.clone(), k.clone(), markers.clone());
+            async move {
+                if kv
+                    .put_if_absent_tx(&markers, &event.id, &true, None, &tx)
+                    .await?
+                    .is_none()
+                {
+                    return Ok(QueueHandlerOutcome::Acknowledge); // seen before: no effect
+                }
+                let mut wallet = wallets.find_by_id_tx(&event.payload.wallet, &tx).await?;
+                wallet.balance += event.payload.amount;
+                wallets
+                    .update_with_options(wallet, TitoOptions::default(), &tx)
+                    .await?;
+                Ok(QueueHandlerOutcome::Acknowledge)
+            }
+        },
+        rx,
+    ));
+    let q = queue.clone();
+    wait_for(
+        "three completed invocations",
+        Duration::from_secs(30),
+        move || {
+            let q = q.clone();
+            async move { q.completed_count().await.unwrap() == 3 }
+        },
+    )
+    .await;
+    stop.send(true).unwrap();
+    worker.await.unwrap();
+    assert_eq!(wallets.find_by_id("w", vec![]).await.unwrap().balance, 15);
+    assert!(kv.get(&ns(&ctx), &credit.id).await.unwrap().is_some());
+}
+
+pub async fn sweepers_run_alone_or_in_a_worker<E: TitoEngine>(ctx: Ctx<E>) {
+    let kv = Kv::new(ctx.db.clone());
+    let ns = ns(&ctx);
+    let count_rows = |db: E, ns: String| async move {
+        let tx = db.begin().await.unwrap();
+        let prefix = tito::keys::kv_namespace_prefix(&ns);
+        let n = tx
+            .scan(
+                prefix.as_bytes(),
+                tito::prefix_end(prefix.clone()).as_bytes(),
+                100,
+            )
+            .await
+            .unwrap()
+            .len();
+        tx.rollback().await.unwrap();
+        n
+    };
+    // On its own.
+    kv.put(&ns, "a", &1, None, Some(Duration::from_millis(1)))
+        .await
+        .unwrap();
+    let (stop, rx) = tokio::sync::watch::channel(false);
+    let sweeper = {
+        let kv = kv.clone();
+        tokio::spawn(async move { kv.run_sweeper(Duration::from_millis(20), rx).await })
+    };
+    let (db, n) = (ctx.db.clone(), ns.clone());
+    wait_for("the sweeper", Duration::from_secs(10), move || {
+        let (db, n) = (db.clone(), n.clone());
+        async move { count_rows(db, n).await == 0 }
+    })
+    .await;
+    stop.send(true).unwrap();
+    sweeper.await.unwrap();
+
+    // In a queue worker's maintenance.
+    kv.put(&ns, "b", &1, None, Some(Duration::from_millis(1)))
+        .await
+        .unwrap();
+    let queue = Arc::new(Queue::new(
+        ctx.db.clone(),
+        QueueConfig::new(1, Duration::from_secs(60)),
+    ));
+    let (stop, rx) = tokio::sync::watch::channel(false);
+    let worker = tokio::spawn(tito::queue::run_worker(
+        queue,
+        WorkerConfig::new(0..1)
+            .sweep_kv(true)
+            .maintenance_interval(Duration::from_millis(20)),
+        |_event: QueueEvent<i64>| async { Ok(QueueHandlerOutcome::Acknowledge) },
+        rx,
+    ));
+    let (db, n) = (ctx.db.clone(), ns.clone());
+    wait_for("the worker's sweep", Duration::from_secs(10), move || {
+        let (db, n) = (db.clone(), n.clone());
+        async move { count_rows(db, n).await == 0 }
+    })
+    .await;
+    stop.send(true).unwrap();
+    worker.await.unwrap();
 }

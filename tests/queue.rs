@@ -11,7 +11,7 @@ use futures::FutureExt;
 use serde::{Deserialize, Serialize};
 use tito::engine::{Fault, FaultPoint, FaultRule, FaultyEngine};
 use tito::model::{TitoEventConfig, TitoModelTrait, TitoOperation, TitoOptions};
-use tito::queue::{ModelEvent, run_worker};
+use tito::queue::{ModelEvent, run_transactional_worker, run_worker};
 use tito::{
     Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, QueueHandlerResult, QueueOwner,
     TitoEngine, TitoError, TitoTransaction, WorkerConfig,
@@ -47,6 +47,7 @@ macro_rules! queue_suite {
                 owners_move_with_their_rows_and_can_be_erased,
                 unknown_acknowledgements_converge,
                 malformed_rows_are_counted_and_left_in_place,
+                transactional_handlers_commit_with_their_outcome,
             ]
         );
     };
@@ -983,4 +984,46 @@ pub async fn malformed_rows_are_counted_and_left_in_place<E: TitoEngine>(ctx: Ct
         3,
         "malformed rows stay where they are"
     );
+}
+
+pub async fn transactional_handlers_commit_with_their_outcome<E: TitoEngine>(ctx: Ctx<E>) {
+    let queue = queue(&ctx.db, 1);
+    for n in 0..3 {
+        queue
+            .publish(QueueEvent::new("k", Job { n }, now()))
+            .await
+            .unwrap();
+    }
+    let attempts = Arc::new(AtomicUsize::new(0));
+    let a = attempts.clone();
+    let prefix = ctx.key("effect:");
+    let (stop, rx) = watch::channel(false);
+    let worker = tokio::spawn(run_transactional_worker(
+        queue.clone(),
+        fast(0..1),
+        move |event: QueueEvent<Job>, tx: E::Transaction| {
+            let (a, prefix) = (a.clone(), prefix.clone());
+            async move {
+                let mut key = prefix;
+                key.extend_from_slice(event.payload.n.to_string().as_bytes());
+                tx.put(key, b"done".to_vec()).await?;
+                // The first attempt of n = 1 fails after writing its effect: both roll back.
+                if event.payload.n == 1 && a.fetch_add(1, Ordering::SeqCst) == 0 {
+                    return Err(TitoError::invalid_argument("fails after the effect"));
+                }
+                Ok(QueueHandlerOutcome::Acknowledge)
+            }
+        },
+        rx,
+    ));
+    drained(&queue, 3).await;
+    stop.send(true).unwrap();
+    worker.await.unwrap();
+    assert_eq!(queue.stats().failed.load(Ordering::Relaxed), 1);
+    assert_eq!(queue.stats().acknowledged.load(Ordering::Relaxed), 3);
+    let tx = ctx.db.begin().await.unwrap();
+    let start = ctx.key("effect:");
+    let end = tito::keys::prefix_end_bytes(&start);
+    assert_eq!(tx.scan(&start, &end, 10).await.unwrap().len(), 3);
+    tx.rollback().await.unwrap();
 }

@@ -71,6 +71,11 @@ pub enum TitoError {
         owner: String,
     },
 
+    /// A queue worker no longer holds the lease of the partition it was applying an outcome
+    /// for. Nothing was applied; the invocation stays pending for the new lease holder.
+    #[error("partition lease lost: {0}")]
+    LeaseLost(String),
+
     /// A compare-and-set found another version than the one expected. Nothing was written.
     #[error("version mismatch on {key}: expected {expected}, found {actual}")]
     VersionMismatch {

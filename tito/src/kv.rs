@@ -52,6 +52,8 @@ pub const MAX_KV_KEY_BYTES: usize = 1024;
 pub const MAX_KV_VALUE_BYTES: usize = 256 * 1024;
 /// The largest page of a listing.
 pub const MAX_KV_PAGE: usize = 1000;
+/// How many expired keys one sweep step deletes at most by default.
+pub const SWEEP_BATCH: usize = 256;
 
 /// Whether an entry with this expiry (Unix milliseconds) exists at `now_ms`: the one definition
 /// of existence every read, precondition and write uses.
@@ -596,6 +598,28 @@ impl<E: TitoEngine> Kv<E> {
     /// invisible). Returns how many; a full batch means more may be waiting.
     pub async fn sweep(&self, batch: usize) -> TitoResult<usize> {
         sweep_expired(&self.db, batch).await
+    }
+
+    /// Sweeps on its own until `shutdown` resolves: a full batch continues at once, a short one
+    /// waits `interval`. (A queue worker can do the same: [`WorkerConfig::sweep_kv`].)
+    ///
+    /// [`WorkerConfig::sweep_kv`]: crate::queue::WorkerConfig::sweep_kv
+    pub async fn run_sweeper(&self, interval: Duration, shutdown: impl crate::queue::Shutdown) {
+        let mut shutdown = shutdown.wait();
+        loop {
+            let full = match self.sweep(SWEEP_BATCH).await {
+                Ok(deleted) => deleted == SWEEP_BATCH,
+                Err(err) => {
+                    tracing::warn!(error = %err, "kv sweep failed");
+                    false
+                }
+            };
+            let pause = if full { Duration::ZERO } else { interval };
+            tokio::select! {
+                _ = &mut shutdown => return,
+                _ = tokio::time::sleep(pause) => {}
+            }
+        }
     }
 }
 

@@ -82,7 +82,7 @@ pub use event::{
     MAX_OWNER_BYTES, MAX_QUEUE_EVENT_BYTES, QueueEvent, QueueHandlerOutcome, QueueHandlerResult,
     QueueOwner, partition_for,
 };
-pub use worker::{Shutdown, WorkerConfig, run_worker};
+pub use worker::{Shutdown, WorkerConfig, run_transactional_worker, run_worker};
 
 use crate::engine::{self, TitoEngine, TitoTransaction};
 use crate::error::{TitoError, TitoResult};

@@ -48,6 +48,8 @@ pub struct WorkerConfig {
     pub outcome_batch: usize,
     /// The worker's identity in leases; a fresh one per run by default.
     pub worker_id: Option<String>,
+    /// Also prune expired [`crate::kv`] keys during maintenance.
+    pub sweep_kv: bool,
 }
 
 impl WorkerConfig {
@@ -65,6 +67,7 @@ impl WorkerConfig {
             maintenance_interval: Duration::from_secs(30),
             outcome_batch: 64,
             worker_id: None,
+            sweep_kv: false,
         }
     }
 
@@ -113,6 +116,13 @@ impl WorkerConfig {
     /// The worker's identity in leases.
     pub fn worker_id(mut self, id: impl Into<String>) -> Self {
         self.worker_id = Some(id.into());
+        self
+    }
+
+    /// Makes the worker's maintenance also prune expired key/value entries (bounded batches,
+    /// same cadence as completed-row retention).
+    pub fn sweep_kv(mut self, sweep: bool) -> Self {
+        self.sweep_kv = sweep;
         self
     }
 }
@@ -170,8 +180,29 @@ struct Running {
 
 /// What a handler task reports.
 enum Report<T> {
+    /// The handler decided; the worker applies the outcome.
     Done(QueueHandlerOutcome<T>),
+    /// A transactional handler's outcome already committed with its work.
+    Applied {
+        rescheduled: bool,
+    },
     Failed(String),
+}
+
+/// Runs one invocation to its report (the handler, under the timeout, panics caught).
+type Invoker<T> =
+    Arc<dyn Fn(Running, QueueEvent<T>) -> BoxFuture<'static, (Running, Report<T>)> + Send + Sync>;
+
+/// Catches a panic and enforces the timeout around one invocation's work.
+async fn supervise<R>(
+    timeout: Duration,
+    work: impl Future<Output = Result<R, String>> + Send,
+) -> Result<R, String> {
+    match tokio::time::timeout(timeout, AssertUnwindSafe(work).catch_unwind()).await {
+        Ok(Ok(result)) => result,
+        Ok(Err(_)) => Err("handler panicked".into()),
+        Err(_) => Err(format!("handler timed out after {timeout:?}")),
+    }
 }
 
 /// An outcome ready to commit.
@@ -208,25 +239,120 @@ where
     Fut: Future<Output = QueueHandlerResult<T>> + Send + 'static,
     S: Shutdown,
 {
+    let timeout = config.handler_timeout;
+    let handler = Arc::new(handler);
+    let invoke: Invoker<T> = Arc::new(move |running, event| {
+        let handler = handler.clone();
+        Box::pin(async move {
+            let report = match supervise(timeout, async move {
+                handler(event)
+                    .await
+                    .map_err(|err| format!("handler error: {err}"))
+            })
+            .await
+            {
+                Ok(outcome) => Report::Done(outcome),
+                Err(why) => Report::Failed(why),
+            };
+            (running, report)
+        })
+    });
     // Boxed here, where the engine is generic: the compiler proves the loop `Send` once, instead
     // of at every call site with a concrete engine (where it trips over higher-ranked lifetimes).
-    Box::pin(worker_loop(queue, config, handler, shutdown))
+    Box::pin(worker_loop(queue, config, invoke, shutdown))
 }
 
-async fn worker_loop<E, T, F, Fut, S>(
+/// Like [`run_worker`], but each handler runs inside the transaction that applies its outcome:
+/// its writes (an idempotency marker, the effect, model writes with events) and the
+/// acknowledgement or replacement commit together or not at all. The transaction is replayed
+/// after a conflict, so the handler may run more than once per delivery; its storage effects
+/// apply once. An error, panic, timeout or lost lease rolls everything back and leaves the
+/// invocation pending.
+///
+/// The returned future is `Send + 'static`: spawn it, or await it in place.
+pub fn run_transactional_worker<E, T, F, Fut, S>(
+    queue: Arc<Queue<E>>,
+    mut config: WorkerConfig,
+    handler: F,
+    shutdown: S,
+) -> BoxFuture<'static, ()>
+where
+    E: TitoEngine,
+    T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
+    F: Fn(QueueEvent<T>, E::Transaction) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = QueueHandlerResult<T>> + Send + 'static,
+    S: Shutdown,
+{
+    let owner = config
+        .worker_id
+        .get_or_insert_with(|| format!("worker-{}", new_event_id()))
+        .clone();
+    let timeout = config.handler_timeout;
+    let handler = Arc::new(handler);
+    let db = queue.engine().clone();
+    let root = queue.root().to_string();
+    let partitions = queue.config().partitions;
+    let invoke: Invoker<T> = Arc::new(move |running: Running, event: QueueEvent<T>| {
+        let (handler, db, root, owner) = (handler.clone(), db.clone(), root.clone(), owner.clone());
+        let (pulled, generation) = (running.pulled.clone(), running.generation);
+        Box::pin(async move {
+            let work = db.transaction(|tx| {
+                let (handler, event, pulled, root, owner) = (
+                    handler.clone(),
+                    event.clone(),
+                    pulled.clone(),
+                    root.clone(),
+                    owner.clone(),
+                );
+                async move {
+                    let outcome = handler(event, tx.clone()).await?;
+                    let next = match outcome {
+                        QueueHandlerOutcome::Acknowledge => None,
+                        QueueHandlerOutcome::Reschedule(next) => Some(
+                            replacement(&pulled.stored, &next)
+                                .map_err(TitoError::InvalidArgument)?,
+                        ),
+                    };
+                    let partition = pulled.parsed.partition;
+                    if !lease::still_held(&tx, &root, partition, &owner, generation).await? {
+                        return Err(TitoError::LeaseLost(format!("partition {partition}")));
+                    }
+                    if !complete(&tx, &root, partitions, &pulled, next.as_ref()).await? {
+                        return Err(TitoError::NotFound(format!(
+                            "invocation {} is no longer pending",
+                            pulled.key
+                        )));
+                    }
+                    Ok::<_, TitoError>(next.is_some())
+                }
+            });
+            let report =
+                match supervise(
+                    timeout,
+                    async move { work.await.map_err(|err| err.to_string()) },
+                )
+                .await
+                {
+                    Ok(rescheduled) => Report::Applied { rescheduled },
+                    Err(why) => Report::Failed(why),
+                };
+            (running, report)
+        })
+    });
+    Box::pin(worker_loop(queue, config, invoke, shutdown))
+}
+
+async fn worker_loop<E, T, S>(
     queue: Arc<Queue<E>>,
     config: WorkerConfig,
-    handler: F,
+    invoke: Invoker<T>,
     shutdown: S,
 ) where
     E: TitoEngine,
     T: Serialize + DeserializeOwned + Send + 'static,
-    F: Fn(QueueEvent<T>) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = QueueHandlerResult<T>> + Send + 'static,
     S: Shutdown,
 {
     let mut worker = Worker::new(queue, config);
-    let handler = Arc::new(handler);
     let mut shutdown = shutdown.wait();
     let maintenance = worker.spawn_maintenance();
     let mut handlers: JoinSet<(Running, Report<T>)> = JoinSet::new();
@@ -236,7 +362,7 @@ async fn worker_loop<E, T, F, Fut, S>(
     loop {
         if !stopping {
             worker.renew_leases_if_due().await;
-            worker.start_handlers(&mut handlers, &handler).await;
+            worker.start_handlers(&mut handlers, &invoke).await;
         }
         // Collect every finished handler, then commit their outcomes together.
         while let Some(Some(joined)) = handlers.join_next().now_or_never() {
@@ -306,18 +432,26 @@ impl<E: TitoEngine> Worker<E> {
     fn spawn_maintenance(&self) -> tokio::task::JoinHandle<()> {
         let queue = self.queue.clone();
         let interval = self.config.maintenance_interval;
+        let sweep_kv = self.config.sweep_kv;
         tokio::spawn(async move {
             loop {
+                let mut full = false;
                 match queue.expire_completed().await {
                     // A full batch: more may be waiting; continue at once.
-                    Ok(deleted) if deleted == super::RETENTION_BATCH => {
-                        tokio::task::yield_now().await;
-                        continue;
-                    }
-                    Ok(_) => {}
+                    Ok(deleted) => full |= deleted == super::RETENTION_BATCH,
                     Err(err) => tracing::warn!(error = %err, "queue maintenance failed"),
                 }
-                tokio::time::sleep(interval).await;
+                if sweep_kv {
+                    match crate::kv::sweep_expired(queue.engine(), crate::kv::SWEEP_BATCH).await {
+                        Ok(deleted) => full |= deleted == crate::kv::SWEEP_BATCH,
+                        Err(err) => tracing::warn!(error = %err, "kv sweep failed"),
+                    }
+                }
+                if full {
+                    tokio::task::yield_now().await;
+                } else {
+                    tokio::time::sleep(interval).await;
+                }
             }
         })
     }
@@ -394,14 +528,12 @@ impl<E: TitoEngine> Worker<E> {
         wake
     }
 
-    async fn start_handlers<T, F, Fut>(
+    async fn start_handlers<T>(
         &mut self,
         handlers: &mut JoinSet<(Running, Report<T>)>,
-        handler: &Arc<F>,
+        invoke: &Invoker<T>,
     ) where
         T: Serialize + DeserializeOwned + Send + 'static,
-        F: Fn(QueueEvent<T>) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = QueueHandlerResult<T>> + Send + 'static,
     {
         for partition in self.queue.wakeups.take() {
             if let Some(state) = self.partitions.get_mut(&partition) {
@@ -481,18 +613,7 @@ impl<E: TitoEngine> Worker<E> {
                     pulled: item,
                     generation,
                 };
-                let handler = handler.clone();
-                let timeout = self.config.handler_timeout;
-                handlers.spawn(async move {
-                    let call = AssertUnwindSafe(async move { handler(event).await }).catch_unwind();
-                    let report = match tokio::time::timeout(timeout, call).await {
-                        Ok(Ok(Ok(outcome))) => Report::Done(outcome),
-                        Ok(Ok(Err(err))) => Report::Failed(format!("handler error: {err}")),
-                        Ok(Err(_)) => Report::Failed("handler panicked".into()),
-                        Err(_) => Report::Failed(format!("handler timed out after {timeout:?}")),
-                    };
-                    (running, report)
-                });
+                handlers.spawn(invoke(running, event));
             }
         }
     }
@@ -511,6 +632,16 @@ impl<E: TitoEngine> Worker<E> {
             }
         };
         let outcome = match report {
+            Report::Applied { rescheduled } => {
+                let counter = if rescheduled {
+                    &self.stats().rescheduled
+                } else {
+                    &self.stats().acknowledged
+                };
+                QueueStats::bump(counter, 1);
+                self.in_flight.remove(&running.pulled.key);
+                return;
+            }
             Report::Failed(why) => Err(why),
             Report::Done(QueueHandlerOutcome::Acknowledge) => Ok(None),
             Report::Done(QueueHandlerOutcome::Reschedule(next)) => {
@@ -617,47 +748,11 @@ impl<E: TitoEngine> Worker<E> {
                         if !ok {
                             continue;
                         }
-                        // The row may have been removed meanwhile (erasure by owner).
-                        if tx.get(pulled.key.as_bytes()).await?.is_none() {
-                            continue;
+                        if complete(&tx, &root, partitions, pulled, outcome.replacement.as_ref())
+                            .await?
+                        {
+                            applied.insert(pulled.key.clone());
                         }
-                        tx.delete(pulled.key.clone().into_bytes()).await?;
-                        let processed_at = tx.start_version();
-                        let mut completed = pulled.stored.clone();
-                        completed.processed_at = Some(processed_at);
-                        let completed_key = keys::completed_key(
-                            &root,
-                            processed_at,
-                            pulled.parsed.timestamp,
-                            &completed.id,
-                        );
-                        tx.put(
-                            completed_key.clone().into_bytes(),
-                            serde_json::to_vec(&completed)?,
-                        )
-                        .await?;
-                        if let Some(owner) = &completed.owner {
-                            let pending_owner = keys::owner_key(
-                                &root,
-                                &owner.kind,
-                                &owner.id,
-                                keys::OWNER_PENDING,
-                                &pulled.key,
-                            );
-                            tx.delete(pending_owner.into_bytes()).await?;
-                            let completed_owner = keys::owner_key(
-                                &root,
-                                &owner.kind,
-                                &owner.id,
-                                keys::OWNER_COMPLETED,
-                                &completed_key,
-                            );
-                            tx.put(completed_owner.into_bytes(), Vec::new()).await?;
-                        }
-                        if let Some(next) = &outcome.replacement {
-                            write_pending(&tx, &root, partitions, next).await?;
-                        }
-                        applied.insert(pulled.key.clone());
                     }
                     Ok::<_, TitoError>(applied)
                 }
@@ -681,6 +776,54 @@ impl<E: TitoEngine> Worker<E> {
             tracing::warn!(error = %err, "releasing partition leases failed; they expire on their own");
         }
     }
+}
+
+/// Completes one invocation inside `tx`: deletes the pending row, writes the completed row,
+/// moves the owner key and inserts the replacement. Returns false (writing nothing) when the
+/// pending row is gone (erased by its owner meanwhile).
+async fn complete<X: TitoTransaction>(
+    tx: &X,
+    root: &str,
+    partitions: u32,
+    pulled: &Pulled,
+    replacement: Option<&StoredEvent>,
+) -> TitoResult<bool> {
+    if tx.get(pulled.key.as_bytes()).await?.is_none() {
+        return Ok(false);
+    }
+    tx.delete(pulled.key.clone().into_bytes()).await?;
+    let processed_at = tx.start_version();
+    let mut completed = pulled.stored.clone();
+    completed.processed_at = Some(processed_at);
+    let completed_key =
+        keys::completed_key(root, processed_at, pulled.parsed.timestamp, &completed.id);
+    tx.put(
+        completed_key.clone().into_bytes(),
+        serde_json::to_vec(&completed)?,
+    )
+    .await?;
+    if let Some(owner) = &completed.owner {
+        let pending_owner = keys::owner_key(
+            root,
+            &owner.kind,
+            &owner.id,
+            keys::OWNER_PENDING,
+            &pulled.key,
+        );
+        tx.delete(pending_owner.into_bytes()).await?;
+        let completed_owner = keys::owner_key(
+            root,
+            &owner.kind,
+            &owner.id,
+            keys::OWNER_COMPLETED,
+            &completed_key,
+        );
+        tx.put(completed_owner.into_bytes(), Vec::new()).await?;
+    }
+    if let Some(next) = replacement {
+        write_pending(tx, root, partitions, next).await?;
+    }
+    Ok(true)
 }
 
 /// Checks a `Reschedule` replacement against the invocation it replaces: same id, key, owner
