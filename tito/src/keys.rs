@@ -484,6 +484,7 @@ pub fn index_key_row(key: &str) -> TitoResult<(String, String)> {
 // {queue}:owner:{b64url(kind)}:{b64url(id)}:{state}:{b64url(queue_storage_key)}
 // {queue}:lease:{partition:04}                   a partition lease (JSON)
 // {queue}:meta                                   the queue's partition count (JSON)
+// {queue}:node:{id} / :coordinator / :members     cluster mode (see `queue::cluster`)
 //
 // `processed_at` is the version of the transaction that completed the invocation (unique per
 // transaction, so two invocations of one event never share a completed key).
@@ -626,6 +627,28 @@ pub fn owner_key_target(key: &str) -> TitoResult<String> {
 /// The lease key of a partition.
 pub fn lease_key(root: &str, partition: u32) -> String {
     format!("{root}:lease:{partition:04}")
+}
+
+/// `{queue}:node:{id}`, a cluster node's record.
+pub fn node_key(root: &str, id: &str) -> String {
+    let mut key = node_prefix(root);
+    encode_str(id, &mut key);
+    key
+}
+
+/// `{queue}:node:`, every node record of a queue's cluster.
+pub fn node_prefix(root: &str) -> String {
+    format!("{root}:node:")
+}
+
+/// `{queue}:coordinator`, the cluster coordinator's lease.
+pub fn coordinator_key(root: &str) -> String {
+    format!("{root}:coordinator")
+}
+
+/// `{queue}:members`, the member list the coordinator publishes.
+pub fn members_key(root: &str) -> String {
+    format!("{root}:members")
 }
 
 /// The key holding a queue's partition count.

@@ -14,8 +14,12 @@ use crate::keys;
 pub(crate) struct Lease {
     pub owner: String,
     pub generation: u64,
-    /// The engine version after which the lease is void.
+    /// The engine version after which the lease is void (standalone leases).
     pub expires: u64,
+    /// Cluster leases: the holder's process epoch; the lease is valid while the holder's node
+    /// record is alive with this epoch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epoch: Option<u64>,
 }
 
 fn parse(key: &str, bytes: &[u8]) -> Option<Lease> {
@@ -52,6 +56,8 @@ pub(crate) async fn acquire<E: TitoEngine>(
             for ((partition, key), value) in partitions.iter().zip(&keys).zip(current) {
                 let lease = value.as_deref().and_then(|v| parse(key, v));
                 let generation = match &lease {
+                    // A cluster lease is not a standalone worker's to take.
+                    Some(lease) if lease.epoch.is_some() => continue,
                     Some(lease) if lease.owner == owner && lease.expires > now => lease.generation,
                     Some(lease) if lease.expires > now => continue,
                     Some(lease) => lease.generation + 1,
@@ -61,6 +67,7 @@ pub(crate) async fn acquire<E: TitoEngine>(
                     owner: owner.to_string(),
                     generation,
                     expires,
+                    epoch: None,
                 };
                 tx.put(key.clone().into_bytes(), serde_json::to_vec(&lease)?)
                     .await?;
@@ -89,8 +96,12 @@ pub(crate) async fn still_held<X: TitoTransaction>(
     let Some(lease) = parse(&key, &bytes) else {
         return Ok(false);
     };
-    if lease.owner != owner || lease.generation != generation || lease.expires <= tx.start_version()
-    {
+    if lease.owner != owner || lease.generation != generation {
+        return Ok(false);
+    }
+    // Standalone leases expire by version; cluster leases live as long as their holder's node
+    // record (which `holder_alive` locks too).
+    if !super::cluster::holder_alive(tx, root, &lease).await? {
         return Ok(false);
     }
     tx.lock_keys(&[key.into_bytes()]).await?;

@@ -65,6 +65,7 @@
 //! # }
 //! ```
 
+pub mod cluster;
 mod event;
 mod lease;
 mod pull;
@@ -82,7 +83,10 @@ pub use event::{
     MAX_OWNER_BYTES, MAX_QUEUE_EVENT_BYTES, QueueEvent, QueueHandlerOutcome, QueueHandlerResult,
     QueueOwner, partition_for,
 };
-pub use worker::{Shutdown, WorkerConfig, run_transactional_worker, run_worker};
+pub use cluster::{ClusterConfig, ClusterState, cluster_state};
+pub use worker::{
+    Shutdown, WorkerConfig, run_cluster_worker, run_transactional_worker, run_worker,
+};
 
 use crate::engine::{self, TitoEngine, TitoTransaction};
 use crate::error::{TitoError, TitoResult};

@@ -6,6 +6,7 @@ use std::future::Future;
 use std::ops::Range;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use futures::FutureExt;
@@ -18,6 +19,7 @@ use tokio::time::Instant;
 use super::event::{
     QueueEvent, QueueHandlerOutcome, QueueHandlerResult, StoredEvent, new_event_id,
 };
+use super::cluster::{ClusterConfig, Node};
 use super::lease::{self, Lease};
 use super::pull::{Cursor, Pulled};
 use super::{Queue, QueueStats, write_pending};
@@ -259,7 +261,7 @@ where
     });
     // Boxed here, where the engine is generic: the compiler proves the loop `Send` once, instead
     // of at every call site with a concrete engine (where it trips over higher-ranked lifetimes).
-    Box::pin(worker_loop(queue, config, invoke, shutdown))
+    Box::pin(worker_loop(queue, config, None, invoke, shutdown))
 }
 
 /// Like [`run_worker`], but each handler runs inside the transaction that applies its outcome:
@@ -339,12 +341,55 @@ where
             (running, report)
         })
     });
-    Box::pin(worker_loop(queue, config, invoke, shutdown))
+    Box::pin(worker_loop(queue, config, None, invoke, shutdown))
+}
+
+/// [`run_worker`] in cluster mode: the node joins the queue's cluster (see
+/// [`crate::queue::cluster`]) and runs the partitions the membership assigns to it, instead of
+/// a configured range (`config.partitions` is ignored). Completed-row retention runs on the
+/// elected coordinator only.
+///
+/// The returned future is `Send + 'static`: spawn it, or await it in place.
+pub fn run_cluster_worker<E, T, F, Fut, S>(
+    queue: Arc<Queue<E>>,
+    mut config: WorkerConfig,
+    cluster: ClusterConfig,
+    handler: F,
+    shutdown: S,
+) -> BoxFuture<'static, ()>
+where
+    E: TitoEngine,
+    T: Serialize + DeserializeOwned + Send + 'static,
+    F: Fn(QueueEvent<T>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = QueueHandlerResult<T>> + Send + 'static,
+    S: Shutdown,
+{
+    let node = Node::new(cluster);
+    config.worker_id = Some(node.id.clone());
+    config.partitions = 0..queue.config().partitions;
+    let timeout = config.handler_timeout;
+    let handler = Arc::new(handler);
+    let invoke: Invoker<T> = Arc::new(move |running, event| {
+        let handler = handler.clone();
+        Box::pin(async move {
+            let report = match supervise(timeout, async move {
+                handler(event).await.map_err(|err| format!("handler error: {err}"))
+            })
+            .await
+            {
+                Ok(outcome) => Report::Done(outcome),
+                Err(why) => Report::Failed(why),
+            };
+            (running, report)
+        })
+    });
+    Box::pin(worker_loop(queue, config, Some(node), invoke, shutdown))
 }
 
 async fn worker_loop<E, T, S>(
     queue: Arc<Queue<E>>,
     config: WorkerConfig,
+    node: Option<Node>,
     invoke: Invoker<T>,
     shutdown: S,
 ) where
@@ -352,7 +397,7 @@ async fn worker_loop<E, T, S>(
     T: Serialize + DeserializeOwned + Send + 'static,
     S: Shutdown,
 {
-    let mut worker = Worker::new(queue, config);
+    let mut worker = Worker::new(queue, config, node);
     let mut shutdown = shutdown.wait();
     let maintenance = worker.spawn_maintenance();
     let mut handlers: JoinSet<(Running, Report<T>)> = JoinSet::new();
@@ -406,14 +451,21 @@ struct Worker<E> {
     next_lease_at: Instant,
     partitions: HashMap<u32, PartitionState>,
     in_flight: HashSet<String>,
+    /// Cluster mode: this node's membership.
+    node: Option<Node>,
+    /// Whether this worker runs retention (always standalone; the coordinator in a cluster).
+    maintains: Arc<AtomicBool>,
+    /// Cluster mode: partitions assigned away, still held until their handlers finish.
+    draining: HashSet<u32>,
 }
 
 impl<E: TitoEngine> Worker<E> {
-    fn new(queue: Arc<Queue<E>>, config: WorkerConfig) -> Self {
+    fn new(queue: Arc<Queue<E>>, config: WorkerConfig, node: Option<Node>) -> Self {
         let id = config
             .worker_id
             .clone()
             .unwrap_or_else(|| format!("worker-{}", new_event_id()));
+        let maintains = Arc::new(AtomicBool::new(node.is_none()));
         Worker {
             queue,
             config,
@@ -422,6 +474,9 @@ impl<E: TitoEngine> Worker<E> {
             next_lease_at: Instant::now(),
             partitions: HashMap::new(),
             in_flight: HashSet::new(),
+            node,
+            maintains,
+            draining: HashSet::new(),
         }
     }
 
@@ -433,8 +488,13 @@ impl<E: TitoEngine> Worker<E> {
         let queue = self.queue.clone();
         let interval = self.config.maintenance_interval;
         let sweep_kv = self.config.sweep_kv;
+        let maintains = self.maintains.clone();
         tokio::spawn(async move {
             loop {
+                if !maintains.load(Ordering::Relaxed) {
+                    tokio::time::sleep(interval).await;
+                    continue;
+                }
                 let mut full = false;
                 match queue.expire_completed().await {
                     // A full batch: more may be waiting; continue at once.
@@ -458,6 +518,10 @@ impl<E: TitoEngine> Worker<E> {
 
     async fn renew_leases_if_due(&mut self) {
         if Instant::now() < self.next_lease_at {
+            return;
+        }
+        if self.node.is_some() {
+            self.cluster_tick().await;
             return;
         }
         let duration_ms = u64::try_from(self.config.lease_duration.as_millis()).unwrap_or(u64::MAX);
@@ -515,6 +579,82 @@ impl<E: TitoEngine> Worker<E> {
                 self.next_lease_at = Instant::now() + self.config.lease_duration / 10;
             }
         }
+    }
+
+    /// Cluster mode: heartbeat, election, assignment; take assigned partitions, drain and
+    /// release the ones assigned away.
+    async fn cluster_tick(&mut self) {
+        let node = self.node.as_ref().expect("cluster mode");
+        let interval = node.config.node_ttl / 3;
+        let partitions = self.queue.config().partitions;
+        let result = async {
+            let tx = self.queue.engine().begin().await?;
+            match self.queue.ensure_meta(&tx).await {
+                Ok(()) => tx.commit().await?,
+                Err(err) => {
+                    let _ = tx.rollback().await;
+                    return Err(err);
+                }
+            }
+            let tick = node.tick(self.queue.engine(), self.queue.root(), partitions).await?;
+            let held = node.acquire(self.queue.engine(), self.queue.root(), &tick.assigned).await?;
+            Ok::<_, TitoError>((tick, held))
+        }
+        .await;
+        let (tick, held) = match result {
+            Ok(done) => done,
+            Err(err) => {
+                tracing::warn!(error = %err, "cluster tick failed");
+                self.next_lease_at = Instant::now() + interval / 3;
+                return;
+            }
+        };
+        self.maintains.store(tick.coordinator, Ordering::Relaxed);
+        let assigned: HashSet<u32> = tick.assigned.iter().copied().collect();
+        for (partition, lease) in &self.leases {
+            if !assigned.contains(partition) {
+                self.draining.insert(*partition);
+            } else if held.get(partition).map(|l| l.generation) != Some(lease.generation) {
+                QueueStats::bump(&self.stats().leases_lost, 1);
+            }
+        }
+        let mut leases = held;
+        for partition in &self.draining {
+            if let Some(lease) = self.leases.get(partition) {
+                leases.insert(*partition, lease.clone());
+            }
+        }
+        self.partitions
+            .retain(|p, _| leases.contains_key(p) && assigned.contains(p));
+        for partition in leases.keys().filter(|p| assigned.contains(p)) {
+            self.partitions.entry(*partition).or_insert_with(|| PartitionState {
+                cursor: Cursor::new(*partition),
+                next_poll: Instant::now(),
+                backoff: MIN_IDLE_BACKOFF,
+            });
+        }
+        self.leases = leases;
+        // Drained partitions (no handler running) go back to the cluster.
+        let busy: HashSet<u32> = self
+            .in_flight
+            .iter()
+            .filter_map(|key| keys::parse_pending_key(self.queue.root(), key).ok().map(|k| k.partition))
+            .collect();
+        let done: Vec<u32> = self.draining.iter().copied().filter(|p| !busy.contains(p)).collect();
+        if !done.is_empty() {
+            match lease::release(self.queue.engine(), self.queue.root(), &done, &self.id).await {
+                Ok(()) => {
+                    for partition in &done {
+                        self.draining.remove(partition);
+                        self.leases.remove(partition);
+                    }
+                }
+                Err(err) => tracing::warn!(error = %err, "releasing drained partitions failed"),
+            }
+        }
+        // Come back sooner while draining, so handed-off partitions move quickly.
+        let next = if self.draining.is_empty() { interval } else { interval.min(Duration::from_millis(50)) };
+        self.next_lease_at = Instant::now() + next;
     }
 
     fn next_wake(&self) -> Instant {
@@ -762,18 +902,25 @@ impl<E: TitoEngine> Worker<E> {
 
     async fn release_leases(&self) {
         let partitions: Vec<u32> = self.leases.keys().copied().collect();
-        if partitions.is_empty() {
-            return;
-        }
-        if let Err(err) = lease::release(
-            self.queue.engine(),
-            self.queue.root(),
-            &partitions,
-            &self.id,
-        )
-        .await
+        if !partitions.is_empty()
+            && let Err(err) = lease::release(self.queue.engine(), self.queue.root(), &partitions, &self.id).await
         {
             tracing::warn!(error = %err, "releasing partition leases failed; they expire on their own");
+        }
+        if let Some(node) = &self.node {
+            // Leaving: the coordinator drops this node at its next tick.
+            let key = keys::node_key(self.queue.root(), &node.id).into_bytes();
+            let result = self
+                .queue
+                .engine()
+                .transaction(|tx| {
+                    let key = key.clone();
+                    async move { tx.delete(key).await }
+                })
+                .await;
+            if let Err(err) = result {
+                tracing::warn!(error = %err, "removing the node record failed; it expires on its own");
+            }
         }
     }
 }

@@ -1,0 +1,486 @@
+//! Cluster mode: several worker processes share one queue's partitions without configured
+//! ranges.
+//!
+//! - **Membership**: each node writes `{queue}:node:{id}` (its epoch, a fresh random number per
+//!   process run, and an expiry in engine versions) every third of `node_ttl`. A node whose record
+//!   expired is no longer a member; its record is deleted after `drop_after`.
+//! - **Coordinator**: one node at a time holds `{queue}:coordinator` (a lease with a generation,
+//!   expiring after `coordinator_ttl`). It publishes the member list (`{queue}:members`) and runs
+//!   completed-row retention. When it stops renewing, another node takes the key on its next
+//!   tick.
+//! - **Assignment**: rendezvous hashing over the member list: partition `p` belongs to the
+//!   member with the highest `score(member, p)`. Deterministic for a membership, and a join or
+//!   leave moves only the partitions won or lost by that node (about `P / n`).
+//! - **Leases**: a partition lease names its holder and the holder's epoch, with a generation as
+//!   fencing token, and no expiry of its own: it is valid while the holder's node record is
+//!   alive with that epoch. Renewing every lease is therefore one write (the node record). A
+//!   node takes an assigned partition when its lease is free, released, or held by a dead node;
+//!   it stops pulling partitions assigned away, drains them, then releases them. Outcome
+//!   transactions lock both the partition lease and the node record.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::lease::Lease;
+use crate::engine::{self, TitoEngine, TitoTransaction};
+use crate::error::{TitoError, TitoResult};
+use crate::keys;
+
+/// Cluster-mode settings. Build with [`ClusterConfig::new`] and the setters.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct ClusterConfig {
+    /// This node's id; by default the `HOSTNAME` (a pod's name) or `node`, plus a boot id, so a
+    /// restarted pod is a new member.
+    pub node_id: Option<String>,
+    /// How long a node stays a member without a heartbeat.
+    pub node_ttl: Duration,
+    /// How long after its expiry a dead node's record is deleted.
+    pub drop_after: Duration,
+    /// How long the coordinator lease lasts without renewal.
+    pub coordinator_ttl: Duration,
+}
+
+impl ClusterConfig {
+    /// The defaults: 10 s node and coordinator TTLs, records of dead nodes kept 60 s.
+    pub fn new() -> Self {
+        ClusterConfig {
+            node_id: None,
+            node_ttl: Duration::from_secs(10),
+            drop_after: Duration::from_secs(60),
+            coordinator_ttl: Duration::from_secs(10),
+        }
+    }
+
+    /// A fixed node id.
+    pub fn node_id(mut self, id: impl Into<String>) -> Self {
+        self.node_id = Some(id.into());
+        self
+    }
+
+    /// The node TTL.
+    pub fn node_ttl(mut self, ttl: Duration) -> Self {
+        self.node_ttl = ttl;
+        self
+    }
+
+    /// How long dead node records are kept.
+    pub fn drop_after(mut self, after: Duration) -> Self {
+        self.drop_after = after;
+        self
+    }
+
+    /// The coordinator lease TTL.
+    pub fn coordinator_ttl(mut self, ttl: Duration) -> Self {
+        self.coordinator_ttl = ttl;
+        self
+    }
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        ClusterConfig::new()
+    }
+}
+
+/// A node record.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeRecord {
+    /// The node's id.
+    pub id: String,
+    /// The process run's epoch.
+    pub epoch: u64,
+    /// The engine version after which the node is no longer a member.
+    pub expires: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct Coordinator {
+    node: String,
+    generation: u64,
+    expires: u64,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+struct Members {
+    members: Vec<String>,
+}
+
+/// What a cluster looks like, for tooling.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClusterState {
+    /// The node holding the coordinator lease, if it is valid.
+    pub coordinator: Option<String>,
+    /// The published member list.
+    pub members: Vec<String>,
+    /// Node records, alive or not.
+    pub nodes: Vec<NodeRecord>,
+    /// The partition -> member assignment the member list implies.
+    pub assignment: BTreeMap<u32, String>,
+    /// The partition -> holder leases as stored.
+    pub leases: BTreeMap<u32, String>,
+}
+
+fn mix(mut x: u64) -> u64 {
+    // splitmix64's finalizer: spreads FNV's output over all bits.
+    x ^= x >> 30;
+    x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x ^= x >> 27;
+    x = x.wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// The rendezvous score of a member for a partition.
+pub fn rendezvous_score(member: &str, partition: u32) -> u64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in member.as_bytes().iter().chain(&partition.to_be_bytes()) {
+        hash ^= u64::from(*byte);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    mix(hash)
+}
+
+/// The member a partition belongs to: the highest score, ties to the smaller id.
+pub fn rendezvous_owner(members: &[String], partition: u32) -> Option<&String> {
+    members
+        .iter()
+        .max_by(|a, b| {
+            rendezvous_score(a, partition)
+                .cmp(&rendezvous_score(b, partition))
+                .then_with(|| b.cmp(a))
+        })
+}
+
+/// The partitions of `0..partitions` assigned to `member`.
+pub fn assigned_partitions(members: &[String], partitions: u32, member: &str) -> Vec<u32> {
+    (0..partitions)
+        .filter(|p| rendezvous_owner(members, *p).is_some_and(|m| m == member))
+        .collect()
+}
+
+fn node_id_from_env() -> String {
+    let host = std::env::var("HOSTNAME")
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "node".to_string());
+    let boot = super::event::new_event_id();
+    format!("{host}-{}", &boot[boot.len() - 12..])
+}
+
+fn random_epoch() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write(super::event::new_event_id().as_bytes());
+    hasher.finish().max(1)
+}
+
+/// This process's membership in one queue's cluster.
+pub(crate) struct Node {
+    pub config: ClusterConfig,
+    pub id: String,
+    pub epoch: u64,
+}
+
+/// What one tick decided.
+pub(crate) struct Tick {
+    pub coordinator: bool,
+    pub assigned: Vec<u32>,
+}
+
+fn ms(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}
+
+impl Node {
+    pub fn new(config: ClusterConfig) -> Self {
+        let id = config.node_id.clone().unwrap_or_else(node_id_from_env);
+        Node {
+            config,
+            id,
+            epoch: random_epoch(),
+        }
+    }
+
+    /// Heartbeat, coordinator election (and, as coordinator, the member list), then this
+    /// node's assignment.
+    pub async fn tick<E: TitoEngine>(&self, db: &E, root: &str, partitions: u32) -> TitoResult<Tick> {
+        let (id, epoch, node_ttl) = (self.id.clone(), self.epoch, ms(self.config.node_ttl));
+        let root_owned = root.to_string();
+        db.transaction(|tx| {
+            let (id, root) = (id.clone(), root_owned.clone());
+            async move {
+                let record = NodeRecord {
+                    id: id.clone(),
+                    epoch,
+                    expires: tx.start_version().saturating_add(engine::version_from_millis(node_ttl)),
+                };
+                tx.put(keys::node_key(&root, &id).into_bytes(), serde_json::to_vec(&record)?)
+                    .await?;
+                Ok::<_, TitoError>(())
+            }
+        })
+        .await?;
+
+        let coordinator = self.elect(db, root).await?;
+        if coordinator {
+            self.publish_members(db, root).await?;
+        }
+        let members = read_members(db, root).await?;
+        Ok(Tick {
+            coordinator,
+            assigned: assigned_partitions(&members, partitions, &self.id),
+        })
+    }
+
+    async fn elect<E: TitoEngine>(&self, db: &E, root: &str) -> TitoResult<bool> {
+        let (id, ttl) = (self.id.clone(), ms(self.config.coordinator_ttl));
+        let key = keys::coordinator_key(root);
+        db.transaction(|tx| {
+            let (id, key) = (id.clone(), key.clone());
+            async move {
+                let now = tx.start_version();
+                let current: Option<Coordinator> = tx
+                    .get(key.as_bytes())
+                    .await?
+                    .and_then(|b| serde_json::from_slice(&b).ok());
+                let generation = match &current {
+                    Some(c) if c.node == id && c.expires > now => c.generation,
+                    Some(c) if c.expires > now => return Ok(false),
+                    Some(c) => c.generation + 1,
+                    None => 1,
+                };
+                let lease = Coordinator {
+                    node: id,
+                    generation,
+                    expires: now.saturating_add(engine::version_from_millis(ttl)),
+                };
+                tx.put(key.into_bytes(), serde_json::to_vec(&lease)?).await?;
+                Ok::<_, TitoError>(true)
+            }
+        })
+        .await
+    }
+
+    /// As coordinator: the live nodes become the member list; long-dead records are deleted.
+    async fn publish_members<E: TitoEngine>(&self, db: &E, root: &str) -> TitoResult<()> {
+        let drop_after = ms(self.config.drop_after);
+        let root = root.to_string();
+        db.transaction(|tx| {
+            let root = root.clone();
+            async move {
+                let now = tx.start_version();
+                let nodes = scan_nodes(&tx, &root).await?;
+                let mut live: Vec<String> = Vec::new();
+                for node in &nodes {
+                    if node.expires > now {
+                        live.push(node.id.clone());
+                    } else if node.expires.saturating_add(engine::version_from_millis(drop_after)) < now {
+                        tx.delete(keys::node_key(&root, &node.id).into_bytes()).await?;
+                    }
+                }
+                live.sort();
+                let key = keys::members_key(&root);
+                let current: Members = tx
+                    .get(key.as_bytes())
+                    .await?
+                    .and_then(|b| serde_json::from_slice(&b).ok())
+                    .unwrap_or_default();
+                if current.members != live {
+                    tx.put(key.into_bytes(), serde_json::to_vec(&Members { members: live })?)
+                        .await?;
+                }
+                Ok::<_, TitoError>(())
+            }
+        })
+        .await
+    }
+
+    /// Takes the leases among `wanted` that are free, released or held by a dead node; returns
+    /// every lease among `wanted` this node holds afterwards. Leases already held are not
+    /// rewritten.
+    pub async fn acquire<E: TitoEngine>(&self, db: &E, root: &str, wanted: &[u32]) -> TitoResult<HashMap<u32, Lease>> {
+        let (id, epoch) = (self.id.clone(), self.epoch);
+        let root = root.to_string();
+        let wanted = wanted.to_vec();
+        db.transaction(|tx| {
+            let (id, root, wanted) = (id.clone(), root.clone(), wanted.clone());
+            async move {
+                let now = tx.start_version();
+                let lease_keys: Vec<Vec<u8>> = wanted.iter().map(|p| keys::lease_key(&root, *p).into_bytes()).collect();
+                let current = tx.batch_get(&lease_keys).await?;
+                let mut holders: HashMap<String, Option<NodeRecord>> = HashMap::new();
+                let mut held = HashMap::new();
+                for ((partition, key), value) in wanted.iter().zip(lease_keys).zip(current) {
+                    let lease: Option<Lease> = value.and_then(|v| serde_json::from_slice(&v).ok());
+                    let generation = match &lease {
+                        Some(l) if l.owner == id && l.epoch == Some(epoch) => {
+                            held.insert(*partition, l.clone());
+                            continue;
+                        }
+                        Some(l) => {
+                            if !holders.contains_key(&l.owner) {
+                                let record = read_node(&tx, &root, &l.owner).await?;
+                                holders.insert(l.owner.clone(), record);
+                            }
+                            let alive = holders[&l.owner]
+                                .as_ref()
+                                .is_some_and(|n| Some(n.epoch) == l.epoch && n.expires > now);
+                            if alive {
+                                continue;
+                            }
+                            l.generation + 1
+                        }
+                        None => 1,
+                    };
+                    let lease = Lease {
+                        owner: id.clone(),
+                        generation,
+                        expires: u64::MAX,
+                        epoch: Some(epoch),
+                    };
+                    tx.put(key, serde_json::to_vec(&lease)?).await?;
+                    held.insert(*partition, lease);
+                }
+                Ok::<_, TitoError>(held)
+            }
+        })
+        .await
+    }
+}
+
+async fn read_node<X: TitoTransaction>(tx: &X, root: &str, id: &str) -> TitoResult<Option<NodeRecord>> {
+    Ok(tx
+        .get(keys::node_key(root, id).as_bytes())
+        .await?
+        .and_then(|b| serde_json::from_slice(&b).ok()))
+}
+
+async fn scan_nodes<X: TitoTransaction>(tx: &X, root: &str) -> TitoResult<Vec<NodeRecord>> {
+    let prefix = keys::node_prefix(root);
+    let end = keys::prefix_end(prefix.clone()).into_bytes();
+    let mut start = prefix.into_bytes();
+    let mut nodes = Vec::new();
+    loop {
+        let rows = tx.scan(&start, &end, 1000).await?;
+        let full = rows.len() == 1000;
+        for (key, value) in &rows {
+            match serde_json::from_slice::<NodeRecord>(value) {
+                Ok(node) => nodes.push(node),
+                Err(err) => tracing::warn!(key = %keys::display_key(key), error = %err, "malformed node record ignored"),
+            }
+        }
+        match rows.last() {
+            Some((key, _)) if full => start = keys::key_after_bytes(key),
+            _ => return Ok(nodes),
+        }
+    }
+}
+
+async fn read_members<E: TitoEngine>(db: &E, root: &str) -> TitoResult<Vec<String>> {
+    let tx = db.begin().await?;
+    let members: Members = tx
+        .get(keys::members_key(root).as_bytes())
+        .await?
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default();
+    let _ = tx.rollback().await;
+    Ok(members.members)
+}
+
+/// Inside an outcome transaction: whether a cluster lease's holder is still alive with its
+/// epoch; locks the node record so a takeover after its expiry cannot race the outcome.
+pub(crate) async fn holder_alive<X: TitoTransaction>(tx: &X, root: &str, lease: &Lease) -> TitoResult<bool> {
+    let Some(epoch) = lease.epoch else {
+        return Ok(lease.expires > tx.start_version());
+    };
+    let key = keys::node_key(root, &lease.owner);
+    let Some(node) = read_node(tx, root, &lease.owner).await? else {
+        return Ok(false);
+    };
+    if node.epoch != epoch || node.expires <= tx.start_version() {
+        return Ok(false);
+    }
+    tx.lock_keys(&[key.into_bytes()]).await?;
+    Ok(true)
+}
+
+/// The cluster as stored: coordinator, members, node records, assignment and leases.
+pub async fn cluster_state<E: TitoEngine>(queue: &super::Queue<E>) -> TitoResult<ClusterState> {
+    let root = queue.root();
+    let partitions = queue.config().partitions;
+    let tx = queue.engine().begin().await?;
+    let now = tx.start_version();
+    let coordinator = tx
+        .get(keys::coordinator_key(root).as_bytes())
+        .await?
+        .and_then(|b| serde_json::from_slice::<Coordinator>(&b).ok())
+        .filter(|c| c.expires > now)
+        .map(|c| c.node);
+    let members: Members = tx
+        .get(keys::members_key(root).as_bytes())
+        .await?
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default();
+    let nodes = scan_nodes(&tx, root).await?;
+    let lease_keys: Vec<Vec<u8>> = (0..partitions).map(|p| keys::lease_key(root, p).into_bytes()).collect();
+    let mut leases = BTreeMap::new();
+    for chunk in (0..partitions).collect::<Vec<_>>().chunks(1000) {
+        let keys: Vec<Vec<u8>> = chunk.iter().map(|p| lease_keys[*p as usize].clone()).collect();
+        for (p, value) in chunk.iter().zip(tx.batch_get(&keys).await?) {
+            if let Some(lease) = value.and_then(|v| serde_json::from_slice::<Lease>(&v).ok()) {
+                leases.insert(*p, lease.owner);
+            }
+        }
+    }
+    let _ = tx.rollback().await;
+    let assignment = (0..partitions)
+        .filter_map(|p| rendezvous_owner(&members.members, p).map(|m| (p, m.clone())))
+        .collect();
+    Ok(ClusterState {
+        coordinator,
+        members: members.members,
+        nodes,
+        assignment,
+        leases,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(n: usize) -> Vec<String> {
+        (0..n).map(|i| format!("node-{i}")).collect()
+    }
+
+    #[test]
+    fn rendezvous_is_deterministic_balanced_and_moves_little() {
+        let partitions = 1024;
+        let four = names(4);
+        let owners: Vec<&String> = (0..partitions).map(|p| rendezvous_owner(&four, p).unwrap()).collect();
+        // Deterministic, and independent of the list's order.
+        let mut shuffled = four.clone();
+        shuffled.reverse();
+        for p in 0..partitions {
+            assert_eq!(rendezvous_owner(&shuffled, p), Some(owners[p as usize]));
+        }
+        // Balanced within 25 % of the mean.
+        for node in &four {
+            let count = owners.iter().filter(|o| **o == node).count();
+            assert!((192..=320).contains(&count), "{node}: {count}");
+        }
+        // A fifth node takes partitions only from the others, about a fifth of them.
+        let five = names(5);
+        let moved = (0..partitions)
+            .filter(|p| rendezvous_owner(&five, *p) != Some(owners[*p as usize]))
+            .count();
+        assert!(moved <= 1024 / 5 + 60, "moved {moved}");
+        for p in 0..partitions {
+            let now = rendezvous_owner(&five, p).unwrap();
+            assert!(now == owners[p as usize] || now == "node-4");
+        }
+        assert_eq!(rendezvous_owner(&[], 3), None);
+    }
+}
