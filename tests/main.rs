@@ -5,6 +5,7 @@
 
 mod support;
 
+mod cluster;
 mod crash;
 mod derive;
 mod embedded;

@@ -1,4 +1,4 @@
-//! The feature suites (models, derive, queue, kv) on every backend: one line per suite.
+//! The feature suites (models, derive, queue, cluster, kv) on every backend: one line per suite.
 
 mod embedded {
     mod models {
@@ -12,6 +12,9 @@ mod embedded {
     }
     mod kv {
         crate::kv_suite!(crate::support::EmbeddedBackend);
+    }
+    mod cluster {
+        crate::cluster_suite!(crate::support::EmbeddedBackend);
     }
 }
 
@@ -27,5 +30,8 @@ mod tikv {
     }
     mod kv {
         crate::kv_suite!(crate::support::TikvBackend);
+    }
+    mod cluster {
+        crate::cluster_suite!(crate::support::TikvBackend);
     }
 }

@@ -144,13 +144,11 @@ pub fn rendezvous_score(member: &str, partition: u32) -> u64 {
 
 /// The member a partition belongs to: the highest score, ties to the smaller id.
 pub fn rendezvous_owner(members: &[String], partition: u32) -> Option<&String> {
-    members
-        .iter()
-        .max_by(|a, b| {
-            rendezvous_score(a, partition)
-                .cmp(&rendezvous_score(b, partition))
-                .then_with(|| b.cmp(a))
-        })
+    members.iter().max_by(|a, b| {
+        rendezvous_score(a, partition)
+            .cmp(&rendezvous_score(b, partition))
+            .then_with(|| b.cmp(a))
+    })
 }
 
 /// The partitions of `0..partitions` assigned to `member`.
@@ -205,7 +203,12 @@ impl Node {
 
     /// Heartbeat, coordinator election (and, as coordinator, the member list), then this
     /// node's assignment.
-    pub async fn tick<E: TitoEngine>(&self, db: &E, root: &str, partitions: u32) -> TitoResult<Tick> {
+    pub async fn tick<E: TitoEngine>(
+        &self,
+        db: &E,
+        root: &str,
+        partitions: u32,
+    ) -> TitoResult<Tick> {
         let (id, epoch, node_ttl) = (self.id.clone(), self.epoch, ms(self.config.node_ttl));
         let root_owned = root.to_string();
         db.transaction(|tx| {
@@ -214,10 +217,15 @@ impl Node {
                 let record = NodeRecord {
                     id: id.clone(),
                     epoch,
-                    expires: tx.start_version().saturating_add(engine::version_from_millis(node_ttl)),
+                    expires: tx
+                        .start_version()
+                        .saturating_add(engine::version_from_millis(node_ttl)),
                 };
-                tx.put(keys::node_key(&root, &id).into_bytes(), serde_json::to_vec(&record)?)
-                    .await?;
+                tx.put(
+                    keys::node_key(&root, &id).into_bytes(),
+                    serde_json::to_vec(&record)?,
+                )
+                .await?;
                 Ok::<_, TitoError>(())
             }
         })
@@ -256,7 +264,8 @@ impl Node {
                     generation,
                     expires: now.saturating_add(engine::version_from_millis(ttl)),
                 };
-                tx.put(key.into_bytes(), serde_json::to_vec(&lease)?).await?;
+                tx.put(key.into_bytes(), serde_json::to_vec(&lease)?)
+                    .await?;
                 Ok::<_, TitoError>(true)
             }
         })
@@ -276,8 +285,13 @@ impl Node {
                 for node in &nodes {
                     if node.expires > now {
                         live.push(node.id.clone());
-                    } else if node.expires.saturating_add(engine::version_from_millis(drop_after)) < now {
-                        tx.delete(keys::node_key(&root, &node.id).into_bytes()).await?;
+                    } else if node
+                        .expires
+                        .saturating_add(engine::version_from_millis(drop_after))
+                        < now
+                    {
+                        tx.delete(keys::node_key(&root, &node.id).into_bytes())
+                            .await?;
                     }
                 }
                 live.sort();
@@ -288,8 +302,11 @@ impl Node {
                     .and_then(|b| serde_json::from_slice(&b).ok())
                     .unwrap_or_default();
                 if current.members != live {
-                    tx.put(key.into_bytes(), serde_json::to_vec(&Members { members: live })?)
-                        .await?;
+                    tx.put(
+                        key.into_bytes(),
+                        serde_json::to_vec(&Members { members: live })?,
+                    )
+                    .await?;
                 }
                 Ok::<_, TitoError>(())
             }
@@ -300,7 +317,12 @@ impl Node {
     /// Takes the leases among `wanted` that are free, released or held by a dead node; returns
     /// every lease among `wanted` this node holds afterwards. Leases already held are not
     /// rewritten.
-    pub async fn acquire<E: TitoEngine>(&self, db: &E, root: &str, wanted: &[u32]) -> TitoResult<HashMap<u32, Lease>> {
+    pub async fn acquire<E: TitoEngine>(
+        &self,
+        db: &E,
+        root: &str,
+        wanted: &[u32],
+    ) -> TitoResult<HashMap<u32, Lease>> {
         let (id, epoch) = (self.id.clone(), self.epoch);
         let root = root.to_string();
         let wanted = wanted.to_vec();
@@ -308,7 +330,10 @@ impl Node {
             let (id, root, wanted) = (id.clone(), root.clone(), wanted.clone());
             async move {
                 let now = tx.start_version();
-                let lease_keys: Vec<Vec<u8>> = wanted.iter().map(|p| keys::lease_key(&root, *p).into_bytes()).collect();
+                let lease_keys: Vec<Vec<u8>> = wanted
+                    .iter()
+                    .map(|p| keys::lease_key(&root, *p).into_bytes())
+                    .collect();
                 let current = tx.batch_get(&lease_keys).await?;
                 let mut holders: HashMap<String, Option<NodeRecord>> = HashMap::new();
                 let mut held = HashMap::new();
@@ -350,7 +375,11 @@ impl Node {
     }
 }
 
-async fn read_node<X: TitoTransaction>(tx: &X, root: &str, id: &str) -> TitoResult<Option<NodeRecord>> {
+async fn read_node<X: TitoTransaction>(
+    tx: &X,
+    root: &str,
+    id: &str,
+) -> TitoResult<Option<NodeRecord>> {
     Ok(tx
         .get(keys::node_key(root, id).as_bytes())
         .await?
@@ -368,7 +397,9 @@ async fn scan_nodes<X: TitoTransaction>(tx: &X, root: &str) -> TitoResult<Vec<No
         for (key, value) in &rows {
             match serde_json::from_slice::<NodeRecord>(value) {
                 Ok(node) => nodes.push(node),
-                Err(err) => tracing::warn!(key = %keys::display_key(key), error = %err, "malformed node record ignored"),
+                Err(err) => {
+                    tracing::warn!(key = %keys::display_key(key), error = %err, "malformed node record ignored")
+                }
             }
         }
         match rows.last() {
@@ -391,7 +422,11 @@ async fn read_members<E: TitoEngine>(db: &E, root: &str) -> TitoResult<Vec<Strin
 
 /// Inside an outcome transaction: whether a cluster lease's holder is still alive with its
 /// epoch; locks the node record so a takeover after its expiry cannot race the outcome.
-pub(crate) async fn holder_alive<X: TitoTransaction>(tx: &X, root: &str, lease: &Lease) -> TitoResult<bool> {
+pub(crate) async fn holder_alive<X: TitoTransaction>(
+    tx: &X,
+    root: &str,
+    lease: &Lease,
+) -> TitoResult<bool> {
     let Some(epoch) = lease.epoch else {
         return Ok(lease.expires > tx.start_version());
     };
@@ -424,10 +459,15 @@ pub async fn cluster_state<E: TitoEngine>(queue: &super::Queue<E>) -> TitoResult
         .and_then(|b| serde_json::from_slice(&b).ok())
         .unwrap_or_default();
     let nodes = scan_nodes(&tx, root).await?;
-    let lease_keys: Vec<Vec<u8>> = (0..partitions).map(|p| keys::lease_key(root, p).into_bytes()).collect();
+    let lease_keys: Vec<Vec<u8>> = (0..partitions)
+        .map(|p| keys::lease_key(root, p).into_bytes())
+        .collect();
     let mut leases = BTreeMap::new();
     for chunk in (0..partitions).collect::<Vec<_>>().chunks(1000) {
-        let keys: Vec<Vec<u8>> = chunk.iter().map(|p| lease_keys[*p as usize].clone()).collect();
+        let keys: Vec<Vec<u8>> = chunk
+            .iter()
+            .map(|p| lease_keys[*p as usize].clone())
+            .collect();
         for (p, value) in chunk.iter().zip(tx.batch_get(&keys).await?) {
             if let Some(lease) = value.and_then(|v| serde_json::from_slice::<Lease>(&v).ok()) {
                 leases.insert(*p, lease.owner);
@@ -459,7 +499,9 @@ mod tests {
     fn rendezvous_is_deterministic_balanced_and_moves_little() {
         let partitions = 1024;
         let four = names(4);
-        let owners: Vec<&String> = (0..partitions).map(|p| rendezvous_owner(&four, p).unwrap()).collect();
+        let owners: Vec<&String> = (0..partitions)
+            .map(|p| rendezvous_owner(&four, p).unwrap())
+            .collect();
         // Deterministic, and independent of the list's order.
         let mut shuffled = four.clone();
         shuffled.reverse();

@@ -79,11 +79,11 @@ use std::time::Duration;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
+pub use cluster::{ClusterConfig, ClusterState, cluster_state};
 pub use event::{
     MAX_OWNER_BYTES, MAX_QUEUE_EVENT_BYTES, QueueEvent, QueueHandlerOutcome, QueueHandlerResult,
     QueueOwner, partition_for,
 };
-pub use cluster::{ClusterConfig, ClusterState, cluster_state};
 pub use worker::{
     Shutdown, WorkerConfig, run_cluster_worker, run_transactional_worker, run_worker,
 };

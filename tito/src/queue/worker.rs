@@ -16,10 +16,10 @@ use serde::de::DeserializeOwned;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
+use super::cluster::{ClusterConfig, Node};
 use super::event::{
     QueueEvent, QueueHandlerOutcome, QueueHandlerResult, StoredEvent, new_event_id,
 };
-use super::cluster::{ClusterConfig, Node};
 use super::lease::{self, Lease};
 use super::pull::{Cursor, Pulled};
 use super::{Queue, QueueStats, write_pending};
@@ -373,7 +373,9 @@ where
         let handler = handler.clone();
         Box::pin(async move {
             let report = match supervise(timeout, async move {
-                handler(event).await.map_err(|err| format!("handler error: {err}"))
+                handler(event)
+                    .await
+                    .map_err(|err| format!("handler error: {err}"))
             })
             .await
             {
@@ -596,8 +598,12 @@ impl<E: TitoEngine> Worker<E> {
                     return Err(err);
                 }
             }
-            let tick = node.tick(self.queue.engine(), self.queue.root(), partitions).await?;
-            let held = node.acquire(self.queue.engine(), self.queue.root(), &tick.assigned).await?;
+            let tick = node
+                .tick(self.queue.engine(), self.queue.root(), partitions)
+                .await?;
+            let held = node
+                .acquire(self.queue.engine(), self.queue.root(), &tick.assigned)
+                .await?;
             Ok::<_, TitoError>((tick, held))
         }
         .await;
@@ -627,20 +633,31 @@ impl<E: TitoEngine> Worker<E> {
         self.partitions
             .retain(|p, _| leases.contains_key(p) && assigned.contains(p));
         for partition in leases.keys().filter(|p| assigned.contains(p)) {
-            self.partitions.entry(*partition).or_insert_with(|| PartitionState {
-                cursor: Cursor::new(*partition),
-                next_poll: Instant::now(),
-                backoff: MIN_IDLE_BACKOFF,
-            });
+            self.partitions
+                .entry(*partition)
+                .or_insert_with(|| PartitionState {
+                    cursor: Cursor::new(*partition),
+                    next_poll: Instant::now(),
+                    backoff: MIN_IDLE_BACKOFF,
+                });
         }
         self.leases = leases;
         // Drained partitions (no handler running) go back to the cluster.
         let busy: HashSet<u32> = self
             .in_flight
             .iter()
-            .filter_map(|key| keys::parse_pending_key(self.queue.root(), key).ok().map(|k| k.partition))
+            .filter_map(|key| {
+                keys::parse_pending_key(self.queue.root(), key)
+                    .ok()
+                    .map(|k| k.partition)
+            })
             .collect();
-        let done: Vec<u32> = self.draining.iter().copied().filter(|p| !busy.contains(p)).collect();
+        let done: Vec<u32> = self
+            .draining
+            .iter()
+            .copied()
+            .filter(|p| !busy.contains(p))
+            .collect();
         if !done.is_empty() {
             match lease::release(self.queue.engine(), self.queue.root(), &done, &self.id).await {
                 Ok(()) => {
@@ -653,7 +670,11 @@ impl<E: TitoEngine> Worker<E> {
             }
         }
         // Come back sooner while draining, so handed-off partitions move quickly.
-        let next = if self.draining.is_empty() { interval } else { interval.min(Duration::from_millis(50)) };
+        let next = if self.draining.is_empty() {
+            interval
+        } else {
+            interval.min(Duration::from_millis(50))
+        };
         self.next_lease_at = Instant::now() + next;
     }
 
@@ -903,7 +924,13 @@ impl<E: TitoEngine> Worker<E> {
     async fn release_leases(&self) {
         let partitions: Vec<u32> = self.leases.keys().copied().collect();
         if !partitions.is_empty()
-            && let Err(err) = lease::release(self.queue.engine(), self.queue.root(), &partitions, &self.id).await
+            && let Err(err) = lease::release(
+                self.queue.engine(),
+                self.queue.root(),
+                &partitions,
+                &self.id,
+            )
+            .await
         {
             tracing::warn!(error = %err, "releasing partition leases failed; they expire on their own");
         }
