@@ -12,6 +12,7 @@ mod embedded;
 mod engine_conformance;
 mod engine_embedded;
 mod engine_tikv;
+mod inbox;
 mod kv;
 mod models;
 mod queue;

@@ -1,4 +1,5 @@
-//! The feature suites (models, derive, queue, cluster, kv) on every backend: one line per suite.
+//! The feature suites (models, derive, queue, cluster, kv, inbox) on every backend: one line per
+//! suite.
 
 mod embedded {
     mod models {
@@ -15,6 +16,9 @@ mod embedded {
     }
     mod cluster {
         crate::cluster_suite!(crate::support::EmbeddedBackend);
+    }
+    mod inbox {
+        crate::inbox_suite!(crate::support::EmbeddedBackend);
     }
 }
 
@@ -33,5 +37,8 @@ mod tikv {
     }
     mod cluster {
         crate::cluster_suite!(crate::support::TikvBackend);
+    }
+    mod inbox {
+        crate::inbox_suite!(crate::support::TikvBackend);
     }
 }

@@ -32,6 +32,8 @@ pub struct Field {
     pub ident: Ident,
     pub ty: Type,
     pub id_attr: Option<Span>,
+    /// Inbox roles (`#[tito(group)]`, ...).
+    pub roles: Vec<(String, Span)>,
     /// The key serde writes for this field (after `rename` / `rename_all`).
     pub json_name: String,
     /// The field is not serialized (`#[serde(skip)]` or `skip_serializing`).
@@ -159,10 +161,12 @@ pub fn parse(input: &DeriveInput, errors: &mut Errors) -> Option<Model> {
                     None => name,
                 }
             });
+            let tito = attr::field_attrs(field, errors);
             Field {
                 ident,
                 ty: field.ty.clone(),
-                id_attr: attr::field_is_id(field, errors),
+                id_attr: tito.id,
+                roles: tito.roles,
                 json_name,
                 serde_skip: serde.skip,
             }

@@ -16,6 +16,20 @@ const CONDITION: &str = "condition";
 const EVENT: &str = "event";
 const AT: &str = "at";
 const ID: &str = "id";
+const INBOX: &str = "inbox";
+
+/// The field roles of an inbox model.
+pub const ROLES: &[&str] = &[
+    "group",
+    "priority",
+    "partition_key",
+    "retry_after",
+    "attempt",
+    "processed_at",
+    "locked_until",
+    "headers",
+    "payload",
+];
 
 /// An index as written: `name: field, field`.
 pub struct IndexSpec {
@@ -35,6 +49,8 @@ pub struct EventSpec {
 /// Everything the struct's attributes say.
 #[derive(Default)]
 pub struct ContainerAttrs {
+    /// `#[tito(inbox)]`: the model's rows are an inbox.
+    pub inbox: Option<proc_macro2::Span>,
     pub table: Option<LitStr>,
     pub indexes: Vec<IndexSpec>,
     pub events: Vec<EventSpec>,
@@ -125,9 +141,13 @@ pub fn container(attrs: &[Attribute], errors: &mut Errors) -> ContainerAttrs {
                 ID => {
                     return Err(meta.error("`id` goes on a field: `#[tito(id)] id: String`"));
                 }
+                INBOX => {
+                    out.inbox = Some(meta.path.span());
+                    last = Last::None;
+                }
                 _ => {
                     return Err(meta.error(format!(
-                        "unknown tito attribute `{}`; expected `table`, `index`, `unique_index`, `condition`, `event` or `at`",
+                        "unknown tito attribute `{}`; expected `table`, `index`, `unique_index`, `condition`, `event`, `at` or `inbox`",
                         path_text(&meta.path)
                     )));
                 }
@@ -201,18 +221,33 @@ fn parse_index(lit: &LitStr, unique: bool, errors: &mut Errors) -> Option<IndexS
     })
 }
 
-/// Whether a field carries `#[tito(id)]`; unknown keys are errors.
-pub fn field_is_id(field: &syn::Field, errors: &mut Errors) -> Option<proc_macro2::Span> {
-    let mut found = None;
+/// What a field's `#[tito(...)]` says: `id`, and inbox roles; unknown keys are errors.
+#[derive(Default)]
+pub struct FieldAttrs {
+    pub id: Option<proc_macro2::Span>,
+    pub roles: Vec<(String, proc_macro2::Span)>,
+}
+
+pub fn field_attrs(field: &syn::Field, errors: &mut Errors) -> FieldAttrs {
+    let mut found = FieldAttrs::default();
     for attr in field.attrs.iter().filter(|a| is_tito(a)) {
         let result = attr.parse_nested_meta(|meta| {
-            if meta.path.is_ident(ID) {
-                found = Some(meta.path.span());
+            let key = meta
+                .path
+                .get_ident()
+                .map(ToString::to_string)
+                .unwrap_or_default();
+            if key == ID {
+                found.id = Some(meta.path.span());
+                Ok(())
+            } else if ROLES.contains(&key.as_str()) {
+                found.roles.push((key, meta.path.span()));
                 Ok(())
             } else {
                 Err(meta.error(format!(
-                    "unknown tito field attribute `{}`; expected `id`",
-                    path_text(&meta.path)
+                    "unknown tito field attribute `{}`; expected `id` or an inbox role ({})",
+                    path_text(&meta.path),
+                    ROLES.join(", ")
                 )))
             }
         });

@@ -12,6 +12,7 @@ pub fn model(model: &Model, errors: &mut Errors) -> Option<usize> {
     check_index_field_types(model, errors);
     check_index_names_unique(model, errors);
     check_event_names(model, errors);
+    check_inbox_roles(model, errors);
     check_id(model, errors)
 }
 
@@ -185,5 +186,25 @@ fn never_indexable(ty: &syn::Type) -> Option<String> {
             Some("references are not supported; use an owned type".into())
         }
         _ => Some("this kind of type is not supported".into()),
+    }
+}
+
+/// Field roles need `#[tito(inbox)]`; each role belongs to one field.
+fn check_inbox_roles(model: &Model, errors: &mut Errors) {
+    let mut seen = HashSet::new();
+    for field in &model.fields {
+        for (role, span) in &field.roles {
+            if model.attrs.inbox.is_none() {
+                errors.push(syn::Error::new(
+                    *span,
+                    format!("the inbox role `{role}` needs `#[tito(inbox)]` on the struct"),
+                ));
+            } else if !seen.insert(role.clone()) {
+                errors.push(syn::Error::new(
+                    *span,
+                    format!("duplicate inbox role `{role}`"),
+                ));
+            }
+        }
     }
 }

@@ -158,6 +158,7 @@ fn expand(model: &Model, id: usize, errors: &mut Errors) -> TokenStream {
     });
 
     let queries = queries(model);
+    let (claim_index, inbox_impl) = inbox(model, &table);
 
     quote! {
         #[automatically_derived]
@@ -171,7 +172,10 @@ fn expand(model: &Model, id: usize, errors: &mut Errors) -> TokenStream {
             }
 
             fn indexes(&self) -> ::std::vec::Vec<::tito::model::TitoIndexConfig> {
-                ::std::vec![#(#plain),*]
+                #[allow(unused_mut)]
+                let mut indexes = ::std::vec![#(#plain),*];
+                #claim_index
+                indexes
             }
 
             fn unique_indexes(&self) -> ::std::vec::Vec<::tito::model::TitoIndexConfig> {
@@ -183,8 +187,48 @@ fn expand(model: &Model, id: usize, errors: &mut Errors) -> TokenStream {
             }
         }
 
+        #inbox_impl
+
         #queries
     }
+}
+
+/// With `#[tito(inbox)]`: the `InboxModel` impl, and the claim index appended to `indexes()`.
+fn inbox(model: &Model, table: &str) -> (TokenStream, TokenStream) {
+    if model.attrs.inbox.is_none() {
+        return (TokenStream::new(), TokenStream::new());
+    }
+    let ident = &model.ident;
+    let mut setters = Vec::new();
+    let mut processed = quote!(false);
+    for field in &model.fields {
+        for (role, _) in &field.roles {
+            let setter = Ident::new(role, Span::call_site());
+            let json = &field.json_name;
+            setters.push(quote!(.#setter(#json)));
+            if role == "processed_at" {
+                let field_ident = &field.ident;
+                let ty = &field.ty;
+                processed = quote_spanned! {ty.span()=>
+                    <#ty as ::tito::__private::InboxTime>::is_set(&self.#field_ident)
+                };
+            }
+        }
+    }
+    let claim_index = quote! {
+        indexes.extend(
+            <Self as ::tito::inbox::InboxModel>::inbox_spec().claim_index(#table, #processed),
+        );
+    };
+    let inbox_impl = quote! {
+        #[automatically_derived]
+        impl ::tito::inbox::InboxModel for #ident {
+            fn inbox_spec() -> ::tito::inbox::InboxSpec {
+                ::tito::inbox::InboxSpec::new() #(#setters)*
+            }
+        }
+    };
+    (claim_index, inbox_impl)
 }
 
 /// The typed query trait, its impl for `TitoModel<E, Model>`, and one stage struct per bound

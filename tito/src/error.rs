@@ -71,6 +71,10 @@ pub enum TitoError {
         owner: String,
     },
 
+    /// A subscription to this (model, group) inbox already runs in this process.
+    #[error("already subscribed: {0}")]
+    AlreadySubscribed(String),
+
     /// A queue worker no longer holds the lease of the partition it was applying an outcome
     /// for. Nothing was applied; the invocation stays pending for the new lease holder.
     #[error("partition lease lost: {0}")]

@@ -36,6 +36,7 @@
 pub mod backend;
 pub mod engine;
 mod error;
+pub mod inbox;
 pub mod keys;
 pub mod kv;
 pub mod model;

@@ -136,3 +136,19 @@ pub fn condition<T>(model: &T, rule: fn(&T) -> bool) -> bool {
 pub fn event_at<T>(model: &T, at: fn(&T) -> i64) -> i64 {
     at(model)
 }
+
+/// A field type an inbox's `processed_at` role may have: whether it is set.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be an inbox `processed_at`",
+    label = "`processed_at` needs an `Option<i64>` of Unix milliseconds"
+)]
+pub trait InboxTime {
+    /// Whether the row is processed.
+    fn is_set(&self) -> bool;
+}
+
+impl InboxTime for Option<i64> {
+    fn is_set(&self) -> bool {
+        self.is_some()
+    }
+}

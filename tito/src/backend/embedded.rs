@@ -486,6 +486,10 @@ impl TitoEngine for Embedded {
         self.inner.partitions
     }
 
+    fn store_id(&self) -> String {
+        format!("embedded:{}", self.path().display())
+    }
+
     fn retry_policy(&self) -> RetryPolicy {
         self.retry.clone()
     }

@@ -43,6 +43,7 @@ pub struct TiKV {
     client: Arc<TransactionClient>,
     partitions: u32,
     retry: RetryPolicy,
+    endpoints: Arc<str>,
 }
 
 impl std::fmt::Debug for TiKV {
@@ -82,6 +83,8 @@ impl TiKV {
         }
         let mut config = tikv_client::Config::default().with_timeout(request_timeout);
         config.grpc_max_decoding_message_size = GRPC_MAX_DECODING_BYTES;
+        let mut sorted = endpoints.clone();
+        sorted.sort();
         let client = TransactionClient::new_with_config(endpoints, config)
             .await
             .map_err(|err| TitoError::storage("cannot connect to PD", err))?;
@@ -89,6 +92,7 @@ impl TiKV {
             client: Arc::new(client),
             partitions,
             retry: RetryPolicy::default(),
+            endpoints: sorted.join(",").into(),
         })
     }
 
@@ -172,6 +176,10 @@ impl TitoEngine for TiKV {
 
     fn partitions(&self) -> u32 {
         self.partitions
+    }
+
+    fn store_id(&self) -> String {
+        format!("tikv:{}", self.endpoints)
     }
 
     fn retry_policy(&self) -> RetryPolicy {

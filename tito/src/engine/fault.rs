@@ -278,6 +278,10 @@ impl<E: TitoEngine> TitoEngine for FaultyEngine<E> {
         self.inner.partitions()
     }
 
+    fn store_id(&self) -> String {
+        self.inner.store_id()
+    }
+
     fn retry_policy(&self) -> RetryPolicy {
         self.inner.retry_policy()
     }

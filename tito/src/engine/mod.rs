@@ -132,6 +132,13 @@ pub trait TitoEngine: Clone + Send + Sync + 'static {
         RetryPolicy::default()
     }
 
+    /// Identifies the store this handle reaches (a path, a cluster's endpoints), so that
+    /// per-process registries (one inbox subscription per model and group) can tell stores
+    /// apart. Handles to one store must agree; the default treats every store as one.
+    fn store_id(&self) -> String {
+        String::new()
+    }
+
     /// The operations on model `T` stored in this engine: `db.clone().model::<User>()`.
     fn model<T: crate::model::TitoModelTrait>(self) -> crate::model::TitoModel<Self, T> {
         crate::model::TitoModel::new(self)
