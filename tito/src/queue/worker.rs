@@ -195,6 +195,33 @@ enum Report<T> {
 type Invoker<T> =
     Arc<dyn Fn(Running, QueueEvent<T>) -> BoxFuture<'static, (Running, Report<T>)> + Send + Sync>;
 
+/// Runs a handler that decides an outcome for the worker to apply (`run_worker`,
+/// `run_cluster_worker`).
+fn plain_invoker<T, F, Fut>(handler: F, timeout: Duration) -> Invoker<T>
+where
+    T: Send + 'static,
+    F: Fn(QueueEvent<T>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = QueueHandlerResult<T>> + Send + 'static,
+{
+    let handler = Arc::new(handler);
+    Arc::new(move |running, event| {
+        let handler = handler.clone();
+        Box::pin(async move {
+            let report = match supervise(timeout, async move {
+                handler(event)
+                    .await
+                    .map_err(|err| format!("handler error: {err}"))
+            })
+            .await
+            {
+                Ok(outcome) => Report::Done(outcome),
+                Err(why) => Report::Failed(why),
+            };
+            (running, report)
+        })
+    })
+}
+
 /// Catches a panic and enforces the timeout around one invocation's work.
 async fn supervise<R>(
     timeout: Duration,
@@ -241,24 +268,7 @@ where
     Fut: Future<Output = QueueHandlerResult<T>> + Send + 'static,
     S: Shutdown,
 {
-    let timeout = config.handler_timeout;
-    let handler = Arc::new(handler);
-    let invoke: Invoker<T> = Arc::new(move |running, event| {
-        let handler = handler.clone();
-        Box::pin(async move {
-            let report = match supervise(timeout, async move {
-                handler(event)
-                    .await
-                    .map_err(|err| format!("handler error: {err}"))
-            })
-            .await
-            {
-                Ok(outcome) => Report::Done(outcome),
-                Err(why) => Report::Failed(why),
-            };
-            (running, report)
-        })
-    });
+    let invoke = plain_invoker(handler, config.handler_timeout);
     // Boxed here, where the engine is generic: the compiler proves the loop `Send` once, instead
     // of at every call site with a concrete engine (where it trips over higher-ranked lifetimes).
     Box::pin(worker_loop(queue, config, None, invoke, shutdown))
@@ -367,24 +377,7 @@ where
     let node = Node::new(cluster);
     config.worker_id = Some(node.id.clone());
     config.partitions = 0..queue.config().partitions;
-    let timeout = config.handler_timeout;
-    let handler = Arc::new(handler);
-    let invoke: Invoker<T> = Arc::new(move |running, event| {
-        let handler = handler.clone();
-        Box::pin(async move {
-            let report = match supervise(timeout, async move {
-                handler(event)
-                    .await
-                    .map_err(|err| format!("handler error: {err}"))
-            })
-            .await
-            {
-                Ok(outcome) => Report::Done(outcome),
-                Err(why) => Report::Failed(why),
-            };
-            (running, report)
-        })
-    });
+    let invoke = plain_invoker(handler, config.handler_timeout);
     Box::pin(worker_loop(queue, config, Some(node), invoke, shutdown))
 }
 
