@@ -90,7 +90,7 @@ pub struct KvPage {
     pub cursor: Option<String>,
 }
 
-#[derive(Serialize, Deserialize)]
+#[derive(Clone, Serialize, Deserialize)]
 struct Stored {
     v: Value,
     ver: u64,
@@ -149,6 +149,31 @@ fn parse(key: &[u8], bytes: &[u8]) -> TitoResult<Stored> {
     })
 }
 
+/// The row stored at `key`, live or not.
+async fn load<X: TitoTransaction>(
+    tx: &X,
+    namespace: &str,
+    key: &str,
+) -> TitoResult<Option<Stored>> {
+    let storage_key = keys::kv_key(namespace, key);
+    match tx.get(storage_key.as_bytes()).await? {
+        None => Ok(None),
+        Some(bytes) => parse(storage_key.as_bytes(), &bytes).map(Some),
+    }
+}
+
+/// A stored row as an entry, if it is live at `now`.
+fn live(key: &str, stored: Option<Stored>, now: u64) -> Option<KvEntry> {
+    stored
+        .filter(|s| is_live(s.exp, now))
+        .map(|stored| KvEntry {
+            key: key.to_string(),
+            value: stored.v,
+            version: stored.ver,
+            expires_ms: stored.exp,
+        })
+}
+
 /// The live entry at `key`, read in `tx` at `now`.
 async fn read<X: TitoTransaction>(
     tx: &X,
@@ -156,39 +181,31 @@ async fn read<X: TitoTransaction>(
     key: &str,
     now: u64,
 ) -> TitoResult<Option<KvEntry>> {
-    let storage_key = keys::kv_key(namespace, key);
-    match tx.get(storage_key.as_bytes()).await? {
-        None => Ok(None),
-        Some(bytes) => {
-            let stored = parse(storage_key.as_bytes(), &bytes)?;
-            Ok(is_live(stored.exp, now).then(|| KvEntry {
-                key: key.to_string(),
-                value: stored.v,
-                version: stored.ver,
-                expires_ms: stored.exp,
-            }))
-        }
-    }
+    Ok(live(key, load(tx, namespace, key).await?, now))
 }
 
-/// Writes `value` at `key` in `tx` (replacing the expiry index entry); returns the version.
+/// Writes `value` at `key` in `tx`, replacing `previous` (the row read before, whose expiry
+/// index entry goes); returns the version.
 async fn write<X: TitoTransaction>(
     tx: &X,
     namespace: &str,
     key: &str,
     value: Value,
     expires: Option<u64>,
+    previous: Option<&Stored>,
 ) -> TitoResult<u64> {
-    let storage_key = keys::kv_key(namespace, key);
-    drop_expiry_index(tx, namespace, key).await?;
+    drop_expiry_index(tx, namespace, key, previous).await?;
     let version = tx.start_version();
     let stored = Stored {
         v: value,
         ver: version,
         exp: expires,
     };
-    tx.put(storage_key.into_bytes(), serde_json::to_vec(&stored)?)
-        .await?;
+    tx.put(
+        keys::kv_key(namespace, key).into_bytes(),
+        serde_json::to_vec(&stored)?,
+    )
+    .await?;
     if let Some(exp) = expires {
         tx.put(
             keys::kv_expiry_key(exp, namespace, key).into_bytes(),
@@ -199,17 +216,14 @@ async fn write<X: TitoTransaction>(
     Ok(version)
 }
 
-/// Removes the expiry index entry of the row currently stored at `key`, if any.
+/// Removes the expiry index entry of `previous`, the row stored at `key`, if it has one.
 async fn drop_expiry_index<X: TitoTransaction>(
     tx: &X,
     namespace: &str,
     key: &str,
+    previous: Option<&Stored>,
 ) -> TitoResult<()> {
-    let storage_key = keys::kv_key(namespace, key);
-    if let Some(bytes) = tx.get(storage_key.as_bytes()).await?
-        && let Ok(stored) = serde_json::from_slice::<Stored>(&bytes)
-        && let Some(exp) = stored.exp
-    {
+    if let Some(exp) = previous.and_then(|p| p.exp) {
         tx.delete(keys::kv_expiry_key(exp, namespace, key).into_bytes())
             .await?;
     }
@@ -279,15 +293,7 @@ impl<E: TitoEngine> Kv<E> {
             .zip(storage.iter().zip(values))
             .map(|(key, (storage_key, value))| match value {
                 None => Ok(None),
-                Some(bytes) => {
-                    let stored = parse(storage_key, &bytes)?;
-                    Ok(is_live(stored.exp, now).then(|| KvEntry {
-                        key: key.clone(),
-                        value: stored.v,
-                        version: stored.ver,
-                        expires_ms: stored.exp,
-                    }))
-                }
+                Some(bytes) => Ok(live(key, Some(parse(storage_key, &bytes)?), now)),
             })
             .collect()
     }
@@ -341,10 +347,12 @@ impl<E: TitoEngine> Kv<E> {
     ) -> TitoResult<u64> {
         let ttl = ttl_ms(ttl)?;
         let now = now_ms(tx);
+        let previous = load(tx, namespace, key).await?;
         if let Some(expected) = expected {
-            let actual = read(tx, namespace, key, now)
-                .await?
-                .map_or(0, |e| e.version);
+            let actual = previous
+                .as_ref()
+                .filter(|p| is_live(p.exp, now))
+                .map_or(0, |p| p.ver);
             if actual != expected {
                 return Err(TitoError::VersionMismatch {
                     key: format!("{namespace}/{key}"),
@@ -359,6 +367,7 @@ impl<E: TitoEngine> Kv<E> {
             key,
             value,
             ttl.map(|t| now.saturating_add(t)),
+            previous.as_ref(),
         )
         .await
     }
@@ -445,17 +454,17 @@ impl<E: TitoEngine> Kv<E> {
         check_names(namespace, key)?;
         let ttl = ttl_ms(ttl)?;
         let now = now_ms(tx);
-        let current = read(tx, namespace, key, now).await?;
-        let (base, kept_expiry) = match &current {
+        let previous = load(tx, namespace, key).await?;
+        let (base, kept_expiry) = match previous.as_ref().filter(|p| is_live(p.exp, now)) {
             None => (0, None),
             Some(entry) => {
-                let value = entry.value.as_i64().ok_or_else(|| {
+                let value = entry.v.as_i64().ok_or_else(|| {
                     TitoError::invalid_argument(format!(
                         "kv {namespace}/{key} holds {}, not an integer",
-                        entry.value
+                        entry.v
                     ))
                 })?;
-                (value, entry.expires_ms)
+                (value, entry.exp)
             }
         };
         let next = base.checked_add(by).ok_or_else(|| {
@@ -464,7 +473,15 @@ impl<E: TitoEngine> Kv<E> {
             ))
         })?;
         let expires = ttl.map(|t| now.saturating_add(t)).or(kept_expiry);
-        write(tx, namespace, key, Value::from(next), expires).await?;
+        write(
+            tx,
+            namespace,
+            key,
+            Value::from(next),
+            expires,
+            previous.as_ref(),
+        )
+        .await?;
         Ok(next)
     }
 
@@ -492,7 +509,8 @@ impl<E: TitoEngine> Kv<E> {
         tx: &E::Transaction,
     ) -> TitoResult<bool> {
         check_names(namespace, key)?;
-        let current = read(tx, namespace, key, now_ms(tx)).await?;
+        let previous = load(tx, namespace, key).await?;
+        let current = live(key, previous.as_ref().map(Stored::clone), now_ms(tx));
         let actual = current.as_ref().map_or(0, |e| e.version);
         if let Some(expected) = expected
             && expected != actual
@@ -503,7 +521,7 @@ impl<E: TitoEngine> Kv<E> {
                 actual,
             });
         }
-        drop_expiry_index(tx, namespace, key).await?;
+        drop_expiry_index(tx, namespace, key, previous.as_ref()).await?;
         tx.delete(keys::kv_key(namespace, key).into_bytes()).await?;
         Ok(current.is_some())
     }
