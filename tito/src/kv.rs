@@ -90,7 +90,7 @@ pub struct KvPage {
     pub cursor: Option<String>,
 }
 
-#[derive(Clone, Serialize, Deserialize)]
+#[derive(Serialize, Deserialize)]
 struct Stored {
     v: Value,
     ver: u64,
@@ -510,8 +510,11 @@ impl<E: TitoEngine> Kv<E> {
     ) -> TitoResult<bool> {
         check_names(namespace, key)?;
         let previous = load(tx, namespace, key).await?;
-        let current = live(key, previous.as_ref().map(Stored::clone), now_ms(tx));
-        let actual = current.as_ref().map_or(0, |e| e.version);
+        let now = now_ms(tx);
+        let actual = previous
+            .as_ref()
+            .filter(|p| is_live(p.exp, now))
+            .map_or(0, |p| p.ver);
         if let Some(expected) = expected
             && expected != actual
         {
@@ -523,7 +526,8 @@ impl<E: TitoEngine> Kv<E> {
         }
         drop_expiry_index(tx, namespace, key, previous.as_ref()).await?;
         tx.delete(keys::kv_key(namespace, key).into_bytes()).await?;
-        Ok(current.is_some())
+        // Versions are never 0, so a live row had a nonzero one.
+        Ok(actual != 0)
     }
 
     /// Live entries of a namespace whose keys start with `prefix`, in byte order, at most `limit`
