@@ -8,6 +8,13 @@
 //!   replay on conflict, and a fault-injecting wrapper for tests.
 //! - [`backend`]: the engines: [`backend::embedded::Embedded`] and [`backend::tikv::TiKV`].
 //! - [`keys`]: the key layout and its order-preserving encodings.
+//! - [`model`]: models with sparse, composite and unique indexes, integrity manifests and index
+//!   queries with cursors; `#[derive(TitoModel)]` ([`TitoModel`](derive@TitoModel)) writes the impl and typed
+//!   queries.
+//! - [`queue`]: the partitioned scheduled queue: transactional publication, leased workers
+//!   (standalone, transactional or in a cluster), retention, owners.
+//! - [`kv`]: versioned, expiring key/value entries that join the same transactions.
+//! - [`inbox`]: a model whose rows are the queue (claim, lease, outcomes, dead letters).
 //!
 //! # Examples
 //!
