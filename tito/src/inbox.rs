@@ -420,6 +420,24 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
             .await
     }
 
+    /// The claim index prefix of `group` (when the model has a group role) and, when given, one
+    /// priority within it; `None` without a claim index.
+    fn claim_prefix(&self, group: &str, priority: Option<i64>) -> TitoResult<Option<String>> {
+        let Some(index) = self.spec.claim_index(&self.table, false) else {
+            return Ok(None);
+        };
+        let group_value = KeyValue::String(group.to_string());
+        let priority_value = priority.map(KeyValue::I64);
+        let mut bound: Vec<(&str, &KeyValue)> = Vec::new();
+        if let Some(field) = &self.spec.group {
+            bound.push((field.as_str(), &group_value));
+        }
+        if let (Some(field), Some(value)) = (&self.spec.priority, &priority_value) {
+            bound.push((field.as_str(), value));
+        }
+        keys::index_prefix(&index.name, &bound).map(Some)
+    }
+
     async fn claim_tx<P: DeserializeOwned + Send>(
         &self,
         config: &InboxConfig<E, M>,
@@ -428,27 +446,11 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
     ) -> TitoResult<Vec<(InboxClaim, InboxDelivery<P>)>> {
         let now = self.now_ms(tx, config.clock).await;
         let spec = &self.spec;
-        let (mut start, end) = match spec.claim_index(&self.table, false) {
-            Some(index) => {
-                let group = KeyValue::String(config.group.clone());
-                let bound: Vec<(&str, &KeyValue)> = match &spec.group {
-                    Some(field) => vec![(field.as_str(), &group)],
-                    None => Vec::new(),
-                };
-                let prefix = keys::index_prefix(&index.name, &bound)?;
-                (
-                    prefix.clone().into_bytes(),
-                    keys::prefix_end(prefix).into_bytes(),
-                )
-            }
-            None => {
-                let prefix = keys::table_prefix(&self.table);
-                (
-                    prefix.clone().into_bytes(),
-                    keys::prefix_end(prefix).into_bytes(),
-                )
-            }
-        };
+        let prefix = self
+            .claim_prefix(&config.group, None)?
+            .unwrap_or_else(|| keys::table_prefix(&self.table));
+        let end = keys::prefix_end(prefix.clone()).into_bytes();
+        let mut start = prefix.into_bytes();
         let mut claimed = Vec::new();
         // Bounded: at most 16 scans of 64 rows per claim.
         for _ in 0..16 {
@@ -483,22 +485,10 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
                     && retry_after > now
                 {
                     // Later rows of this priority are later still: skip to the next priority.
-                    if let (Some(_), Some(priority)) =
-                        (&spec.priority, field_i64(&row, &spec.priority))
+                    if let Some(priority) = field_i64(&row, &spec.priority)
+                        && let Some(bucket) = self.claim_prefix(&config.group, Some(priority))?
                     {
-                        let index = spec
-                            .claim_index(&self.table, false)
-                            .expect("ordering roles");
-                        let group = KeyValue::String(config.group.clone());
-                        let priority_value = KeyValue::I64(priority);
-                        let mut bound: Vec<(&str, &KeyValue)> = Vec::new();
-                        if let Some(field) = &spec.group {
-                            bound.push((field.as_str(), &group));
-                        }
-                        bound.push((spec.priority.as_deref().expect("priority"), &priority_value));
-                        jump = Some(
-                            keys::prefix_end(keys::index_prefix(&index.name, &bound)?).into_bytes(),
-                        );
+                        jump = Some(keys::prefix_end(bucket).into_bytes());
                         break;
                     }
                     continue;

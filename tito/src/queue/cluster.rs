@@ -295,15 +295,9 @@ impl Node {
                     }
                 }
                 live.sort();
-                let key = keys::members_key(&root);
-                let current: Members = tx
-                    .get(key.as_bytes())
-                    .await?
-                    .and_then(|b| serde_json::from_slice(&b).ok())
-                    .unwrap_or_default();
-                if current.members != live {
+                if members_in(&tx, &root).await? != live {
                     tx.put(
-                        key.into_bytes(),
+                        keys::members_key(&root).into_bytes(),
                         serde_json::to_vec(&Members { members: live })?,
                     )
                     .await?;
@@ -409,15 +403,21 @@ async fn scan_nodes<X: TitoTransaction>(tx: &X, root: &str) -> TitoResult<Vec<No
     }
 }
 
-async fn read_members<E: TitoEngine>(db: &E, root: &str) -> TitoResult<Vec<String>> {
-    let tx = db.begin().await?;
-    let members: Members = tx
+/// The published member list, read in `tx` (empty before the first coordinator publishes).
+async fn members_in<X: TitoTransaction>(tx: &X, root: &str) -> TitoResult<Vec<String>> {
+    Ok(tx
         .get(keys::members_key(root).as_bytes())
         .await?
-        .and_then(|b| serde_json::from_slice(&b).ok())
-        .unwrap_or_default();
+        .and_then(|b| serde_json::from_slice::<Members>(&b).ok())
+        .unwrap_or_default()
+        .members)
+}
+
+async fn read_members<E: TitoEngine>(db: &E, root: &str) -> TitoResult<Vec<String>> {
+    let tx = db.begin().await?;
+    let members = members_in(&tx, root).await;
     let _ = tx.rollback().await;
-    Ok(members.members)
+    members
 }
 
 /// Inside an outcome transaction: whether a cluster lease's holder is still alive with its
@@ -453,20 +453,13 @@ pub async fn cluster_state<E: TitoEngine>(queue: &super::Queue<E>) -> TitoResult
         .and_then(|b| serde_json::from_slice::<Coordinator>(&b).ok())
         .filter(|c| c.expires > now)
         .map(|c| c.node);
-    let members: Members = tx
-        .get(keys::members_key(root).as_bytes())
-        .await?
-        .and_then(|b| serde_json::from_slice(&b).ok())
-        .unwrap_or_default();
+    let members = members_in(&tx, root).await?;
     let nodes = scan_nodes(&tx, root).await?;
-    let lease_keys: Vec<Vec<u8>> = (0..partitions)
-        .map(|p| keys::lease_key(root, p).into_bytes())
-        .collect();
     let mut leases = BTreeMap::new();
     for chunk in (0..partitions).collect::<Vec<_>>().chunks(1000) {
         let keys: Vec<Vec<u8>> = chunk
             .iter()
-            .map(|p| lease_keys[*p as usize].clone())
+            .map(|p| keys::lease_key(root, *p).into_bytes())
             .collect();
         for (p, value) in chunk.iter().zip(tx.batch_get(&keys).await?) {
             if let Some(lease) = value.and_then(|v| serde_json::from_slice::<Lease>(&v).ok()) {
@@ -476,11 +469,11 @@ pub async fn cluster_state<E: TitoEngine>(queue: &super::Queue<E>) -> TitoResult
     }
     let _ = tx.rollback().await;
     let assignment = (0..partitions)
-        .filter_map(|p| rendezvous_owner(&members.members, p).map(|m| (p, m.clone())))
+        .filter_map(|p| rendezvous_owner(&members, p).map(|m| (p, m.clone())))
         .collect();
     Ok(ClusterState {
         coordinator,
-        members: members.members,
+        members,
         nodes,
         assignment,
         leases,
