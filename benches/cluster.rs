@@ -5,7 +5,6 @@
 //! `cargo bench --bench cluster`.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -54,7 +53,7 @@ fn node_config(name: &str, ttl: Duration) -> ClusterConfig {
 
 struct Running {
     stop: watch::Sender<bool>,
-    task: tokio::task::JoinHandle<()>,
+    task: tokio::task::JoinHandle<tito::TitoResult<()>>,
 }
 
 fn start(queue: &Arc<Queue<Embedded>>, name: &str, ttl: Duration) -> Running {
@@ -122,13 +121,13 @@ async fn throughput(nodes: usize, events: u64) -> f64 {
     for p in publishers {
         p.await.unwrap();
     }
-    while queue.stats().acknowledged.load(Ordering::Relaxed) < events {
+    while queue.stats().acknowledged < events {
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     let rate = events as f64 / started.elapsed().as_secs_f64();
     for node in running {
         node.stop.send(true).unwrap();
-        node.task.await.unwrap();
+        node.task.await.unwrap().unwrap();
     }
     db.close().await.unwrap();
     rate
@@ -178,7 +177,7 @@ async fn main() {
         ttl.as_secs_f64()
     );
     a.stop.send(true).unwrap();
-    a.task.await.unwrap();
+    a.task.await.unwrap().unwrap();
     drop(b.stop);
     db.close().await.unwrap();
 

@@ -4,7 +4,6 @@
 //! `cargo bench --bench inbox` (`TITO_BENCH_EVENTS` sets N, default 2000).
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -82,7 +81,7 @@ async fn inbox_rate(db: &Embedded, n: u64) -> f64 {
         |_delivery: InboxDelivery<Email>| async { Ok(InboxOutcome::Ack) },
         rx,
     ));
-    while inbox.stats().completed.load(Ordering::Relaxed) < n {
+    while inbox.stats().completed < n {
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     let rate = n as f64 / started.elapsed().as_secs_f64();
@@ -117,12 +116,12 @@ async fn queue_rate(db: &Embedded, n: u64) -> f64 {
         |_event: QueueEvent<Email>| async { Ok(QueueHandlerOutcome::Acknowledge) },
         rx,
     ));
-    while queue.stats().acknowledged.load(Ordering::Relaxed) < n {
+    while queue.stats().acknowledged < n {
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     let rate = n as f64 / started.elapsed().as_secs_f64();
     stop.send(true).unwrap();
-    task.await.unwrap();
+    task.await.unwrap().unwrap();
     rate
 }
 

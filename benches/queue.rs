@@ -12,7 +12,6 @@
 //! `cargo bench --bench queue` (`TITO_BENCH_EVENTS` sets N, default 4000).
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use rusqlite::{Connection, params};
@@ -105,12 +104,12 @@ async fn tito_throughput(db: &Embedded, n: u64) -> Throughput {
         |_event: QueueEvent<Job>| async { Ok(QueueHandlerOutcome::Acknowledge) },
         rx,
     ));
-    while queue.stats().acknowledged.load(Ordering::Relaxed) < n {
+    while queue.stats().acknowledged < n {
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     let drained = drain_start.elapsed();
     stop.send(true).unwrap();
-    worker.await.unwrap();
+    worker.await.unwrap().unwrap();
     Throughput {
         publish: n as f64 / published.as_secs_f64(),
         drain: n as f64 / drained.as_secs_f64(),
@@ -154,7 +153,7 @@ async fn tito_lateness(db: &Embedded) -> (i64, i64) {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     stop.send(true).unwrap();
-    worker.await.unwrap();
+    worker.await.unwrap().unwrap();
     let mut values = lateness.lock().await.clone();
     values.sort_unstable();
     if std::env::var("TITO_BENCH_DEBUG").is_ok() {
@@ -178,12 +177,12 @@ async fn tito_idle_scans(db: &Embedded) -> f64 {
     ));
     // Let it take its leases and settle into its idle backoff, then count.
     tokio::time::sleep(Duration::from_secs(5)).await;
-    let before = queue.stats().scans.load(Ordering::Relaxed);
+    let before = queue.stats().scans;
     let window = Duration::from_secs(5);
     tokio::time::sleep(window).await;
-    let scans = queue.stats().scans.load(Ordering::Relaxed) - before;
+    let scans = queue.stats().scans - before;
     stop.send(true).unwrap();
-    worker.await.unwrap();
+    worker.await.unwrap().unwrap();
     scans as f64 / window.as_secs_f64()
 }
 

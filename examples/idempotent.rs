@@ -140,7 +140,7 @@ async fn run<E: TitoEngine>(db: E) -> Result<(), TitoError> {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     shutdown_tx.send(true).ok();
-    worker.await.expect("the worker task");
+    worker.await.expect("the worker task")?;
 
     let balance = wallets.find_by_id("ada", vec![]).await?.balance_cents;
     println!("ada's balance: {balance} cents (1000 + 250, each once)");

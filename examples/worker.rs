@@ -116,17 +116,15 @@ async fn run<E: TitoEngine>(db: E) -> Result<(), TitoError> {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     shutdown_tx.send(true).ok();
-    worker.await.expect("the worker task");
+    worker.await.expect("the worker task")?;
 
     let stats = signups.stats();
     println!(
         "delivered {}, acknowledged {}, rescheduled {}, failed {}, completed rows kept {}",
-        stats.delivered.load(std::sync::atomic::Ordering::Relaxed),
-        stats
-            .acknowledged
-            .load(std::sync::atomic::Ordering::Relaxed),
-        stats.rescheduled.load(std::sync::atomic::Ordering::Relaxed),
-        stats.failed.load(std::sync::atomic::Ordering::Relaxed),
+        stats.delivered,
+        stats.acknowledged,
+        stats.rescheduled,
+        stats.failed,
         signups.completed_count().await?
     );
     Ok(())

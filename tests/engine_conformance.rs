@@ -417,17 +417,31 @@ pub async fn delete_range_removes_exactly_the_range<E: TitoEngine>(ctx: Ctx<E>) 
 
 pub async fn delete_range_checks_its_bounds<E: TitoEngine>(ctx: Ctx<E>) {
     let (a, b) = (ctx.key("a"), ctx.key("b"));
+    ctx.db
+        .transaction(|tx| {
+            let a = a.clone();
+            async move { tx.put(a, b"kept".to_vec()).await }
+        })
+        .await
+        .unwrap();
+    // Defect 11: a destructive call names both bounds; an empty one is refused, not "to the
+    // edge of the key space".
     for result in [
         ctx.db.delete_range(&b, &a).await,
         ctx.db.delete_range(&a, &a).await,
+        ctx.db.delete_range(b"", &b).await,
+        ctx.db.delete_range(&a, b"").await,
+        ctx.db.delete_range(b"", b"").await,
     ] {
         assert!(
             matches!(result, Err(TitoError::InvalidArgument(_))),
             "got {result:?}"
         );
     }
-    // An empty range that is well-formed is fine.
-    ctx.db.delete_range(&a, &b).await.unwrap();
+    assert_eq!(read(&ctx.db, &a).await.as_deref(), Some(&b"kept"[..]));
+    // A well-formed range that holds nothing is fine.
+    ctx.db.delete_range(&b, &ctx.key("c")).await.unwrap();
+    assert_eq!(read(&ctx.db, &a).await.as_deref(), Some(&b"kept"[..]));
 }
 
 pub async fn garbage_collection_checks_its_argument<E: TitoEngine>(ctx: Ctx<E>) {

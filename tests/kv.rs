@@ -463,7 +463,7 @@ pub async fn a_redelivered_event_has_no_second_effect<E: TitoEngine>(ctx: Ctx<E>
     )
     .await;
     stop.send(true).unwrap();
-    worker.await.unwrap();
+    worker.await.unwrap().unwrap();
     assert_eq!(wallets.find_by_id("w", vec![]).await.unwrap().balance, 15);
     assert!(kv.get(&ns(&ctx), &credit.id).await.unwrap().is_some());
 }
@@ -528,5 +528,5 @@ pub async fn sweepers_run_alone_or_in_a_worker<E: TitoEngine>(ctx: Ctx<E>) {
     })
     .await;
     stop.send(true).unwrap();
-    worker.await.unwrap();
+    worker.await.unwrap().unwrap();
 }

@@ -75,7 +75,7 @@ fn fast(partitions: std::ops::Range<u32>) -> WorkerConfig {
 
 struct Running {
     stop: watch::Sender<bool>,
-    task: JoinHandle<()>,
+    task: JoinHandle<tito::TitoResult<()>>,
 }
 
 impl Running {
@@ -84,7 +84,8 @@ impl Running {
         tokio::time::timeout(Duration::from_secs(30), self.task)
             .await
             .expect("the worker stops")
-            .unwrap();
+            .unwrap()
+            .expect("the worker's configuration is valid");
     }
 }
 
@@ -187,8 +188,8 @@ pub async fn the_seed_sample_works<E: TitoEngine>(ctx: Ctx<E>) {
     drained(&queue, 1).await;
     assert_eq!(*seen.lock().unwrap(), ["123"]);
     shutdown_tx.send(true).unwrap();
-    worker.await.unwrap();
-    assert_eq!(queue.stats().acknowledged.load(Ordering::Relaxed), 1);
+    worker.await.unwrap().unwrap();
+    assert_eq!(queue.stats().acknowledged, 1);
 }
 
 pub async fn publication_joins_the_callers_transaction<E: TitoEngine>(ctx: Ctx<E>) {
@@ -297,7 +298,7 @@ pub async fn model_writes_publish_their_events<E: TitoEngine>(ctx: Ctx<E>) {
     })
     .await;
     stop.send(true).unwrap();
-    worker.await.unwrap();
+    worker.await.unwrap().unwrap();
     let events = seen.lock().unwrap().clone();
     // Only the write with events published; the future event waits in its own queue.
     assert_eq!(
@@ -333,7 +334,7 @@ pub async fn model_writes_publish_their_events<E: TitoEngine>(ctx: Ctx<E>) {
 
 pub async fn bad_events_are_refused_before_writing<E: TitoEngine>(ctx: Ctx<E>) {
     let queue = queue(&ctx.db, 4);
-    let invalid = |r: Result<(), TitoError>| {
+    let invalid = |r: Result<tito::Published, TitoError>| {
         assert!(matches!(r, Err(TitoError::InvalidArgument(_))), "{r:?}")
     };
     invalid(queue.publish(QueueEvent::new("k", Job { n: 1 }, -1)).await);
@@ -404,8 +405,8 @@ pub async fn reschedule_replaces_the_row_atomically<E: TitoEngine>(ctx: Ctx<E>) 
     wait_for("the outcomes", Duration::from_secs(30), move || {
         let q = q.clone();
         async move {
-            q.stats().rescheduled.load(Ordering::Relaxed) == 1
-                && q.stats().failed.load(Ordering::Relaxed) >= 1
+            q.stats().rescheduled == 1
+                && q.stats().failed >= 1
         }
     })
     .await;
@@ -469,7 +470,7 @@ pub async fn failures_leave_the_invocation_pending<E: TitoEngine>(ctx: Ctx<E>) {
     worker.stop().await;
     let attempts = attempts.lock().unwrap().clone();
     assert_eq!(attempts, HashMap::from([(0, 2), (1, 2), (2, 2)]));
-    assert_eq!(queue.stats().failed.load(Ordering::Relaxed), 3);
+    assert_eq!(queue.stats().failed, 3);
 }
 
 pub async fn future_events_wait_for_their_time<E: TitoEngine>(ctx: Ctx<E>) {
@@ -530,7 +531,7 @@ pub async fn same_time_work_never_starves_later_buckets<E: TitoEngine>(ctx: Ctx<
     )
     .await;
     worker.stop().await;
-    assert!(queue.stats().rescheduled.load(Ordering::Relaxed) >= 4);
+    assert!(queue.stats().rescheduled >= 4);
 }
 
 pub async fn scans_read_at_most_sixteen_rows<E: TitoEngine>(ctx: Ctx<E>) {
@@ -552,7 +553,7 @@ pub async fn scans_read_at_most_sixteen_rows<E: TitoEngine>(ctx: Ctx<E>) {
     worker.stop().await;
     assert_eq!(seen.lock().unwrap().len(), 40);
     // 40 rows need at least three scans of 16.
-    assert!(queue.stats().scans.load(Ordering::Relaxed) >= 3);
+    assert!(queue.stats().scans >= 3);
 }
 
 pub async fn overlapping_workers_never_share_a_partition<E: TitoEngine>(ctx: Ctx<E>) {
@@ -636,7 +637,7 @@ pub async fn a_lost_lease_applies_no_outcome<E: TitoEngine>(ctx: Ctx<E>) {
     let q = queue.clone();
     wait_for("the refused outcome", Duration::from_secs(30), move || {
         let q = q.clone();
-        async move { q.stats().outcome_failures.load(Ordering::Relaxed) >= 1 }
+        async move { q.stats().outcome_failures >= 1 }
     })
     .await;
     worker.stop().await;
@@ -674,9 +675,12 @@ pub async fn shutdown_drains_started_handlers<E: TitoEngine>(ctx: Ctx<E>) {
     // The handler finished and its outcome was applied before the worker returned.
     assert_eq!(queue.completed_count().await.unwrap(), 1);
     assert_eq!(pending_total(&queue).await, 0);
-    // The lease was released.
+    // The lease was released: no owner, the generation kept for the next holder.
     let tx = ctx.db.begin().await.unwrap();
-    assert!(tx.get(b"queue:lease:0000").await.unwrap().is_none());
+    let lease: serde_json::Value =
+        serde_json::from_slice(&tx.get(b"queue:lease:0000").await.unwrap().unwrap()).unwrap();
+    assert_eq!(lease["owner"], "", "{lease}");
+    assert!(lease["generation"].as_u64().unwrap() >= 1);
     tx.rollback().await.unwrap();
 }
 
@@ -736,14 +740,14 @@ pub async fn completed_rows_expire<E: TitoEngine>(ctx: Ctx<E>) {
         move || {
             let q = q.clone();
             async move {
-                q.stats().acknowledged.load(Ordering::Relaxed) == 3
+                q.stats().acknowledged == 3
                     && q.completed_count().await.unwrap() == 0
             }
         },
     )
     .await;
     worker.stop().await;
-    assert!(queue.stats().expired.load(Ordering::Relaxed) >= 3);
+    assert!(queue.stats().expired >= 3);
     // Their owner keys went with them.
     let tx = ctx.db.begin().await.unwrap();
     assert!(
@@ -783,7 +787,7 @@ pub async fn owners_move_with_their_rows_and_can_be_erased<E: TitoEngine>(ctx: C
         Duration::from_secs(30),
         move || {
             let q = q.clone();
-            async move { q.stats().acknowledged.load(Ordering::Relaxed) == 1 }
+            async move { q.stats().acknowledged == 1 }
         },
     )
     .await;
@@ -961,8 +965,8 @@ pub async fn malformed_rows_are_counted_and_left_in_place<E: TitoEngine>(ctx: Ct
         move || {
             let q = q.clone();
             async move {
-                q.stats().acknowledged.load(Ordering::Relaxed) == 1
-                    && q.stats().malformed.load(Ordering::Relaxed) >= 3
+                q.stats().acknowledged == 1
+                    && q.stats().malformed >= 3
             }
         },
     )
@@ -1018,9 +1022,9 @@ pub async fn transactional_handlers_commit_with_their_outcome<E: TitoEngine>(ctx
     ));
     drained(&queue, 3).await;
     stop.send(true).unwrap();
-    worker.await.unwrap();
-    assert_eq!(queue.stats().failed.load(Ordering::Relaxed), 1);
-    assert_eq!(queue.stats().acknowledged.load(Ordering::Relaxed), 3);
+    worker.await.unwrap().unwrap();
+    assert_eq!(queue.stats().failed, 1);
+    assert_eq!(queue.stats().acknowledged, 3);
     let tx = ctx.db.begin().await.unwrap();
     let start = ctx.key("effect:");
     let end = tito::keys::prefix_end_bytes(&start);

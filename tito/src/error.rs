@@ -114,6 +114,17 @@ pub enum TitoError {
         source: Option<BoxError>,
     },
 
+    /// An application's own failure, returned by a queue or inbox handler (a mail server that
+    /// is down, a client library's error, an `anyhow::Error`). Build it with
+    /// [`TitoError::handler`]: `send_mail(&to).await.map_err(TitoError::handler)?`. Workers log
+    /// and count it as a failed handler; the invocation stays pending.
+    #[error("handler error: {source}")]
+    Handler {
+        /// The application's error.
+        #[source]
+        source: BoxError,
+    },
+
     /// The storage backend failed for a reason that is not a conflict.
     #[error("storage error: {message}")]
     Storage {
@@ -155,12 +166,46 @@ impl TitoError {
         TitoError::InvalidArgument(message.into())
     }
 
+    /// A [`TitoError::Handler`] carrying an application's error: anything that converts into a
+    /// boxed error (every `std::error::Error + Send + Sync`, `anyhow::Error`, a `String`).
+    ///
+    /// ```
+    /// use tito::TitoError;
+    ///
+    /// fn deliver() -> Result<(), std::io::Error> {
+    ///     Err(std::io::Error::other("mail server unavailable"))
+    /// }
+    ///
+    /// fn handle() -> Result<(), TitoError> {
+    ///     deliver().map_err(TitoError::handler)?;
+    ///     Ok(())
+    /// }
+    ///
+    /// let err = handle().unwrap_err();
+    /// assert!(matches!(err, TitoError::Handler { .. }));
+    /// assert_eq!(err.to_string(), "handler error: mail server unavailable");
+    /// assert!(std::error::Error::source(&err).is_some());
+    /// ```
+    pub fn handler(source: impl Into<BoxError>) -> Self {
+        TitoError::Handler {
+            source: source.into(),
+        }
+    }
+
     /// A [`TitoError::Storage`] wrapping a backend error.
     pub fn storage(message: impl Into<String>, source: impl Into<BoxError>) -> Self {
         TitoError::Storage {
             message: message.into(),
             source: Some(source.into()),
         }
+    }
+}
+
+/// A boxed application error becomes [`TitoError::Handler`], so `?` works in a handler on
+/// calls that return `Result<_, Box<dyn Error + Send + Sync>>`.
+impl From<BoxError> for TitoError {
+    fn from(source: BoxError) -> Self {
+        TitoError::Handler { source }
     }
 }
 

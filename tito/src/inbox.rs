@@ -27,7 +27,7 @@
 use std::collections::{BTreeMap, HashSet};
 use std::future::Future;
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -264,21 +264,23 @@ pub struct InboxDelivery<P> {
     pub partition_key: Option<String>,
 }
 
-/// Counters of one subscription.
-#[derive(Debug, Default)]
-pub struct InboxStats {
-    /// Rows claimed and handed to the handler.
-    pub claimed: AtomicU64,
-    /// Outcomes applied.
-    pub completed: AtomicU64,
-    /// Handler errors, panics and timeouts (the row is claimable again after its lease).
-    pub failed: AtomicU64,
-    /// Outcomes refused because the lease was lost.
-    pub lease_lost: AtomicU64,
-    /// Rows moved to the dead letter.
-    pub dead_lettered: AtomicU64,
-    /// Rows set aside because they do not deserialize.
-    pub bad: AtomicU64,
+crate::counters::counters! {
+    /// The counters of one inbox handle and its subscriptions, as plain numbers at one moment
+    /// ([`Inbox::stats`]).
+    pub struct InboxStats / InboxCounters {
+        /// Rows claimed and handed to the handler.
+        claimed,
+        /// Outcomes applied.
+        completed,
+        /// Handler errors, panics and timeouts (the row is claimable again after its lease).
+        failed,
+        /// Outcomes refused because the lease was lost.
+        lease_lost,
+        /// Rows moved to the dead letter.
+        dead_lettered,
+        /// Rows set aside because they do not deserialize.
+        bad,
+    }
 }
 
 fn registry() -> &'static Mutex<HashSet<String>> {
@@ -339,7 +341,7 @@ pub struct Inbox<E, M> {
     models: TitoModel<E, M>,
     spec: InboxSpec,
     table: String,
-    stats: Arc<InboxStats>,
+    stats: Arc<InboxCounters>,
     _model: PhantomData<fn() -> M>,
 }
 
@@ -371,9 +373,9 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
         })
     }
 
-    /// The subscription's counters.
-    pub fn stats(&self) -> &InboxStats {
-        &self.stats
+    /// The counters of this handle and its subscriptions, as plain numbers now.
+    pub fn stats(&self) -> InboxStats {
+        self.stats.snapshot()
     }
 
     async fn now_ms(&self, tx: &E::Transaction, clock: InboxClock) -> i64 {

@@ -482,7 +482,9 @@ pub fn index_key_row(key: &str) -> TitoResult<(String, String)> {
 // {queue}:pending:{partition:04}:{timestamp:020}:{enqueue_version:020}:{event_id}
 // {queue}:completed:{processed_at:020}:{event_timestamp:020}:{event_id}
 // {queue}:owner:{b64url(kind)}:{b64url(id)}:{state}:{b64url(queue_storage_key)}
-// {queue}:lease:{partition:04}                   a partition lease (JSON)
+// {queue}:lease:{partition:04}                   a partition lease's holder (JSON)
+// {queue}:lease-expiry:{partition:04}            a standalone lease's expiry (a version)
+// {queue}:event:{event_id}                       the live invocation of an event id
 // {queue}:meta                                   the queue's partition count (JSON)
 // {queue}:node:{id} / :coordinator / :members     cluster mode (see `queue::cluster`)
 //
@@ -629,6 +631,11 @@ pub fn lease_key(root: &str, partition: u32) -> String {
     format!("{root}:lease:{partition:04}")
 }
 
+/// The expiry key of a standalone partition lease: renewals write it, never the holder key.
+pub fn lease_expiry_key(root: &str, partition: u32) -> String {
+    format!("{root}:lease-expiry:{partition:04}")
+}
+
 /// `{queue}:node:{id}`, a cluster node's record.
 pub fn node_key(root: &str, id: &str) -> String {
     let mut key = node_prefix(root);
@@ -649,6 +656,13 @@ pub fn coordinator_key(root: &str) -> String {
 /// `{queue}:members`, the member list the coordinator publishes.
 pub fn members_key(root: &str) -> String {
     format!("{root}:members")
+}
+
+/// `{queue}:event:{id}`: names the live invocation (its storage key) of one event id.
+pub fn event_id_key(root: &str, id: &str) -> String {
+    let mut key = format!("{root}:event:");
+    encode_str(id, &mut key);
+    key
 }
 
 /// The key holding a queue's partition count.

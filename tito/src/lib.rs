@@ -41,6 +41,7 @@
 #![warn(missing_docs)]
 
 pub mod backend;
+mod counters;
 pub mod engine;
 mod error;
 pub mod inbox;
@@ -62,8 +63,8 @@ pub use model::{
     TitoModelTrait, TitoOperation, TitoOptions, TitoPage,
 };
 pub use queue::{
-    Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, QueueHandlerResult, QueueOwner,
-    WorkerConfig,
+    Published, Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, QueueHandlerResult,
+    QueueOwner, QueueStats, WorkerConfig,
 };
 /// Derives [`TitoModelTrait`] and typed index queries from `#[tito(...)]` attributes; see
 /// [`model`].

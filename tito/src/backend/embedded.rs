@@ -40,7 +40,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use surrealkv::{LSMIterator, Mode, Tree, TreeBuilder};
 
 use crate::engine::{
-    self, KvPair, LOGICAL_BITS, RetryPolicy, TitoEngine, TitoTransaction, check_range,
+    self, KvPair, LOGICAL_BITS, RetryPolicy, TitoEngine, TitoTransaction,
     check_retention, check_scan,
 };
 use crate::error::{TitoError, TitoResult};
@@ -450,7 +450,7 @@ impl TitoEngine for Embedded {
     }
 
     async fn delete_range(&self, start: &[u8], end: &[u8]) -> TitoResult<()> {
-        check_range(start, end)?;
+        crate::engine::check_destroy_range(start, end)?;
         let mut from = data_key(start);
         let to = data_end(end);
         loop {

@@ -29,7 +29,7 @@ use tikv_client::{
 };
 
 use crate::engine::{
-    self, KvPair, LOGICAL_BITS, RetryPolicy, TitoEngine, TitoTransaction, check_range,
+    self, KvPair, LOGICAL_BITS, RetryPolicy, TitoEngine, TitoTransaction,
     check_retention, check_scan,
 };
 use crate::error::{TitoError, TitoResult};
@@ -167,7 +167,7 @@ impl TitoEngine for TiKV {
     }
 
     async fn delete_range(&self, start: &[u8], end: &[u8]) -> TitoResult<()> {
-        check_range(start, end)?;
+        crate::engine::check_destroy_range(start, end)?;
         self.client
             .unsafe_destroy_range(range(start, end))
             .await

@@ -112,8 +112,12 @@ pub trait TitoEngine: Clone + Send + Sync + 'static {
     /// historical read still running.
     fn garbage_collect(&self, retention: Duration) -> impl Future<Output = TitoResult<u64>> + Send;
 
-    /// Destroys every key in `start..end` (start inclusive, end exclusive; an empty `end` means
-    /// the end of the key space). `start < end` is checked.
+    /// Destroys every key in `start..end` (start inclusive, end exclusive). Both bounds must be
+    /// named: an empty `start` or `end` is [`TitoError::InvalidArgument`] (a destructive call
+    /// never reaches to the edge of the key space by default), and so is `start >= end`.
+    ///
+    /// To clear everything under a prefix, pass the prefix and its end:
+    /// `db.delete_range(b"table:old:", &tito::keys::prefix_end_bytes(b"table:old:"))`.
     ///
     /// This is an offline, destructive maintenance operation for reset, restore and drop-style
     /// work with application traffic stopped. It is not a transaction: concurrent transactions
@@ -281,6 +285,19 @@ pub(crate) fn check_range(start: &[u8], end: &[u8]) -> TitoResult<()> {
         )));
     }
     Ok(())
+}
+
+/// Checks the bounds of a destructive range: both named, `start < end`.
+pub(crate) fn check_destroy_range(start: &[u8], end: &[u8]) -> TitoResult<()> {
+    if start.is_empty() || end.is_empty() {
+        return Err(TitoError::invalid_argument(format!(
+            "delete_range needs both bounds (start {}, end {}); pass a prefix and \
+             keys::prefix_end_bytes(prefix) to clear a prefix",
+            crate::keys::display_key(start),
+            crate::keys::display_key(end)
+        )));
+    }
+    check_range(start, end)
 }
 
 /// Checks a garbage-collection retention window.

@@ -47,9 +47,13 @@ fn decode_cursor(cursor: &str) -> TitoResult<Vec<u8>> {
     if hex.len() % 2 != 0 {
         return Err(bad());
     }
-    (0..hex.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).map_err(|_| bad()))
+    // Pairs of bytes, never string slices: a forged cursor may hold multi-byte characters.
+    hex.as_bytes()
+        .chunks(2)
+        .map(|pair| {
+            let digit = |b: u8| (b as char).to_digit(16).ok_or_else(bad);
+            Ok((digit(pair[0])? * 16 + digit(pair[1])?) as u8)
+        })
         .collect()
 }
 
@@ -379,6 +383,13 @@ impl<E: TitoEngine, T: TitoModelTrait> TableQuery<E, T> {
             Some(id) => suffix(id),
             None => keys::prefix_end(prefix.clone()),
         };
+        if let (Some(first), Some(last)) = (&self.start, &self.end)
+            && start >= end
+        {
+            return Err(TitoError::invalid_argument(format!(
+                "a table scan's start id {first:?} must sort before its end id {last:?}"
+            )));
+        }
         read_page(
             tx,
             start.into_bytes(),
@@ -411,5 +422,22 @@ mod tests {
         assert!(decode_cursor("nope").is_err());
         assert!(decode_cursor("c1.abc").is_err());
         assert!(decode_cursor("c1.zz").is_err());
+        // Item 10 of the defects issue: multi-byte characters are an error, not a panic.
+        assert!(decode_cursor("c1.a€").is_err());
+        assert!(decode_cursor("c1.€€").is_err());
+        assert!(decode_cursor("c1.+1").is_err());
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn any_cursor_string_decodes_or_errs(text in ".*") {
+            let _ = decode_cursor(&text);
+            let _ = decode_cursor(&format!("{CURSOR_TAG}{text}"));
+        }
+
+        #[test]
+        fn cursors_round_trip(key in proptest::collection::vec(proptest::num::u8::ANY, 0..64)) {
+            proptest::prop_assert_eq!(decode_cursor(&encode_cursor(&key)).unwrap(), key);
+        }
     }
 }

@@ -8,15 +8,21 @@
 //!   expiring after `coordinator_ttl`). It publishes the member list (`{queue}:members`) and runs
 //!   completed-row retention. When it stops renewing, another node takes the key on its next
 //!   tick.
-//! - **Assignment**: rendezvous hashing over the member list: partition `p` belongs to the
-//!   member with the highest `score(member, p)`. Deterministic for a membership, and a join or
-//!   leave moves only the partitions won or lost by that node (about `P / n`).
+//! - **Assignment**: sticky and balanced ([`balanced_assignment`]), stored by the coordinator
+//!   with the member list. Every member holds `floor(P/N)` or `ceil(P/N)` partitions; a
+//!   partition stays with its owner while that owner is a member and within its quota. When
+//!   membership changes, only the partitions of departed members and the excess of members over
+//!   their new quota move (a join moves at most `ceil(P/(N+1))`), like Kafka's cooperative
+//!   sticky assignor. Free partitions go to the member below quota with the highest rendezvous
+//!   score, so a first assignment is deterministic for a membership.
 //! - **Leases**: a partition lease names its holder and the holder's epoch, with a generation as
 //!   fencing token, and no expiry of its own: it is valid while the holder's node record is
-//!   alive with that epoch. Renewing every lease is therefore one write (the node record). A
-//!   node takes an assigned partition when its lease is free, released, or held by a dead node;
-//!   it stops pulling partitions assigned away, drains them, then releases them. Outcome
-//!   transactions lock both the partition lease and the node record.
+//!   alive with that epoch. Renewing every lease is therefore one write (the node record), and
+//!   that write never conflicts with the holder's outcome transactions, which lock the lease
+//!   (holder) key only: a takeover of a dead node's partition writes that key. A node takes an
+//!   assigned partition when its lease is free, released, or held by a dead node; it stops
+//!   pulling partitions assigned away, drains them (heartbeat still running), then releases
+//!   them. A node that shuts down keeps heartbeating until its last outcome is applied.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
@@ -79,6 +85,35 @@ impl ClusterConfig {
     }
 }
 
+impl ClusterConfig {
+    /// Checks the settings: TTLs of at least [`MIN_TTL`] (a node renews every third of its TTL).
+    pub fn check(&self) -> TitoResult<()> {
+        for (name, ttl) in [
+            ("node_ttl", self.node_ttl),
+            ("coordinator_ttl", self.coordinator_ttl),
+        ] {
+            if ttl < MIN_TTL {
+                return Err(TitoError::invalid_argument(format!(
+                    "ClusterConfig::{name} is {ttl:?}; it must be at least {MIN_TTL:?}"
+                )));
+            }
+        }
+        if let Some(id) = &self.node_id
+            && (id.is_empty() || id.len() > super::MAX_OWNER_BYTES)
+        {
+            return Err(TitoError::invalid_argument(format!(
+                "ClusterConfig::node_id must be 1 to {} bytes, not {}",
+                super::MAX_OWNER_BYTES,
+                id.len()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The shortest node or coordinator TTL accepted.
+pub const MIN_TTL: Duration = Duration::from_millis(30);
+
 impl Default for ClusterConfig {
     fn default() -> Self {
         ClusterConfig::new()
@@ -103,9 +138,30 @@ struct Coordinator {
     expires: u64,
 }
 
+/// What the coordinator publishes: the members and, per partition, the index of its owner in
+/// `members` (empty before the first balanced assignment).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 struct Members {
     members: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    owners: Vec<u32>,
+}
+
+impl Members {
+    /// The owner of every partition, when the stored assignment covers `partitions`; otherwise
+    /// rendezvous hashing over the members (a list written before assignments were stored).
+    fn assignment(&self, partitions: u32) -> Vec<Option<String>> {
+        if self.owners.len() == partitions as usize {
+            self.owners
+                .iter()
+                .map(|i| self.members.get(*i as usize).cloned())
+                .collect()
+        } else {
+            (0..partitions)
+                .map(|p| rendezvous_owner(&self.members, p).cloned())
+                .collect()
+        }
+    }
 }
 
 /// What a cluster looks like, for tooling.
@@ -151,11 +207,88 @@ pub fn rendezvous_owner(members: &[String], partition: u32) -> Option<&String> {
     })
 }
 
-/// The partitions of `0..partitions` assigned to `member`.
+/// The partitions of `0..partitions` that rendezvous hashing alone gives `member`.
 pub fn assigned_partitions(members: &[String], partitions: u32, member: &str) -> Vec<u32> {
     (0..partitions)
         .filter(|p| rendezvous_owner(members, *p).is_some_and(|m| m == member))
         .collect()
+}
+
+/// A balanced, sticky assignment of `0..partitions` to `members`, given each partition's
+/// previous owner (`previous[p]`; missing entries count as none).
+///
+/// - Balance: every member gets `floor(P/N)` or `ceil(P/N)` partitions; the `P mod N` larger
+///   quotas go to the members that already hold the most (ties to the smaller id).
+/// - Stickiness: a partition keeps its previous owner while that owner is a member and within
+///   its quota; a member over its quota gives up the partitions it scores lowest on.
+/// - Free partitions (new, orphaned or given up) go, in order, to the member below its quota
+///   with the highest [`rendezvous_score`].
+///
+/// So a join moves only the joiner's quota (at most `ceil(P/(N+1))`) and a leave only the
+/// leaver's partitions. Returns one owner per partition (`None` only when `members` is empty).
+pub fn balanced_assignment(
+    members: &[String],
+    partitions: u32,
+    previous: &[Option<String>],
+) -> Vec<Option<String>> {
+    let mut members: Vec<&String> = members.iter().collect();
+    members.sort();
+    members.dedup();
+    let n = members.len();
+    if n == 0 {
+        return vec![None; partitions as usize];
+    }
+    let index: HashMap<&str, usize> = members
+        .iter()
+        .enumerate()
+        .map(|(i, m)| (m.as_str(), i))
+        .collect();
+    let mut kept: Vec<Vec<u32>> = vec![Vec::new(); n];
+    let mut free: Vec<u32> = Vec::new();
+    for p in 0..partitions {
+        match previous
+            .get(p as usize)
+            .and_then(|o| o.as_deref())
+            .and_then(|o| index.get(o))
+        {
+            Some(m) => kept[*m].push(p),
+            None => free.push(p),
+        }
+    }
+    let base = partitions as usize / n;
+    let extra = partitions as usize % n;
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|a, b| kept[*b].len().cmp(&kept[*a].len()).then(a.cmp(b)));
+    let mut quota = vec![base; n];
+    for m in order.into_iter().take(extra) {
+        quota[m] += 1;
+    }
+    for (m, held) in kept.iter_mut().enumerate() {
+        if held.len() > quota[m] {
+            let member = members[m];
+            held.sort_by_key(|p| std::cmp::Reverse((rendezvous_score(member, *p), *p)));
+            free.extend(held.drain(quota[m]..));
+        }
+    }
+    free.sort_unstable();
+    for p in free {
+        let best = (0..n)
+            .filter(|m| kept[*m].len() < quota[*m])
+            .max_by(|a, b| {
+                rendezvous_score(members[*a], p)
+                    .cmp(&rendezvous_score(members[*b], p))
+                    .then_with(|| b.cmp(a))
+            })
+            .expect("quotas add up to the partition count");
+        kept[best].push(p);
+    }
+    let mut owners = vec![None; partitions as usize];
+    for (m, held) in kept.into_iter().enumerate() {
+        for p in held {
+            owners[p as usize] = Some(members[m].clone());
+        }
+    }
+    owners
 }
 
 fn node_id_from_env() -> String {
@@ -201,14 +334,36 @@ impl Node {
         }
     }
 
-    /// Heartbeat, coordinator election (and, as coordinator, the member list), then this
-    /// node's assignment.
+    /// Heartbeat, coordinator election (and, as coordinator, the member list and assignment),
+    /// then this node's assignment.
     pub async fn tick<E: TitoEngine>(
         &self,
         db: &E,
         root: &str,
         partitions: u32,
     ) -> TitoResult<Tick> {
+        self.heartbeat(db, root).await?;
+        let coordinator = self.elect(db, root).await?;
+        if coordinator {
+            self.publish_members(db, root, partitions).await?;
+        }
+        let members = read_members(db, root).await?;
+        let assigned = members
+            .assignment(partitions)
+            .into_iter()
+            .enumerate()
+            .filter(|(_, owner)| owner.as_deref() == Some(self.id.as_str()))
+            .map(|(p, _)| p as u32)
+            .collect();
+        Ok(Tick {
+            coordinator,
+            assigned,
+        })
+    }
+
+    /// Writes this node's record with a fresh expiry: renews its membership and, with it, every
+    /// partition lease it holds.
+    pub async fn heartbeat<E: TitoEngine>(&self, db: &E, root: &str) -> TitoResult<()> {
         let (id, epoch, node_ttl) = (self.id.clone(), self.epoch, ms(self.config.node_ttl));
         let root_owned = root.to_string();
         db.transaction(|tx| {
@@ -229,17 +384,7 @@ impl Node {
                 Ok::<_, TitoError>(())
             }
         })
-        .await?;
-
-        let coordinator = self.elect(db, root).await?;
-        if coordinator {
-            self.publish_members(db, root).await?;
-        }
-        let members = read_members(db, root).await?;
-        Ok(Tick {
-            coordinator,
-            assigned: assigned_partitions(&members, partitions, &self.id),
-        })
+        .await
     }
 
     async fn elect<E: TitoEngine>(&self, db: &E, root: &str) -> TitoResult<bool> {
@@ -272,8 +417,36 @@ impl Node {
         .await
     }
 
-    /// As coordinator: the live nodes become the member list; long-dead records are deleted.
-    async fn publish_members<E: TitoEngine>(&self, db: &E, root: &str) -> TitoResult<()> {
+    /// Gives up the coordinator role if this node holds it, so another node takes it at its next
+    /// tick instead of after the role's TTL.
+    pub async fn resign<E: TitoEngine>(&self, db: &E, root: &str) -> TitoResult<()> {
+        let (id, key) = (self.id.clone(), keys::coordinator_key(root));
+        db.transaction(|tx| {
+            let (id, key) = (id.clone(), key.clone());
+            async move {
+                let current: Option<Coordinator> = tx
+                    .get(key.as_bytes())
+                    .await?
+                    .and_then(|b| serde_json::from_slice(&b).ok());
+                if let Some(mut role) = current.filter(|c| c.node == id) {
+                    // Expired, not deleted: the next coordinator's generation is one more.
+                    role.expires = 0;
+                    tx.put(key.into_bytes(), serde_json::to_vec(&role)?).await?;
+                }
+                Ok::<_, TitoError>(())
+            }
+        })
+        .await
+    }
+
+    /// As coordinator: the live nodes become the member list, with a balanced assignment that
+    /// keeps partitions where they are when it can; long-dead records are deleted.
+    async fn publish_members<E: TitoEngine>(
+        &self,
+        db: &E,
+        root: &str,
+        partitions: u32,
+    ) -> TitoResult<()> {
         let drop_after = ms(self.config.drop_after);
         let root = root.to_string();
         db.transaction(|tx| {
@@ -295,10 +468,26 @@ impl Node {
                     }
                 }
                 live.sort();
-                if members_in(&tx, &root).await? != live {
+                let current = members_in(&tx, &root).await?;
+                let owners = balanced_assignment(&live, partitions, &current.assignment(partitions));
+                let index: HashMap<&String, u32> =
+                    live.iter().enumerate().map(|(i, m)| (m, i as u32)).collect();
+                let owners: Vec<u32> = if index.is_empty() {
+                    Vec::new()
+                } else {
+                    owners
+                        .iter()
+                        .map(|o| o.as_ref().map_or(u32::MAX, |m| index[m]))
+                        .collect()
+                };
+                let next = Members {
+                    members: live,
+                    owners,
+                };
+                if current != next {
                     tx.put(
                         keys::members_key(&root).into_bytes(),
-                        serde_json::to_vec(&Members { members: live })?,
+                        serde_json::to_vec(&next)?,
                     )
                     .await?;
                 }
@@ -332,12 +521,15 @@ impl Node {
                 let mut holders: HashMap<String, Option<NodeRecord>> = HashMap::new();
                 let mut held = HashMap::new();
                 for ((partition, key), value) in wanted.iter().zip(lease_keys).zip(current) {
-                    let lease: Option<Lease> = value.and_then(|v| serde_json::from_slice(&v).ok());
+                    let lease: Option<Lease> = value.and_then(|v| {
+                        super::lease::parse(&keys::display_key(&key), &v)
+                    });
                     let generation = match &lease {
                         Some(l) if l.owner == id && l.epoch == Some(epoch) => {
                             held.insert(*partition, l.clone());
                             continue;
                         }
+                        Some(l) if l.released() => l.generation + 1,
                         Some(l) => {
                             if !holders.contains_key(&l.owner) {
                                 let record = read_node(&tx, &root, &l.owner).await?;
@@ -404,24 +596,24 @@ async fn scan_nodes<X: TitoTransaction>(tx: &X, root: &str) -> TitoResult<Vec<No
 }
 
 /// The published member list, read in `tx` (empty before the first coordinator publishes).
-async fn members_in<X: TitoTransaction>(tx: &X, root: &str) -> TitoResult<Vec<String>> {
+async fn members_in<X: TitoTransaction>(tx: &X, root: &str) -> TitoResult<Members> {
     Ok(tx
         .get(keys::members_key(root).as_bytes())
         .await?
         .and_then(|b| serde_json::from_slice::<Members>(&b).ok())
-        .unwrap_or_default()
-        .members)
+        .unwrap_or_default())
 }
 
-async fn read_members<E: TitoEngine>(db: &E, root: &str) -> TitoResult<Vec<String>> {
+async fn read_members<E: TitoEngine>(db: &E, root: &str) -> TitoResult<Members> {
     let tx = db.begin().await?;
     let members = members_in(&tx, root).await;
     let _ = tx.rollback().await;
     members
 }
 
-/// Inside an outcome transaction: whether a cluster lease's holder is still alive with its
-/// epoch; locks the node record so a takeover after its expiry cannot race the outcome.
+/// Inside an outcome transaction: whether a cluster lease's holder is alive with its epoch at
+/// the transaction's start. The node record is not locked (heartbeats rewrite it); a takeover
+/// after the holder's expiry writes the lease key, which the caller locks.
 pub(crate) async fn holder_alive<X: TitoTransaction>(
     tx: &X,
     root: &str,
@@ -430,15 +622,10 @@ pub(crate) async fn holder_alive<X: TitoTransaction>(
     let Some(epoch) = lease.epoch else {
         return Ok(lease.expires > tx.start_version());
     };
-    let key = keys::node_key(root, &lease.owner);
     let Some(node) = read_node(tx, root, &lease.owner).await? else {
         return Ok(false);
     };
-    if node.epoch != epoch || node.expires <= tx.start_version() {
-        return Ok(false);
-    }
-    tx.lock_keys(&[key.into_bytes()]).await?;
-    Ok(true)
+    Ok(node.epoch == epoch && node.expires > tx.start_version())
 }
 
 /// The cluster as stored: coordinator, members, node records, assignment and leases.
@@ -453,7 +640,7 @@ pub async fn cluster_state<E: TitoEngine>(queue: &super::Queue<E>) -> TitoResult
         .and_then(|b| serde_json::from_slice::<Coordinator>(&b).ok())
         .filter(|c| c.expires > now)
         .map(|c| c.node);
-    let members = members_in(&tx, root).await?;
+    let published = members_in(&tx, root).await?;
     let nodes = scan_nodes(&tx, root).await?;
     let mut leases = BTreeMap::new();
     for chunk in (0..partitions).collect::<Vec<_>>().chunks(1000) {
@@ -462,18 +649,23 @@ pub async fn cluster_state<E: TitoEngine>(queue: &super::Queue<E>) -> TitoResult
             .map(|p| keys::lease_key(root, *p).into_bytes())
             .collect();
         for (p, value) in chunk.iter().zip(tx.batch_get(&keys).await?) {
-            if let Some(lease) = value.and_then(|v| serde_json::from_slice::<Lease>(&v).ok()) {
+            if let Some(lease) = value.and_then(|v| serde_json::from_slice::<Lease>(&v).ok())
+                && !lease.released()
+            {
                 leases.insert(*p, lease.owner);
             }
         }
     }
     let _ = tx.rollback().await;
-    let assignment = (0..partitions)
-        .filter_map(|p| rendezvous_owner(&members, p).map(|m| (p, m.clone())))
+    let assignment = published
+        .assignment(partitions)
+        .into_iter()
+        .enumerate()
+        .filter_map(|(p, owner)| owner.map(|m| (p as u32, m)))
         .collect();
     Ok(ClusterState {
         coordinator,
-        members,
+        members: published.members,
         nodes,
         assignment,
         leases,
@@ -517,5 +709,83 @@ mod tests {
             assert!(now == owners[p as usize] || now == "node-4");
         }
         assert_eq!(rendezvous_owner(&[], 3), None);
+    }
+
+    fn counts(owners: &[Option<String>], members: &[String]) -> Vec<usize> {
+        members
+            .iter()
+            .map(|m| owners.iter().filter(|o| o.as_ref() == Some(m)).count())
+            .collect()
+    }
+
+    fn moves(before: &[Option<String>], after: &[Option<String>]) -> usize {
+        before.iter().zip(after).filter(|(a, b)| a != b).count()
+    }
+
+    /// Defect 5: floor(P/N) or ceil(P/N) per member, and a join or leave moves only what
+    /// balance requires.
+    #[test]
+    fn defect_5_assignment_is_balanced_and_sticky() {
+        for partitions in [1u32, 2, 3, 4, 7, 16, 100, 1024] {
+            let mut owners: Vec<Option<String>> = Vec::new();
+            for n in 1..=16usize {
+                let members = names(n);
+                let next = balanced_assignment(&members, partitions, &owners);
+                assert!(next.iter().all(Option::is_some));
+                let (lo, hi) = (partitions as usize / n, (partitions as usize).div_ceil(n));
+                for count in counts(&next, &members) {
+                    assert!(
+                        count == lo || count == hi,
+                        "P={partitions} N={n}: {count} not in {lo}..={hi}"
+                    );
+                }
+                if n > 1 {
+                    // A join moves at most ceil(P/N) partitions, all of them to the joiner.
+                    let moved = moves(&owners, &next);
+                    assert!(moved <= (partitions as usize).div_ceil(n), "P={partitions} N={n}: {moved}");
+                    for (before, after) in owners.iter().zip(&next) {
+                        assert!(before == after || after.as_deref() == Some(members[n - 1].as_str()));
+                    }
+                }
+                // Same inputs, same answer; and a stable membership keeps it.
+                assert_eq!(balanced_assignment(&members, partitions, &next), next);
+                owners = next;
+            }
+            // Leaves: only the leaver's partitions move.
+            for n in (1..16usize).rev() {
+                let members = names(n);
+                let next = balanced_assignment(&members, partitions, &owners);
+                let leaver = format!("node-{n}");
+                for (before, after) in owners.iter().zip(&next) {
+                    assert!(before == after || before.as_deref() == Some(leaver.as_str()));
+                }
+                for count in counts(&next, &members) {
+                    assert!(
+                        count == partitions as usize / n || count == (partitions as usize).div_ceil(n)
+                    );
+                }
+                owners = next;
+            }
+        }
+        // Four partitions on two nodes: two each (rendezvous alone gave 1 and 3).
+        let two = names(2);
+        assert_eq!(counts(&balanced_assignment(&two, 4, &[]), &two), vec![2, 2]);
+        assert!(balanced_assignment(&[], 4, &[]).iter().all(Option::is_none));
+    }
+
+    proptest::proptest! {
+        /// Defect 10: member lists and node records never panic their decoders.
+        #[test]
+        fn cluster_records_decode_or_are_refused(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..64)) {
+            let _ = serde_json::from_slice::<Members>(&bytes).map(|m| m.assignment(8));
+            let _ = serde_json::from_slice::<NodeRecord>(&bytes);
+            let _ = serde_json::from_slice::<Coordinator>(&bytes);
+        }
+
+        #[test]
+        fn forged_owner_indexes_are_harmless(owners in proptest::collection::vec(proptest::num::u32::ANY, 0..8)) {
+            let members = Members { members: names(3), owners };
+            let _ = members.assignment(8);
+        }
     }
 }

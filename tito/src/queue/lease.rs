@@ -1,5 +1,22 @@
-//! Partition leases: which worker may run a partition, with a generation (fencing token) and an
-//! expiry measured in engine versions, never in a node's clock.
+//! Partition leases as stored: which worker may run a partition, with a generation (fencing
+//! token), and for standalone leases an expiry measured in engine versions, never in a node's
+//! clock.
+//!
+//! # Two keys per lease, so renewals never fence out their own holder
+//!
+//! - `{queue}:lease:{p}` holds the **holder record** (owner, generation, and for cluster leases
+//!   the holder's epoch). It is written only when the lease changes hands: taken (the
+//!   generation goes up by one) or released (the owner is cleared, the generation kept, so
+//!   generations only ever grow).
+//! - `{queue}:lease-expiry:{p}` holds a standalone lease's expiry. Renewals write only this key.
+//!   (Cluster leases have none: they live as long as their holder's node record.)
+//!
+//! An outcome transaction checks the holder record (owner and generation) and the expiry at its
+//! start version, then locks the holder key. A takeover writes the holder key, so a takeover
+//! committed after the outcome transaction started makes the outcome's commit fail; a renewal
+//! writes only the expiry key, so the holder's own renewals never conflict with its outcomes,
+//! however long a transactional handler runs. A renewal and a takeover both write the expiry
+//! key, so they cannot both commit.
 
 use std::collections::HashMap;
 
@@ -9,12 +26,14 @@ use crate::engine::{self, TitoEngine, TitoTransaction};
 use crate::error::{TitoError, TitoResult};
 use crate::keys;
 
-/// A lease as stored under `{queue}:lease:{partition}`.
+/// A lease's holder record as stored under `{queue}:lease:{partition}`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct Lease {
+    /// The holder; empty once released.
     pub owner: String,
     pub generation: u64,
-    /// The engine version after which the lease is void (standalone leases).
+    /// The expiry when the lease was taken (the expiry key has the current one).
+    #[serde(default)]
     pub expires: u64,
     /// Cluster leases: the holder's process epoch; the lease is valid while the holder's node
     /// record is alive with this epoch.
@@ -22,7 +41,15 @@ pub(crate) struct Lease {
     pub epoch: Option<u64>,
 }
 
-fn parse(key: &str, bytes: &[u8]) -> Option<Lease> {
+impl Lease {
+    /// Whether the lease was released (anyone may take it).
+    pub fn released(&self) -> bool {
+        self.owner.is_empty()
+    }
+}
+
+/// Parses a holder record; a malformed one is logged and treated as absent (free).
+pub(crate) fn parse(key: &str, bytes: &[u8]) -> Option<Lease> {
     match serde_json::from_slice(bytes) {
         Ok(lease) => Some(lease),
         Err(err) => {
@@ -32,44 +59,82 @@ fn parse(key: &str, bytes: &[u8]) -> Option<Lease> {
     }
 }
 
-/// Takes every free or expired lease among `partitions` and renews the ones `owner` holds, in
-/// one transaction. Returns the leases `owner` holds afterwards.
+/// Parses an expiry record (a decimal version); a malformed one reads as expired.
+fn parse_expiry(bytes: &[u8]) -> u64 {
+    std::str::from_utf8(bytes)
+        .ok()
+        .and_then(|text| text.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Standalone leases: renews the leases `owner` holds among `partitions` and, when `take` is
+/// set, takes every free, released or expired one, in one transaction. Returns the leases
+/// `owner` holds afterwards. Renewing writes only expiry keys.
 pub(crate) async fn acquire<E: TitoEngine>(
     db: &E,
     root: &str,
     partitions: &[u32],
     owner: &str,
     duration_ms: u64,
+    take: bool,
 ) -> TitoResult<HashMap<u32, Lease>> {
-    let keys: Vec<String> = partitions
+    let holder_keys: Vec<Vec<u8>> = partitions
         .iter()
-        .map(|p| keys::lease_key(root, *p))
+        .map(|p| keys::lease_key(root, *p).into_bytes())
         .collect();
+    let expiry_keys: Vec<Vec<u8>> = partitions
+        .iter()
+        .map(|p| keys::lease_expiry_key(root, *p).into_bytes())
+        .collect();
+    let (root, owner) = (root.to_string(), owner.to_string());
     db.transaction(|tx| {
-        let keys = keys.clone();
+        let (holder_keys, expiry_keys, root, owner) = (
+            holder_keys.clone(),
+            expiry_keys.clone(),
+            root.clone(),
+            owner.clone(),
+        );
         async move {
             let now = tx.start_version();
             let expires = now.saturating_add(engine::version_from_millis(duration_ms));
-            let raw: Vec<Vec<u8>> = keys.iter().map(|k| k.clone().into_bytes()).collect();
-            let current = tx.batch_get(&raw).await?;
+            let mut wanted = holder_keys.clone();
+            wanted.extend(expiry_keys.iter().cloned());
+            let mut current = tx.batch_get(&wanted).await?;
+            let expiries = current.split_off(partitions.len());
             let mut held = HashMap::new();
-            for ((partition, key), value) in partitions.iter().zip(&keys).zip(current) {
-                let lease = value.as_deref().and_then(|v| parse(key, v));
+            for (i, partition) in partitions.iter().enumerate() {
+                let key = keys::lease_key(&root, *partition);
+                let lease = current[i].as_deref().and_then(|v| parse(&key, v));
+                let expiry = match (&expiries[i], &lease) {
+                    (Some(bytes), _) => parse_expiry(bytes),
+                    (None, Some(lease)) => lease.expires,
+                    (None, None) => 0,
+                };
                 let generation = match &lease {
                     // A cluster lease is not a standalone worker's to take.
-                    Some(lease) if lease.epoch.is_some() => continue,
-                    Some(lease) if lease.owner == owner && lease.expires > now => lease.generation,
-                    Some(lease) if lease.expires > now => continue,
+                    Some(lease) if lease.epoch.is_some() && !lease.released() => continue,
+                    // Still ours: nobody took it since (taking writes the holder record), even
+                    // if it expired meanwhile. Renew the expiry only.
+                    Some(lease) if lease.owner == owner => {
+                        tx.put(expiry_keys[i].clone(), expires.to_string().into_bytes())
+                            .await?;
+                        held.insert(*partition, lease.clone());
+                        continue;
+                    }
+                    Some(lease) if !lease.released() && expiry > now => continue,
+                    _ if !take => continue,
                     Some(lease) => lease.generation + 1,
                     None => 1,
                 };
                 let lease = Lease {
-                    owner: owner.to_string(),
+                    owner: owner.clone(),
                     generation,
                     expires,
                     epoch: None,
                 };
-                tx.put(key.clone().into_bytes(), serde_json::to_vec(&lease)?)
+                tx.put(holder_keys[i].clone(), serde_json::to_vec(&lease)?)
+                    .await?;
+                tx.put(expiry_keys[i].clone(), expires.to_string().into_bytes())
                     .await?;
                 held.insert(*partition, lease);
             }
@@ -80,8 +145,8 @@ pub(crate) async fn acquire<E: TitoEngine>(
 }
 
 /// Inside an outcome transaction: whether `owner` still holds `partition` at `generation`. When
-/// it does, the lease key is locked, so a takeover committed after this transaction started
-/// makes the commit fail instead of applying the outcome.
+/// it does, the holder key is locked, so a takeover committed after this transaction started
+/// makes the commit fail instead of applying the outcome. Renewals do not touch that key.
 pub(crate) async fn still_held<X: TitoTransaction>(
     tx: &X,
     root: &str,
@@ -96,12 +161,21 @@ pub(crate) async fn still_held<X: TitoTransaction>(
     let Some(lease) = parse(&key, &bytes) else {
         return Ok(false);
     };
-    if lease.owner != owner || lease.generation != generation {
+    if lease.released() || lease.owner != owner || lease.generation != generation {
         return Ok(false);
     }
-    // Standalone leases expire by version; cluster leases live as long as their holder's node
-    // record (which `holder_alive` locks too).
-    if !super::cluster::holder_alive(tx, root, &lease).await? {
+    let alive = match lease.epoch {
+        // Cluster leases live as long as their holder's node record.
+        Some(_) => super::cluster::holder_alive(tx, root, &lease).await?,
+        None => {
+            let expiry = tx
+                .get(keys::lease_expiry_key(root, partition).as_bytes())
+                .await?
+                .map_or(lease.expires, |bytes| parse_expiry(&bytes));
+            expiry > tx.start_version()
+        }
+    };
+    if !alive {
         return Ok(false);
     }
     tx.lock_keys(&[key.into_bytes()]).await?;
@@ -109,6 +183,7 @@ pub(crate) async fn still_held<X: TitoTransaction>(
 }
 
 /// Gives up the leases `owner` holds among `partitions`, so another worker can take them now.
+/// The holder record keeps its generation (the next holder's is one more).
 pub(crate) async fn release<E: TitoEngine>(
     db: &E,
     root: &str,
@@ -119,22 +194,60 @@ pub(crate) async fn release<E: TitoEngine>(
         .iter()
         .map(|p| keys::lease_key(root, *p))
         .collect();
+    let expiry_keys: Vec<Vec<u8>> = partitions
+        .iter()
+        .map(|p| keys::lease_expiry_key(root, *p).into_bytes())
+        .collect();
     db.transaction(|tx| {
-        let keys = keys.clone();
+        let (keys, expiry_keys) = (keys.clone(), expiry_keys.clone());
         async move {
             let raw: Vec<Vec<u8>> = keys.iter().map(|k| k.clone().into_bytes()).collect();
             let current = tx.batch_get(&raw).await?;
-            for (key, value) in keys.iter().zip(current) {
-                if value
-                    .as_deref()
-                    .and_then(|v| parse(key, v))
-                    .is_some_and(|lease| lease.owner == owner)
-                {
-                    tx.delete(key.clone().into_bytes()).await?;
+            for ((key, expiry_key), value) in keys.iter().zip(expiry_keys).zip(current) {
+                let Some(mut lease) = value.as_deref().and_then(|v| parse(key, v)) else {
+                    continue;
+                };
+                if lease.owner != owner {
+                    continue;
                 }
+                lease.owner.clear();
+                lease.epoch = None;
+                lease.expires = 0;
+                tx.put(key.clone().into_bytes(), serde_json::to_vec(&lease)?)
+                    .await?;
+                tx.delete(expiry_key).await?;
             }
             Ok::<_, TitoError>(())
         }
     })
     .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    proptest::proptest! {
+        /// Defect 10: lease decoders never panic on arbitrary bytes.
+        #[test]
+        fn lease_records_decode_or_are_refused(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..64)) {
+            let _ = parse("k", &bytes);
+            let _ = parse_expiry(&bytes);
+        }
+    }
+
+    #[test]
+    fn a_released_lease_keeps_its_generation() {
+        let lease = Lease {
+            owner: String::new(),
+            generation: 7,
+            expires: 0,
+            epoch: None,
+        };
+        assert!(lease.released());
+        let bytes = serde_json::to_vec(&lease).unwrap();
+        assert_eq!(parse("k", &bytes), Some(lease));
+        assert_eq!(parse_expiry(b"123"), 123);
+        assert_eq!(parse_expiry(b"x"), 0);
+    }
 }

@@ -17,6 +17,13 @@
 //!   automatic retry, counter, backoff or dead-letter state.
 //! - **Retention**: completed rows older than `completed_retention` are deleted by the workers'
 //!   maintenance in bounded batches.
+//! - **Idempotent publication**: each queue keeps one key per event id
+//!   (`{queue}:event:{id}`) naming the id's live invocation. Publishing an id that has one
+//!   (pending, or completed within the retention window) writes nothing and answers
+//!   [`Published::duplicate`]; a `Reschedule` replacement takes the id over; retention and
+//!   owner erasure release it. So at most one invocation of an id is live at a time, and a
+//!   second publication is never a second run. Two racing publications of one id both write its
+//!   key, so one of them conflicts, replays and finds the other.
 //!
 //! ```
 //! use std::sync::Arc;
@@ -72,7 +79,7 @@ mod pull;
 mod worker;
 
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -85,7 +92,7 @@ pub use event::{
     QueueOwner, partition_for,
 };
 pub use worker::{
-    Shutdown, WorkerConfig, run_cluster_worker, run_transactional_worker, run_worker,
+    MIN_LEASE, Shutdown, WorkerConfig, run_cluster_worker, run_transactional_worker, run_worker,
 };
 
 use crate::engine::{self, TitoEngine, TitoTransaction};
@@ -140,34 +147,43 @@ pub struct ModelEvent<T> {
     pub row: T,
 }
 
-/// Counters of one queue handle, shared by its publishers and workers.
-#[derive(Debug, Default)]
-pub struct QueueStats {
-    /// Invocations handed to handlers.
-    pub delivered: AtomicU64,
-    /// Invocations acknowledged.
-    pub acknowledged: AtomicU64,
-    /// Invocations completed with a replacement.
-    pub rescheduled: AtomicU64,
-    /// Handler errors, panics and timeouts (the invocation stayed pending).
-    pub failed: AtomicU64,
-    /// Outcome transactions that did not commit (the invocations stayed pending or their
-    /// outcome is unknown).
-    pub outcome_failures: AtomicU64,
-    /// Pending rows that could not be read as invocations of this queue (left in place).
-    pub malformed: AtomicU64,
-    /// Storage scans of pending rows.
-    pub scans: AtomicU64,
-    /// Completed rows deleted by maintenance.
-    pub expired: AtomicU64,
-    /// Partition leases lost to another worker or to expiry.
-    pub leases_lost: AtomicU64,
+crate::counters::counters! {
+    /// The counters of one queue handle and its workers, as plain numbers at one moment
+    /// ([`Queue::stats`]).
+    pub struct QueueStats / QueueCounters {
+        /// Invocations handed to handlers.
+        delivered,
+        /// Invocations acknowledged.
+        acknowledged,
+        /// Invocations completed with a replacement.
+        rescheduled,
+        /// Handler errors, panics and timeouts (the invocation stayed pending).
+        failed,
+        /// Outcome transactions that did not commit (the invocations stayed pending or their
+        /// outcome is unknown).
+        outcome_failures,
+        /// Pending rows that could not be read as invocations of this queue (left in place).
+        malformed,
+        /// Storage scans of pending rows.
+        scans,
+        /// Completed rows deleted by maintenance.
+        expired,
+        /// Partition leases lost to another worker or to expiry.
+        leases_lost,
+        /// Publications of an event id that already had a live invocation (nothing written).
+        duplicates,
+    }
 }
 
-impl QueueStats {
-    fn bump(counter: &AtomicU64, by: u64) {
-        counter.fetch_add(by, Ordering::Relaxed);
-    }
+/// What a publication did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Published {
+    /// The storage key of the event's invocation: the new pending row, or, for a duplicate,
+    /// the live invocation (pending or completed) that already holds the event id.
+    pub key: String,
+    /// Whether the event id already had a live invocation, so nothing was written.
+    pub duplicate: bool,
 }
 
 /// Partitions with fresh publications from this process, for workers to poll at once.
@@ -196,7 +212,7 @@ pub struct Queue<E> {
     db: E,
     config: QueueConfig,
     root: String,
-    stats: Arc<QueueStats>,
+    stats: Arc<QueueCounters>,
     meta_known: AtomicBool,
     pub(crate) wakeups: Arc<Wakeups>,
 }
@@ -243,14 +259,43 @@ async fn check_meta<X: TitoTransaction>(tx: &X, root: &str, partitions: u32) -> 
     }
 }
 
-/// Writes a pending invocation (and its owner key) in `tx`; returns its storage key.
+/// Writes a pending invocation (with its owner key and its event-id key) in `tx`, unless the
+/// event id already has a live invocation in this queue: then nothing is written and the
+/// answer says `duplicate`. Returns the invocation's key and partition.
 pub(crate) async fn write_pending<X: TitoTransaction>(
     tx: &X,
     root: &str,
     partitions: u32,
     stored: &StoredEvent,
-) -> TitoResult<(String, u32)> {
+) -> TitoResult<(Published, u32)> {
     let bytes = stored.to_bytes()?;
+    let partition = partition_for(&stored.key, partitions);
+    let id_key = keys::event_id_key(root, &stored.id);
+    if let Some(live) = tx.get(id_key.as_bytes()).await? {
+        let key = String::from_utf8(live).map_err(|_| {
+            TitoError::Integrity(format!("event id key {id_key:?} does not hold a key"))
+        })?;
+        return Ok((Published { key, duplicate: true }, partition));
+    }
+    let key = insert_pending(tx, root, partitions, stored, bytes).await?;
+    Ok((
+        Published {
+            key,
+            duplicate: false,
+        },
+        partition,
+    ))
+}
+
+/// Writes a pending row, its owner key and its event-id key (pointing at the row), with no
+/// duplicate check: publication checked it, and a replacement takes over its own id.
+pub(crate) async fn insert_pending<X: TitoTransaction>(
+    tx: &X,
+    root: &str,
+    partitions: u32,
+    stored: &StoredEvent,
+    bytes: Vec<u8>,
+) -> TitoResult<String> {
     let partition = partition_for(&stored.key, partitions);
     let key = keys::pending_key(
         root,
@@ -260,11 +305,31 @@ pub(crate) async fn write_pending<X: TitoTransaction>(
         &stored.id,
     );
     tx.put(key.clone().into_bytes(), bytes).await?;
+    tx.put(
+        keys::event_id_key(root, &stored.id).into_bytes(),
+        key.clone().into_bytes(),
+    )
+    .await?;
     if let Some(owner) = &stored.owner {
         let owner_key = keys::owner_key(root, &owner.kind, &owner.id, keys::OWNER_PENDING, &key);
         tx.put(owner_key.into_bytes(), Vec::new()).await?;
     }
-    Ok((key, partition))
+    Ok(key)
+}
+
+/// Deletes the event-id key of `id` when it still points at `storage_key` (a newer invocation
+/// of the id keeps its own).
+pub(crate) async fn forget_event_id<X: TitoTransaction>(
+    tx: &X,
+    root: &str,
+    id: &str,
+    storage_key: &str,
+) -> TitoResult<()> {
+    let id_key = keys::event_id_key(root, id);
+    if tx.get(id_key.as_bytes()).await?.as_deref() == Some(storage_key.as_bytes()) {
+        tx.delete(id_key.into_bytes()).await?;
+    }
+    Ok(())
 }
 
 /// Publishes a model's event to the queue named `topic` in `tx` (the model layer's hook).
@@ -306,8 +371,12 @@ impl<E: TitoEngine> Queue<E> {
         &self.config
     }
 
-    /// The counters of this handle and its workers.
-    pub fn stats(&self) -> &QueueStats {
+    /// The counters of this handle and its workers, as plain numbers now.
+    pub fn stats(&self) -> QueueStats {
+        self.stats.snapshot()
+    }
+
+    pub(crate) fn counters(&self) -> &QueueCounters {
         &self.stats
     }
 
@@ -338,7 +407,11 @@ impl<E: TitoEngine> Queue<E> {
     }
 
     /// Publishes an event in a transaction of its own.
-    pub async fn publish<T: Serialize>(&self, event: QueueEvent<T>) -> TitoResult<()> {
+    ///
+    /// Publication is idempotent per event id ([`QueueEvent::with_id`]): while an invocation of
+    /// the id is pending, or completed and not yet deleted by retention, publishing the id
+    /// again writes nothing and answers [`Published::duplicate`].
+    pub async fn publish<T: Serialize>(&self, event: QueueEvent<T>) -> TitoResult<Published> {
         // Checked before any transaction, so a bad event costs nothing.
         let stored = StoredEvent::from_event(&event)?;
         stored.to_bytes()?;
@@ -348,7 +421,7 @@ impl<E: TitoEngine> Queue<E> {
         let known = self.meta_known.load(Ordering::Relaxed);
         // The closure owns what it uses (no borrow of `self`), so the future stays `Send` for
         // callers with a concrete engine.
-        let (_, partition) = self
+        let (published, partition) = self
             .db
             .transaction(|tx| {
                 let (root, stored) = (root.clone(), stored.clone());
@@ -361,24 +434,32 @@ impl<E: TitoEngine> Queue<E> {
             })
             .await?;
         self.meta_known.store(true, Ordering::Relaxed);
-        self.wakeups.wake(partition);
-        Ok(())
+        if published.duplicate {
+            QueueCounters::bump(&self.stats.duplicates, 1);
+        } else {
+            self.wakeups.wake(partition);
+        }
+        Ok(published)
     }
 
-    /// Publishes an event inside `tx`, atomically with the rest of it. Returns the invocation's
-    /// storage key.
+    /// Publishes an event inside `tx`, atomically with the rest of it; idempotent per event id
+    /// like [`Queue::publish`].
     pub async fn publish_in_tx<T: Serialize>(
         &self,
         event: &QueueEvent<T>,
         tx: &E::Transaction,
-    ) -> TitoResult<String> {
+    ) -> TitoResult<Published> {
         let stored = StoredEvent::from_event(event)?;
         stored.to_bytes()?;
         self.ensure_meta(tx).await?;
-        let (key, partition) =
+        let (published, partition) =
             write_pending(tx, &self.root, self.config.partitions, &stored).await?;
-        self.wakeups.wake(partition);
-        Ok(key)
+        if published.duplicate {
+            QueueCounters::bump(&self.stats.duplicates, 1);
+        } else {
+            self.wakeups.wake(partition);
+        }
+        Ok(published)
     }
 
     /// How many invocations are pending in a partition (counted in bounded scans).
@@ -445,6 +526,7 @@ impl<E: TitoEngine> Queue<E> {
                     continue;
                 };
                 if predicate(&event) {
+                    forget_event_id(tx, &self.root, &stored.id, &target).await?;
                     tx.delete(target.into_bytes()).await?;
                     tx.delete(owner_key.clone()).await?;
                     deleted += 1;
@@ -481,6 +563,12 @@ impl<E: TitoEngine> Queue<E> {
                     let rows = tx.scan(&start, &end, RETENTION_BATCH).await?;
                     for (key, value) in &rows {
                         if let Ok(stored) = serde_json::from_slice::<StoredEvent>(value)
+                            && let Ok(text) = keys::key_str(key)
+                        {
+                            // The id may be published again once its completed row is gone.
+                            forget_event_id(&tx, &root, &stored.id, text).await?;
+                        }
+                        if let Ok(stored) = serde_json::from_slice::<StoredEvent>(value)
                             && let Some(owner) = &stored.owner
                             && let Ok(text) = keys::key_str(key)
                         {
@@ -499,7 +587,7 @@ impl<E: TitoEngine> Queue<E> {
                 }
             })
             .await?;
-        QueueStats::bump(&stats.expired, deleted as u64);
+        QueueCounters::bump(&stats.expired, deleted as u64);
         Ok(deleted)
     }
 }

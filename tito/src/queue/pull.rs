@@ -9,13 +9,13 @@
 //! in place and stepped over. When a scan finds nothing more, the pass is over; the next pull
 //! starts a new pass from the oldest runnable row.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 
 use crate::engine::{self, TitoTransaction};
 use crate::error::TitoResult;
 use crate::keys::{self, PendingKey};
 
-use super::QueueStats;
+use super::QueueCounters;
 use super::event::StoredEvent;
 
 /// At most this many rows per storage scan.
@@ -67,8 +67,8 @@ impl Cursor {
         tx: &X,
         root: &str,
         want: usize,
-        in_flight: &HashSet<String>,
-        stats: &QueueStats,
+        in_flight: &HashMap<String, u32>,
+        stats: &QueueCounters,
     ) -> TitoResult<PullResult> {
         let mut result = PullResult::default();
         let partition_prefix = keys::pending_partition_prefix(root, self.partition);
@@ -80,7 +80,7 @@ impl Cursor {
             });
             let end = keys::pending_bucket_prefix(root, self.partition, pass.boundary + 1);
             let rows = tx.scan(&pass.next, end.as_bytes(), SCAN_ROWS).await?;
-            QueueStats::bump(&stats.scans, 1);
+            QueueCounters::bump(&stats.scans, 1);
             if rows.is_empty() {
                 self.pass = None;
                 result.exhausted = true;
@@ -107,7 +107,7 @@ impl Cursor {
                     pass.next = keys::prefix_end(bucket).into_bytes();
                     break;
                 }
-                if in_flight.contains(text) {
+                if in_flight.contains_key(text) {
                     continue;
                 }
                 let stored = match StoredEvent::parse(&value) {
@@ -131,8 +131,8 @@ impl Cursor {
     }
 }
 
-fn malformed(stats: &QueueStats, key: &[u8], why: &str) {
-    QueueStats::bump(&stats.malformed, 1);
+fn malformed(stats: &QueueCounters, key: &[u8], why: &str) {
+    QueueCounters::bump(&stats.malformed, 1);
     tracing::warn!(key = %keys::display_key(key), why, "malformed pending queue row left in place");
 }
 

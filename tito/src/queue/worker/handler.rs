@@ -1,0 +1,137 @@
+//! Handler supervision: one invocation runs to a report under the timeout, panics caught. Plain
+//! handlers decide an outcome for the worker to apply; transactional handlers run inside the
+//! transaction that applies it.
+
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use super::outcome::{complete, replacement};
+use crate::engine::TitoEngine;
+use crate::error::TitoError;
+use crate::queue::event::{QueueEvent, QueueHandlerOutcome, QueueHandlerResult};
+use crate::queue::lease;
+use crate::queue::pull::Pulled;
+
+/// One invocation being handled.
+pub(super) struct Running {
+    pub pulled: Pulled,
+    /// The generation of the partition lease it was pulled under.
+    pub generation: u64,
+}
+
+/// What a handler task reports.
+pub(super) enum Report<T> {
+    /// The handler decided; the worker applies the outcome.
+    Done(QueueHandlerOutcome<T>),
+    /// A transactional handler's outcome already committed with its work.
+    Applied { rescheduled: bool },
+    /// An error, panic or timeout: the invocation stays pending.
+    Failed(TitoError),
+}
+
+/// Runs one invocation to its report.
+pub(super) type Invoker<T> =
+    Arc<dyn Fn(Running, QueueEvent<T>) -> BoxFuture<'static, (Running, Report<T>)> + Send + Sync>;
+
+/// Runs a handler that decides an outcome for the worker to apply (`run_worker`,
+/// `run_cluster_worker`).
+pub(super) fn plain<T, F, Fut>(handler: F, timeout: Duration) -> Invoker<T>
+where
+    T: Send + 'static,
+    F: Fn(QueueEvent<T>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = QueueHandlerResult<T>> + Send + 'static,
+{
+    let handler = Arc::new(handler);
+    Arc::new(move |running, event| {
+        let handler = handler.clone();
+        Box::pin(async move {
+            let report = match supervise(timeout, handler(event)).await {
+                Ok(outcome) => Report::Done(outcome),
+                Err(err) => Report::Failed(err),
+            };
+            (running, report)
+        })
+    })
+}
+
+/// Runs a handler inside the transaction that applies its outcome (`run_transactional_worker`):
+/// the handler's writes, the lease check and the outcome commit together or not at all.
+pub(super) fn transactional<E, T, F, Fut>(
+    queue: &crate::queue::Queue<E>,
+    owner: String,
+    handler: F,
+    timeout: Duration,
+) -> Invoker<T>
+where
+    E: TitoEngine,
+    T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
+    F: Fn(QueueEvent<T>, E::Transaction) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = QueueHandlerResult<T>> + Send + 'static,
+{
+    let handler = Arc::new(handler);
+    let db = queue.engine().clone();
+    let root = queue.root().to_string();
+    let partitions = queue.config().partitions;
+    Arc::new(move |running: Running, event: QueueEvent<T>| {
+        let (handler, db, root, owner) = (handler.clone(), db.clone(), root.clone(), owner.clone());
+        let (pulled, generation) = (running.pulled.clone(), running.generation);
+        Box::pin(async move {
+            let work = db.transaction(|tx| {
+                let (handler, event, pulled, root, owner) = (
+                    handler.clone(),
+                    event.clone(),
+                    pulled.clone(),
+                    root.clone(),
+                    owner.clone(),
+                );
+                async move {
+                    let outcome = handler(event, tx.clone()).await?;
+                    let next = match outcome {
+                        QueueHandlerOutcome::Acknowledge => None,
+                        QueueHandlerOutcome::Reschedule(next) => Some(
+                            replacement(&pulled.stored, &next)
+                                .map_err(TitoError::InvalidArgument)?,
+                        ),
+                    };
+                    let partition = pulled.parsed.partition;
+                    if !lease::still_held(&tx, &root, partition, &owner, generation).await? {
+                        return Err(TitoError::LeaseLost(format!("partition {partition}")));
+                    }
+                    if !complete(&tx, &root, partitions, &pulled, next.as_ref()).await? {
+                        return Err(TitoError::NotFound(format!(
+                            "invocation {} is no longer pending",
+                            pulled.key
+                        )));
+                    }
+                    Ok::<_, TitoError>(next.is_some())
+                }
+            });
+            let report = match supervise(timeout, work).await {
+                Ok(rescheduled) => Report::Applied { rescheduled },
+                Err(err) => Report::Failed(err),
+            };
+            (running, report)
+        })
+    })
+}
+
+/// Catches a panic and enforces the timeout around one invocation's work.
+async fn supervise<R>(
+    timeout: Duration,
+    work: impl Future<Output = Result<R, TitoError>> + Send,
+) -> Result<R, TitoError> {
+    match tokio::time::timeout(timeout, AssertUnwindSafe(work).catch_unwind()).await {
+        Ok(Ok(result)) => result,
+        Ok(Err(_)) => Err(TitoError::handler("handler panicked")),
+        Err(_) => Err(TitoError::handler(format!(
+            "handler timed out after {timeout:?}"
+        ))),
+    }
+}

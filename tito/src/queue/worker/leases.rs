@@ -1,0 +1,285 @@
+//! The lease lifecycle of one worker, standalone or in a cluster: take, renew, drain, release.
+//! Its one owner, [`LeaseKeeper`], is shared by both kinds of worker.
+//!
+//! # The drain rule
+//!
+//! A partition this worker stops running (assigned away in a cluster, or every partition once
+//! shutdown is signalled) is *draining*: no handler starts on it, but its lease keeps being
+//! renewed (standalone: its expiry key; cluster: the node heartbeat) until no handler of it
+//! runs and no outcome of it waits to commit. Only then is it released. So a slow handler never
+//! sees its partition taken while it runs and its holder is alive, and its outcome is applied
+//! under the lease it was started under.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use crate::engine::TitoEngine;
+use crate::error::TitoError;
+use crate::keys;
+use crate::queue::cluster::Node;
+use crate::queue::lease::{self, Lease};
+use crate::queue::{Queue, QueueCounters};
+
+/// Whether this worker runs retention, and a wake-up for when it starts to.
+#[derive(Default)]
+pub(super) struct Maintenance {
+    on: AtomicBool,
+    started: Notify,
+}
+
+impl Maintenance {
+    pub fn on(&self) -> bool {
+        self.on.load(Ordering::Relaxed)
+    }
+
+    /// Resolves when maintenance is switched on (at once if a switch-on was missed).
+    pub async fn started(&self) {
+        self.started.notified().await;
+    }
+
+    fn set(&self, on: bool) {
+        // Becoming the maintainer (a newly elected coordinator) runs a pass at once.
+        if on && !self.on.swap(true, Ordering::Relaxed) {
+            self.started.notify_one();
+        } else if !on {
+            self.on.store(false, Ordering::Relaxed);
+        }
+    }
+}
+
+enum Mode {
+    Standalone {
+        partitions: Vec<u32>,
+        duration: Duration,
+    },
+    Cluster(Node),
+}
+
+/// The leases one worker holds and their lifecycle.
+pub(super) struct LeaseKeeper<E> {
+    queue: Arc<Queue<E>>,
+    id: String,
+    mode: Mode,
+    held: HashMap<u32, Lease>,
+    /// Held partitions no handler may start on; released once none of theirs runs.
+    draining: HashSet<u32>,
+    next_at: Instant,
+    maintenance: Arc<Maintenance>,
+}
+
+/// How long to wait before the next tick while partitions drain, so handed-off partitions move
+/// quickly.
+const DRAIN_POLL: Duration = Duration::from_millis(50);
+
+impl<E: TitoEngine> LeaseKeeper<E> {
+    /// A standalone worker's leases over `partitions`, each lasting `duration` unrenewed.
+    pub fn standalone(
+        queue: Arc<Queue<E>>,
+        id: String,
+        partitions: Vec<u32>,
+        duration: Duration,
+    ) -> Self {
+        // A standalone worker always maintains; the loop starts with a pass.
+        let maintenance = Arc::new(Maintenance {
+            on: AtomicBool::new(true),
+            started: Notify::new(),
+        });
+        Self::new(
+            queue,
+            id,
+            Mode::Standalone {
+                partitions,
+                duration,
+            },
+            maintenance,
+        )
+    }
+
+    /// A cluster node's leases: the partitions the membership assigns to it.
+    pub fn cluster(queue: Arc<Queue<E>>, node: Node) -> Self {
+        let id = node.id.clone();
+        Self::new(queue, id, Mode::Cluster(node), Arc::default())
+    }
+
+    fn new(queue: Arc<Queue<E>>, id: String, mode: Mode, maintenance: Arc<Maintenance>) -> Self {
+        LeaseKeeper {
+            queue,
+            id,
+            mode,
+            held: HashMap::new(),
+            draining: HashSet::new(),
+            next_at: Instant::now(),
+            maintenance,
+        }
+    }
+
+    /// The worker's identity in leases.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// When the next tick is due.
+    pub fn next_at(&self) -> Instant {
+        self.next_at
+    }
+
+    pub fn maintenance(&self) -> Arc<Maintenance> {
+        self.maintenance.clone()
+    }
+
+    /// The partitions handlers may start on, with their lease generations.
+    pub fn runnable(&self) -> impl Iterator<Item = (u32, u64)> + '_ {
+        self.held
+            .iter()
+            .filter(|(p, _)| !self.draining.contains(p))
+            .map(|(p, lease)| (*p, lease.generation))
+    }
+
+    /// When due: renews what is held and (unless `stopping`) takes what this worker should run;
+    /// then releases draining partitions that no handler of `busy` uses.
+    pub async fn tick(&mut self, busy: &HashSet<u32>, stopping: bool) {
+        if Instant::now() < self.next_at {
+            return;
+        }
+        if stopping {
+            self.draining.extend(self.held.keys().copied());
+        }
+        let interval = match &self.mode {
+            Mode::Standalone { duration, .. } => *duration / 3,
+            Mode::Cluster(node) => node.config.node_ttl / 3,
+        };
+        let next = match self.renew(stopping).await {
+            Ok(()) => interval,
+            Err(err) => {
+                tracing::warn!(error = %err, worker = %self.id, "partition lease renewal failed");
+                interval / 3
+            }
+        };
+        let done: Vec<u32> = self
+            .draining
+            .iter()
+            .copied()
+            .filter(|p| !busy.contains(p))
+            .collect();
+        if !done.is_empty() {
+            match lease::release(self.queue.engine(), self.queue.root(), &done, &self.id).await {
+                Ok(()) => {
+                    for partition in &done {
+                        self.draining.remove(partition);
+                        self.held.remove(partition);
+                    }
+                }
+                Err(err) => tracing::warn!(error = %err, "releasing drained partitions failed"),
+            }
+        }
+        let next = if self.draining.is_empty() {
+            next
+        } else {
+            next.min(DRAIN_POLL)
+        };
+        self.next_at = Instant::now() + next;
+    }
+
+    async fn renew(&mut self, stopping: bool) -> Result<(), TitoError> {
+        let queue = self.queue.clone();
+        if !stopping {
+            let tx = queue.engine().begin().await?;
+            match queue.ensure_meta(&tx).await {
+                Ok(()) => crate::engine::TitoTransaction::commit(&tx).await?,
+                Err(err) => {
+                    let _ = crate::engine::TitoTransaction::rollback(&tx).await;
+                    return Err(err);
+                }
+            }
+        }
+        let (db, root) = (queue.engine(), queue.root());
+        match &self.mode {
+            Mode::Standalone {
+                partitions,
+                duration,
+            } => {
+                let duration_ms = u64::try_from(duration.as_millis()).unwrap_or(u64::MAX);
+                let wanted: Vec<u32> = if stopping {
+                    self.held.keys().copied().collect()
+                } else {
+                    partitions.clone()
+                };
+                let held =
+                    lease::acquire(db, root, &wanted, &self.id, duration_ms, !stopping).await?;
+                self.count_lost(&held, |_| true);
+                self.draining.retain(|p| held.contains_key(p));
+                self.held = held;
+            }
+            Mode::Cluster(node) if stopping => {
+                // Cluster leases live as long as the node record: the heartbeat renews them all.
+                node.heartbeat(db, root).await?;
+            }
+            Mode::Cluster(node) => {
+                let tick = node.tick(db, root, queue.config().partitions).await?;
+                let acquired = node.acquire(db, root, &tick.assigned).await?;
+                self.maintenance.set(tick.coordinator);
+                let assigned: HashSet<u32> = tick.assigned.iter().copied().collect();
+                self.count_lost(&acquired, |p| assigned.contains(p));
+                let mut held = acquired;
+                for (partition, lease) in &self.held {
+                    if !assigned.contains(partition) {
+                        // Assigned away: keep it (the heartbeat renews it) until it drains.
+                        self.draining.insert(*partition);
+                        held.insert(*partition, lease.clone());
+                    }
+                }
+                self.draining.retain(|p| !assigned.contains(p));
+                self.held = held;
+            }
+        }
+        Ok(())
+    }
+
+    /// Counts the leases among `considered` this worker held and no longer holds at the same
+    /// generation.
+    fn count_lost(&self, now: &HashMap<u32, Lease>, considered: impl Fn(&u32) -> bool) {
+        let lost = self
+            .held
+            .iter()
+            .filter(|(p, _)| considered(p))
+            .filter(|(p, lease)| now.get(p).map(|l| l.generation) != Some(lease.generation))
+            .count();
+        if lost > 0 {
+            QueueCounters::bump(&self.queue.counters().leases_lost, lost as u64);
+        }
+    }
+
+    /// Releases every lease (and, in a cluster, the node's membership and coordinator role).
+    pub async fn release_all(&mut self) {
+        let partitions: Vec<u32> = self.held.keys().copied().collect();
+        let (db, root) = (self.queue.engine(), self.queue.root());
+        if !partitions.is_empty()
+            && let Err(err) = lease::release(db, root, &partitions, &self.id).await
+        {
+            tracing::warn!(error = %err, "releasing partition leases failed; they expire on their own");
+        }
+        self.held.clear();
+        self.draining.clear();
+        if let Mode::Cluster(node) = &self.mode {
+            // Leaving: the coordinator drops this node at its next tick.
+            let key = keys::node_key(root, &node.id).into_bytes();
+            let result = db
+                .transaction(|tx| {
+                    let key = key.clone();
+                    async move { crate::engine::TitoTransaction::delete(&tx, key).await }
+                })
+                .await;
+            if let Err(err) = result {
+                tracing::warn!(error = %err, "removing the node record failed; it expires on its own");
+            }
+            if let Err(err) = node.resign(db, root).await {
+                tracing::warn!(error = %err, "resigning as coordinator failed; the role expires on its own");
+            }
+        }
+    }
+}

@@ -1,0 +1,565 @@
+//! Workers: `run_worker`, `run_transactional_worker` and `run_cluster_worker` share one loop,
+//! made of four jobs, each in a file of its own:
+//!
+//! - [`leases`]: the lease lifecycle (take, renew, drain, release) and the drain rule;
+//! - [`pulling`]: per-partition cursors and handler starts;
+//! - [`handler`]: supervision of one invocation (timeout, panics, the transactional variant);
+//! - [`outcome`]: batched, lease-checked outcome commits.
+//!
+//! # Shutdown
+//!
+//! Shutdown is looked at before every lease take, pull and handler start, and it wins every
+//! race with other wake-ups: once it is signalled (even before the worker starts), no new pull
+//! and no new handler starts. The handlers already started finish (bounded by
+//! `handler_timeout`), their outcomes are applied, and meanwhile their partitions' leases (and,
+//! in a cluster, the node's heartbeat) keep being renewed; then the leases are released.
+
+mod handler;
+mod leases;
+mod outcome;
+mod pulling;
+
+use std::collections::{HashMap, HashSet};
+use std::future::Future;
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tokio::task::JoinSet;
+
+use super::cluster::{ClusterConfig, Node};
+use super::event::{QueueEvent, QueueHandlerOutcome, QueueHandlerResult, new_event_id};
+use super::{Queue, QueueCounters};
+use crate::engine::TitoEngine;
+use crate::error::{TitoError, TitoResult};
+use handler::{Invoker, Report, Running};
+use leases::{LeaseKeeper, Maintenance};
+use outcome::Outcome;
+use pulling::Pulling;
+
+/// How a worker runs. Build with [`WorkerConfig::new`] and the setters.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct WorkerConfig {
+    /// The partitions this worker may run (it runs those whose lease it gets).
+    pub partitions: Range<u32>,
+    /// Handlers in flight at once.
+    pub concurrency: usize,
+    /// Invocations pulled from one partition at a time.
+    pub page_size: usize,
+    /// How long a handler may run; past it the invocation stays pending. Also bounds the drain
+    /// at shutdown.
+    pub handler_timeout: Duration,
+    /// How long a partition lease lasts without renewal (renewed every third of it).
+    pub lease_duration: Duration,
+    /// The longest pause between polls of a partition with nothing runnable.
+    pub max_idle_backoff: Duration,
+    /// The pause between maintenance passes once retention has caught up.
+    pub maintenance_interval: Duration,
+    /// Outcomes committed together at most.
+    pub outcome_batch: usize,
+    /// The worker's identity in leases; a fresh one per run by default. A fixed id must be
+    /// unique among running workers: two workers with one id would share its leases.
+    pub worker_id: Option<String>,
+    /// Also prune expired [`crate::kv`] keys during maintenance.
+    pub sweep_kv: bool,
+}
+
+impl WorkerConfig {
+    /// A worker for these partitions, with the defaults: 16 handlers in flight, pages of 16, a
+    /// ten-minute handler timeout, 15-second leases, idle partitions polled at most every 2 s,
+    /// maintenance every 30 s, outcome batches of 64.
+    pub fn new(partitions: Range<u32>) -> Self {
+        WorkerConfig {
+            partitions,
+            concurrency: 16,
+            page_size: 16,
+            handler_timeout: Duration::from_secs(600),
+            lease_duration: Duration::from_secs(15),
+            max_idle_backoff: Duration::from_secs(2),
+            maintenance_interval: Duration::from_secs(30),
+            outcome_batch: 64,
+            worker_id: None,
+            sweep_kv: false,
+        }
+    }
+
+    /// Handlers in flight at once (at least one).
+    pub fn concurrency(mut self, handlers: usize) -> Self {
+        self.concurrency = handlers.max(1);
+        self
+    }
+
+    /// Invocations pulled from one partition at a time (at least one).
+    pub fn page_size(mut self, size: usize) -> Self {
+        self.page_size = size.max(1);
+        self
+    }
+
+    /// The handler timeout.
+    pub fn handler_timeout(mut self, timeout: Duration) -> Self {
+        self.handler_timeout = timeout;
+        self
+    }
+
+    /// The lease duration.
+    pub fn lease_duration(mut self, duration: Duration) -> Self {
+        self.lease_duration = duration;
+        self
+    }
+
+    /// The longest idle pause of a partition.
+    pub fn max_idle_backoff(mut self, backoff: Duration) -> Self {
+        self.max_idle_backoff = backoff;
+        self
+    }
+
+    /// The pause between maintenance passes.
+    pub fn maintenance_interval(mut self, interval: Duration) -> Self {
+        self.maintenance_interval = interval;
+        self
+    }
+
+    /// Outcomes committed together at most (at least one).
+    pub fn outcome_batch(mut self, outcomes: usize) -> Self {
+        self.outcome_batch = outcomes.max(1);
+        self
+    }
+
+    /// The worker's identity in leases.
+    pub fn worker_id(mut self, id: impl Into<String>) -> Self {
+        self.worker_id = Some(id.into());
+        self
+    }
+
+    /// Makes the worker's maintenance also prune expired key/value entries (bounded batches,
+    /// same cadence as completed-row retention).
+    pub fn sweep_kv(mut self, sweep: bool) -> Self {
+        self.sweep_kv = sweep;
+        self
+    }
+
+    /// Checks the settings against each other and against the queue's partition count; the
+    /// `run_*` functions call it before they take a lease or start anything.
+    ///
+    /// Refused, with [`TitoError::InvalidArgument`] naming the setting: an empty partition
+    /// range or one that starts past the queue's partitions; zero `concurrency`, `page_size` or
+    /// `outcome_batch`; a `lease_duration` under [`MIN_LEASE`] (renewals every third of it
+    /// would spin); a zero `handler_timeout`, `maintenance_interval` or `max_idle_backoff`; an
+    /// empty `worker_id`.
+    pub fn check(&self, queue_partitions: u32) -> TitoResult<()> {
+        let bad = |what: String| Err(TitoError::invalid_argument(what));
+        if self.partitions.is_empty() || self.partitions.start >= queue_partitions {
+            return bad(format!(
+                "WorkerConfig::partitions {:?} holds none of the queue's partitions 0..{queue_partitions}",
+                self.partitions
+            ));
+        }
+        for (name, value) in [
+            ("concurrency", self.concurrency),
+            ("page_size", self.page_size),
+            ("outcome_batch", self.outcome_batch),
+        ] {
+            if value == 0 {
+                return bad(format!("WorkerConfig::{name} is zero; it must be at least 1"));
+            }
+        }
+        if self.lease_duration < MIN_LEASE {
+            return bad(format!(
+                "WorkerConfig::lease_duration is {:?}; it must be at least {MIN_LEASE:?}",
+                self.lease_duration
+            ));
+        }
+        for (name, value) in [
+            ("handler_timeout", self.handler_timeout),
+            ("maintenance_interval", self.maintenance_interval),
+            ("max_idle_backoff", self.max_idle_backoff),
+        ] {
+            if value.is_zero() {
+                return bad(format!("WorkerConfig::{name} is zero"));
+            }
+        }
+        if self.worker_id.as_deref() == Some("") {
+            return bad("WorkerConfig::worker_id is empty".into());
+        }
+        Ok(())
+    }
+}
+
+/// The shortest partition lease accepted.
+pub const MIN_LEASE: Duration = Duration::from_millis(30);
+
+/// What stops a worker: once it resolves, `run_worker` starts no new pull or handler, drains the
+/// handlers that started (keeping their leases), applies their outcomes, releases its leases and
+/// returns.
+pub trait Shutdown: Send + 'static {
+    /// Resolves when the worker must stop.
+    fn wait(self) -> BoxFuture<'static, ()>;
+}
+
+impl Shutdown for tokio::sync::watch::Receiver<bool> {
+    /// Stops when the value becomes `true` or the sender is dropped.
+    fn wait(mut self) -> BoxFuture<'static, ()> {
+        Box::pin(async move {
+            let _ = self.wait_for(|stop| *stop).await;
+        })
+    }
+}
+
+impl<T: Send + 'static> Shutdown for tokio::sync::oneshot::Receiver<T> {
+    /// Stops when a value is sent or the sender is dropped.
+    fn wait(self) -> BoxFuture<'static, ()> {
+        Box::pin(async move {
+            let _ = self.await;
+        })
+    }
+}
+
+impl<T: Clone + Send + 'static> Shutdown for tokio::sync::broadcast::Receiver<T> {
+    /// Stops at the first message, or when every sender is dropped.
+    fn wait(mut self) -> BoxFuture<'static, ()> {
+        Box::pin(async move {
+            loop {
+                match self.recv().await {
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
+                    _ => return,
+                }
+            }
+        })
+    }
+}
+
+impl Shutdown for BoxFuture<'static, ()> {
+    fn wait(self) -> BoxFuture<'static, ()> {
+        self
+    }
+}
+
+/// Shutdown as the loop sees it: asked for or not, polled without waiting.
+pub(super) struct Stop {
+    signal: Option<BoxFuture<'static, ()>>,
+}
+
+impl Stop {
+    fn new(shutdown: impl Shutdown) -> Self {
+        Stop {
+            signal: Some(shutdown.wait()),
+        }
+    }
+
+    /// Whether shutdown was asked for (the signal is polled once, never after it resolved).
+    pub fn requested(&mut self) -> bool {
+        match &mut self.signal {
+            None => true,
+            Some(signal) => {
+                if signal.as_mut().now_or_never().is_some() {
+                    self.signal = None;
+                    true
+                } else {
+                    false
+                }
+            }
+        }
+    }
+
+    /// Resolves when shutdown is asked for.
+    async fn wait(&mut self) {
+        if let Some(signal) = &mut self.signal {
+            signal.await;
+            self.signal = None;
+        }
+    }
+}
+
+/// Runs a worker until `shutdown` resolves: leases the configured partitions, hands runnable
+/// invocations of type `T` to `handler` (several at once), applies each outcome in a transaction
+/// that re-checks the partition lease, and deletes expired completed rows. Returns after the
+/// handlers that started have finished (bounded by the handler timeout), their outcomes were
+/// applied and the leases released. A configuration that [`WorkerConfig::check`] refuses is
+/// returned as [`TitoError::InvalidArgument`] before anything is read or written.
+///
+/// The returned future is `Send + 'static`: spawn it, or await it in place.
+pub fn run_worker<E, T, F, Fut, S>(
+    queue: Arc<Queue<E>>,
+    config: WorkerConfig,
+    handler: F,
+    shutdown: S,
+) -> BoxFuture<'static, TitoResult<()>>
+where
+    E: TitoEngine,
+    T: Serialize + DeserializeOwned + Send + 'static,
+    F: Fn(QueueEvent<T>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = QueueHandlerResult<T>> + Send + 'static,
+    S: Shutdown,
+{
+    if let Err(err) = config.check(queue.config().partitions) {
+        return Box::pin(async move { Err(err) });
+    }
+    let invoke = handler::plain(handler, config.handler_timeout);
+    let id = worker_id(&config);
+    let leases = standalone_leases(&queue, &config, id);
+    // Boxed here, where the engine is generic: the compiler proves the loop `Send` once, instead
+    // of at every call site with a concrete engine (where it trips over higher-ranked lifetimes).
+    Box::pin(worker_loop(queue, config, leases, invoke, shutdown))
+}
+
+/// Like [`run_worker`], but each handler runs inside the transaction that applies its outcome:
+/// its writes (an idempotency marker, the effect, model writes with events) and the
+/// acknowledgement or replacement commit together or not at all. The transaction is replayed
+/// after a conflict, so the handler may run more than once per delivery; its storage effects
+/// apply once. An error, panic, timeout or lost lease rolls everything back and leaves the
+/// invocation pending. Lease renewals never conflict with these transactions (see
+/// [`crate::queue`]'s lease notes), so a handler of any length under the timeout commits on
+/// its first attempt when nothing else touched its rows.
+///
+/// The returned future is `Send + 'static`: spawn it, or await it in place.
+pub fn run_transactional_worker<E, T, F, Fut, S>(
+    queue: Arc<Queue<E>>,
+    config: WorkerConfig,
+    handler: F,
+    shutdown: S,
+) -> BoxFuture<'static, TitoResult<()>>
+where
+    E: TitoEngine,
+    T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
+    F: Fn(QueueEvent<T>, E::Transaction) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = QueueHandlerResult<T>> + Send + 'static,
+    S: Shutdown,
+{
+    if let Err(err) = config.check(queue.config().partitions) {
+        return Box::pin(async move { Err(err) });
+    }
+    let id = worker_id(&config);
+    let invoke = handler::transactional(&queue, id.clone(), handler, config.handler_timeout);
+    let leases = standalone_leases(&queue, &config, id);
+    Box::pin(worker_loop(queue, config, leases, invoke, shutdown))
+}
+
+/// [`run_worker`] in cluster mode: the node joins the queue's cluster (see
+/// [`crate::queue::cluster`]) and runs the partitions the membership assigns to it, instead of
+/// a configured range (`config.partitions` is ignored). Completed-row retention runs on the
+/// elected coordinator only, starting the moment it is elected.
+///
+/// The returned future is `Send + 'static`: spawn it, or await it in place.
+pub fn run_cluster_worker<E, T, F, Fut, S>(
+    queue: Arc<Queue<E>>,
+    mut config: WorkerConfig,
+    cluster: ClusterConfig,
+    handler: F,
+    shutdown: S,
+) -> BoxFuture<'static, TitoResult<()>>
+where
+    E: TitoEngine,
+    T: Serialize + DeserializeOwned + Send + 'static,
+    F: Fn(QueueEvent<T>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = QueueHandlerResult<T>> + Send + 'static,
+    S: Shutdown,
+{
+    config.partitions = 0..queue.config().partitions;
+    if let Err(err) = config.check(queue.config().partitions).and(cluster.check()) {
+        return Box::pin(async move { Err(err) });
+    }
+    let node = Node::new(cluster);
+    config.worker_id = Some(node.id.clone());
+    let invoke = handler::plain(handler, config.handler_timeout);
+    let leases = LeaseKeeper::cluster(queue.clone(), node);
+    Box::pin(worker_loop(queue, config, leases, invoke, shutdown))
+}
+
+fn worker_id(config: &WorkerConfig) -> String {
+    config
+        .worker_id
+        .clone()
+        .unwrap_or_else(|| format!("worker-{}", new_event_id()))
+}
+
+fn standalone_leases<E: TitoEngine>(
+    queue: &Arc<Queue<E>>,
+    config: &WorkerConfig,
+    id: String,
+) -> LeaseKeeper<E> {
+    let partitions = config
+        .partitions
+        .clone()
+        .filter(|p| *p < queue.config().partitions)
+        .collect();
+    LeaseKeeper::standalone(queue.clone(), id, partitions, config.lease_duration)
+}
+
+async fn worker_loop<E, T, S>(
+    queue: Arc<Queue<E>>,
+    config: WorkerConfig,
+    mut leases: LeaseKeeper<E>,
+    invoke: Invoker<T>,
+    shutdown: S,
+) -> TitoResult<()>
+where
+    E: TitoEngine,
+    T: Serialize + DeserializeOwned + Send + 'static,
+    S: Shutdown,
+{
+    let mut stop = Stop::new(shutdown);
+    if stop.requested() {
+        // Asked to stop before it started: take nothing, start nothing.
+        return Ok(());
+    }
+    let maintenance = spawn_maintenance(&queue, &config, leases.maintenance());
+    let mut pulling = Pulling::new(
+        config.max_idle_backoff,
+        config.page_size,
+        config.concurrency,
+    );
+    // Invocations handed to handlers and not yet settled (running, or outcome not committed),
+    // with their partitions: the partitions that cannot be released yet.
+    let mut in_flight: HashMap<String, u32> = HashMap::new();
+    let mut handlers: JoinSet<(Running, Report<T>)> = JoinSet::new();
+    let mut ready: Vec<Outcome> = Vec::new();
+    let mut stopping = false;
+
+    loop {
+        stopping = stopping || stop.requested();
+        let busy: HashSet<u32> = in_flight.values().copied().collect();
+        leases.tick(&busy, stopping).await;
+        stopping = stopping || stop.requested();
+        if !stopping {
+            pulling.sync(leases.runnable());
+            pulling
+                .start(&queue, &mut in_flight, &mut handlers, &invoke, &mut stop)
+                .await;
+        }
+        // Collect every finished handler, then commit their outcomes together.
+        while let Some(Some(joined)) = handlers.join_next().now_or_never() {
+            collect(&queue, joined, &mut ready, &mut in_flight);
+        }
+        if !ready.is_empty() {
+            let done = outcome::commit(
+                &queue,
+                leases.id(),
+                config.outcome_batch,
+                std::mem::take(&mut ready),
+            )
+            .await;
+            for key in done {
+                in_flight.remove(&key);
+            }
+            continue;
+        }
+        if stopping && handlers.is_empty() {
+            break;
+        }
+        let mut wake_at = leases.next_at();
+        if !stopping && let Some(poll) = pulling.next_wake(in_flight.len()) {
+            wake_at = wake_at.min(poll);
+        }
+        let wakeups = queue.wakeups.clone();
+        // Biased: a shutdown signal wins over every other wake-up.
+        tokio::select! {
+            biased;
+            _ = stop.wait(), if !stopping => stopping = true,
+            joined = handlers.join_next(), if !handlers.is_empty() => {
+                if let Some(joined) = joined {
+                    collect(&queue, joined, &mut ready, &mut in_flight);
+                }
+            }
+            _ = tokio::time::sleep_until(wake_at) => {}
+            _ = wakeups.notify.notified(), if !stopping => {}
+        }
+    }
+    maintenance.abort();
+    leases.release_all().await;
+    Ok(())
+}
+
+/// Files one finished handler: an outcome to commit, or a failure (the invocation stays
+/// pending and is forgotten here).
+fn collect<E: TitoEngine, T: Serialize>(
+    queue: &Queue<E>,
+    joined: Result<(Running, Report<T>), tokio::task::JoinError>,
+    ready: &mut Vec<Outcome>,
+    in_flight: &mut HashMap<String, u32>,
+) {
+    let counters = queue.counters();
+    let (running, report) = match joined {
+        Ok(done) => done,
+        Err(err) => {
+            // Only an aborted task gets here; panics are caught in the task.
+            tracing::error!(error = %err, "a handler task was lost");
+            return;
+        }
+    };
+    let outcome = match report {
+        Report::Applied { rescheduled } => {
+            let counter = if rescheduled {
+                &counters.rescheduled
+            } else {
+                &counters.acknowledged
+            };
+            QueueCounters::bump(counter, 1);
+            in_flight.remove(&running.pulled.key);
+            return;
+        }
+        Report::Failed(err) => Err(err),
+        Report::Done(QueueHandlerOutcome::Acknowledge) => Ok(None),
+        Report::Done(QueueHandlerOutcome::Reschedule(next)) => {
+            outcome::replacement(&running.pulled.stored, &next)
+                .map(Some)
+                .map_err(TitoError::InvalidArgument)
+        }
+    };
+    match outcome {
+        Ok(replacement) => ready.push(Outcome {
+            running,
+            replacement,
+        }),
+        Err(err) => {
+            QueueCounters::bump(&counters.failed, 1);
+            tracing::warn!(key = %running.pulled.key, error = %err, "handler failed; invocation left pending");
+            in_flight.remove(&running.pulled.key);
+        }
+    }
+}
+
+/// Retention (and optionally the kv sweep) while this worker is the maintainer: at once when it
+/// becomes one, then every `maintenance_interval`, or at once again after a full batch.
+fn spawn_maintenance<E: TitoEngine>(
+    queue: &Arc<Queue<E>>,
+    config: &WorkerConfig,
+    maintenance: Arc<Maintenance>,
+) -> tokio::task::JoinHandle<()> {
+    let queue = queue.clone();
+    let interval = config.maintenance_interval;
+    let sweep_kv = config.sweep_kv;
+    tokio::spawn(async move {
+        loop {
+            if !maintenance.on() {
+                maintenance.started().await;
+                continue;
+            }
+            let mut full = false;
+            match queue.expire_completed().await {
+                // A full batch: more may be waiting; continue at once.
+                Ok(deleted) => full |= deleted == super::RETENTION_BATCH,
+                Err(err) => tracing::warn!(error = %err, "queue maintenance failed"),
+            }
+            if sweep_kv {
+                match crate::kv::sweep_expired(queue.engine(), crate::kv::SWEEP_BATCH).await {
+                    Ok(deleted) => full |= deleted == crate::kv::SWEEP_BATCH,
+                    Err(err) => tracing::warn!(error = %err, "kv sweep failed"),
+                }
+            }
+            if full {
+                tokio::task::yield_now().await;
+            } else {
+                tokio::select! {
+                    _ = tokio::time::sleep(interval) => {}
+                    // Losing and regaining the role within an interval runs a pass at once.
+                    _ = maintenance.started() => {}
+                }
+            }
+        }
+    })
+}

@@ -1,0 +1,209 @@
+//! Applying outcomes: batches of acknowledgements and replacements, each batch one transaction
+//! that re-checks (and locks) the partition leases it applies under.
+
+use std::collections::{HashMap, HashSet};
+
+use serde::Serialize;
+
+use super::handler::Running;
+use crate::engine::{TitoEngine, TitoTransaction};
+use crate::error::{TitoError, TitoResult};
+use crate::keys;
+use crate::queue::event::{QueueEvent, StoredEvent};
+use crate::queue::lease;
+use crate::queue::pull::Pulled;
+use crate::queue::{Queue, QueueCounters, insert_pending};
+
+/// An outcome ready to commit.
+pub(super) struct Outcome {
+    pub running: Running,
+    pub replacement: Option<StoredEvent>,
+}
+
+/// Applies outcomes in batches of at most `batch_size`; whatever does not commit stays pending
+/// (or, on an unknown outcome, is either completed or delivered again). Returns every key it
+/// handled, applied or not, so the caller can forget them.
+pub(super) async fn commit<E: TitoEngine>(
+    queue: &Queue<E>,
+    owner: &str,
+    batch_size: usize,
+    outcomes: Vec<Outcome>,
+) -> Vec<String> {
+    let counters = queue.counters();
+    let mut batches: Vec<Vec<Outcome>> = Vec::new();
+    for outcome in outcomes {
+        // Two invocations of one event never share a batch (their completed keys would).
+        let slot = batches.iter().position(|batch| {
+            batch.len() < batch_size
+                && !batch
+                    .iter()
+                    .any(|o| o.running.pulled.stored.id == outcome.running.pulled.stored.id)
+        });
+        match slot {
+            Some(index) => batches[index].push(outcome),
+            None => batches.push(vec![outcome]),
+        }
+    }
+    let mut done = Vec::new();
+    for batch in batches {
+        match apply(queue, owner, &batch).await {
+            Ok(applied) => {
+                for outcome in &batch {
+                    if !applied.contains(&outcome.running.pulled.key) {
+                        continue;
+                    }
+                    let counter = match outcome.replacement {
+                        Some(_) => &counters.rescheduled,
+                        None => &counters.acknowledged,
+                    };
+                    QueueCounters::bump(counter, 1);
+                }
+                let skipped = batch.len() - applied.len();
+                if skipped > 0 {
+                    QueueCounters::bump(&counters.outcome_failures, skipped as u64);
+                }
+            }
+            Err(err) => {
+                QueueCounters::bump(&counters.outcome_failures, batch.len() as u64);
+                tracing::warn!(error = %err, invocations = batch.len(), "queue outcomes not applied; the invocations stay pending");
+            }
+        }
+        done.extend(batch.into_iter().map(|o| o.running.pulled.key));
+    }
+    done
+}
+
+/// One outcome transaction; returns the keys of the invocations it completed.
+async fn apply<E: TitoEngine>(
+    queue: &Queue<E>,
+    owner: &str,
+    batch: &[Outcome],
+) -> TitoResult<HashSet<String>> {
+    let root = queue.root().to_string();
+    let partitions = queue.config().partitions;
+    let owner = owner.to_string();
+    queue
+        .engine()
+        .transaction(|tx| {
+            let (root, owner) = (root.clone(), owner.clone());
+            async move {
+                let mut held: HashMap<u32, bool> = HashMap::new();
+                let mut applied = HashSet::new();
+                for outcome in batch {
+                    let pulled = &outcome.running.pulled;
+                    let partition = pulled.parsed.partition;
+                    let ok = match held.get(&partition) {
+                        Some(ok) => *ok,
+                        None => {
+                            let ok = lease::still_held(
+                                &tx,
+                                &root,
+                                partition,
+                                &owner,
+                                outcome.running.generation,
+                            )
+                            .await?;
+                            if !ok {
+                                tracing::warn!(
+                                    partition,
+                                    "partition lease lost; outcomes left pending"
+                                );
+                            }
+                            held.insert(partition, ok);
+                            ok
+                        }
+                    };
+                    if !ok {
+                        continue;
+                    }
+                    if complete(&tx, &root, partitions, pulled, outcome.replacement.as_ref())
+                        .await?
+                    {
+                        applied.insert(pulled.key.clone());
+                    }
+                }
+                Ok::<_, TitoError>(applied)
+            }
+        })
+        .await
+}
+
+/// Completes one invocation inside `tx`: deletes the pending row, writes the completed row,
+/// moves the owner key and the event-id key, and inserts the replacement. Returns false
+/// (writing nothing) when the pending row is gone (erased by its owner meanwhile).
+pub(super) async fn complete<X: TitoTransaction>(
+    tx: &X,
+    root: &str,
+    partitions: u32,
+    pulled: &Pulled,
+    replacement: Option<&StoredEvent>,
+) -> TitoResult<bool> {
+    if tx.get(pulled.key.as_bytes()).await?.is_none() {
+        return Ok(false);
+    }
+    tx.delete(pulled.key.clone().into_bytes()).await?;
+    let processed_at = tx.start_version();
+    let mut completed = pulled.stored.clone();
+    completed.processed_at = Some(processed_at);
+    let completed_key =
+        keys::completed_key(root, processed_at, pulled.parsed.timestamp, &completed.id);
+    tx.put(
+        completed_key.clone().into_bytes(),
+        serde_json::to_vec(&completed)?,
+    )
+    .await?;
+    if let Some(owner) = &completed.owner {
+        let pending_owner = keys::owner_key(
+            root,
+            &owner.kind,
+            &owner.id,
+            keys::OWNER_PENDING,
+            &pulled.key,
+        );
+        tx.delete(pending_owner.into_bytes()).await?;
+        let completed_owner = keys::owner_key(
+            root,
+            &owner.kind,
+            &owner.id,
+            keys::OWNER_COMPLETED,
+            &completed_key,
+        );
+        tx.put(completed_owner.into_bytes(), Vec::new()).await?;
+    }
+    match replacement {
+        // The replacement takes the event id over.
+        Some(next) => {
+            insert_pending(tx, root, partitions, next, next.to_bytes()?).await?;
+        }
+        // The completed row keeps the id until retention deletes it.
+        None => {
+            tx.put(
+                keys::event_id_key(root, &completed.id).into_bytes(),
+                completed_key.into_bytes(),
+            )
+            .await?;
+        }
+    }
+    Ok(true)
+}
+
+/// Checks a `Reschedule` replacement against the invocation it replaces: same id, key, owner
+/// and payload; only the timestamp may change.
+pub(super) fn replacement<T: Serialize>(
+    current: &StoredEvent,
+    next: &QueueEvent<T>,
+) -> Result<StoredEvent, String> {
+    let next = StoredEvent::from_event(next).map_err(|err| err.to_string())?;
+    next.to_bytes().map_err(|err| err.to_string())?;
+    if next.id != current.id
+        || next.key != current.key
+        || next.owner != current.owner
+        || next.payload != current.payload
+    {
+        return Err(
+            "a Reschedule replacement must keep the event's id, key, owner and payload (use QueueEvent::rescheduled)"
+                .into(),
+        );
+    }
+    Ok(next)
+}

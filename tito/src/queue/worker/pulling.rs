@@ -1,0 +1,162 @@
+//! Pulling: each runnable partition's fair cursor, its idle backoff, and starting handlers for
+//! what a pull finds, while handler slots are free and shutdown has not been asked for.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use super::Stop;
+use super::handler::{Invoker, Report, Running};
+use crate::engine::{TitoEngine, TitoTransaction};
+use crate::queue::pull::Cursor;
+use crate::queue::{Queue, QueueCounters};
+
+const MIN_IDLE_BACKOFF: Duration = Duration::from_millis(10);
+
+struct PartitionState {
+    cursor: Cursor,
+    generation: u64,
+    next_poll: Instant,
+    backoff: Duration,
+}
+
+/// The partitions a worker pulls from.
+pub(super) struct Pulling {
+    partitions: HashMap<u32, PartitionState>,
+    max_idle_backoff: Duration,
+    page_size: usize,
+    concurrency: usize,
+}
+
+impl Pulling {
+    pub fn new(max_idle_backoff: Duration, page_size: usize, concurrency: usize) -> Self {
+        Pulling {
+            partitions: HashMap::new(),
+            max_idle_backoff,
+            page_size,
+            concurrency,
+        }
+    }
+
+    /// Pulls from exactly these partitions (with their lease generations) from now on.
+    pub fn sync(&mut self, runnable: impl Iterator<Item = (u32, u64)>) {
+        let runnable: HashMap<u32, u64> = runnable.collect();
+        self.partitions
+            .retain(|p, state| runnable.get(p) == Some(&state.generation));
+        for (partition, generation) in runnable {
+            self.partitions
+                .entry(partition)
+                .or_insert_with(|| PartitionState {
+                    cursor: Cursor::new(partition),
+                    generation,
+                    next_poll: Instant::now(),
+                    backoff: MIN_IDLE_BACKOFF,
+                });
+        }
+    }
+
+    /// The earliest poll due, when a handler slot is free.
+    pub fn next_wake(&self, in_flight: usize) -> Option<Instant> {
+        if in_flight >= self.concurrency {
+            return None;
+        }
+        self.partitions.values().map(|s| s.next_poll).min()
+    }
+
+    /// Pulls from every due partition and starts handlers while slots are free. Stops at once
+    /// (starting nothing more) when `stop` is asked for, even between a pull and its starts.
+    pub async fn start<E, T>(
+        &mut self,
+        queue: &Queue<E>,
+        in_flight: &mut HashMap<String, u32>,
+        handlers: &mut JoinSet<(Running, Report<T>)>,
+        invoke: &Invoker<T>,
+        stop: &mut Stop,
+    ) where
+        E: TitoEngine,
+        T: Serialize + DeserializeOwned + Send + 'static,
+    {
+        for partition in queue.wakeups.take() {
+            if let Some(state) = self.partitions.get_mut(&partition) {
+                state.next_poll = Instant::now();
+                state.backoff = MIN_IDLE_BACKOFF;
+            }
+        }
+        let mut due: Vec<u32> = self
+            .partitions
+            .iter()
+            .filter(|(_, s)| s.next_poll <= Instant::now())
+            .map(|(p, _)| *p)
+            .collect();
+        due.sort_unstable();
+        let counters = queue.counters();
+        for partition in due {
+            let free = self.concurrency.saturating_sub(in_flight.len());
+            if free == 0 || stop.requested() {
+                return;
+            }
+            let want = free.min(self.page_size);
+            let state = self.partitions.get_mut(&partition).expect("due partition");
+            let pulled = async {
+                let tx = queue.engine().begin().await?;
+                let result = state
+                    .cursor
+                    .pull(&tx, queue.root(), want, in_flight, counters)
+                    .await;
+                let _ = tx.rollback().await;
+                result
+            }
+            .await;
+            let pulled = match pulled {
+                Ok(pulled) => pulled,
+                Err(err) => {
+                    tracing::warn!(partition, error = %err, "pulling queue rows failed");
+                    state.next_poll = Instant::now() + state.backoff;
+                    state.backoff = (state.backoff * 2).min(self.max_idle_backoff);
+                    continue;
+                }
+            };
+            if pulled.exhausted && pulled.items.is_empty() {
+                state.backoff = (state.backoff * 2).min(self.max_idle_backoff);
+                let mut next = Instant::now() + state.backoff;
+                if let Some(due) = pulled.next_due {
+                    // Wake at the due second exactly (plus a millisecond), not a whole second late.
+                    let now_ms = chrono::Utc::now().timestamp_millis().max(0) as u64;
+                    let until_due =
+                        Duration::from_millis(due.saturating_mul(1000).saturating_sub(now_ms) + 1);
+                    next = next.min(Instant::now() + until_due);
+                }
+                state.next_poll = next;
+            } else {
+                // Work was found: come back at once (no sleep after a full page).
+                state.backoff = MIN_IDLE_BACKOFF;
+                state.next_poll = Instant::now();
+            }
+            // Shutdown asked for during the pull: what it found stays pending, unstarted.
+            if stop.requested() {
+                return;
+            }
+            for item in pulled.items {
+                let event = match item.stored.typed::<T>() {
+                    Ok(event) => event,
+                    Err(err) => {
+                        QueueCounters::bump(&counters.malformed, 1);
+                        tracing::warn!(key = %item.key, error = %err, "queue row does not decode as the handler's event type; left in place");
+                        continue;
+                    }
+                };
+                in_flight.insert(item.key.clone(), partition);
+                QueueCounters::bump(&counters.delivered, 1);
+                let running = Running {
+                    pulled: item,
+                    generation: state.generation,
+                };
+                handlers.spawn(invoke(running, event));
+            }
+        }
+    }
+}
