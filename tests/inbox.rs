@@ -295,10 +295,7 @@ pub async fn attempts_run_out_into_a_dead_letter_group<E: TitoEngine>(ctx: Ctx<E
         3,
         "three claims, then the dead letter"
     );
-    assert_eq!(
-        inbox.stats().dead_lettered,
-        1
-    );
+    assert_eq!(inbox.stats().dead_lettered, 1);
 }
 
 pub async fn dead_letters_can_go_to_another_model<E: TitoEngine>(ctx: Ctx<E>) {
@@ -490,11 +487,7 @@ pub async fn bad_rows_are_set_aside_without_blocking<E: TitoEngine>(ctx: Ctx<E>)
     running.stop().await;
     assert_eq!(log.lock().unwrap()[0].id, "good");
     assert_eq!(inbox.bad_rows().await.unwrap(), ["bad"]);
-    assert_eq!(
-        inbox.stats().bad,
-        1,
-        "reported once, then skipped"
-    );
+    assert_eq!(inbox.stats().bad, 1, "reported once, then skipped");
 }
 
 /// A minimal inbox: only a group and an id. Ack deletes the row (no processed_at); no lease

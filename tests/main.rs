@@ -7,6 +7,7 @@ mod support;
 
 mod cluster;
 mod crash;
+mod defects;
 mod derive;
 mod embedded;
 mod engine_conformance;

@@ -404,10 +404,7 @@ pub async fn reschedule_replaces_the_row_atomically<E: TitoEngine>(ctx: Ctx<E>) 
     let q = queue.clone();
     wait_for("the outcomes", Duration::from_secs(30), move || {
         let q = q.clone();
-        async move {
-            q.stats().rescheduled == 1
-                && q.stats().failed >= 1
-        }
+        async move { q.stats().rescheduled == 1 && q.stats().failed >= 1 }
     })
     .await;
     worker.stop().await;
@@ -739,10 +736,7 @@ pub async fn completed_rows_expire<E: TitoEngine>(ctx: Ctx<E>) {
         Duration::from_secs(30),
         move || {
             let q = q.clone();
-            async move {
-                q.stats().acknowledged == 3
-                    && q.completed_count().await.unwrap() == 0
-            }
+            async move { q.stats().acknowledged == 3 && q.completed_count().await.unwrap() == 0 }
         },
     )
     .await;
@@ -964,10 +958,7 @@ pub async fn malformed_rows_are_counted_and_left_in_place<E: TitoEngine>(ctx: Ct
         Duration::from_secs(30),
         move || {
             let q = q.clone();
-            async move {
-                q.stats().acknowledged == 1
-                    && q.stats().malformed >= 3
-            }
+            async move { q.stats().acknowledged == 1 && q.stats().malformed >= 3 }
         },
     )
     .await;

@@ -1,4 +1,4 @@
-//! The feature suites (models, derive, queue, cluster, kv, inbox) on every backend: one line per
+//! The feature suites (models, derive, queue, cluster, kv, inbox, defects) on every backend: one line per
 //! suite.
 
 mod embedded {
@@ -20,6 +20,9 @@ mod embedded {
     mod inbox {
         crate::inbox_suite!(crate::support::EmbeddedBackend);
     }
+    mod defects {
+        crate::defects_suite!(crate::support::EmbeddedBackend);
+    }
 }
 
 mod tikv {
@@ -40,5 +43,8 @@ mod tikv {
     }
     mod inbox {
         crate::inbox_suite!(crate::support::TikvBackend);
+    }
+    mod defects {
+        crate::defects_suite!(crate::support::TikvBackend);
     }
 }

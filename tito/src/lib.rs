@@ -63,8 +63,8 @@ pub use model::{
     TitoModelTrait, TitoOperation, TitoOptions, TitoPage,
 };
 pub use queue::{
-    Published, Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, QueueHandlerResult,
-    QueueOwner, QueueStats, WorkerConfig,
+    Published, Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, QueueHandlerResult, QueueOwner,
+    QueueStats, WorkerConfig,
 };
 /// Derives [`TitoModelTrait`] and typed index queries from `#[tito(...)]` attributes; see
 /// [`model`].

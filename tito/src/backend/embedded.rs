@@ -40,8 +40,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use surrealkv::{LSMIterator, Mode, Tree, TreeBuilder};
 
 use crate::engine::{
-    self, KvPair, LOGICAL_BITS, RetryPolicy, TitoEngine, TitoTransaction,
-    check_retention, check_scan,
+    self, KvPair, LOGICAL_BITS, RetryPolicy, TitoEngine, TitoTransaction, check_retention,
+    check_scan,
 };
 use crate::error::{TitoError, TitoResult};
 

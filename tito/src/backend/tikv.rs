@@ -29,8 +29,8 @@ use tikv_client::{
 };
 
 use crate::engine::{
-    self, KvPair, LOGICAL_BITS, RetryPolicy, TitoEngine, TitoTransaction,
-    check_retention, check_scan,
+    self, KvPair, LOGICAL_BITS, RetryPolicy, TitoEngine, TitoTransaction, check_retention,
+    check_scan,
 };
 use crate::error::{TitoError, TitoResult};
 

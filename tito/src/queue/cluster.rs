@@ -469,9 +469,13 @@ impl Node {
                 }
                 live.sort();
                 let current = members_in(&tx, &root).await?;
-                let owners = balanced_assignment(&live, partitions, &current.assignment(partitions));
-                let index: HashMap<&String, u32> =
-                    live.iter().enumerate().map(|(i, m)| (m, i as u32)).collect();
+                let owners =
+                    balanced_assignment(&live, partitions, &current.assignment(partitions));
+                let index: HashMap<&String, u32> = live
+                    .iter()
+                    .enumerate()
+                    .map(|(i, m)| (m, i as u32))
+                    .collect();
                 let owners: Vec<u32> = if index.is_empty() {
                     Vec::new()
                 } else {
@@ -521,9 +525,8 @@ impl Node {
                 let mut holders: HashMap<String, Option<NodeRecord>> = HashMap::new();
                 let mut held = HashMap::new();
                 for ((partition, key), value) in wanted.iter().zip(lease_keys).zip(current) {
-                    let lease: Option<Lease> = value.and_then(|v| {
-                        super::lease::parse(&keys::display_key(&key), &v)
-                    });
+                    let lease: Option<Lease> =
+                        value.and_then(|v| super::lease::parse(&keys::display_key(&key), &v));
                     let generation = match &lease {
                         Some(l) if l.owner == id && l.epoch == Some(epoch) => {
                             held.insert(*partition, l.clone());
@@ -742,9 +745,14 @@ mod tests {
                 if n > 1 {
                     // A join moves at most ceil(P/N) partitions, all of them to the joiner.
                     let moved = moves(&owners, &next);
-                    assert!(moved <= (partitions as usize).div_ceil(n), "P={partitions} N={n}: {moved}");
+                    assert!(
+                        moved <= (partitions as usize).div_ceil(n),
+                        "P={partitions} N={n}: {moved}"
+                    );
                     for (before, after) in owners.iter().zip(&next) {
-                        assert!(before == after || after.as_deref() == Some(members[n - 1].as_str()));
+                        assert!(
+                            before == after || after.as_deref() == Some(members[n - 1].as_str())
+                        );
                     }
                 }
                 // Same inputs, same answer; and a stable membership keeps it.
@@ -761,7 +769,8 @@ mod tests {
                 }
                 for count in counts(&next, &members) {
                     assert!(
-                        count == partitions as usize / n || count == (partitions as usize).div_ceil(n)
+                        count == partitions as usize / n
+                            || count == (partitions as usize).div_ceil(n)
                     );
                 }
                 owners = next;

@@ -275,7 +275,13 @@ pub(crate) async fn write_pending<X: TitoTransaction>(
         let key = String::from_utf8(live).map_err(|_| {
             TitoError::Integrity(format!("event id key {id_key:?} does not hold a key"))
         })?;
-        return Ok((Published { key, duplicate: true }, partition));
+        return Ok((
+            Published {
+                key,
+                duplicate: true,
+            },
+            partition,
+        ));
     }
     let key = insert_pending(tx, root, partitions, stored, bytes).await?;
     Ok((

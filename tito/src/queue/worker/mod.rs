@@ -165,7 +165,9 @@ impl WorkerConfig {
             ("outcome_batch", self.outcome_batch),
         ] {
             if value == 0 {
-                return bad(format!("WorkerConfig::{name} is zero; it must be at least 1"));
+                return bad(format!(
+                    "WorkerConfig::{name} is zero; it must be at least 1"
+                ));
             }
         }
         if self.lease_duration < MIN_LEASE {
