@@ -262,8 +262,8 @@ pub async fn outcomes_do_what_they_say<E: TitoEngine>(ctx: Ctx<E>) {
         let tx = ctx.db.begin().await.unwrap();
         let rows = tx
             .scan(
-                b"index:email_job_inbox_claim:",
-                b"index:email_job_inbox_claim;",
+                b"index:email_job:email_job_inbox_claim:",
+                b"index:email_job:email_job_inbox_claim;",
                 100,
             )
             .await

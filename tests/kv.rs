@@ -411,8 +411,9 @@ pub async fn a_redelivered_event_has_no_second_effect<E: TitoEngine>(ctx: Ctx<E>
         },
         chrono::Utc::now().timestamp(),
     );
-    queue.publish(credit.clone()).await.unwrap();
-    queue.publish(credit.clone()).await.unwrap(); // the producer retried: same logical id
+    assert!(!queue.publish(credit.clone()).await.unwrap().duplicate);
+    // The producer retried: same logical id, no second invocation.
+    assert!(queue.publish(credit.clone()).await.unwrap().duplicate);
     queue
         .publish(QueueEvent::new(
             "wallet:w",
@@ -425,8 +426,24 @@ pub async fn a_redelivered_event_has_no_second_effect<E: TitoEngine>(ctx: Ctx<E>
         .await
         .unwrap();
 
+    // A delivery whose effect already committed with its marker (an earlier run whose
+    // acknowledgement was lost): delivered again, it must have no second effect.
+    let replayed = QueueEvent::new(
+        "wallet:w",
+        Credit {
+            wallet: "w".into(),
+            amount: 100,
+        },
+        chrono::Utc::now().timestamp(),
+    );
+    queue.publish(replayed.clone()).await.unwrap();
+
     let kv = Kv::new(ctx.db.clone());
     let markers = ns(&ctx);
+    kv.put_if_absent(&markers, &replayed.id, &true, None)
+        .await
+        .unwrap()
+        .expect("a fresh marker");
     let (stop, rx) = tokio::sync::watch::channel(false);
     let (w, k) = (wallets.clone(), kv.clone());
     let worker = tokio::spawn(run_transactional_worker(

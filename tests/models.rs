@@ -305,7 +305,7 @@ pub async fn insert_update_upsert_delete<E: TitoEngine>(ctx: Ctx<E>) {
         Err(TitoError::NotFound(_))
     ));
     assert!(
-        keys_under(&ctx.db, "index:by_email:email:b@x:")
+        keys_under(&ctx.db, "index:user:by_email:email:b@x:")
             .await
             .is_empty()
     );
@@ -322,7 +322,7 @@ pub async fn insert_update_upsert_delete<E: TitoEngine>(ctx: Ctx<E>) {
         read(&ctx.db, b"reverse-index:table:user:;2")
             .await
             .as_deref(),
-        Some(&br#"["index:by_email:email:d@x:table:user:;2"]"#[..])
+        Some(&br#"["index:user:by_email:email:d@x:table:user:;2"]"#[..])
     );
 }
 
@@ -336,9 +336,14 @@ pub async fn indexes_are_sparse_and_follow_arrays<E: TitoEngine>(ctx: Ctx<E>) {
     items.build(item("s", Some("core"), 3)).await.unwrap();
 
     // Empty and missing team: no entry in either team index.
-    assert_eq!(keys_under(&ctx.db, "index:item_by_team:").await.len(), 1);
     assert_eq!(
-        keys_under(&ctx.db, "index:item_by_team_rank:").await.len(),
+        keys_under(&ctx.db, "index:item:item_by_team:").await.len(),
+        1
+    );
+    assert_eq!(
+        keys_under(&ctx.db, "index:item:item_by_team_rank:")
+            .await
+            .len(),
         1
     );
     // One entry per distinct tag.
@@ -352,7 +357,10 @@ pub async fn indexes_are_sparse_and_follow_arrays<E: TitoEngine>(ctx: Ctx<E>) {
             .items),
         ["t"]
     );
-    assert_eq!(keys_under(&ctx.db, "index:item_by_tag:").await.len(), 2);
+    assert_eq!(
+        keys_under(&ctx.db, "index:item:item_by_tag:").await.len(),
+        2
+    );
     // The condition keeps inactive rows out.
     assert_eq!(
         ids(&items
@@ -558,8 +566,8 @@ pub async fn updates_touch_only_changed_index_keys<E: TitoEngine>(ctx: Ctx<E>) {
     let after = keys_under(&ctx.db, "index:").await;
     let removed: Vec<&String> = before.iter().filter(|k| !after.contains(k)).collect();
     let added: Vec<&String> = after.iter().filter(|k| !before.contains(k)).collect();
-    assert_eq!(removed, ["index:item_by_tag:tags:b:table:item:u"]);
-    assert_eq!(added, ["index:item_by_tag:tags:c:table:item:u"]);
+    assert_eq!(removed, ["index:item:item_by_tag:tags:b:table:item:u"]);
+    assert_eq!(added, ["index:item:item_by_tag:tags:c:table:item:u"]);
     let page = items
         .query_by_index("item_by_tag")
         .value("a")
@@ -621,7 +629,12 @@ pub async fn concurrent_updates_of_one_row_converge<E: TitoEngine>(ctx: Ctx<E>) 
     }
     assert_eq!(counters.find_by_id("c", vec![]).await.unwrap().hits, 20);
     // Exactly one index entry, at the final value.
-    assert_eq!(keys_under(&ctx.db, "index:counter_by_hits:").await.len(), 1);
+    assert_eq!(
+        keys_under(&ctx.db, "index:counter:counter_by_hits:")
+            .await
+            .len(),
+        1
+    );
     assert_eq!(
         counters
             .query_by_index("counter_by_hits")
@@ -720,7 +733,7 @@ pub async fn integrity_errors_change_nothing<E: TitoEngine>(ctx: Ctx<E>) {
     raw_put(
         &ctx.db,
         "reverse-index:table:user:;3",
-        br#"["index:by_email:email:4@x:table:user:;4"]"#,
+        br#"["index:user:by_email:email:4@x:table:user:;4"]"#,
     )
     .await;
     expect_integrity(users.delete_by_id("3").await, "cross-record manifest");
@@ -732,7 +745,7 @@ pub async fn integrity_errors_change_nothing<E: TitoEngine>(ctx: Ctx<E>) {
     );
 
     // A listed key that is gone.
-    raw_delete(&ctx.db, "index:by_email:email:;4@x:table:user:;4").await;
+    raw_delete(&ctx.db, "index:user:by_email:email:;4@x:table:user:;4").await;
     expect_integrity(users.delete_by_id("4").await, "listed key missing");
     assert!(
         read(&ctx.db, b"table:user:;4").await.is_some(),
@@ -759,7 +772,12 @@ pub async fn scans_fail_on_corrupt_rows<E: TitoEngine>(ctx: Ctx<E>) {
     let page = users.find().end("2").execute().await.unwrap();
     assert_eq!(ids(&page.items), ["1"]);
     // A corrupt index entry fails the index query too.
-    raw_put(&ctx.db, "index:by_email:email:a@x:table:user:;1", b"[]").await;
+    raw_put(
+        &ctx.db,
+        "index:user:by_email:email:a@x:table:user:;1",
+        b"[]",
+    )
+    .await;
     assert!(matches!(
         users
             .query_by_index("by_email")

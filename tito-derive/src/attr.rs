@@ -2,7 +2,8 @@
 //!
 //! On the struct: `table = ".."`, `index = "name: field, field"` (optionally with
 //! `condition = "method"` in the same attribute), `unique_index = ".."` (same form), `event =
-//! ".."` (optionally with `at = "field_or_method"`). On a field: `id`.
+//! ".."` (optionally with `at = "field_or_method"`), `inbox`, `manual_timestamps`. On a field:
+//! `id`.
 
 use syn::spanned::Spanned;
 use syn::{Attribute, LitStr};
@@ -17,6 +18,7 @@ const EVENT: &str = "event";
 const AT: &str = "at";
 const ID: &str = "id";
 const INBOX: &str = "inbox";
+const MANUAL_TIMESTAMPS: &str = "manual_timestamps";
 
 /// The field roles of an inbox model.
 pub const ROLES: &[&str] = &[
@@ -51,6 +53,8 @@ pub struct EventSpec {
 pub struct ContainerAttrs {
     /// `#[tito(inbox)]`: the model's rows are an inbox.
     pub inbox: Option<proc_macro2::Span>,
+    /// `#[tito(manual_timestamps)]`: Tito never sets `created_at` / `updated_at`.
+    pub manual_timestamps: Option<proc_macro2::Span>,
     pub table: Option<LitStr>,
     pub indexes: Vec<IndexSpec>,
     pub events: Vec<EventSpec>,
@@ -145,9 +149,13 @@ pub fn container(attrs: &[Attribute], errors: &mut Errors) -> ContainerAttrs {
                     out.inbox = Some(meta.path.span());
                     last = Last::None;
                 }
+                MANUAL_TIMESTAMPS => {
+                    out.manual_timestamps = Some(meta.path.span());
+                    last = Last::None;
+                }
                 _ => {
                     return Err(meta.error(format!(
-                        "unknown tito attribute `{}`; expected `table`, `index`, `unique_index`, `condition`, `event`, `at` or `inbox`",
+                        "unknown tito attribute `{}`; expected `table`, `index`, `unique_index`, `condition`, `event`, `at`, `inbox` or `manual_timestamps`",
                         path_text(&meta.path)
                     )));
                 }

@@ -159,6 +159,15 @@ fn expand(model: &Model, id: usize, errors: &mut Errors) -> TokenStream {
 
     let queries = queries(model);
     let (claim_index, inbox_impl) = inbox(model, &table);
+    let timestamps = if model.attrs.manual_timestamps.is_some() {
+        quote! {
+            fn managed_timestamps(&self) -> bool {
+                false
+            }
+        }
+    } else {
+        TokenStream::new()
+    };
 
     quote! {
         #[automatically_derived]
@@ -185,6 +194,8 @@ fn expand(model: &Model, id: usize, errors: &mut Errors) -> TokenStream {
             fn events(&self) -> ::std::vec::Vec<::tito::model::TitoEventConfig> {
                 ::std::vec![#(#events),*]
             }
+
+            #timestamps
         }
 
         #inbox_impl

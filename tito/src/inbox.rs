@@ -13,18 +13,25 @@
 //! | `retry_after` | `i64`, Unix ms | not claimable before it (a delayed job); 0 means now |
 //! | `attempt` | integer | counts claims; at `max_attempts` the row is dead-lettered |
 //! | `processed_at` | `Option<i64>`, Unix ms | set by `Ack`; a processed row is never claimed |
-//! | `locked_until` | `Option<i64>`, Unix ms | the lease: set by a claim, extended while the handler runs |
+//! | `locked_until` | `Option<i64>`, Unix ms | the lease: set by a claim, extended while the handler runs (without it, the lease lives in a key of its own, `inbox-lease:{table}:{id}`) |
 //! | `partition_key` | `String` | delivered with the row |
 //! | `headers` | string map | delivered as a `BTreeMap<String, String>` |
 //! | `payload` | any | what the handler receives, decoded; without it, the whole row |
 //!
 //! Claims walk the model's claim index (`{table}_inbox_claim` over group, priority and
 //! retry_after, holding only unprocessed rows) in claim order: priority, then retry_after, then
-//! id. A claim, its lease extensions and its outcome are model updates, so a lost lease cannot
-//! apply an outcome and two workers never claim one row. Rows that do not deserialize are
-//! reported and set aside (`{table}:inbox-bad:{id}`), never blocking the rows behind them.
+//! id. A claim, its lease extensions and its outcome are model updates (or, without a
+//! `locked_until` role, writes of the row's lease key), so a lost lease cannot apply an outcome
+//! and two workers never claim one row, whatever roles the model declares. Rows that do not
+//! deserialize are reported and set aside under `inbox-bad:{table}:{id}`, outside every model's
+//! key range, so they never block the rows behind them, claims, or scans of the table.
+//!
+//! A claim reads at most [`CLAIM_SCANS`] scans of [`CLAIM_SCAN_ROWS`] rows. When it reaches
+//! that bound without filling its request (many processed or leased rows ahead), the next claim
+//! continues where it stopped instead of starting over, and wraps to the start at the end: every
+//! ready row is reached, with bounded work per claim.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
 use std::marker::PhantomData;
 use std::sync::atomic::Ordering;
@@ -151,7 +158,8 @@ pub enum InboxOutcome {
     Drop,
     /// Ready again now.
     Retry,
-    /// Ready again after this long.
+    /// Ready again after this long (with a `retry_after` role; a delay beyond what Unix
+    /// milliseconds in an `i64` can hold saturates to "never").
     RetryAfter(Duration),
 }
 
@@ -246,6 +254,30 @@ impl<E: TitoEngine, M> InboxConfig<E, M> {
     pub fn max_idle(mut self, pause: Duration) -> Self {
         self.max_idle = pause;
         self
+    }
+
+    /// Checks the settings: a lease of at least [`MIN_INBOX_LEASE`] (it is extended every third
+    /// of it), at least one handler and one attempt, a nonzero idle pause. `claim`, `extend`
+    /// and `run_inbox` refuse a configuration that fails it with
+    /// [`TitoError::InvalidArgument`] naming the setting, before anything is written.
+    pub fn check(&self) -> TitoResult<()> {
+        let bad = |what: String| Err(TitoError::invalid_argument(what));
+        if self.lease < MIN_INBOX_LEASE {
+            return bad(format!(
+                "InboxConfig::lease is {:?}; it must be at least {MIN_INBOX_LEASE:?}",
+                self.lease
+            ));
+        }
+        if self.concurrency == 0 {
+            return bad("InboxConfig::concurrency is zero".into());
+        }
+        if self.max_attempts == 0 {
+            return bad("InboxConfig::max_attempts is zero".into());
+        }
+        if self.max_idle.is_zero() {
+            return bad("InboxConfig::max_idle is zero".into());
+        }
+        Ok(())
     }
 }
 
@@ -342,7 +374,22 @@ pub struct Inbox<E, M> {
     spec: InboxSpec,
     table: String,
     stats: Arc<InboxCounters>,
+    /// Per group: where the next claim continues after one that stopped at its scan bound.
+    resume: Mutex<HashMap<String, Vec<u8>>>,
     _model: PhantomData<fn() -> M>,
+}
+
+/// The scans one claim reads at most.
+pub const CLAIM_SCANS: usize = 16;
+
+/// The rows one claim scan reads.
+pub const CLAIM_SCAN_ROWS: usize = 64;
+
+/// The shortest inbox lease accepted.
+pub const MIN_INBOX_LEASE: Duration = Duration::from_millis(30);
+
+fn ms(duration: Duration) -> i64 {
+    i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
 }
 
 impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
@@ -369,6 +416,7 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
             spec,
             table,
             stats: Arc::default(),
+            resume: Mutex::default(),
             _model: PhantomData,
         })
     }
@@ -386,17 +434,54 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
     }
 
     fn bad_key(&self, id: &str) -> String {
-        let mut key = format!(
-            "{}:inbox-bad:",
-            keys::table_prefix(&self.table).trim_end_matches(':')
-        );
-        keys::encode_str(id, &mut key);
-        key
+        keys::inbox_bad_key(&self.table, id)
+    }
+
+    /// The lease a row is under (its end, Unix ms): the `locked_until` field, or without that
+    /// role the row's lease key.
+    async fn lease_of(
+        &self,
+        tx: &E::Transaction,
+        id: &str,
+        row: &Value,
+    ) -> TitoResult<Option<i64>> {
+        if self.spec.locked_until.is_some() {
+            return Ok(field_i64(row, &self.spec.locked_until));
+        }
+        let key = keys::inbox_lease_key(&self.table, id);
+        Ok(tx
+            .get(key.as_bytes())
+            .await?
+            .and_then(|bytes| std::str::from_utf8(&bytes).ok()?.parse().ok()))
+    }
+
+    /// Sets (or, with `None`, clears) a row's lease: in the row (written by the caller's model
+    /// update) or in its lease key.
+    async fn set_lease(
+        &self,
+        tx: &E::Transaction,
+        id: &str,
+        row: &mut Value,
+        until: Option<i64>,
+    ) -> TitoResult<()> {
+        if self.spec.locked_until.is_some() {
+            set(
+                row,
+                &self.spec.locked_until,
+                until.map_or(Value::Null, Value::from),
+            );
+            return Ok(());
+        }
+        let key = keys::inbox_lease_key(&self.table, id).into_bytes();
+        match until {
+            Some(until) => tx.put(key, until.to_string().into_bytes()).await,
+            None => tx.delete(key).await,
+        }
     }
 
     /// The ids of rows set aside because they do not deserialize.
     pub async fn bad_rows(&self) -> TitoResult<Vec<String>> {
-        let prefix = self.bad_key("");
+        let prefix = keys::inbox_bad_prefix(&self.table);
         let end = keys::prefix_end(prefix.clone());
         crate::model::read_only(&self.db, async |tx| {
             let rows = tx
@@ -437,7 +522,7 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
         if let (Some(field), Some(value)) = (&self.spec.priority, &priority_value) {
             bound.push((field.as_str(), value));
         }
-        keys::index_prefix(&index.name, &bound).map(Some)
+        keys::index_prefix(&self.table, &index.name, &bound).map(Some)
     }
 
     async fn claim_tx<P: DeserializeOwned + Send>(
@@ -446,21 +531,32 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
         n: usize,
         tx: &E::Transaction,
     ) -> TitoResult<Vec<(InboxClaim, InboxDelivery<P>)>> {
+        config.check()?;
         let now = self.now_ms(tx, config.clock).await;
         let spec = &self.spec;
         let prefix = self
             .claim_prefix(&config.group, None)?
             .unwrap_or_else(|| keys::table_prefix(&self.table));
         let end = keys::prefix_end(prefix.clone()).into_bytes();
-        let mut start = prefix.into_bytes();
+        let first = prefix.into_bytes();
+        let resumed = self
+            .resume
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&config.group)
+            .filter(|at| *at >= first && *at < end);
+        let mut start = resumed.clone().unwrap_or_else(|| first.clone());
+        let mut wrapped = resumed.is_none();
         let mut claimed = Vec::new();
-        // Bounded: at most 16 scans of 64 rows per claim.
-        for _ in 0..16 {
+        let mut bounded = true;
+        // Bounded: at most CLAIM_SCANS scans of CLAIM_SCAN_ROWS rows per claim.
+        for _ in 0..CLAIM_SCANS {
             if claimed.len() >= n {
+                bounded = false;
                 break;
             }
-            let rows = tx.scan(&start, &end, 64).await?;
-            let exhausted = rows.len() < 64;
+            let rows = tx.scan(&start, &end, CLAIM_SCAN_ROWS).await?;
+            let exhausted = rows.len() < CLAIM_SCAN_ROWS;
             let mut jump: Option<Vec<u8>> = None;
             for (key, value) in rows {
                 if claimed.len() >= n {
@@ -495,7 +591,7 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
                     }
                     continue;
                 }
-                if let Some(until) = field_i64(&row, &spec.locked_until)
+                if let Some(until) = self.lease_of(tx, &id, &row).await?
                     && until > now
                 {
                     continue;
@@ -512,15 +608,12 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
                     self.dead_letter(tx, config, row, &id).await?;
                     continue;
                 }
-                // The claim: lease and attempt counter, written as a model update.
-                let locked_until = spec
-                    .locked_until
-                    .as_ref()
-                    .map(|_| now + config.lease.as_millis() as i64);
+                // The claim: lease and attempt counter, written as a model update (and, without a
+                // `locked_until` role, the lease key).
+                let until = now.saturating_add(ms(config.lease));
+                let locked_until = Some(until);
                 let next_attempt = attempt.map(|a| a + 1);
-                if let Some(until) = locked_until {
-                    set(&mut row, &spec.locked_until, Value::from(until));
-                }
+                self.set_lease(tx, &id, &mut row, locked_until).await?;
                 if let Some(a) = next_attempt {
                     set(&mut row, &spec.attempt, Value::from(a));
                 }
@@ -579,11 +672,30 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
             }
             if let Some(next) = jump {
                 start = next;
+                if start >= end {
+                    if wrapped {
+                        bounded = false;
+                        break;
+                    }
+                    (start, wrapped) = (first.clone(), true);
+                }
                 continue;
             }
             if exhausted {
-                break;
+                // The end: a claim that began mid-way wraps once to the start.
+                if wrapped {
+                    bounded = false;
+                    break;
+                }
+                (start, wrapped) = (first.clone(), true);
             }
+        }
+        if bounded && claimed.len() < n {
+            // Stopped by the scan bound: the next claim continues here.
+            self.resume
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(config.group.clone(), start);
         }
         Ok(claimed)
     }
@@ -609,9 +721,7 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
             }
             Some(DeadLetter::Group(group)) => {
                 set(&mut row, &self.spec.group, Value::from(group.clone()));
-                if self.spec.locked_until.is_some() {
-                    set(&mut row, &self.spec.locked_until, Value::Null);
-                }
+                self.set_lease(tx, id, &mut row, None).await?;
                 let model: M = serde_json::from_value(row)?;
                 self.models
                     .update_with_options(model, TitoOptions::default(), tx)
@@ -620,6 +730,7 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
             Some(DeadLetter::Model(write)) => {
                 let model: M = serde_json::from_value(row)?;
                 write(model, tx.clone()).await?;
+                self.set_lease(tx, id, &mut Value::Null, None).await?;
                 self.models
                     .delete_by_id_with_options(id, TitoOptions::default(), tx)
                     .await?;
@@ -635,8 +746,7 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
             return Ok(None);
         };
         let row = serde_json::to_value(&model)?;
-        let same_lease = claim.locked_until.is_none()
-            || field_i64(&row, &self.spec.locked_until) == claim.locked_until;
+        let same_lease = self.lease_of(tx, &claim.id, &row).await? == claim.locked_until;
         let same_attempt =
             claim.attempt.is_none() || field_i64(&row, &self.spec.attempt) == claim.attempt;
         Ok((same_lease && same_attempt).then_some(row))
@@ -648,20 +758,24 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
         config: &InboxConfig<E, M>,
         claim: &InboxClaim,
     ) -> TitoResult<Option<InboxClaim>> {
-        if self.spec.locked_until.is_none() {
-            return Ok(Some(claim.clone()));
-        }
+        config.check()?;
         self.db
             .transaction(|tx| async move {
                 let Some(mut row) = self.held(&tx, claim).await? else {
                     return Ok(None);
                 };
-                let until = self.now_ms(&tx, config.clock).await + config.lease.as_millis() as i64;
-                set(&mut row, &self.spec.locked_until, Value::from(until));
-                let model: M = serde_json::from_value(row)?;
-                self.models
-                    .update_with_options(model, TitoOptions::default(), &tx)
+                let until = self
+                    .now_ms(&tx, config.clock)
+                    .await
+                    .saturating_add(ms(config.lease));
+                self.set_lease(&tx, &claim.id, &mut row, Some(until))
                     .await?;
+                if self.spec.locked_until.is_some() {
+                    let model: M = serde_json::from_value(row)?;
+                    self.models
+                        .update_with_options(model, TitoOptions::default(), &tx)
+                        .await?;
+                }
                 Ok(Some(InboxClaim {
                     locked_until: Some(until),
                     ..claim.clone()
@@ -684,17 +798,13 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
                 };
                 let now = self.now_ms(&tx, config.clock).await;
                 let spec = &self.spec;
-                let unlock = |row: &mut Value| {
-                    if spec.locked_until.is_some() {
-                        set(row, &spec.locked_until, Value::Null);
-                    }
-                };
                 match outcome {
                     InboxOutcome::Ack if spec.processed_at.is_some() => {
                         set(&mut row, &spec.processed_at, Value::from(now));
-                        unlock(&mut row);
+                        self.set_lease(&tx, &claim.id, &mut row, None).await?;
                     }
                     InboxOutcome::Ack | InboxOutcome::Drop => {
+                        self.set_lease(&tx, &claim.id, &mut row, None).await?;
                         self.models
                             .delete_by_id_with_options(&claim.id, TitoOptions::default(), &tx)
                             .await?;
@@ -709,12 +819,17 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
                             self.dead_letter(&tx, config, row, &claim.id).await?;
                             return Ok(true);
                         }
+                        // A delay past the end of i64 milliseconds saturates: "never again".
                         let delay = match outcome {
-                            InboxOutcome::RetryAfter(d) => d.as_millis() as i64,
+                            InboxOutcome::RetryAfter(d) => ms(d),
                             _ => 0,
                         };
-                        set(&mut row, &spec.retry_after, Value::from(now + delay));
-                        unlock(&mut row);
+                        set(
+                            &mut row,
+                            &spec.retry_after,
+                            Value::from(now.saturating_add(delay)),
+                        );
+                        self.set_lease(&tx, &claim.id, &mut row, None).await?;
                     }
                 }
                 let model: M = serde_json::from_value(row)?;
@@ -749,6 +864,9 @@ where
     Fut: Future<Output = TitoResult<InboxOutcome>> + Send + 'static,
     S: Shutdown,
 {
+    if let Err(err) = config.check() {
+        return Box::pin(async move { Err(err) });
+    }
     Box::pin(inbox_loop(inbox, config, handler, shutdown))
 }
 
@@ -781,6 +899,10 @@ where
     let mut stopping = false;
     loop {
         while running.try_join_next().is_some() {}
+        // Shutdown is looked at before every claim (and wins the select below).
+        if !stopping && shutdown.as_mut().now_or_never().is_some() {
+            stopping = true;
+        }
         if stopping {
             if running.is_empty() {
                 return Ok(());
@@ -820,6 +942,7 @@ where
             idle
         };
         tokio::select! {
+            biased;
             _ = &mut shutdown => stopping = true,
             _ = running.join_next(), if full => {}
             _ = tokio::time::sleep(pause) => {}

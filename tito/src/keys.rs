@@ -392,9 +392,13 @@ pub fn key_str(key: &[u8]) -> TitoResult<&str> {
 // Model keys
 //
 // table:{table}:{id}                                        the row (JSON)
-// index:{index}:{field}:{value}[:{field}:{value}..]:table:{table}:{id}   a secondary index entry
-// unique:{index}:{field}:{value}[:{field}:{value}..]        a unique index's claim (value: the id)
-// reverse-index:table:{table}:{id}                          the row's manifest of index keys
+// index:{table}:{index}:{field}:{value}[:{field}:{value}..]:table:{table}:{id}   an index entry
+// unique:{table}:{index}:{field}:{value}[:{field}:{value}..]  a unique index's claim (value: the id)
+// reverse-index:table:{table}:{id}                            the row's manifest: its index keys
+//                                                             and claims
+//
+// Index names belong to their table: the table leads every index and claim key, so two tables
+// that both declare `by_email` never see (or release) each other's entries and claims.
 // ---------------------------------------------------------------------------------------------
 
 /// The key of a model row: `table:{table}:{id}`.
@@ -417,9 +421,9 @@ pub fn manifest_key(table: &str, id: &str) -> String {
 }
 
 /// The prefix of an index's entries with the given leading fields bound:
-/// `index:{index}:{field}:{value}:...:`.
-pub fn index_prefix(index: &str, bound: &[(&str, &KeyValue)]) -> TitoResult<String> {
-    let mut builder = KeyBuilder::new().raw("index").string(index);
+/// `index:{table}:{index}:{field}:{value}:...:`.
+pub fn index_prefix(table: &str, index: &str, bound: &[(&str, &KeyValue)]) -> TitoResult<String> {
+    let mut builder = KeyBuilder::new().raw("index").string(table).string(index);
     for (field, value) in bound {
         builder = builder.string(field).value(value)?;
     }
@@ -435,28 +439,41 @@ pub fn index_key(
 ) -> TitoResult<String> {
     Ok(format!(
         "{}{}",
-        index_prefix(index, fields)?,
+        index_prefix(table, index, fields)?,
         row_key(table, id)
     ))
 }
 
-/// The key a unique index claims for one combination of values; its value is the owning id.
-pub fn unique_claim_key(index: &str, fields: &[(&str, &KeyValue)]) -> TitoResult<String> {
-    let mut builder = KeyBuilder::new().raw("unique").string(index);
+/// The key a unique index of `table` claims for one combination of values; its value is the
+/// owning id: `unique:{table}:{index}:{field}:{value}..`.
+pub fn unique_claim_key(
+    table: &str,
+    index: &str,
+    fields: &[(&str, &KeyValue)],
+) -> TitoResult<String> {
+    let mut builder = KeyBuilder::new().raw("unique").string(table).string(index);
     for (field, value) in fields {
         builder = builder.string(field).value(value)?;
     }
     Ok(builder.finish())
 }
 
-/// Whether `key` is an index entry of the row `table:{table}:{id}`: it starts with `index:` and
-/// ends with `:` and that exact row key (the only keys a manifest may name).
+/// Whether `key` is an index entry of the row `table:{table}:{id}`: it starts with
+/// `index:{table}:` and ends with `:` and that exact row key.
 pub fn is_index_key_of(key: &str, table: &str, id: &str) -> bool {
     let row = row_key(table, id);
-    key.starts_with("index:")
-        && key.len() > row.len()
+    let head = KeyBuilder::new().raw("index").string(table).prefix();
+    key.starts_with(&head)
+        && key.len() > row.len() + head.len()
         && key.ends_with(&row)
         && key.as_bytes()[key.len() - row.len() - 1] == SEPARATOR as u8
+}
+
+/// Whether `key` is a unique claim of one of `table`'s indexes (`unique:{table}:...`), the
+/// other kind of key a manifest may name.
+pub fn is_claim_key_of(key: &str, table: &str) -> bool {
+    let head = KeyBuilder::new().raw("unique").string(table).prefix();
+    key.len() > head.len() && key.starts_with(&head)
 }
 
 /// The `(table, id)` of the row an index entry points at, decoded from its last segments.
@@ -709,6 +726,37 @@ pub fn base64url_decode(text: &str) -> Option<Vec<u8>> {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Inbox keys: outside every model's key range (never under `table:`, `index:` or `unique:`).
+//
+// inbox-bad:{table}:{id}       a row set aside because it does not decode (value: why)
+// inbox-lease:{table}:{id}     a claim's lease, for models without a `locked_until` role
+//                              (value: the lease's end, Unix ms, as decimal text)
+// ---------------------------------------------------------------------------------------------
+
+/// `inbox-bad:{table}:`, the set-aside markers of one inbox.
+pub fn inbox_bad_prefix(table: &str) -> String {
+    KeyBuilder::new().raw("inbox-bad").string(table).prefix()
+}
+
+/// `inbox-bad:{table}:{id}`.
+pub fn inbox_bad_key(table: &str, id: &str) -> String {
+    KeyBuilder::new()
+        .raw("inbox-bad")
+        .string(table)
+        .string(id)
+        .finish()
+}
+
+/// `inbox-lease:{table}:{id}`.
+pub fn inbox_lease_key(table: &str, id: &str) -> String {
+    KeyBuilder::new()
+        .raw("inbox-lease")
+        .string(table)
+        .string(id)
+        .finish()
+}
+
+// ---------------------------------------------------------------------------------------------
 // Key/value store keys
 //
 // kv:{namespace}:{key}                          a value (JSON with its version and expiry)
@@ -913,16 +961,23 @@ mod tests {
         assert_eq!(manifest_key("user", "7"), "reverse-index:table:user:;7");
         let email = KeyValue::String("x@y".into());
         let key = index_key("by_email", &[("email", &email)], "user", "7").unwrap();
-        assert_eq!(key, "index:by_email:email:x@y:table:user:;7");
-        assert!(key.starts_with(&index_prefix("by_email", &[("email", &email)]).unwrap()));
+        assert_eq!(key, "index:user:by_email:email:x@y:table:user:;7");
+        assert!(key.starts_with(&index_prefix("user", "by_email", &[("email", &email)]).unwrap()));
         assert!(is_index_key_of(&key, "user", "7"));
         assert!(!is_index_key_of(&key, "user", "17"));
+        // Defect 8: another table's index of the same name is not this row's.
+        let other = index_key("by_email", &[("email", &email)], "admin", "7").unwrap();
+        assert!(!other.starts_with(&index_prefix("user", "by_email", &[]).unwrap()));
+        assert!(!is_index_key_of(&other, "user", "7"));
+        assert!(is_claim_key_of("unique:user:by_email:email:x@y", "user"));
+        assert!(!is_claim_key_of("unique:user:by_email:email:x@y", "admin"));
+        assert!(!is_claim_key_of("unique:user:", "user"));
         assert!(!is_index_key_of(&row_key("user", "7"), "user", "7"));
         assert_eq!(index_key_row(&key).unwrap(), ("user".into(), "7".into()));
         assert!(index_key_row("index:x").is_err());
         assert_eq!(
-            unique_claim_key("by_email", &[("email", &email)]).unwrap(),
-            "unique:by_email:email:x@y"
+            unique_claim_key("user", "by_email", &[("email", &email)]).unwrap(),
+            "unique:user:by_email:email:x@y"
         );
     }
 

@@ -128,9 +128,11 @@ fn encode_value<V: Serialize + ?Sized>(value: &V) -> TitoResult<Value> {
 fn ttl_ms(ttl: Option<Duration>) -> TitoResult<Option<u64>> {
     match ttl {
         None => Ok(None),
-        Some(ttl) if ttl.is_zero() => Err(TitoError::invalid_argument(
-            "a kv expiry must be in the future",
-        )),
+        // Expiry has millisecond resolution: a TTL under one millisecond would store a value
+        // that is already dead and still return a version for it.
+        Some(ttl) if ttl < Duration::from_millis(1) => Err(TitoError::invalid_argument(format!(
+            "a kv ttl must be at least one millisecond, not {ttl:?}"
+        ))),
         Some(ttl) => Ok(Some(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX))),
     }
 }
@@ -582,6 +584,8 @@ impl<E: TitoEngine> Kv<E> {
         let now = now_ms(tx);
         let mut entries = Vec::with_capacity(limit);
         let mut next = start.into_bytes();
+        // The last key scanned, live or not: where a page that stops early continues.
+        let mut scanned: Option<String> = None;
         // Expired rows are skipped; at most eight scans per page, then a cursor to continue.
         for _ in 0..8 {
             let rows = tx.scan(&next, end.as_bytes(), limit + 1).await?;
@@ -589,15 +593,17 @@ impl<E: TitoEngine> Kv<E> {
             for (storage_key, bytes) in rows {
                 next = keys::key_after_bytes(&storage_key);
                 let stored = parse(&storage_key, &bytes)?;
-                if !is_live(stored.exp, now) {
-                    continue;
-                }
                 let text = keys::key_str(&storage_key)?;
                 let key = keys::kv_key_name(namespace, text)?;
+                if !is_live(stored.exp, now) {
+                    scanned = Some(key);
+                    continue;
+                }
                 if entries.len() == limit {
                     let cursor = entries.last().map(|e: &KvEntry| e.key.clone());
                     return Ok(KvPage { entries, cursor });
                 }
+                scanned = Some(key.clone());
                 entries.push(KvEntry {
                     key,
                     value: stored.v,
@@ -612,8 +618,12 @@ impl<E: TitoEngine> Kv<E> {
                 });
             }
         }
-        let cursor = entries.last().map(|e| e.key.clone());
-        Ok(KvPage { entries, cursor })
+        // Stopped early (many expired rows in a row): continue after the last key scanned, even
+        // when this page holds no entry at all.
+        Ok(KvPage {
+            entries,
+            cursor: scanned,
+        })
     }
 
     /// Deletes up to `batch` expired keys (a disk-space job: expired keys are already

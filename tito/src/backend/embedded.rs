@@ -638,6 +638,7 @@ impl TitoTransaction for EmbeddedTransaction {
     }
 
     async fn put(&self, key: Vec<u8>, value: Vec<u8>) -> TitoResult<()> {
+        crate::engine::check_write(&key, &value)?;
         let key = data_key(&key);
         let mut state = self.lock();
         match &mut *state {

@@ -298,6 +298,7 @@ impl TitoTransaction for TiKVTransaction {
     }
 
     async fn put(&self, key: Vec<u8>, value: Vec<u8>) -> TitoResult<()> {
+        crate::engine::check_write(&key, &value)?;
         active!(self, tx);
         tx.put(key, value)
             .await

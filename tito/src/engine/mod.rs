@@ -49,6 +49,12 @@
 //! - **Safe cancellation.** Dropping a transaction handle (or a future using it) without
 //!   committing rolls it back, and never panics.
 //! - **Bounded reads.** Scans take a limit between 1 and [`MAX_SCAN_LIMIT`].
+//! - **Bounded writes, the same everywhere.** A key is 1 to [`MAX_KEY_BYTES`] bytes and a value
+//!   at most [`MAX_VALUE_BYTES`]; `put` refuses anything else with
+//!   [`TitoError::InvalidArgument`] naming the key, before it is buffered. TiKV refuses large
+//!   keys and single writes near its `raft-entry-max-size` (8 MiB by default) only at commit, and
+//!   the embedded store would take anything: with one limit checked at `put` on every engine, a
+//!   program that works on one engine does not fail on the other.
 //!
 //! The conformance suite in the repository's `tests/engine_conformance.rs` checks these
 //! properties; run it against a new backend before trusting it.
@@ -69,6 +75,13 @@ pub type KvPair = (Vec<u8>, Vec<u8>);
 
 /// How many low bits of a version hold the logical counter; the bits above hold milliseconds.
 pub const LOGICAL_BITS: u32 = 18;
+
+/// The longest key a transaction may write (4 KiB, within TiKV's key limits).
+pub const MAX_KEY_BYTES: usize = 4 * 1024;
+
+/// The largest value a transaction may write in one key (6 MiB: TiDB's default entry limit,
+/// leaving a key and its value well under TiKV's default 8 MiB Raft entry).
+pub const MAX_VALUE_BYTES: usize = 6 * 1024 * 1024;
 
 /// The largest `limit` a single scan accepts. Larger reads are made of several scans.
 pub const MAX_SCAN_LIMIT: usize = 10_000;
@@ -282,6 +295,37 @@ pub(crate) fn check_range(start: &[u8], end: &[u8]) -> TitoResult<()> {
             "range start must sort before its end (start {}, end {})",
             crate::keys::display_key(start),
             crate::keys::display_key(end)
+        )));
+    }
+    Ok(())
+}
+
+/// Checks one write against [`MAX_KEY_BYTES`] and [`MAX_VALUE_BYTES`].
+pub(crate) fn check_write(key: &[u8], value: &[u8]) -> TitoResult<()> {
+    let shown = || {
+        let text = crate::keys::display_key(&key[..key.len().min(96)]);
+        if key.len() > 96 {
+            format!("{text}…")
+        } else {
+            text
+        }
+    };
+    if key.is_empty() {
+        return Err(TitoError::invalid_argument("a key is empty"));
+    }
+    if key.len() > MAX_KEY_BYTES {
+        return Err(TitoError::invalid_argument(format!(
+            "key {} is {} bytes, over MAX_KEY_BYTES ({MAX_KEY_BYTES}): shorten the id or the \
+             indexed value it holds",
+            shown(),
+            key.len()
+        )));
+    }
+    if value.len() > MAX_VALUE_BYTES {
+        return Err(TitoError::invalid_argument(format!(
+            "the value of key {} is {} bytes, over MAX_VALUE_BYTES ({MAX_VALUE_BYTES})",
+            shown(),
+            value.len()
         )));
     }
     Ok(())

@@ -73,6 +73,14 @@ pub trait TitoModelTrait:
     fn events(&self) -> Vec<TitoEventConfig> {
         Vec::new()
     }
+
+    /// Whether Tito sets the row's `created_at` (on insert) and `updated_at` (on every write)
+    /// from the transaction's time, where the model serializes them. `false` (the derive's
+    /// `#[tito(manual_timestamps)]`) stores the values the model holds, always. One write can
+    /// also keep them with [`TitoOptions::keeping_timestamps`] (for imports and migrations).
+    fn managed_timestamps(&self) -> bool {
+        true
+    }
 }
 
 /// One secondary index.
@@ -80,7 +88,7 @@ pub trait TitoModelTrait:
 pub struct TitoIndexConfig {
     /// Whether this row belongs in the index at all (a model-specific inclusion rule).
     pub condition: bool,
-    /// The index's name, unique in the key space (index keys do not carry the table).
+    /// The index's name, unique within its table (index and claim keys carry the table).
     pub name: String,
     /// The indexed fields, in key order. A query binds a prefix of them.
     pub fields: Vec<TitoIndexField>,
@@ -145,6 +153,9 @@ pub enum TitoOperation {
 pub struct TitoOptions {
     /// Publish the model's events for this operation in the same transaction.
     pub events: Option<TitoOperation>,
+    /// Store `created_at` / `updated_at` as the model holds them, instead of the transaction's
+    /// time (importing or migrating rows with their original times).
+    pub keep_timestamps: bool,
 }
 
 impl TitoOptions {
@@ -152,7 +163,14 @@ impl TitoOptions {
     pub fn with_events(operation: TitoOperation) -> Self {
         TitoOptions {
             events: Some(operation),
+            keep_timestamps: false,
         }
+    }
+
+    /// The same options, storing `created_at` / `updated_at` as given for this write.
+    pub fn keeping_timestamps(mut self) -> Self {
+        self.keep_timestamps = true;
+        self
     }
 
     /// No events.

@@ -18,9 +18,21 @@ pub(crate) struct Entry {
     pub claim: Option<String>,
 }
 
-/// The value at a dotted path.
-fn lookup<'a>(row: &'a Value, path: &str) -> Option<&'a Value> {
-    path.split('.').try_fold(row, |value, part| value.get(part))
+/// The values at a dotted path. An array met on the way is walked element by element, so
+/// `comments.author_id` over `comments: [{author_id: 1}, {author_id: 2}]` yields 1 and 2.
+fn lookup<'a>(row: &'a Value, path: &str) -> Vec<&'a Value> {
+    let mut current = vec![row];
+    for part in path.split('.') {
+        let mut next = Vec::new();
+        for value in current {
+            match value {
+                Value::Array(items) => next.extend(items.iter().filter_map(|item| item.get(part))),
+                other => next.extend(other.get(part)),
+            }
+        }
+        current = next;
+    }
+    current
 }
 
 /// A JSON value as a key value of the type, or `None` when it holds no value of that type
@@ -42,13 +54,22 @@ pub(crate) fn coerce(value: &Value, kind: TitoIndexBlockType) -> Option<KeyValue
     }
 }
 
-/// The values a field contributes: one, one per array element of the type, or none.
+/// The distinct values a field contributes: one per value of the type found at its path
+/// (arrays, at the end of the path or on the way, contribute each element), or none.
 fn field_values(row: &Value, name: &str, kind: TitoIndexBlockType) -> Vec<KeyValue> {
-    match lookup(row, name) {
-        None => Vec::new(),
-        Some(Value::Array(items)) => items.iter().filter_map(|item| coerce(item, kind)).collect(),
-        Some(value) => coerce(value, kind).into_iter().collect(),
+    let mut out: Vec<KeyValue> = Vec::new();
+    for value in lookup(row, name) {
+        let found: Vec<KeyValue> = match value {
+            Value::Array(items) => items.iter().filter_map(|item| coerce(item, kind)).collect(),
+            value => coerce(value, kind).into_iter().collect(),
+        };
+        for value in found {
+            if !out.contains(&value) {
+                out.push(value);
+            }
+        }
     }
+    out
 }
 
 /// The entries of one index for a row (none when the row is not in the index).
@@ -96,7 +117,7 @@ pub(crate) fn entries(
             .collect();
         let key = keys::index_key(&config.name, &fields, table, id)?;
         let claim = if unique {
-            Some(keys::unique_claim_key(&config.name, &fields)?)
+            Some(keys::unique_claim_key(table, &config.name, &fields)?)
         } else {
             None
         };
@@ -192,6 +213,26 @@ mod tests {
             )
             .unwrap()
             .is_empty()
+        );
+    }
+
+    /// Defect 9: a dotted path through an array of objects indexes every element's value.
+    #[test]
+    fn defect_9_paths_through_arrays_of_objects() {
+        let ix = index(&[("comments.author_id", TitoIndexBlockType::Integer)]);
+        let row = json!({"comments": [
+            {"author_id": 1}, {"author_id": 2}, {"author_id": 1}, {"text": "no author"},
+            {"author_id": [3, 4]}, "not an object"
+        ]});
+        let got = entries(&ix, false, &row, "post", "9").unwrap();
+        assert_eq!(got.len(), 4, "{got:?}");
+        let deep = index(&[("a.b.c", TitoIndexBlockType::String)]);
+        let row = json!({"a": [{"b": [{"c": "x"}, {"c": "y"}]}, {"b": {"c": "z"}}]});
+        assert_eq!(entries(&deep, false, &row, "t", "1").unwrap().len(), 3);
+        assert!(
+            entries(&ix, false, &json!({"comments": []}), "post", "9")
+                .unwrap()
+                .is_empty()
         );
     }
 

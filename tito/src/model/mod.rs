@@ -5,15 +5,22 @@
 //!
 //! ```text
 //! table:{table}:{id}                          the row, as JSON
-//! index:{index}:{field}:{value}..:table:{table}:{id}   an index entry, a clone of the row JSON
-//! unique:{index}:{field}:{value}..            a unique index's claim, holding the owner's id
-//! reverse-index:table:{table}:{id}            the manifest: a JSON array of the row's index keys
+//! index:{table}:{index}:{field}:{value}..:table:{table}:{id}   an index entry, a clone of the row
+//! unique:{table}:{index}:{field}:{value}..    a unique index's claim, holding the owner's id
+//! reverse-index:table:{table}:{id}            the manifest: the row's index keys and claims
 //! ```
 //!
+//! Index names belong to their table (the table leads every index and claim key), so two models
+//! may both declare `by_email` without sharing entries or claims.
+//!
 //! Every write validates what it is about to change first: the row and its manifest exist
-//! together, the manifest is a JSON array naming only `index:` keys that end in this exact row
-//! key, and every key it names exists. Anything else is [`TitoError::Integrity`] naming the key,
-//! and nothing is written.
+//! together, the manifest is a JSON array naming only this row's `index:` keys (ending in this
+//! exact row key) and claims of this table that this row holds, and every key it names exists.
+//! Anything else is [`TitoError::Integrity`] naming the key, and nothing is written.
+//!
+//! The manifest is the one record of what a row holds: an update removes exactly the entries
+//! and claims it lists that the new row no longer implies, and a delete removes exactly what it
+//! lists. A condition that depends on the row is evaluated once, on the row being written.
 //!
 //! ```
 //! use serde::{Deserialize, Serialize};
@@ -70,6 +77,7 @@
 //! | `#[tito(event = "name")]` | an event runnable at the time of the write |
 //! | `#[tito(event = "name", at = "x")]` | runnable at field `x` (`i64` seconds, `DateTime<Utc>`, `Option` of those) or method `fn x(&self) -> i64` |
 //! | `#[tito(id)]` on a field | the id (`String` or an integer); default: the field named `id` |
+//! | `#[tito(manual_timestamps)]` | Tito never sets `created_at` / `updated_at` (see [`TitoModelTrait::managed_timestamps`]) |
 //!
 //! Index field types come from the Rust types: `String`, integers, floats, `bool`,
 //! `chrono::DateTime<Utc>`, and `Option<T>` (sparse) or `Vec<T>` (one entry per element) of
@@ -216,6 +224,31 @@ fn row_entries(
     Ok(out)
 }
 
+/// Checks the event configs a write with `options` would publish, before anything is written:
+/// a queue name that no `Queue` can open, or a negative time, is refused.
+fn check_events<T: TitoModelTrait>(model: &T, options: &TitoOptions) -> TitoResult<()> {
+    if options.events.is_none() {
+        return Ok(());
+    }
+    for config in model.events() {
+        if config.name.is_empty() {
+            return Err(TitoError::invalid_argument(format!(
+                "an event config of table {:?} has an empty queue name",
+                model.table()
+            )));
+        }
+        if config.timestamp < 0 {
+            return Err(TitoError::invalid_argument(format!(
+                "event {:?} of table {:?} has a negative timestamp {}",
+                config.name,
+                model.table(),
+                config.timestamp
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Runs `read` in a transaction of its own, then rolls that transaction back.
 pub(crate) async fn read_only<E: TitoEngine, R>(
     db: &E,
@@ -274,19 +307,30 @@ async fn load<X: TitoTransaction>(tx: &X, table: &str, id: &str) -> TitoResult<O
     })?;
     if let Some(bad) = manifest
         .iter()
-        .find(|key| !keys::is_index_key_of(key, table, id))
+        .find(|key| !keys::is_index_key_of(key, table, id) && !keys::is_claim_key_of(key, table))
     {
         return Err(integrity(format!(
-            "manifest {manifest_key:?} names {bad:?}, which is not an index key of {row_key:?}"
+            "manifest {manifest_key:?} names {bad:?}, which is neither an index key of \
+             {row_key:?} nor a unique claim of table {table:?}"
         )));
     }
     if !manifest.is_empty() {
         let listed: Vec<Vec<u8>> = manifest.iter().map(|k| k.clone().into_bytes()).collect();
         let present = tx.batch_get(&listed).await?;
-        if let Some((key, _)) = manifest.iter().zip(&present).find(|(_, v)| v.is_none()) {
-            return Err(integrity(format!(
-                "manifest {manifest_key:?} names {key:?}, which does not exist"
-            )));
+        for (key, value) in manifest.iter().zip(&present) {
+            match value {
+                None => {
+                    return Err(integrity(format!(
+                        "manifest {manifest_key:?} names {key:?}, which does not exist"
+                    )));
+                }
+                Some(owner) if keys::is_claim_key_of(key, table) && owner != id.as_bytes() => {
+                    return Err(integrity(format!(
+                        "manifest {manifest_key:?} names claim {key:?}, which another row holds"
+                    )));
+                }
+                Some(_) => {}
+            }
         }
     }
     Ok(Some(Stored { row, manifest }))
@@ -413,25 +457,32 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         let stored = load(tx, &table, id).await?.ok_or_else(|| {
             TitoError::NotFound(format!("no row {:?}", keys::row_key(&table, id)))
         })?;
-        let configs = index_configs(&T::default())?;
-        for entry in row_entries(&configs, &stored.row, &table, id)? {
-            if let Some(claim) = entry.claim {
-                self.release_claim(tx, &claim, id).await?;
+        let deleted: Option<T> = match options.events {
+            Some(_) => {
+                let model: T = serde_json::from_value(stored.row.clone()).map_err(|err| {
+                    integrity(format!(
+                        "row {:?} does not deserialize: {err}",
+                        keys::row_key(&table, id)
+                    ))
+                })?;
+                check_events(&model, &options)?;
+                Some(model)
             }
-        }
+            None => None,
+        };
+        // Exactly what the manifest lists: entries and claims (a condition that depends on the
+        // row is never evaluated again, least of all on a default row).
         for key in stored.manifest {
-            tx.delete(key.into_bytes()).await?;
+            if keys::is_claim_key_of(&key, &table) {
+                self.release_claim(tx, &key, id).await?;
+            } else {
+                tx.delete(key.into_bytes()).await?;
+            }
         }
         tx.delete(keys::manifest_key(&table, id).into_bytes())
             .await?;
         tx.delete(keys::row_key(&table, id).into_bytes()).await?;
-        if let Some(operation) = options.events {
-            let model: T = serde_json::from_value(stored.row.clone()).map_err(|err| {
-                integrity(format!(
-                    "row {:?} does not deserialize: {err}",
-                    keys::row_key(&table, id)
-                ))
-            })?;
+        if let (Some(operation), Some(model)) = (options.events, deleted) {
             self.publish_events(tx, operation, &model, &stored.row)
                 .await?;
         }
@@ -499,6 +550,7 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
                 "a row of table {table:?} has an empty id"
             )));
         }
+        check_events(&model, options)?;
         let row_key = keys::row_key(&table, &id);
         let stored = load(tx, &table, &id).await?;
         match (mode, &stored) {
@@ -512,11 +564,13 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         }
 
         let mut row = serde_json::to_value(&model)?;
-        let stamped = stamp(
-            &mut row,
-            stored.as_ref().map(|s| &s.row),
-            engine::version_millis(tx.start_version()),
-        );
+        let stamped = model.managed_timestamps()
+            && !options.keep_timestamps
+            && stamp(
+                &mut row,
+                stored.as_ref().map(|s| &s.row),
+                engine::version_millis(tx.start_version()),
+            );
         // What was stored, as the model: re-read only when timestamps changed it.
         let stored_model: T = if stamped {
             serde_json::from_value(row.clone())?
@@ -527,15 +581,25 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
 
         let configs = index_configs(&stored_model)?;
         let new_entries = row_entries(&configs, &row, &table, &id)?;
-        let old_entries = match &stored {
-            Some(stored) => row_entries(&configs, &stored.row, &table, &id)?,
-            None => Vec::new(),
-        };
+        // What the row held before comes from its manifest, never from evaluating the indexes
+        // (and their row-dependent conditions) on the old row again.
+        let old_listed: HashSet<String> = stored
+            .as_ref()
+            .map(|s| s.manifest.iter().cloned().collect())
+            .unwrap_or_default();
 
-        // Unique claims: taken ones are checked and (re)written so racing writers conflict;
-        // claims the row no longer holds are released.
+        // Unique claims: new ones are checked and written so racing writers conflict; claims
+        // the row no longer holds are released.
+        let mut new_claims: Vec<String> = Vec::new();
         for entry in &new_entries {
             let Some(claim) = &entry.claim else { continue };
+            if new_claims.contains(claim) {
+                continue;
+            }
+            new_claims.push(claim.clone());
+            if old_listed.contains(claim) {
+                continue;
+            }
             match tx.get(claim.as_bytes()).await? {
                 Some(owner) if owner != id.as_bytes() => {
                     return Err(TitoError::UniqueViolation {
@@ -543,48 +607,42 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
                         owner: String::from_utf8_lossy(&owner).into_owned(),
                     });
                 }
-                Some(_) => {}
-                None => {
+                _ => {
                     tx.put(claim.clone().into_bytes(), id.clone().into_bytes())
                         .await?
                 }
             }
         }
-        let new_claims: HashSet<&String> = new_entries
+        for claim in old_listed
             .iter()
-            .filter_map(|e| e.claim.as_ref())
-            .collect();
-        for entry in &old_entries {
-            if let Some(claim) = &entry.claim
-                && !new_claims.contains(claim)
-            {
-                self.release_claim(tx, claim, &id).await?;
-            }
+            .filter(|k| keys::is_claim_key_of(k, &table) && !new_claims.contains(k))
+        {
+            self.release_claim(tx, claim, &id).await?;
         }
 
         let new_keys: Vec<String> = new_entries.into_iter().map(|e| e.key).collect();
-        let old_keys: HashSet<String> = stored
-            .as_ref()
-            .map(|s| s.manifest.iter().cloned().collect())
-            .unwrap_or_default();
         let row_changed = stored.as_ref().is_none_or(|s| s.row != row);
-        let keys_changed = stored.as_ref().is_none_or(|s| {
-            s.manifest.len() != new_keys.len() || new_keys.iter().any(|k| !old_keys.contains(k))
-        });
-        let new_set: HashSet<&String> = new_keys.iter().collect();
-        for key in old_keys.iter().filter(|k| !new_set.contains(k)) {
+        let new_set: HashSet<&String> = new_keys.iter().chain(&new_claims).collect();
+        for key in old_listed
+            .iter()
+            .filter(|k| !keys::is_claim_key_of(k, &table) && !new_set.contains(k))
+        {
             tx.delete(key.clone().into_bytes()).await?;
         }
         for key in &new_keys {
             // Entries are clones of the row: kept entries change only when the row does.
-            if row_changed || !old_keys.contains(key) {
+            if row_changed || !old_listed.contains(key) {
                 tx.put(key.clone().into_bytes(), bytes.clone()).await?;
             }
         }
+        let manifest: Vec<String> = new_keys.into_iter().chain(new_claims).collect();
+        let keys_changed = stored.as_ref().is_none_or(|s| s.manifest != manifest);
         if keys_changed {
-            let manifest = serde_json::to_vec(&new_keys)?;
-            tx.put(keys::manifest_key(&table, &id).into_bytes(), manifest)
-                .await?;
+            tx.put(
+                keys::manifest_key(&table, &id).into_bytes(),
+                serde_json::to_vec(&manifest)?,
+            )
+            .await?;
         }
         if row_changed {
             tx.put(row_key.into_bytes(), bytes).await?;

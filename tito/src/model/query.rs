@@ -251,7 +251,7 @@ impl<E: TitoEngine, T: TitoModelTrait> IndexQuery<E, T> {
             .map(|f| f.name.as_str())
             .zip(bound.iter())
             .collect();
-        let prefix = keys::index_prefix(&config.name, &pairs)?;
+        let prefix = keys::index_prefix(&table, &config.name, &pairs)?;
         let (start, end) = match &self.range {
             None => (prefix.clone(), keys::prefix_end(prefix.clone())),
             Some((lower, upper)) => {
