@@ -6,12 +6,18 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+use tito::inbox::{Inbox, InboxConfig, InboxModel, InboxOutcome};
+use tito::kv::Kv;
+use tito::model::{
+    TitoEventConfig, TitoIndexBlockType, TitoIndexConfig, TitoIndexField, TitoModelTrait,
+    TitoOperation, TitoOptions,
+};
 use tito::queue::{
     ClusterConfig, cluster_state, run_cluster_worker, run_transactional_worker, run_worker,
 };
 use tito::{
-    Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, TitoEngine, TitoError, TitoTransaction,
-    WorkerConfig,
+    Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, TitoEngine, TitoError, TitoModel,
+    TitoTransaction, WorkerConfig,
 };
 use tokio::sync::watch;
 
@@ -33,6 +39,18 @@ macro_rules! defects_suite {
                 defect_4_a_new_coordinator_runs_retention_at_once,
                 defect_6_an_event_id_is_published_once,
                 defect_17_bad_worker_settings_are_refused,
+                defect_7_a_row_dependent_unique_condition_releases_its_claim,
+                defect_8_tables_sharing_an_index_name_never_collide,
+                defect_9_an_index_through_an_array_of_objects_finds_rows,
+                defect_11_a_table_scan_with_reversed_bounds_is_refused,
+                defect_12_a_set_aside_row_blocks_neither_claims_nor_scans,
+                defect_13_without_locked_until_a_row_is_handed_out_once,
+                defect_14_claims_reach_rows_behind_many_processed_rows,
+                defect_15_timestamps_can_be_kept,
+                defect_16_a_listing_that_stops_early_returns_a_cursor,
+                defect_17_bad_inbox_kv_and_event_settings_are_refused,
+                defect_18_oversized_keys_and_values_are_refused,
+                defect_19_handler_errors_carry_their_source,
             ]
         );
     };
@@ -546,4 +564,731 @@ pub async fn defect_17_bad_worker_settings_are_refused<E: TitoEngine>(ctx: Ctx<E
         "nothing written"
     );
     tx.rollback().await.unwrap();
+}
+
+fn field(name: &str, kind: TitoIndexBlockType) -> TitoIndexField {
+    TitoIndexField {
+        name: name.into(),
+        r#type: kind,
+    }
+}
+
+/// A handle whose uniqueness only binds active accounts: the condition depends on the row.
+#[derive(Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct Account {
+    id: String,
+    handle: String,
+    active: bool,
+}
+
+impl TitoModelTrait for Account {
+    fn id(&self) -> String {
+        self.id.clone()
+    }
+    fn table(&self) -> String {
+        "account".into()
+    }
+    fn unique_indexes(&self) -> Vec<TitoIndexConfig> {
+        vec![TitoIndexConfig {
+            condition: self.active,
+            name: "by_handle".into(),
+            fields: vec![field("handle", TitoIndexBlockType::String)],
+        }]
+    }
+}
+
+fn account(id: &str, handle: &str, active: bool) -> Account {
+    Account {
+        id: id.into(),
+        handle: handle.into(),
+        active,
+    }
+}
+
+pub async fn defect_7_a_row_dependent_unique_condition_releases_its_claim<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    let accounts = ctx.db.clone().model::<Account>();
+    accounts.build(account("a", "ada", true)).await.unwrap();
+    assert!(matches!(
+        accounts.build(account("b", "ada", true)).await,
+        Err(TitoError::UniqueViolation { .. })
+    ));
+    // Deleting the holder releases the claim (the condition is not evaluated on a default row).
+    accounts.delete_by_id("a").await.unwrap();
+    accounts.build(account("b", "ada", true)).await.unwrap();
+    // Updating the holder so the condition turns false releases it too.
+    accounts.update(account("b", "ada", false)).await.unwrap();
+    accounts.build(account("c", "ada", true)).await.unwrap();
+    // And back: b now collides with c, the holder.
+    assert!(matches!(
+        accounts.update(account("b", "ada", true)).await,
+        Err(TitoError::UniqueViolation { owner, .. }) if owner == "c"
+    ));
+    let page = accounts
+        .query_by_index("by_handle")
+        .value("ada")
+        .execute()
+        .await
+        .unwrap();
+    assert_eq!(page.items, vec![account("c", "ada", true)]);
+    // Nothing is left behind once every row is gone.
+    accounts.delete_by_id("b").await.unwrap();
+    accounts.delete_by_id("c").await.unwrap();
+    let tx = ctx.db.begin().await.unwrap();
+    assert!(
+        tx.scan(b"unique:", b"unique;", 10)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert!(tx.scan(b"index:", b"index;", 10).await.unwrap().is_empty());
+    tx.rollback().await.unwrap();
+}
+
+/// Two tables that both declare `by_email` (unique) and `by_team`.
+#[derive(Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct Member {
+    id: String,
+    email: String,
+    team: String,
+}
+
+#[derive(Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct Guest {
+    id: String,
+    email: String,
+    team: String,
+}
+
+macro_rules! shared_names {
+    ($model:ty, $table:literal) => {
+        impl TitoModelTrait for $model {
+            fn id(&self) -> String {
+                self.id.clone()
+            }
+            fn table(&self) -> String {
+                $table.into()
+            }
+            fn indexes(&self) -> Vec<TitoIndexConfig> {
+                vec![TitoIndexConfig {
+                    condition: true,
+                    name: "by_team".into(),
+                    fields: vec![field("team", TitoIndexBlockType::String)],
+                }]
+            }
+            fn unique_indexes(&self) -> Vec<TitoIndexConfig> {
+                vec![TitoIndexConfig {
+                    condition: true,
+                    name: "by_email".into(),
+                    fields: vec![field("email", TitoIndexBlockType::String)],
+                }]
+            }
+        }
+    };
+}
+shared_names!(Member, "member");
+shared_names!(Guest, "guest");
+
+pub async fn defect_8_tables_sharing_an_index_name_never_collide<E: TitoEngine>(ctx: Ctx<E>) {
+    let members: TitoModel<E, Member> = ctx.db.clone().model();
+    let guests: TitoModel<E, Guest> = ctx.db.clone().model();
+    let member = |id: &str| Member {
+        id: id.into(),
+        email: "e@x".into(),
+        team: "core".into(),
+    };
+    let guest = |id: &str| Guest {
+        id: id.into(),
+        email: "e@x".into(),
+        team: "core".into(),
+    };
+    members.build(member("m1")).await.unwrap();
+    // The same email in another table is another claim.
+    guests.build(guest("g1")).await.unwrap();
+    // Releasing the member's claim never frees the guest's, nor lets a guest take it twice.
+    members.delete_by_id("m1").await.unwrap();
+    assert!(matches!(
+        guests.build(guest("g2")).await,
+        Err(TitoError::UniqueViolation { owner, .. }) if owner == "g1"
+    ));
+    members.build(member("m2")).await.unwrap();
+    // Each table's index holds its own rows only.
+    let page = members
+        .query_by_index("by_team")
+        .value("core")
+        .execute()
+        .await
+        .unwrap();
+    assert_eq!(page.items, vec![member("m2")]);
+    let page = guests
+        .query_by_index("by_email")
+        .value("e@x")
+        .execute()
+        .await
+        .unwrap();
+    assert_eq!(page.items, vec![guest("g1")]);
+}
+
+#[derive(Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct Comment {
+    author_id: i64,
+    text: String,
+}
+
+#[derive(Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct Post {
+    id: String,
+    comments: Vec<Comment>,
+}
+
+impl TitoModelTrait for Post {
+    fn id(&self) -> String {
+        self.id.clone()
+    }
+    fn table(&self) -> String {
+        "post".into()
+    }
+    fn indexes(&self) -> Vec<TitoIndexConfig> {
+        vec![TitoIndexConfig {
+            condition: true,
+            name: "by_commenter".into(),
+            fields: vec![field("comments.author_id", TitoIndexBlockType::Integer)],
+        }]
+    }
+}
+
+pub async fn defect_9_an_index_through_an_array_of_objects_finds_rows<E: TitoEngine>(ctx: Ctx<E>) {
+    let posts = ctx.db.clone().model::<Post>();
+    let comment = |author_id: i64| Comment {
+        author_id,
+        text: "hi".into(),
+    };
+    posts
+        .build(Post {
+            id: "p1".into(),
+            comments: vec![comment(1), comment(2), comment(1)],
+        })
+        .await
+        .unwrap();
+    posts
+        .build(Post {
+            id: "p2".into(),
+            comments: vec![comment(2)],
+        })
+        .await
+        .unwrap();
+    let by = |author: i64| {
+        let posts = posts.clone();
+        async move {
+            let page = posts
+                .query_by_index("by_commenter")
+                .value(&author)
+                .execute()
+                .await
+                .unwrap();
+            page.items.into_iter().map(|p| p.id).collect::<Vec<_>>()
+        }
+    };
+    assert_eq!(by(1).await, ["p1"]);
+    assert_eq!(by(2).await, ["p1", "p2"]);
+    assert!(by(3).await.is_empty());
+    // An update that drops the author's comments drops the entry.
+    posts
+        .update(Post {
+            id: "p1".into(),
+            comments: vec![comment(3)],
+        })
+        .await
+        .unwrap();
+    assert!(by(1).await.is_empty());
+    assert_eq!(by(3).await, ["p1"]);
+}
+
+pub async fn defect_11_a_table_scan_with_reversed_bounds_is_refused<E: TitoEngine>(ctx: Ctx<E>) {
+    let accounts = ctx.db.clone().model::<Account>();
+    accounts.build(account("a", "ada", true)).await.unwrap();
+    let result = accounts.find().start("m").end("b").execute().await;
+    assert!(
+        matches!(&result, Err(TitoError::InvalidArgument(m)) if m.contains("start")),
+        "{result:?}"
+    );
+    let equal = accounts.find().start("b").end("b").execute().await;
+    assert!(matches!(equal, Err(TitoError::InvalidArgument(_))));
+    assert_eq!(
+        accounts
+            .find()
+            .start("a")
+            .end("b")
+            .execute()
+            .await
+            .unwrap()
+            .items
+            .len(),
+        1
+    );
+}
+
+/// An inbox without ordering roles (claims walk the table) and without a lease role.
+#[derive(tito::TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(inbox)]
+#[tito(table = "task")]
+struct Task {
+    id: String,
+    #[tito(processed_at)]
+    processed_at: Option<i64>,
+    #[tito(payload)]
+    body: serde_json::Value,
+}
+
+fn task(id: &str, body: serde_json::Value) -> Task {
+    Task {
+        id: id.into(),
+        processed_at: None,
+        body,
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+struct Body {
+    n: u32,
+}
+
+pub async fn defect_12_a_set_aside_row_blocks_neither_claims_nor_scans<E: TitoEngine>(ctx: Ctx<E>) {
+    let tasks = ctx.db.clone().model::<Task>();
+    // A row the model reads, whose payload is not a `Body`: set aside at its first claim.
+    tasks
+        .build(task("a", serde_json::json!("oops")))
+        .await
+        .unwrap();
+    tasks
+        .build(task("b", serde_json::json!({"n": 1})))
+        .await
+        .unwrap();
+    let inbox = Inbox::<E, Task>::new(ctx.db.clone()).unwrap();
+    let config = InboxConfig::new("");
+    let claimed = inbox.claim::<Body>(&config, 10).await.unwrap();
+    assert_eq!(claimed.len(), 1);
+    assert_eq!(claimed[0].1.payload, Body { n: 1 });
+    assert_eq!(inbox.bad_rows().await.unwrap(), ["a"]);
+    // The marker is not in the table: scans and later claims work.
+    let page = tasks.find().execute().await.unwrap();
+    assert_eq!(page.items.len(), 2);
+    tasks
+        .build(task("c", serde_json::json!({"n": 2})))
+        .await
+        .unwrap();
+    let claimed = inbox.claim::<Body>(&config, 10).await.unwrap();
+    assert_eq!(claimed.len(), 1, "{claimed:?}");
+    assert_eq!(claimed[0].1.id, "c");
+}
+
+pub async fn defect_13_without_locked_until_a_row_is_handed_out_once<E: TitoEngine>(ctx: Ctx<E>) {
+    assert!(Task::inbox_spec().locked_until.is_none());
+    let tasks = ctx.db.clone().model::<Task>();
+    tasks
+        .build(task("a", serde_json::json!({"n": 1})))
+        .await
+        .unwrap();
+    let inbox = Arc::new(Inbox::<E, Task>::new(ctx.db.clone()).unwrap());
+    let config = Arc::new(InboxConfig::new("").lease(Duration::from_millis(400)));
+    // Racing claims: one wins.
+    let racers: Vec<_> = (0..4)
+        .map(|_| {
+            let (inbox, config) = (inbox.clone(), config.clone());
+            tokio::spawn(async move { inbox.claim::<Body>(&config, 1).await.unwrap().len() })
+        })
+        .collect();
+    let mut total = 0;
+    for racer in racers {
+        total += racer.await.unwrap();
+    }
+    assert_eq!(total, 1);
+    // While the claim lives, nobody else gets the row.
+    assert!(inbox.claim::<Body>(&config, 1).await.unwrap().is_empty());
+    // After it lapses, it is claimable again; the stale claim's outcome is refused.
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    let again = inbox.claim::<Body>(&config, 1).await.unwrap();
+    assert_eq!(again.len(), 1);
+    let (claim, _) = &again[0];
+    assert!(
+        inbox
+            .complete(&config, claim, InboxOutcome::Ack)
+            .await
+            .unwrap()
+    );
+    assert!(
+        tasks
+            .find_by_id("a", vec![])
+            .await
+            .unwrap()
+            .processed_at
+            .is_some()
+    );
+    let tx = ctx.db.begin().await.unwrap();
+    assert!(
+        tx.scan(b"inbox-lease:", b"inbox-lease;", 10)
+            .await
+            .unwrap()
+            .is_empty(),
+        "the lease key goes with the outcome"
+    );
+    tx.rollback().await.unwrap();
+}
+
+pub async fn defect_14_claims_reach_rows_behind_many_processed_rows<E: TitoEngine>(ctx: Ctx<E>) {
+    let tasks = ctx.db.clone().model::<Task>();
+    // More processed rows than one claim may read, all before the ready one in table order.
+    let processed = tito::inbox::CLAIM_SCANS * tito::inbox::CLAIM_SCAN_ROWS + 40;
+    for chunk in (0..processed).collect::<Vec<_>>().chunks(200) {
+        let (tasks, chunk) = (tasks.clone(), chunk.to_vec());
+        ctx.db
+            .transaction(|tx| {
+                let (tasks, chunk) = (tasks.clone(), chunk.clone());
+                async move {
+                    for n in chunk {
+                        let mut done = task(&format!("a{n:05}"), serde_json::json!({"n": 0}));
+                        done.processed_at = Some(1);
+                        tasks
+                            .build_with_options(done, TitoOptions::default(), &tx)
+                            .await?;
+                    }
+                    Ok::<_, TitoError>(())
+                }
+            })
+            .await
+            .unwrap();
+    }
+    tasks
+        .build(task("z", serde_json::json!({"n": 9})))
+        .await
+        .unwrap();
+    let inbox = Inbox::<E, Task>::new(ctx.db.clone()).unwrap();
+    let config = InboxConfig::new("");
+    let mut found = None;
+    for _ in 0..4 {
+        if let Some((_, delivery)) = inbox.claim::<Body>(&config, 1).await.unwrap().pop() {
+            found = Some(delivery.id);
+            break;
+        }
+    }
+    assert_eq!(found.as_deref(), Some("z"));
+}
+
+/// Times the model serializes, kept as given only when asked.
+#[derive(tito::TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(table = "imported")]
+#[tito(manual_timestamps)]
+struct Imported {
+    id: String,
+    created_at: i64,
+    updated_at: i64,
+}
+
+#[derive(tito::TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(table = "stamped")]
+struct Stamped {
+    id: String,
+    created_at: i64,
+    updated_at: i64,
+}
+
+pub async fn defect_15_timestamps_can_be_kept<E: TitoEngine>(ctx: Ctx<E>) {
+    let old = 1_000_000_000;
+    // Per model: never set.
+    let imported = ctx.db.clone().model::<Imported>();
+    let row = Imported {
+        id: "i".into(),
+        created_at: old,
+        updated_at: old + 1,
+    };
+    assert_eq!(imported.build(row.clone()).await.unwrap(), row);
+    assert_eq!(imported.find_by_id("i", vec![]).await.unwrap(), row);
+    // Per write: kept for this write only.
+    let stamped = ctx.db.clone().model::<Stamped>();
+    let given = Stamped {
+        id: "s".into(),
+        created_at: old,
+        updated_at: old + 1,
+    };
+    let kept = ctx
+        .db
+        .transaction(|tx| {
+            let (stamped, given) = (stamped.clone(), given.clone());
+            async move {
+                stamped
+                    .build_with_options(given, TitoOptions::default().keeping_timestamps(), &tx)
+                    .await
+            }
+        })
+        .await
+        .unwrap();
+    assert_eq!(kept, given);
+    assert_eq!(stamped.find_by_id("s", vec![]).await.unwrap(), given);
+    // Without the option, an update stamps `updated_at` and keeps the stored `created_at`.
+    let updated = stamped.update(given.clone()).await.unwrap();
+    assert_eq!(updated.created_at, old);
+    assert!(updated.updated_at > old + 1);
+}
+
+pub async fn defect_16_a_listing_that_stops_early_returns_a_cursor<E: TitoEngine>(ctx: Ctx<E>) {
+    let kv = Kv::new(ctx.db.clone());
+    let ns = "defect16";
+    for n in 0..40 {
+        kv.put(
+            ns,
+            &format!("a{n:03}"),
+            &n,
+            None,
+            Some(Duration::from_millis(1)),
+        )
+        .await
+        .unwrap();
+    }
+    kv.put(ns, "z", &"live", None, None).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let mut cursor: Option<String> = None;
+    let mut seen = Vec::new();
+    let mut pages = 0;
+    loop {
+        let page = kv.list(ns, "", 1, cursor.as_deref()).await.unwrap();
+        pages += 1;
+        seen.extend(page.entries.into_iter().map(|e| e.key));
+        cursor = page.cursor;
+        if cursor.is_none() {
+            break;
+        }
+        assert!(pages < 100, "the listing makes progress");
+    }
+    assert_eq!(seen, ["z"], "after {pages} pages");
+    assert!(pages > 1, "the expired keys took more than one page");
+}
+
+/// A model whose event names no queue.
+#[derive(Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct Unnamed {
+    id: String,
+}
+
+impl TitoModelTrait for Unnamed {
+    fn id(&self) -> String {
+        self.id.clone()
+    }
+    fn table(&self) -> String {
+        "unnamed".into()
+    }
+    fn events(&self) -> Vec<TitoEventConfig> {
+        vec![TitoEventConfig {
+            name: String::new(),
+            timestamp: 0,
+        }]
+    }
+}
+
+pub async fn defect_17_bad_inbox_kv_and_event_settings_are_refused<E: TitoEngine>(ctx: Ctx<E>) {
+    // Inbox leases.
+    let tasks = ctx.db.clone().model::<Task>();
+    tasks
+        .build(task("a", serde_json::json!({"n": 1})))
+        .await
+        .unwrap();
+    let inbox = Inbox::<E, Task>::new(ctx.db.clone()).unwrap();
+    for config in [
+        InboxConfig::new("").lease(Duration::ZERO),
+        InboxConfig::new("").lease(Duration::from_millis(2)),
+        InboxConfig::new("").max_idle(Duration::ZERO),
+    ] {
+        let result = inbox.claim::<Body>(&config, 1).await;
+        assert!(
+            matches!(result, Err(TitoError::InvalidArgument(_))),
+            "{result:?}"
+        );
+    }
+    // A huge retry delay saturates: the row is not claimable again, nothing overflows.
+    let config = InboxConfig::new("");
+    let (claim, _) = inbox
+        .claim::<Body>(&config, 1)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
+    assert!(
+        inbox
+            .complete(&config, &claim, InboxOutcome::RetryAfter(Duration::MAX))
+            .await
+            .unwrap()
+    );
+    // (Task has no retry_after role: the retry makes it claimable now.)
+    assert_eq!(inbox.claim::<Body>(&config, 1).await.unwrap().len(), 1);
+
+    // Kv TTLs under one millisecond.
+    let kv = Kv::new(ctx.db.clone());
+    for ttl in [Duration::ZERO, Duration::from_micros(500)] {
+        let result = kv.put_if_absent("d17", "k", &1, Some(ttl)).await;
+        assert!(
+            matches!(result, Err(TitoError::InvalidArgument(_))),
+            "{result:?}"
+        );
+    }
+    assert!(kv.get("d17", "k").await.unwrap().is_none());
+
+    // A model event with an empty queue name: refused before anything is written.
+    let unnamed = ctx.db.clone().model::<Unnamed>();
+    let result = ctx
+        .db
+        .transaction(|tx| {
+            let unnamed = unnamed.clone();
+            async move {
+                unnamed
+                    .build_with_options(
+                        Unnamed { id: "u".into() },
+                        TitoOptions::with_events(TitoOperation::Insert),
+                        &tx,
+                    )
+                    .await
+            }
+        })
+        .await;
+    assert!(
+        matches!(&result, Err(TitoError::InvalidArgument(m)) if m.contains("empty queue name")),
+        "{result:?}"
+    );
+    assert!(matches!(
+        unnamed.find_by_id("u", vec![]).await,
+        Err(TitoError::NotFound(_))
+    ));
+}
+
+/// A model with a free-form indexed field, to make keys and values too big.
+#[derive(Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct Blob {
+    id: String,
+    tag: String,
+    data: String,
+}
+
+impl TitoModelTrait for Blob {
+    fn id(&self) -> String {
+        self.id.clone()
+    }
+    fn table(&self) -> String {
+        "blob".into()
+    }
+    fn indexes(&self) -> Vec<TitoIndexConfig> {
+        vec![TitoIndexConfig {
+            condition: true,
+            name: "by_tag".into(),
+            fields: vec![field("tag", TitoIndexBlockType::String)],
+        }]
+    }
+}
+
+pub async fn defect_18_oversized_keys_and_values_are_refused<E: TitoEngine>(ctx: Ctx<E>) {
+    let blobs = ctx.db.clone().model::<Blob>();
+    let big_key = "k".repeat(tito::engine::MAX_KEY_BYTES);
+    let cases = [
+        (
+            Blob {
+                id: big_key.clone(),
+                ..Default::default()
+            },
+            "MAX_KEY_BYTES",
+        ),
+        (
+            Blob {
+                id: "t".into(),
+                tag: big_key.clone(),
+                ..Default::default()
+            },
+            "MAX_KEY_BYTES",
+        ),
+        (
+            Blob {
+                id: "v".into(),
+                data: "x".repeat(tito::engine::MAX_VALUE_BYTES),
+                ..Default::default()
+            },
+            "MAX_VALUE_BYTES",
+        ),
+    ];
+    for (blob, limit) in cases {
+        let result = blobs.build(blob).await;
+        assert!(
+            matches!(&result, Err(TitoError::InvalidArgument(m)) if m.contains(limit)),
+            "{result:?}"
+        );
+    }
+    // The tag's prefix is named in the error; nothing was written.
+    let tx = ctx.db.begin().await.unwrap();
+    assert!(tx.scan(b"table:", b"table;", 10).await.unwrap().is_empty());
+    assert!(tx.scan(b"index:", b"index;", 10).await.unwrap().is_empty());
+    // The raw engine refuses the same, at `put`.
+    let result = tx
+        .put(vec![b'k'; tito::engine::MAX_KEY_BYTES + 1], Vec::new())
+        .await;
+    assert!(matches!(result, Err(TitoError::InvalidArgument(_))));
+    let result = tx.put(Vec::new(), Vec::new()).await;
+    assert!(matches!(result, Err(TitoError::InvalidArgument(_))));
+    tx.rollback().await.unwrap();
+    // At the limits, it works.
+    blobs
+        .build(Blob {
+            id: "ok".into(),
+            tag: "t".repeat(1000),
+            data: "x".repeat(1024 * 1024),
+        })
+        .await
+        .unwrap();
+}
+
+#[derive(Debug)]
+struct MailDown;
+
+impl std::fmt::Display for MailDown {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("mail server unavailable")
+    }
+}
+
+impl std::error::Error for MailDown {}
+
+fn send_mail() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    Err(Box::new(MailDown))
+}
+
+pub async fn defect_19_handler_errors_carry_their_source<E: TitoEngine>(ctx: Ctx<E>) {
+    let queue = queue(&ctx.db, 1);
+    queue
+        .publish(QueueEvent::new("k", Job { n: 1 }, now()))
+        .await
+        .unwrap();
+    let (stop, rx) = watch::channel(false);
+    let worker = tokio::spawn(run_worker(
+        queue.clone(),
+        fast(0..1),
+        |_event: QueueEvent<Job>| async move {
+            // `?` on an application's boxed error, and `TitoError::handler` on any other.
+            send_mail()?;
+            Err::<QueueHandlerOutcome<Job>, _>(TitoError::handler(MailDown))
+        },
+        rx,
+    ));
+    let q = queue.clone();
+    wait_for("a failed handler", Duration::from_secs(30), move || {
+        let q = q.clone();
+        async move { q.stats().failed >= 1 }
+    })
+    .await;
+    stop.send(true).unwrap();
+    worker.await.unwrap().unwrap();
+    // The stats are a snapshot of plain numbers (defect 20).
+    let stats: tito::QueueStats = queue.stats();
+    assert!(stats.failed >= 1 && stats.delivered >= 1 && stats.acknowledged == 0);
+    assert_eq!(pending_total(&queue).await, 1);
+    let err = TitoError::from(send_mail().unwrap_err());
+    assert!(matches!(err, TitoError::Handler { .. }));
+    assert_eq!(
+        std::error::Error::source(&err).map(ToString::to_string),
+        Some("mail server unavailable".to_string())
+    );
 }

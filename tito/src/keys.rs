@@ -882,6 +882,30 @@ mod tests {
     }
 
     proptest! {
+        /// Defect 10: every key parser returns an error on arbitrary text, never panics.
+        #[test]
+        fn key_parsers_never_panic(text in ".{0,80}", bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..80)) {
+            for candidate in [text.clone(), format!("queue:pending:{text}"), format!("kv-exp:{text}"),
+                              format!("queue:owner:{text}"), format!("index:{text}:table:{text}")] {
+                let _ = decode_str(&candidate);
+                let _ = decode_u64(&candidate);
+                let _ = decode_i64(&candidate);
+                let _ = decode_f64(&candidate);
+                let _ = decode_bool(&candidate);
+                let _ = decode_timestamp(&candidate);
+                let _ = parse_pending_key("queue", &candidate);
+                let _ = owner_key_target(&candidate);
+                let _ = kv_key_name("ns", &candidate);
+                let _ = parse_kv_expiry_key(&candidate);
+                let _ = index_key_row(&candidate);
+                let _ = is_index_key_of(&candidate, "t", "1");
+                let _ = is_claim_key_of(&candidate, "t");
+            }
+            let _ = key_str(&bytes);
+            let _ = base64url_decode(&text);
+            let _ = display_key(&bytes);
+        }
+
         #[test]
         fn string_round_trip_and_order(a in ".*", b in ".*") {
             prop_assert_eq!(decode_str(&s(&a)).unwrap(), a.clone());

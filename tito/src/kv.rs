@@ -684,3 +684,16 @@ pub(crate) async fn sweep_expired<E: TitoEngine>(db: &E, batch: usize) -> TitoRe
     })
     .await
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    proptest::proptest! {
+        /// Defect 10: kv rows decode or are refused, never panic.
+        #[test]
+        fn kv_rows_decode_or_are_refused(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..96)) {
+            let _ = parse(b"kv:ns:k", &bytes);
+        }
+    }
+}

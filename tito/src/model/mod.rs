@@ -261,6 +261,14 @@ pub(crate) async fn read_only<E: TitoEngine, R>(
     result
 }
 
+fn parse_manifest(key: &str, bytes: &[u8]) -> TitoResult<Vec<String>> {
+    serde_json::from_slice(bytes).map_err(|err| {
+        integrity(format!(
+            "manifest {key:?} is not a JSON array of keys: {err}"
+        ))
+    })
+}
+
 fn parse_row(key: &str, bytes: &[u8]) -> TitoResult<Value> {
     serde_json::from_slice(bytes)
         .map_err(|err| integrity(format!("row {key:?} is not valid JSON: {err}")))
@@ -300,11 +308,7 @@ async fn load<X: TitoTransaction>(tx: &X, table: &str, id: &str) -> TitoResult<O
         (Some(row), Some(manifest)) => (row, manifest),
     };
     let row = parse_row(&row_key, row)?;
-    let manifest: Vec<String> = serde_json::from_slice(manifest).map_err(|err| {
-        integrity(format!(
-            "manifest {manifest_key:?} is not a JSON array of keys: {err}"
-        ))
-    })?;
+    let manifest = parse_manifest(&manifest_key, manifest)?;
     if let Some(bad) = manifest
         .iter()
         .find(|key| !keys::is_index_key_of(key, table, id) && !keys::is_claim_key_of(key, table))
@@ -705,5 +709,24 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
     /// A scan of the table in id order.
     pub fn find(&self) -> TableQuery<E, T> {
         TableQuery::new(self.db.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    proptest::proptest! {
+        /// Defect 10: manifests and rows decode or are refused, never panic.
+        #[test]
+        fn manifests_and_rows_decode_or_are_refused(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..96)) {
+            if let Ok(listed) = parse_manifest("m", &bytes) {
+                for key in listed {
+                    let _ = keys::is_index_key_of(&key, "t", "1");
+                    let _ = keys::is_claim_key_of(&key, "t");
+                }
+            }
+            let _ = parse_row("r", &bytes);
+        }
     }
 }

@@ -214,6 +214,16 @@ impl StoredEvent {
 mod tests {
     use super::*;
 
+    proptest::proptest! {
+        /// Defect 10: queue rows decode or are refused, never panic.
+        #[test]
+        fn queue_rows_decode_or_are_refused(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..96)) {
+            if let Ok(stored) = StoredEvent::parse(&bytes) {
+                let _ = stored.typed::<u32>();
+            }
+        }
+    }
+
     #[test]
     fn partitions_are_pinned() {
         // Test vectors: changing the hash would move every pending event of a deployed queue.
