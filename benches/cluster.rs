@@ -1,6 +1,7 @@
-//! Queue cluster mode: partitions moved per join and leave (rendezvous hashing beside
-//! contiguous ranges over sorted node ids), time from a node's crash to its partitions running
-//! elsewhere, and events per second with 4 nodes beside 1 node on one embedded store.
+//! Queue cluster mode: balance and partitions moved per join and leave (the stored balanced,
+//! sticky assignment beside rendezvous hashing alone and contiguous ranges over sorted node
+//! ids), time from a node's crash to its partitions running elsewhere, and events per second
+//! with 4 nodes beside 1 node on one embedded store.
 //!
 //! `cargo bench --bench cluster`.
 
@@ -9,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use tito::backend::embedded::{Durability, Embedded, EmbeddedOptions};
-use tito::queue::cluster::rendezvous_owner;
+use tito::queue::cluster::{balanced_assignment, rendezvous_owner};
 use tito::queue::{ClusterConfig, cluster_state, run_cluster_worker};
 use tito::{Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, WorkerConfig};
 use tokio::sync::watch;
@@ -41,6 +42,83 @@ fn moved(before: &[String], after: &[String], partitions: u32, rendezvous: bool)
             }
         })
         .count()
+}
+
+/// The fewest and most partitions one node holds.
+fn spread(owners: &[Option<String>], nodes: &[String]) -> (usize, usize) {
+    let counts: Vec<usize> = nodes
+        .iter()
+        .map(|n| owners.iter().filter(|o| o.as_ref() == Some(n)).count())
+        .collect();
+    (
+        counts.iter().copied().min().unwrap_or(0),
+        counts.iter().copied().max().unwrap_or(0),
+    )
+}
+
+fn changed(before: &[Option<String>], after: &[Option<String>]) -> usize {
+    before.iter().zip(after).filter(|(a, b)| a != b).count()
+}
+
+/// Balance and moves of the three schemes for one partition count, nodes joining one by one
+/// from 1 to 16, then the middle node leaving.
+fn assignment_table(partitions: u32) {
+    println!(
+        "P = {partitions}: min-max partitions per node, and partitions moved by the join of the n-th node / the leave of a middle one"
+    );
+    println!(
+        "{:>3} {:>10} {:>11} {:>11} {:>10} {:>11} {:>11} {:>10} {:>11} {:>11} {:>12}",
+        "n",
+        "sticky",
+        "join",
+        "leave",
+        "rendezv.",
+        "join",
+        "leave",
+        "ranges",
+        "join",
+        "leave",
+        "ceil(P/n)"
+    );
+    let mut sticky: Vec<Option<String>> = Vec::new();
+    for n in 2..=16usize {
+        let before = names(n - 1);
+        let after = names(n);
+        if sticky.is_empty() {
+            sticky = balanced_assignment(&before, partitions, &[]);
+        }
+        let joined = balanced_assignment(&after, partitions, &sticky);
+        let mut without = after.clone();
+        without.remove(n / 2);
+        let left = balanced_assignment(&without, partitions, &joined);
+        let rendezvous = |nodes: &[String]| -> Vec<Option<String>> {
+            (0..partitions)
+                .map(|p| rendezvous_owner(nodes, p).cloned())
+                .collect()
+        };
+        let ranges = |nodes: &[String]| -> Vec<Option<String>> {
+            (0..partitions)
+                .map(|p| Some(contiguous_owner(nodes, partitions, p)))
+                .collect()
+        };
+        let (lo, hi) = spread(&joined, &after);
+        let (rlo, rhi) = spread(&rendezvous(&after), &after);
+        let (clo, chi) = spread(&ranges(&after), &after);
+        println!(
+            "{n:>3} {:>10} {:>11} {:>11} {:>10} {:>11} {:>11} {:>10} {:>11} {:>11} {:>12}",
+            format!("{lo}-{hi}"),
+            changed(&sticky, &joined),
+            changed(&joined, &left),
+            format!("{rlo}-{rhi}"),
+            moved(&before, &after, partitions, true),
+            moved(&after, &without, partitions, true),
+            format!("{clo}-{chi}"),
+            moved(&before, &after, partitions, false),
+            moved(&after, &without, partitions, false),
+            (partitions as usize).div_ceil(n),
+        );
+        sticky = joined;
+    }
 }
 
 fn node_config(name: &str, ttl: Duration) -> ClusterConfig {
@@ -135,27 +213,9 @@ async fn throughput(nodes: usize, events: u64) -> f64 {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
-    let partitions = 1024;
-    println!(
-        "partitions moved per membership change, {partitions} partitions (ideal: {partitions}/n)"
-    );
-    println!(
-        "{:>6} {:>16} {:>16} {:>16} {:>16}",
-        "nodes", "join rendezvous", "join ranges", "leave rendezvous", "leave ranges"
-    );
-    for n in [2usize, 4, 8, 16] {
-        let before = names(n - 1);
-        let after = names(n);
-        // A node in the middle of the sorted order leaves.
-        let mut without = names(n);
-        without.remove(n / 2);
-        println!(
-            "{n:>6} {:>16} {:>16} {:>16} {:>16}",
-            moved(&before, &after, partitions, true),
-            moved(&before, &after, partitions, false),
-            moved(&after, &without, partitions, true),
-            moved(&after, &without, partitions, false),
-        );
+    for partitions in [4, 16, 1024] {
+        assignment_table(partitions);
+        println!();
     }
 
     // Crash to takeover.

@@ -1,85 +1,90 @@
-//! Quickstart: an embedded store, a transaction with replay on conflict, point reads and a
-//! range scan. Run it with `cargo run --example quickstart`.
+//! Quickstart: a derived model with a unique and a composite index, typed index queries, and an
+//! event published in the same transaction as the write, handled by a worker typed by the event.
 //!
-//! Point `TITO_PD_ENDPOINTS` at a PD cluster (e.g. `127.0.0.1:2379`) to run the same program on
-//! TiKV instead.
+//! `cargo run --example quickstart` runs on an embedded store; with `TITO_PD_ENDPOINTS` set
+//! (e.g. `127.0.0.1:2379`), the same program runs on TiKV.
 
-use tito::backend::embedded::Embedded;
-use tito::backend::tikv::TiKV;
-use tito::{TitoEngine, TitoError, TitoTransaction};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tito::backend::{embedded::Embedded, tikv::TiKV};
+use tito::model::{TitoOperation, TitoOptions};
+use tito::queue::{ModelEvent, run_worker};
+use tito::{Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, TitoEngine, TitoError, TitoModel};
+
+#[derive(TitoModel, Default, Clone, Debug, Serialize, Deserialize)]
+#[tito(unique_index = "by_email: email")]
+#[tito(index = "by_team_created: team, created_at")]
+#[tito(event = "user")] // every write with events publishes a ModelEvent<User> to queue "user"
+struct User {
+    id: String,
+    email: String,
+    team: String,
+    created_at: i64, // set from the transaction's time on insert
+}
 
 #[tokio::main]
 async fn main() -> Result<(), TitoError> {
     match std::env::var("TITO_PD_ENDPOINTS") {
-        Ok(endpoints) => {
-            let endpoints: Vec<String> = endpoints.split(',').map(str::to_string).collect();
-            println!("running on TiKV at {endpoints:?}");
-            run(TiKV::connect(endpoints).await?).await
-        }
-        Err(_) => {
-            let db = Embedded::temporary().await?;
-            println!("running on an embedded store in {}", db.path().display());
-            run(db).await
-        }
+        Ok(pd) => run(TiKV::connect(pd.split(',').map(str::to_string).collect()).await?).await,
+        Err(_) => run(Embedded::temporary().await?).await,
     }
 }
 
-async fn run(db: impl TitoEngine) -> Result<(), TitoError> {
-    // Write three accounts atomically. The closure may run again if another transaction
-    // conflicts with it; it never runs again once a commit may have happened.
-    db.transaction(|tx| async move {
-        for (id, balance) in [("alice", 100), ("bob", 50), ("carol", 75)] {
-            tx.put(
-                format!("account:{id}").into_bytes(),
-                balance.to_string().into_bytes(),
-            )
-            .await?;
-        }
-        Ok::<_, TitoError>(())
-    })
-    .await?;
-
-    // Move 30 from alice to bob: read, check, write, all in one snapshot.
-    let moved = db
-        .transaction(|tx| async move {
-            let alice = balance(&tx, "alice").await?;
-            if alice < 30 {
-                return Ok(false);
-            }
-            let bob = balance(&tx, "bob").await?;
-            tx.put(
-                b"account:alice".to_vec(),
-                (alice - 30).to_string().into_bytes(),
-            )
-            .await?;
-            tx.put(b"account:bob".to_vec(), (bob + 30).to_string().into_bytes())
-                .await?;
-            Ok::<_, TitoError>(true)
+async fn run<E: TitoEngine>(db: E) -> Result<(), TitoError> {
+    let users = db.clone().model::<User>();
+    for (id, email) in [("1", "ada@example.com"), ("2", "grace@example.com")] {
+        let (users, team) = (users.clone(), "core".to_string());
+        let user = User {
+            id: id.into(),
+            email: email.into(),
+            team,
+            created_at: 0,
+        };
+        // The row, its index entries and its event commit together, or not at all.
+        db.transaction(|tx| async move {
+            let events = TitoOptions::with_events(TitoOperation::Upsert);
+            users.upsert_with_options(user, events, &tx).await
         })
         .await?;
-    println!("transfer applied: {moved}");
-
-    // Scan every account in key order, in one read transaction.
-    let tx = db.begin().await?;
-    let end = tito::prefix_end("account:".to_string());
-    for (key, value) in tx.scan(b"account:", end.as_bytes(), 100).await? {
-        println!(
-            "{} = {}",
-            String::from_utf8_lossy(&key),
-            String::from_utf8_lossy(&value)
-        );
     }
-    println!("read at version {}", tx.start_version());
-    tx.rollback().await?;
-    Ok(())
-}
 
-async fn balance(tx: &impl TitoTransaction, id: &str) -> Result<i64, TitoError> {
-    let raw = tx
-        .get(format!("account:{id}").as_bytes())
-        .await?
-        .ok_or_else(|| TitoError::invalid_argument(format!("no account {id}")))?;
-    String::from_utf8_lossy(&raw)
-        .parse()
-        .map_err(|_| TitoError::Integrity(format!("account {id} holds a malformed balance")))
+    // Typed queries, one method per index: wrong types do not compile.
+    let ada = users.by_email("ada@example.com").execute().await?;
+    println!("by email: {:?}", ada.items.first().map(|u| &u.id));
+    let newest = users
+        .by_team_created("core")
+        .reverse(true)
+        .limit(Some(10))
+        .execute()
+        .await?;
+    println!(
+        "newest in core: {:?}",
+        newest.items.iter().map(|u| &u.email).collect::<Vec<_>>()
+    );
+
+    // A worker whose closure is typed by the event.
+    let config = QueueConfig::new(db.partitions(), Duration::from_secs(3600)).topic("user");
+    let queue = Arc::new(Queue::new(db.clone(), config));
+    let (done, mut welcomed) = tokio::sync::mpsc::unbounded_channel();
+    let (stop, stop_rx) = tokio::sync::watch::channel(false);
+    let worker = tokio::spawn(run_worker(
+        queue,
+        tito::WorkerConfig::new(0..db.partitions()),
+        move |event: QueueEvent<ModelEvent<User>>| {
+            let done = done.clone();
+            async move {
+                println!("welcome mail to {}", event.payload.row.email);
+                done.send(()).ok();
+                Ok(QueueHandlerOutcome::Acknowledge)
+            }
+        },
+        stop_rx,
+    ));
+    for _ in 0..2 {
+        welcomed.recv().await;
+    }
+    stop.send(true).ok();
+    worker.await.expect("the worker task")
 }

@@ -15,7 +15,7 @@
 //! # Versions
 //!
 //! Start versions come from a timestamp oracle in the store: physical milliseconds shifted left
-//! by [`LOGICAL_BITS`](crate::engine::LOGICAL_BITS) plus a logical counter, strictly increasing.
+//! by [`LOGICAL_BITS`] plus a logical counter, strictly increasing.
 //! Like TiKV's PD, the oracle persists a high-water mark three seconds ahead of the versions it
 //! hands out, and a reopened store starts above it, so versions keep increasing across a restart
 //! even when the clock moved back.

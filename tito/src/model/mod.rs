@@ -142,7 +142,7 @@ use crate::error::{TitoError, TitoResult};
 use crate::keys;
 
 /// The operations on one model type. Cheap to clone; get one with
-/// [`TitoEngine::model`](crate::TitoEngine::model).
+/// [`TitoEngine::model`].
 pub struct TitoModel<E, T> {
     db: E,
     _model: PhantomData<fn() -> T>,
