@@ -1,7 +1,9 @@
 //! Exactly-once effects from an at-least-once queue: a transactional handler records an
 //! idempotency marker in the key/value store, credits a wallet (a model) and acknowledges the
-//! event, all in one transaction. A payment published twice (the producer retried) and a
-//! handler that fails after its effect both end with one credit each.
+//! event, all in one transaction. A payment published twice with one event id (the queue keeps
+//! one invocation), published again under a new event id (the marker, keyed by the payment,
+//! stops the second credit), and a handler that fails after its effect all end with one credit
+//! each.
 //!
 //! `cargo run --example idempotent` (embedded), or with `TITO_PD_ENDPOINTS` set, on TiKV.
 
@@ -28,6 +30,8 @@ struct Wallet {
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 struct Payment {
+    /// The business id the idempotency marker is keyed by.
+    payment: String,
     wallet: String,
     cents: i64,
 }
@@ -57,25 +61,22 @@ async fn run<E: TitoEngine>(db: E) -> Result<(), TitoError> {
     ));
 
     let now = chrono::Utc::now().timestamp();
-    let first = QueueEvent::new(
-        "wallet:ada",
-        Payment {
-            wallet: "ada".into(),
-            cents: 1_000,
-        },
-        now,
-    );
+    let payment = |payment: &str, cents: i64| Payment {
+        payment: payment.into(),
+        wallet: "ada".into(),
+        cents,
+    };
+    let first = QueueEvent::new("wallet:ada", payment("p-1", 1_000), now).with_id("evt-p-1");
     payments.publish(first.clone()).await?;
-    payments.publish(first.clone()).await?; // the producer retried: the same logical event
+    // The producer retried with the same event id: the queue keeps one invocation.
+    let again = payments.publish(first.clone()).await?;
+    println!("published evt-p-1 again: duplicate = {}", again.duplicate);
+    // A producer that lost the event id publishes the same payment under a new one.
     payments
-        .publish(QueueEvent::new(
-            "wallet:ada",
-            Payment {
-                wallet: "ada".into(),
-                cents: 250,
-            },
-            now,
-        ))
+        .publish(QueueEvent::new("wallet:ada", payment("p-1", 1_000), now).with_id("evt-p-1b"))
+        .await?;
+    payments
+        .publish(QueueEvent::new("wallet:ada", payment("p-2", 250), now).with_id("evt-p-2"))
         .await?;
 
     let kv = Kv::new(db.clone());
@@ -95,12 +96,18 @@ async fn run<E: TitoEngine>(db: E) -> Result<(), TitoError> {
                 async move {
                     // The marker, the credit and the acknowledgement commit together.
                     let marker = kv
-                        .put_if_absent_tx("payments-applied", &event.id, &event.payload, None, &tx)
+                        .put_if_absent_tx(
+                            "payments-applied",
+                            &event.payload.payment,
+                            &event.payload,
+                            None,
+                            &tx,
+                        )
                         .await?;
                     if marker.is_none() {
                         println!(
-                            "payment {} seen before: acknowledged without effect",
-                            short(&event.id)
+                            "{}: payment {} seen before, acknowledged without effect",
+                            event.id, event.payload.payment
                         );
                         return Ok(QueueHandlerOutcome::Acknowledge);
                     }
@@ -112,17 +119,14 @@ async fn run<E: TitoEngine>(db: E) -> Result<(), TitoError> {
                     if event.payload.cents == 250 && crash_once.swap(false, Ordering::SeqCst) {
                         // Fails after its effect: the credit and the marker roll back with it.
                         println!(
-                            "payment {} failed after crediting: rolled back, stays pending",
-                            short(&event.id)
+                            "{}: payment {} failed after crediting: rolled back, stays pending",
+                            event.id, event.payload.payment
                         );
-                        return Err(TitoError::invalid_argument(
-                            "downstream receipt service unavailable",
-                        ));
+                        return Err(TitoError::handler("downstream receipt service unavailable"));
                     }
                     println!(
-                        "payment {} credited {} cents",
-                        short(&event.id),
-                        event.payload.cents
+                        "{}: payment {} credited {} cents",
+                        event.id, event.payload.payment, event.payload.cents
                     );
                     Ok(QueueHandlerOutcome::Acknowledge)
                 }
@@ -146,9 +150,4 @@ async fn run<E: TitoEngine>(db: E) -> Result<(), TitoError> {
     println!("ada's balance: {balance} cents (1000 + 250, each once)");
     assert_eq!(balance, 1_250);
     Ok(())
-}
-
-/// The last characters of an event id, enough to tell events apart in the output.
-fn short(id: &str) -> &str {
-    &id[id.len().saturating_sub(6)..]
 }

@@ -86,7 +86,7 @@ async fn run<E: TitoEngine>(db: E) -> Result<(), TitoError> {
                         && failed_once.lock().unwrap().insert(email.clone())
                     {
                         println!("sending to {email} failed; it stays pending");
-                        return Err(TitoError::invalid_argument("mail server unavailable"));
+                        return Err(TitoError::handler("mail server unavailable"));
                     }
                     // The first delivery is the welcome mail; the rescheduled one is the follow-up.
                     let follow_up = !sent.lock().unwrap().iter().any(|s| s == &email);

@@ -39,6 +39,7 @@ macro_rules! defects_suite {
                 defect_4_a_new_coordinator_runs_retention_at_once,
                 defect_6_an_event_id_is_published_once,
                 defect_17_bad_worker_settings_are_refused,
+                defect_17_a_far_future_event_does_not_stop_the_worker,
                 defect_7_a_row_dependent_unique_condition_releases_its_claim,
                 defect_8_tables_sharing_an_index_name_never_collide,
                 defect_9_an_index_through_an_array_of_objects_finds_rows,
@@ -492,6 +493,38 @@ pub async fn defect_6_an_event_id_is_published_once<E: TitoEngine>(ctx: Ctx<E>) 
     assert_eq!(pending_total(&queue).await, 1);
 }
 
+/// An event due in the far future (a huge but valid timestamp) neither crashes the worker's
+/// timers nor delays the runnable work beside it.
+pub async fn defect_17_a_far_future_event_does_not_stop_the_worker<E: TitoEngine>(ctx: Ctx<E>) {
+    let queue = queue(&ctx.db, 1);
+    queue
+        .publish(QueueEvent::new("k", Job { n: 0 }, i64::MAX / 1000))
+        .await
+        .unwrap();
+    let runs = Runs::default();
+    let (stop, rx) = watch::channel(false);
+    let worker = tokio::spawn(run_worker(
+        queue.clone(),
+        fast(0..1).max_idle_backoff(Duration::from_millis(50)),
+        slow(&runs, Duration::ZERO),
+        rx,
+    ));
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    queue
+        .publish(QueueEvent::new("k", Job { n: 1 }, now()))
+        .await
+        .unwrap();
+    let r = runs.clone();
+    wait_for("the runnable event", Duration::from_secs(30), move || {
+        let r = r.clone();
+        async move { r.started() == 1 }
+    })
+    .await;
+    stop.send(true).unwrap();
+    worker.await.expect("the worker did not panic").unwrap();
+    assert_eq!(pending_total(&queue).await, 1, "the far-future event waits");
+}
+
 /// Zero or absurd worker and cluster settings are refused before anything is written.
 pub async fn defect_17_bad_worker_settings_are_refused<E: TitoEngine>(ctx: Ctx<E>) {
     let queue = queue(&ctx.db, 4);
@@ -517,6 +550,16 @@ pub async fn defect_17_bad_worker_settings_are_refused<E: TitoEngine>(ctx: Ctx<E
         (fast(0..0), "partitions"),
         (fast(4..8), "partitions"),
         (fast(0..4).worker_id(""), "worker_id"),
+        (fast(0..4).lease_duration(Duration::MAX), "lease_duration"),
+        (
+            fast(0..4).max_idle_backoff(Duration::MAX),
+            "max_idle_backoff",
+        ),
+        (
+            fast(0..4).maintenance_interval(Duration::MAX),
+            "maintenance_interval",
+        ),
+        (fast(0..4).handler_timeout(Duration::MAX), "handler_timeout"),
     ];
     for (config, name) in cases {
         let (_stop, rx) = watch::channel(false);
@@ -542,6 +585,7 @@ pub async fn defect_17_bad_worker_settings_are_refused<E: TitoEngine>(ctx: Ctx<E
             "coordinator_ttl",
         ),
         (cluster("", Duration::from_secs(1)), "node_id"),
+        (cluster("n", Duration::MAX), "node_ttl"),
     ] {
         let (_stop, rx) = watch::channel(false);
         let result = run_cluster_worker(
@@ -1097,6 +1141,8 @@ pub async fn defect_17_bad_inbox_kv_and_event_settings_are_refused<E: TitoEngine
         InboxConfig::new("").lease(Duration::ZERO),
         InboxConfig::new("").lease(Duration::from_millis(2)),
         InboxConfig::new("").max_idle(Duration::ZERO),
+        InboxConfig::new("").lease(Duration::MAX),
+        InboxConfig::new("").max_idle(Duration::MAX),
     ] {
         let result = inbox.claim::<Body>(&config, 1).await;
         assert!(

@@ -257,15 +257,23 @@ impl<E: TitoEngine, M> InboxConfig<E, M> {
     }
 
     /// Checks the settings: a lease of at least [`MIN_INBOX_LEASE`] (it is extended every third
-    /// of it), at least one handler and one attempt, a nonzero idle pause. `claim`, `extend`
+    /// of it), at least one handler and one attempt, a nonzero idle pause, and no duration over
+    /// [`MAX_SETTING`](crate::queue::MAX_SETTING). `claim`, `extend`
     /// and `run_inbox` refuse a configuration that fails it with
     /// [`TitoError::InvalidArgument`] naming the setting, before anything is written.
     pub fn check(&self) -> TitoResult<()> {
         let bad = |what: String| Err(TitoError::invalid_argument(what));
-        if self.lease < MIN_INBOX_LEASE {
+        let longest = crate::queue::MAX_SETTING;
+        if self.lease < MIN_INBOX_LEASE || self.lease > longest {
             return bad(format!(
-                "InboxConfig::lease is {:?}; it must be at least {MIN_INBOX_LEASE:?}",
+                "InboxConfig::lease is {:?}; it must be between {MIN_INBOX_LEASE:?} and {longest:?}",
                 self.lease
+            ));
+        }
+        if self.max_idle > longest {
+            return bad(format!(
+                "InboxConfig::max_idle is {:?}, over {longest:?}",
+                self.max_idle
             ));
         }
         if self.concurrency == 0 {

@@ -86,17 +86,27 @@ impl ClusterConfig {
 }
 
 impl ClusterConfig {
-    /// Checks the settings: TTLs of at least [`MIN_TTL`] (a node renews every third of its TTL).
+    /// Checks the settings: TTLs of at least [`MIN_TTL`] (a node renews every third of its TTL)
+    /// and, like `drop_after`, at most [`MAX_SETTING`](super::MAX_SETTING); a node id of 1 to
+    /// [`MAX_OWNER_BYTES`](super::MAX_OWNER_BYTES) bytes.
     pub fn check(&self) -> TitoResult<()> {
         for (name, ttl) in [
             ("node_ttl", self.node_ttl),
             ("coordinator_ttl", self.coordinator_ttl),
         ] {
-            if ttl < MIN_TTL {
+            if ttl < MIN_TTL || ttl > super::MAX_SETTING {
                 return Err(TitoError::invalid_argument(format!(
-                    "ClusterConfig::{name} is {ttl:?}; it must be at least {MIN_TTL:?}"
+                    "ClusterConfig::{name} is {ttl:?}; it must be between {MIN_TTL:?} and {:?}",
+                    super::MAX_SETTING
                 )));
             }
+        }
+        if self.drop_after > super::MAX_SETTING {
+            return Err(TitoError::invalid_argument(format!(
+                "ClusterConfig::drop_after is {:?}, over {:?}",
+                self.drop_after,
+                super::MAX_SETTING
+            )));
         }
         if let Some(id) = &self.node_id
             && (id.is_empty() || id.len() > super::MAX_OWNER_BYTES)

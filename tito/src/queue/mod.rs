@@ -92,7 +92,8 @@ pub use event::{
     QueueOwner, partition_for,
 };
 pub use worker::{
-    MIN_LEASE, Shutdown, WorkerConfig, run_cluster_worker, run_transactional_worker, run_worker,
+    MAX_SETTING, MIN_LEASE, Shutdown, WorkerConfig, run_cluster_worker, run_transactional_worker,
+    run_worker,
 };
 
 use crate::engine::{self, TitoEngine, TitoTransaction};

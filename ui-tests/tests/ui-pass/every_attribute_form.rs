@@ -70,10 +70,22 @@ pub struct AuditEntry {
     pub id: String,
 }
 
+/// Rows imported with their own times: Tito never sets them.
+#[derive(TitoModel, Default, Clone, Debug, Serialize, Deserialize)]
+#[tito(manual_timestamps)]
+pub struct Imported {
+    /// Id.
+    pub id: String,
+    /// Kept as given.
+    pub created_at: i64,
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     assert_eq!(AuditEntry::default().table(), "audit_entry");
     assert_eq!(User::default().table(), "people");
+    assert!(User::default().managed_timestamps());
+    assert!(!Imported::default().managed_timestamps());
     let db = Embedded::temporary().await.unwrap();
     let users = db.model::<User>();
     let joined = DateTime::<Utc>::from_timestamp(0, 0).unwrap();

@@ -149,8 +149,8 @@ impl WorkerConfig {
     /// Refused, with [`TitoError::InvalidArgument`] naming the setting: an empty partition
     /// range or one that starts past the queue's partitions; zero `concurrency`, `page_size` or
     /// `outcome_batch`; a `lease_duration` under [`MIN_LEASE`] (renewals every third of it
-    /// would spin); a zero `handler_timeout`, `maintenance_interval` or `max_idle_backoff`; an
-    /// empty `worker_id`.
+    /// would spin); a zero `handler_timeout`, `maintenance_interval` or `max_idle_backoff`; any
+    /// of those durations over [`MAX_SETTING`]; an empty `worker_id`.
     pub fn check(&self, queue_partitions: u32) -> TitoResult<()> {
         let bad = |what: String| Err(TitoError::invalid_argument(what));
         if self.partitions.is_empty() || self.partitions.start >= queue_partitions {
@@ -185,6 +185,18 @@ impl WorkerConfig {
                 return bad(format!("WorkerConfig::{name} is zero"));
             }
         }
+        for (name, value) in [
+            ("lease_duration", self.lease_duration),
+            ("handler_timeout", self.handler_timeout),
+            ("maintenance_interval", self.maintenance_interval),
+            ("max_idle_backoff", self.max_idle_backoff),
+        ] {
+            if value > MAX_SETTING {
+                return bad(format!(
+                    "WorkerConfig::{name} is {value:?}, over the longest accepted ({MAX_SETTING:?})"
+                ));
+            }
+        }
         if self.worker_id.as_deref() == Some("") {
             return bad("WorkerConfig::worker_id is empty".into());
         }
@@ -194,6 +206,10 @@ impl WorkerConfig {
 
 /// The shortest partition lease accepted.
 pub const MIN_LEASE: Duration = Duration::from_millis(30);
+
+/// The longest duration any worker, cluster or inbox setting accepts (30 days): longer ones are
+/// a mistake, and timers past it would overflow.
+pub const MAX_SETTING: Duration = Duration::from_secs(30 * 24 * 60 * 60);
 
 /// What stops a worker: once it resolves, `run_worker` starts no new pull or handler, drains the
 /// handlers that started (keeping their leases), applies their outcomes, releases its leases and

@@ -128,7 +128,8 @@ impl Pulling {
                     let now_ms = chrono::Utc::now().timestamp_millis().max(0) as u64;
                     let until_due =
                         Duration::from_millis(due.saturating_mul(1000).saturating_sub(now_ms) + 1);
-                    next = next.min(Instant::now() + until_due);
+                    // (Never past the idle backoff: a due time centuries away cannot overflow.)
+                    next = next.min(Instant::now() + until_due.min(self.max_idle_backoff));
                 }
                 state.next_poll = next;
             } else {
