@@ -16,8 +16,8 @@ use tito::{Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, TitoEngine, Tito
 #[derive(TitoModel, Default, Clone, Debug, Serialize, Deserialize)]
 #[tito(unique_index = "by_email: email")]
 #[tito(index = "by_team_created: team, created_at")]
-#[tito(event = "user")] // every write with events publishes a ModelEvent<User> to queue "user"
-struct User {
+#[tito(event = "member")] // every write with events publishes a ModelEvent<Member> to queue "member"
+struct Member {
     id: String,
     email: String,
     team: String,
@@ -33,10 +33,10 @@ async fn main() -> Result<(), TitoError> {
 }
 
 async fn run<E: TitoEngine>(db: E) -> Result<(), TitoError> {
-    let users = db.clone().model::<User>();
+    let members = db.clone().model::<Member>();
     for (id, email) in [("1", "ada@example.com"), ("2", "grace@example.com")] {
-        let (users, team) = (users.clone(), "core".to_string());
-        let user = User {
+        let (members, team) = (members.clone(), "core".to_string());
+        let member = Member {
             id: id.into(),
             email: email.into(),
             team,
@@ -45,15 +45,15 @@ async fn run<E: TitoEngine>(db: E) -> Result<(), TitoError> {
         // The row, its index entries and its event commit together, or not at all.
         db.transaction(|tx| async move {
             let events = TitoOptions::with_events(TitoOperation::Upsert);
-            users.upsert_with_options(user, events, &tx).await
+            members.upsert_with_options(member, events, &tx).await
         })
         .await?;
     }
 
     // Typed queries, one method per index: wrong types do not compile.
-    let ada = users.by_email("ada@example.com").execute().await?;
+    let ada = members.by_email("ada@example.com").execute().await?;
     println!("by email: {:?}", ada.items.first().map(|u| &u.id));
-    let newest = users
+    let newest = members
         .by_team_created("core")
         .reverse(true)
         .limit(Some(10))
@@ -65,14 +65,14 @@ async fn run<E: TitoEngine>(db: E) -> Result<(), TitoError> {
     );
 
     // A worker whose closure is typed by the event.
-    let config = QueueConfig::new(db.partitions(), Duration::from_secs(3600)).topic("user");
+    let config = QueueConfig::new(db.partitions(), Duration::from_secs(3600)).topic("member");
     let queue = Arc::new(Queue::new(db.clone(), config));
     let (done, mut welcomed) = tokio::sync::mpsc::unbounded_channel();
     let (stop, stop_rx) = tokio::sync::watch::channel(false);
     let worker = tokio::spawn(run_worker(
         queue,
         tito::WorkerConfig::new(0..db.partitions()),
-        move |event: QueueEvent<ModelEvent<User>>| {
+        move |event: QueueEvent<ModelEvent<Member>>| {
             let done = done.clone();
             async move {
                 println!("welcome mail to {}", event.payload.row.email);

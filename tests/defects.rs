@@ -21,7 +21,7 @@ use tito::{
 };
 use tokio::sync::watch;
 
-use crate::support::{Ctx, read, wait_for};
+use crate::support::{Ctx, now, pending_total, queue, read, wait_for};
 
 /// Runs every case of this suite on one backend.
 #[macro_export]
@@ -62,27 +62,8 @@ struct Job {
     n: u32,
 }
 
-fn now() -> i64 {
-    chrono::Utc::now().timestamp()
-}
-
-fn queue<E: TitoEngine>(db: &E, partitions: u32) -> Arc<Queue<E>> {
-    Arc::new(Queue::new(
-        db.clone(),
-        QueueConfig::new(partitions, Duration::from_secs(3600)),
-    ))
-}
-
 fn fast(partitions: std::ops::Range<u32>) -> WorkerConfig {
     WorkerConfig::new(partitions).max_idle_backoff(Duration::from_millis(20))
-}
-
-async fn pending_total<E: TitoEngine>(queue: &Queue<E>) -> usize {
-    let mut total = 0;
-    for p in 0..queue.config().partitions {
-        total += queue.pending_count(p).await.unwrap();
-    }
-    total
 }
 
 /// Counts handler runs and the most that ran at once.
@@ -165,20 +146,34 @@ pub async fn defect_1_a_draining_worker_keeps_its_leases<E: TitoEngine>(ctx: Ctx
         slow(&runs, Duration::from_millis(1200)),
         rx,
     ));
+    handed_over_once(&queue, &runs, a, stop_b, b).await;
+    assert_eq!(queue.stats().outcome_failures, 0);
+    assert_eq!(pending_total(&queue).await, 0);
+}
+
+type Worker = tokio::task::JoinHandle<tito::TitoResult<()>>;
+
+/// Waits for the draining worker `a` (its outcome applied), lets `b` (which takes the
+/// partition once `a` released it) look for work a moment, stops it, and checks that the
+/// invocation ran once, never twice at a time.
+async fn handed_over_once<E: TitoEngine>(
+    queue: &Queue<E>,
+    runs: &Runs,
+    a: Worker,
+    stop_b: watch::Sender<bool>,
+    b: Worker,
+) {
     a.await.unwrap().unwrap();
     assert_eq!(
         queue.completed_count().await.unwrap(),
         1,
         "a's outcome applied"
     );
-    // b gets the partition once a released it, and finds nothing left to run.
     tokio::time::sleep(Duration::from_millis(300)).await;
     stop_b.send(true).unwrap();
     b.await.unwrap().unwrap();
     assert_eq!(runs.started(), 1, "the invocation ran once");
     assert_eq!(runs.peak(), 1);
-    assert_eq!(queue.stats().outcome_failures, 0);
-    assert_eq!(pending_total(&queue).await, 0);
 }
 
 fn cluster(name: &str, ttl: Duration) -> ClusterConfig {
@@ -241,16 +236,7 @@ pub async fn defect_1_a_draining_cluster_node_keeps_its_heartbeat<E: TitoEngine>
     })
     .await;
     stop_a.send(true).unwrap();
-    a.await.unwrap().unwrap();
-    assert_eq!(
-        queue.completed_count().await.unwrap(),
-        1,
-        "a's outcome applied"
-    );
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    stop_b.send(true).unwrap();
-    b.await.unwrap().unwrap();
-    assert_eq!(runs.started(), 1, "the invocation ran once");
+    handed_over_once(&queue, &runs, a, stop_b, b).await;
     assert_eq!(queue.stats().outcome_failures, 0);
 }
 
@@ -610,10 +596,15 @@ pub async fn defect_17_bad_worker_settings_are_refused<E: TitoEngine>(ctx: Ctx<E
     tx.rollback().await.unwrap();
 }
 
-fn field(name: &str, kind: TitoIndexBlockType) -> TitoIndexField {
-    TitoIndexField {
+/// An index over one field (a dotted path reaches into objects), for rows where `condition`.
+fn index(name: &str, path: &str, kind: TitoIndexBlockType, condition: bool) -> TitoIndexConfig {
+    TitoIndexConfig {
+        condition,
         name: name.into(),
-        r#type: kind,
+        fields: vec![TitoIndexField {
+            name: path.into(),
+            r#type: kind,
+        }],
     }
 }
 
@@ -633,11 +624,12 @@ impl TitoModelTrait for Account {
         "account".into()
     }
     fn unique_indexes(&self) -> Vec<TitoIndexConfig> {
-        vec![TitoIndexConfig {
-            condition: self.active,
-            name: "by_handle".into(),
-            fields: vec![field("handle", TitoIndexBlockType::String)],
-        }]
+        vec![index(
+            "by_handle",
+            "handle",
+            TitoIndexBlockType::String,
+            self.active,
+        )]
     }
 }
 
@@ -715,18 +707,10 @@ macro_rules! shared_names {
                 $table.into()
             }
             fn indexes(&self) -> Vec<TitoIndexConfig> {
-                vec![TitoIndexConfig {
-                    condition: true,
-                    name: "by_team".into(),
-                    fields: vec![field("team", TitoIndexBlockType::String)],
-                }]
+                vec![index("by_team", "team", TitoIndexBlockType::String, true)]
             }
             fn unique_indexes(&self) -> Vec<TitoIndexConfig> {
-                vec![TitoIndexConfig {
-                    condition: true,
-                    name: "by_email".into(),
-                    fields: vec![field("email", TitoIndexBlockType::String)],
-                }]
+                vec![index("by_email", "email", TitoIndexBlockType::String, true)]
             }
         }
     };
@@ -794,11 +778,12 @@ impl TitoModelTrait for Post {
         "post".into()
     }
     fn indexes(&self) -> Vec<TitoIndexConfig> {
-        vec![TitoIndexConfig {
-            condition: true,
-            name: "by_commenter".into(),
-            fields: vec![field("comments.author_id", TitoIndexBlockType::Integer)],
-        }]
+        vec![index(
+            "by_commenter",
+            "comments.author_id",
+            TitoIndexBlockType::Integer,
+            true,
+        )]
     }
 }
 
@@ -1221,11 +1206,7 @@ impl TitoModelTrait for Blob {
         "blob".into()
     }
     fn indexes(&self) -> Vec<TitoIndexConfig> {
-        vec![TitoIndexConfig {
-            condition: true,
-            name: "by_tag".into(),
-            fields: vec![field("tag", TitoIndexBlockType::String)],
-        }]
+        vec![index("by_tag", "tag", TitoIndexBlockType::String, true)]
     }
 }
 

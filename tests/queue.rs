@@ -19,7 +19,7 @@ use tito::{
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::support::{Ctx, wait_for};
+use crate::support::{Ctx, now, pending_total, queue, wait_for};
 
 /// Runs every case of this suite on one backend.
 #[macro_export]
@@ -56,17 +56,6 @@ macro_rules! queue_suite {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 struct Job {
     n: u32,
-}
-
-fn now() -> i64 {
-    chrono::Utc::now().timestamp()
-}
-
-fn queue<E: TitoEngine>(db: &E, partitions: u32) -> Arc<Queue<E>> {
-    Arc::new(Queue::new(
-        db.clone(),
-        QueueConfig::new(partitions, Duration::from_secs(3600)),
-    ))
 }
 
 fn fast(partitions: std::ops::Range<u32>) -> WorkerConfig {
@@ -122,14 +111,6 @@ fn recorder() -> (
         .boxed()
     };
     (seen, handler)
-}
-
-async fn pending_total<E: TitoEngine>(queue: &Queue<E>) -> usize {
-    let mut total = 0;
-    for p in 0..queue.config().partitions {
-        total += queue.pending_count(p).await.unwrap();
-    }
-    total
 }
 
 async fn drained<E: TitoEngine>(queue: &Arc<Queue<E>>, completed: usize) {

@@ -107,6 +107,31 @@ pub async fn read<E: TitoEngine>(db: &E, key: &[u8]) -> Option<Vec<u8>> {
     value
 }
 
+/// The host's time in Unix seconds (a queue event's timestamp for "now").
+#[allow(dead_code)]
+pub fn now() -> i64 {
+    chrono::Utc::now().timestamp()
+}
+
+/// A queue with `partitions` partitions that keeps completed rows an hour.
+#[allow(dead_code)]
+pub fn queue<E: TitoEngine>(db: &E, partitions: u32) -> Arc<tito::Queue<E>> {
+    Arc::new(tito::Queue::new(
+        db.clone(),
+        tito::QueueConfig::new(partitions, Duration::from_secs(3600)),
+    ))
+}
+
+/// Pending invocations over every partition of a queue.
+#[allow(dead_code)]
+pub async fn pending_total<E: TitoEngine>(queue: &tito::Queue<E>) -> usize {
+    let mut total = 0;
+    for p in 0..queue.config().partitions {
+        total += queue.pending_count(p).await.unwrap();
+    }
+    total
+}
+
 /// Waits for a condition, polling, up to a bound; panics with `what` when it never holds.
 #[allow(dead_code)]
 pub async fn wait_for<F, Fut>(what: &str, bound: Duration, mut check: F)

@@ -170,30 +170,29 @@ impl WorkerConfig {
                 ));
             }
         }
-        if self.lease_duration < MIN_LEASE {
-            return bad(format!(
-                "WorkerConfig::lease_duration is {:?}; it must be at least {MIN_LEASE:?}",
-                self.lease_duration
-            ));
-        }
-        for (name, value) in [
-            ("handler_timeout", self.handler_timeout),
-            ("maintenance_interval", self.maintenance_interval),
-            ("max_idle_backoff", self.max_idle_backoff),
+        // (name, value, shortest accepted): the lease is renewed every third of itself.
+        for (name, value, shortest) in [
+            ("lease_duration", self.lease_duration, MIN_LEASE),
+            (
+                "handler_timeout",
+                self.handler_timeout,
+                Duration::from_nanos(1),
+            ),
+            (
+                "maintenance_interval",
+                self.maintenance_interval,
+                Duration::from_nanos(1),
+            ),
+            (
+                "max_idle_backoff",
+                self.max_idle_backoff,
+                Duration::from_nanos(1),
+            ),
         ] {
-            if value.is_zero() {
-                return bad(format!("WorkerConfig::{name} is zero"));
-            }
-        }
-        for (name, value) in [
-            ("lease_duration", self.lease_duration),
-            ("handler_timeout", self.handler_timeout),
-            ("maintenance_interval", self.maintenance_interval),
-            ("max_idle_backoff", self.max_idle_backoff),
-        ] {
-            if value > MAX_SETTING {
+            if value < shortest || value > MAX_SETTING {
                 return bad(format!(
-                    "WorkerConfig::{name} is {value:?}, over the longest accepted ({MAX_SETTING:?})"
+                    "WorkerConfig::{name} is {value:?}; it must be more than zero, at least \
+                     {shortest:?} and at most {MAX_SETTING:?}"
                 ));
             }
         }
