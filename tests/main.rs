@@ -12,6 +12,7 @@ mod derive;
 mod embedded;
 mod engine_conformance;
 mod engine_embedded;
+mod engine_memory;
 mod engine_tikv;
 mod inbox;
 mod kv;

@@ -1,5 +1,5 @@
-//! The feature suites (models, derive, queue, cluster, kv, inbox, defects) on every backend: one line per
-//! suite.
+//! The feature suites (models, derive, queue, cluster, kv, inbox, defects) on every backend
+//! (embedded, TiKV through the test server, memory): one line per suite.
 
 mod embedded {
     mod models {
@@ -46,5 +46,29 @@ mod tikv {
     }
     mod defects {
         crate::defects_suite!(crate::support::TikvBackend);
+    }
+}
+
+mod memory {
+    mod models {
+        crate::models_suite!(crate::support::MemoryBackend);
+    }
+    mod derive {
+        crate::derive_suite!(crate::support::MemoryBackend);
+    }
+    mod queue {
+        crate::queue_suite!(crate::support::MemoryBackend);
+    }
+    mod kv {
+        crate::kv_suite!(crate::support::MemoryBackend);
+    }
+    mod cluster {
+        crate::cluster_suite!(crate::support::MemoryBackend);
+    }
+    mod inbox {
+        crate::inbox_suite!(crate::support::MemoryBackend);
+    }
+    mod defects {
+        crate::defects_suite!(crate::support::MemoryBackend);
     }
 }

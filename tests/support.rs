@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tito::backend::embedded::Embedded;
+use tito::backend::memory::Memory;
 use tito::backend::tikv::TiKV;
 use tito::{TitoEngine, TitoTransaction};
 use tito_tikv_test_server::TestCluster;
@@ -42,6 +43,20 @@ impl Backend for EmbeddedBackend {
             .expect("open a temporary embedded store");
         Some(Ctx {
             db,
+            ns: "t:".into(),
+            cluster: None,
+        })
+    }
+}
+
+/// The in-memory engine, on the host clock.
+pub struct MemoryBackend;
+
+impl Backend for MemoryBackend {
+    type Engine = Memory;
+    async fn make() -> Option<Ctx<Memory>> {
+        Some(Ctx {
+            db: Memory::new(),
             ns: "t:".into(),
             cluster: None,
         })

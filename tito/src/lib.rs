@@ -6,7 +6,8 @@
 //!
 //! - [`engine`]: the storage contract ([`TitoEngine`], [`TitoTransaction`]), transactions with
 //!   replay on conflict, and a fault-injecting wrapper for tests.
-//! - [`backend`]: the engines: [`backend::embedded::Embedded`] and [`backend::tikv::TiKV`].
+//! - [`backend`]: the engines: [`backend::embedded::Embedded`], [`backend::tikv::TiKV`], and
+//!   [`backend::memory::Memory`] for unit tests and simulation.
 //! - [`keys`]: the key layout and its order-preserving encodings.
 //! - [`model`]: models with sparse, composite and unique indexes, integrity manifests and index
 //!   queries with cursors; `#[derive(TitoModel)]` ([`TitoModel`](derive@TitoModel)) writes the impl and typed

@@ -1,7 +1,8 @@
-//! The storage backends: [`embedded`] (a local durable store, no server) and [`tikv`] (a TiKV
-//! cluster). Both implement [`TitoEngine`](crate::TitoEngine); code written against the trait
-//! runs on either.
+//! The storage backends: [`embedded`] (a local durable store, no server), [`tikv`] (a TiKV
+//! cluster) and [`memory`] (in memory: unit tests and simulation). All implement
+//! [`TitoEngine`](crate::TitoEngine); code written against the trait runs on any of them.
 
 pub mod embedded;
+pub mod memory;
 #[cfg(feature = "tikv")]
 pub mod tikv;
