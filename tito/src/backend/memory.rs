@@ -312,8 +312,13 @@ impl TitoEngine for Memory {
                 .unwrap_or(0);
             versions.drain(..keep_from);
             versions.retain(|v| !(v.lock_only && v.commit < horizon));
-            !(versions.len() == 1 && versions[0].value.is_none() && versions[0].commit < horizon)
-                && !versions.is_empty()
+            // A key whose only version is an old delete is gone for every snapshot.
+            let gone = match versions.as_slice() {
+                [] => true,
+                [only] => only.value.is_none() && only.commit < horizon,
+                _ => false,
+            };
+            !gone
         });
         Ok(state.safe_point)
     }
