@@ -978,6 +978,7 @@ async fn handle<E, M, P, F, Fut>(
     let extend_every = config.lease / 3;
     let result = loop {
         tokio::select! {
+            biased;
             result = &mut work => break result,
             _ = tokio::time::sleep(extend_every) => {
                 match inbox.extend(&config, &claim).await {

@@ -648,6 +648,7 @@ impl<E: TitoEngine> Kv<E> {
             };
             let pause = if full { Duration::ZERO } else { interval };
             tokio::select! {
+                biased;
                 _ = &mut shutdown => return,
                 _ = tokio::time::sleep(pause) => {}
             }

@@ -30,6 +30,7 @@ pub struct RetryPolicy {
     max_attempts: u32,
     initial_backoff: Duration,
     max_backoff: Duration,
+    jitter_seed: Option<u64>,
 }
 
 impl Default for RetryPolicy {
@@ -39,6 +40,7 @@ impl Default for RetryPolicy {
             max_attempts: 10,
             initial_backoff: Duration::from_millis(2),
             max_backoff: Duration::from_millis(250),
+            jitter_seed: None,
         }
     }
 }
@@ -67,6 +69,13 @@ impl RetryPolicy {
         self
     }
 
+    /// Draws the jitter from a fixed sequence of `seed` instead of the process's randomness, so
+    /// a run under simulated time repeats exactly.
+    pub fn jitter_seed(mut self, seed: u64) -> Self {
+        self.jitter_seed = Some(seed);
+        self
+    }
+
     /// How many times the closure may run in all.
     pub fn attempts(&self) -> u32 {
         self.max_attempts
@@ -84,8 +93,20 @@ impl RetryPolicy {
             return Duration::ZERO;
         }
         let half = nanos / 2;
-        Duration::from_nanos(half + random_u64() % (nanos - half).max(1))
+        let random = match self.jitter_seed {
+            Some(seed) => splitmix(seed ^ u64::from(attempt)),
+            None => random_u64(),
+        };
+        Duration::from_nanos(half + random % (nanos - half).max(1))
     }
+}
+
+/// splitmix64's finalizer: a well-spread number from a seed.
+fn splitmix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
 }
 
 /// A random number from the standard library's randomly keyed hasher: enough for jitter, and

@@ -51,6 +51,8 @@ pub(crate) struct PullResult {
     pub exhausted: bool,
     /// When the pass ended: the due time (Unix seconds) of the first row after the boundary.
     pub next_due: Option<u64>,
+    /// The engine's time (Unix ms) of the pull, to wait for `next_due` by.
+    pub now_ms: u64,
 }
 
 impl Cursor {
@@ -70,7 +72,10 @@ impl Cursor {
         in_flight: &HashMap<String, u32>,
         stats: &QueueCounters,
     ) -> TitoResult<PullResult> {
-        let mut result = PullResult::default();
+        let mut result = PullResult {
+            now_ms: engine::version_millis(tx.start_version()),
+            ..PullResult::default()
+        };
         let partition_prefix = keys::pending_partition_prefix(root, self.partition);
         while result.items.len() < want {
             let pass = self.pass.get_or_insert_with(|| Pass {

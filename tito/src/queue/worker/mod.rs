@@ -572,6 +572,7 @@ fn spawn_maintenance<E: TitoEngine>(
                 tokio::task::yield_now().await;
             } else {
                 tokio::select! {
+                    biased;
                     _ = tokio::time::sleep(interval) => {}
                     // Losing and regaining the role within an interval runs a pass at once.
                     _ = maintenance.started() => {}

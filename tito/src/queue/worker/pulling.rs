@@ -124,10 +124,11 @@ impl Pulling {
                 state.backoff = (state.backoff * 2).min(self.max_idle_backoff);
                 let mut next = Instant::now() + state.backoff;
                 if let Some(due) = pulled.next_due {
-                    // Wake at the due second exactly (plus a millisecond), not a whole second late.
-                    let now_ms = chrono::Utc::now().timestamp_millis().max(0) as u64;
-                    let until_due =
-                        Duration::from_millis(due.saturating_mul(1000).saturating_sub(now_ms) + 1);
+                    // Wake at the due second exactly (plus a millisecond), not a whole second late,
+                    // by the engine's clock (the one the runnable boundary is read from).
+                    let until_due = Duration::from_millis(
+                        due.saturating_mul(1000).saturating_sub(pulled.now_ms) + 1,
+                    );
                     // (Never past the idle backoff: a due time centuries away cannot overflow.)
                     next = next.min(Instant::now() + until_due.min(self.max_idle_backoff));
                 }
