@@ -26,9 +26,10 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tito::backend::memory::{Memory, MemoryClock, MemoryOptions};
 use tito::engine::{Fault, FaultPoint, FaultRule, FaultyEngine};
+use tito::inbox::{Inbox, InboxClaim, InboxClock, InboxConfig, InboxOutcome};
 use tito::kv::Kv;
 use tito::model::TitoOptions;
-use tito::queue::run_worker;
+use tito::queue::{ClusterConfig, cluster_state, run_cluster_worker, run_worker};
 use tito::{
     Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, QueueOwner, RetryPolicy, TitoEngine,
     TitoError, TitoModel, TitoTransaction, WorkerConfig,
@@ -44,6 +45,10 @@ const PARTITIONS: u32 = 4;
 const LEASE: Duration = Duration::from_millis(300);
 const HANDLER_TIMEOUT: Duration = Duration::from_secs(1);
 const WORKER_SLOTS: usize = 3;
+const NODE_SLOTS: usize = 3;
+const NODE_TTL: Duration = Duration::from_millis(600);
+/// The queue the cluster nodes run (the standalone workers run the default one).
+const CLUSTER_TOPIC: &str = "c";
 
 /// The one source of randomness: splitmix64 from the seed.
 struct Rng(u64);
@@ -102,6 +107,25 @@ struct Account {
     handle: String,
 }
 
+/// An inbox row: no `locked_until` role (the lease lives in its own key), attempts counted,
+/// dead letters to group "dead".
+#[derive(TitoModel, Default, Clone, Debug, Serialize, Deserialize)]
+#[tito(inbox)]
+#[tito(table = "sim_task")]
+struct SimTask {
+    id: String,
+    #[tito(group)]
+    group: String,
+    #[tito(priority)]
+    priority: i64,
+    #[tito(retry_after)]
+    retry_after: i64,
+    #[tito(attempt)]
+    attempt: i64,
+    #[tito(processed_at)]
+    processed_at: Option<i64>,
+}
+
 /// What the handlers saw, shared with the checker.
 #[derive(Default)]
 struct Tracker {
@@ -111,16 +135,53 @@ struct Tracker {
     running: BTreeMap<u32, u32>,
     /// Times a run started while another run of the same event was in progress.
     overlaps: u32,
+    /// Who runs each event now, and what each overlap was.
+    holders: BTreeMap<u32, Vec<(String, u128)>>,
+    /// When the last clock jump ended: a jump longer than a lease makes every holder miss its
+    /// renewal, so a run that started before it has no live holder after it.
+    last_jump: Option<u128>,
+    /// Overlaps whose earlier run lost its holder to a clock jump (allowed, counted).
+    excused: u32,
+    details: Vec<String>,
+    /// Every run's start and end, with the simulated time (printed by `replay`).
+    log: Vec<String>,
+    /// When the simulation started.
+    start: Option<tokio::time::Instant>,
+}
+
+impl Tracker {
+    fn new(start: tokio::time::Instant) -> Arc<Mutex<Tracker>> {
+        Arc::new(Mutex::new(Tracker {
+            start: Some(start),
+            ..Tracker::default()
+        }))
+    }
+
+    fn now(&self) -> u128 {
+        self.start.map_or(0, sim_ms)
+    }
+}
+
+/// Milliseconds of simulated time since the simulation started.
+fn sim_ms(start: tokio::time::Instant) -> u128 {
+    start.elapsed().as_millis()
 }
 
 /// Ends a run in the tracker however the handler ends (returns, panics, is cancelled).
-struct Live(Arc<Mutex<Tracker>>, u32);
+struct Live(Arc<Mutex<Tracker>>, u32, String);
 
 impl Drop for Live {
     fn drop(&mut self) {
         let mut tracker = self.0.lock().unwrap();
         if let Some(live) = tracker.running.get_mut(&self.1) {
             *live -= 1;
+        }
+        let line = format!("{} end {} on {}", tracker.now(), self.1, self.2);
+        tracker.log.push(line);
+        if let Some(holders) = tracker.holders.get_mut(&self.1)
+            && let Some(at) = holders.iter().position(|(h, _)| *h == self.2)
+        {
+            holders.remove(at);
         }
     }
 }
@@ -129,12 +190,13 @@ type Db = FaultyEngine<Memory>;
 
 fn handler(
     tracker: Arc<Mutex<Tracker>>,
+    who: String,
 ) -> impl Fn(QueueEvent<Job>) -> futures::future::BoxFuture<'static, tito::QueueHandlerResult<Job>>
 + Send
 + Sync
 + 'static {
     move |event: QueueEvent<Job>| {
-        let tracker = tracker.clone();
+        let (tracker, who) = (tracker.clone(), who.clone());
         Box::pin(async move {
             let n = event.payload.n;
             let attempt = {
@@ -144,12 +206,33 @@ fn handler(
                 let attempt = *runs;
                 let live = t.running.entry(n).or_default();
                 *live += 1;
-                if *live > 1 {
+                let overlapping = *live > 1;
+                let line = format!(
+                    "{} start {n} ({:?}) on {who}",
+                    t.now(),
+                    event.payload.behaviour
+                );
+                t.log.push(line);
+                let (last_jump, now) = (t.last_jump, t.now());
+                let holders = t.holders.entry(n).or_default();
+                let excused = holders
+                    .iter()
+                    .all(|(_, started)| last_jump.is_some_and(|jump| *started < jump));
+                holders.push((who.clone(), now));
+                if overlapping && excused {
+                    t.excused += 1;
+                } else if overlapping {
+                    let detail = format!(
+                        "event {n} started on {who} at {:?} while running on {:?}",
+                        tokio::time::Instant::now(),
+                        holders
+                    );
+                    t.details.push(detail);
                     t.overlaps += 1;
                 }
                 attempt
             };
-            let _live = Live(tracker.clone(), n);
+            let _live = Live(tracker.clone(), n, who.clone());
             match event.payload.behaviour {
                 Behaviour::FailOnce if attempt == 1 => {
                     return Err(TitoError::handler("fails at its first attempt"));
@@ -178,6 +261,27 @@ struct Worker {
     task: JoinHandle<tito::TitoResult<()>>,
 }
 
+fn start_node(queue: &Arc<Queue<Db>>, tracker: &Arc<Mutex<Tracker>>, id: String) -> Worker {
+    let (stop, rx) = watch::channel(false);
+    let config = WorkerConfig::new(0..PARTITIONS)
+        .handler_timeout(HANDLER_TIMEOUT)
+        .max_idle_backoff(Duration::from_millis(50))
+        .concurrency(4);
+    let cluster = ClusterConfig::new()
+        .node_id(id.clone())
+        .node_ttl(NODE_TTL)
+        .coordinator_ttl(NODE_TTL)
+        .drop_after(NODE_TTL);
+    let task = tokio::spawn(run_cluster_worker(
+        queue.clone(),
+        config,
+        cluster,
+        handler(tracker.clone(), id),
+        rx,
+    ));
+    Worker { stop, task }
+}
+
 fn start_worker(queue: &Arc<Queue<Db>>, tracker: &Arc<Mutex<Tracker>>, id: String) -> Worker {
     let (stop, rx) = watch::channel(false);
     let config = WorkerConfig::new(0..PARTITIONS)
@@ -185,11 +289,11 @@ fn start_worker(queue: &Arc<Queue<Db>>, tracker: &Arc<Mutex<Tracker>>, id: Strin
         .handler_timeout(HANDLER_TIMEOUT)
         .max_idle_backoff(Duration::from_millis(50))
         .concurrency(4)
-        .worker_id(id);
+        .worker_id(id.clone());
     let task = tokio::spawn(run_worker(
         queue.clone(),
         config,
-        handler(tracker.clone()),
+        handler(tracker.clone(), id),
         rx,
     ));
     Worker { stop, task }
@@ -215,23 +319,57 @@ pub struct Report {
     pub published: usize,
     pub handler_runs: u32,
     pub violations: Vec<String>,
+    pub trace: Vec<String>,
+    pub log: Vec<String>,
+}
+
+/// One queue of the simulation and what was published to it.
+struct SimQueue {
+    queue: Arc<Queue<Db>>,
+    tracker: Arc<Mutex<Tracker>>,
+    /// Event id -> (its job, what is known of its publication).
+    events: BTreeMap<String, (Job, Publication)>,
+}
+
+/// A claim an inbox claimer holds, with its lease's end (engine ms).
+struct Held {
+    claimer: u64,
+    claim: InboxClaim,
+    id: String,
+    until_ms: u64,
 }
 
 struct Sim {
     rng: Rng,
+    start: tokio::time::Instant,
     db: Db,
-    queue: Arc<Queue<Db>>,
+    /// 0: the standalone workers' queue; 1: the cluster's.
+    queues: [SimQueue; 2],
     kv: Kv<Db>,
-    tracker: Arc<Mutex<Tracker>>,
+    inbox: Inbox<Db, SimTask>,
     workers: Vec<Option<Worker>>,
+    nodes: Vec<Option<Worker>>,
     generation: u32,
     trace: Vec<String>,
     checks: u64,
     violations: Vec<String>,
-    /// Event id -> (its job, what is known of its publication).
-    events: BTreeMap<String, (Job, Publication)>,
     next_event: u32,
     increments: (u64, u64),
+    /// The versions of successful compare-and-sets, in order.
+    cas_versions: Vec<u64>,
+    cas_unknown: usize,
+    tasks: u32,
+    held: Vec<Held>,
+    /// Rows whose `Drop` outcome applied (deleted).
+    dropped: BTreeSet<String>,
+}
+
+fn inbox_config() -> InboxConfig<Db, SimTask> {
+    InboxConfig::new("g")
+        .lease(LEASE)
+        .max_attempts(3)
+        .clock(InboxClock::Engine)
+        .dead_letter(tito::inbox::DeadLetter::Group("dead".into()))
 }
 
 impl Sim {
@@ -248,8 +386,9 @@ impl Sim {
     }
 
     async fn publish(&mut self, step: u32) -> String {
-        let (n, again) = match self.events.keys().last().cloned() {
-            Some(last) if self.rng.chance(15) => (self.events[&last].0.n, Some(last)),
+        let which = self.rng.below(2) as usize;
+        let (n, again) = match self.queues[which].events.keys().last().cloned() {
+            Some(last) if self.rng.chance(15) => (self.queues[which].events[&last].0.n, Some(last)),
             _ => {
                 self.next_event += 1;
                 (self.next_event, None)
@@ -257,7 +396,7 @@ impl Sim {
         };
         let id = again.clone().unwrap_or_else(|| format!("e{n:05}"));
         let job = match &again {
-            Some(id) => self.events[id].0.clone(),
+            Some(id) => self.queues[which].events[id].0.clone(),
             None => {
                 let later = if self.rng.chance(20) {
                     1 + self.rng.below(3) as i64
@@ -278,7 +417,10 @@ impl Sim {
         }
         let with_model = self.rng.chance(30);
         let result = if with_model {
-            let (queue, accounts) = (self.queue.clone(), self.db.clone().model::<Account>());
+            let (queue, accounts) = (
+                self.queues[which].queue.clone(),
+                self.db.clone().model::<Account>(),
+            );
             let account = Account {
                 id: format!("pub-{n}"),
                 handle: format!("h{}", self.rng.below(6)),
@@ -300,54 +442,174 @@ impl Sim {
                 })
                 .await
         } else {
-            self.queue.publish(event).await
+            self.queues[which].queue.publish(event).await
         };
         let outcome = match &result {
             Ok(published) => {
-                let known = self.events.get(&id).map(|(_, p)| *p);
+                let known = self.queues[which].events.get(&id).map(|(_, p)| *p);
+                // Whatever was known, the id's publication is now certain.
+                self.queues[which]
+                    .events
+                    .insert(id.clone(), (job, Publication::Certain));
+                let duplicate = published.duplicate;
                 if known == Some(Publication::Certain) {
-                    self.check(published.duplicate, || {
+                    self.check(duplicate, || {
                         format!("step {step}: {id} published twice while live")
                     });
                 }
-                if !published.duplicate || known.is_none() {
-                    self.events.insert(id.clone(), (job, Publication::Certain));
-                } else if known == Some(Publication::Maybe) {
-                    self.events.insert(id.clone(), (job, Publication::Certain));
-                }
-                if published.duplicate {
-                    "duplicate"
-                } else {
-                    "new"
-                }
-                .to_string()
+                if duplicate { "duplicate" } else { "new" }.to_string()
             }
             Err(TitoError::CommitOutcomeUnknown { .. }) => {
-                self.events
+                self.queues[which]
+                    .events
                     .entry(id.clone())
                     .or_insert((job, Publication::Maybe));
                 "unknown".to_string()
             }
             Err(err) => error_kind(err),
         };
-        format!("publish {id} model={with_model} {outcome}")
+        format!("publish q{which} {id} model={with_model} {outcome}")
     }
 
-    async fn stop_worker(&mut self, slot: usize) -> String {
-        let Some(worker) = self.workers[slot].take() else {
+    async fn stop_worker(&mut self, slot: usize, node: bool) -> String {
+        let taken = if node {
+            self.nodes[slot].take()
+        } else {
+            self.workers[slot].take()
+        };
+        let Some(worker) = taken else {
             return "stop none".into();
         };
         worker.stop.send(true).ok();
         let joined = tokio::time::timeout(HANDLER_TIMEOUT * 20, worker.task).await;
         let ok = matches!(joined, Ok(Ok(Ok(()))));
         self.check(ok, || {
-            format!("worker {slot} did not stop cleanly: {joined:?}")
+            format!("worker {slot} (node: {node}) did not stop cleanly: {joined:?}")
         });
-        format!("stop w{slot} {ok}")
+        format!("stop {}{slot} {ok}", if node { "n" } else { "w" })
     }
 
+    async fn now_ms(&self) -> u64 {
+        tito::engine::version_millis(self.db.inner().current_version().await.unwrap())
+    }
+
+    async fn add_task(&mut self) -> String {
+        self.tasks += 1;
+        let task = SimTask {
+            id: format!("t{:04}", self.tasks),
+            group: "g".into(),
+            priority: self.rng.below(3) as i64,
+            ..SimTask::default()
+        };
+        match self.db.clone().model::<SimTask>().build(task).await {
+            Ok(_) => format!("task t{:04}", self.tasks),
+            Err(err) => format!("task t{:04} {}", self.tasks, error_kind(&err)),
+        }
+    }
+
+    async fn claim(&mut self, step: u32) -> String {
+        let claimer = self.rng.below(2);
+        let config = inbox_config();
+        let claimed = match self.inbox.claim::<serde_json::Value>(&config, 2).await {
+            Ok(claimed) => claimed,
+            Err(err) => return format!("claim c{claimer} {}", error_kind(&err)),
+        };
+        let now = self.now_ms().await;
+        let mut ids = Vec::new();
+        for (claim, delivery) in claimed {
+            let live_elsewhere = self
+                .held
+                .iter()
+                .any(|h| h.id == delivery.id && h.until_ms > now);
+            self.check(!live_elsewhere, || {
+                format!(
+                    "step {step}: row {} handed to a second live claim",
+                    delivery.id
+                )
+            });
+            ids.push(delivery.id.clone());
+            self.held.push(Held {
+                claimer,
+                claim,
+                id: delivery.id,
+                until_ms: now + LEASE.as_millis() as u64,
+            });
+        }
+        format!("claim c{claimer} {ids:?}")
+    }
+
+    async fn complete(&mut self) -> String {
+        if self.held.is_empty() {
+            return "complete none".into();
+        }
+        let held = self
+            .held
+            .remove(self.rng.below(self.held.len() as u64) as usize);
+        let outcome = match self.rng.below(4) {
+            0 => InboxOutcome::Ack,
+            1 => InboxOutcome::Retry,
+            2 => InboxOutcome::RetryAfter(Duration::from_millis(self.rng.below(500))),
+            _ => InboxOutcome::Drop,
+        };
+        let result = self
+            .inbox
+            .complete(&inbox_config(), &held.claim, outcome)
+            .await;
+        if matches!(result, Ok(true)) && outcome == InboxOutcome::Drop {
+            self.dropped.insert(held.id.clone());
+        }
+        let result = match result {
+            Ok(applied) => applied.to_string(),
+            Err(err) => error_kind(&err),
+        };
+        format!(
+            "complete c{} {} {outcome:?} {result}",
+            held.claimer, held.id
+        )
+    }
+
+    async fn compare_and_set(&mut self) -> String {
+        let current = match self.kv.get("sim", "cas").await {
+            Ok(current) => current,
+            Err(err) => return format!("cas read {}", error_kind(&err)),
+        };
+        let expected = current.as_ref().map_or(0, |e| e.version);
+        let next = current
+            .and_then(|e| e.value.as_i64())
+            .unwrap_or(0)
+            .saturating_add(1);
+        match self.kv.put("sim", "cas", &next, Some(expected), None).await {
+            Ok(version) => {
+                let last = self.cas_versions.last().copied();
+                self.check(last.is_none_or(|last| version > last), || {
+                    format!("cas version {version} after {last:?}")
+                });
+                self.cas_versions.push(version);
+                "cas ok".into()
+            }
+            Err(TitoError::CommitOutcomeUnknown { .. }) => {
+                self.cas_unknown += 1;
+                "cas unknown".into()
+            }
+            Err(err) => format!("cas {}", error_kind(&err)),
+        }
+    }
+
+    /// One fault rule. Failures hit the data the workload writes and reads (rows, queue rows,
+    /// kv), never lease renewals or heartbeats: a holder that cannot renew for a whole lease is
+    /// no longer alive, and the overlap invariant only speaks of live holders. Delays (up to
+    /// 30 ms, under a third of a lease) hit any scan, renewing workers' included.
     fn fault(&mut self) -> String {
+        const DATA: [&str; 6] = [
+            "queue:pending:",
+            "queue:completed:",
+            "queue@c:pending:",
+            "queue@c:completed:",
+            "table:",
+            "kv:",
+        ];
         let skip = self.rng.below(12);
+        let data = DATA[self.rng.below(DATA.len() as u64) as usize];
         let (point, fault) = match self.rng.below(6) {
             0 => (FaultPoint::Commit, Fault::Conflict),
             1 => (FaultPoint::Commit, Fault::UnknownOutcomeCommitted),
@@ -356,13 +618,17 @@ impl Sim {
             4 => (FaultPoint::Get, Fault::Storage),
             _ => (
                 FaultPoint::Scan,
-                Fault::Delay(Duration::from_millis(1 + self.rng.below(60))),
+                Fault::Delay(Duration::from_millis(1 + self.rng.below(30))),
             ),
         };
-        self.db
-            .faults()
-            .add(FaultRule::new(point, fault).skip(skip));
-        format!("fault {point:?} {fault:?} after {skip}")
+        let rule = FaultRule::new(point, fault).skip(skip);
+        let rule = if point == FaultPoint::Scan {
+            rule
+        } else {
+            rule.when_key_starts_with(data)
+        };
+        self.db.faults().add(rule);
+        format!("fault {point:?} {fault:?} after {skip} on {data}")
     }
 
     async fn increment(&mut self) -> String {
@@ -411,87 +677,164 @@ impl Sim {
 
     async fn step(&mut self, step: u32) {
         let roll = self.rng.below(100);
+        let started = sim_ms(self.start);
         let line = match roll {
             0..=29 => self.publish(step).await,
-            30..=39 => match self.workers.iter().position(Option::is_none) {
-                Some(slot) => {
-                    self.generation += 1;
-                    let id = format!("w{slot}.{}", self.generation);
-                    self.workers[slot] = Some(start_worker(&self.queue, &self.tracker, id));
-                    format!("start w{slot}")
+            30..=37 => {
+                let node = self.rng.chance(50);
+                let slots = if node { &self.nodes } else { &self.workers };
+                match slots.iter().position(Option::is_none) {
+                    Some(slot) => {
+                        self.generation += 1;
+                        if node {
+                            // A restarted node is a new member (a new id, as a new pod would be).
+                            let id = format!("n{slot}.{}", self.generation);
+                            let q = &self.queues[1];
+                            self.nodes[slot] = Some(start_node(&q.queue, &q.tracker, id));
+                        } else {
+                            let id = format!("w{slot}.{}", self.generation);
+                            let q = &self.queues[0];
+                            self.workers[slot] = Some(start_worker(&q.queue, &q.tracker, id));
+                        }
+                        format!("start {}{slot}", if node { "n" } else { "w" })
+                    }
+                    None => "start none".into(),
                 }
-                None => "start none".into(),
-            },
-            40..=45 => {
-                let slot = self.rng.below(WORKER_SLOTS as u64) as usize;
-                self.stop_worker(slot).await
             }
-            46..=50 => {
-                let slot = self.rng.below(WORKER_SLOTS as u64) as usize;
-                match self.workers[slot].take() {
+            38..=42 => {
+                let node = self.rng.chance(50);
+                let slot = self.rng.below(WORKER_SLOTS.min(NODE_SLOTS) as u64) as usize;
+                self.stop_worker(slot, node).await
+            }
+            43..=46 => {
+                let node = self.rng.chance(50);
+                let slot = self.rng.below(WORKER_SLOTS.min(NODE_SLOTS) as u64) as usize;
+                let taken = if node {
+                    self.nodes[slot].take()
+                } else {
+                    self.workers[slot].take()
+                };
+                match taken {
                     Some(worker) => {
                         worker.task.abort();
-                        format!("crash w{slot}")
+                        format!("crash {}{slot}", if node { "n" } else { "w" })
                     }
                     None => "crash none".into(),
                 }
             }
-            51..=60 => self.fault(),
-            61..=67 => self.increment().await,
-            68..=71 => self.unique_race(step).await,
+            47..=54 => self.fault(),
+            55..=58 => self.increment().await,
+            59..=61 => self.compare_and_set().await,
+            62..=64 => self.unique_race(step).await,
+            65..=68 => self.add_task().await,
+            69..=72 => self.claim(step).await,
+            73..=76 => self.complete().await,
+            77 => {
+                // A clock jump: everything due in the next two seconds is due at once.
+                // Recorded first: the runtime runs other tasks inside `advance`.
+                for queue in &self.queues {
+                    let mut tracker = queue.tracker.lock().unwrap();
+                    tracker.last_jump = Some(tracker.now() + 2000);
+                }
+                tokio::time::advance(Duration::from_secs(2)).await;
+                "jump 2s".into()
+            }
             _ => {
                 let pause = 1 + self.rng.below(400);
                 tokio::time::sleep(Duration::from_millis(pause)).await;
                 format!("sleep {pause}")
             }
         };
-        self.trace.push(format!("{step} {line}"));
+        self.trace.push(format!("{step} {line} @{started}"));
     }
 
-    /// Stops everything, lets one clean worker drain the queue, and checks the end state.
+    /// Stops everything, lets one clean worker and two clean nodes drain the queues, and checks
+    /// the end state.
     async fn finish(&mut self) {
         self.db.faults().clear();
         for slot in 0..WORKER_SLOTS {
-            if self.workers[slot].is_some() {
-                self.stop_worker(slot).await;
-            }
+            self.stop_worker(slot, false).await;
         }
-        let drainer = start_worker(&self.queue, &self.tracker, "drainer".into());
+        for slot in 0..NODE_SLOTS {
+            self.stop_worker(slot, true).await;
+        }
+        let q = &self.queues[0];
+        let drainer = start_worker(&q.queue, &q.tracker, "drainer".into());
+        let q = &self.queues[1];
+        let nodes = [
+            start_node(&q.queue, &q.tracker, "final-a".into()),
+            start_node(&q.queue, &q.tracker, "final-b".into()),
+        ];
         let mut waited = Duration::ZERO;
-        while pending_total(&self.queue).await > 0 && waited < Duration::from_secs(120) {
+        loop {
+            let pending = pending_total(&self.queues[0].queue).await
+                + pending_total(&self.queues[1].queue).await;
+            if pending == 0 || waited >= Duration::from_secs(120) {
+                break;
+            }
             tokio::time::sleep(Duration::from_millis(200)).await;
             waited += Duration::from_millis(200);
         }
-        drainer.stop.send(true).ok();
-        let joined = tokio::time::timeout(HANDLER_TIMEOUT * 20, drainer.task).await;
-        self.check(matches!(joined, Ok(Ok(Ok(())))), || {
-            "the drainer did not stop cleanly".into()
+        // Balance once membership is stable: P/N leases per node.
+        tokio::time::sleep(NODE_TTL * 3).await;
+        let state = cluster_state(&self.queues[1].queue).await.unwrap();
+        let mut held: BTreeMap<&str, u32> = BTreeMap::new();
+        for owner in state.leases.values() {
+            *held.entry(owner.as_str()).or_default() += 1;
+        }
+        let balanced = state.leases.len() == PARTITIONS as usize
+            && held.len() == 2
+            && held.values().all(|n| *n == PARTITIONS / 2);
+        self.check(balanced, || {
+            format!("stable cluster leases not balanced: {:?}", state.leases)
         });
-        let pending = pending_total(&self.queue).await;
-        self.check(pending == 0, || {
-            format!("{pending} invocations still pending")
-        });
+        for worker in std::iter::once(drainer).chain(nodes) {
+            worker.stop.send(true).ok();
+            let joined = tokio::time::timeout(HANDLER_TIMEOUT * 20, worker.task).await;
+            self.check(matches!(joined, Ok(Ok(Ok(())))), || {
+                "a final worker did not stop cleanly".into()
+            });
+        }
+        for which in 0..2 {
+            self.check_queue(which).await;
+        }
+        self.check_models_and_kv().await;
+        self.check_inbox().await;
+    }
 
+    async fn check_queue(&mut self, which: usize) {
+        let queue = self.queues[which].queue.clone();
+        let root = if which == 0 {
+            "queue".to_string()
+        } else {
+            tito::keys::queue_root(Some(CLUSTER_TOPIC))
+        };
+        let pending = pending_total(&queue).await;
+        self.check(pending == 0, || {
+            format!("q{which}: {pending} invocations still pending")
+        });
         // Completed invocations per event id, as stored.
-        let tx = self.db.inner().begin().await.unwrap();
-        let completed = scan_all(&tx, b"queue:completed:").await;
+        let tx = self.db.begin().await.unwrap();
+        let completed = scan_all(&tx, format!("{root}:completed:").as_bytes()).await;
         let mut done: BTreeMap<String, u32> = BTreeMap::new();
         for (key, value) in &completed {
             let row: serde_json::Value = serde_json::from_slice(value).unwrap();
             let id = row["id"].as_str().unwrap_or_default().to_string();
             *done.entry(id.clone()).or_default() += 1;
             // The id's key names its live invocation (the last completed one).
-            let id_key = tito::keys::event_id_key("queue", &id);
-            let named = tx.get(id_key.as_bytes()).await.unwrap();
-            self.checks += 1;
-            if named.is_none() {
-                self.violations.push(format!(
+            let named = tx
+                .get(tito::keys::event_id_key(&root, &id).as_bytes())
+                .await
+                .unwrap()
+                .is_some();
+            self.check(named, || {
+                format!(
                     "completed {} has no event id key",
                     String::from_utf8_lossy(key)
-                ));
-            }
+                )
+            });
         }
-        let events = self.events.clone();
+        let events = self.queues[which].events.clone();
         for (id, (job, publication)) in &events {
             let expected = if job.behaviour == Behaviour::RescheduleOnce {
                 2
@@ -502,58 +845,106 @@ impl Sim {
             let fine = got == expected || (*publication == Publication::Maybe && got == 0);
             self.check(fine, || {
                 format!(
-                    "{id} ({:?}, {publication:?}) completed {got} times, expected {expected}",
+                    "q{which}: {id} ({:?}, {publication:?}) completed {got} times, expected {expected}",
                     job.behaviour
                 )
             });
         }
         for id in done.keys() {
             let known = events.contains_key(id);
-            self.check(known, || format!("{id} completed but never published"));
+            self.check(known, || {
+                format!("q{which}: {id} completed but never published")
+            });
         }
         // Owner keys match rows.
-        for (key, _) in scan_all(&tx, b"queue:owner:").await {
+        for (key, _) in scan_all(&tx, format!("{root}:owner:").as_bytes()).await {
             let text = String::from_utf8(key.clone()).unwrap();
             let target = tito::keys::owner_key_target(&text).unwrap();
             let exists = tx.get(target.as_bytes()).await.unwrap().is_some();
             self.check(exists, || format!("owner key {text} points at nothing"));
         }
-        // Model indexes and claims: every entry listed by a manifest, every listed key present.
-        let mut listed = BTreeSet::new();
-        for (key, value) in scan_all(&tx, b"reverse-index:table:sim_account:").await {
-            let manifest: Vec<String> = serde_json::from_slice(&value).unwrap();
-            for entry in manifest {
-                let present = tx.get(entry.as_bytes()).await.unwrap().is_some();
-                self.check(present, || {
-                    format!("{} lists missing {entry}", String::from_utf8_lossy(&key))
-                });
-                listed.insert(entry);
+        tx.rollback().await.unwrap();
+        let (overlaps, details) = {
+            let tracker = self.queues[which].tracker.lock().unwrap();
+            (tracker.overlaps, tracker.details.clone())
+        };
+        self.check(overlaps == 0, || {
+            format!("q{which}: {overlaps} overlapping runs: {details:?}")
+        });
+    }
+
+    async fn check_models_and_kv(&mut self) {
+        let tx = self.db.begin().await.unwrap();
+        // Indexes and claims of both models: every entry listed by a manifest, every listed key
+        // present.
+        for table in ["sim_account", "sim_task"] {
+            let mut listed = BTreeSet::new();
+            let manifests = format!("reverse-index:table:{table}:");
+            for (key, value) in scan_all(&tx, manifests.as_bytes()).await {
+                let manifest: Vec<String> = serde_json::from_slice(&value).unwrap();
+                for entry in manifest {
+                    let present = tx.get(entry.as_bytes()).await.unwrap().is_some();
+                    self.check(present, || {
+                        format!("{} lists missing {entry}", String::from_utf8_lossy(&key))
+                    });
+                    listed.insert(entry);
+                }
             }
-        }
-        for prefix in [&b"index:sim_account:"[..], &b"unique:sim_account:"[..]] {
-            for (key, _) in scan_all(&tx, prefix).await {
-                let text = String::from_utf8(key).unwrap();
-                let owned = listed.contains(&text);
-                self.check(owned, || format!("orphaned {text}"));
+            for prefix in [format!("index:{table}:"), format!("unique:{table}:")] {
+                for (key, _) in scan_all(&tx, prefix.as_bytes()).await {
+                    let text = String::from_utf8(key).unwrap();
+                    let owned = listed.contains(&text);
+                    self.check(owned, || format!("orphaned {text}"));
+                }
             }
         }
         // Kv: the counter holds every acknowledged increment and at most the unknown ones.
-        let counter = self
-            .kv
-            .get("sim", "counter")
-            .await
-            .unwrap()
-            .map(|e| e.value.as_i64().unwrap_or(-1) as u64)
-            .unwrap_or(0);
+        let value = |entry: Option<tito::kv::KvEntry>| {
+            entry.map_or(0, |e| e.value.as_i64().unwrap_or(-1) as u64)
+        };
+        let counter = value(self.kv.get_tx("sim", "counter", &tx).await.unwrap());
         let (ok, unknown) = self.increments;
         self.check(counter >= ok && counter <= ok + unknown, || {
             format!("counter {counter}: {ok} acknowledged and {unknown} unknown increments")
         });
-        tx.rollback().await.unwrap();
-        let overlaps = self.tracker.lock().unwrap().overlaps;
-        self.check(overlaps == 0, || {
-            format!("{overlaps} runs started while another run of the same event was live")
+        // Each compare-and-set that committed added one.
+        let cas = value(self.kv.get_tx("sim", "cas", &tx).await.unwrap()) as usize;
+        let (ok, unknown) = (self.cas_versions.len(), self.cas_unknown);
+        self.check(cas >= ok && cas <= ok + unknown, || {
+            format!("cas value {cas} after {ok} successful and {unknown} unknown compare-and-sets")
         });
+        tx.rollback().await.unwrap();
+    }
+
+    /// Every inbox row ends acknowledged, dead-lettered, ready (its lease over) or, after a
+    /// `Drop`, deleted.
+    async fn check_inbox(&mut self) {
+        tokio::time::sleep(LEASE * 2).await;
+        let now = self.now_ms().await as i64;
+        let tasks = self.db.clone().model::<SimTask>();
+        for n in 1..=self.tasks {
+            let id = format!("t{n:04}");
+            let tx = self.db.begin().await.unwrap();
+            let row = tasks.find_by_id_tx(&id, &tx).await;
+            let lease = tx
+                .get(tito::keys::inbox_lease_key("sim_task", &id).as_bytes())
+                .await
+                .unwrap();
+            tx.rollback().await.unwrap();
+            let lease_over = lease
+                .as_deref()
+                .and_then(|b| std::str::from_utf8(b).ok()?.parse::<i64>().ok())
+                .is_none_or(|until| until <= now);
+            let fine = match &row {
+                Ok(task) => task.processed_at.is_some() || task.group == "dead" || lease_over,
+                // Deleted: only by a `Drop` (or a build that never committed).
+                Err(TitoError::NotFound(_)) => true,
+                Err(_) => false,
+            };
+            self.check(fine, || {
+                format!("inbox row {id} ended as {row:?}, lease {lease:?}")
+            });
+        }
     }
 }
 
@@ -594,24 +985,38 @@ async fn simulate(seed: u64, steps: u32) -> Report {
     )
     .unwrap();
     let db = FaultyEngine::new(memory);
-    let queue = Arc::new(Queue::new(
-        db.clone(),
-        QueueConfig::new(PARTITIONS, Duration::from_secs(3600)),
-    ));
+    let start = tokio::time::Instant::now();
+    let queue = |topic: Option<&str>| {
+        let mut config = QueueConfig::new(PARTITIONS, Duration::from_secs(3600));
+        if let Some(topic) = topic {
+            config = config.topic(topic);
+        }
+        SimQueue {
+            queue: Arc::new(Queue::new(db.clone(), config)),
+            tracker: Tracker::new(start),
+            events: BTreeMap::new(),
+        }
+    };
     let mut sim = Sim {
         rng: Rng(seed),
+        start,
         kv: Kv::new(db.clone()),
+        queues: [queue(None), queue(Some(CLUSTER_TOPIC))],
+        inbox: Inbox::new(db.clone()).unwrap(),
         db,
-        queue,
-        tracker: Arc::default(),
         workers: (0..WORKER_SLOTS).map(|_| None).collect(),
+        nodes: (0..NODE_SLOTS).map(|_| None).collect(),
         generation: 0,
         trace: Vec::new(),
         checks: 0,
         violations: Vec::new(),
-        events: BTreeMap::new(),
         next_event: 0,
         increments: (0, 0),
+        cas_versions: Vec::new(),
+        cas_unknown: 0,
+        tasks: 0,
+        held: Vec::new(),
+        dropped: BTreeSet::new(),
     };
     for step in 0..steps {
         sim.step(step).await;
@@ -622,16 +1027,22 @@ async fn simulate(seed: u64, steps: u32) -> Report {
         hasher.write(line.as_bytes());
         hasher.write_u8(b'\n');
     }
-    let runs = sim.tracker.lock().unwrap().runs.values().sum();
+    let runs = sim
+        .queues
+        .iter()
+        .map(|q| q.tracker.lock().unwrap().runs.values().sum::<u32>())
+        .sum();
     Report {
         seed,
         steps,
         trace_hash: hasher.finish(),
         checks: sim.checks,
         faults: sim.db.faults().injected(),
-        published: sim.events.len(),
+        published: sim.queues.iter().map(|q| q.events.len()).sum(),
         handler_runs: runs,
         violations: sim.violations,
+        trace: sim.trace,
+        log: sim.queues[1].tracker.lock().unwrap().log.clone(),
     }
 }
 
@@ -709,7 +1120,13 @@ fn replay() {
         return;
     };
     let report = run(seed, steps());
-    println!("{report:#?}");
+    for line in &report.trace {
+        println!("{line}");
+    }
+    for line in &report.log {
+        println!("{line}");
+    }
+    println!("{:?}", report.violations);
     assert_clean(&report);
 }
 

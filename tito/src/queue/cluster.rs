@@ -20,7 +20,8 @@
 //!   alive with that epoch. Renewing every lease is therefore one write (the node record), and
 //!   that write never conflicts with the holder's outcome transactions, which lock the lease
 //!   (holder) key only: a takeover of a dead node's partition writes that key. A node takes an
-//!   assigned partition when its lease is free, released, or held by a dead node; it stops
+//!   assigned partition when its lease is free, released, or held by a dead node (locking that
+//!   node's record, so a heartbeat racing the takeover makes one of them fail); it stops
 //!   pulling partitions assigned away, drains them (heartbeat still running), then releases
 //!   them. A node that shuts down keeps heartbeating until its last outcome is applied.
 
@@ -543,6 +544,13 @@ impl Node {
                             continue;
                         }
                         Some(l) if l.released() => l.generation + 1,
+                        // A standalone worker's lease: taken only once it expired.
+                        Some(l) if l.epoch.is_none() => {
+                            if super::lease::expiry(&tx, &root, *partition, l).await? > now {
+                                continue;
+                            }
+                            l.generation + 1
+                        }
                         Some(l) => {
                             if !holders.contains_key(&l.owner) {
                                 let record = read_node(&tx, &root, &l.owner).await?;
@@ -554,6 +562,11 @@ impl Node {
                             if alive {
                                 continue;
                             }
+                            // Taking over from a dead holder: lock its record, so a heartbeat
+                            // it commits meanwhile (it was only slow) makes this commit fail
+                            // instead of leaving two nodes that both think they hold it.
+                            tx.lock_keys(&[keys::node_key(&root, &l.owner).into_bytes()])
+                                .await?;
                             l.generation + 1
                         }
                         None => 1,

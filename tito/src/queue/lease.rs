@@ -167,19 +167,27 @@ pub(crate) async fn still_held<X: TitoTransaction>(
     let alive = match lease.epoch {
         // Cluster leases live as long as their holder's node record.
         Some(_) => super::cluster::holder_alive(tx, root, &lease).await?,
-        None => {
-            let expiry = tx
-                .get(keys::lease_expiry_key(root, partition).as_bytes())
-                .await?
-                .map_or(lease.expires, |bytes| parse_expiry(&bytes));
-            expiry > tx.start_version()
-        }
+        None => expiry(tx, root, partition, &lease).await? > tx.start_version(),
     };
     if !alive {
         return Ok(false);
     }
     tx.lock_keys(&[key.into_bytes()]).await?;
     Ok(true)
+}
+
+/// A standalone lease's current expiry: its expiry key, or the holder record's for a lease
+/// written before expiry keys existed.
+pub(crate) async fn expiry<X: TitoTransaction>(
+    tx: &X,
+    root: &str,
+    partition: u32,
+    lease: &Lease,
+) -> TitoResult<u64> {
+    Ok(tx
+        .get(keys::lease_expiry_key(root, partition).as_bytes())
+        .await?
+        .map_or(lease.expires, |bytes| parse_expiry(&bytes)))
 }
 
 /// Gives up the leases `owner` holds among `partitions`, so another worker can take them now.

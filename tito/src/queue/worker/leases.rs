@@ -9,6 +9,13 @@
 //! runs and no outcome of it waits to commit. Only then is it released. So a slow handler never
 //! sees its partition taken while it runs and its holder is alive, and its outcome is applied
 //! under the lease it was started under.
+//!
+//! # Freshness
+//!
+//! A worker starts handlers only while its leases are *fresh*: less than two thirds of a lease
+//! (standalone) or of the node TTL (cluster) since the start of its last successful renewal.
+//! A worker that was paused, or could not reach the store, for longer than that starts nothing
+//! until it has renewed again, because by then another worker may have taken its partitions.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -69,6 +76,8 @@ pub(super) struct LeaseKeeper<E> {
     /// Held partitions no handler may start on; released once none of theirs runs.
     draining: HashSet<u32>,
     next_at: Instant,
+    /// New handlers may start until then (see the module docs on freshness).
+    fresh_until: Instant,
     maintenance: Arc<Maintenance>,
 }
 
@@ -114,6 +123,7 @@ impl<E: TitoEngine> LeaseKeeper<E> {
             held: HashMap::new(),
             draining: HashSet::new(),
             next_at: Instant::now(),
+            fresh_until: Instant::now(),
             maintenance,
         }
     }
@@ -130,6 +140,11 @@ impl<E: TitoEngine> LeaseKeeper<E> {
 
     pub fn maintenance(&self) -> Arc<Maintenance> {
         self.maintenance.clone()
+    }
+
+    /// Until when new handlers may start.
+    pub fn fresh_until(&self) -> Instant {
+        self.fresh_until
     }
 
     /// The partitions handlers may start on, with their lease generations.
@@ -149,12 +164,17 @@ impl<E: TitoEngine> LeaseKeeper<E> {
         if stopping {
             self.draining.extend(self.held.keys().copied());
         }
-        let interval = match &self.mode {
-            Mode::Standalone { duration, .. } => *duration / 3,
-            Mode::Cluster(node) => node.config.node_ttl / 3,
+        let period = match &self.mode {
+            Mode::Standalone { duration, .. } => *duration,
+            Mode::Cluster(node) => node.config.node_ttl,
         };
+        let interval = period / 3;
+        let began = Instant::now();
         let next = match self.renew(stopping).await {
-            Ok(()) => interval,
+            Ok(()) => {
+                self.fresh_until = began + period * 2 / 3;
+                interval
+            }
             Err(err) => {
                 tracing::warn!(error = %err, worker = %self.id, "partition lease renewal failed");
                 interval / 3

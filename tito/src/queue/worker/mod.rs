@@ -445,7 +445,14 @@ where
         if !stopping {
             pulling.sync(leases.runnable());
             pulling
-                .start(&queue, &mut in_flight, &mut handlers, &invoke, &mut stop)
+                .start(
+                    &queue,
+                    leases.fresh_until(),
+                    &mut in_flight,
+                    &mut handlers,
+                    &invoke,
+                    &mut stop,
+                )
                 .await;
         }
         // Collect every finished handler, then commit their outcomes together.
@@ -469,7 +476,12 @@ where
             break;
         }
         let mut wake_at = leases.next_at();
-        if !stopping && let Some(poll) = pulling.next_wake(in_flight.len()) {
+        // Stale leases start nothing: wait for the next renewal instead of polling.
+        let fresh = tokio::time::Instant::now() < leases.fresh_until();
+        if !stopping
+            && fresh
+            && let Some(poll) = pulling.next_wake(in_flight.len())
+        {
             wake_at = wake_at.min(poll);
         }
         let wakeups = queue.wakeups.clone();

@@ -67,11 +67,13 @@ impl Pulling {
         self.partitions.values().map(|s| s.next_poll).min()
     }
 
-    /// Pulls from every due partition and starts handlers while slots are free. Stops at once
-    /// (starting nothing more) when `stop` is asked for, even between a pull and its starts.
+    /// Pulls from every due partition and starts handlers while slots are free and the leases
+    /// are fresh (until `fresh_until`). Stops at once (starting nothing more) when `stop` is
+    /// asked for or the leases went stale, even between a pull and its starts.
     pub async fn start<E, T>(
         &mut self,
         queue: &Queue<E>,
+        fresh_until: Instant,
         in_flight: &mut HashMap<String, u32>,
         handlers: &mut JoinSet<(Running, Report<T>)>,
         invoke: &Invoker<T>,
@@ -96,7 +98,7 @@ impl Pulling {
         let counters = queue.counters();
         for partition in due {
             let free = self.concurrency.saturating_sub(in_flight.len());
-            if free == 0 || stop.requested() {
+            if free == 0 || stop.requested() || Instant::now() >= fresh_until {
                 return;
             }
             let want = free.min(self.page_size);
@@ -138,8 +140,9 @@ impl Pulling {
                 state.backoff = MIN_IDLE_BACKOFF;
                 state.next_poll = Instant::now();
             }
-            // Shutdown asked for during the pull: what it found stays pending, unstarted.
-            if stop.requested() {
+            // Shutdown asked for, or the leases went stale, during the pull: what it found stays
+            // pending, unstarted.
+            if stop.requested() || Instant::now() >= fresh_until {
                 return;
             }
             for item in pulled.items {
