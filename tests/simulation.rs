@@ -1101,6 +1101,16 @@ fn seeds_in_ci() {
     campaign(0..60);
 }
 
+/// Seeds that found defects, kept as regression cases: 8 (a cluster node took over a partition
+/// while the holder's heartbeat committed, so both ran it) and 864 (a worker started handlers
+/// on leases it had not renewed for longer than their lease).
+#[test]
+fn seeds_that_found_defects() {
+    for seed in [8, 864] {
+        assert_clean(&run(seed, 120));
+    }
+}
+
 #[test]
 fn a_seed_replays_exactly() {
     let first = run(7, steps());
