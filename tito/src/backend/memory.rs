@@ -610,3 +610,63 @@ impl TitoTransaction for MemoryTransaction {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn put(db: &Memory, key: &[u8], value: Option<&[u8]>) {
+        let tx = db.begin().await.unwrap();
+        match value {
+            Some(value) => tx.put(key.to_vec(), value.to_vec()).await.unwrap(),
+            None => tx.delete(key.to_vec()).await.unwrap(),
+        }
+        tx.commit().await.unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn garbage_collection_keeps_what_open_snapshots_read() {
+        let db = Memory::with_options(MemoryOptions::new().clock(MemoryClock::Runtime {
+            epoch_ms: 1_000_000,
+        }))
+        .unwrap();
+        put(&db, b"a", Some(b"1")).await;
+        put(&db, b"gone", Some(b"x")).await;
+        let reader = db.begin().await.unwrap();
+        tokio::time::advance(Duration::from_secs(10)).await;
+        put(&db, b"a", Some(b"2")).await;
+        put(&db, b"gone", None).await;
+        tokio::time::advance(Duration::from_secs(10)).await;
+        let safe = db.garbage_collect(Duration::from_secs(1)).await.unwrap();
+        assert!(engine::version_millis(safe) >= 1_000_000 + 19_000);
+        // The open reader still sees its snapshot.
+        assert_eq!(reader.get(b"a").await.unwrap().as_deref(), Some(&b"1"[..]));
+        assert_eq!(
+            reader.get(b"gone").await.unwrap().as_deref(),
+            Some(&b"x"[..])
+        );
+        reader.rollback().await.unwrap();
+        // Once it is gone, old versions and the deleted key go too.
+        db.garbage_collect(Duration::from_secs(1)).await.unwrap();
+        {
+            let state = db.inner.lock();
+            assert_eq!(state.data.get(&b"a"[..]).map(Vec::len), Some(1));
+            assert!(!state.data.contains_key(&b"gone"[..]));
+        }
+        assert_eq!(db.len(), 1);
+        // The safe point never moves back.
+        let again = db.garbage_collect(Duration::from_secs(3600)).await.unwrap();
+        assert!(again >= safe);
+    }
+
+    #[tokio::test]
+    async fn bad_options_are_refused() {
+        let result = std::thread::spawn(|| {
+            Memory::with_options(MemoryOptions::new().clock(MemoryClock::Runtime { epoch_ms: 0 }))
+        })
+        .join()
+        .unwrap();
+        assert!(matches!(result, Err(TitoError::InvalidArgument(_))));
+        assert!(Memory::with_options(MemoryOptions::new().partitions(0)).is_err());
+    }
+}
