@@ -92,6 +92,16 @@ impl Runs {
     fn peak(&self) -> usize {
         self.peak.load(Ordering::SeqCst)
     }
+
+    /// Waits until `n` runs have started.
+    async fn wait_started(&self, n: usize) {
+        let runs = self.clone();
+        wait_for("handler starts", Duration::from_secs(30), move || {
+            let runs = runs.clone();
+            async move { runs.started() == n }
+        })
+        .await;
+    }
 }
 
 /// A handler that runs for `length` and acknowledges, counted in `runs`.
@@ -132,12 +142,7 @@ pub async fn defect_1_a_draining_worker_keeps_its_leases<E: TitoEngine>(ctx: Ctx
         slow(&runs, Duration::from_millis(1200)),
         rx,
     ));
-    let r = runs.clone();
-    wait_for("the handler to start", Duration::from_secs(30), move || {
-        let r = r.clone();
-        async move { r.started() == 1 }
-    })
-    .await;
+    runs.wait_started(1).await;
     stop_a.send(true).unwrap();
     let (stop_b, rx) = watch::channel(false);
     let b = tokio::spawn(run_worker(
@@ -229,12 +234,7 @@ pub async fn defect_1_a_draining_cluster_node_keeps_its_heartbeat<E: TitoEngine>
         .publish(QueueEvent::new("k", Job { n: 1 }, now()))
         .await
         .unwrap();
-    let r = runs.clone();
-    wait_for("the handler to start", Duration::from_secs(30), move || {
-        let r = r.clone();
-        async move { r.started() == 1 }
-    })
-    .await;
+    runs.wait_started(1).await;
     stop_a.send(true).unwrap();
     handed_over_once(&queue, &runs, a, stop_b, b).await;
     assert_eq!(queue.stats().outcome_failures, 0);
@@ -500,12 +500,7 @@ pub async fn defect_17_a_far_future_event_does_not_stop_the_worker<E: TitoEngine
         .publish(QueueEvent::new("k", Job { n: 1 }, now()))
         .await
         .unwrap();
-    let r = runs.clone();
-    wait_for("the runnable event", Duration::from_secs(30), move || {
-        let r = r.clone();
-        async move { r.started() == 1 }
-    })
-    .await;
+    runs.wait_started(1).await;
     stop.send(true).unwrap();
     worker.await.expect("the worker did not panic").unwrap();
     assert_eq!(pending_total(&queue).await, 1, "the far-future event waits");
