@@ -135,28 +135,39 @@ pub async fn defect_1_a_draining_worker_keeps_its_leases<E: TitoEngine>(ctx: Ctx
         .unwrap();
     let runs = Runs::default();
     let lease = Duration::from_millis(300);
-    let (stop_a, rx) = watch::channel(false);
-    let a = tokio::spawn(run_worker(
-        queue.clone(),
+    let (stop_a, a) = start_slow(
+        &queue,
         fast(0..1).lease_duration(lease),
-        slow(&runs, Duration::from_millis(1200)),
-        rx,
-    ));
+        &runs,
+        Duration::from_millis(1200),
+    );
     runs.wait_started(1).await;
     stop_a.send(true).unwrap();
-    let (stop_b, rx) = watch::channel(false);
-    let b = tokio::spawn(run_worker(
-        queue.clone(),
+    let (stop_b, b) = start_slow(
+        &queue,
         fast(0..1).lease_duration(lease),
-        slow(&runs, Duration::from_millis(1200)),
-        rx,
-    ));
+        &runs,
+        Duration::from_millis(1200),
+    );
     handed_over_once(&queue, &runs, a, stop_b, b).await;
     assert_eq!(queue.stats().outcome_failures, 0);
     assert_eq!(pending_total(&queue).await, 0);
 }
 
 type Worker = tokio::task::JoinHandle<tito::TitoResult<()>>;
+
+/// Spawns a standalone worker whose handler runs for `length`, counted in `runs`; returns its
+/// stop signal and task.
+fn start_slow<E: TitoEngine>(
+    queue: &Arc<Queue<E>>,
+    config: WorkerConfig,
+    runs: &Runs,
+    length: Duration,
+) -> (watch::Sender<bool>, Worker) {
+    let (stop, rx) = watch::channel(false);
+    let task = tokio::spawn(run_worker(queue.clone(), config, slow(runs, length), rx));
+    (stop, task)
+}
 
 /// Waits for the draining worker `a` (its outcome applied), lets `b` (which takes the
 /// partition once `a` released it) look for work a moment, stops it, and checks that the
@@ -368,13 +379,12 @@ pub async fn defect_4_a_new_coordinator_runs_retention_at_once<E: TitoEngine>(ct
     }
     // Complete them with a standalone worker whose only maintenance pass ran at its start.
     let runs = Runs::default();
-    let (stop, rx) = watch::channel(false);
-    let worker = tokio::spawn(run_worker(
-        queue.clone(),
+    let (stop, worker) = start_slow(
+        &queue,
         fast(0..2).maintenance_interval(Duration::from_secs(3600)),
-        slow(&runs, Duration::ZERO),
-        rx,
-    ));
+        &runs,
+        Duration::ZERO,
+    );
     let q = queue.clone();
     wait_for(
         "three acknowledgements",
@@ -454,13 +464,12 @@ pub async fn defect_6_an_event_id_is_published_once<E: TitoEngine>(ctx: Ctx<E>) 
     assert_eq!(queue.stats().duplicates, 5);
 
     let runs = Runs::default();
-    let (stop, rx) = watch::channel(false);
-    let worker = tokio::spawn(run_worker(
-        queue.clone(),
+    let (stop, worker) = start_slow(
+        &queue,
         fast(0..4).maintenance_interval(Duration::from_secs(3600)),
-        slow(&runs, Duration::ZERO),
-        rx,
-    ));
+        &runs,
+        Duration::ZERO,
+    );
     let q = queue.clone();
     wait_for("both events", Duration::from_secs(30), move || {
         let q = q.clone();
@@ -488,13 +497,12 @@ pub async fn defect_17_a_far_future_event_does_not_stop_the_worker<E: TitoEngine
         .await
         .unwrap();
     let runs = Runs::default();
-    let (stop, rx) = watch::channel(false);
-    let worker = tokio::spawn(run_worker(
-        queue.clone(),
+    let (stop, worker) = start_slow(
+        &queue,
         fast(0..1).max_idle_backoff(Duration::from_millis(50)),
-        slow(&runs, Duration::ZERO),
-        rx,
-    ));
+        &runs,
+        Duration::ZERO,
+    );
     tokio::time::sleep(Duration::from_millis(150)).await;
     queue
         .publish(QueueEvent::new("k", Job { n: 1 }, now()))

@@ -86,14 +86,10 @@ pub(crate) async fn acquire<E: TitoEngine>(
         .iter()
         .map(|p| keys::lease_expiry_key(root, *p).into_bytes())
         .collect();
-    let (root, owner) = (root.to_string(), owner.to_string());
+    let owner = owner.to_string();
     db.transaction(|tx| {
-        let (holder_keys, expiry_keys, root, owner) = (
-            holder_keys.clone(),
-            expiry_keys.clone(),
-            root.clone(),
-            owner.clone(),
-        );
+        let (holder_keys, expiry_keys, owner) =
+            (holder_keys.clone(), expiry_keys.clone(), owner.clone());
         async move {
             let now = tx.start_version();
             let expires = now.saturating_add(engine::version_from_millis(duration_ms));
@@ -103,7 +99,7 @@ pub(crate) async fn acquire<E: TitoEngine>(
             let expiries = current.split_off(partitions.len());
             let mut held = HashMap::new();
             for (i, partition) in partitions.iter().enumerate() {
-                let key = keys::lease_key(&root, *partition);
+                let key = keys::display_key(&holder_keys[i]);
                 let lease = current[i].as_deref().and_then(|v| parse(&key, v));
                 let expiry = match (&expiries[i], &lease) {
                     (Some(bytes), _) => parse_expiry(bytes),
