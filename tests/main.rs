@@ -22,3 +22,4 @@ mod simulation;
 mod suites;
 mod tikv_server;
 mod transactions;
+mod unknown_outcomes;

@@ -45,7 +45,7 @@ macro_rules! queue_suite {
                 handlers_run_concurrently,
                 completed_rows_expire,
                 owners_move_with_their_rows_and_can_be_erased,
-                unknown_acknowledgements_converge,
+                unknown_acknowledgements_deliver_each_event_once,
                 malformed_rows_are_counted_and_left_in_place,
                 transactional_handlers_commit_with_their_outcome,
             ]
@@ -816,44 +816,63 @@ pub async fn owners_move_with_their_rows_and_can_be_erased<E: TitoEngine>(ctx: C
     assert_eq!(queue.completed_count().await.unwrap(), 0);
 }
 
-pub async fn unknown_acknowledgements_converge<E: TitoEngine>(ctx: Ctx<E>) {
+pub async fn unknown_acknowledgements_deliver_each_event_once<E: TitoEngine>(ctx: Ctx<E>) {
     let faulty = FaultyEngine::new(ctx.db.clone());
     let queue = Arc::new(Queue::new(
         faulty.clone(),
         QueueConfig::new(1, Duration::from_secs(3600)),
     ));
+    let (seen, handler) = recorder();
+    let worker = start(&queue, fast(0..1).page_size(1).concurrency(1), handler);
+
+    // Every acknowledgement applies but its reply is lost: each resolves as committed.
+    faulty.faults().add(
+        FaultRule::new(FaultPoint::Commit, Fault::UnknownOutcomeCommitted)
+            .when_key_starts_with("queue:completed")
+            .always(),
+    );
     for n in 0..6 {
         queue
             .publish(QueueEvent::new("k", Job { n }, now()))
             .await
             .unwrap();
     }
-    // Outcome commits (they write completed rows) come back with an unknown outcome: twice
-    // after being applied, twice without being applied.
-    faulty.faults().add(
-        FaultRule::new(FaultPoint::Commit, Fault::UnknownOutcomeCommitted)
-            .when_key_starts_with("queue:completed")
-            .times(2),
+    drained(&queue, 6).await;
+    assert_eq!(
+        faulty.faults().injected(),
+        6,
+        "every acknowledgement was hit"
     );
+
+    // Every acknowledgement's first commit is lost before it applies (every other outcome
+    // commit, and outcomes commit one at a time here): each is fenced and replayed once.
+    faulty.faults().clear();
     faulty.faults().add(
         FaultRule::new(FaultPoint::Commit, Fault::UnknownOutcomeNotCommitted)
             .when_key_starts_with("queue:completed")
-            .times(2),
+            .every(2)
+            .always(),
     );
-    let (seen, handler) = recorder();
-    let worker = start(&queue, fast(0..1).page_size(1).concurrency(1), handler);
-    drained(&queue, 6).await;
+    for n in 6..12 {
+        queue
+            .publish(QueueEvent::new("k", Job { n }, now()))
+            .await
+            .unwrap();
+    }
+    drained(&queue, 12).await;
     worker.stop().await;
-    assert_eq!(faulty.faults().injected(), 4);
-    // Every event completed once; the ones whose outcome was not applied ran again.
+    assert_eq!(faulty.faults().injected(), 12);
+
     let mut ns: Vec<u32> = seen.lock().unwrap().iter().map(|e| e.payload.n).collect();
     ns.sort_unstable();
-    ns.dedup();
-    assert_eq!(ns, (0..6).collect::<Vec<_>>());
-    assert!(
-        seen.lock().unwrap().len() >= 8,
-        "two invocations were delivered again"
+    assert_eq!(
+        ns,
+        (0..12).collect::<Vec<_>>(),
+        "each event was delivered exactly once"
     );
+    let stats = queue.stats();
+    assert_eq!(stats.acknowledged, 12);
+    assert_eq!(stats.outcome_failures, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

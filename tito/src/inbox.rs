@@ -510,8 +510,12 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
         config: &InboxConfig<E, M>,
         n: usize,
     ) -> TitoResult<Vec<(InboxClaim, InboxDelivery<P>)>> {
+        // A claim whose outcome is unknown is resolved: applied, its rows are handed out now
+        // instead of waiting out a lease nobody works under.
         self.db
-            .transaction(|tx| async move { self.claim_tx::<P>(config, n, &tx).await })
+            .transaction_with(self.db.retry_policy().resolving(), |tx| async move {
+                self.claim_tx::<P>(config, n, &tx).await
+            })
             .await
     }
 
@@ -768,7 +772,7 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
     ) -> TitoResult<Option<InboxClaim>> {
         config.check()?;
         self.db
-            .transaction(|tx| async move {
+            .transaction_with(self.db.retry_policy().resolving(), |tx| async move {
                 let Some(mut row) = self.held(&tx, claim).await? else {
                     return Ok(None);
                 };
@@ -799,8 +803,10 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
         claim: &InboxClaim,
         outcome: InboxOutcome,
     ) -> TitoResult<bool> {
+        // An outcome whose commit is unknown is resolved: applied, it is not delivered again;
+        // proven not applied, it is replayed while the claim still holds the row.
         self.db
-            .transaction(|tx| async move {
+            .transaction_with(self.db.retry_policy().resolving(), |tx| async move {
                 let Some(mut row) = self.held(&tx, claim).await? else {
                     return Ok(false);
                 };

@@ -818,6 +818,60 @@ pub fn parse_kv_expiry_key(key: &str) -> TitoResult<(u64, String, String)> {
     Ok((exp, namespace, name))
 }
 
+// ---------------------------------------------------------------------------------------------
+// Commit markers: transactions that resolve unknown commit outcomes (`engine` module docs)
+//
+// commit-marker:{bucket:02}:{start_version:020}:{nonce:016x}
+//     written by the transaction itself, value `committed`, or by a resolution that proved the
+//     transaction can no longer commit, value `fenced`. The bucket (nonce mod 16) spreads the
+//     markers of concurrent transactions over 16 ranges instead of one hot tail of the key
+//     space (on TiKV, one region); the start version orders a bucket by time for the sweep.
+// ---------------------------------------------------------------------------------------------
+
+/// How many ranges commit markers are spread over.
+pub const COMMIT_MARKER_BUCKETS: u32 = 16;
+
+/// The marker of the transaction with this start version and nonce.
+pub fn commit_marker_key(start_version: u64, nonce: u64) -> String {
+    let bucket = (nonce % u64::from(COMMIT_MARKER_BUCKETS)) as u32;
+    format!("commit-marker:{bucket:02}:{start_version:020}:{nonce:016x}")
+}
+
+/// `commit-marker:{bucket:02}:`, every marker of one bucket.
+pub fn commit_marker_bucket_prefix(bucket: u32) -> String {
+    format!("commit-marker:{bucket:02}:")
+}
+
+/// Markers of `bucket` written by transactions that started before `version` sort below this.
+pub fn commit_marker_before(bucket: u32, version: u64) -> String {
+    format!("commit-marker:{bucket:02}:{version:020}:")
+}
+
+/// `(bucket, start_version, nonce)` of a commit marker key.
+pub fn parse_commit_marker_key(key: &str) -> TitoResult<(u32, u64, u64)> {
+    let malformed = || TitoError::Integrity(format!("commit marker key {key:?} is malformed"));
+    let mut parts = key.split(SEPARATOR);
+    if parts.next() != Some("commit-marker") {
+        return Err(malformed());
+    }
+    let bucket = parts
+        .next()
+        .filter(|s| s.len() == 2 && s.bytes().all(|b| b.is_ascii_digit()))
+        .and_then(|s| s.parse::<u32>().ok())
+        .filter(|b| *b < COMMIT_MARKER_BUCKETS)
+        .ok_or_else(malformed)?;
+    let version = decode_u64(parts.next().ok_or_else(malformed)?)?;
+    let nonce = parts
+        .next()
+        .filter(|s| s.len() == 16 && s.bytes().all(|b| b.is_ascii_hexdigit()))
+        .and_then(|s| u64::from_str_radix(s, 16).ok())
+        .ok_or_else(malformed)?;
+    if parts.next().is_some() || u64::from(bucket) != nonce % u64::from(COMMIT_MARKER_BUCKETS) {
+        return Err(malformed());
+    }
+    Ok((bucket, version, nonce))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -886,7 +940,8 @@ mod tests {
         #[test]
         fn key_parsers_never_panic(text in ".{0,80}", bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..80)) {
             for candidate in [text.clone(), format!("queue:pending:{text}"), format!("kv-exp:{text}"),
-                              format!("queue:owner:{text}"), format!("index:{text}:table:{text}")] {
+                              format!("queue:owner:{text}"), format!("index:{text}:table:{text}"),
+                              format!("commit-marker:{text}")] {
                 let _ = decode_str(&candidate);
                 let _ = decode_u64(&candidate);
                 let _ = decode_i64(&candidate);
@@ -900,10 +955,21 @@ mod tests {
                 let _ = index_key_row(&candidate);
                 let _ = is_index_key_of(&candidate, "t", "1");
                 let _ = is_claim_key_of(&candidate, "t");
+                let _ = parse_commit_marker_key(&candidate);
             }
             let _ = key_str(&bytes);
             let _ = base64url_decode(&text);
             let _ = display_key(&bytes);
+        }
+
+        #[test]
+        fn commit_markers_round_trip_and_sort_by_version(a: u64, b: u64, nonce: u64) {
+            let key = commit_marker_key(a, nonce);
+            let bucket = (nonce % u64::from(COMMIT_MARKER_BUCKETS)) as u32;
+            prop_assert_eq!(parse_commit_marker_key(&key).unwrap(), (bucket, a, nonce));
+            prop_assert!(key.starts_with(&commit_marker_bucket_prefix(bucket)));
+            // The sweep's bound: below it exactly when the marker's version is older.
+            prop_assert_eq!(key < commit_marker_before(bucket, b), a < b);
         }
 
         #[test]

@@ -633,19 +633,26 @@ impl<E: TitoEngine> Kv<E> {
     }
 
     /// Sweeps on its own until `shutdown` resolves: a full batch continues at once, a short one
-    /// waits `interval`. (A queue worker can do the same: [`WorkerConfig::sweep_kv`].)
+    /// waits `interval`. Each pass also expires old commit markers
+    /// ([`sweep_commit_markers`](crate::engine::sweep_commit_markers)). (A queue worker can do
+    /// the same: [`WorkerConfig::sweep_kv`].)
     ///
     /// [`WorkerConfig::sweep_kv`]: crate::queue::WorkerConfig::sweep_kv
     pub async fn run_sweeper(&self, interval: Duration, shutdown: impl crate::queue::Shutdown) {
         let mut shutdown = shutdown.wait();
         loop {
-            let full = match self.sweep(SWEEP_BATCH).await {
+            let mut full = match self.sweep(SWEEP_BATCH).await {
                 Ok(deleted) => deleted == SWEEP_BATCH,
                 Err(err) => {
                     tracing::warn!(error = %err, "kv sweep failed");
                     false
                 }
             };
+            let batch = engine::COMMIT_MARKER_SWEEP_BATCH;
+            match engine::sweep_commit_markers(&self.db, batch).await {
+                Ok(deleted) => full |= deleted == batch,
+                Err(err) => tracing::warn!(error = %err, "commit marker sweep failed"),
+            }
             let pause = if full { Duration::ZERO } else { interval };
             tokio::select! {
                 biased;

@@ -704,18 +704,29 @@ impl TitoTransaction for EmbeddedTransaction {
 }
 
 fn classify_commit_error(err: surrealkv::Error) -> TitoError {
+    use surrealkv::Error as E;
     match err {
-        surrealkv::Error::TransactionWriteConflict | surrealkv::Error::TransactionRetry => {
-            TitoError::Conflict {
-                message: err.to_string(),
-                source: Some(Box::new(err)),
-            }
-        }
-        // A failure after part of a commit group was applied: recovery decides the outcome.
-        surrealkv::Error::DatabaseStopped(_) => TitoError::CommitOutcomeUnknown {
+        E::TransactionWriteConflict | E::TransactionRetry => TitoError::Conflict {
             message: err.to_string(),
             source: Some(Box::new(err)),
         },
-        other => storage_err("commit", other),
+        // Refused before anything reached the log: a determined failure.
+        E::TransactionClosed
+        | E::TransactionReadOnly
+        | E::TransactionWriteOnly
+        | E::EmptyKey
+        | E::BatchTooLarge
+        | E::InvalidBatchRecord
+        | E::InvalidArgument(_) => storage_err("commit", err),
+        // Everything else fails in or after the write of the log (an I/O error, a full disk, a
+        // commit group that failed part way and stopped the store): the commit may be in the
+        // log, and recovery decides when the store is opened again.
+        other => TitoError::CommitOutcomeUnknown {
+            message: format!(
+                "embedded commit failed while writing its log; recovery decides whether it \
+                 took effect when the store is opened again: {other}"
+            ),
+            source: Some(Box::new(other)),
+        },
     }
 }

@@ -74,6 +74,7 @@ pub struct FaultRule {
     fault: Fault,
     skip: u64,
     times: u64,
+    every: u64,
     key_prefix: Option<Vec<u8>>,
 }
 
@@ -85,6 +86,7 @@ impl FaultRule {
             fault,
             skip: 0,
             times: 1,
+            every: 1,
             key_prefix: None,
         }
     }
@@ -98,6 +100,14 @@ impl FaultRule {
     /// Fires on this many matching calls (after the skipped ones).
     pub fn times(mut self, times: u64) -> Self {
         self.times = times;
+        self
+    }
+
+    /// Fires on one matching call in `n` (the first after the skipped ones, then every `n`-th;
+    /// `times` counts the calls it fired on). `every(2).always()` fails every other call, so a
+    /// transaction replayed after a fault passes on its next attempt. Zero counts as one.
+    pub fn every(mut self, n: u64) -> Self {
+        self.every = n.max(1);
         self
     }
 
@@ -183,7 +193,8 @@ impl Faults {
                 continue;
             }
             *seen += 1;
-            if *seen > rule.skip && *count < rule.times {
+            if *seen > rule.skip && (*seen - rule.skip - 1) % rule.every == 0 && *count < rule.times
+            {
                 *count += 1;
                 fired = Some(rule.fault);
                 break;

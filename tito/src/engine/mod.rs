@@ -58,6 +58,61 @@
 //!
 //! The conformance suite in the repository's `tests/engine_conformance.rs` checks these
 //! properties; run it against a new backend before trusting it.
+//!
+//! # Unknown outcomes
+//!
+//! A commit can fail without saying whether it took effect: the reply was lost, the connection
+//! broke after the request left, the store stopped half way. By default
+//! [`TitoEngine::transaction`] returns [`TitoError::CommitOutcomeUnknown`] and never runs the
+//! closure again. A policy that [resolves unknown outcomes](RetryPolicy::resolve_unknown_outcomes)
+//! (per call through [`TitoEngine::transaction_with`], or store-wide as the handle's
+//! [`TitoEngine::retry_policy`]) decides instead:
+//!
+//! 1. Each attempt writes a commit marker, `commit-marker:{bucket}:{start_version}:{nonce}` =
+//!    `committed` (layout in [`crate::keys`]), in the same transaction as its other writes.
+//! 2. On an unknown outcome, a fresh transaction reads the marker. Present: the attempt
+//!    committed, every write with it, and the closure's value from that attempt is returned.
+//! 3. Absent: the fresh transaction writes `fenced` into the marker and commits. If that
+//!    commit succeeds, the attempt can never commit, and the closure is replayed as after a
+//!    conflict. If the fence conflicts, the attempt committed meanwhile: read again.
+//! 4. Rounds that fail (an unreachable store, an unknown outcome of the fence itself) repeat
+//!    with backoff until the policy's bound runs out; then the result is
+//!    [`TitoError::CommitOutcomeUnknown`], whose message names the marker so that
+//!    [`resolve_commit`] can decide later.
+//!
+//! **Why a committed fence proves the attempt cannot commit, on every engine.** The attempt
+//! (start `s1`) and the fence (start `s2 > s1`, after the attempt's commit call returned) both
+//! write the marker key. Write-write conflict detection (above) lets at most one of two
+//! overlapping writers of a key commit. If the attempt had committed at a version below `s2`,
+//! the fence's snapshot would hold the marker and step 3 would not run. If it commits later,
+//! it overlaps the fence: whichever commits second fails. So once the fence has committed, the
+//! attempt's commit (a late prewrite, a retried request) fails with a conflict.
+//!
+//! - **TiKV.** The fence's read of the marker meets the attempt's lock if the attempt was
+//!   prewritten; the client then asks for the status of the attempt's primary key
+//!   (`CheckTxnStatus`): committed, the marker resolves to its value; alive, the read waits
+//!   (up to 10 s per read, and again in the next round) until the lock's TTL runs out (3 s for
+//!   a small transaction, up to 20 s for a large one, plus 20 s past the last heartbeat of a
+//!   transaction that ran over 10 s); expired, TiKV rolls the primary back and leaves a
+//!   rollback record, which stops a late commit of the primary. The fence's prewrite then
+//!   finds no lock, commits, and leaves a write record newer than the attempt's start, which
+//!   makes any late prewrite of the marker a write conflict. A lost reply to the primary's
+//!   commit resolves as committed within milliseconds; a commit that never arrived, after the
+//!   lock TTL. With the cluster unreachable no round finishes, and the bound decides.
+//! - **Embedded.** A commit is applied in memory and in the log together, so the only unknown
+//!   outcomes are failures while writing the log (an I/O error, a full disk, a store that
+//!   stopped in the middle of a commit group): the group may be in the log, and recovery
+//!   decides when the store is opened again. The store refuses commits until then, so no fence
+//!   can commit in the same process: the marker is read (visible means committed), and
+//!   otherwise the result is [`TitoError::CommitOutcomeUnknown`]. After reopening the store,
+//!   [`resolve_commit`] with the marker from the error decides for good.
+//! - **Memory.** Commits are atomic in memory and never have unknown outcomes of their own;
+//!   [`FaultyEngine`] injects them for tests, in both forms (applied and not).
+//!
+//! Markers are kept for [`COMMIT_MARKER_RETENTION`] (one hour) and then deleted by
+//! [`sweep_commit_markers`] (queue worker maintenance and the kv sweeper run it). A resolution
+//! never fences the marker of a transaction older than half of that window: it answers
+//! "unknown" rather than mistake a swept marker for an absent one.
 
 use std::future::Future;
 use std::time::Duration;
@@ -65,9 +120,14 @@ use std::time::Duration;
 use crate::error::{TitoError, TitoResult};
 
 mod fault;
+mod outcome;
 mod retry;
 
 pub use fault::{Fault, FaultPoint, FaultRule, Faults, FaultyEngine, FaultyTransaction};
+pub use outcome::{
+    COMMIT_MARKER_RETENTION, COMMIT_MARKER_SWEEP_BATCH, DEFAULT_RESOLUTION_BOUND,
+    MAX_RESOLUTION_BOUND, resolve_commit, sweep_commit_markers,
+};
 pub use retry::RetryPolicy;
 
 /// A key and its value, as returned by scans.
@@ -171,7 +231,10 @@ pub trait TitoEngine: Clone + Send + Sync + 'static {
     ///   so every attempt starts from the same captured values. When the attempts run out the
     ///   result is [`TitoError::RetriesExhausted`].
     /// - A commit whose outcome is unknown returns [`TitoError::CommitOutcomeUnknown`] and `f`
-    ///   is never run again.
+    ///   is never run again, unless the policy
+    ///   [resolves unknown outcomes](RetryPolicy::resolve_unknown_outcomes): then a committed
+    ///   attempt returns its value and one proven not to have committed is replayed (see
+    ///   [Unknown outcomes](self#unknown-outcomes)).
     /// - Dropping the returned future rolls the transaction back.
     ///
     /// # Examples

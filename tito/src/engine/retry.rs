@@ -1,10 +1,12 @@
-//! The transaction runner behind [`TitoEngine::transaction`]: commit, and replay after a
-//! retryable conflict with jittered exponential backoff.
+//! The transaction runner behind [`TitoEngine::transaction`]: commit, replay after a retryable
+//! conflict with jittered exponential backoff, and (when the policy asks) resolve an unknown
+//! outcome through the attempt's commit marker.
 
 use std::future::Future;
 use std::hash::{BuildHasher, Hasher};
 use std::time::Duration;
 
+use super::outcome::{self, Resolution};
 use super::{TitoEngine, TitoTransaction};
 use crate::error::TitoError;
 
@@ -24,6 +26,9 @@ use crate::error::TitoError;
 ///     .max_backoff(Duration::from_millis(50));
 /// assert_eq!(policy.attempts(), 20);
 /// ```
+///
+/// A policy can also resolve unknown commit outcomes instead of returning them
+/// ([`RetryPolicy::resolve_unknown_outcomes`]; see the [module documentation](super#unknown-outcomes)).
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RetryPolicy {
@@ -31,6 +36,7 @@ pub struct RetryPolicy {
     initial_backoff: Duration,
     max_backoff: Duration,
     jitter_seed: Option<u64>,
+    resolution: Option<Duration>,
 }
 
 impl Default for RetryPolicy {
@@ -41,6 +47,7 @@ impl Default for RetryPolicy {
             initial_backoff: Duration::from_millis(2),
             max_backoff: Duration::from_millis(250),
             jitter_seed: None,
+            resolution: None,
         }
     }
 }
@@ -76,6 +83,62 @@ impl RetryPolicy {
         self
     }
 
+    /// Resolves unknown commit outcomes within [`DEFAULT_RESOLUTION_BOUND`] instead of returning
+    /// them: every attempt also writes a small commit marker, and when a commit's outcome is
+    /// unknown the runner reads (and if absent, fences) that marker. Committed: the closure's
+    /// value is returned as a success. Fenced: the closure is replayed as after a conflict.
+    /// Undecided within the bound: [`TitoError::CommitOutcomeUnknown`], naming the marker.
+    ///
+    /// The marker costs one small write per transaction, read-only ones included. Markers are
+    /// deleted after [`COMMIT_MARKER_RETENTION`] by
+    /// [`sweep_commit_markers`](super::sweep_commit_markers), which queue workers and the kv
+    /// sweeper run.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tito::RetryPolicy;
+    ///
+    /// let policy = RetryPolicy::default().resolve_unknown_outcomes();
+    /// assert_eq!(policy.resolution_bound(), Some(tito::engine::DEFAULT_RESOLUTION_BOUND));
+    /// let quick = RetryPolicy::default().resolve_unknown_outcomes_within(Duration::from_secs(5));
+    /// assert_eq!(quick.resolution_bound(), Some(Duration::from_secs(5)));
+    /// ```
+    ///
+    /// [`DEFAULT_RESOLUTION_BOUND`]: super::DEFAULT_RESOLUTION_BOUND
+    /// [`COMMIT_MARKER_RETENTION`]: super::COMMIT_MARKER_RETENTION
+    pub fn resolve_unknown_outcomes(self) -> Self {
+        self.resolve_unknown_outcomes_within(super::DEFAULT_RESOLUTION_BOUND)
+    }
+
+    /// [`RetryPolicy::resolve_unknown_outcomes`] with its own bound: the longest a resolution
+    /// waits (for locks to be resolved, for an unreachable store) before it gives up. A bound
+    /// under 1 ms or over [`MAX_RESOLUTION_BOUND`](super::MAX_RESOLUTION_BOUND) makes every
+    /// transaction run with this policy fail with [`TitoError::InvalidArgument`] before it
+    /// starts.
+    pub fn resolve_unknown_outcomes_within(mut self, bound: Duration) -> Self {
+        self.resolution = Some(bound);
+        self
+    }
+
+    /// Returns unknown commit outcomes to the caller again (the default).
+    pub fn return_unknown_outcomes(mut self) -> Self {
+        self.resolution = None;
+        self
+    }
+
+    /// The bound of unknown-outcome resolution, or `None` when unknown outcomes are returned.
+    pub fn resolution_bound(&self) -> Option<Duration> {
+        self.resolution
+    }
+
+    /// This policy, resolving unknown outcomes (with its own bound if it has one).
+    pub(crate) fn resolving(self) -> Self {
+        match self.resolution {
+            Some(_) => self,
+            None => self.resolve_unknown_outcomes(),
+        }
+    }
+
     /// How many times the closure may run in all.
     pub fn attempts(&self) -> u32 {
         self.max_attempts
@@ -102,7 +165,7 @@ impl RetryPolicy {
 }
 
 /// splitmix64's finalizer: a well-spread number from a seed.
-fn splitmix(mut x: u64) -> u64 {
+pub(crate) fn splitmix(mut x: u64) -> u64 {
     x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
     x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
@@ -111,7 +174,7 @@ fn splitmix(mut x: u64) -> u64 {
 
 /// A random number from the standard library's randomly keyed hasher: enough for jitter, and
 /// no extra dependency.
-fn random_u64() -> u64 {
+pub(crate) fn random_u64() -> u64 {
     let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
     hasher.write_u64(0x9e37_79b9_7f4a_7c15);
     hasher.finish()
@@ -125,6 +188,9 @@ where
     T: Send,
     E: From<TitoError> + Send,
 {
+    if let Some(bound) = policy.resolution {
+        outcome::check_bound(bound)?;
+    }
     let mut attempt: u32 = 0;
     loop {
         attempt += 1;
@@ -141,21 +207,53 @@ where
                 return Err(err);
             }
         };
-        match tx.commit().await {
+        let marker = match policy.resolution {
+            Some(_) => {
+                let marker = outcome::marker_key(tx.start_version(), policy.jitter_seed);
+                tx.put(marker.clone(), outcome::COMMITTED.to_vec()).await?;
+                Some(marker)
+            }
+            None => None,
+        };
+        let err = match tx.commit().await {
             Ok(()) => return Ok(value),
-            Err(err) if err.is_retryable() => {
-                if attempt >= policy.attempts() {
-                    return Err(E::from(TitoError::RetriesExhausted {
-                        attempts: attempt,
-                        source: Box::new(err),
-                    }));
+            Err(err) if err.is_retryable() => err,
+            Err(err @ TitoError::CommitOutcomeUnknown { .. }) => {
+                let (Some(marker), Some(bound)) = (marker, policy.resolution) else {
+                    return Err(E::from(err));
+                };
+                match outcome::resolve(db, &marker, bound).await {
+                    Resolution::Committed => {
+                        tracing::debug!(attempt, error = %err, "unknown commit outcome resolved: committed");
+                        return Ok(value);
+                    }
+                    Resolution::NotCommitted => {
+                        tracing::debug!(attempt, error = %err, "unknown commit outcome resolved: not committed; replaying");
+                        err
+                    }
+                    Resolution::Undecided(why) => {
+                        let marker = String::from_utf8_lossy(&marker);
+                        return Err(E::from(TitoError::CommitOutcomeUnknown {
+                            message: format!(
+                                "{err}; resolving it through commit marker {marker} failed: {why} \
+                                 (tito::engine::resolve_commit can decide it later)"
+                            ),
+                            source: Some(Box::new(err)),
+                        }));
+                    }
                 }
-                let delay = policy.backoff(attempt);
-                tracing::debug!(attempt, ?delay, error = %err, "transaction conflicted; replaying");
-                tokio::time::sleep(delay).await;
             }
             Err(err) => return Err(E::from(err)),
+        };
+        if attempt >= policy.attempts() {
+            return Err(E::from(TitoError::RetriesExhausted {
+                attempts: attempt,
+                source: Box::new(err),
+            }));
         }
+        let delay = policy.backoff(attempt);
+        tracing::debug!(attempt, ?delay, error = %err, "transaction did not commit; replaying");
+        tokio::time::sleep(delay).await;
     }
 }
 
@@ -174,6 +272,21 @@ mod tests {
             let late = policy.backoff(10);
             assert!(late >= Duration::from_millis(10) && late <= Duration::from_millis(20));
         }
+    }
+
+    #[test]
+    fn resolution_is_opt_in_and_keeps_its_bound() {
+        assert_eq!(RetryPolicy::default().resolution_bound(), None);
+        let policy = RetryPolicy::default().resolve_unknown_outcomes_within(Duration::from_secs(3));
+        assert_eq!(
+            policy.clone().resolving().resolution_bound(),
+            Some(Duration::from_secs(3))
+        );
+        assert_eq!(
+            RetryPolicy::default().resolving().resolution_bound(),
+            Some(super::super::DEFAULT_RESOLUTION_BOUND)
+        );
+        assert_eq!(policy.return_unknown_outcomes().resolution_bound(), None);
     }
 
     #[test]

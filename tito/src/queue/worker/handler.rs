@@ -79,11 +79,15 @@ where
     let db = queue.engine().clone();
     let root = queue.root().to_string();
     let partitions = queue.config().partitions;
+    // The handler's writes and its outcome commit together; an unknown outcome is resolved
+    // (applied: done; proven not applied: the handler runs again in a new transaction).
+    let policy = db.retry_policy().resolving();
     Arc::new(move |running: Running, event: QueueEvent<T>| {
         let (handler, db, root, owner) = (handler.clone(), db.clone(), root.clone(), owner.clone());
         let (pulled, generation) = (running.pulled.clone(), running.generation);
+        let policy = policy.clone();
         Box::pin(async move {
-            let work = db.transaction(|tx| {
+            let work = db.transaction_with(policy, |tx| {
                 let (handler, event, pulled, root, owner) = (
                     handler.clone(),
                     event.clone(),

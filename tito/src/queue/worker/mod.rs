@@ -580,6 +580,12 @@ fn spawn_maintenance<E: TitoEngine>(
                     Err(err) => tracing::warn!(error = %err, "kv sweep failed"),
                 }
             }
+            // Outcome transactions write commit markers; the maintainer expires them.
+            let batch = crate::engine::COMMIT_MARKER_SWEEP_BATCH;
+            match crate::engine::sweep_commit_markers(queue.engine(), batch).await {
+                Ok(deleted) => full |= deleted == batch,
+                Err(err) => tracing::warn!(error = %err, "commit marker sweep failed"),
+            }
             if full {
                 tokio::task::yield_now().await;
             } else {

@@ -82,9 +82,12 @@ async fn apply<E: TitoEngine>(
     let root = queue.root().to_string();
     let partitions = queue.config().partitions;
     let owner = owner.to_string();
+    // An acknowledgement whose commit outcome is unknown is resolved, not guessed: applied, it
+    // counts as applied; proven not applied, it is replayed (after re-checking the lease).
+    let policy = queue.engine().retry_policy().resolving();
     queue
         .engine()
-        .transaction(|tx| {
+        .transaction_with(policy, |tx| {
             let (root, owner) = (root.clone(), owner.clone());
             async move {
                 let mut held: HashMap<u32, bool> = HashMap::new();
