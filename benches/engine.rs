@@ -2,6 +2,7 @@
 //! Tito's engine layer can reach), in buffered and durable modes.
 //!
 //! `cargo bench --bench engine` (set `TITO_BENCH_SECS` to measure longer than 2 s per row).
+//! A second table prices the commit marker of unknown-outcome resolution on the same workload.
 //! Later benchmarks quote their figures as ratios to the rows printed here.
 
 use std::time::{Duration, Instant};
@@ -120,6 +121,44 @@ async fn writes(durability: Durability, tasks: usize) -> (f64, f64) {
     })
     .await;
     (tito, raw)
+}
+
+/// 4-key write transactions with and without a commit marker (unknown-outcome resolution), on
+/// one store, alternating twice so that drift of the machine falls on both sides.
+async fn marker_cost(durability: Durability, tasks: usize) -> (f64, f64) {
+    let dir = tempfile::tempdir().unwrap();
+    let db = tito_db(&dir.path().join("tito"), durability).await;
+    let (mut with, mut without) = (0.0, 0.0);
+    for round in 0..4u64 {
+        let resolve = round % 2 == 1;
+        let policy = if resolve {
+            tito::RetryPolicy::default().resolve_unknown_outcomes()
+        } else {
+            tito::RetryPolicy::default()
+        };
+        let db = db.clone();
+        let rate = measure(tasks, move |i| {
+            let (db, policy) = (db.clone(), policy.clone());
+            let i = i + (round << 36);
+            async move {
+                db.transaction_with(policy, |tx| async move {
+                    for part in 0..4u64 {
+                        tx.put(key(i * 4 + part), vec![7u8; 100]).await?;
+                    }
+                    Ok::<_, tito::TitoError>(())
+                })
+                .await
+                .unwrap();
+            }
+        })
+        .await;
+        if resolve {
+            with += rate / 2.0;
+        } else {
+            without += rate / 2.0;
+        }
+    }
+    (with, without)
 }
 
 async fn reads_and_scans() -> [(f64, f64); 3] {
@@ -243,6 +282,27 @@ async fn all(flavor: &str) {
     row("point read (open snapshot)", 1, get.0, get.1);
     row("point read (own read txn)", 1, txn_get.0, txn_get.1);
     row(&format!("{SCAN_ROWS}-row scan"), 1, scan.0, scan.1);
+
+    println!(
+        "\nthe cost of a commit marker (RetryPolicy::resolve_unknown_outcomes), Tito on both sides\n"
+    );
+    println!(
+        "| {:<34} | {:>5} | {:>12} | {:>12} | {:>6} |",
+        "operation (ops/s)", "tasks", "with marker", "without", "ratio"
+    );
+    println!(
+        "|{:-<36}|{:->7}|{:->14}|{:->14}|{:->8}|",
+        "", "", "", "", ""
+    );
+    for (durability, name) in [
+        (Durability::Buffered, "buffered"),
+        (Durability::Immediate, "durable"),
+    ] {
+        for tasks in [1, 8] {
+            let (with, without) = marker_cost(durability, tasks).await;
+            row(&format!("4-key write txn, {name}"), tasks, with, without);
+        }
+    }
 }
 
 fn main() {

@@ -32,6 +32,7 @@ macro_rules! inbox_suite {
                 one_subscription_per_group,
                 bad_rows_are_set_aside_without_blocking,
                 roles_that_are_absent_are_not_needed,
+                unknown_outcomes_deliver_each_row_once,
             ]
         );
     };
@@ -272,6 +273,66 @@ pub async fn outcomes_do_what_they_say<E: TitoEngine>(ctx: Ctx<E>) {
         rows.len()
     };
     assert_eq!(inbox_keys, 0);
+}
+
+pub async fn unknown_outcomes_deliver_each_row_once<E: TitoEngine>(ctx: Ctx<E>) {
+    use tito::engine::{Fault, FaultPoint, FaultRule, FaultyEngine};
+    let faulty = FaultyEngine::new(ctx.db.clone());
+    let jobs = faulty.clone().model::<EmailJob>();
+    let inbox = Arc::new(Inbox::<_, EmailJob>::new(faulty.clone()).unwrap());
+    for (phase, fault) in [
+        // Claims and acknowledgements apply, but their replies are lost.
+        (
+            0,
+            FaultRule::new(FaultPoint::Commit, Fault::UnknownOutcomeCommitted).always(),
+        ),
+        // Every other claim or acknowledgement is lost before it applies.
+        (
+            1,
+            FaultRule::new(FaultPoint::Commit, Fault::UnknownOutcomeNotCommitted)
+                .every(2)
+                .always(),
+        ),
+    ] {
+        let ids: Vec<String> = (0..5).map(|n| format!("p{phase}-{n}")).collect();
+        for id in &ids {
+            jobs.build(job(id, 0, 0)).await.unwrap();
+        }
+        faulty
+            .faults()
+            .add(fault.when_key_starts_with("table:email_job:"));
+        let injected = faulty.faults().injected();
+        let log: Log = Arc::default();
+        let running = subscribe(
+            &inbox,
+            InboxConfig::new("mail").clock(InboxClock::Engine),
+            &log,
+            |_| InboxOutcome::Ack,
+        );
+        let (check, expected) = (jobs.clone(), ids.clone());
+        wait_for("every row processed", Duration::from_secs(30), move || {
+            let (jobs, ids) = (check.clone(), expected.clone());
+            async move {
+                for id in &ids {
+                    match jobs.find_by_id(id, vec![]).await {
+                        Ok(row) if row.processed_at.is_some() => {}
+                        _ => return false,
+                    }
+                }
+                true
+            }
+        })
+        .await;
+        running.stop().await;
+        faulty.faults().clear();
+        assert!(faulty.faults().injected() >= injected + 5, "phase {phase}");
+        let mut delivered: Vec<String> = log.lock().unwrap().iter().map(|d| d.id.clone()).collect();
+        delivered.sort();
+        assert_eq!(
+            delivered, ids,
+            "phase {phase}: each row delivered exactly once"
+        );
+    }
 }
 
 pub async fn attempts_run_out_into_a_dead_letter_group<E: TitoEngine>(ctx: Ctx<E>) {

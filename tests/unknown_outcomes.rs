@@ -603,3 +603,52 @@ async fn tikv_a_commit_cut_off_with_the_cluster_is_never_reported_as_applied() {
         cluster.lock_count()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stores_refuse_a_bad_resolution_bound_when_opened() {
+    use tito::backend::embedded::{Embedded, EmbeddedOptions};
+    let bad = RetryPolicy::default().resolve_unknown_outcomes_within(Duration::ZERO);
+    let dir = tempfile::tempdir().unwrap();
+    let err = Embedded::open_with(dir.path(), EmbeddedOptions::new().retry_policy(bad.clone()))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, TitoError::InvalidArgument(_)), "{err:?}");
+    let err = Memory::with_options(MemoryOptions::new().retry_policy(bad)).unwrap_err();
+    assert!(matches!(err, TitoError::InvalidArgument(_)), "{err:?}");
+    // A good one is taken, and is the handle's policy.
+    let good = RetryPolicy::default().resolve_unknown_outcomes();
+    let db = Memory::with_options(MemoryOptions::new().retry_policy(good.clone())).unwrap();
+    assert_eq!(db.retry_policy(), good);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tikv_a_marker_rides_in_the_same_requests() {
+    let ctx = test_server_ctx().await;
+    let cluster = ctx.cluster.clone().unwrap();
+    let calls = || (cluster.calls("KvPrewrite"), cluster.calls("KvCommit"));
+    let mut cost = Vec::new();
+    for policy in [RetryPolicy::default(), resolving()] {
+        let before = calls();
+        for n in 0..10 {
+            let key = ctx.key(&format!("a{n}"));
+            ctx.db
+                .transaction_with(policy.clone(), |tx| async move {
+                    tx.put(key, b"v".to_vec()).await
+                })
+                .await
+                .unwrap();
+        }
+        // Secondary commits run in the background after the primary's: let them land.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let after = calls();
+        cost.push((after.0 - before.0, after.1 - before.1));
+    }
+    println!(
+        "10 one-key transactions: (prewrites, commits) without marker {:?}, with {:?}",
+        cost[0], cost[1]
+    );
+    // The marker sorts into the same region as the key here: the same prewrite request, and
+    // one more commit request (its secondary, committed after the reply).
+    assert_eq!(cost[1].0, cost[0].0);
+    assert_eq!(cost[1].1, cost[0].1 + 10);
+}

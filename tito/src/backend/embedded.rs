@@ -260,6 +260,7 @@ impl Embedded {
         options: EmbeddedOptions,
     ) -> TitoResult<Self> {
         let partitions = engine::check_partitions(options.partitions)?;
+        options.retry.check()?;
         if options.memtable_bytes < 64 * 1024 {
             return Err(TitoError::invalid_argument(
                 "memtable_bytes must be at least 64 KiB",

@@ -188,6 +188,7 @@ impl Memory {
     /// An empty store with options. A [`MemoryClock::Runtime`] clock needs a Tokio runtime.
     pub fn with_options(options: MemoryOptions) -> TitoResult<Self> {
         let partitions = engine::check_partitions(options.partitions)?;
+        options.retry.check()?;
         let clock = match options.clock {
             MemoryClock::Host => Clock::Host,
             MemoryClock::Runtime { epoch_ms } => {

@@ -10,6 +10,22 @@
 //!   failure that is not a per-key error, is [`TitoError::CommitOutcomeUnknown`].
 //! - A transaction dropped before commit or rollback is rolled back in the background; it never
 //!   panics.
+//! - Unknown outcomes can be resolved instead of returned: see
+//!   [Unknown outcomes](crate::engine#unknown-outcomes) for why a fenced commit marker proves,
+//!   through TiKV's lock resolution and rollback records, that a lost commit can never apply.
+//!
+//! # Known defect of `tikv-client` 0.4.0
+//!
+//! When the client splits a prewrite or a commit into per-region requests, a failed region
+//! lookup is dropped instead of returned (`stream::iter(Err(e))` in its `Shardable` impls of
+//! `PrewriteRequest` and `CommitRequest` yields no item). A commit of the primary key that
+//! fails in transport is retried after the region cache is invalidated; if PD cannot be reached
+//! at that moment the retry has no region to send to, and the commit is reported as applied
+//! although it never reached TiKV (its locks are rolled back later, so the writes are lost).
+//! The same path can drop the prewrite of keys in a region whose lookup failed. It needs the
+//! client to lose PD and TiKV at once in the middle of a commit; the repository's
+//! `tests/unknown_outcomes.rs` reproduces it against the test server (an ignored test that fails
+//! until the client is fixed). Tito cannot see it from outside the client: no error reaches it.
 //!
 //! ```no_run
 //! use tito::backend::tikv::TiKV;

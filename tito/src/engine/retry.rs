@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use super::outcome::{self, Resolution};
 use super::{TitoEngine, TitoTransaction};
-use crate::error::TitoError;
+use crate::error::{TitoError, TitoResult};
 
 /// How [`TitoEngine::transaction`] replays a closure whose commit conflicted.
 ///
@@ -131,6 +131,16 @@ impl RetryPolicy {
         self.resolution
     }
 
+    /// Checks the settings: a resolution bound from 1 ms to
+    /// [`MAX_RESOLUTION_BOUND`](super::MAX_RESOLUTION_BOUND). Stores check the policy they are
+    /// opened with, and every transaction the policy it runs under.
+    pub fn check(&self) -> TitoResult<()> {
+        match self.resolution {
+            Some(bound) => outcome::check_bound(bound),
+            None => Ok(()),
+        }
+    }
+
     /// This policy, resolving unknown outcomes (with its own bound if it has one).
     pub(crate) fn resolving(self) -> Self {
         match self.resolution {
@@ -188,9 +198,7 @@ where
     T: Send,
     E: From<TitoError> + Send,
 {
-    if let Some(bound) = policy.resolution {
-        outcome::check_bound(bound)?;
-    }
+    policy.check()?;
     let mut attempt: u32 = 0;
     loop {
         attempt += 1;
