@@ -322,7 +322,7 @@ pub async fn insert_update_upsert_delete<E: TitoEngine>(ctx: Ctx<E>) {
         read(&ctx.db, b"reverse-index:table:user:;2")
             .await
             .as_deref(),
-        Some(&br#"["index:user:by_email:email:d@x:table:user:;2"]"#[..])
+        Some(&br#"{"v":1,"keys":["index:user:by_email:email:d@x:table:user:;2"]}"#[..])
     );
 }
 

@@ -897,7 +897,8 @@ impl Sim {
             let mut listed = BTreeSet::new();
             let manifests = format!("reverse-index:table:{table}:");
             for (key, value) in scan_all(&tx, manifests.as_bytes()).await {
-                let manifest: Vec<String> = serde_json::from_slice(&value).unwrap();
+                let record: serde_json::Value = serde_json::from_slice(&value).unwrap();
+                let manifest: Vec<String> = serde_json::from_value(record["keys"].clone()).unwrap();
                 for entry in manifest {
                     let present = tx.get(entry.as_bytes()).await.unwrap().is_some();
                     self.check(present, || {

@@ -54,6 +54,38 @@ pub enum TitoError {
         source: Option<BoxError>,
     },
 
+    /// A query used an index that is not ready: it is being built (older rows are not in it
+    /// yet), being dropped, or unknown to the stored catalog. The message carries the build's
+    /// progress.
+    #[error("index {index:?} of table {table:?} is not ready: {state}")]
+    IndexNotReady {
+        /// The table.
+        table: String,
+        /// The index.
+        index: String,
+        /// Its state and progress, as text (`building: 4200 of about 10000 rows`).
+        state: String,
+    },
+
+    /// A unique index cannot be built: rows already hold the same values. The build stopped
+    /// where it was, the index stays unready and no row was changed.
+    #[error("unique index {index:?} of table {table:?} cannot be built: rows hold the same values: {}", format_pairs(.rows))]
+    DuplicateValues {
+        /// The table.
+        table: String,
+        /// The unique index.
+        index: String,
+        /// The first pairs of row ids that hold the same values.
+        rows: Vec<(String, String)>,
+    },
+
+    /// The model's code and the table's stored schema catalog disagree in a way Tito will not
+    /// guess about: an index redefined under its old name, a name still being dropped, or a
+    /// writer whose code lacks a conditional index the catalog maintains (an older deploy).
+    /// Nothing was written. The message names both schema versions.
+    #[error("schema mismatch: {0}")]
+    SchemaMismatch(String),
+
     /// The row (or other record) the operation needs does not exist.
     #[error("not found: {0}")]
     NotFound(String),
@@ -134,6 +166,14 @@ pub enum TitoError {
         #[source]
         source: Option<BoxError>,
     },
+}
+
+fn format_pairs(rows: &[(String, String)]) -> String {
+    let pairs: Vec<String> = rows
+        .iter()
+        .map(|(a, b)| format!("{a:?} and {b:?}"))
+        .collect();
+    pairs.join(", ")
 }
 
 impl TitoError {

@@ -488,6 +488,77 @@ pub fn index_key_row(key: &str) -> TitoResult<(String, String)> {
     Ok((decode_str(table)?, decode_str(id)?))
 }
 
+/// `unique:{table}:{index}:`, every claim of one unique index.
+pub fn unique_prefix(table: &str, index: &str) -> String {
+    KeyBuilder::new()
+        .raw("unique")
+        .string(table)
+        .string(index)
+        .prefix()
+}
+
+/// The index an index entry or a unique claim of `table` belongs to (its third segment), or
+/// `None` when `key` is neither.
+pub fn index_name_of(key: &str, table: &str) -> Option<String> {
+    let index_head = KeyBuilder::new().raw("index").string(table).prefix();
+    let claim_head = KeyBuilder::new().raw("unique").string(table).prefix();
+    let rest = key
+        .strip_prefix(&index_head)
+        .or_else(|| key.strip_prefix(&claim_head))?;
+    let segment = rest.split(SEPARATOR).next()?;
+    decode_str(segment).ok()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Schema keys (`crate::schema`)
+//
+// schema:{table}                     the table's index catalog (JSON: version, indexes, states)
+// schema-progress:{table}:{index}    a build's or a drop's progress (JSON: cursor, rows, failure)
+// schema-audit:{table}               a running audit's or repair's progress and findings (JSON)
+//
+// Writers read the catalog key with the row in one request and lock it, so a catalog change
+// makes every writer that did not see it conflict. Progress lives under its own keys so that a
+// build batch never touches the key every writer locks.
+// ---------------------------------------------------------------------------------------------
+
+/// `schema:{table}`.
+pub fn schema_key(table: &str) -> String {
+    KeyBuilder::new().raw("schema").string(table).finish()
+}
+
+/// `schema-progress:{table}:{index}`.
+pub fn schema_progress_key(table: &str, index: &str) -> String {
+    KeyBuilder::new()
+        .raw("schema-progress")
+        .string(table)
+        .string(index)
+        .finish()
+}
+
+/// `schema-audit:{table}`.
+pub fn schema_audit_key(table: &str) -> String {
+    KeyBuilder::new().raw("schema-audit").string(table).finish()
+}
+
+/// The id of a row key of `table`, or `None` when `key` is not one.
+pub fn row_key_id(key: &str, table: &str) -> Option<String> {
+    let rest = key.strip_prefix(&table_prefix(table))?;
+    if rest.contains(SEPARATOR) {
+        return None;
+    }
+    decode_str(rest).ok()
+}
+
+/// FNV-1a (64-bit) of `bytes`: stable across processes, platforms and Rust releases.
+pub fn fnv1a(bytes: &[u8]) -> u64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in bytes {
+        hash ^= u64::from(*byte);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    hash
+}
+
 // ---------------------------------------------------------------------------------------------
 // Queue keys
 //
@@ -956,6 +1027,8 @@ mod tests {
                 let _ = is_index_key_of(&candidate, "t", "1");
                 let _ = is_claim_key_of(&candidate, "t");
                 let _ = parse_commit_marker_key(&candidate);
+                let _ = index_name_of(&candidate, "t");
+                let _ = row_key_id(&candidate, "t");
             }
             let _ = key_str(&bytes);
             let _ = base64url_decode(&text);

@@ -16,6 +16,8 @@
 //!   (standalone, transactional or in a cluster), retention, owners.
 //! - [`kv`]: versioned, expiring key/value entries that join the same transactions.
 //! - [`inbox`]: a model whose rows are the queue (claim, lease, outcomes, dead letters).
+//! - [`schema`]: each table's stored index catalog, online index builds and drops, audit and
+//!   repair.
 //!
 //! # Examples
 //!
@@ -50,6 +52,7 @@ pub mod keys;
 pub mod kv;
 pub mod model;
 pub mod queue;
+pub mod schema;
 
 #[doc(hidden)]
 #[path = "private.rs"]

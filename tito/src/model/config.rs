@@ -69,6 +69,17 @@ pub trait TitoModelTrait:
         Vec::new()
     }
 
+    /// The identity of each row-dependent index condition: the index it belongs to, a name for
+    /// the code that decides it, and a version to bump whenever its meaning changes (the
+    /// derive's `condition = "method"` with `condition_version = N`, default 1). The stored
+    /// schema catalog ([`crate::schema`]) compares identities, never code: an index whose
+    /// condition changed meaning under the same identity keeps entries decided by the old one.
+    /// Indexes not listed here are taken to have no condition (every row with values of the
+    /// field types is in them), which lets writers of an older deploy maintain them too.
+    fn conditions(&self) -> Vec<TitoCondition> {
+        Vec::new()
+    }
+
     /// The events a write of this row publishes when its options ask for events.
     fn events(&self) -> Vec<TitoEventConfig> {
         Vec::new()
@@ -92,6 +103,17 @@ pub struct TitoIndexConfig {
     pub name: String,
     /// The indexed fields, in key order. A query binds a prefix of them.
     pub fields: Vec<TitoIndexField>,
+}
+
+/// The identity of an index's row-dependent condition (see [`TitoModelTrait::conditions`]).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Deserialize, Serialize)]
+pub struct TitoCondition {
+    /// The index the condition belongs to.
+    pub index: String,
+    /// A name for the code that decides it (the derive uses the method's name).
+    pub name: String,
+    /// Bumped whenever the condition's meaning changes (1 for the first).
+    pub version: u32,
 }
 
 /// One field of an index.

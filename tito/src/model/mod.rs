@@ -131,8 +131,8 @@ use std::marker::PhantomData;
 use serde_json::Value;
 
 pub use config::{
-    TitoEventConfig, TitoIndexBlockType, TitoIndexConfig, TitoIndexField, TitoModelTrait,
-    TitoOperation, TitoOptions,
+    TitoCondition, TitoEventConfig, TitoIndexBlockType, TitoIndexConfig, TitoIndexField,
+    TitoModelTrait, TitoOperation, TitoOptions,
 };
 pub use index::MAX_INDEX_ENTRIES_PER_ROW;
 pub use query::{DEFAULT_PAGE_LIMIT, IndexQuery, MAX_PAGE_LIMIT, TableQuery, TitoPage};
@@ -140,6 +140,7 @@ pub use query::{DEFAULT_PAGE_LIMIT, IndexQuery, MAX_PAGE_LIMIT, TableQuery, Tito
 use crate::engine::{self, TitoEngine, TitoTransaction};
 use crate::error::{TitoError, TitoResult};
 use crate::keys;
+use crate::schema::{IndexState, TableHandle, WritePlan};
 
 /// The operations on one model type. Cheap to clone; get one with
 /// [`TitoEngine::model`].
@@ -173,9 +174,25 @@ enum Mode {
 }
 
 /// A row and its manifest as stored, validated.
-struct Stored {
-    row: Value,
-    manifest: Vec<String>,
+pub(crate) struct Stored {
+    pub row: Value,
+    pub manifest: Vec<String>,
+    /// The schema version the manifest was written under (0: before catalogs).
+    pub manifest_version: u64,
+}
+
+/// A manifest as stored: the schema version it was written under and the keys.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct ManifestRecord {
+    v: u64,
+    keys: Vec<String>,
+}
+
+pub(crate) fn encode_manifest(version: u64, keys: &[String]) -> TitoResult<Vec<u8>> {
+    Ok(serde_json::to_vec(&ManifestRecord {
+        v: version,
+        keys: keys.to_vec(),
+    })?)
 }
 
 fn integrity(message: String) -> TitoError {
@@ -183,7 +200,9 @@ fn integrity(message: String) -> TitoError {
 }
 
 /// All index configs of a model, each with whether it is unique; duplicate names are an error.
-fn index_configs<T: TitoModelTrait>(model: &T) -> TitoResult<Vec<(TitoIndexConfig, bool)>> {
+pub(crate) fn index_configs<T: TitoModelTrait>(
+    model: &T,
+) -> TitoResult<Vec<(TitoIndexConfig, bool)>> {
     let mut all: Vec<(TitoIndexConfig, bool)> = model
         .indexes()
         .into_iter()
@@ -210,16 +229,35 @@ fn index_configs<T: TitoModelTrait>(model: &T) -> TitoResult<Vec<(TitoIndexConfi
     Ok(all)
 }
 
-/// The index entries of a row.
-fn row_entries(
-    configs: &[(TitoIndexConfig, bool)],
+/// The index entries of a row for the indexes a write plan maintains, each with its index's
+/// state. `code` holds the code's configs with their conditions evaluated on the row.
+pub(crate) fn planned_entries(
+    plan: &WritePlan,
+    code: &[(TitoIndexConfig, bool)],
     row: &Value,
     table: &str,
     id: &str,
-) -> TitoResult<Vec<index::Entry>> {
+) -> TitoResult<Vec<(index::Entry, IndexState)>> {
     let mut out = Vec::new();
-    for (config, unique) in configs {
-        out.extend(index::entries(config, *unique, row, table, id)?);
+    for planned in &plan.indexes {
+        let config = match &planned.stored {
+            Some(config) => config,
+            None => {
+                &code
+                    .iter()
+                    .find(|(c, _)| c.name == planned.name)
+                    .ok_or_else(|| {
+                        integrity(format!(
+                            "index {:?} of table {table:?} is planned from code that does not declare it",
+                            planned.name
+                        ))
+                    })?
+                    .0
+            }
+        };
+        for entry in index::entries(config, planned.unique, row, table, id)? {
+            out.push((entry, planned.state));
+        }
     }
     Ok(out)
 }
@@ -261,15 +299,22 @@ pub(crate) async fn read_only<E: TitoEngine, R>(
     result
 }
 
-fn parse_manifest(key: &str, bytes: &[u8]) -> TitoResult<Vec<String>> {
-    serde_json::from_slice(bytes).map_err(|err| {
-        integrity(format!(
-            "manifest {key:?} is not a JSON array of keys: {err}"
-        ))
-    })
+/// A manifest's schema version and keys. Manifests written before catalogs are a plain JSON
+/// array of keys (version 0).
+pub(crate) fn parse_manifest(key: &str, bytes: &[u8]) -> TitoResult<(u64, Vec<String>)> {
+    if let Ok(record) = serde_json::from_slice::<ManifestRecord>(bytes) {
+        return Ok((record.v, record.keys));
+    }
+    serde_json::from_slice::<Vec<String>>(bytes)
+        .map(|keys| (0, keys))
+        .map_err(|err| {
+            integrity(format!(
+                "manifest {key:?} is neither a manifest record nor a JSON array of keys: {err}"
+            ))
+        })
 }
 
-fn parse_row(key: &str, bytes: &[u8]) -> TitoResult<Value> {
+pub(crate) fn parse_row(key: &str, bytes: &[u8]) -> TitoResult<Value> {
     serde_json::from_slice(bytes)
         .map_err(|err| integrity(format!("row {key:?} is not valid JSON: {err}")))
 }
@@ -283,16 +328,40 @@ pub(crate) fn decode_model<T: TitoModelTrait>(key: &str, bytes: &[u8]) -> TitoRe
     })
 }
 
-/// Reads and validates a row with its manifest and every key the manifest lists.
-async fn load<X: TitoTransaction>(tx: &X, table: &str, id: &str) -> TitoResult<Option<Stored>> {
+/// Reads and validates a row with its manifest and every key the manifest lists, and the
+/// table's catalog in the same request; returns the row and what a write maintains.
+///
+/// Keys the manifest lists for indexes that are no longer live (dropping, or gone) are not
+/// required to exist: a drop deletes them while the manifests still name them.
+async fn load<X: TitoTransaction>(
+    tx: &X,
+    table: &str,
+    id: &str,
+    handle: &TableHandle,
+) -> TitoResult<(Option<Stored>, WritePlan)> {
     let row_key = keys::row_key(table, id);
     let manifest_key = keys::manifest_key(table, id);
-    let found = tx
+    let mut found = tx
         .batch_get(&[
             row_key.clone().into_bytes(),
             manifest_key.clone().into_bytes(),
+            keys::schema_key(table).into_bytes(),
         ])
         .await?;
+    let plan = handle.plan(found.pop().flatten().as_deref())?;
+    let stored = validate(tx, table, id, &found, &plan).await?;
+    Ok((stored, plan))
+}
+
+async fn validate<X: TitoTransaction>(
+    tx: &X,
+    table: &str,
+    id: &str,
+    found: &[Option<Vec<u8>>],
+    plan: &WritePlan,
+) -> TitoResult<Option<Stored>> {
+    let row_key = keys::row_key(table, id);
+    let manifest_key = keys::manifest_key(table, id);
     let (row, manifest) = match (&found[0], &found[1]) {
         (None, None) => return Ok(None),
         (Some(_), None) => {
@@ -308,7 +377,7 @@ async fn load<X: TitoTransaction>(tx: &X, table: &str, id: &str) -> TitoResult<O
         (Some(row), Some(manifest)) => (row, manifest),
     };
     let row = parse_row(&row_key, row)?;
-    let manifest = parse_manifest(&manifest_key, manifest)?;
+    let (manifest_version, manifest) = parse_manifest(&manifest_key, manifest)?;
     if let Some(bad) = manifest
         .iter()
         .find(|key| !keys::is_index_key_of(key, table, id) && !keys::is_claim_key_of(key, table))
@@ -318,10 +387,17 @@ async fn load<X: TitoTransaction>(tx: &X, table: &str, id: &str) -> TitoResult<O
              {row_key:?} nor a unique claim of table {table:?}"
         )));
     }
-    if !manifest.is_empty() {
-        let listed: Vec<Vec<u8>> = manifest.iter().map(|k| k.clone().into_bytes()).collect();
+    let live: Vec<&String> = manifest
+        .iter()
+        .filter(|key| {
+            plan.version == 0
+                || keys::index_name_of(key, table).is_some_and(|index| plan.is_live(&index))
+        })
+        .collect();
+    if !live.is_empty() {
+        let listed: Vec<Vec<u8>> = live.iter().map(|k| k.as_bytes().to_vec()).collect();
         let present = tx.batch_get(&listed).await?;
-        for (key, value) in manifest.iter().zip(&present) {
+        for (key, value) in live.iter().zip(&present) {
             match value {
                 None => {
                     return Err(integrity(format!(
@@ -337,7 +413,11 @@ async fn load<X: TitoTransaction>(tx: &X, table: &str, id: &str) -> TitoResult<O
             }
         }
     }
-    Ok(Some(Stored { row, manifest }))
+    Ok(Some(Stored {
+        row,
+        manifest,
+        manifest_version,
+    }))
 }
 
 /// Sets `created_at` / `updated_at` where the row's shape has them (as a number: Unix seconds;
@@ -440,6 +520,7 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
 
     /// Deletes a row, its index entries, claims and manifest in a transaction of its own.
     pub async fn delete_by_id(&self, id: &str) -> TitoResult<()> {
+        TableHandle::of::<E, T>(&self.db).await?;
         let this = self.clone();
         let id = id.to_string();
         self.db
@@ -458,7 +539,9 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         tx: &E::Transaction,
     ) -> TitoResult<()> {
         let table = Self::table();
-        let stored = load(tx, &table, id).await?.ok_or_else(|| {
+        let handle = TableHandle::of::<E, T>(&self.db).await?;
+        let (stored, _) = load(tx, &table, id, &handle).await?;
+        let stored = stored.ok_or_else(|| {
             TitoError::NotFound(format!("no row {:?}", keys::row_key(&table, id)))
         })?;
         let deleted: Option<T> = match options.events {
@@ -523,6 +606,8 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
     }
 
     async fn in_own_transaction(&self, model: T, mode: Mode) -> TitoResult<T> {
+        // Reconciled before the transaction starts, so its snapshot holds the catalog.
+        TableHandle::of::<E, T>(&self.db).await?;
         let this = self.clone();
         self.db
             .transaction(
@@ -556,7 +641,12 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         }
         check_events(&model, options)?;
         let row_key = keys::row_key(&table, &id);
-        let stored = load(tx, &table, &id).await?;
+        let handle = TableHandle::of::<E, T>(&self.db).await?;
+        let (stored, plan) = load(tx, &table, &id, &handle).await?;
+        // A catalog change (or its creation) after this transaction began makes it conflict
+        // and replay, so no write maintains indexes from an outdated catalog.
+        tx.lock_keys(&[keys::schema_key(&table).into_bytes()])
+            .await?;
         match (mode, &stored) {
             (Mode::Insert, Some(_)) => {
                 return Err(TitoError::AlreadyExists(format!("row {row_key:?}")));
@@ -584,7 +674,7 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         let bytes = serde_json::to_vec(&row)?;
 
         let configs = index_configs(&stored_model)?;
-        let new_entries = row_entries(&configs, &row, &table, &id)?;
+        let new_entries = planned_entries(&plan, &configs, &row, &table, &id)?;
         // What the row held before comes from its manifest, never from evaluating the indexes
         // (and their row-dependent conditions) on the old row again.
         let old_listed: HashSet<String> = stored
@@ -595,17 +685,37 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         // Unique claims: new ones are checked and written so racing writers conflict; claims
         // the row no longer holds are released.
         let mut new_claims: Vec<String> = Vec::new();
-        for entry in &new_entries {
+        let mut tolerated: HashSet<String> = HashSet::new();
+        let mut old_claims: Option<HashSet<String>> = None;
+        for (entry, state) in &new_entries {
             let Some(claim) = &entry.claim else { continue };
-            if new_claims.contains(claim) {
+            if new_claims.contains(claim) || tolerated.contains(claim) {
                 continue;
             }
-            new_claims.push(claim.clone());
             if old_listed.contains(claim) {
+                new_claims.push(claim.clone());
                 continue;
             }
             match tx.get(claim.as_bytes()).await? {
                 Some(owner) if owner != id.as_bytes() => {
+                    // A unique index still building tolerates a duplicate the row already had
+                    // (its build reports it); a new duplicate is refused as always.
+                    if *state == IndexState::Building {
+                        let old = match &old_claims {
+                            Some(old) => old,
+                            None => old_claims.insert(match &stored {
+                                Some(s) => planned_entries(&plan, &configs, &s.row, &table, &id)?
+                                    .into_iter()
+                                    .filter_map(|(e, _)| e.claim)
+                                    .collect(),
+                                None => HashSet::new(),
+                            }),
+                        };
+                        if old.contains(claim) {
+                            tolerated.insert(claim.clone());
+                            continue;
+                        }
+                    }
                     return Err(TitoError::UniqueViolation {
                         index: entry.index.clone(),
                         owner: String::from_utf8_lossy(&owner).into_owned(),
@@ -616,6 +726,7 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
                         .await?
                 }
             }
+            new_claims.push(claim.clone());
         }
         for claim in old_listed
             .iter()
@@ -624,7 +735,11 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
             self.release_claim(tx, claim, &id).await?;
         }
 
-        let new_keys: Vec<String> = new_entries.into_iter().map(|e| e.key).collect();
+        let new_keys: Vec<String> = new_entries
+            .into_iter()
+            .filter(|(e, _)| e.claim.as_ref().is_none_or(|c| !tolerated.contains(c)))
+            .map(|(e, _)| e.key)
+            .collect();
         let row_changed = stored.as_ref().is_none_or(|s| s.row != row);
         let new_set: HashSet<&String> = new_keys.iter().chain(&new_claims).collect();
         for key in old_listed
@@ -640,11 +755,13 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
             }
         }
         let manifest: Vec<String> = new_keys.into_iter().chain(new_claims).collect();
-        let keys_changed = stored.as_ref().is_none_or(|s| s.manifest != manifest);
+        let keys_changed = stored
+            .as_ref()
+            .is_none_or(|s| s.manifest != manifest || s.manifest_version != plan.version);
         if keys_changed {
             tx.put(
                 keys::manifest_key(&table, &id).into_bytes(),
-                serde_json::to_vec(&manifest)?,
+                encode_manifest(plan.version, &manifest)?,
             )
             .await?;
         }
@@ -720,7 +837,7 @@ mod tests {
         /// Defect 10: manifests and rows decode or are refused, never panic.
         #[test]
         fn manifests_and_rows_decode_or_are_refused(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..96)) {
-            if let Ok(listed) = parse_manifest("m", &bytes) {
+            if let Ok((_, listed)) = parse_manifest("m", &bytes) {
                 for key in listed {
                     let _ = keys::is_index_key_of(&key, "t", "1");
                     let _ = keys::is_claim_key_of(&key, "t");

@@ -231,6 +231,10 @@ impl<E: TitoEngine, T: TitoModelTrait> IndexQuery<E, T> {
                 self.index
             )));
         };
+        crate::schema::TableHandle::of::<E, T>(&self.db)
+            .await?
+            .check_queryable(tx, &config.name)
+            .await?;
         let bound_fields = self.values.len() + usize::from(self.range.is_some());
         if bound_fields > config.fields.len() {
             return Err(TitoError::invalid_argument(format!(

@@ -133,12 +133,7 @@ pub type QueueHandlerResult<T> = Result<QueueHandlerOutcome<T>, TitoError>;
 /// The partition of a business key: FNV-1a (64-bit) of its UTF-8 bytes, modulo the partition
 /// count. Stable across processes, platforms and Rust releases.
 pub fn partition_for(key: &str, partitions: u32) -> u32 {
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for byte in key.as_bytes() {
-        hash ^= u64::from(*byte);
-        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    (hash % u64::from(partitions.max(1))) as u32
+    (crate::keys::fnv1a(key.as_bytes()) % u64::from(partitions.max(1))) as u32
 }
 
 /// An invocation as stored in a pending or completed row.

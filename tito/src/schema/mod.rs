@@ -1,0 +1,889 @@
+//! Schema evolution: a stored index catalog per table, online index builds and drops, and an
+//! audit with repair.
+//!
+//! Every table has a catalog under `schema:{table}` (layout in [`crate::keys`]): the indexes
+//! the table has, each with its definition (fields and their types, unique or not, the
+//! identity of its condition), its state, and a schema version that increases with every
+//! change.
+//!
+//! ```text
+//!  code declares index  --first use-->  building  --build done-->  ready
+//!  code drops index     --first use-->  dropping  --drop done--->  (gone; the name is free)
+//! ```
+//!
+//! # Reconciliation
+//!
+//! The first operation of a process on a model type reads the catalog and reconciles it with
+//! the code (one transaction; afterwards nothing extra is read per operation):
+//!
+//! - an index the catalog lacks is registered as **building**, or as **ready** at once when
+//!   the table has no rows; writers maintain it from then on, and a build fills it for older
+//!   rows in bounded, resumable batches ([`TitoModel::build_indexes`], or a queue worker's
+//!   maintenance);
+//! - an index the catalog has but the code no longer declares goes to **dropping**: its entries
+//!   and claims are deleted in bounded batches, and its name cannot be declared again until
+//!   that is done ([`TitoError::SchemaMismatch`]);
+//! - an index whose definition changed under the same name is refused with
+//!   [`TitoError::SchemaMismatch`]: give the new definition a new name (add it, let it build,
+//!   move the queries, then remove the old one). Tito never reinterprets entries written under
+//!   another definition.
+//!
+//! Code whose set of index definitions the catalog has already seen at an older version (an
+//! instance of the previous deploy that restarts) reconciles nothing: it never moves the
+//! catalog back.
+//!
+//! # Writers and rolling deploys
+//!
+//! Every write reads the catalog key in the same request as the row and its manifest, and
+//! locks it, so a write that did not see a catalog change conflicts and is replayed. A write
+//! maintains exactly the catalog's building and ready indexes:
+//!
+//! - indexes the code declares, with the code's condition;
+//! - indexes the code does not declare but that have no condition: from the stored definition.
+//!   So an older deploy keeps a plain index that a newer deploy added complete;
+//! - an index with a condition the code does not have refuses the write with
+//!   [`TitoError::SchemaMismatch`] naming both schema versions: finish the deploy first.
+//!
+//! With this, no row can be missing from a ready index: a build starts after its index was
+//! registered, every write that committed before the registration is seen by the build's
+//! scan, and every write after it maintains the index itself.
+//!
+//! A unique index that is building enforces itself on new values (a write that gives a
+//! row a value another row holds fails with [`TitoError::UniqueViolation`]) but tolerates the
+//! duplicates that already exist (a write that keeps a row's value is not refused); the build
+//! finds them, stops with [`TitoError::UniqueViolation`] listing the first ids, leaves the
+//! index building and changes no row. Fix the rows, then build again.
+//!
+//! # Queries
+//!
+//! A query on an index that is not ready fails with [`TitoError::IndexNotReady`] carrying the
+//! build's progress. The state is cached per process and read again at most every
+//! [`CATALOG_REFRESH`].
+//!
+//! # Manifests
+//!
+//! Manifests record the schema version they were written under, so an integrity check can tell
+//! a complete manifest of an older schema (its keys of since-added indexes are missing because
+//! it is older) from a corrupt one; a row is re-indexed under the current schema on its next
+//! write.
+//!
+//! # Audit and repair
+//!
+//! [`TitoModel::audit`] scans a table and its ready indexes and reports missing entries,
+//! orphaned entries, stale clones (an entry's copy differs from the row), missing or malformed
+//! manifests and claims held for the wrong row, with counts and the first keys of each kind.
+//! [`TitoModel::repair`] fixes them in bounded batches (a dry run is the audit). Both report
+//! progress through a callback and resume from their last batch after a crash.
+//!
+//! [`TitoModel::build_indexes`]: crate::model::TitoModel::build_indexes
+//! [`TitoModel::audit`]: crate::model::TitoModel::audit
+//! [`TitoModel::repair`]: crate::model::TitoModel::repair
+//! [`TitoError::SchemaMismatch`]: crate::TitoError::SchemaMismatch
+//! [`TitoError::UniqueViolation`]: crate::TitoError::UniqueViolation
+//! [`TitoError::IndexNotReady`]: crate::TitoError::IndexNotReady
+
+use std::any::{Any, TypeId};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, LazyLock, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use crate::engine::{TitoEngine, TitoTransaction};
+use crate::error::{TitoError, TitoResult};
+use crate::keys;
+use crate::model::{TitoIndexBlockType, TitoIndexConfig, TitoIndexField, TitoModelTrait};
+
+mod audit;
+mod build;
+
+pub use audit::{AuditFinding, AuditKind, AuditReport, Progress};
+
+/// How long a process trusts the catalog state it read last before a query reads it again.
+pub const CATALOG_REFRESH: Duration = Duration::from_secs(1);
+
+/// Rows one build, drop, audit or repair batch handles at most by default.
+pub const DEFAULT_BATCH: usize = 256;
+
+/// How many schema versions a catalog remembers the code of (to recognise an older deploy).
+const HISTORY: usize = 32;
+
+/// The state of one index in the catalog.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum IndexState {
+    /// Writers maintain it; a build is filling it for older rows. Queries are refused.
+    Building,
+    /// Complete: queries use it.
+    Ready,
+    /// Removed from the code: its entries and claims are being deleted. Queries are refused.
+    Dropping,
+}
+
+impl std::fmt::Display for IndexState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            IndexState::Building => "building",
+            IndexState::Ready => "ready",
+            IndexState::Dropping => "dropping",
+        })
+    }
+}
+
+/// What an index is, as the catalog stores it: the identity the code is compared against.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IndexDefinition {
+    /// The fields in key order, with their types (`string`, `number`, `integer`, `unsigned`,
+    /// `boolean`, `timestamp`).
+    pub fields: Vec<(String, String)>,
+    /// Whether a combination of values may belong to one row only.
+    pub unique: bool,
+    /// The condition's name and version, when rows are in the index only where it holds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub condition: Option<(String, u32)>,
+}
+
+impl std::fmt::Display for IndexDefinition {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let fields: Vec<String> = self
+            .fields
+            .iter()
+            .map(|(name, kind)| format!("{name}: {kind}"))
+            .collect();
+        write!(f, "({})", fields.join(", "))?;
+        if self.unique {
+            f.write_str(" unique")?;
+        }
+        if let Some((name, version)) = &self.condition {
+            write!(f, " where {name} v{version}")?;
+        }
+        Ok(())
+    }
+}
+
+/// One index of a catalog.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CatalogIndex {
+    /// Its definition.
+    pub definition: IndexDefinition,
+    /// Its state.
+    pub state: IndexState,
+    /// The schema version at which it entered this state.
+    pub since: u64,
+}
+
+/// A table's stored index catalog.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Catalog {
+    /// Increases with every change.
+    pub version: u64,
+    /// The indexes by name.
+    pub indexes: BTreeMap<String, CatalogIndex>,
+    /// `(version, fingerprint)` of the code seen at recent versions, oldest first.
+    #[serde(default)]
+    history: Vec<(u64, String)>,
+}
+
+impl Catalog {
+    /// The schema version whose code had this fingerprint, if the catalog remembers it.
+    fn version_of(&self, fingerprint: &str) -> Option<u64> {
+        self.history
+            .iter()
+            .rev()
+            .find(|(_, fp)| fp == fingerprint)
+            .map(|(v, _)| *v)
+    }
+
+    fn latest_fingerprint(&self) -> Option<&str> {
+        self.history.last().map(|(_, fp)| fp.as_str())
+    }
+
+    fn bump(&mut self, fingerprint: &str) {
+        self.version += 1;
+        self.history.push((self.version, fingerprint.to_string()));
+        if self.history.len() > HISTORY {
+            let extra = self.history.len() - HISTORY;
+            self.history.drain(..extra);
+        }
+    }
+}
+
+/// Decodes a stored catalog; an error names the key, never panics.
+pub(crate) fn parse_catalog(table: &str, bytes: &[u8]) -> TitoResult<Catalog> {
+    serde_json::from_slice(bytes).map_err(|err| {
+        TitoError::Integrity(format!(
+            "schema catalog {:?} is not a catalog: {err}",
+            keys::schema_key(table)
+        ))
+    })
+}
+
+/// A build's or a drop's progress.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IndexProgress {
+    /// Rows handled so far.
+    pub rows_done: u64,
+    /// The table's size when the work started, counted up to a bound (`None`: more than it).
+    pub rows_estimate: Option<u64>,
+    /// The id of the last row handled; the next batch continues after it.
+    pub cursor: Option<String>,
+    /// Whether the row pass is over (a drop then deletes leftover entries by prefix).
+    #[serde(default)]
+    pub rows_finished: bool,
+    /// Why a build stopped (duplicates of a unique index), until it is started again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure: Option<String>,
+}
+
+impl std::fmt::Display for IndexProgress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.rows_estimate {
+            Some(total) => write!(f, "{} of about {total} rows", self.rows_done)?,
+            None => write!(f, "{} rows", self.rows_done)?,
+        }
+        if let Some(failure) = &self.failure {
+            write!(f, "; stopped: {failure}")?;
+        }
+        Ok(())
+    }
+}
+
+fn parse_progress(key: &str, bytes: &[u8]) -> TitoResult<IndexProgress> {
+    serde_json::from_slice(bytes)
+        .map_err(|err| TitoError::Integrity(format!("progress {key:?} is malformed: {err}")))
+}
+
+/// One index as [`TitoModel::schema`](crate::model::TitoModel::schema) reports it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct IndexStatus {
+    /// The index.
+    pub name: String,
+    /// Its state.
+    pub state: IndexState,
+    /// Its definition.
+    pub definition: IndexDefinition,
+    /// The schema version at which it entered its state.
+    pub since: u64,
+    /// A build's or drop's progress, while one runs.
+    pub progress: Option<IndexProgress>,
+}
+
+/// A table's schema as stored.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct TableSchema {
+    /// The table.
+    pub table: String,
+    /// The catalog's version (0: no catalog yet).
+    pub version: u64,
+    /// The indexes, by name.
+    pub indexes: Vec<IndexStatus>,
+}
+
+fn kind_name(kind: TitoIndexBlockType) -> &'static str {
+    match kind {
+        TitoIndexBlockType::String => "string",
+        TitoIndexBlockType::Number => "number",
+        TitoIndexBlockType::Integer => "integer",
+        TitoIndexBlockType::Unsigned => "unsigned",
+        TitoIndexBlockType::Boolean => "boolean",
+        TitoIndexBlockType::Timestamp => "timestamp",
+        #[allow(unreachable_patterns)]
+        _ => "unknown",
+    }
+}
+
+fn kind_of(name: &str) -> Option<TitoIndexBlockType> {
+    Some(match name {
+        "string" => TitoIndexBlockType::String,
+        "number" => TitoIndexBlockType::Number,
+        "integer" => TitoIndexBlockType::Integer,
+        "unsigned" => TitoIndexBlockType::Unsigned,
+        "boolean" => TitoIndexBlockType::Boolean,
+        "timestamp" => TitoIndexBlockType::Timestamp,
+        _ => return None,
+    })
+}
+
+impl IndexDefinition {
+    /// The index config a writer uses for an index it only knows from the catalog (it has no
+    /// condition, or the write is refused before this is used).
+    fn config(&self, name: &str) -> TitoResult<TitoIndexConfig> {
+        let fields = self
+            .fields
+            .iter()
+            .map(|(field, kind)| {
+                Ok(TitoIndexField {
+                    name: field.clone(),
+                    r#type: kind_of(kind).ok_or_else(|| {
+                        TitoError::Integrity(format!(
+                            "the catalog gives field {field:?} of index {name:?} the unknown type {kind:?}"
+                        ))
+                    })?,
+                })
+            })
+            .collect::<TitoResult<Vec<_>>>()?;
+        Ok(TitoIndexConfig {
+            condition: true,
+            name: name.to_string(),
+            fields,
+        })
+    }
+}
+
+/// The index definitions a model's code declares, by name, and their fingerprint.
+pub(crate) struct CodeSchema {
+    pub definitions: BTreeMap<String, IndexDefinition>,
+    pub fingerprint: String,
+}
+
+impl CodeSchema {
+    pub(crate) fn of<T: TitoModelTrait>() -> TitoResult<CodeSchema> {
+        let model = T::default();
+        let conditions: HashMap<String, (String, u32)> = model
+            .conditions()
+            .into_iter()
+            .map(|c| (c.index, (c.name, c.version)))
+            .collect();
+        let mut definitions = BTreeMap::new();
+        for (config, unique) in crate::model::index_configs(&model)? {
+            let definition = IndexDefinition {
+                fields: config
+                    .fields
+                    .iter()
+                    .map(|f| (f.name.clone(), kind_name(f.r#type).to_string()))
+                    .collect(),
+                unique,
+                condition: conditions.get(&config.name).cloned(),
+            };
+            definitions.insert(config.name, definition);
+        }
+        let canonical = serde_json::to_vec(&definitions)?;
+        Ok(CodeSchema {
+            fingerprint: format!("{:016x}", keys::fnv1a(&canonical)),
+            definitions,
+        })
+    }
+}
+
+/// What one write maintains, derived from the catalog it read.
+pub(crate) struct WritePlan {
+    /// The catalog version (0 without a catalog).
+    pub version: u64,
+    /// Catalog indexes (building or ready) the write maintains, with where their config
+    /// comes from.
+    pub indexes: Vec<PlannedIndex>,
+}
+
+pub(crate) struct PlannedIndex {
+    pub name: String,
+    pub unique: bool,
+    pub state: IndexState,
+    /// `None`: take the code's config (its condition evaluated on the row).
+    pub stored: Option<TitoIndexConfig>,
+}
+
+impl WritePlan {
+    /// Whether keys of `index` belong to a live (building or ready) index.
+    pub fn is_live(&self, index: &str) -> bool {
+        self.indexes.iter().any(|i| i.name == index)
+    }
+}
+
+/// The per-process knowledge about one (store, table, model type).
+pub(crate) struct TableHandle {
+    table: String,
+    code: CodeSchema,
+    reconciled: Mutex<bool>,
+    cached: Mutex<Option<CachedCatalog>>,
+}
+
+#[derive(Clone)]
+struct CachedCatalog {
+    bytes: Option<Vec<u8>>,
+    catalog: Option<Arc<Catalog>>,
+    read_at: Instant,
+}
+
+type HandleKey = (String, String, TypeId);
+
+static HANDLES: LazyLock<Mutex<HashMap<HandleKey, Arc<TableHandle>>>> =
+    LazyLock::new(Mutex::default);
+
+/// The stores' builders: per store id, one entry per table a model handle of this process
+/// reconciled, run by queue maintenance.
+static BUILDERS: LazyLock<Mutex<Registry>> = LazyLock::new(Mutex::default);
+
+/// Per store id, `(table, builder)` pairs.
+type Registry = HashMap<String, Vec<(String, ErasedBuilder)>>;
+
+/// A [`Builder`] of some engine type, behind `Any` so one registry holds every engine's.
+type ErasedBuilder = Arc<dyn Any + Send + Sync>;
+
+type Builder<E> =
+    Arc<dyn Fn(E) -> futures::future::BoxFuture<'static, TitoResult<Step>> + Send + Sync>;
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl TableHandle {
+    /// The handle of model `T` on store `db`, reconciled with the catalog on first use.
+    pub(crate) async fn of<E: TitoEngine, T: TitoModelTrait>(
+        db: &E,
+    ) -> TitoResult<Arc<TableHandle>> {
+        let table = T::default().table();
+        let key = (db.store_id(), table.clone(), TypeId::of::<T>());
+        let handle = {
+            let existing = lock(&HANDLES).get(&key).cloned();
+            match existing {
+                Some(handle) => handle,
+                None => {
+                    let handle = Arc::new(TableHandle {
+                        table,
+                        code: CodeSchema::of::<T>()?,
+                        reconciled: Mutex::new(false),
+                        cached: Mutex::new(None),
+                    });
+                    lock(&HANDLES).entry(key).or_insert(handle).clone()
+                }
+            }
+        };
+        if !*lock(&handle.reconciled) {
+            let catalog = reconcile(db, handle.clone()).await?;
+            handle.remember(catalog.as_ref().map(|(b, c)| (b.clone(), c.clone())));
+            *lock(&handle.reconciled) = true;
+            register_builder::<E, T>(db, &handle.table);
+        }
+        Ok(handle)
+    }
+
+    pub(crate) fn table(&self) -> &str {
+        &self.table
+    }
+
+    fn remember(&self, catalog: Option<(Vec<u8>, Catalog)>) {
+        let (bytes, catalog) = match catalog {
+            Some((bytes, catalog)) => (Some(bytes), Some(Arc::new(catalog))),
+            None => (None, None),
+        };
+        *lock(&self.cached) = Some(CachedCatalog {
+            bytes,
+            catalog,
+            read_at: Instant::now(),
+        });
+    }
+
+    /// The catalog `bytes` (just read from storage) decode to, reusing the last parse when they
+    /// are the same.
+    fn catalog_of(&self, bytes: Option<&[u8]>) -> TitoResult<Option<Arc<Catalog>>> {
+        if let Some(cached) = lock(&self.cached).as_mut()
+            && cached.bytes.as_deref() == bytes
+        {
+            cached.read_at = Instant::now();
+            return Ok(cached.catalog.clone());
+        }
+        let catalog = match bytes {
+            Some(bytes) => Some(parse_catalog(&self.table, bytes)?),
+            None => None,
+        };
+        let catalog = catalog.map(Arc::new);
+        *lock(&self.cached) = Some(CachedCatalog {
+            bytes: bytes.map(<[u8]>::to_vec),
+            catalog: catalog.clone(),
+            read_at: Instant::now(),
+        });
+        Ok(catalog)
+    }
+
+    /// The catalog a query may trust: the cached one when fresh, else read in `tx`.
+    pub(crate) async fn catalog_for_query<X: TitoTransaction>(
+        &self,
+        tx: &X,
+    ) -> TitoResult<Option<Arc<Catalog>>> {
+        if let Some(cached) = lock(&self.cached).as_ref()
+            && cached.read_at.elapsed() < CATALOG_REFRESH
+        {
+            return Ok(cached.catalog.clone());
+        }
+        let bytes = tx.get(keys::schema_key(&self.table).as_bytes()).await?;
+        self.catalog_of(bytes.as_deref())
+    }
+
+    /// Checks that `index` may be queried.
+    pub(crate) async fn check_queryable<X: TitoTransaction>(
+        &self,
+        tx: &X,
+        index: &str,
+    ) -> TitoResult<()> {
+        let Some(catalog) = self.catalog_for_query(tx).await? else {
+            return Ok(());
+        };
+        let state = match catalog.indexes.get(index) {
+            Some(entry) if entry.state == IndexState::Ready => return Ok(()),
+            Some(entry) => {
+                let progress = read_progress(tx, &self.table, index).await?;
+                match progress {
+                    Some(progress) => format!("{} ({progress})", entry.state),
+                    None => entry.state.to_string(),
+                }
+            }
+            None => format!(
+                "the catalog (version {}) does not list it; it is registered by the first \
+                 operation of code that declares it",
+                catalog.version
+            ),
+        };
+        Err(TitoError::IndexNotReady {
+            table: self.table.clone(),
+            index: index.to_string(),
+            state,
+        })
+    }
+
+    /// What a write that read `catalog_bytes` maintains; refuses code that cannot maintain a
+    /// live index.
+    pub(crate) fn plan(&self, catalog_bytes: Option<&[u8]>) -> TitoResult<WritePlan> {
+        let Some(catalog) = self.catalog_of(catalog_bytes)? else {
+            // No catalog (a store reset under a running process): the code's indexes, as
+            // before catalogs existed. The next first use registers them.
+            *lock(&self.reconciled) = false;
+            return Ok(WritePlan {
+                version: 0,
+                indexes: self
+                    .code
+                    .definitions
+                    .iter()
+                    .map(|(name, d)| PlannedIndex {
+                        name: name.clone(),
+                        unique: d.unique,
+                        state: IndexState::Ready,
+                        stored: None,
+                    })
+                    .collect(),
+            });
+        };
+        let mut indexes = Vec::new();
+        for (name, entry) in &catalog.indexes {
+            if entry.state == IndexState::Dropping {
+                continue;
+            }
+            let stored = match self.code.definitions.get(name) {
+                Some(definition) if *definition == entry.definition => None,
+                Some(definition) => {
+                    return Err(self.redefined(&catalog, name, entry, definition));
+                }
+                None if entry.definition.condition.is_none() => {
+                    Some(entry.definition.config(name)?)
+                }
+                None => {
+                    let (condition, version) =
+                        entry.definition.condition.clone().unwrap_or_default();
+                    return Err(TitoError::SchemaMismatch(format!(
+                        "table {:?} is at schema version {}, whose index {name:?} depends on \
+                         condition {condition:?} v{version}, which this code ({}) does not \
+                         declare: finish deploying the code that does before writing with this one",
+                        self.table,
+                        catalog.version,
+                        self.code_version(&catalog)
+                    )));
+                }
+            };
+            indexes.push(PlannedIndex {
+                name: name.clone(),
+                unique: entry.definition.unique,
+                state: entry.state,
+                stored,
+            });
+        }
+        Ok(WritePlan {
+            version: catalog.version,
+            indexes,
+        })
+    }
+
+    fn code_version(&self, catalog: &Catalog) -> String {
+        match catalog.version_of(&self.code.fingerprint) {
+            Some(v) => format!("schema version {v}"),
+            None => "a schema the catalog has not registered".to_string(),
+        }
+    }
+
+    fn redefined(
+        &self,
+        catalog: &Catalog,
+        name: &str,
+        entry: &CatalogIndex,
+        declared: &IndexDefinition,
+    ) -> TitoError {
+        TitoError::SchemaMismatch(format!(
+            "index {name:?} of table {:?} is stored as {} (schema version {}) but this code \
+             ({}) declares it as {declared}: give the new definition a new name, let it build, \
+             then remove the old one",
+            self.table,
+            entry.definition,
+            catalog.version,
+            self.code_version(catalog)
+        ))
+    }
+}
+
+/// Reads a progress record.
+pub(crate) async fn read_progress<X: TitoTransaction>(
+    tx: &X,
+    table: &str,
+    index: &str,
+) -> TitoResult<Option<IndexProgress>> {
+    let key = keys::schema_progress_key(table, index);
+    match tx.get(key.as_bytes()).await? {
+        Some(bytes) => parse_progress(&key, &bytes).map(Some),
+        None => Ok(None),
+    }
+}
+
+/// Counts a table's rows up to `cap` (keys only matter; bounded scans).
+async fn estimate_rows<X: TitoTransaction>(
+    tx: &X,
+    table: &str,
+    cap: u64,
+) -> TitoResult<Option<u64>> {
+    let prefix = keys::table_prefix(table);
+    let end = keys::prefix_end(prefix.clone());
+    let mut start = prefix.into_bytes();
+    let mut count = 0u64;
+    loop {
+        let rows = tx
+            .scan(&start, end.as_bytes(), crate::engine::MAX_SCAN_LIMIT)
+            .await?;
+        count += rows.len() as u64;
+        if count > cap {
+            return Ok(None);
+        }
+        match rows.last() {
+            Some((last, _)) if rows.len() == crate::engine::MAX_SCAN_LIMIT => {
+                start = keys::key_after_bytes(last);
+            }
+            _ => return Ok(Some(count)),
+        }
+    }
+}
+
+/// The largest table a build counts before it starts (larger ones report no estimate).
+const ESTIMATE_CAP: u64 = 1_000_000;
+
+/// Reconciles the catalog with the code in one transaction (see the module docs). Returns the
+/// catalog as stored afterwards.
+async fn reconcile<E: TitoEngine>(
+    db: &E,
+    handle: Arc<TableHandle>,
+) -> TitoResult<Option<(Vec<u8>, Catalog)>> {
+    db.transaction(|tx| async move {
+        let handle = &handle;
+        let table = &handle.table;
+        let key = keys::schema_key(table);
+        let stored = tx.get(key.as_bytes()).await?;
+        let mut catalog = match &stored {
+            Some(bytes) => parse_catalog(table, bytes)?,
+            None => Catalog::default(),
+        };
+        let fingerprint = handle.code.fingerprint.as_str();
+        // Code the catalog already saw at an older version: an older deploy. Change nothing.
+        if catalog.latest_fingerprint() == Some(fingerprint)
+            || catalog.version_of(fingerprint).is_some()
+        {
+            return Ok(stored.map(|bytes| (bytes, catalog)));
+        }
+        let mut empty: Option<bool> = None;
+        let next = catalog.version + 1;
+        for (name, definition) in &handle.code.definitions {
+            match catalog.indexes.get(name) {
+                None => {
+                    let is_empty = match empty {
+                        Some(known) => known,
+                        None => {
+                            let prefix = keys::table_prefix(table);
+                            let end = keys::prefix_end(prefix.clone());
+                            let known = tx
+                                .scan(prefix.as_bytes(), end.as_bytes(), 1)
+                                .await?
+                                .is_empty();
+                            empty = Some(known);
+                            known
+                        }
+                    };
+                    let state = if is_empty {
+                        IndexState::Ready
+                    } else {
+                        IndexState::Building
+                    };
+                    catalog.indexes.insert(
+                        name.clone(),
+                        CatalogIndex {
+                            definition: definition.clone(),
+                            state,
+                            since: next,
+                        },
+                    );
+                    if state == IndexState::Building {
+                        let progress = IndexProgress {
+                            rows_estimate: estimate_rows(&tx, table, ESTIMATE_CAP).await?,
+                            ..IndexProgress::default()
+                        };
+                        tx.put(
+                            keys::schema_progress_key(table, name).into_bytes(),
+                            serde_json::to_vec(&progress)?,
+                        )
+                        .await?;
+                    }
+                }
+                Some(entry) if entry.state == IndexState::Dropping => {
+                    return Err(TitoError::SchemaMismatch(format!(
+                        "index {name:?} of table {table:?} is still being dropped (since schema \
+                         version {}); its name can be declared again once the drop is done \
+                         (TitoModel::build_indexes runs it)",
+                        entry.since
+                    )));
+                }
+                Some(entry) if entry.definition != *definition => {
+                    return Err(handle.redefined(&catalog, name, entry, definition));
+                }
+                Some(_) => {}
+            }
+        }
+        let removed: Vec<String> = catalog
+            .indexes
+            .iter()
+            .filter(|(name, entry)| {
+                entry.state != IndexState::Dropping && !handle.code.definitions.contains_key(*name)
+            })
+            .map(|(name, _)| name.clone())
+            .collect();
+        for name in removed {
+            if let Some(entry) = catalog.indexes.get_mut(&name) {
+                entry.state = IndexState::Dropping;
+                entry.since = next;
+            }
+            tx.put(
+                keys::schema_progress_key(table, &name).into_bytes(),
+                serde_json::to_vec(&IndexProgress::default())?,
+            )
+            .await?;
+        }
+        catalog.bump(fingerprint);
+        let bytes = serde_json::to_vec(&catalog)?;
+        tx.put(key.into_bytes(), bytes.clone()).await?;
+        tracing::info!(table = %table, version = catalog.version, "schema catalog reconciled");
+        Ok(Some((bytes, catalog)))
+    })
+    .await
+}
+
+/// Reads a table's catalog, without reconciling anything (for tools that have no model type).
+pub async fn catalog<E: TitoEngine>(db: &E, table: &str) -> TitoResult<Option<Catalog>> {
+    crate::model::read_only(db, async |tx| {
+        match tx.get(keys::schema_key(table).as_bytes()).await? {
+            Some(bytes) => parse_catalog(table, &bytes).map(Some),
+            None => Ok(None),
+        }
+    })
+    .await
+}
+
+/// A table's schema with every index's state and progress (for tools that have no model type).
+pub async fn table_schema<E: TitoEngine>(db: &E, table: &str) -> TitoResult<TableSchema> {
+    crate::model::read_only(db, async |tx| {
+        let catalog = match tx.get(keys::schema_key(table).as_bytes()).await? {
+            Some(bytes) => parse_catalog(table, &bytes)?,
+            None => Catalog::default(),
+        };
+        let mut indexes = Vec::new();
+        for (name, entry) in &catalog.indexes {
+            let progress = match entry.state {
+                IndexState::Ready => None,
+                _ => read_progress(tx, table, name).await?,
+            };
+            indexes.push(IndexStatus {
+                name: name.clone(),
+                state: entry.state,
+                definition: entry.definition.clone(),
+                since: entry.since,
+                progress,
+            });
+        }
+        Ok(TableSchema {
+            table: table.to_string(),
+            version: catalog.version,
+            indexes,
+        })
+    })
+    .await
+}
+
+/// What one step of background schema work did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Step {
+    /// The index worked on, if any work was left.
+    pub index: Option<String>,
+    /// What kind of work (`build` or `drop`).
+    pub work: &'static str,
+    /// Rows (or leftover keys) handled by this step.
+    pub handled: usize,
+    /// Whether the index finished (became ready, or its drop completed) in this step.
+    pub finished: bool,
+    /// Its progress after the step.
+    pub progress: IndexProgress,
+}
+
+impl Step {
+    /// Whether there was no work left.
+    pub fn idle(&self) -> bool {
+        self.index.is_none()
+    }
+}
+
+fn register_builder<E: TitoEngine, T: TitoModelTrait>(db: &E, table: &str) {
+    let builder: Builder<E> =
+        Arc::new(|db: E| Box::pin(async move { db.model::<T>().schema_step(DEFAULT_BATCH).await }));
+    let mut builders = lock(&BUILDERS);
+    let entry = builders.entry(db.store_id()).or_default();
+    if !entry.iter().any(|(t, _)| t == table) {
+        entry.push((
+            table.to_string(),
+            Arc::new(builder) as Arc<dyn Any + Send + Sync>,
+        ));
+    }
+}
+
+/// Runs one step of schema work (build or drop) for every table a model handle of this process
+/// has used on this store; returns how many steps did work. Queue workers call it from their
+/// maintenance (the coordinator only, in cluster mode). A failing table is logged and skipped.
+pub async fn maintain<E: TitoEngine>(db: &E) -> usize {
+    let builders: Vec<(String, Builder<E>)> = lock(&BUILDERS)
+        .get(&db.store_id())
+        .map(|entries| {
+            entries
+                .iter()
+                .filter_map(|(table, any)| {
+                    any.clone()
+                        .downcast::<Builder<E>>()
+                        .ok()
+                        .map(|b| (table.clone(), (*b).clone()))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut worked = 0;
+    for (table, builder) in builders {
+        match builder(db.clone()).await {
+            Ok(step) if !step.idle() => worked += 1,
+            Ok(_) => {}
+            Err(err) => {
+                tracing::warn!(table = %table, error = %err, "schema maintenance step failed")
+            }
+        }
+    }
+    worked
+}
