@@ -14,6 +14,7 @@ const TABLE: &str = "table";
 const INDEX: &str = "index";
 const UNIQUE_INDEX: &str = "unique_index";
 const CONDITION: &str = "condition";
+const CONDITION_VERSION: &str = "condition_version";
 const EVENT: &str = "event";
 const AT: &str = "at";
 const ID: &str = "id";
@@ -40,6 +41,8 @@ pub struct IndexSpec {
     pub fields: Vec<String>,
     pub unique: bool,
     pub condition: Option<LitStr>,
+    /// `condition_version = N`: bumped when the condition's meaning changes (default 1).
+    pub condition_version: Option<syn::LitInt>,
 }
 
 /// An event as written.
@@ -117,6 +120,27 @@ pub fn container(attrs: &[Attribute], errors: &mut Errors) -> ContainerAttrs {
                         }
                     }
                 }
+                CONDITION_VERSION => {
+                    let lit: syn::LitInt = meta.value()?.parse()?;
+                    match (&last, out.indexes.last_mut()) {
+                        (Last::Index, Some(index)) => {
+                            match lit.base10_parse::<u32>() {
+                                Ok(0) | Err(_) => errors.push(syn::Error::new(
+                                    lit.span(),
+                                    "`condition_version` is a whole number from 1",
+                                )),
+                                Ok(_) => {}
+                            }
+                            index.condition_version = Some(lit);
+                        }
+                        _ => {
+                            return Err(syn::Error::new(
+                                lit.span(),
+                                "`condition_version` belongs to an `index` or `unique_index` in the same attribute",
+                            ));
+                        }
+                    }
+                }
                 EVENT => {
                     if !matches!(last, Last::None) {
                         return Err(meta.error(
@@ -155,7 +179,7 @@ pub fn container(attrs: &[Attribute], errors: &mut Errors) -> ContainerAttrs {
                 }
                 _ => {
                     return Err(meta.error(format!(
-                        "unknown tito attribute `{}`; expected `table`, `index`, `unique_index`, `condition`, `event`, `at`, `inbox` or `manual_timestamps`",
+                        "unknown tito attribute `{}`; expected `table`, `index`, `unique_index`, `condition`, `condition_version`, `event`, `at`, `inbox` or `manual_timestamps`",
                         path_text(&meta.path)
                     )));
                 }
@@ -226,6 +250,7 @@ fn parse_index(lit: &LitStr, unique: bool, errors: &mut Errors) -> Option<IndexS
         fields,
         unique,
         condition: None,
+        condition_version: None,
     })
 }
 

@@ -11,6 +11,7 @@ pub fn model(model: &Model, errors: &mut Errors) -> Option<usize> {
     check_index_fields_exist(model, errors);
     check_index_field_types(model, errors);
     check_index_names_unique(model, errors);
+    check_condition_versions(model, errors);
     check_event_names(model, errors);
     check_inbox_roles(model, errors);
     check_id(model, errors)
@@ -89,6 +90,21 @@ fn check_index_names_unique(model: &Model, errors: &mut Errors) {
             errors.push(syn::Error::new(
                 index.lit.span(),
                 format!("duplicate index name `{}`", index.name),
+            ));
+        }
+    }
+}
+
+/// A `condition_version` versions a condition: an index without `condition` has none.
+fn check_condition_versions(model: &Model, errors: &mut Errors) {
+    for index in &model.attrs.indexes {
+        if let (Some(version), None) = (&index.condition_version, &index.condition) {
+            errors.push(syn::Error::new(
+                version.span(),
+                format!(
+                    "`condition_version` needs a `condition` on index `{}`",
+                    index.name
+                ),
             ));
         }
     }

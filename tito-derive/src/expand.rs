@@ -92,8 +92,24 @@ fn expand(model: &Model, id: usize, errors: &mut Errors) -> TokenStream {
 
     let mut plain = Vec::new();
     let mut unique = Vec::new();
+    let mut conditions = Vec::new();
     for index in &model.attrs.indexes {
         let name = &index.name;
+        if let Some(lit) = &index.condition {
+            let method = lit.value();
+            let version = index
+                .condition_version
+                .as_ref()
+                .and_then(|v| v.base10_parse::<u32>().ok())
+                .unwrap_or(1);
+            conditions.push(quote! {
+                ::tito::model::TitoCondition {
+                    index: ::std::string::String::from(#name),
+                    name: ::std::string::String::from(#method),
+                    version: #version,
+                }
+            });
+        }
         let condition = match &index.condition {
             None => quote!(true),
             Some(lit) => match lit_ident(lit, errors, "method") {
@@ -159,6 +175,16 @@ fn expand(model: &Model, id: usize, errors: &mut Errors) -> TokenStream {
 
     let queries = queries(model);
     let (claim_index, inbox_impl) = inbox(model, &table);
+    if model.attrs.inbox.is_some() {
+        // The claim index holds unprocessed rows only: a condition of its own.
+        conditions.push(quote! {
+            ::tito::model::TitoCondition {
+                index: ::tito::inbox::InboxSpec::claim_index_name(#table),
+                name: ::std::string::String::from("inbox_unprocessed"),
+                version: 1,
+            }
+        });
+    }
     let timestamps = if model.attrs.manual_timestamps.is_some() {
         quote! {
             fn managed_timestamps(&self) -> bool {
@@ -193,6 +219,10 @@ fn expand(model: &Model, id: usize, errors: &mut Errors) -> TokenStream {
 
             fn events(&self) -> ::std::vec::Vec<::tito::model::TitoEventConfig> {
                 ::std::vec![#(#events),*]
+            }
+
+            fn conditions(&self) -> ::std::vec::Vec<::tito::model::TitoCondition> {
+                ::std::vec![#(#conditions),*]
             }
 
             #timestamps

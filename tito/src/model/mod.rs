@@ -73,6 +73,7 @@
 //! | `#[tito(table = "user")]` | the table (default: the struct's name in snake case) |
 //! | `#[tito(index = "name: field, field")]` | a secondary index over those fields, in key order |
 //! | `#[tito(index = "..", condition = "method")]` | only rows where `fn method(&self) -> bool` holds |
+//! | `#[tito(index = "..", condition = "method", condition_version = 2)]` | the condition's identity for the schema catalog: bump it when the method's meaning changes (default 1; see [`crate::schema`]) |
 //! | `#[tito(unique_index = "name: field")]` | a unique index (same forms) |
 //! | `#[tito(event = "name")]` | an event runnable at the time of the write |
 //! | `#[tito(event = "name", at = "x")]` | runnable at field `x` (`i64` seconds, `DateTime<Utc>`, `Option` of those) or method `fn x(&self) -> i64` |

@@ -15,7 +15,7 @@ use tito::{TitoEngine, TitoModel};
 #[tito(index = "by_team_created: team_id, created_at")]
 #[tito(index = "active_by_team: team_id", condition = "is_active")]
 #[tito(unique_index = "by_handle: handle")]
-#[tito(unique_index = "active_by_handle: handle", condition = "is_active")]
+#[tito(unique_index = "active_by_handle: handle", condition = "is_active", condition_version = 2)]
 #[tito(index = "by_tag: tags")]
 #[tito(index = "by_nickname: nickname")]
 #[tito(index = "by_score_joined: score, joined, verified")]
@@ -86,6 +86,17 @@ async fn main() {
     assert_eq!(User::default().table(), "people");
     assert!(User::default().managed_timestamps());
     assert!(!Imported::default().managed_timestamps());
+    // Conditions are identified by method name and version (default 1).
+    let conditions = User::default().conditions();
+    assert_eq!(conditions.len(), 2);
+    assert_eq!(
+        (conditions[0].index.as_str(), conditions[0].name.as_str(), conditions[0].version),
+        ("active_by_team", "is_active", 1)
+    );
+    assert_eq!(
+        (conditions[1].index.as_str(), conditions[1].version),
+        ("active_by_handle", 2)
+    );
     let db = Embedded::temporary().await.unwrap();
     let users = db.model::<User>();
     let joined = DateTime::<Utc>::from_timestamp(0, 0).unwrap();

@@ -586,6 +586,8 @@ fn spawn_maintenance<E: TitoEngine>(
                 Ok(deleted) => full |= deleted == batch,
                 Err(err) => tracing::warn!(error = %err, "commit marker sweep failed"),
             }
+            // Index builds and drops of the models this process uses: one batch per table.
+            full |= crate::schema::maintain(queue.engine()).await > 0;
             if full {
                 tokio::task::yield_now().await;
             } else {
