@@ -516,9 +516,8 @@ pub fn index_name_of(key: &str, table: &str) -> Option<String> {
 // schema-progress:{table}:{index}    a build's or a drop's progress (JSON: cursor, rows, failure)
 // schema-audit:{table}               a running audit's or repair's progress and findings (JSON)
 //
-// Writers read the catalog key with the row in one request and lock it, so a catalog change
-// makes every writer that did not see it conflict. Progress lives under its own keys so that a
-// build batch never touches the key every writer locks.
+// Writers read the catalog key with the row in one request. Progress lives under its own keys
+// so that a build batch rewrites the catalog only when an index changes state.
 // ---------------------------------------------------------------------------------------------
 
 /// `schema:{table}`.

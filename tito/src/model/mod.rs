@@ -644,10 +644,6 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         let row_key = keys::row_key(&table, &id);
         let handle = TableHandle::of::<E, T>(&self.db).await?;
         let (stored, plan) = load(tx, &table, &id, &handle).await?;
-        // A catalog change (or its creation) after this transaction began makes it conflict
-        // and replay, so no write maintains indexes from an outdated catalog.
-        tx.lock_keys(&[keys::schema_key(&table).into_bytes()])
-            .await?;
         match (mode, &stored) {
             (Mode::Insert, Some(_)) => {
                 return Err(TitoError::AlreadyExists(format!("row {row_key:?}")));

@@ -2,6 +2,7 @@
 //! cursor, so a build or drop killed at any point continues after its last committed batch.
 
 use std::collections::HashMap;
+use std::time::Duration;
 
 use serde_json::Value;
 
@@ -47,6 +48,10 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
             if step.idle() {
                 return self.schema().await;
             }
+            if let Some(wait) = step.waiting {
+                tokio::time::sleep(wait.min(Duration::from_millis(250))).await;
+                continue;
+            }
             progress(&step);
         }
     }
@@ -73,6 +78,7 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         match outcome {
             Outcome::Done(step) => {
                 if step.finished {
+                    handle.invalidate();
                     tracing::info!(table = %handle.table(), index = ?step.index, work = step.work, "schema work finished");
                 }
                 Ok(step)
@@ -129,8 +135,11 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         let mut work = None;
         for (name, entry) in &catalog.indexes {
             let progress = read_progress(tx, table, name).await?.unwrap_or_default();
+            // Only code that declares a conditional index can decide which rows it holds.
+            let buildable = entry.definition.condition.is_none()
+                || handle.code.definitions.get(name) == Some(&entry.definition);
             match entry.state {
-                IndexState::Building if progress.failure.is_none() => {
+                IndexState::Building if progress.failure.is_none() && buildable => {
                     work = Some((name.clone(), entry.clone(), progress));
                     break;
                 }
@@ -143,6 +152,16 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         let Some((name, entry, progress)) = work else {
             return Ok(Outcome::Done(Step::default()));
         };
+        let now_ms = crate::engine::version_millis(tx.start_version());
+        if now_ms < entry.not_before_ms {
+            return Ok(Outcome::Done(Step {
+                index: Some(name),
+                work: "wait",
+                waiting: Some(Duration::from_millis(entry.not_before_ms - now_ms)),
+                progress,
+                ..Step::default()
+            }));
+        }
         match entry.state {
             IndexState::Building => {
                 self.build_batch(tx, handle, &mut catalog, &name, &entry, progress, batch)
@@ -254,6 +273,13 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
                 rows: duplicates,
             });
         }
+        // Each indexed row is written again (unchanged): a write of the row that committed
+        // after this batch's snapshot, from a writer that did not see the index, conflicts with
+        // this batch or this batch with it, on every engine.
+        for (id, bytes) in &rows {
+            tx.put(keys::row_key(table, id).into_bytes(), bytes.clone())
+                .await?;
+        }
         for (claim, id) in &claimed {
             tx.put(claim.clone().into_bytes(), id.clone().into_bytes())
                 .await?;
@@ -280,14 +306,19 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
             }
             bump_and_store(tx, table, catalog).await?;
             progress.rows_finished = true;
+            // Progress is kept while work runs; a ready index has none.
+            tx.delete(keys::schema_progress_key(table, name).into_bytes())
+                .await?;
+        } else {
+            write_progress(tx, table, name, &progress).await?;
         }
-        write_progress(tx, table, name, &progress).await?;
         Ok(Outcome::Done(Step {
             index: Some(name.to_string()),
             work: "build",
             handled: rows.len(),
             finished,
             progress,
+            waiting: None,
         }))
     }
 }
@@ -424,6 +455,7 @@ async fn drop_batch<X: TitoTransaction>(
             handled,
             finished: false,
             progress,
+            waiting: None,
         });
     }
     // Leftovers that no manifest named (orphans), by prefix.
@@ -456,5 +488,6 @@ async fn drop_batch<X: TitoTransaction>(
         handled,
         finished,
         progress,
+        waiting: None,
     })
 }

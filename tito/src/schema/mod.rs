@@ -34,8 +34,8 @@
 //!
 //! # Writers and rolling deploys
 //!
-//! Every write reads the catalog key in the same request as the row and its manifest, and
-//! locks it, so a write that did not see a catalog change conflicts and is replayed. A write
+//! Every write reads the catalog key in the same request as the row and its manifest (no
+//! extra round trip, no lock: writers of a table never conflict through the catalog), and
 //! maintains exactly the catalog's building and ready indexes:
 //!
 //! - indexes the code declares, with the code's condition;
@@ -44,9 +44,15 @@
 //! - an index with a condition the code does not have refuses the write with
 //!   [`TitoError::SchemaMismatch`] naming both schema versions: finish the deploy first.
 //!
-//! With this, no row can be missing from a ready index: a build starts after its index was
-//! registered, every write that committed before the registration is seen by the build's
-//! scan, and every write after it maintains the index itself.
+//! Why no row can be missing from a ready index. A writer that read the catalog after the
+//! index was registered maintains it. One that read it before either committed before the
+//! build's first batch (which waits [`write_grace`] after the registration before it scans
+//! anything), and the build's scan sees its row; or it overlaps a batch that indexes its row,
+//! and since every batch writes the rows it indexes again, the two write the same key and one
+//! of them fails and replays (the writer then sees the index). What the argument cannot cover
+//! is a write in a caller's transaction that stays open longer than the grace across the
+//! registration and inserts a row the build already passed: [`TitoModel::audit`] finds such
+//! a row and [`TitoModel::repair`] indexes it.
 //!
 //! A unique index that is building enforces itself on new values (a write that gives a
 //! row a value another row holds fails with [`TitoError::UniqueViolation`]) but tolerates the
@@ -171,6 +177,43 @@ pub struct CatalogIndex {
     pub state: IndexState,
     /// The schema version at which it entered this state.
     pub since: u64,
+    /// Engine time (Unix ms) before which its build or drop does not start: the
+    /// [write grace](write_grace) after the change, so that every write that read the catalog
+    /// before the change has committed or failed.
+    #[serde(default)]
+    pub not_before_ms: u64,
+}
+
+/// The default [`write_grace`]: ten seconds.
+pub const DEFAULT_WRITE_GRACE: Duration = Duration::from_secs(10);
+
+static WRITE_GRACE_MS: std::sync::atomic::AtomicU64 =
+    std::sync::atomic::AtomicU64::new(DEFAULT_WRITE_GRACE.as_millis() as u64);
+
+/// How long a build or drop waits after its index's state changed before it scans rows. A write
+/// that read the catalog before the change and commits after the build scanned past its row
+/// would be missed; the wait outlasts every such write that lives shorter than it (Tito's own
+/// write transactions live milliseconds). Writes in a caller's transaction that stays open
+/// longer than this across an index registration are what [`TitoModel::audit`] is for.
+///
+/// [`TitoModel::audit`]: crate::model::TitoModel::audit
+pub fn write_grace() -> Duration {
+    Duration::from_millis(WRITE_GRACE_MS.load(std::sync::atomic::Ordering::Relaxed))
+}
+
+/// Sets [`write_grace`] for this process (catalog changes made afterwards use it). Refused
+/// over an hour.
+pub fn set_write_grace(grace: Duration) -> TitoResult<()> {
+    if grace > Duration::from_secs(3600) {
+        return Err(TitoError::invalid_argument(format!(
+            "the schema write grace is at most an hour, got {grace:?}"
+        )));
+    }
+    WRITE_GRACE_MS.store(
+        grace.as_millis() as u64,
+        std::sync::atomic::Ordering::Relaxed,
+    );
+    Ok(())
 }
 
 /// A table's stored index catalog.
@@ -397,7 +440,9 @@ pub(crate) struct TableHandle {
     table: String,
     code: CodeSchema,
     reconciled: Mutex<bool>,
-    cached: Mutex<Option<CachedCatalog>>,
+    /// Shared by every model type of the table on this store: a catalog change one of them
+    /// makes or reads is seen by all.
+    cached: Arc<Mutex<Option<CachedCatalog>>>,
 }
 
 #[derive(Clone)]
@@ -414,10 +459,17 @@ static HANDLES: LazyLock<Mutex<HashMap<HandleKey, Arc<TableHandle>>>> =
 
 /// The stores' builders: per store id, one entry per table a model handle of this process
 /// reconciled, run by queue maintenance.
+/// The last catalog read of each (store, table) in this process.
+static CATALOGS: LazyLock<Mutex<HashMap<(String, String), SharedCatalog>>> =
+    LazyLock::new(Mutex::default);
+
+type SharedCatalog = Arc<Mutex<Option<CachedCatalog>>>;
+
 static BUILDERS: LazyLock<Mutex<Registry>> = LazyLock::new(Mutex::default);
 
-/// Per store id, `(table, builder)` pairs.
-type Registry = HashMap<String, Vec<(String, ErasedBuilder)>>;
+/// Per store id, `(table, model type, builder)`: every model type of a table gets a turn, so a
+/// conditional index is built by the code that declares it.
+type Registry = HashMap<String, Vec<(String, TypeId, ErasedBuilder)>>;
 
 /// A [`Builder`] of some engine type, behind `Any` so one registry holds every engine's.
 type ErasedBuilder = Arc<dyn Any + Send + Sync>;
@@ -445,7 +497,10 @@ impl TableHandle {
                         table,
                         code: CodeSchema::of::<T>()?,
                         reconciled: Mutex::new(false),
-                        cached: Mutex::new(None),
+                        cached: lock(&CATALOGS)
+                            .entry((key.0.clone(), key.1.clone()))
+                            .or_default()
+                            .clone(),
                     });
                     lock(&HANDLES).entry(key).or_insert(handle).clone()
                 }
@@ -462,6 +517,11 @@ impl TableHandle {
 
     pub(crate) fn table(&self) -> &str {
         &self.table
+    }
+
+    /// Forgets the cached catalog (after this process changed it): the next query reads it.
+    pub(crate) fn invalidate(&self) {
+        *lock(&self.cached) = None;
     }
 
     fn remember(&self, catalog: Option<(Vec<u8>, Catalog)>) {
@@ -697,6 +757,8 @@ async fn reconcile<E: TitoEngine>(
         }
         let mut empty: Option<bool> = None;
         let next = catalog.version + 1;
+        let not_before = crate::engine::version_millis(tx.start_version())
+            .saturating_add(write_grace().as_millis() as u64);
         for (name, definition) in &handle.code.definitions {
             match catalog.indexes.get(name) {
                 None => {
@@ -724,6 +786,7 @@ async fn reconcile<E: TitoEngine>(
                             definition: definition.clone(),
                             state,
                             since: next,
+                            not_before_ms: not_before,
                         },
                     );
                     if state == IndexState::Building {
@@ -764,6 +827,7 @@ async fn reconcile<E: TitoEngine>(
             if let Some(entry) = catalog.indexes.get_mut(&name) {
                 entry.state = IndexState::Dropping;
                 entry.since = next;
+                entry.not_before_ms = not_before;
             }
             tx.put(
                 keys::schema_progress_key(table, &name).into_bytes(),
@@ -835,6 +899,9 @@ pub struct Step {
     pub finished: bool,
     /// Its progress after the step.
     pub progress: IndexProgress,
+    /// Set when the work may not start yet: how long until the [write grace](write_grace)
+    /// after the index's change has passed. Nothing was done.
+    pub waiting: Option<Duration>,
 }
 
 impl Step {
@@ -849,11 +916,9 @@ fn register_builder<E: TitoEngine, T: TitoModelTrait>(db: &E, table: &str) {
         Arc::new(|db: E| Box::pin(async move { db.model::<T>().schema_step(DEFAULT_BATCH).await }));
     let mut builders = lock(&BUILDERS);
     let entry = builders.entry(db.store_id()).or_default();
-    if !entry.iter().any(|(t, _)| t == table) {
-        entry.push((
-            table.to_string(),
-            Arc::new(builder) as Arc<dyn Any + Send + Sync>,
-        ));
+    let kind = TypeId::of::<T>();
+    if !entry.iter().any(|(t, k, _)| t == table && *k == kind) {
+        entry.push((table.to_string(), kind, Arc::new(builder) as ErasedBuilder));
     }
 }
 
@@ -866,7 +931,7 @@ pub async fn maintain<E: TitoEngine>(db: &E) -> usize {
         .map(|entries| {
             entries
                 .iter()
-                .filter_map(|(table, any)| {
+                .filter_map(|(table, _, any)| {
                     any.clone()
                         .downcast::<Builder<E>>()
                         .ok()
@@ -878,7 +943,7 @@ pub async fn maintain<E: TitoEngine>(db: &E) -> usize {
     let mut worked = 0;
     for (table, builder) in builders {
         match builder(db.clone()).await {
-            Ok(step) if !step.idle() => worked += 1,
+            Ok(step) if !step.idle() && step.waiting.is_none() => worked += 1,
             Ok(_) => {}
             Err(err) => {
                 tracing::warn!(table = %table, error = %err, "schema maintenance step failed")
