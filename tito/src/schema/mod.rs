@@ -11,6 +11,41 @@
 //!  code drops index     --first use-->  dropping  --drop done--->  (gone; the name is free)
 //! ```
 //!
+//! # Examples
+//!
+//! A table written by one deploy, then used by the next, which adds an index:
+//!
+//! ```
+//! use serde::{Deserialize, Serialize};
+//! use tito::backend::embedded::Embedded;
+//! use tito::schema::IndexState;
+//! use tito::{TitoEngine, TitoError, TitoModel};
+//!
+//! #[derive(TitoModel, Default, Clone, Debug, Serialize, Deserialize)]
+//! #[tito(table = "user")]
+//! struct UserV1 { id: String, email: String }
+//!
+//! #[derive(TitoModel, Default, Clone, Debug, Serialize, Deserialize)]
+//! #[tito(table = "user")]
+//! #[tito(index = "by_email: email")]
+//! struct UserV2 { id: String, email: String }
+//!
+//! # #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+//! # async fn main() -> Result<(), TitoError> {
+//! # tito::schema::set_write_grace(std::time::Duration::from_millis(10))?;
+//! let db = Embedded::temporary().await?;
+//! db.clone().model::<UserV1>().build(UserV1 { id: "1".into(), email: "a@x".into() }).await?;
+//!
+//! let users = db.clone().model::<UserV2>();
+//! // Registered as building: the row written before is not in it yet.
+//! assert!(matches!(users.by_email("a@x").execute().await, Err(TitoError::IndexNotReady { .. })));
+//! let schema = users.build_indexes(|_step| {}).await?;
+//! assert_eq!(schema.indexes[0].state, IndexState::Ready);
+//! assert_eq!(users.by_email("a@x").execute().await?.items.len(), 1);
+//! # Ok(())
+//! # }
+//! ```
+//!
 //! # Reconciliation
 //!
 //! The first operation of a process on a model type reads the catalog and reconciles it with
