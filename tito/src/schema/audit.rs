@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, HashSet};
 
 use serde::{Deserialize, Serialize};
 
-use super::build::{read_catalog, scan_rows};
+use super::build::{read_catalog, scan_rows_with_manifests};
 use super::{Catalog, DEFAULT_BATCH, IndexState, PlannedIndex, TableHandle, WritePlan};
 use crate::engine::{TitoEngine, TitoTransaction};
 use crate::error::{TitoError, TitoResult};
@@ -339,12 +339,8 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         repair: bool,
     ) -> TitoResult<bool> {
         let table = T::default().table();
-        let rows = scan_rows(tx, &table, state.cursor.as_deref(), DEFAULT_BATCH).await?;
-        let manifest_keys: Vec<Vec<u8>> = rows
-            .iter()
-            .map(|(id, _)| keys::manifest_key(&table, id).into_bytes())
-            .collect();
-        let manifests = tx.batch_get(&manifest_keys).await?;
+        let (rows, manifests) =
+            scan_rows_with_manifests(tx, &table, state.cursor.as_deref(), DEFAULT_BATCH).await?;
         for ((id, bytes), manifest) in rows.iter().zip(&manifests) {
             let row_key = keys::row_key(&table, id);
             let manifest_key = keys::manifest_key(&table, id);

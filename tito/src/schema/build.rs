@@ -197,12 +197,8 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
                 },
             }],
         };
-        let rows = scan_rows(tx, table, progress.cursor.as_deref(), batch).await?;
-        let manifest_keys: Vec<Vec<u8>> = rows
-            .iter()
-            .map(|(id, _)| keys::manifest_key(table, id).into_bytes())
-            .collect();
-        let manifests = tx.batch_get(&manifest_keys).await?;
+        let (rows, manifests) =
+            scan_rows_with_manifests(tx, table, progress.cursor.as_deref(), batch).await?;
 
         // First every read and check, then (only without duplicates) every write.
         let mut claimed: HashMap<String, String> = HashMap::new();
@@ -402,6 +398,25 @@ pub(super) async fn scan_rows<X: TitoTransaction>(
         .collect()
 }
 
+/// [`scan_rows`], and the manifest of each row (read in one request), aligned with the rows.
+pub(super) async fn scan_rows_with_manifests<X: TitoTransaction>(
+    tx: &X,
+    table: &str,
+    after: Option<&str>,
+    limit: usize,
+) -> TitoResult<RowsAndManifests> {
+    let rows = scan_rows(tx, table, after, limit).await?;
+    let manifest_keys: Vec<Vec<u8>> = rows
+        .iter()
+        .map(|(id, _)| keys::manifest_key(table, id).into_bytes())
+        .collect();
+    let manifests = tx.batch_get(&manifest_keys).await?;
+    Ok((rows, manifests))
+}
+
+/// Rows as `(id, bytes)` and their manifests.
+pub(super) type RowsAndManifests = (Vec<(String, Vec<u8>)>, Vec<Option<Vec<u8>>>);
+
 /// One batch of a drop: first the rows (their manifests stop naming the index, its entries and
 /// claims go), then whatever is left under the index's prefixes; then the index leaves the
 /// catalog and its name is free.
@@ -415,16 +430,12 @@ async fn drop_batch<X: TitoTransaction>(
 ) -> TitoResult<Step> {
     let mut handled = 0;
     if !progress.rows_finished {
-        let rows = scan_rows(tx, table, progress.cursor.as_deref(), batch).await?;
-        let manifest_keys: Vec<Vec<u8>> = rows
-            .iter()
-            .map(|(id, _)| keys::manifest_key(table, id).into_bytes())
-            .collect();
-        let manifests = tx.batch_get(&manifest_keys).await?;
-        for ((id, _), (key, manifest)) in rows.iter().zip(manifest_keys.iter().zip(&manifests)) {
+        let (rows, manifests) =
+            scan_rows_with_manifests(tx, table, progress.cursor.as_deref(), batch).await?;
+        for ((id, _), manifest) in rows.iter().zip(&manifests) {
             let Some(manifest) = manifest else { continue };
-            let text = keys::key_str(key)?;
-            let (version, listed) = parse_manifest(text, manifest)?;
+            let key = keys::manifest_key(table, id);
+            let (version, listed) = parse_manifest(&key, manifest)?;
             let (gone, kept): (Vec<String>, Vec<String>) = listed
                 .into_iter()
                 .partition(|k| keys::index_name_of(k, table).as_deref() == Some(name));
@@ -439,7 +450,7 @@ async fn drop_batch<X: TitoTransaction>(
                 }
                 tx.delete(key.into_bytes()).await?;
             }
-            tx.put(key.clone(), encode_manifest(version, &kept)?)
+            tx.put(key.into_bytes(), encode_manifest(version, &kept)?)
                 .await?;
         }
         handled = rows.len();
