@@ -283,8 +283,25 @@ pub async fn a_new_index_on_a_busy_table_matches_a_filtered_scan<E: TitoEngine>(
     match &err {
         TitoError::IndexNotReady { index, state, .. } => {
             assert_eq!(index, "by_name");
-            assert!(state.contains("building"), "{state}");
-            assert!(state.contains(&format!("of about {rows} rows")), "{state}");
+            assert_eq!(state, "building (0 rows)");
+        }
+        other => panic!("expected IndexNotReady, got {other:?}"),
+    }
+    // The first batch counts the table; progress says how far the build is.
+    let first = loop {
+        let step = v2.schema_step(256).await.unwrap();
+        match step.waiting {
+            // The write grace after the registration.
+            Some(wait) => tokio::time::sleep(wait).await,
+            None => break step,
+        }
+    };
+    assert_eq!(first.handled, 256);
+    assert_eq!(first.progress.rows_estimate, Some(rows));
+    tokio::time::sleep(tito::schema::CATALOG_REFRESH).await;
+    match v2.by_name("ada").execute().await.unwrap_err() {
+        TitoError::IndexNotReady { state, .. } => {
+            assert_eq!(state, format!("building (256 of about {rows} rows)"))
         }
         other => panic!("expected IndexNotReady, got {other:?}"),
     }

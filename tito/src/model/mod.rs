@@ -128,6 +128,7 @@ mod query;
 
 use std::collections::HashSet;
 use std::marker::PhantomData;
+use std::sync::{Arc, OnceLock};
 
 use serde_json::Value;
 
@@ -147,6 +148,9 @@ use crate::schema::{IndexState, TableHandle, WritePlan};
 /// [`TitoEngine::model`].
 pub struct TitoModel<E, T> {
     db: E,
+    /// The table's schema handle once reconciled, shared by clones (no registry lookup per
+    /// write).
+    schema: Arc<OnceLock<Arc<TableHandle>>>,
     _model: PhantomData<fn() -> T>,
 }
 
@@ -154,6 +158,7 @@ impl<E: Clone, T> Clone for TitoModel<E, T> {
     fn clone(&self) -> Self {
         TitoModel {
             db: self.db.clone(),
+            schema: self.schema.clone(),
             _model: PhantomData,
         }
     }
@@ -459,8 +464,21 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
     pub fn new(db: E) -> Self {
         TitoModel {
             db,
+            schema: Arc::default(),
             _model: PhantomData,
         }
+    }
+
+    /// The table's schema handle, reconciled with the catalog on first use.
+    pub(crate) async fn schema_handle(&self) -> TitoResult<Arc<TableHandle>> {
+        if let Some(handle) = self.schema.get()
+            && handle.is_reconciled()
+        {
+            return Ok(handle.clone());
+        }
+        let handle = TableHandle::of::<E, T>(&self.db).await?;
+        let _ = self.schema.set(handle.clone());
+        Ok(handle)
     }
 
     /// The engine.
@@ -521,7 +539,7 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
 
     /// Deletes a row, its index entries, claims and manifest in a transaction of its own.
     pub async fn delete_by_id(&self, id: &str) -> TitoResult<()> {
-        TableHandle::of::<E, T>(&self.db).await?;
+        self.schema_handle().await?;
         let this = self.clone();
         let id = id.to_string();
         self.db
@@ -540,7 +558,7 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         tx: &E::Transaction,
     ) -> TitoResult<()> {
         let table = Self::table();
-        let handle = TableHandle::of::<E, T>(&self.db).await?;
+        let handle = self.schema_handle().await?;
         let (stored, _) = load(tx, &table, id, &handle).await?;
         let stored = stored.ok_or_else(|| {
             TitoError::NotFound(format!("no row {:?}", keys::row_key(&table, id)))
@@ -608,7 +626,7 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
 
     async fn in_own_transaction(&self, model: T, mode: Mode) -> TitoResult<T> {
         // Reconciled before the transaction starts, so its snapshot holds the catalog.
-        TableHandle::of::<E, T>(&self.db).await?;
+        self.schema_handle().await?;
         let this = self.clone();
         self.db
             .transaction(
@@ -642,7 +660,7 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         }
         check_events(&model, options)?;
         let row_key = keys::row_key(&table, &id);
-        let handle = TableHandle::of::<E, T>(&self.db).await?;
+        let handle = self.schema_handle().await?;
         let (stored, plan) = load(tx, &table, &id, &handle).await?;
         match (mode, &stored) {
             (Mode::Insert, Some(_)) => {

@@ -197,6 +197,9 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
                 },
             }],
         };
+        if progress.rows_done == 0 && progress.rows_estimate.is_none() {
+            progress.rows_estimate = super::estimate_rows(tx, table, super::ESTIMATE_CAP).await?;
+        }
         let (rows, manifests) =
             scan_rows_with_manifests(tx, table, progress.cursor.as_deref(), batch).await?;
 

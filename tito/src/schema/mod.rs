@@ -138,7 +138,7 @@ use crate::model::{TitoIndexBlockType, TitoIndexConfig, TitoIndexField, TitoMode
 mod audit;
 mod build;
 
-pub use audit::{AuditFinding, AuditKind, AuditReport, Progress};
+pub use audit::{AuditFinding, AuditKind, AuditReport, FIRST_KEYS, Progress, last_audit};
 
 /// How long a process trusts the catalog state it read last before a query reads it again.
 pub const CATALOG_REFRESH: Duration = Duration::from_secs(1);
@@ -554,6 +554,12 @@ impl TableHandle {
         &self.table
     }
 
+    /// Whether the catalog was reconciled with this code (false again after the catalog
+    /// vanished under a running process).
+    pub(crate) fn is_reconciled(&self) -> bool {
+        *lock(&self.reconciled)
+    }
+
     /// Forgets the cached catalog (after this process changed it): the next query reads it.
     pub(crate) fn invalidate(&self) {
         *lock(&self.cached) = None;
@@ -825,10 +831,9 @@ async fn reconcile<E: TitoEngine>(
                         },
                     );
                     if state == IndexState::Building {
-                        let progress = IndexProgress {
-                            rows_estimate: estimate_rows(&tx, table, ESTIMATE_CAP).await?,
-                            ..IndexProgress::default()
-                        };
+                        // The table is counted by the first build batch, not here: a first use
+                        // stays one short transaction.
+                        let progress = IndexProgress::default();
                         tx.put(
                             keys::schema_progress_key(table, name).into_bytes(),
                             serde_json::to_vec(&progress)?,
