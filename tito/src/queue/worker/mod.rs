@@ -58,7 +58,12 @@ pub struct WorkerConfig {
     pub lease_duration: Duration,
     /// The longest pause between polls of a partition with nothing runnable.
     pub max_idle_backoff: Duration,
-    /// The pause between maintenance passes once retention has caught up.
+    /// The pause between maintenance passes once their work has caught up. A pass deletes
+    /// completed rows past retention, expired commit markers
+    /// ([`sweep_commit_markers`](crate::engine::sweep_commit_markers)), expired kv keys (with
+    /// [`Self::sweep_kv`]) and runs one batch of index builds and drops for every model this
+    /// process used on the store ([`crate::schema::maintain`]). Only the maintainer runs it:
+    /// every standalone worker, the coordinator in cluster mode.
     pub maintenance_interval: Duration,
     /// Outcomes committed together at most.
     pub outcome_batch: usize,
