@@ -862,6 +862,14 @@ pub async fn bad_batch_sizes_are_refused<E: TitoEngine>(ctx: Ctx<E>) {
         ));
     }
     assert!(v1.schema_step(1).await.unwrap().idle());
+    // A grace over an hour is refused and leaves the setting as it was.
+    for grace in [Duration::from_secs(3601), Duration::MAX] {
+        assert!(matches!(
+            tito::schema::set_write_grace(grace),
+            Err(TitoError::InvalidArgument(_))
+        ));
+    }
+    assert!(tito::schema::write_grace() <= Duration::from_secs(3600));
     assert!(
         v1.schema_step(tito::engine::MAX_SCAN_LIMIT)
             .await
