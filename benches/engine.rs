@@ -87,21 +87,36 @@ fn row(name: &str, tasks: usize, tito: f64, raw: f64) {
     );
 }
 
+/// One 4-key write transaction of 100-byte values, starting at key `i * 4`.
+async fn four_key_write(db: &Embedded, policy: tito::RetryPolicy, i: u64) {
+    db.transaction_with(policy, |tx| async move {
+        for part in 0..4u64 {
+            tx.put(key(i * 4 + part), vec![7u8; 100]).await?;
+        }
+        Ok::<_, tito::TitoError>(())
+    })
+    .await
+    .unwrap();
+}
+
+/// Prints a table's header: the operation, tasks, two contenders and their ratio.
+fn header(left: &str, right: &str) {
+    println!(
+        "| {:<34} | {:>5} | {left:>12} | {right:>12} | {:>6} |",
+        "operation (ops/s)", "tasks", "ratio"
+    );
+    println!(
+        "|{:-<36}|{:->7}|{:->14}|{:->14}|{:->8}|",
+        "", "", "", "", ""
+    );
+}
+
 async fn writes(durability: Durability, tasks: usize) -> (f64, f64) {
     let dir = tempfile::tempdir().unwrap();
     let db = tito_db(&dir.path().join("tito"), durability).await;
     let tito = measure(tasks, move |i| {
         let db = db.clone();
-        async move {
-            db.transaction(|tx| async move {
-                for part in 0..4u64 {
-                    tx.put(key(i * 4 + part), vec![7u8; 100]).await?;
-                }
-                Ok::<_, tito::TitoError>(())
-            })
-            .await
-            .unwrap();
-        }
+        async move { four_key_write(&db, tito::RetryPolicy::default(), i).await }
     })
     .await;
     let tree = std::sync::Arc::new(raw_tree(&dir.path().join("raw")));
@@ -139,17 +154,7 @@ async fn marker_cost(durability: Durability, tasks: usize) -> (f64, f64) {
         let db = db.clone();
         let rate = measure(tasks, move |i| {
             let (db, policy) = (db.clone(), policy.clone());
-            let i = i + (round << 36);
-            async move {
-                db.transaction_with(policy, |tx| async move {
-                    for part in 0..4u64 {
-                        tx.put(key(i * 4 + part), vec![7u8; 100]).await?;
-                    }
-                    Ok::<_, tito::TitoError>(())
-                })
-                .await
-                .unwrap();
-            }
+            async move { four_key_write(&db, policy, i + (round << 36)).await }
         })
         .await;
         if resolve {
@@ -261,14 +266,7 @@ async fn all(flavor: &str) {
         "\nruntime: {flavor}, {:.1} s per row\n",
         secs().as_secs_f64()
     );
-    println!(
-        "| {:<34} | {:>5} | {:>12} | {:>12} | {:>6} |",
-        "operation (ops/s)", "tasks", "tito", "surrealkv", "ratio"
-    );
-    println!(
-        "|{:-<36}|{:->7}|{:->14}|{:->14}|{:->8}|",
-        "", "", "", "", ""
-    );
+    header("tito", "surrealkv");
     for (durability, name) in [
         (Durability::Buffered, "buffered"),
         (Durability::Immediate, "durable"),
@@ -286,14 +284,7 @@ async fn all(flavor: &str) {
     println!(
         "\nthe cost of a commit marker (RetryPolicy::resolve_unknown_outcomes), Tito on both sides\n"
     );
-    println!(
-        "| {:<34} | {:>5} | {:>12} | {:>12} | {:>6} |",
-        "operation (ops/s)", "tasks", "with marker", "without", "ratio"
-    );
-    println!(
-        "|{:-<36}|{:->7}|{:->14}|{:->14}|{:->8}|",
-        "", "", "", "", ""
-    );
+    header("with marker", "without");
     for (durability, name) in [
         (Durability::Buffered, "buffered"),
         (Durability::Immediate, "durable"),

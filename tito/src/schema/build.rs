@@ -134,18 +134,25 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
             .await?;
         let mut work = None;
         for (name, entry) in &catalog.indexes {
-            let progress = read_progress(tx, table, name).await?.unwrap_or_default();
             // Only code that declares a conditional index can decide which rows it holds.
             let buildable = entry.definition.condition.is_none()
                 || handle.code.definitions.get(name) == Some(&entry.definition);
+            let candidate = match entry.state {
+                IndexState::Building => buildable,
+                IndexState::Dropping => work.is_none(),
+                _ => false,
+            };
+            // Ready indexes have no progress to read: no request per ready index per step.
+            if !candidate {
+                continue;
+            }
+            let progress = read_progress(tx, table, name).await?.unwrap_or_default();
             match entry.state {
-                IndexState::Building if progress.failure.is_none() && buildable => {
+                IndexState::Building if progress.failure.is_none() => {
                     work = Some((name.clone(), entry.clone(), progress));
                     break;
                 }
-                IndexState::Dropping if work.is_none() => {
-                    work = Some((name.clone(), entry.clone(), progress));
-                }
+                IndexState::Dropping => work = Some((name.clone(), entry.clone(), progress)),
                 _ => {}
             }
         }
