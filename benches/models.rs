@@ -1,67 +1,52 @@
-//! Models side by side, at equal durability: Tito on the embedded engine, the raw engine doing
-//! the same key writes and reads (the limit of the model layer), and SQLite through rusqlite
-//! with the same two secondary indexes (the peer a Rust user would pick instead).
+//! Models at scale, side by side at equal durability: Tito on the embedded engine, the raw
+//! engine doing the same key reads and writes (the limit of the model layer), and SQLite through
+//! rusqlite (WAL, the same two secondary indexes: the peer a Rust user would pick instead).
 //!
-//! Three operations: insert of a row with two secondary indexes (one transaction each), read by
-//! id, and a query returning 10 rows through an index. Every contender serializes and parses the
-//! same JSON rows. One task, so SQLite's single connection is not at a disadvantage.
+//! The table: users with a unique email and a (team, created) index, 20 users per team. Three
+//! operations, one task: insert of a new user (one transaction each), read by id, and the 10
+//! newest users of a team (a reverse query over the composite index). Every contender
+//! serializes and parses the same JSON rows.
 //!
-//! `cargo bench --bench models` (`TITO_BENCH_SECS` sets the seconds per row, default 2).
+//! For each size the three stores are loaded in batches of 1,000 rows per transaction; the reads
+//! are measured right after the load, then again once the stores settled (no file of the
+//! embedded stores' directories changed for 3 s: the flushes and compactions of the load are
+//! done), where inserts are measured too.
+//!
+//! `cargo bench --bench models`. `TITO_BENCH_SECS` sets the seconds per cell (default 2),
+//! `TITO_BENCH_ROWS` the sizes (default `2000,200000,1000000`).
 
-use std::time::{Duration, Instant};
+use std::path::Path;
+use std::time::{Duration, Instant, SystemTime};
 
 use rusqlite::{Connection, params};
 use serde::{Deserialize, Serialize};
 use tito::backend::embedded::{Durability, Embedded, EmbeddedOptions};
-use tito::model::{TitoIndexBlockType, TitoIndexConfig, TitoIndexField, TitoModelTrait};
-use tito::{TitoEngine, TitoTransaction};
+use tito::keys::{self, KeyValue};
+use tito::model::TitoOptions;
+use tito::{TitoEngine, TitoModel, TitoTransaction};
 
-/// Rows preloaded before reads; 10 share each team.
-const ROWS: u64 = 5_000;
+const PER_TEAM: u64 = 20;
+const LOAD_BATCH: u64 = 1_000;
 
-#[derive(Default, Clone, Debug, Serialize, Deserialize)]
-struct Item {
+#[derive(TitoModel, Default, Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[tito(table = "users")]
+#[tito(unique_index = "user_by_email: email")]
+#[tito(index = "user_by_team_created: team, created")]
+struct User {
     id: String,
-    team: String,
     email: String,
-    title: String,
-    price: i64,
+    team: String,
+    name: String,
+    created: i64,
 }
 
-impl TitoModelTrait for Item {
-    fn id(&self) -> String {
-        self.id.clone()
-    }
-    fn table(&self) -> String {
-        "item".into()
-    }
-    fn indexes(&self) -> Vec<TitoIndexConfig> {
-        let field = |name: &str| TitoIndexField {
-            name: name.into(),
-            r#type: TitoIndexBlockType::String,
-        };
-        vec![
-            TitoIndexConfig {
-                condition: true,
-                name: "item_by_team".into(),
-                fields: vec![field("team")],
-            },
-            TitoIndexConfig {
-                condition: true,
-                name: "item_by_email".into(),
-                fields: vec![field("email")],
-            },
-        ]
-    }
-}
-
-fn item(i: u64) -> Item {
-    Item {
-        id: format!("{i:08}"),
-        team: format!("team-{:06}", i / 10),
+fn user(i: u64, teams: u64) -> User {
+    User {
+        id: format!("u{i:09}"),
         email: format!("user{i}@example.com"),
-        title: format!("a reasonably sized title for item number {i}"),
-        price: (i * 37 % 10_000) as i64,
+        team: format!("team-{:07}", i % teams),
+        name: format!("User number {i}, of a reasonably sized display name"),
+        created: 1_700_000_000 + i as i64,
     }
 }
 
@@ -71,6 +56,18 @@ fn secs() -> Duration {
         .and_then(|s| s.parse().ok())
         .unwrap_or(2.0);
     Duration::from_secs_f64(secs)
+}
+
+fn sizes() -> Vec<u64> {
+    std::env::var("TITO_BENCH_ROWS")
+        .unwrap_or_else(|_| "2000,200000,1000000".into())
+        .split(',')
+        .map(|s| {
+            s.trim()
+                .parse()
+                .expect("TITO_BENCH_ROWS: comma-separated row counts")
+        })
+        .collect()
 }
 
 /// Runs `op(i)` for i = 0, 1, .. for the measuring time; returns operations per second.
@@ -89,267 +86,565 @@ where
     n as f64 / start.elapsed().as_secs_f64()
 }
 
-async fn open(dir: &std::path::Path, durability: Durability) -> Embedded {
-    Embedded::open_with(dir, EmbeddedOptions::new().durability(durability))
-        .await
-        .unwrap()
+/// A deterministic pseudo-random sequence below `n`.
+struct Pick(u64);
+
+impl Pick {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (self.0 >> 33) % n
+    }
 }
 
-fn sqlite(dir: &std::path::Path, durable: bool) -> Connection {
+async fn open(dir: &Path, durability: Durability) -> Embedded {
+    let mut options = EmbeddedOptions::new().durability(durability);
+    if let Ok(mb) = std::env::var("TITO_BENCH_CACHE_MB") {
+        options = options.block_cache_bytes(mb.parse::<u64>().unwrap() << 20);
+    }
+    if let Ok(kb) = std::env::var("TITO_BENCH_BLOCK_KB") {
+        options = options.block_bytes(kb.parse::<usize>().unwrap() << 10);
+    }
+    if let Ok(mb) = std::env::var("TITO_BENCH_MEMTABLE_MB") {
+        options = options.memtable_bytes(mb.parse::<usize>().unwrap() << 20);
+    }
+    Embedded::open_with(dir, options).await.unwrap()
+}
+
+fn sqlite(dir: &Path, durable: bool) -> Connection {
     let conn = Connection::open(dir.join("bench.sqlite")).unwrap();
     conn.pragma_update(None, "journal_mode", "WAL").unwrap();
-    conn.pragma_update(None, "synchronous", if durable { "FULL" } else { "OFF" })
+    conn.pragma_update(None, "synchronous", if durable { "FULL" } else { "NORMAL" })
         .unwrap();
     conn.execute_batch(
-        "CREATE TABLE item (id TEXT PRIMARY KEY, team TEXT, email TEXT, body TEXT NOT NULL);
-         CREATE INDEX item_by_team ON item (team, id);
-         CREATE INDEX item_by_email ON item (email, id);",
+        "CREATE TABLE users (id TEXT PRIMARY KEY, email TEXT NOT NULL UNIQUE, team TEXT NOT NULL,
+                             created INTEGER NOT NULL, body TEXT NOT NULL);
+         CREATE INDEX user_by_team_created ON users (team, created);",
     )
     .unwrap();
     conn
 }
 
-fn sqlite_insert(conn: &Connection, row: &Item) {
+fn sqlite_insert(conn: &Connection, rows: &[User]) {
     let tx = conn.unchecked_transaction().unwrap();
-    tx.prepare_cached("INSERT INTO item (id, team, email, body) VALUES (?1, ?2, ?3, ?4)")
-        .unwrap()
-        .execute(params![
-            row.id,
-            row.team,
-            row.email,
-            serde_json::to_string(row).unwrap()
-        ])
-        .unwrap();
+    {
+        let mut stmt = tx
+            .prepare_cached(
+                "INSERT INTO users (id, email, team, created, body) VALUES (?1, ?2, ?3, ?4, ?5)",
+            )
+            .unwrap();
+        for row in rows {
+            stmt.execute(params![
+                row.id,
+                row.email,
+                row.team,
+                row.created,
+                serde_json::to_string(row).unwrap()
+            ])
+            .unwrap();
+        }
+    }
     tx.commit().unwrap();
 }
 
-/// The raw engine doing the model layer's writes: row, two index entries, manifest.
-async fn raw_insert(db: &Embedded, row: &Item) {
+fn sqlite_get(conn: &Connection, id: &str) -> User {
+    let body: String = conn
+        .prepare_cached("SELECT body FROM users WHERE id = ?1")
+        .unwrap()
+        .query_row(params![id], |row| row.get(0))
+        .unwrap();
+    serde_json::from_str(&body).unwrap()
+}
+
+fn sqlite_newest(conn: &Connection, team: &str) -> Vec<User> {
+    let mut stmt = conn
+        .prepare_cached(
+            "SELECT body FROM users WHERE team = ?1 ORDER BY created DESC, id DESC LIMIT 10",
+        )
+        .unwrap();
+    stmt.query_map(params![team], |row| row.get::<_, String>(0))
+        .unwrap()
+        .map(|body| serde_json::from_str(&body.unwrap()).unwrap())
+        .collect()
+}
+
+/// The keys Tito's layout gives a user: row, manifest, the email claim, the two index entries.
+struct UserKeys {
+    row: String,
+    manifest: String,
+    claim: String,
+    email: String,
+    team: String,
+}
+
+fn user_keys(row: &User) -> UserKeys {
+    let email = KeyValue::String(row.email.clone());
+    let team = KeyValue::String(row.team.clone());
+    let created = KeyValue::I64(row.created);
+    UserKeys {
+        row: keys::row_key("users", &row.id),
+        manifest: keys::manifest_key("users", &row.id),
+        claim: keys::unique_claim_key("users", "user_by_email", &[("email", &email)]).unwrap(),
+        email: keys::index_key("user_by_email", &[("email", &email)], "users", &row.id).unwrap(),
+        team: keys::index_key(
+            "user_by_team_created",
+            &[("team", &team), ("created", &created)],
+            "users",
+            &row.id,
+        )
+        .unwrap(),
+    }
+}
+
+/// The raw engine doing the model layer's reads and writes of an insert: the row, manifest and
+/// catalog in one read, the claim, then the row, claim, two entries and the manifest.
+async fn raw_insert<X: TitoTransaction>(tx: &X, row: &User) {
+    let k = user_keys(row);
     let body = serde_json::to_vec(row).unwrap();
-    let team = format!("index:item_by_team:team:{}:table:item:{}", row.team, row.id);
-    let email = format!(
-        "index:item_by_email:email:{}:table:item:{}",
-        row.email, row.id
-    );
-    let manifest = serde_json::to_vec(&[&team, &email]).unwrap();
-    let tx = db.begin().await.unwrap();
-    let existing = tx
+    let found = tx
         .batch_get(&[
-            format!("table:item:{}", row.id).into_bytes(),
-            format!("reverse-index:table:item:{}", row.id).into_bytes(),
+            k.row.clone().into_bytes(),
+            k.manifest.clone().into_bytes(),
+            keys::schema_key("users").into_bytes(),
         ])
         .await
         .unwrap();
-    assert!(existing.iter().all(Option::is_none));
-    tx.put(format!("table:item:{}", row.id).into_bytes(), body.clone())
+    assert!(found[0].is_none() && found[1].is_none());
+    assert!(tx.get(k.claim.as_bytes()).await.unwrap().is_none());
+    let manifest = serde_json::to_vec(&serde_json::json!({
+        "v": 1,
+        "keys": [&k.email, &k.team, &k.claim],
+    }))
+    .unwrap();
+    tx.put(k.claim.into_bytes(), row.id.clone().into_bytes())
         .await
         .unwrap();
-    tx.put(team.into_bytes(), body.clone()).await.unwrap();
-    tx.put(email.into_bytes(), body).await.unwrap();
-    tx.put(
-        format!("reverse-index:table:item:{}", row.id).into_bytes(),
-        manifest,
-    )
-    .await
-    .unwrap();
-    tx.commit().await.unwrap();
+    tx.put(k.email.into_bytes(), body.clone()).await.unwrap();
+    tx.put(k.team.into_bytes(), body.clone()).await.unwrap();
+    tx.put(k.manifest.into_bytes(), manifest).await.unwrap();
+    tx.put(k.row.into_bytes(), body).await.unwrap();
 }
 
-struct Row {
-    name: &'static str,
+async fn raw_get(db: &Embedded, id: &str) -> User {
+    let tx = db.begin().await.unwrap();
+    let bytes = tx
+        .get(keys::row_key("users", id).as_bytes())
+        .await
+        .unwrap()
+        .unwrap();
+    tx.rollback().await.unwrap();
+    serde_json::from_slice(&bytes).unwrap()
+}
+
+async fn raw_newest(db: &Embedded, team: &str) -> Vec<User> {
+    let team = KeyValue::String(team.to_string());
+    let prefix = keys::index_prefix("users", "user_by_team_created", &[("team", &team)]).unwrap();
+    let end = tito::prefix_end(prefix.clone());
+    let tx = db.begin().await.unwrap();
+    let rows = tx
+        .scan_reverse(prefix.as_bytes(), end.as_bytes(), 11)
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    rows.iter()
+        .take(10)
+        .map(|(_, v)| serde_json::from_slice(v).unwrap())
+        .collect()
+}
+
+/// The total size and latest modification of the files under `dir`.
+fn footprint(dir: &Path) -> (u64, Option<SystemTime>, usize) {
+    let mut bytes = 0;
+    let mut latest = None;
+    let mut files = 0;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let Ok(meta) = entry.metadata() else { continue };
+            if meta.is_dir() {
+                stack.push(entry.path());
+            } else {
+                files += 1;
+                bytes += meta.len();
+                latest = latest.max(meta.modified().ok());
+            }
+        }
+    }
+    (bytes, latest, files)
+}
+
+/// Waits until no file under `dirs` changed for 3 s (at most 5 min); returns how long it took.
+async fn settle(dirs: &[&Path]) -> Duration {
+    let start = Instant::now();
+    let mut last = Vec::new();
+    let mut quiet_since = Instant::now();
+    loop {
+        let now: Vec<_> = dirs.iter().map(|d| footprint(d)).collect();
+        if now != last {
+            last = now;
+            quiet_since = Instant::now();
+        } else if quiet_since.elapsed() >= Duration::from_secs(3) {
+            return quiet_since.duration_since(start);
+        }
+        if start.elapsed() > Duration::from_secs(300) {
+            return start.elapsed();
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[derive(Default)]
+struct Rates {
     tito: f64,
     raw: f64,
     sqlite: f64,
 }
 
-async fn run(durability: Durability) -> Vec<Row> {
-    let durable = durability == Durability::Immediate;
-    let (tito_dir, raw_dir, sql_dir) = (
-        tempfile::tempdir().unwrap(),
-        tempfile::tempdir().unwrap(),
-        tempfile::tempdir().unwrap(),
-    );
-    let db = open(tito_dir.path(), durability).await;
-    let items = db.clone().model::<Item>();
-    let raw = open(raw_dir.path(), durability).await;
-    let conn = sqlite(sql_dir.path(), durable);
+struct Line {
+    rows: u64,
+    operation: &'static str,
+    rates: Rates,
+}
 
-    // Inserts of fresh rows, continuing ids past the preload.
-    let offset = 1_000_000;
-    let tito_insert = measure(|i| {
-        let items = items.clone();
-        async move {
-            items.build(item(offset + i)).await.unwrap();
-        }
-    })
-    .await;
-    let raw_insert_rate = measure(|i| {
-        let raw = raw.clone();
-        async move { raw_insert(&raw, &item(offset + i)).await }
-    })
-    .await;
-    let sqlite_insert_rate = measure(|i| {
-        sqlite_insert(&conn, &item(offset + i));
-        async {}
-    })
-    .await;
+struct Reads {
+    get: Rates,
+    newest: Rates,
+}
 
-    // Preload for the reads.
-    for i in 0..ROWS {
-        let row = item(i);
-        items.build(row.clone()).await.unwrap();
-        raw_insert(&raw, &row).await;
-        sqlite_insert(&conn, &row);
+struct Stores {
+    db: Embedded,
+    users: TitoModel<Embedded, User>,
+    raw: Embedded,
+    /// Behind a mutex only so the stores can be shared with a spawned task (never contended).
+    conn: std::sync::Mutex<Connection>,
+    rows: u64,
+    teams: u64,
+}
+
+impl Stores {
+    async fn reads(&self, pick: &mut Pick) -> Reads {
+        let (rows, teams) = (self.rows, self.teams);
+        let mut get = Rates::default();
+        let mut newest = Rates::default();
+        get.tito = measure(|_| {
+            let id = user(pick.below(rows), teams).id;
+            async move {
+                assert_eq!(self.users.find_by_id(&id, vec![]).await.unwrap().id, id);
+            }
+        })
+        .await;
+        get.raw = measure(|_| {
+            let id = user(pick.below(rows), teams).id;
+            async move { assert_eq!(raw_get(&self.raw, &id).await.id, id) }
+        })
+        .await;
+        get.sqlite = measure(|_| {
+            let id = user(pick.below(rows), teams).id;
+            assert_eq!(sqlite_get(&self.conn.lock().unwrap(), &id).id, id);
+            async {}
+        })
+        .await;
+        newest.tito = measure(|_| {
+            let team = user(pick.below(teams), teams).team;
+            async move {
+                let page = self
+                    .users
+                    .user_by_team_created(&team)
+                    .reverse(true)
+                    .limit(Some(10))
+                    .execute()
+                    .await
+                    .unwrap();
+                assert_eq!(page.items.len(), 10);
+                assert!(page.items[0].created > page.items[9].created);
+            }
+        })
+        .await;
+        newest.raw = measure(|_| {
+            let team = user(pick.below(teams), teams).team;
+            async move { assert_eq!(raw_newest(&self.raw, &team).await.len(), 10) }
+        })
+        .await;
+        newest.sqlite = measure(|_| {
+            let team = user(pick.below(teams), teams).team;
+            assert_eq!(sqlite_newest(&self.conn.lock().unwrap(), &team).len(), 10);
+            async {}
+        })
+        .await;
+        Reads { get, newest }
     }
 
-    let mut next = 7u64;
-    let mut pick = move || {
-        next = next
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (next >> 33) % ROWS
+    async fn inserts(&self) -> Rates {
+        // Fresh ids past the loaded rows, in teams that exist.
+        let (rows, teams) = (self.rows, self.teams);
+        let tito = measure(|i| async move {
+            self.users.build(user(rows + i, teams)).await.unwrap();
+        })
+        .await;
+        let base = rows + 10_000_000;
+        let raw = measure(|i| async move {
+            let row = user(base + i, teams);
+            self.raw
+                .transaction(|tx| {
+                    let row = row.clone();
+                    async move {
+                        raw_insert(&tx, &row).await;
+                        Ok::<(), tito::TitoError>(())
+                    }
+                })
+                .await
+                .unwrap();
+        })
+        .await;
+        let base = rows + 20_000_000;
+        let sqlite = measure(|i| {
+            sqlite_insert(&self.conn.lock().unwrap(), &[user(base + i, teams)]);
+            async {}
+        })
+        .await;
+        Rates { tito, raw, sqlite }
+    }
+}
+
+async fn load(stores: &Stores, only_tito: bool) -> [f64; 3] {
+    let (rows, teams) = (stores.rows, stores.teams);
+    let batches = rows.div_ceil(LOAD_BATCH);
+    let batch = |b: u64| -> Vec<User> {
+        (b * LOAD_BATCH..((b + 1) * LOAD_BATCH).min(rows))
+            .map(|i| user(i, teams))
+            .collect()
     };
-
-    let tito_read = measure(|_| {
-        let items = items.clone();
-        let id = item(pick()).id;
-        async move {
-            let found = items.find_by_id(&id, vec![]).await.unwrap();
-            assert_eq!(found.id, id);
-        }
-    })
-    .await;
-    let raw_read = measure(|_| {
-        let raw = raw.clone();
-        let id = item(pick()).id;
-        async move {
-            let tx = raw.begin().await.unwrap();
-            let bytes = tx
-                .get(format!("table:item:{id}").as_bytes())
-                .await
-                .unwrap()
-                .unwrap();
-            tx.rollback().await.unwrap();
-            let found: Item = serde_json::from_slice(&bytes).unwrap();
-            assert_eq!(found.id, id);
-        }
-    })
-    .await;
-    let sqlite_read = measure(|_| {
-        let id = item(pick()).id;
-        let body: String = conn
-            .prepare_cached("SELECT body FROM item WHERE id = ?1")
-            .unwrap()
-            .query_row(params![id], |row| row.get(0))
+    let start = Instant::now();
+    for b in 0..batches {
+        let rows = batch(b);
+        let users = stores.users.clone();
+        stores
+            .db
+            .transaction(|tx| {
+                let (rows, users) = (rows.clone(), users.clone());
+                async move {
+                    for row in rows {
+                        users
+                            .build_with_options(row, TitoOptions::default(), &tx)
+                            .await?;
+                    }
+                    Ok::<(), tito::TitoError>(())
+                }
+            })
+            .await
             .unwrap();
-        let found: Item = serde_json::from_str(&body).unwrap();
-        assert_eq!(found.id, id);
-        async {}
-    })
-    .await;
-
-    let tito_query = measure(|_| {
-        let items = items.clone();
-        let team = item(pick() / 10 * 10).team;
-        async move {
-            let page = items
-                .query_by_index("item_by_team")
-                .value(&team)
-                .limit(Some(10))
-                .execute()
-                .await
-                .unwrap();
-            assert_eq!(page.items.len(), 10);
-        }
-    })
-    .await;
-    let raw_query = measure(|_| {
-        let raw = raw.clone();
-        let team = item(pick() / 10 * 10).team;
-        async move {
-            let prefix = format!("index:item_by_team:team:{team}:");
-            let end = tito::prefix_end(prefix.clone());
-            let tx = raw.begin().await.unwrap();
-            let rows = tx
-                .scan(prefix.as_bytes(), end.as_bytes(), 11)
-                .await
-                .unwrap();
-            tx.rollback().await.unwrap();
-            let found: Vec<Item> = rows
-                .iter()
-                .map(|(_, v)| serde_json::from_slice(v).unwrap())
-                .collect();
-            assert_eq!(found.len(), 10);
-        }
-    })
-    .await;
-    let sqlite_query = measure(|_| {
-        let team = item(pick() / 10 * 10).team;
-        let mut stmt = conn
-            .prepare_cached("SELECT body FROM item WHERE team = ?1 ORDER BY id LIMIT 10")
+    }
+    let tito = rows as f64 / start.elapsed().as_secs_f64();
+    if only_tito {
+        return [tito, 0.0, 0.0];
+    }
+    let start = Instant::now();
+    for b in 0..batches {
+        let rows = batch(b);
+        stores
+            .raw
+            .transaction(|tx| {
+                let rows = rows.clone();
+                async move {
+                    for row in &rows {
+                        raw_insert(&tx, row).await;
+                    }
+                    Ok::<(), tito::TitoError>(())
+                }
+            })
+            .await
             .unwrap();
-        let found: Vec<Item> = stmt
-            .query_map(params![team], |row| row.get::<_, String>(0))
-            .unwrap()
-            .map(|body| serde_json::from_str(&body.unwrap()).unwrap())
-            .collect();
-        assert_eq!(found.len(), 10);
-        async {}
-    })
-    .await;
+    }
+    let raw = rows as f64 / start.elapsed().as_secs_f64();
+    let start = Instant::now();
+    for b in 0..batches {
+        sqlite_insert(&stores.conn.lock().unwrap(), &batch(b));
+    }
+    let sqlite = rows as f64 / start.elapsed().as_secs_f64();
+    [tito, raw, sqlite]
+}
 
-    db.close().await.unwrap();
-    raw.close().await.unwrap();
-    vec![
-        Row {
-            name: "insert (2 indexes)",
-            tito: tito_insert,
-            raw: raw_insert_rate,
-            sqlite: sqlite_insert_rate,
+async fn run(durability: Durability, rows: u64, lines: &mut Vec<Line>) {
+    let label = match durability {
+        Durability::Immediate => "durable",
+        _ => "buffered",
+    };
+    let dirs = [(); 3].map(|_| tempfile::tempdir().unwrap());
+    let db = open(dirs[0].path(), durability).await;
+    let stores = Stores {
+        users: db.clone().model::<User>(),
+        db,
+        raw: open(dirs[1].path(), durability).await,
+        conn: std::sync::Mutex::new(sqlite(dirs[2].path(), durability == Durability::Immediate)),
+        rows,
+        teams: (rows / PER_TEAM).max(1),
+    };
+    let [tito, raw, sqlite] = load(&stores, false).await;
+    println!(
+        "  {label} {rows} rows loaded (rows/s, batches of {LOAD_BATCH}): tito {tito:.0}, raw {raw:.0}, sqlite {sqlite:.0}"
+    );
+    let mut pick = Pick(rows);
+    let fresh = stores.reads(&mut pick).await;
+    let took = settle(&[dirs[0].path(), dirs[1].path()]).await;
+    let (tito_bytes, _, tito_files) = footprint(dirs[0].path());
+    let (raw_bytes, _, _) = footprint(dirs[1].path());
+    let (sqlite_bytes, _, _) = footprint(dirs[2].path());
+    println!(
+        "  {label} {rows} rows settled in {:.1} s; on disk: tito {:.1} MiB in {tito_files} files, raw {:.1} MiB, sqlite {:.1} MiB",
+        took.as_secs_f64(),
+        tito_bytes as f64 / 1048576.0,
+        raw_bytes as f64 / 1048576.0,
+        sqlite_bytes as f64 / 1048576.0,
+    );
+    let settled = stores.reads(&mut pick).await;
+    let inserts = stores.inserts().await;
+    lines.extend([
+        Line {
+            rows,
+            operation: "insert",
+            rates: inserts,
         },
-        Row {
-            name: "read by id",
-            tito: tito_read,
-            raw: raw_read,
-            sqlite: sqlite_read,
+        Line {
+            rows,
+            operation: "get by id, after load",
+            rates: fresh.get,
         },
-        Row {
-            name: "10-row index query",
-            tito: tito_query,
-            raw: raw_query,
-            sqlite: sqlite_query,
+        Line {
+            rows,
+            operation: "get by id, settled",
+            rates: settled.get,
         },
-    ]
+        Line {
+            rows,
+            operation: "team's 10 newest, after load",
+            rates: fresh.newest,
+        },
+        Line {
+            rows,
+            operation: "team's 10 newest, settled",
+            rates: settled.newest,
+        },
+    ]);
+    stores.db.close().await.unwrap();
+    stores.raw.close().await.unwrap();
+}
+
+/// `TITO_BENCH_PROFILE=insert|raw-insert|get|newest`: runs only that operation on Tito (or the
+/// raw engine) over `TITO_BENCH_ROWS`'s first size for the measuring time, for a profiler.
+async fn profile(what: &str) {
+    let rows = sizes()[0];
+    let durability = match std::env::var("TITO_BENCH_DURABLE").as_deref() {
+        Ok("1") => Durability::Immediate,
+        _ => Durability::Buffered,
+    };
+    let dirs = [(); 3].map(|_| tempfile::tempdir().unwrap());
+    let db = open(dirs[0].path(), durability).await;
+    let stores = Stores {
+        users: db.clone().model::<User>(),
+        db,
+        raw: open(dirs[1].path(), durability).await,
+        conn: std::sync::Mutex::new(sqlite(dirs[2].path(), false)),
+        rows,
+        teams: (rows / PER_TEAM).max(1),
+    };
+    load(&stores, true).await;
+    eprintln!("loaded");
+    settle(&[dirs[0].path(), dirs[1].path()]).await;
+    let mut pick = Pick(1);
+    let (teams, users) = (stores.teams, &stores.users);
+    let rate = match what {
+        "insert" => {
+            measure(|i| async move {
+                users.build(user(rows + i, teams)).await.unwrap();
+            })
+            .await
+        }
+        "get" => {
+            measure(|_| {
+                let id = user(pick.below(rows), teams).id;
+                async move { assert_eq!(users.find_by_id(&id, vec![]).await.unwrap().id, id) }
+            })
+            .await
+        }
+        "newest" => {
+            measure(|_| {
+                let team = user(pick.below(teams), teams).team;
+                async move {
+                    let page = users
+                        .user_by_team_created(&team)
+                        .reverse(true)
+                        .limit(Some(10))
+                        .execute()
+                        .await
+                        .unwrap();
+                    assert_eq!(page.items.len(), 10);
+                }
+            })
+            .await
+        }
+        other => panic!("TITO_BENCH_PROFILE: unknown operation {other:?}"),
+    };
+    println!("{what}: {rate:.0} per second");
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
+    // Everything runs in a task of the runtime, as the handlers of a server do: a commit of the
+    // embedded engine wakes its group-commit task, and from a thread outside the runtime (this
+    // main function's own) each wake-up crosses threads (about half the insert rate here).
+    tokio::spawn(bench()).await.unwrap();
+}
+
+async fn bench() {
+    if let Ok(what) = std::env::var("TITO_BENCH_PROFILE") {
+        return profile(&what).await;
+    }
     println!(
-        "models: operations per second, one task ({:?} per cell)",
+        "models: users with a unique email and a (team, created) index, {PER_TEAM} per team; \
+         operations per second, one task, {:?} per cell",
         secs()
     );
-    println!(
-        "{:<10} {:<20} {:>12} {:>12} {:>12} {:>10} {:>10}",
-        "durability", "operation", "tito", "raw engine", "sqlite", "tito/raw", "tito/sqlite"
-    );
+    let sizes = sizes();
     for (label, durability) in [
         ("buffered", Durability::Buffered),
         ("durable", Durability::Immediate),
     ] {
-        for row in run(durability).await {
+        let mut lines = Vec::new();
+        for &rows in &sizes {
+            run(durability, rows, &mut lines).await;
+        }
+        println!(
+            "{:<9} {:>8} {:<30} {:>9} {:>9} {:>9} {:>8} {:>8} {:>9}",
+            "", "rows", "operation", "tito", "raw", "sqlite", "/raw", "/sqlite", "/smallest"
+        );
+        for line in &lines {
+            let smallest = lines
+                .iter()
+                .find(|l| l.operation == line.operation)
+                .map(|l| line.rates.tito / l.rates.tito)
+                .unwrap_or(1.0);
             println!(
-                "{:<10} {:<20} {:>12.0} {:>12.0} {:>12.0} {:>10.2} {:>10.2}",
+                "{:<9} {:>8} {:<30} {:>9.0} {:>9.0} {:>9.0} {:>8.2} {:>8.2} {:>9.2}",
                 label,
-                row.name,
-                row.tito,
-                row.raw,
-                row.sqlite,
-                row.tito / row.raw,
-                row.tito / row.sqlite
+                line.rows,
+                line.operation,
+                line.rates.tito,
+                line.rates.raw,
+                line.rates.sqlite,
+                line.rates.tito / line.rates.raw,
+                line.rates.tito / line.rates.sqlite,
+                smallest,
             );
         }
     }
     println!(
-        "(durable: every commit synced, SQLite WAL with synchronous=FULL; buffered: SQLite synchronous=OFF)"
+        "(durable: every commit synced, SQLite WAL with synchronous=FULL; buffered: commits reach \
+         the OS, SQLite WAL with synchronous=NORMAL. /smallest: Tito's rate over its rate at the \
+         smallest size.)"
     );
 }

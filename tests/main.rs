@@ -18,6 +18,7 @@ mod inbox;
 mod kv;
 mod models;
 mod queue;
+mod rpc_counts;
 mod schema;
 mod simulation;
 mod suites;

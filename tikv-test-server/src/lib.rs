@@ -400,6 +400,17 @@ impl TestCluster {
             .push((method.to_string(), fault, times));
     }
 
+    /// How many calls of each method (PD and TiKV) the servers received, by method name.
+    pub fn all_calls(&self) -> std::collections::BTreeMap<String, u64> {
+        self.shared
+            .calls
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|(method, count)| (method.clone(), *count))
+            .collect()
+    }
+
     /// How many calls of `method` (PD or TiKV) the servers received.
     pub fn calls(&self, method: &str) -> u64 {
         self.shared

@@ -145,6 +145,28 @@ pub fn encode_str(value: &str, out: &mut String) {
     }
 }
 
+/// Checks that `segment` is a string segment [`decode_str`] accepts, without decoding it.
+pub fn check_str(segment: &str) -> TitoResult<()> {
+    let bytes = segment.as_bytes();
+    let mut index = 0;
+    while index < bytes.len() {
+        let byte = bytes[index];
+        if byte == ESCAPE {
+            match bytes.get(index + 1) {
+                None => return Err(malformed(segment, "ends inside an escape")),
+                Some(&(ESCAPED_SEPARATOR | ESCAPED_ESCAPE | 0x00..=0x39)) => index += 2,
+                Some(_) => return Err(malformed(segment, "has an unknown escape")),
+            }
+        } else if byte < 0x3C {
+            return Err(malformed(segment, "holds an unescaped byte below `<`"));
+        } else {
+            index += 1;
+        }
+    }
+    // Escapes stand for ASCII bytes, so a segment of a `str` decodes to valid UTF-8.
+    Ok(())
+}
+
 /// Decodes a string segment written by [`encode_str`].
 pub fn decode_str(segment: &str) -> TitoResult<String> {
     let bytes = segment.as_bytes();
@@ -486,6 +508,32 @@ pub fn index_key_row(key: &str) -> TitoResult<(String, String)> {
         return Err(malformed());
     }
     Ok((decode_str(table)?, decode_str(id)?))
+}
+
+/// Checks, without allocating, that `key` is an index entry ending in a row key of the table
+/// whose [`table_prefix`] is `table_prefix`: what [`index_key_row`] decodes, compared with the
+/// table. Returns the entry's id segment (still encoded).
+pub fn check_index_key_in<'k>(key: &'k str, table_prefix: &str) -> TitoResult<&'k str> {
+    let malformed = || TitoError::Integrity(format!("index key {key:?} does not end in a row key"));
+    let (head, id) = key.rsplit_once(SEPARATOR).ok_or_else(malformed)?;
+    // `head` + ':' must end in `table:{table}:`, preceded by at least one segment.
+    let row_head = &table_prefix[..table_prefix.len() - 1];
+    let at = head.len().checked_sub(row_head.len());
+    match at {
+        Some(at)
+            if head.ends_with(row_head) && at > 0 && head.as_bytes()[at - 1] == SEPARATOR as u8 =>
+        {
+            check_str(id)?;
+            Ok(id)
+        }
+        _ => {
+            // Not this table's: say which table it points into, as the decoding check did.
+            let (table, _) = index_key_row(key)?;
+            Err(TitoError::Integrity(format!(
+                "index entry {key:?} points into table {table:?}, not the queried one"
+            )))
+        }
+    }
 }
 
 /// `unique:{table}:{index}:`, every claim of one unique index.
@@ -1106,6 +1154,43 @@ mod tests {
             encode_timestamp(&b, &mut y);
             prop_assert_eq!(decode_timestamp(&x).unwrap(), a);
             prop_assert_eq!(a.cmp(&b), x.cmp(&y));
+        }
+
+        /// The allocation-free check of an index entry agrees with decoding it.
+        #[test]
+        fn index_entry_check_agrees_with_decoding(
+            table in "[a-z:;1]{1,6}",
+            other in "[a-z:;1]{1,6}",
+            id in ".{0,8}",
+            tail in "[a-z:;<=0-9]{0,12}",
+        ) {
+            let prefix = table_prefix(&table);
+            let mut candidates = vec![
+                index_key("ix", &[("f", &KeyValue::Bool(true))], &table, &id).unwrap(),
+                index_key("ix", &[("f", &KeyValue::Bool(true))], &other, &id).unwrap(),
+                format!("index:{tail}"),
+                format!("{tail}:table:{tail}"),
+                format!("table:{}:{tail}", {
+                    let mut t = String::new();
+                    encode_str(&table, &mut t);
+                    t
+                }),
+            ];
+            candidates.push(format!("x:{}{tail}", prefix));
+            for candidate in candidates {
+                let decoded = index_key_row(&candidate);
+                let checked = check_index_key_in(&candidate, &prefix);
+                let expected = matches!(&decoded, Ok((t, _)) if *t == table);
+                prop_assert_eq!(checked.is_ok(), expected, "{:?}: {:?}", candidate, decoded);
+                if let Ok(segment) = checked {
+                    prop_assert_eq!(decode_str(segment).unwrap(), decoded.unwrap().1);
+                }
+            }
+        }
+
+        #[test]
+        fn check_str_agrees_with_decode_str(text in "[a-z:;<=0-9\\x00-\\x3b]{0,10}") {
+            prop_assert_eq!(check_str(&text).is_ok(), decode_str(&text).is_ok());
         }
 
         #[test]

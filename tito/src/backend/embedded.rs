@@ -64,6 +64,8 @@ pub struct EmbeddedOptions {
     durability: Durability,
     partitions: u32,
     memtable_bytes: usize,
+    block_cache_bytes: u64,
+    block_bytes: usize,
     retry: RetryPolicy,
 }
 
@@ -73,6 +75,8 @@ impl Default for EmbeddedOptions {
             durability: Durability::Immediate,
             partitions: engine::DEFAULT_PARTITIONS,
             memtable_bytes: 32 * 1024 * 1024,
+            block_cache_bytes: DEFAULT_BLOCK_CACHE_BYTES,
+            block_bytes: DEFAULT_BLOCK_BYTES,
             retry: RetryPolicy::default(),
         }
     }
@@ -100,6 +104,23 @@ impl EmbeddedOptions {
     /// of an open store is roughly this much plus caches; tests can set it small.
     pub fn memtable_bytes(mut self, bytes: usize) -> Self {
         self.memtable_bytes = bytes;
+        self
+    }
+
+    /// The capacity of the cache of table-file blocks (data, index and filter blocks), from
+    /// 1 MiB to 1 TiB; default [`DEFAULT_BLOCK_CACHE_BYTES`]. Reads of a store larger than the
+    /// cache read blocks from the operating system's page cache (or the disk) and parse them
+    /// again: give the cache the size of the working set when memory allows.
+    pub fn block_cache_bytes(mut self, bytes: u64) -> Self {
+        self.block_cache_bytes = bytes;
+        self
+    }
+
+    /// The size of a data block of the table files, from 1 KiB to 1 MiB; default
+    /// [`DEFAULT_BLOCK_BYTES`]. A point read parses one block: smaller blocks make reads of one
+    /// row cheaper and the block index larger. Applies to the files written from then on.
+    pub fn block_bytes(mut self, bytes: usize) -> Self {
+        self.block_bytes = bytes;
         self
     }
 
@@ -160,6 +181,12 @@ impl std::fmt::Debug for Embedded {
             .finish()
     }
 }
+
+/// The default of [`EmbeddedOptions::block_cache_bytes`]: 128 MiB.
+pub const DEFAULT_BLOCK_CACHE_BYTES: u64 = 128 << 20;
+
+/// The default of [`EmbeddedOptions::block_bytes`]: 16 KiB.
+pub const DEFAULT_BLOCK_BYTES: usize = 16 << 10;
 
 /// User keys live under this byte; the store's own metadata under `0x00`, out of their reach.
 const DATA: u8 = 0x01;
@@ -266,12 +293,26 @@ impl Embedded {
                 "memtable_bytes must be at least 64 KiB",
             ));
         }
+        if !(1 << 20..=1 << 40).contains(&options.block_cache_bytes) {
+            return Err(TitoError::invalid_argument(format!(
+                "block_cache_bytes must be from 1 MiB to 1 TiB, not {}",
+                options.block_cache_bytes
+            )));
+        }
+        if !(1 << 10..=1 << 20).contains(&options.block_bytes) {
+            return Err(TitoError::invalid_argument(format!(
+                "block_bytes must be from 1 KiB to 1 MiB, not {}",
+                options.block_bytes
+            )));
+        }
         std::fs::create_dir_all(&path).map_err(|err| {
             TitoError::storage(format!("cannot create directory {}", path.display()), err)
         })?;
         let builder = TreeBuilder::new()
             .with_path(path.clone())
-            .with_max_memtable_size(options.memtable_bytes);
+            .with_max_memtable_size(options.memtable_bytes)
+            .with_block_cache_capacity(options.block_cache_bytes)
+            .with_block_size(options.block_bytes);
         let tree = builder
             .build_async()
             .await

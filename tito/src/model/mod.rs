@@ -126,7 +126,7 @@ mod config;
 mod index;
 mod query;
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::marker::PhantomData;
 use std::sync::{Arc, OnceLock};
 
@@ -337,6 +337,9 @@ pub(crate) fn decode_model<T: TitoModelTrait>(key: &str, bytes: &[u8]) -> TitoRe
 /// Reads and validates a row with its manifest and every key the manifest lists, and the
 /// table's catalog in the same request; returns the row and what a write maintains.
 ///
+/// `also` are keys the caller will read next (the unique claims a write expects to take): they
+/// join the same request, and their values come back in order.
+///
 /// Keys the manifest lists for indexes that are no longer live (dropping, or gone) are not
 /// required to exist: a drop deletes them while the manifests still name them.
 async fn load<X: TitoTransaction>(
@@ -344,19 +347,22 @@ async fn load<X: TitoTransaction>(
     table: &str,
     id: &str,
     handle: &TableHandle,
-) -> TitoResult<(Option<Stored>, WritePlan)> {
+    also: &[String],
+) -> TitoResult<(Option<Stored>, WritePlan, Vec<Option<Vec<u8>>>)> {
     let row_key = keys::row_key(table, id);
     let manifest_key = keys::manifest_key(table, id);
-    let mut found = tx
-        .batch_get(&[
-            row_key.clone().into_bytes(),
-            manifest_key.clone().into_bytes(),
-            keys::schema_key(table).into_bytes(),
-        ])
-        .await?;
+    let mut wanted = Vec::with_capacity(3 + also.len());
+    wanted.extend([
+        row_key.into_bytes(),
+        manifest_key.into_bytes(),
+        keys::schema_key(table).into_bytes(),
+    ]);
+    wanted.extend(also.iter().map(|k| k.clone().into_bytes()));
+    let mut found = tx.batch_get(&wanted).await?;
+    let extra = found.split_off(3);
     let plan = handle.plan(found.pop().flatten().as_deref())?;
     let stored = validate(tx, table, id, &found, &plan).await?;
-    Ok((stored, plan))
+    Ok((stored, plan, extra))
 }
 
 async fn validate<X: TitoTransaction>(
@@ -559,7 +565,7 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
     ) -> TitoResult<()> {
         let table = Self::table();
         let handle = self.schema_handle().await?;
-        let (stored, _) = load(tx, &table, id, &handle).await?;
+        let (stored, _, _) = load(tx, &table, id, &handle, &[]).await?;
         let stored = stored.ok_or_else(|| {
             TitoError::NotFound(format!("no row {:?}", keys::row_key(&table, id)))
         })?;
@@ -661,7 +667,23 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         check_events(&model, options)?;
         let row_key = keys::row_key(&table, &id);
         let handle = self.schema_handle().await?;
-        let (stored, plan) = load(tx, &table, &id, &handle).await?;
+        let mut row = serde_json::to_value(&model)?;
+        // The claims the row will take, as far as the code's indexes tell before the catalog and
+        // the stored row are read: they join the row's read, saving a request each. A claim the
+        // write ends up needing that is not among them (a stamped field, a catalog that differs)
+        // is read on its own.
+        let expected_claims: Vec<String> = index_configs(&model)
+            .unwrap_or_default()
+            .iter()
+            .filter(|(_, unique)| *unique)
+            .flat_map(|(config, _)| {
+                index::entries(config, true, &row, &table, &id).unwrap_or_default()
+            })
+            .filter_map(|entry| entry.claim)
+            .collect();
+        let (stored, plan, claim_owners) = load(tx, &table, &id, &handle, &expected_claims).await?;
+        let mut prefetched: HashMap<String, Option<Vec<u8>>> =
+            expected_claims.into_iter().zip(claim_owners).collect();
         match (mode, &stored) {
             (Mode::Insert, Some(_)) => {
                 return Err(TitoError::AlreadyExists(format!("row {row_key:?}")));
@@ -672,7 +694,6 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
             _ => {}
         }
 
-        let mut row = serde_json::to_value(&model)?;
         let stamped = model.managed_timestamps()
             && !options.keep_timestamps
             && stamp(
@@ -711,7 +732,11 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
                 new_claims.push(claim.clone());
                 continue;
             }
-            match tx.get(claim.as_bytes()).await? {
+            let owner = match prefetched.remove(claim) {
+                Some(owner) => owner,
+                None => tx.get(claim.as_bytes()).await?,
+            };
+            match owner {
                 Some(owner) if owner != id.as_bytes() => {
                     // A unique index still building tolerates a duplicate the row already had
                     // (its build reports it); a new duplicate is refused as always.
@@ -835,7 +860,7 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
 
     /// A query over one index.
     pub fn query_by_index(&self, index: &str) -> IndexQuery<E, T> {
-        IndexQuery::new(self.db.clone(), index)
+        IndexQuery::new(self.clone(), index)
     }
 
     /// A scan of the table in id order.

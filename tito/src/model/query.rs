@@ -33,10 +33,12 @@ pub struct TitoPage<T> {
 const CURSOR_TAG: &str = "c1.";
 
 fn encode_cursor(key: &[u8]) -> String {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
     let mut out = String::with_capacity(CURSOR_TAG.len() + key.len() * 2);
     out.push_str(CURSOR_TAG);
     for byte in key {
-        out.push_str(&format!("{byte:02x}"));
+        out.push(HEX[usize::from(byte >> 4)] as char);
+        out.push(HEX[usize::from(byte & 0xf)] as char);
     }
     out
 }
@@ -138,7 +140,7 @@ type QueryBound = Bound<TitoResult<Value>>;
 /// Mistakes (an unknown index, more values than fields, a value of the wrong type) are reported
 /// by `execute` as [`TitoError::InvalidArgument`].
 pub struct IndexQuery<E, T> {
-    db: E,
+    model: super::TitoModel<E, T>,
     index: String,
     values: Vec<TitoResult<Value>>,
     range: Option<(QueryBound, QueryBound)>,
@@ -169,9 +171,9 @@ fn typed(value: &Value, field: &str, kind: TitoIndexBlockType) -> TitoResult<Key
 }
 
 impl<E: TitoEngine, T: TitoModelTrait> IndexQuery<E, T> {
-    pub(crate) fn new(db: E, index: &str) -> Self {
+    pub(crate) fn new(model: super::TitoModel<E, T>, index: &str) -> Self {
         IndexQuery {
-            db,
+            model,
             index: index.to_string(),
             values: Vec::new(),
             range: None,
@@ -216,7 +218,7 @@ impl<E: TitoEngine, T: TitoModelTrait> IndexQuery<E, T> {
 
     /// Runs the query in a transaction of its own.
     pub async fn execute(&self) -> TitoResult<TitoPage<T>> {
-        read_only(&self.db, async |tx| self.execute_tx(tx).await).await
+        read_only(self.model.engine(), async |tx| self.execute_tx(tx).await).await
     }
 
     /// Runs the query inside `tx`.
@@ -231,7 +233,8 @@ impl<E: TitoEngine, T: TitoModelTrait> IndexQuery<E, T> {
                 self.index
             )));
         };
-        crate::schema::TableHandle::of::<E, T>(&self.db)
+        self.model
+            .schema_handle()
             .await?
             .check_queryable(tx, &config.name)
             .await?;
@@ -283,6 +286,7 @@ impl<E: TitoEngine, T: TitoModelTrait> IndexQuery<E, T> {
                 (start, end)
             }
         };
+        let row_prefix = keys::table_prefix(&table);
         read_page(
             tx,
             start.into_bytes(),
@@ -290,15 +294,7 @@ impl<E: TitoEngine, T: TitoModelTrait> IndexQuery<E, T> {
             self.reverse,
             limit,
             self.cursor.as_deref(),
-            |key| {
-                let (row_table, _) = keys::index_key_row(key)?;
-                if row_table != table {
-                    return Err(TitoError::Integrity(format!(
-                        "index entry {key:?} points into table {row_table:?}, not {table:?}"
-                    )));
-                }
-                Ok(())
-            },
+            |key| keys::check_index_key_in(key, &row_prefix).map(|_| ()),
         )
         .await
     }
