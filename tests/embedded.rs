@@ -65,6 +65,14 @@ async fn bad_options_are_refused() {
         EmbeddedOptions::new().partitions(0),
         EmbeddedOptions::new().partitions(10_001),
         EmbeddedOptions::new().memtable_bytes(1024),
+        EmbeddedOptions::new().block_cache_bytes(0),
+        EmbeddedOptions::new().block_cache_bytes((1 << 20) - 1),
+        EmbeddedOptions::new().block_cache_bytes((1 << 40) + 1),
+        EmbeddedOptions::new().block_cache_bytes(u64::MAX),
+        EmbeddedOptions::new().block_bytes(0),
+        EmbeddedOptions::new().block_bytes(1023),
+        EmbeddedOptions::new().block_bytes((1 << 20) + 1),
+        EmbeddedOptions::new().block_bytes(usize::MAX),
     ] {
         let result = Embedded::open_with(dir.path(), options).await;
         assert!(
@@ -76,4 +84,41 @@ async fn bad_options_are_refused() {
         .await
         .unwrap();
     assert_eq!(db.partitions(), 1024);
+    db.close().await.unwrap();
+    drop(db);
+
+    // The smallest cache and blocks and the largest blocks work: rows written through them
+    // (enough to reach table files) read back after a reopen.
+    for options in [
+        EmbeddedOptions::new()
+            .block_cache_bytes(1 << 20)
+            .block_bytes(1 << 10),
+        EmbeddedOptions::new()
+            .block_cache_bytes(1 << 40)
+            .block_bytes(1 << 20),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let options = options.memtable_bytes(64 * 1024);
+        let db = Embedded::open_with(dir.path(), options.clone())
+            .await
+            .unwrap();
+        for batch in 0..20u32 {
+            let tx = db.begin().await.unwrap();
+            for i in 0..100u32 {
+                let key = format!("k{:05}", batch * 100 + i).into_bytes();
+                tx.put(key, vec![b'v'; 200]).await.unwrap();
+            }
+            tx.commit().await.unwrap();
+        }
+        db.close().await.unwrap();
+        drop(db);
+        let db = Embedded::open_with(dir.path(), options).await.unwrap();
+        let tx = db.begin().await.unwrap();
+        assert_eq!(tx.get(b"k01234").await.unwrap(), Some(vec![b'v'; 200]));
+        let all = tx.scan(b"k", b"l", 1000).await.unwrap();
+        assert_eq!(all.len(), 1000);
+        let all = tx.scan(b"k01000", b"l", 1000).await.unwrap();
+        assert_eq!(all.len(), 1000);
+        assert_eq!(all[0].0, b"k01000".to_vec());
+    }
 }
