@@ -227,6 +227,19 @@ async fn raw_insert<X: TitoTransaction>(tx: &X, row: &User) {
     tx.put(k.row.into_bytes(), body).await.unwrap();
 }
 
+/// Tito's 10 newest users of a team, checked.
+async fn tito_newest(users: &TitoModel<Embedded, User>, team: &str) {
+    let page = users
+        .user_by_team_created(team)
+        .reverse(true)
+        .limit(Some(10))
+        .execute()
+        .await
+        .unwrap();
+    assert_eq!(page.items.len(), 10);
+    assert!(page.items[0].created > page.items[9].created);
+}
+
 async fn raw_get(db: &Embedded, id: &str) -> User {
     let tx = db.begin().await.unwrap();
     let bytes = tx
@@ -351,18 +364,7 @@ impl Stores {
         .await;
         newest.tito = measure(|_| {
             let team = user(pick.below(teams), teams).team;
-            async move {
-                let page = self
-                    .users
-                    .user_by_team_created(&team)
-                    .reverse(true)
-                    .limit(Some(10))
-                    .execute()
-                    .await
-                    .unwrap();
-                assert_eq!(page.items.len(), 10);
-                assert!(page.items[0].created > page.items[9].created);
-            }
+            async move { tito_newest(&self.users, &team).await }
         })
         .await;
         newest.raw = measure(|_| {
@@ -574,16 +576,7 @@ async fn profile(what: &str) {
         "newest" => {
             measure(|_| {
                 let team = user(pick.below(teams), teams).team;
-                async move {
-                    let page = users
-                        .user_by_team_created(&team)
-                        .reverse(true)
-                        .limit(Some(10))
-                        .execute()
-                        .await
-                        .unwrap();
-                    assert_eq!(page.items.len(), 10);
-                }
+                async move { tito_newest(users, &team).await }
             })
             .await
         }
