@@ -340,6 +340,22 @@ struct Stores {
 }
 
 impl Stores {
+    /// Tito, the raw engine and SQLite in `dirs` (in that order), empty, for `rows` rows.
+    async fn open(dirs: &[tempfile::TempDir; 3], durability: Durability, rows: u64) -> Stores {
+        let db = open(dirs[0].path(), durability).await;
+        Stores {
+            users: db.clone().model::<User>(),
+            db,
+            raw: open(dirs[1].path(), durability).await,
+            conn: std::sync::Mutex::new(sqlite(
+                dirs[2].path(),
+                durability == Durability::Immediate,
+            )),
+            rows,
+            teams: (rows / PER_TEAM).max(1),
+        }
+    }
+
     async fn reads(&self, pick: &mut Pick) -> Reads {
         let (rows, teams) = (self.rows, self.teams);
         let mut get = Rates::default();
@@ -477,15 +493,7 @@ async fn run(durability: Durability, rows: u64, lines: &mut Vec<Line>) {
         _ => "buffered",
     };
     let dirs = [(); 3].map(|_| tempfile::tempdir().unwrap());
-    let db = open(dirs[0].path(), durability).await;
-    let stores = Stores {
-        users: db.clone().model::<User>(),
-        db,
-        raw: open(dirs[1].path(), durability).await,
-        conn: std::sync::Mutex::new(sqlite(dirs[2].path(), durability == Durability::Immediate)),
-        rows,
-        teams: (rows / PER_TEAM).max(1),
-    };
+    let stores = Stores::open(&dirs, durability, rows).await;
     let [tito, raw, sqlite] = load(&stores, false).await;
     println!(
         "  {label} {rows} rows loaded (rows/s, batches of {LOAD_BATCH}): tito {tito:.0}, raw {raw:.0}, sqlite {sqlite:.0}"
@@ -536,8 +544,9 @@ async fn run(durability: Durability, rows: u64, lines: &mut Vec<Line>) {
     stores.raw.close().await.unwrap();
 }
 
-/// `TITO_BENCH_PROFILE=insert|raw-insert|get|newest`: runs only that operation on Tito (or the
-/// raw engine) over `TITO_BENCH_ROWS`'s first size for the measuring time, for a profiler.
+/// `TITO_BENCH_PROFILE=insert|get|newest`: runs only that operation on Tito over
+/// `TITO_BENCH_ROWS`'s first size (`TITO_BENCH_DURABLE=1` for durable commits) for the measuring
+/// time, for a profiler.
 async fn profile(what: &str) {
     let rows = sizes()[0];
     let durability = match std::env::var("TITO_BENCH_DURABLE").as_deref() {
@@ -545,15 +554,7 @@ async fn profile(what: &str) {
         _ => Durability::Buffered,
     };
     let dirs = [(); 3].map(|_| tempfile::tempdir().unwrap());
-    let db = open(dirs[0].path(), durability).await;
-    let stores = Stores {
-        users: db.clone().model::<User>(),
-        db,
-        raw: open(dirs[1].path(), durability).await,
-        conn: std::sync::Mutex::new(sqlite(dirs[2].path(), false)),
-        rows,
-        teams: (rows / PER_TEAM).max(1),
-    };
+    let stores = Stores::open(&dirs, durability, rows).await;
     load(&stores, true).await;
     eprintln!("loaded");
     settle(&[dirs[0].path(), dirs[1].path()]).await;
