@@ -22,6 +22,7 @@ mod rpc_counts;
 mod schema;
 mod simulation;
 mod suites;
+mod telemetry;
 mod tikv_server;
 mod transactions;
 mod unknown_outcomes;

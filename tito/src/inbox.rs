@@ -51,6 +51,8 @@ use crate::model::{
     TitoIndexBlockType, TitoIndexConfig, TitoIndexField, TitoModel, TitoModelTrait, TitoOptions,
 };
 use crate::queue::Shutdown;
+use crate::telemetry::names;
+use tracing::Instrument;
 
 /// Which fields of a model play which inbox role. Build with [`InboxSpec::new`] and the setters
 /// (each takes the field's name in the row's JSON).
@@ -434,6 +436,18 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
         self.stats.snapshot()
     }
 
+    /// Adds one to an inbox metric of `group` (with an `outcome` label when given).
+    fn record(&self, metric: &'static str, group: &str, outcome: Option<&'static str>) {
+        let (table, group) = (self.table.clone(), group.to_string());
+        match outcome {
+            Some(outcome) => {
+                metrics::counter!(metric, "table" => table, "group" => group, "outcome" => outcome)
+                    .increment(1)
+            }
+            None => metrics::counter!(metric, "table" => table, "group" => group).increment(1),
+        }
+    }
+
     async fn now_ms(&self, tx: &E::Transaction, clock: InboxClock) -> i64 {
         match clock {
             InboxClock::Host => host_now_ms(),
@@ -715,6 +729,7 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
     async fn set_aside(&self, tx: &E::Transaction, id: &str, why: &str) -> TitoResult<()> {
         tracing::warn!(table = %self.table, id, why, "inbox row set aside");
         self.stats.bad.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!(names::INBOX_BAD_ROWS, "table" => self.table.clone()).increment(1);
         tx.put(self.bad_key(id).into_bytes(), why.as_bytes().to_vec())
             .await
     }
@@ -749,6 +764,12 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
             }
         }
         self.stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!(
+            names::INBOX_DEAD_LETTERED,
+            "table" => self.table.clone(),
+            "group" => config.group.clone()
+        )
+        .increment(1);
         Ok(())
     }
 
@@ -932,13 +953,22 @@ where
                     claimed_any = !claims.is_empty();
                     for (claim, delivery) in claims {
                         inbox.stats.claimed.fetch_add(1, Ordering::Relaxed);
-                        running.spawn(handle(
+                        inbox.record(names::INBOX_CLAIMED, &config.group, None);
+                        let span = tracing::info_span!(
+                            "tito.inbox.delivery",
+                            table = %inbox.table,
+                            group = %config.group,
+                            id = %claim.id,
+                            attempt = delivery.attempt,
+                        );
+                        let work = handle(
                             inbox.clone(),
                             config.clone(),
                             handler.clone(),
                             claim,
                             delivery,
-                        ));
+                        );
+                        running.spawn(work.instrument(span));
                     }
                 }
                 Err(err) => tracing::warn!(error = %err, "inbox claim failed"),
@@ -991,6 +1021,7 @@ async fn handle<E, M, P, F, Fut>(
                     Ok(Some(extended)) => claim = extended,
                     Ok(None) => {
                         inbox.stats.lease_lost.fetch_add(1, Ordering::Relaxed);
+                        inbox.record(names::INBOX_OUTCOMES, &config.group, Some("lease_lost"));
                         tracing::warn!(id = %claim.id, "inbox lease lost while the handler ran");
                     }
                     Err(err) => tracing::warn!(id = %claim.id, error = %err, "extending an inbox lease failed"),
@@ -1002,11 +1033,13 @@ async fn handle<E, M, P, F, Fut>(
         Ok(Ok(outcome)) => outcome,
         Ok(Err(err)) => {
             inbox.stats.failed.fetch_add(1, Ordering::Relaxed);
+            inbox.record(names::INBOX_OUTCOMES, &config.group, Some("failed"));
             tracing::warn!(id = %claim.id, error = %err, "inbox handler failed; the row is claimable when its lease ends");
             return;
         }
         Err(_) => {
             inbox.stats.failed.fetch_add(1, Ordering::Relaxed);
+            inbox.record(names::INBOX_OUTCOMES, &config.group, Some("failed"));
             tracing::warn!(id = %claim.id, "inbox handler panicked");
             return;
         }
@@ -1014,9 +1047,16 @@ async fn handle<E, M, P, F, Fut>(
     match inbox.complete(&config, &claim, outcome).await {
         Ok(true) => {
             inbox.stats.completed.fetch_add(1, Ordering::Relaxed);
+            let label = match outcome {
+                InboxOutcome::Ack => "ack",
+                InboxOutcome::Drop => "drop",
+                InboxOutcome::Retry | InboxOutcome::RetryAfter(_) => "retry",
+            };
+            inbox.record(names::INBOX_OUTCOMES, &config.group, Some(label));
         }
         Ok(false) => {
             inbox.stats.lease_lost.fetch_add(1, Ordering::Relaxed);
+            inbox.record(names::INBOX_OUTCOMES, &config.group, Some("lease_lost"));
             tracing::warn!(id = %claim.id, "inbox outcome refused: the lease was lost");
         }
         Err(err) => {

@@ -238,6 +238,12 @@ pub struct Kv<E> {
     db: E,
 }
 
+/// Adds one to `tito_kv_operations_total{operation}`.
+fn counted(operation: &'static str) {
+    metrics::counter!(crate::telemetry::names::KV_OPERATIONS, "operation" => operation)
+        .increment(1);
+}
+
 impl<E: TitoEngine> Kv<E> {
     /// The store on `db`.
     pub fn new(db: E) -> Self {
@@ -259,7 +265,9 @@ impl<E: TitoEngine> Kv<E> {
         tx: &E::Transaction,
     ) -> TitoResult<Option<KvEntry>> {
         check_names(namespace, key)?;
-        read(tx, namespace, key, now_ms(tx)).await
+        read(tx, namespace, key, now_ms(tx))
+            .await
+            .inspect(|_| counted("get"))
     }
 
     /// Many keys of one namespace, with one "now" for all of them; aligned with `keys`.
@@ -291,6 +299,7 @@ impl<E: TitoEngine> Kv<E> {
             .map(|key| keys::kv_key(namespace, key).into_bytes())
             .collect();
         let values = tx.batch_get(&storage).await?;
+        counted("get");
         keys.iter()
             .zip(storage.iter().zip(values))
             .map(|(key, (storage_key, value))| match value {
@@ -320,6 +329,7 @@ impl<E: TitoEngine> Kv<E> {
                     .await
             })
             .await
+            .inspect(|_| counted("put"))
     }
 
     /// [`Self::put`] inside `tx`.
@@ -336,6 +346,7 @@ impl<E: TitoEngine> Kv<E> {
         let value = encode_value(value)?;
         self.put_value_tx(namespace, key, value, expected, ttl, tx)
             .await
+            .inspect(|_| counted("put"))
     }
 
     async fn put_value_tx(
@@ -392,6 +403,7 @@ impl<E: TitoEngine> Kv<E> {
                     .await
             })
             .await
+            .inspect(|_| counted("put_if_absent"))
     }
 
     /// [`Self::put_if_absent`] inside `tx`.
@@ -407,6 +419,7 @@ impl<E: TitoEngine> Kv<E> {
         let value = encode_value(value)?;
         self.put_if_absent_value_tx(namespace, key, value, ttl, tx)
             .await
+            .inspect(|_| counted("put_if_absent"))
     }
 
     async fn put_if_absent_value_tx(
@@ -440,12 +453,26 @@ impl<E: TitoEngine> Kv<E> {
         check_names(namespace, key)?;
         let (this, namespace, key) = (self.clone(), namespace.to_string(), key.to_string());
         self.db
-            .transaction(|tx| async move { this.incr_tx(&namespace, &key, by, ttl, &tx).await })
+            .transaction(|tx| async move { this.incr_in(&namespace, &key, by, ttl, &tx).await })
             .await
+            .inspect(|_| counted("incr"))
     }
 
     /// [`Self::incr`] inside `tx`.
     pub async fn incr_tx(
+        &self,
+        namespace: &str,
+        key: &str,
+        by: i64,
+        ttl: Option<Duration>,
+        tx: &E::Transaction,
+    ) -> TitoResult<i64> {
+        let next = self.incr_in(namespace, key, by, ttl, tx).await?;
+        counted("incr");
+        Ok(next)
+    }
+
+    async fn incr_in(
         &self,
         namespace: &str,
         key: &str,
@@ -498,12 +525,25 @@ impl<E: TitoEngine> Kv<E> {
         check_names(namespace, key)?;
         let (this, namespace, key) = (self.clone(), namespace.to_string(), key.to_string());
         self.db
-            .transaction(|tx| async move { this.delete_tx(&namespace, &key, expected, &tx).await })
+            .transaction(|tx| async move { this.delete_in(&namespace, &key, expected, &tx).await })
             .await
+            .inspect(|_| counted("delete"))
     }
 
     /// [`Self::delete`] inside `tx`.
     pub async fn delete_tx(
+        &self,
+        namespace: &str,
+        key: &str,
+        expected: Option<u64>,
+        tx: &E::Transaction,
+    ) -> TitoResult<bool> {
+        let deleted = self.delete_in(namespace, key, expected, tx).await?;
+        counted("delete");
+        Ok(deleted)
+    }
+
+    async fn delete_in(
         &self,
         namespace: &str,
         key: &str,
@@ -558,6 +598,7 @@ impl<E: TitoEngine> Kv<E> {
         tx: &E::Transaction,
     ) -> TitoResult<KvPage> {
         check_names(namespace, "x")?;
+        counted("list");
         if limit == 0 || limit > MAX_KV_PAGE {
             return Err(TitoError::invalid_argument(format!(
                 "a kv page holds 1 to {MAX_KV_PAGE} entries, not {limit}"
@@ -691,6 +732,7 @@ pub(crate) async fn sweep_expired<E: TitoEngine>(db: &E, batch: usize) -> TitoRe
         Ok::<_, TitoError>(rows.len())
     })
     .await
+    .inspect(|_| counted("sweep"))
 }
 
 #[cfg(test)]

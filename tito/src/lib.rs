@@ -53,6 +53,7 @@ pub mod kv;
 pub mod model;
 pub mod queue;
 pub mod schema;
+pub mod telemetry;
 
 #[doc(hidden)]
 #[path = "private.rs"]

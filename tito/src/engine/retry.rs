@@ -9,6 +9,8 @@ use std::time::Duration;
 use super::outcome::{self, Resolution};
 use super::{TitoEngine, TitoTransaction};
 use crate::error::{TitoError, TitoResult};
+use crate::telemetry::names;
+use tracing::Instrument;
 
 /// How [`TitoEngine::transaction`] replays a closure whose commit conflicted.
 ///
@@ -202,56 +204,15 @@ where
     let mut attempt: u32 = 0;
     loop {
         attempt += 1;
-        let tx = db.begin().await?;
-        let value = match (f.clone())(tx.clone()).await {
-            Ok(value) => value,
-            Err(err) => {
-                // The closure's error wins; a rollback failure only matters to the log.
-                if let Err(rollback_err) = tx.rollback().await
-                    && !matches!(rollback_err, TitoError::TransactionFinished(_))
-                {
-                    tracing::warn!(error = %rollback_err, "rollback after a failed transaction closure failed");
-                }
-                return Err(err);
-            }
-        };
-        let marker = match policy.resolution {
-            Some(_) => {
-                let marker = outcome::marker_key(tx.start_version(), policy.jitter_seed);
-                tx.put(marker.clone(), outcome::COMMITTED.to_vec()).await?;
-                Some(marker)
-            }
-            None => None,
-        };
-        let err = match tx.commit().await {
-            Ok(()) => return Ok(value),
-            Err(err) if err.is_retryable() => err,
-            Err(err @ TitoError::CommitOutcomeUnknown { .. }) => {
-                let (Some(marker), Some(bound)) = (marker, policy.resolution) else {
-                    return Err(E::from(err));
-                };
-                match outcome::resolve(db, &marker, bound).await {
-                    Resolution::Committed => {
-                        tracing::debug!(attempt, error = %err, "unknown commit outcome resolved: committed");
-                        return Ok(value);
-                    }
-                    Resolution::NotCommitted => {
-                        tracing::debug!(attempt, error = %err, "unknown commit outcome resolved: not committed; replaying");
-                        err
-                    }
-                    Resolution::Undecided(why) => {
-                        let marker = String::from_utf8_lossy(&marker);
-                        return Err(E::from(TitoError::CommitOutcomeUnknown {
-                            message: format!(
-                                "{err}; resolving it through commit marker {marker} failed: {why} \
-                                 (tito::engine::resolve_commit can decide it later)"
-                            ),
-                            source: Some(Box::new(err)),
-                        }));
-                    }
-                }
-            }
-            Err(err) => return Err(E::from(err)),
+        let span =
+            tracing::debug_span!("tito.transaction", attempt, outcome = tracing::field::Empty);
+        metrics::counter!(names::TRANSACTIONS_BEGUN).increment(1);
+        let step = one_attempt(db, &policy, f.clone(), attempt, &span)
+            .instrument(span.clone())
+            .await;
+        let err = match step {
+            Attempt::Done(result) => return result,
+            Attempt::Replay(err) => err,
         };
         if attempt >= policy.attempts() {
             return Err(E::from(TitoError::RetriesExhausted {
@@ -261,7 +222,120 @@ where
         }
         let delay = policy.backoff(attempt);
         tracing::debug!(attempt, ?delay, error = %err, "transaction did not commit; replaying");
+        metrics::counter!(names::TRANSACTIONS_REPLAYED).increment(1);
         tokio::time::sleep(delay).await;
+    }
+}
+
+/// What one attempt came to: a result to return, or an error after which the closure is
+/// replayed (a conflict, or an unknown outcome proven not applied).
+enum Attempt<T, E> {
+    Done(Result<T, E>),
+    Replay(TitoError),
+}
+
+fn unknown_outcome(resolution: &'static str) {
+    metrics::counter!(names::TRANSACTIONS_UNKNOWN, "resolution" => resolution).increment(1);
+}
+
+async fn one_attempt<D, F, Fut, T, E>(
+    db: &D,
+    policy: &RetryPolicy,
+    f: F,
+    attempt: u32,
+    span: &tracing::Span,
+) -> Attempt<T, E>
+where
+    D: TitoEngine,
+    F: FnOnce(D::Transaction) -> Fut + Send,
+    Fut: Future<Output = Result<T, E>> + Send,
+    T: Send,
+    E: From<TitoError> + Send,
+{
+    // Records the attempt's outcome on its span (`tito.transaction`).
+    let outcome_is = |outcome: &'static str| {
+        span.record("outcome", outcome);
+    };
+    let tx = match db.begin().await {
+        Ok(tx) => tx,
+        Err(err) => {
+            outcome_is("error");
+            return Attempt::Done(Err(E::from(err)));
+        }
+    };
+    let value = match f(tx.clone()).await {
+        Ok(value) => value,
+        Err(err) => {
+            outcome_is("closure_error");
+            // The closure's error wins; a rollback failure only matters to the log.
+            if let Err(rollback_err) = tx.rollback().await
+                && !matches!(rollback_err, TitoError::TransactionFinished(_))
+            {
+                tracing::warn!(error = %rollback_err, "rollback after a failed transaction closure failed");
+            }
+            return Attempt::Done(Err(err));
+        }
+    };
+    let marker = match policy.resolution {
+        Some(_) => {
+            let marker = outcome::marker_key(tx.start_version(), policy.jitter_seed);
+            if let Err(err) = tx.put(marker.clone(), outcome::COMMITTED.to_vec()).await {
+                outcome_is("error");
+                return Attempt::Done(Err(E::from(err)));
+            }
+            Some(marker)
+        }
+        None => None,
+    };
+    let started = std::time::Instant::now();
+    let committed = tx.commit().await;
+    metrics::histogram!(names::COMMIT_SECONDS).record(started.elapsed().as_secs_f64());
+    match committed {
+        Ok(()) => {
+            outcome_is("committed");
+            metrics::counter!(names::TRANSACTIONS_COMMITTED).increment(1);
+            Attempt::Done(Ok(value))
+        }
+        Err(err) if err.is_retryable() => {
+            outcome_is("conflict");
+            metrics::counter!(names::TRANSACTIONS_CONFLICTED).increment(1);
+            Attempt::Replay(err)
+        }
+        Err(err @ TitoError::CommitOutcomeUnknown { .. }) => {
+            outcome_is("unknown");
+            let (Some(marker), Some(bound)) = (marker, policy.resolution) else {
+                unknown_outcome("unresolved");
+                return Attempt::Done(Err(E::from(err)));
+            };
+            match outcome::resolve(db, &marker, bound).await {
+                Resolution::Committed => {
+                    unknown_outcome("committed");
+                    metrics::counter!(names::TRANSACTIONS_COMMITTED).increment(1);
+                    tracing::debug!(attempt, error = %err, "unknown commit outcome resolved: committed");
+                    Attempt::Done(Ok(value))
+                }
+                Resolution::NotCommitted => {
+                    unknown_outcome("not_committed");
+                    tracing::debug!(attempt, error = %err, "unknown commit outcome resolved: not committed; replaying");
+                    Attempt::Replay(err)
+                }
+                Resolution::Undecided(why) => {
+                    unknown_outcome("undecided");
+                    let marker = String::from_utf8_lossy(&marker);
+                    Attempt::Done(Err(E::from(TitoError::CommitOutcomeUnknown {
+                        message: format!(
+                            "{err}; resolving it through commit marker {marker} failed: {why} \
+                             (tito::engine::resolve_commit can decide it later)"
+                        ),
+                        source: Some(Box::new(err)),
+                    })))
+                }
+            }
+        }
+        Err(err) => {
+            outcome_is("error");
+            Attempt::Done(Err(E::from(err)))
+        }
     }
 }
 

@@ -129,6 +129,7 @@ mod query;
 use std::collections::{HashMap, HashSet};
 use std::marker::PhantomData;
 use std::sync::{Arc, OnceLock};
+use tracing::Instrument;
 
 use serde_json::Value;
 
@@ -177,6 +178,17 @@ enum Mode {
     Insert,
     Update,
     Upsert,
+}
+
+impl Mode {
+    /// The `operation` field of the `tito.model` span.
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Insert => "insert",
+            Mode::Update => "update",
+            Mode::Upsert => "upsert",
+        }
+    }
 }
 
 /// A row and its manifest as stored, validated.
@@ -564,6 +576,20 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         tx: &E::Transaction,
     ) -> TitoResult<()> {
         let table = Self::table();
+        let span = tracing::debug_span!("tito.model", table = %table, operation = "delete", id);
+        self.delete_in(&table, id, options, tx)
+            .instrument(span)
+            .await
+    }
+
+    async fn delete_in(
+        &self,
+        table: &str,
+        id: &str,
+        options: TitoOptions,
+        tx: &E::Transaction,
+    ) -> TitoResult<()> {
+        let table = table.to_string();
         let handle = self.schema_handle().await?;
         let (stored, _, _) = load(tx, &table, id, &handle, &[]).await?;
         let stored = stored.ok_or_else(|| {
@@ -651,6 +677,24 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
     }
 
     async fn write(
+        &self,
+        tx: &E::Transaction,
+        model: T,
+        mode: Mode,
+        options: &TitoOptions,
+    ) -> TitoResult<T> {
+        let span = tracing::debug_span!(
+            "tito.model",
+            table = %model.table(),
+            operation = mode.name(),
+            id = %model.id()
+        );
+        self.write_in(tx, model, mode, options)
+            .instrument(span)
+            .await
+    }
+
+    async fn write_in(
         &self,
         tx: &E::Transaction,
         model: T,
@@ -829,8 +873,10 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
 
     /// Reads one row by id inside `tx`.
     pub async fn find_by_id_tx(&self, id: &str, tx: &E::Transaction) -> TitoResult<T> {
-        let key = keys::row_key(&Self::table(), id);
-        match tx.get(key.as_bytes()).await? {
+        let table = Self::table();
+        let key = keys::row_key(&table, id);
+        let span = tracing::debug_span!("tito.model", table = %table, operation = "get", id);
+        match tx.get(key.as_bytes()).instrument(span).await? {
             Some(bytes) => decode_model(&key, &bytes),
             None => Err(TitoError::NotFound(format!("no row {key:?}"))),
         }

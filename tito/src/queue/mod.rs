@@ -79,7 +79,7 @@ mod pull;
 mod worker;
 
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -100,6 +100,7 @@ use crate::engine::{self, TitoEngine, TitoTransaction};
 use crate::error::{TitoError, TitoResult};
 use crate::keys;
 use crate::model::TitoOperation;
+use crate::telemetry::names;
 use event::StoredEvent;
 
 /// How many completed rows one maintenance batch deletes at most.
@@ -213,6 +214,8 @@ pub struct Queue<E> {
     db: E,
     config: QueueConfig,
     root: String,
+    /// The `queue` label of its metrics.
+    label: String,
     stats: Arc<QueueCounters>,
     meta_known: AtomicBool,
     pub(crate) wakeups: Arc<Wakeups>,
@@ -359,6 +362,7 @@ impl<E: TitoEngine> Queue<E> {
     pub fn new(db: E, config: QueueConfig) -> Self {
         let root = keys::queue_root(config.topic.as_deref());
         Queue {
+            label: crate::telemetry::queue_label(config.topic.as_deref()),
             db,
             config,
             root,
@@ -366,6 +370,27 @@ impl<E: TitoEngine> Queue<E> {
             meta_known: AtomicBool::new(false),
             wakeups: Arc::default(),
         }
+    }
+
+    /// Counts a publication and wakes this process's workers of its partition.
+    fn published(&self, published: &Published, partition: u32) {
+        if published.duplicate {
+            self.count(&self.stats.duplicates, names::QUEUE_DUPLICATES, 1);
+        } else {
+            metrics::counter!(names::QUEUE_PUBLISHED, "queue" => self.label.clone()).increment(1);
+            self.wakeups.wake(partition);
+        }
+    }
+
+    /// Adds `by` to one of the handle's counters and to its metric.
+    pub(crate) fn count(&self, counter: &AtomicU64, metric: &'static str, by: u64) {
+        QueueCounters::bump(counter, by);
+        metrics::counter!(metric, "queue" => self.label.clone()).increment(by);
+    }
+
+    /// The `queue` label of this queue's metrics and spans: its topic, or `default`.
+    pub fn label(&self) -> &str {
+        &self.label
     }
 
     /// The engine.
@@ -441,11 +466,7 @@ impl<E: TitoEngine> Queue<E> {
             })
             .await?;
         self.meta_known.store(true, Ordering::Relaxed);
-        if published.duplicate {
-            QueueCounters::bump(&self.stats.duplicates, 1);
-        } else {
-            self.wakeups.wake(partition);
-        }
+        self.published(&published, partition);
         Ok(published)
     }
 
@@ -461,11 +482,7 @@ impl<E: TitoEngine> Queue<E> {
         self.ensure_meta(tx).await?;
         let (published, partition) =
             write_pending(tx, &self.root, self.config.partitions, &stored).await?;
-        if published.duplicate {
-            QueueCounters::bump(&self.stats.duplicates, 1);
-        } else {
-            self.wakeups.wake(partition);
-        }
+        self.published(&published, partition);
         Ok(published)
     }
 
@@ -594,7 +611,7 @@ impl<E: TitoEngine> Queue<E> {
                 }
             })
             .await?;
-        QueueCounters::bump(&stats.expired, deleted as u64);
+        self.count(&stats.expired, names::QUEUE_EXPIRED, deleted as u64);
         Ok(deleted)
     }
 }

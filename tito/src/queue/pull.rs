@@ -95,13 +95,13 @@ impl Cursor {
             for (key, value) in rows {
                 pass.next = keys::key_after_bytes(&key);
                 let Ok(text) = keys::key_str(&key) else {
-                    malformed(stats, &key, "is not UTF-8");
+                    malformed(stats, root, &key, "is not UTF-8");
                     continue;
                 };
                 let parsed = match keys::parse_pending_key(root, text) {
                     Ok(parsed) => parsed,
                     Err(err) => {
-                        malformed(stats, &key, &err.to_string());
+                        malformed(stats, root, &key, &err.to_string());
                         continue;
                     }
                 };
@@ -118,7 +118,7 @@ impl Cursor {
                 let stored = match StoredEvent::parse(&value) {
                     Ok(stored) => stored,
                     Err(err) => {
-                        malformed(stats, &key, &err.to_string());
+                        malformed(stats, root, &key, &err.to_string());
                         continue;
                     }
                 };
@@ -136,8 +136,10 @@ impl Cursor {
     }
 }
 
-fn malformed(stats: &QueueCounters, key: &[u8], why: &str) {
+fn malformed(stats: &QueueCounters, root: &str, key: &[u8], why: &str) {
     QueueCounters::bump(&stats.malformed, 1);
+    let label = crate::telemetry::queue_label_of_root(root);
+    metrics::counter!(crate::telemetry::names::QUEUE_MALFORMED, "queue" => label).increment(1);
     tracing::warn!(key = %keys::display_key(key), why, "malformed pending queue row left in place");
 }
 

@@ -77,6 +77,19 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
             .await?;
         match outcome {
             Outcome::Done(step) => {
+                if let Some(index) = &step.index {
+                    let labels = [
+                        ("table", handle.table().to_string()),
+                        ("index", index.clone()),
+                        ("work", step.work.to_string()),
+                    ];
+                    metrics::counter!(crate::telemetry::names::SCHEMA_ROWS, &labels)
+                        .increment(step.handled as u64);
+                    if step.finished {
+                        metrics::counter!(crate::telemetry::names::SCHEMA_FINISHED, &labels)
+                            .increment(1);
+                    }
+                }
                 if step.finished {
                     handle.invalidate();
                     tracing::info!(table = %handle.table(), index = ?step.index, work = step.work, "schema work finished");

@@ -28,9 +28,10 @@ use tokio::time::Instant;
 use crate::engine::TitoEngine;
 use crate::error::TitoError;
 use crate::keys;
+use crate::queue::Queue;
 use crate::queue::cluster::Node;
 use crate::queue::lease::{self, Lease};
-use crate::queue::{Queue, QueueCounters};
+use crate::telemetry::names;
 
 /// Whether this worker runs retention, and a wake-up for when it starts to.
 #[derive(Default)]
@@ -203,6 +204,17 @@ impl<E: TitoEngine> LeaseKeeper<E> {
             next.min(DRAIN_POLL)
         };
         self.next_at = Instant::now() + next;
+        self.report_held();
+    }
+
+    /// Sets the `tito_queue_leases_held` gauge of this worker.
+    fn report_held(&self) {
+        metrics::gauge!(
+            names::QUEUE_LEASES_HELD,
+            "queue" => self.queue.label().to_string(),
+            "worker" => self.id.clone()
+        )
+        .set(self.held.len() as f64);
     }
 
     async fn renew(&mut self, stopping: bool) -> Result<(), TitoError> {
@@ -270,7 +282,9 @@ impl<E: TitoEngine> LeaseKeeper<E> {
             .filter(|(p, lease)| now.get(p).map(|l| l.generation) != Some(lease.generation))
             .count();
         if lost > 0 {
-            QueueCounters::bump(&self.queue.counters().leases_lost, lost as u64);
+            let counters = self.queue.counters();
+            self.queue
+                .count(&counters.leases_lost, names::QUEUE_LEASES_LOST, lost as u64);
         }
     }
 
@@ -284,6 +298,7 @@ impl<E: TitoEngine> LeaseKeeper<E> {
             tracing::warn!(error = %err, "releasing partition leases failed; they expire on their own");
         }
         self.held.clear();
+        self.report_held();
         self.draining.clear();
         if let Mode::Cluster(node) = &self.mode {
             // Leaving: the coordinator drops this node at its next tick.

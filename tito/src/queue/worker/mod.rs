@@ -31,15 +31,17 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::task::JoinSet;
 
+use super::Queue;
 use super::cluster::{ClusterConfig, Node};
 use super::event::{QueueEvent, QueueHandlerOutcome, QueueHandlerResult, new_event_id};
-use super::{Queue, QueueCounters};
 use crate::engine::TitoEngine;
 use crate::error::{TitoError, TitoResult};
+use crate::telemetry::names;
 use handler::{Invoker, Report, Running};
 use leases::{LeaseKeeper, Maintenance};
 use outcome::Outcome;
 use pulling::Pulling;
+use tracing::Instrument;
 
 /// How a worker runs. Build with [`WorkerConfig::new`] and the setters.
 #[derive(Clone, Debug)]
@@ -527,12 +529,11 @@ fn collect<E: TitoEngine, T: Serialize>(
     };
     let outcome = match report {
         Report::Applied { rescheduled } => {
-            let counter = if rescheduled {
-                &counters.rescheduled
+            if rescheduled {
+                queue.count(&counters.rescheduled, names::QUEUE_RESCHEDULED, 1);
             } else {
-                &counters.acknowledged
-            };
-            QueueCounters::bump(counter, 1);
+                queue.count(&counters.acknowledged, names::QUEUE_ACKNOWLEDGED, 1);
+            }
             in_flight.remove(&running.pulled.key);
             return;
         }
@@ -550,7 +551,7 @@ fn collect<E: TitoEngine, T: Serialize>(
             replacement,
         }),
         Err(err) => {
-            QueueCounters::bump(&counters.failed, 1);
+            queue.count(&counters.failed, names::QUEUE_FAILED, 1);
             tracing::warn!(key = %running.pulled.key, error = %err, "handler failed; invocation left pending");
             in_flight.remove(&running.pulled.key);
         }
@@ -573,26 +574,8 @@ fn spawn_maintenance<E: TitoEngine>(
                 maintenance.started().await;
                 continue;
             }
-            let mut full = false;
-            match queue.expire_completed().await {
-                // A full batch: more may be waiting; continue at once.
-                Ok(deleted) => full |= deleted == super::RETENTION_BATCH,
-                Err(err) => tracing::warn!(error = %err, "queue maintenance failed"),
-            }
-            if sweep_kv {
-                match crate::kv::sweep_expired(queue.engine(), crate::kv::SWEEP_BATCH).await {
-                    Ok(deleted) => full |= deleted == crate::kv::SWEEP_BATCH,
-                    Err(err) => tracing::warn!(error = %err, "kv sweep failed"),
-                }
-            }
-            // Outcome transactions write commit markers; the maintainer expires them.
-            let batch = crate::engine::COMMIT_MARKER_SWEEP_BATCH;
-            match crate::engine::sweep_commit_markers(queue.engine(), batch).await {
-                Ok(deleted) => full |= deleted == batch,
-                Err(err) => tracing::warn!(error = %err, "commit marker sweep failed"),
-            }
-            // Index builds and drops of the models this process uses: one batch per table.
-            full |= crate::schema::maintain(queue.engine()).await > 0;
+            let span = tracing::debug_span!("tito.maintenance", queue = %queue.label());
+            let full = maintenance_pass(&queue, sweep_kv).instrument(span).await;
             if full {
                 tokio::task::yield_now().await;
             } else {
@@ -605,4 +588,29 @@ fn spawn_maintenance<E: TitoEngine>(
             }
         }
     })
+}
+
+/// One maintenance pass; whether some step did a full batch (more may be waiting).
+async fn maintenance_pass<E: TitoEngine>(queue: &Queue<E>, sweep_kv: bool) -> bool {
+    let mut full = false;
+    match queue.expire_completed().await {
+        // A full batch: more may be waiting; continue at once.
+        Ok(deleted) => full |= deleted == super::RETENTION_BATCH,
+        Err(err) => tracing::warn!(error = %err, "queue maintenance failed"),
+    }
+    if sweep_kv {
+        match crate::kv::sweep_expired(queue.engine(), crate::kv::SWEEP_BATCH).await {
+            Ok(deleted) => full |= deleted == crate::kv::SWEEP_BATCH,
+            Err(err) => tracing::warn!(error = %err, "kv sweep failed"),
+        }
+    }
+    // Outcome transactions write commit markers; the maintainer expires them.
+    let batch = crate::engine::COMMIT_MARKER_SWEEP_BATCH;
+    match crate::engine::sweep_commit_markers(queue.engine(), batch).await {
+        Ok(deleted) => full |= deleted == batch,
+        Err(err) => tracing::warn!(error = %err, "commit marker sweep failed"),
+    }
+    // Index builds and drops of the models this process uses: one batch per table.
+    full |= crate::schema::maintain(queue.engine()).await > 0;
+    full
 }

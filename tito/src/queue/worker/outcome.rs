@@ -12,7 +12,8 @@ use crate::keys;
 use crate::queue::event::{QueueEvent, StoredEvent};
 use crate::queue::lease;
 use crate::queue::pull::Pulled;
-use crate::queue::{Queue, QueueCounters, insert_pending};
+use crate::queue::{Queue, insert_pending};
+use crate::telemetry::names;
 
 /// An outcome ready to commit.
 pub(super) struct Outcome {
@@ -46,25 +47,28 @@ pub(super) async fn commit<E: TitoEngine>(
     }
     let mut done = Vec::new();
     for batch in batches {
+        metrics::histogram!(names::QUEUE_OUTCOME_BATCH, "queue" => queue.label().to_string())
+            .record(batch.len() as f64);
         match apply(queue, owner, &batch).await {
             Ok(applied) => {
                 for outcome in &batch {
                     if !applied.contains(&outcome.running.pulled.key) {
                         continue;
                     }
-                    let counter = match outcome.replacement {
-                        Some(_) => &counters.rescheduled,
-                        None => &counters.acknowledged,
-                    };
-                    QueueCounters::bump(counter, 1);
+                    match outcome.replacement {
+                        Some(_) => queue.count(&counters.rescheduled, names::QUEUE_RESCHEDULED, 1),
+                        None => queue.count(&counters.acknowledged, names::QUEUE_ACKNOWLEDGED, 1),
+                    }
                 }
                 let skipped = batch.len() - applied.len();
                 if skipped > 0 {
-                    QueueCounters::bump(&counters.outcome_failures, skipped as u64);
+                    let failures = names::QUEUE_OUTCOME_FAILURES;
+                    queue.count(&counters.outcome_failures, failures, skipped as u64);
                 }
             }
             Err(err) => {
-                QueueCounters::bump(&counters.outcome_failures, batch.len() as u64);
+                let failures = names::QUEUE_OUTCOME_FAILURES;
+                queue.count(&counters.outcome_failures, failures, batch.len() as u64);
                 tracing::warn!(error = %err, invocations = batch.len(), "queue outcomes not applied; the invocations stay pending");
             }
         }

@@ -12,8 +12,10 @@ use tokio::time::Instant;
 use super::Stop;
 use super::handler::{Invoker, Report, Running};
 use crate::engine::{TitoEngine, TitoTransaction};
+use crate::queue::Queue;
 use crate::queue::pull::Cursor;
-use crate::queue::{Queue, QueueCounters};
+use crate::telemetry::names;
+use tracing::Instrument;
 
 const MIN_IDLE_BACKOFF: Duration = Duration::from_millis(10);
 
@@ -149,18 +151,42 @@ impl Pulling {
                 let event = match item.stored.typed::<T>() {
                     Ok(event) => event,
                     Err(err) => {
-                        QueueCounters::bump(&counters.malformed, 1);
+                        queue.count(&counters.malformed, names::QUEUE_MALFORMED, 1);
                         tracing::warn!(key = %item.key, error = %err, "queue row does not decode as the handler's event type; left in place");
                         continue;
                     }
                 };
                 in_flight.insert(item.key.clone(), partition);
-                QueueCounters::bump(&counters.delivered, 1);
+                queue.count(&counters.delivered, names::QUEUE_DELIVERED, 1);
+                let label = queue.label().to_string();
+                let late_ms = chrono::Utc::now()
+                    .timestamp_millis()
+                    .saturating_sub(item.stored.timestamp.saturating_mul(1000))
+                    .max(0);
+                metrics::histogram!(names::QUEUE_LATENESS_SECONDS, "queue" => label.clone())
+                    .record(late_ms as f64 / 1000.0);
+                let span = tracing::info_span!(
+                    "tito.queue.handler",
+                    queue = %label,
+                    partition,
+                    event_id = %item.stored.id,
+                    due = item.stored.timestamp,
+                );
                 let running = Running {
                     pulled: item,
                     generation: state.generation,
                 };
-                handlers.spawn(invoke(running, event));
+                let work = invoke(running, event);
+                handlers.spawn(
+                    async move {
+                        let started = std::time::Instant::now();
+                        let done = work.await;
+                        metrics::histogram!(names::QUEUE_HANDLER_SECONDS, "queue" => label)
+                            .record(started.elapsed().as_secs_f64());
+                        done
+                    }
+                    .instrument(span),
+                );
             }
         }
     }
