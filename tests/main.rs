@@ -15,6 +15,7 @@ mod engine_embedded;
 mod engine_memory;
 mod engine_tikv;
 mod inbox;
+mod inspect;
 mod kv;
 mod models;
 mod queue;

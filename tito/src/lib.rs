@@ -48,6 +48,7 @@ mod counters;
 pub mod engine;
 mod error;
 pub mod inbox;
+pub mod inspect;
 pub mod keys;
 pub mod kv;
 pub mod model;

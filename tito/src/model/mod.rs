@@ -124,7 +124,7 @@
 
 mod config;
 mod index;
-mod query;
+pub(crate) mod query;
 
 use std::collections::{HashMap, HashSet};
 use std::marker::PhantomData;

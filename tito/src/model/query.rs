@@ -32,7 +32,7 @@ pub struct TitoPage<T> {
 
 const CURSOR_TAG: &str = "c1.";
 
-fn encode_cursor(key: &[u8]) -> String {
+pub(crate) fn encode_cursor(key: &[u8]) -> String {
     const HEX: &[u8; 16] = b"0123456789abcdef";
     let mut out = String::with_capacity(CURSOR_TAG.len() + key.len() * 2);
     out.push_str(CURSOR_TAG);
@@ -43,7 +43,7 @@ fn encode_cursor(key: &[u8]) -> String {
     out
 }
 
-fn decode_cursor(cursor: &str) -> TitoResult<Vec<u8>> {
+pub(crate) fn decode_cursor(cursor: &str) -> TitoResult<Vec<u8>> {
     let bad = || TitoError::invalid_argument(format!("malformed cursor {cursor:?}"));
     let hex = cursor.strip_prefix(CURSOR_TAG).ok_or_else(bad)?;
     if hex.len() % 2 != 0 {

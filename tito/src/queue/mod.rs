@@ -73,7 +73,7 @@
 //! ```
 
 pub mod cluster;
-mod event;
+pub(crate) mod event;
 mod lease;
 mod pull;
 mod worker;

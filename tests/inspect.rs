@@ -1,0 +1,220 @@
+//! The inspection calls operator tools read through: bounded counts, pages with cursors,
+//! malformed rows returned raw, refusals of bad arguments.
+
+use std::time::Duration;
+
+use tito::backend::memory::Memory;
+use tito::inspect::{self, QueueState};
+use tito::keys;
+use tito::kv::Kv;
+use tito::{Queue, QueueConfig, QueueEvent, TitoEngine, TitoError, TitoTransaction};
+
+async fn put(db: &Memory, key: &str, value: &[u8]) {
+    let tx = db.begin().await.unwrap();
+    tx.put(key.as_bytes().to_vec(), value.to_vec())
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+}
+
+#[tokio::test]
+async fn queues_are_listed_and_overviewed_with_bounded_counts() {
+    let db = Memory::new();
+    let mail = Queue::new(
+        db.clone(),
+        QueueConfig::new(2, Duration::from_secs(3600)).topic("mail:out"),
+    );
+    let default = Queue::new(db.clone(), QueueConfig::new(3, Duration::from_secs(3600)));
+    let now = chrono::Utc::now().timestamp();
+    for i in 0..5 {
+        mail.publish(QueueEvent::new(format!("k{i}"), i, now - 30))
+            .await
+            .unwrap();
+    }
+    for i in 0..3 {
+        mail.publish(QueueEvent::new(format!("k{i}"), i, now + 3600))
+            .await
+            .unwrap();
+    }
+    default.publish(QueueEvent::new("x", 0, 0)).await.unwrap();
+
+    let queues = inspect::queues(&db, 10).await.unwrap();
+    let labels: Vec<(&str, Option<u32>)> = queues
+        .iter()
+        .map(|q| (q.label.as_str(), q.partitions))
+        .collect();
+    assert_eq!(labels, [("default", Some(3)), ("mail:out", Some(2))]);
+    assert_eq!(inspect::queues(&db, 1).await.unwrap().len(), 1);
+
+    let overview = inspect::queue_overview(&db, Some("mail:out"))
+        .await
+        .unwrap();
+    assert_eq!(overview.partitions.len(), 2);
+    assert_eq!(overview.due_now.value, 5);
+    assert_eq!(overview.future.value, 3);
+    assert!(!overview.due_now.more);
+    assert_eq!(overview.oldest_due, Some((now - 30) as u64));
+    let late = overview
+        .partitions
+        .iter()
+        .filter(|p| p.due_now.value > 0)
+        .map(|p| p.oldest_late_s)
+        .max()
+        .unwrap();
+    assert!((29..120).contains(&late), "about 30 s late: {late}");
+    assert_eq!(overview.completed.value, 0);
+    assert_eq!(
+        overview.completed_per_minute.len() as u64,
+        inspect::THROUGHPUT_MINUTES
+    );
+    assert!(overview.partitions.iter().all(|p| p.lease.is_none()));
+
+    // Every pending row of both partitions, paged two at a time.
+    let mut seen = 0;
+    for partition in 0..2 {
+        let mut cursor = None;
+        loop {
+            let page = inspect::queue_scan(
+                &db,
+                Some("mail:out"),
+                QueueState::Pending(partition),
+                cursor.as_deref(),
+                2,
+            )
+            .await
+            .unwrap();
+            for row in &page.items {
+                assert_eq!(row.partition, Some(partition));
+                assert!(row.malformed.is_none(), "{row:?}");
+                assert!(row.event.is_some());
+            }
+            seen += page.items.len();
+            match page.cursor {
+                Some(next) => cursor = Some(next),
+                None => break,
+            }
+        }
+    }
+    assert_eq!(seen, 8);
+}
+
+#[tokio::test]
+async fn malformed_queue_rows_come_back_raw() {
+    let db = Memory::new();
+    let queue = Queue::new(db.clone(), QueueConfig::new(1, Duration::from_secs(3600)));
+    queue.publish(QueueEvent::new("a", 1, 0)).await.unwrap();
+    let root = keys::queue_root(None);
+    // A row whose value is not an invocation, and one whose key does not parse.
+    put(
+        &db,
+        &keys::pending_key(&root, 0, 5, 1, "bad"),
+        b"\xffnot json",
+    )
+    .await;
+    put(&db, &format!("{root}:pending:0000:oops"), b"{}").await;
+    let page = inspect::queue_scan(&db, None, QueueState::Pending(0), None, 10)
+        .await
+        .unwrap();
+    assert_eq!(page.items.len(), 3);
+    let bad: Vec<_> = page
+        .items
+        .iter()
+        .filter(|r| r.malformed.is_some())
+        .collect();
+    assert_eq!(bad.len(), 2, "{:?}", page.items);
+    assert!(
+        bad.iter()
+            .any(|r| r.raw.as_deref().is_some_and(|raw| raw.contains("not json")))
+    );
+    assert!(bad.iter().any(|r| r.key.ends_with(":oops")));
+    // The overview still counts them (they are pending keys).
+    let overview = inspect::queue_overview(&db, None).await.unwrap();
+    assert_eq!(overview.due_now.value + overview.future.value, 3);
+}
+
+#[tokio::test]
+async fn counts_stop_at_their_bound_and_say_so() {
+    let db = Memory::new();
+    let tx = db.begin().await.unwrap();
+    for i in 0..25 {
+        tx.put(format!("table:t:{i:03}").into_bytes(), b"{}".to_vec())
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+    let exact = inspect::count_prefix(&db, "table:t:", 25).await.unwrap();
+    assert_eq!((exact.value, exact.more), (25, false));
+    let bounded = inspect::count_prefix(&db, "table:t:", 24).await.unwrap();
+    assert_eq!((bounded.value, bounded.more), (24, true));
+    assert_eq!(bounded.to_string(), "24+");
+    let one = inspect::count_prefix(&db, "table:t:", 1).await.unwrap();
+    assert_eq!((one.value, one.more), (1, true));
+    for bad in [0, 10_000_001] {
+        assert!(matches!(
+            inspect::count_prefix(&db, "table:t:", bad).await,
+            Err(TitoError::InvalidArgument(_))
+        ));
+    }
+    assert_eq!(inspect::table_count(&db, "t").await.unwrap().value, 25);
+}
+
+#[tokio::test]
+async fn tables_rows_and_namespaces_are_listed_raw() {
+    let db = Memory::new();
+    put(&db, &keys::row_key("user", "a"), br#"{"id":"a"}"#).await;
+    put(&db, &keys::row_key("user", "b:2"), b"not json").await;
+    put(&db, &keys::row_key("user:x", "c"), br#"{"id":"c"}"#).await;
+    put(&db, &keys::row_key("order", "1"), br#"{"id":"1"}"#).await;
+    assert_eq!(
+        inspect::tables(&db, 10).await.unwrap(),
+        ["order", "user", "user:x"]
+    );
+    let first = inspect::table_rows(&db, "user", None, 1).await.unwrap();
+    assert_eq!(first.items[0].id.as_deref(), Some("a"));
+    assert!(first.items[0].value.is_some());
+    let second = inspect::table_rows(&db, "user", first.cursor.as_deref(), 1)
+        .await
+        .unwrap();
+    assert_eq!(second.items[0].id.as_deref(), Some("b:2"));
+    assert_eq!(second.items[0].raw.as_deref(), Some("not json"));
+    assert!(second.cursor.is_none(), "user:x is another table");
+    // A cursor of another table is refused.
+    let other = inspect::table_rows(&db, "order", first.cursor.as_deref(), 1).await;
+    assert!(matches!(other, Err(TitoError::InvalidArgument(_))));
+    for limit in [0, tito::model::MAX_PAGE_LIMIT + 1] {
+        assert!(matches!(
+            inspect::table_rows(&db, "user", None, limit).await,
+            Err(TitoError::InvalidArgument(_))
+        ));
+    }
+    assert!(
+        inspect::table_row(&db, "user", "zz")
+            .await
+            .unwrap()
+            .is_none()
+    );
+    assert_eq!(
+        inspect::table_row(&db, "user", "a")
+            .await
+            .unwrap()
+            .unwrap()
+            .value
+            .unwrap()["id"],
+        "a"
+    );
+
+    let kv = Kv::new(db.clone());
+    kv.put("sessions", "s1", &1, None, None).await.unwrap();
+    kv.put("rate:limits", "r", &1, None, None).await.unwrap();
+    assert_eq!(
+        inspect::kv_namespaces(&db, 10).await.unwrap(),
+        ["rate:limits", "sessions"]
+    );
+    assert_eq!(inspect::kv_count(&db, "sessions").await.unwrap().value, 1);
+
+    assert_eq!(
+        inspect::key_segments(keys::row_key("user", "b:2").as_bytes()).unwrap(),
+        ["table", "user", "b:2"]
+    );
+    assert!(inspect::key_segments(b"\xff").is_err());
+}

@@ -1,0 +1,689 @@
+//! Inspection for operator tools: bounded, paginated reads of what a store holds, without the
+//! application's model types.
+//!
+//! Every call reads in one read-only transaction and is bounded: pages hold at most
+//! [`MAX_PAGE_LIMIT`] items, counts stop at a bound and say so ([`Count::more`]), listings of
+//! names (tables, queues, kv namespaces) read one short scan per name they return. Cursors are
+//! the project's opaque page cursors ([`TitoPage::cursor`]); a cursor from another range is
+//! refused.
+//!
+//! Rows that do not decode are returned, never skipped: a queue row that is not an invocation
+//! comes back as a [`QueueRow`] with [`QueueRow::malformed`] set and its raw bytes, a table row
+//! that is not JSON as a [`RawRow`] whose [`RawRow::value`] is `None`.
+//!
+//! # Examples
+//!
+//! ```
+//! use tito::backend::memory::Memory;
+//! use tito::inspect::{self, QueueState};
+//! use tito::{Queue, QueueConfig, QueueEvent, TitoError};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), TitoError> {
+//! let db = Memory::new();
+//! let queue = Queue::new(db.clone(), QueueConfig::new(4, std::time::Duration::from_secs(60)));
+//! queue.publish(QueueEvent::new("user:1", "welcome", 0)).await?;
+//!
+//! let queues = inspect::queues(&db, 10).await?;
+//! assert_eq!(queues[0].label, "default");
+//! let overview = inspect::queue_overview(&db, None).await?;
+//! assert_eq!(overview.due_now.value, 1);
+//! let partition = overview.partitions.iter().find(|p| p.due_now.value == 1).unwrap();
+//! let page = inspect::queue_scan(&db, None, QueueState::Pending(partition.partition), None, 10).await?;
+//! assert_eq!(page.items[0].event.as_ref().unwrap().key, "user:1");
+//! # Ok(())
+//! # }
+//! ```
+
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::engine::{self, TitoEngine, TitoTransaction};
+use crate::error::{TitoError, TitoResult};
+use crate::keys;
+use crate::model::query::{decode_cursor, encode_cursor};
+use crate::model::{MAX_PAGE_LIMIT, TitoPage, read_only};
+use crate::queue::QueueOwner;
+use crate::queue::event::StoredEvent;
+
+/// Where counts stop: past it a [`Count`] says "more than".
+pub const COUNT_BOUND: u64 = 10_000;
+
+/// Rows read per scan while counting.
+const COUNT_SCAN: usize = 1000;
+
+/// A count read by a bounded scan.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Count {
+    /// Keys counted (at most the bound).
+    pub value: u64,
+    /// Whether the scan stopped at the bound with keys left: the count is at least `value`.
+    pub more: bool,
+}
+
+impl std::fmt::Display for Count {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}{}", self.value, if self.more { "+" } else { "" })
+    }
+}
+
+fn check_limit(limit: usize) -> TitoResult<usize> {
+    if limit == 0 || limit > MAX_PAGE_LIMIT {
+        return Err(TitoError::invalid_argument(format!(
+            "an inspection page holds 1 to {MAX_PAGE_LIMIT} items, got {limit}"
+        )));
+    }
+    Ok(limit)
+}
+
+/// Counts the keys in `[start, end)`, stopping at `bound`.
+async fn count_in<X: TitoTransaction>(
+    tx: &X,
+    start: &[u8],
+    end: &[u8],
+    bound: u64,
+) -> TitoResult<Count> {
+    let mut start = start.to_vec();
+    let mut value = 0u64;
+    while value < bound && start.as_slice() < end {
+        let want = COUNT_SCAN.min((bound - value) as usize + 1);
+        let rows = tx.scan(&start, end, want).await?;
+        let full = rows.len() == want;
+        let take = rows.len().min((bound - value) as usize);
+        value += take as u64;
+        if take < rows.len() {
+            return Ok(Count { value, more: true });
+        }
+        match rows.last() {
+            Some((key, _)) if full => start = keys::key_after_bytes(key),
+            _ => return Ok(Count { value, more: false }),
+        }
+    }
+    // At the bound: one more key means "more".
+    let more = value >= bound && !tx.scan(&start, end, 1).await?.is_empty();
+    Ok(Count { value, more })
+}
+
+/// Counts the keys under `prefix`, stopping at `bound` (1 to 10,000,000).
+pub async fn count_prefix<E: TitoEngine>(db: &E, prefix: &str, bound: u64) -> TitoResult<Count> {
+    if bound == 0 || bound > 10_000_000 {
+        return Err(TitoError::invalid_argument(format!(
+            "a count bound must be between 1 and 10000000, got {bound}"
+        )));
+    }
+    let end = keys::prefix_end(prefix.to_string());
+    read_only(db, async |tx| {
+        count_in(tx, prefix.as_bytes(), end.as_bytes(), bound).await
+    })
+    .await
+}
+
+/// The distinct values of the segment that follows `prefix` (a raw text ending where a segment
+/// starts), in key order, at most `limit`: one scan of one key per value.
+async fn distinct_segments<X: TitoTransaction>(
+    tx: &X,
+    prefix: &str,
+    limit: usize,
+) -> TitoResult<Vec<String>> {
+    let end = keys::prefix_end(prefix.to_string());
+    let mut start = prefix.as_bytes().to_vec();
+    let mut found = Vec::new();
+    while found.len() < limit {
+        let rows = tx.scan(&start, end.as_bytes(), 1).await?;
+        let Some((key, _)) = rows.first() else {
+            break;
+        };
+        let text = String::from_utf8_lossy(key);
+        let rest = &text[prefix.len().min(text.len())..];
+        let segment = rest.split(keys::SEPARATOR).next().unwrap_or_default();
+        found.push(segment.to_string());
+        // Past every key of this segment: `{prefix}{segment};` sorts after `{prefix}{segment}:…`.
+        start = keys::prefix_end(format!("{prefix}{segment}{}", keys::SEPARATOR)).into_bytes();
+    }
+    Ok(found)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Queues
+// ---------------------------------------------------------------------------------------------
+
+/// One queue a store holds.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct QueueInfo {
+    /// Its topic (`None`: the default queue).
+    pub topic: Option<String>,
+    /// Its `queue` label in metrics: the topic, or `default`.
+    pub label: String,
+    /// Its partition count, as recorded by its first publication or worker.
+    pub partitions: Option<u32>,
+}
+
+/// The queues of a store (at most `limit`, 1 to [`MAX_PAGE_LIMIT`]): the default queue first,
+/// then named ones in topic order.
+pub async fn queues<E: TitoEngine>(db: &E, limit: usize) -> TitoResult<Vec<QueueInfo>> {
+    let limit = check_limit(limit)?;
+    read_only(db, async |tx| {
+        let mut out = Vec::new();
+        let default = keys::queue_root(None);
+        let prefix = format!("{default}{}", keys::SEPARATOR);
+        let end = keys::prefix_end(prefix.clone());
+        if !tx
+            .scan(prefix.as_bytes(), end.as_bytes(), 1)
+            .await?
+            .is_empty()
+        {
+            out.push(QueueInfo {
+                topic: None,
+                label: crate::telemetry::queue_label(None),
+                partitions: partitions_of(tx, &default).await?,
+            });
+        }
+        for encoded in distinct_segments(tx, "queue@", limit.saturating_sub(out.len())).await? {
+            let Ok(topic) = keys::decode_str(&encoded) else {
+                continue;
+            };
+            let root = keys::queue_root(Some(&topic));
+            out.push(QueueInfo {
+                label: crate::telemetry::queue_label(Some(&topic)),
+                partitions: partitions_of(tx, &root).await?,
+                topic: Some(topic),
+            });
+        }
+        Ok(out)
+    })
+    .await
+}
+
+async fn partitions_of<X: TitoTransaction>(tx: &X, root: &str) -> TitoResult<Option<u32>> {
+    Ok(tx
+        .get(keys::queue_meta_key(root).as_bytes())
+        .await?
+        .and_then(|bytes| serde_json::from_slice::<Value>(&bytes).ok())
+        .and_then(|meta| meta.get("partitions")?.as_u64())
+        .map(|p| p as u32))
+}
+
+/// A partition lease as stored.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct LeaseView {
+    /// The worker (or cluster node) holding it.
+    pub holder: String,
+    /// Increases with every change of holder.
+    pub generation: u64,
+    /// When it runs out without renewal (engine time, Unix ms); 0 when unknown.
+    pub expires_ms: u64,
+}
+
+/// One partition of a queue.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct PartitionView {
+    /// The partition.
+    pub partition: u32,
+    /// Pending invocations due now (by the engine's clock).
+    pub due_now: Count,
+    /// Pending invocations due later.
+    pub future: Count,
+    /// The due time of the oldest pending invocation (Unix s).
+    pub oldest_due: Option<u64>,
+    /// How late the oldest due invocation is (s; 0 when none is due).
+    pub oldest_late_s: u64,
+    /// Its lease, unless free.
+    pub lease: Option<LeaseView>,
+}
+
+/// A queue at a glance.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct QueueOverview {
+    /// The queue.
+    pub info: QueueInfo,
+    /// The engine time the overview was read at (Unix ms).
+    pub now_ms: u64,
+    /// Every partition.
+    pub partitions: Vec<PartitionView>,
+    /// Due now, summed over partitions.
+    pub due_now: Count,
+    /// Due later, summed over partitions.
+    pub future: Count,
+    /// The oldest due time of all partitions (Unix s).
+    pub oldest_due: Option<u64>,
+    /// Completed invocations kept (within the retention).
+    pub completed: Count,
+    /// Invocations completed in each of the last [`THROUGHPUT_MINUTES`] minutes, the current
+    /// (partial) minute first.
+    pub completed_per_minute: Vec<Count>,
+    /// Cluster members, as the coordinator published them (empty for standalone workers).
+    pub members: Vec<String>,
+    /// The cluster coordinator, if one holds a valid lease.
+    pub coordinator: Option<String>,
+}
+
+/// How many minutes of throughput an overview shows.
+pub const THROUGHPUT_MINUTES: u64 = 5;
+
+/// A queue's overview: per partition, pending work due now and later (bounded counts), the
+/// oldest due time and how late it is, and the lease; completed rows in the retention window
+/// and per minute; cluster members and coordinator. Reads one transaction; its cost is bounded
+/// by partitions × 2 counts of at most [`COUNT_BOUND`] keys.
+pub async fn queue_overview<E: TitoEngine>(
+    db: &E,
+    topic: Option<&str>,
+) -> TitoResult<QueueOverview> {
+    let root = keys::queue_root(topic);
+    let overview = read_only(db, async |tx| {
+        let now_ms = engine::version_millis(tx.start_version());
+        let now_s = now_ms / 1000;
+        let count = partitions_of(tx, &root).await?;
+        let info = QueueInfo {
+            topic: topic.map(str::to_string),
+            label: crate::telemetry::queue_label(topic),
+            partitions: count,
+        };
+        let mut partitions = Vec::new();
+        let (mut due_now, mut future) = (Count::default(), Count::default());
+        let mut oldest_due: Option<u64> = None;
+        for partition in 0..count.unwrap_or(0) {
+            let prefix = keys::pending_partition_prefix(&root, partition);
+            let end = keys::prefix_end(prefix.clone());
+            // Due now: due time at or before this second.
+            let boundary = keys::pending_bucket_prefix(&root, partition, now_s + 1);
+            let now_count =
+                count_in(tx, prefix.as_bytes(), boundary.as_bytes(), COUNT_BOUND).await?;
+            let later = count_in(tx, boundary.as_bytes(), end.as_bytes(), COUNT_BOUND).await?;
+            let first = tx.scan(prefix.as_bytes(), end.as_bytes(), 1).await?;
+            let oldest = first.first().and_then(|(key, _)| {
+                let text = keys::key_str(key).ok()?;
+                keys::parse_pending_key(&root, text)
+                    .ok()
+                    .map(|k| k.timestamp)
+            });
+            let lease = lease_of(tx, &root, partition).await?;
+            add(&mut due_now, now_count);
+            add(&mut future, later);
+            if let Some(due) = oldest {
+                oldest_due = Some(oldest_due.map_or(due, |o| o.min(due)));
+            }
+            partitions.push(PartitionView {
+                partition,
+                due_now: now_count,
+                future: later,
+                oldest_due: oldest,
+                oldest_late_s: oldest.map_or(0, |due| now_s.saturating_sub(due)),
+                lease,
+            });
+        }
+        let completed_prefix = keys::completed_prefix(&root);
+        let completed_end = keys::prefix_end(completed_prefix.clone());
+        let completed = count_in(
+            tx,
+            completed_prefix.as_bytes(),
+            completed_end.as_bytes(),
+            COUNT_BOUND,
+        )
+        .await?;
+        let minute_start = now_s - now_s % 60;
+        let mut completed_per_minute = Vec::new();
+        for minute in 0..THROUGHPUT_MINUTES {
+            let from_s = minute_start.saturating_sub(60 * minute);
+            let to = if minute == 0 {
+                completed_end.clone()
+            } else {
+                let to_s = from_s + 60;
+                keys::completed_before(&root, engine::version_from_millis(to_s * 1000))
+            };
+            let from = keys::completed_before(&root, engine::version_from_millis(from_s * 1000));
+            completed_per_minute
+                .push(count_in(tx, from.as_bytes(), to.as_bytes(), COUNT_BOUND).await?);
+        }
+        Ok(QueueOverview {
+            info,
+            now_ms,
+            partitions,
+            due_now,
+            future,
+            oldest_due,
+            completed,
+            completed_per_minute,
+            members: Vec::new(),
+            coordinator: None,
+        })
+    })
+    .await?;
+    let mut overview = overview;
+    if let Some(partitions) = overview.info.partitions {
+        let mut config = crate::QueueConfig::new(partitions, std::time::Duration::from_secs(60));
+        config.topic = topic.map(str::to_string);
+        let state = crate::queue::cluster_state(&crate::Queue::new(db.clone(), config)).await?;
+        overview.members = state.members;
+        overview.coordinator = state.coordinator;
+    }
+    Ok(overview)
+}
+
+fn add(total: &mut Count, part: Count) {
+    total.value += part.value;
+    total.more |= part.more;
+}
+
+async fn lease_of<X: TitoTransaction>(
+    tx: &X,
+    root: &str,
+    partition: u32,
+) -> TitoResult<Option<LeaseView>> {
+    let keys = [
+        keys::lease_key(root, partition).into_bytes(),
+        keys::lease_expiry_key(root, partition).into_bytes(),
+    ];
+    let values = tx.batch_get(&keys).await?;
+    let Some(lease) = values[0]
+        .as_ref()
+        .and_then(|bytes| serde_json::from_slice::<Value>(bytes).ok())
+    else {
+        return Ok(None);
+    };
+    let holder = lease
+        .get("owner")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_string();
+    if holder.is_empty() {
+        return Ok(None);
+    }
+    let expiry_key = values[1]
+        .as_ref()
+        .and_then(|b| std::str::from_utf8(b).ok()?.parse::<u64>().ok());
+    let expires = expiry_key
+        .or_else(|| lease.get("expires").and_then(Value::as_u64))
+        .unwrap_or(0);
+    Ok(Some(LeaseView {
+        holder,
+        generation: lease.get("generation").and_then(Value::as_u64).unwrap_or(0),
+        expires_ms: if expires == 0 {
+            0
+        } else {
+            engine::version_millis(expires)
+        },
+    }))
+}
+
+/// Which rows of a queue a scan reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QueueState {
+    /// A partition's pending invocations, by due time then enqueue order.
+    Pending(u32),
+    /// Completed invocations, most recently processed first.
+    Completed,
+}
+
+/// An invocation as stored.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct EventView {
+    /// The event id.
+    pub id: String,
+    /// The event's key (its partition is derived from it).
+    pub key: String,
+    /// Its due time (Unix s).
+    pub timestamp: i64,
+    /// Its owner, if any.
+    pub owner: Option<QueueOwner>,
+    /// Its payload.
+    pub payload: Value,
+}
+
+/// One row of a queue scan.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct QueueRow {
+    /// The storage key (UTF-8; a key that is not is shown escaped).
+    pub key: String,
+    /// The partition (pending rows).
+    pub partition: Option<u32>,
+    /// When it is due (Unix s) for pending rows, from the key.
+    pub due: Option<u64>,
+    /// When it completed (engine time, Unix ms) for completed rows, from the key.
+    pub processed_ms: Option<u64>,
+    /// The invocation, when the row decodes.
+    pub event: Option<EventView>,
+    /// Why the row does not decode, when it does not.
+    pub malformed: Option<String>,
+    /// The raw value, for rows that do not decode (as stored; shown lossily as text).
+    pub raw: Option<String>,
+}
+
+/// A page of a queue's pending rows of one partition (in due order) or of its completed rows
+/// (newest first), at most `limit` (1 to [`MAX_PAGE_LIMIT`]), continuing from `cursor`.
+/// Malformed rows are returned with their raw bytes, never skipped.
+pub async fn queue_scan<E: TitoEngine>(
+    db: &E,
+    topic: Option<&str>,
+    state: QueueState,
+    cursor: Option<&str>,
+    limit: usize,
+) -> TitoResult<TitoPage<QueueRow>> {
+    let limit = check_limit(limit)?;
+    let root = keys::queue_root(topic);
+    let (prefix, reverse) = match state {
+        QueueState::Pending(partition) => (keys::pending_partition_prefix(&root, partition), false),
+        QueueState::Completed => (keys::completed_prefix(&root), true),
+    };
+    let page = raw_page(db, &prefix, reverse, cursor, limit).await?;
+    let items = page
+        .items
+        .into_iter()
+        .map(|(key, value)| queue_row(&root, state, &key, &value))
+        .collect();
+    Ok(TitoPage {
+        items,
+        cursor: page.cursor,
+    })
+}
+
+fn queue_row(root: &str, state: QueueState, key: &[u8], value: &[u8]) -> QueueRow {
+    let text = String::from_utf8_lossy(key).into_owned();
+    let (mut partition, mut due, mut processed_ms) = (None, None, None);
+    let mut problems = Vec::new();
+    match state {
+        QueueState::Pending(_) => match keys::parse_pending_key(root, &text) {
+            Ok(parsed) => {
+                partition = Some(parsed.partition);
+                due = Some(parsed.timestamp);
+            }
+            Err(err) => problems.push(err.to_string()),
+        },
+        QueueState::Completed => {
+            let rest = text
+                .strip_prefix(&keys::completed_prefix(root))
+                .unwrap_or_default();
+            match rest.split(keys::SEPARATOR).next().map(str::parse::<u64>) {
+                Some(Ok(version)) => processed_ms = Some(engine::version_millis(version)),
+                _ => problems.push(format!("completed key {text:?} has no processed time")),
+            }
+        }
+    }
+    let event = match StoredEvent::parse(value) {
+        Ok(stored) => Some(EventView {
+            id: stored.id,
+            key: stored.key,
+            timestamp: stored.timestamp,
+            owner: stored.owner,
+            payload: stored.payload,
+        }),
+        Err(err) => {
+            problems.push(err.to_string());
+            None
+        }
+    };
+    let malformed = (!problems.is_empty()).then(|| problems.join("; "));
+    QueueRow {
+        raw: malformed
+            .is_some()
+            .then(|| String::from_utf8_lossy(value).into_owned()),
+        key: text,
+        partition,
+        due,
+        processed_ms,
+        event,
+        malformed,
+    }
+}
+
+/// One page of raw `(key, value)` pairs under `prefix`.
+async fn raw_page<E: TitoEngine>(
+    db: &E,
+    prefix: &str,
+    reverse: bool,
+    cursor: Option<&str>,
+    limit: usize,
+) -> TitoResult<TitoPage<(Vec<u8>, Vec<u8>)>> {
+    let mut start = prefix.as_bytes().to_vec();
+    let mut end = keys::prefix_end(prefix.to_string()).into_bytes();
+    if let Some(cursor) = cursor {
+        let key = decode_cursor(cursor)?;
+        if key < start || key >= end {
+            return Err(TitoError::invalid_argument(
+                "the cursor is outside the requested range",
+            ));
+        }
+        if reverse {
+            end = key;
+        } else {
+            start = keys::key_after_bytes(&key);
+        }
+    }
+    read_only(db, async |tx| {
+        let mut rows = if reverse {
+            tx.scan_reverse(&start, &end, limit + 1).await?
+        } else {
+            tx.scan(&start, &end, limit + 1).await?
+        };
+        let more = rows.len() > limit;
+        rows.truncate(limit);
+        let cursor = if more {
+            rows.last().map(|(k, _)| encode_cursor(k))
+        } else {
+            None
+        };
+        Ok(TitoPage {
+            items: rows,
+            cursor,
+        })
+    })
+    .await
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tables
+// ---------------------------------------------------------------------------------------------
+
+/// The tables of a store that hold rows, in name order, at most `limit`.
+pub async fn tables<E: TitoEngine>(db: &E, limit: usize) -> TitoResult<Vec<String>> {
+    let limit = check_limit(limit)?;
+    read_only(db, async |tx| {
+        let names = distinct_segments(tx, "table:", limit).await?;
+        Ok(names
+            .iter()
+            .filter_map(|encoded| keys::decode_str(encoded).ok())
+            .collect())
+    })
+    .await
+}
+
+/// A table row as stored.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RawRow {
+    /// Its id, from the key (`None` when the key does not decode).
+    pub id: Option<String>,
+    /// The storage key.
+    pub key: String,
+    /// The row, when it is JSON.
+    pub value: Option<Value>,
+    /// The raw bytes as text, when it is not.
+    pub raw: Option<String>,
+}
+
+fn raw_row(table: &str, key: &[u8], value: &[u8]) -> RawRow {
+    let text = String::from_utf8_lossy(key).into_owned();
+    let parsed = serde_json::from_slice::<Value>(value).ok();
+    RawRow {
+        id: keys::row_key_id(&text, table),
+        key: text,
+        raw: parsed
+            .is_none()
+            .then(|| String::from_utf8_lossy(value).into_owned()),
+        value: parsed,
+    }
+}
+
+/// A page of a table's rows in id order.
+pub async fn table_rows<E: TitoEngine>(
+    db: &E,
+    table: &str,
+    cursor: Option<&str>,
+    limit: usize,
+) -> TitoResult<TitoPage<RawRow>> {
+    let limit = check_limit(limit)?;
+    let page = raw_page(db, &keys::table_prefix(table), false, cursor, limit).await?;
+    Ok(TitoPage {
+        items: page
+            .items
+            .iter()
+            .map(|(k, v)| raw_row(table, k, v))
+            .collect(),
+        cursor: page.cursor,
+    })
+}
+
+/// One row of a table by id, as stored.
+pub async fn table_row<E: TitoEngine>(db: &E, table: &str, id: &str) -> TitoResult<Option<RawRow>> {
+    let key = keys::row_key(table, id);
+    read_only(db, async |tx| {
+        Ok(tx
+            .get(key.as_bytes())
+            .await?
+            .map(|value| raw_row(table, key.as_bytes(), &value)))
+    })
+    .await
+}
+
+/// A table's row count, up to [`COUNT_BOUND`].
+pub async fn table_count<E: TitoEngine>(db: &E, table: &str) -> TitoResult<Count> {
+    count_prefix(db, &keys::table_prefix(table), COUNT_BOUND).await
+}
+
+// ---------------------------------------------------------------------------------------------
+// Key/value namespaces
+// ---------------------------------------------------------------------------------------------
+
+/// The kv namespaces that hold keys (expired ones included until swept), at most `limit`.
+pub async fn kv_namespaces<E: TitoEngine>(db: &E, limit: usize) -> TitoResult<Vec<String>> {
+    let limit = check_limit(limit)?;
+    read_only(db, async |tx| {
+        let names = distinct_segments(tx, "kv:", limit).await?;
+        Ok(names
+            .iter()
+            .filter_map(|encoded| keys::decode_str(encoded).ok())
+            .collect())
+    })
+    .await
+}
+
+/// A namespace's stored keys (expired ones included until swept), up to [`COUNT_BOUND`].
+pub async fn kv_count<E: TitoEngine>(db: &E, namespace: &str) -> TitoResult<Count> {
+    count_prefix(db, &keys::kv_namespace_prefix(namespace), COUNT_BOUND).await
+}
+
+// ---------------------------------------------------------------------------------------------
+// Keys
+// ---------------------------------------------------------------------------------------------
+
+/// A storage key shown as its segments, each decoded from its string encoding where it is
+/// one (numbers stay as their digits). A key that is not UTF-8 is refused.
+///
+/// ```
+/// let key = tito::keys::row_key("user", "a:1");
+/// assert_eq!(tito::inspect::key_segments(key.as_bytes()).unwrap(), ["table", "user", "a:1"]);
+/// ```
+pub fn key_segments(key: &[u8]) -> TitoResult<Vec<String>> {
+    let text = keys::key_str(key)?;
+    Ok(keys::segments(text)
+        .map(|segment| keys::decode_str(segment).unwrap_or_else(|_| segment.to_string()))
+        .collect())
+}
