@@ -62,7 +62,7 @@ pub fn is_live(expires_ms: Option<u64>, now_ms: u64) -> bool {
 }
 
 /// A live entry.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct KvEntry {
     /// The key.
     pub key: String,
@@ -82,7 +82,7 @@ impl KvEntry {
 }
 
 /// One page of a prefix listing.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct KvPage {
     /// Live entries in byte order of their keys.
     pub entries: Vec<KvEntry>,

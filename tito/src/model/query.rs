@@ -22,7 +22,7 @@ pub const DEFAULT_PAGE_LIMIT: usize = 100;
 pub const MAX_PAGE_LIMIT: usize = 1000;
 
 /// One page of results.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct TitoPage<T> {
     /// The rows, in key order (reversed for reverse queries).
     pub items: Vec<T>,

@@ -333,7 +333,7 @@ fn parse_progress(key: &str, bytes: &[u8]) -> TitoResult<IndexProgress> {
 }
 
 /// One index as [`TitoModel::schema`](crate::model::TitoModel::schema) reports it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[non_exhaustive]
 pub struct IndexStatus {
     /// The index.
@@ -349,7 +349,7 @@ pub struct IndexStatus {
 }
 
 /// A table's schema as stored.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[non_exhaustive]
 pub struct TableSchema {
     /// The table.

@@ -1,0 +1,709 @@
+//! Server-rendered pages: plain HTML and a little CSS, no scripts.
+
+use std::fmt::Write;
+use std::time::Instant;
+
+use tito::inspect::{Count, QueueRow};
+
+use crate::{ActionRecord, InboxData, KvData, Overview, QueueData, TableData};
+
+const STYLE: &str = r#"
+body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 0; color: #1d2330; background: #f6f7f9; }
+header { background: #1d2330; color: #fff; padding: 10px 24px; display: flex; gap: 24px; align-items: baseline; }
+header a { color: #cfd6e4; text-decoration: none; } header a:hover { color: #fff; }
+header .brand { font-weight: 700; color: #fff; font-size: 16px; }
+main { padding: 16px 24px 40px; max-width: 1200px; }
+h1 { font-size: 20px; margin: 8px 0 12px; } h2 { font-size: 16px; margin: 24px 0 8px; }
+table { border-collapse: collapse; background: #fff; width: 100%; box-shadow: 0 1px 2px rgba(0,0,0,.06); }
+th, td { text-align: left; padding: 6px 10px; border-bottom: 1px solid #e6e8ec; vertical-align: top; }
+th { background: #eef0f4; font-weight: 600; font-size: 12px; text-transform: uppercase; letter-spacing: .03em; color: #4a5365; }
+td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; }
+.cards { display: flex; gap: 12px; flex-wrap: wrap; margin: 8px 0 4px; }
+.card { background: #fff; padding: 10px 14px; min-width: 130px; box-shadow: 0 1px 2px rgba(0,0,0,.06); border-radius: 4px; }
+.card .value { font-size: 22px; font-weight: 650; font-variant-numeric: tabular-nums; }
+.card .label { color: #5b6476; font-size: 12px; }
+.late { color: #b3261e; font-weight: 600; } .ok { color: #1f7a3a; } .muted { color: #7a8294; }
+.error { color: #b3261e; } .bad { background: #fff3f2; }
+code, pre { font: 12px/1.4 ui-monospace, SFMono-Regular, Menlo, monospace; }
+pre { margin: 0; white-space: pre-wrap; word-break: break-all; max-height: 8em; overflow: auto; }
+a { color: #1a56c4; }
+form.inline { display: inline; }
+button { font: inherit; padding: 3px 10px; border: 1px solid #9aa3b5; background: #fff; border-radius: 3px; cursor: pointer; }
+button.danger { border-color: #b3261e; color: #b3261e; }
+input { font: inherit; padding: 3px 6px; border: 1px solid #9aa3b5; border-radius: 3px; }
+.pager { margin: 8px 0; } footer { color: #7a8294; font-size: 12px; margin-top: 24px; }
+.state { display: inline-block; padding: 0 6px; border-radius: 3px; font-size: 12px; background: #eef0f4; }
+.state.ready { background: #e3f4e8; } .state.leased { background: #e5ecfb; } .state.delayed { background: #fdf3dc; } .state.building, .state.dropping { background: #fdf3dc; }
+"#;
+
+/// Escapes text for HTML content and attribute values.
+pub(crate) fn esc(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&#39;"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// Escapes a query-string value.
+fn q(text: &str) -> String {
+    let mut out = String::new();
+    for byte in text.bytes() {
+        match byte {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                out.push(byte as char)
+            }
+            _ => {
+                let _ = write!(out, "%{byte:02X}");
+            }
+        }
+    }
+    out
+}
+
+tokio::task_local! {
+    /// The path the router is mounted at, with a final `/`, for the request being served.
+    pub(crate) static BASE: String;
+}
+
+/// The router's mount path for a request: its original path less the path the router sees
+/// (`/tito/queue` seen as `/queue` → `/tito/`).
+pub(crate) fn base_of(request: &axum::extract::Request) -> String {
+    let inner = request.uri().path();
+    let original = request
+        .extensions()
+        .get::<axum::extract::OriginalUri>()
+        .map_or(inner, |o| o.0.path());
+    let prefix = if inner == "/" && !original.ends_with('/') {
+        original
+    } else {
+        original.strip_suffix(inner).unwrap_or("")
+    };
+    format!("{prefix}/")
+}
+
+/// A whole page. Links are relative to the router's mount path (`<base>`), so the router works
+/// wherever it is mounted.
+pub(crate) fn page(title: &str, body: &str, started: Option<Instant>) -> String {
+    let base = BASE.try_with(Clone::clone).unwrap_or_else(|_| "/".into());
+    let timing = started.map_or(String::new(), |s| {
+        format!(
+            "<footer>read in <span id=\"read-ms\">{:.1}</span> ms</footer>",
+            s.elapsed().as_secs_f64() * 1000.0
+        )
+    });
+    format!(
+        "<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">\
+         <meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\
+         <base href=\"{base}\"><title>{title} · Tito</title><style>{STYLE}</style></head><body>\
+         <header><a class=\"brand\" href=\"./\">Tito</a><a href=\"./\">Overview</a>\
+         <a href=\"actions\">Actions</a></header><main><h1>{title}</h1>{body}{timing}</main></body></html>",
+        title = esc(title),
+        base = esc(&base),
+    )
+}
+
+fn card(label: &str, value: &str, id: &str) -> String {
+    format!(
+        "<div class=\"card\"><div class=\"value\" data-figure=\"{id}\">{}</div><div class=\"label\">{}</div></div>",
+        esc(value),
+        esc(label)
+    )
+}
+
+fn utc_ms(ms: u64) -> String {
+    chrono::DateTime::from_timestamp_millis(ms as i64).map_or_else(
+        || ms.to_string(),
+        |t| t.format("%Y-%m-%d %H:%M:%S").to_string(),
+    )
+}
+
+fn utc_s(s: u64) -> String {
+    utc_ms(s.saturating_mul(1000))
+}
+
+fn duration_s(s: u64) -> String {
+    match s {
+        0..60 => format!("{s}s"),
+        60..3600 => format!("{}m {:02}s", s / 60, s % 60),
+        3600..86_400 => format!("{}h {:02}m", s / 3600, s / 60 % 60),
+        _ => format!("{}d {:02}h", s / 86_400, s / 3600 % 24),
+    }
+}
+
+fn late_cell(late_s: u64, due: bool) -> String {
+    if !due {
+        return "<span class=\"muted\">—</span>".into();
+    }
+    let class = if late_s >= 60 { "late" } else { "ok" };
+    format!("<span class=\"{class}\">{}</span>", duration_s(late_s))
+}
+
+fn count(c: &Count) -> String {
+    c.to_string()
+}
+
+fn json_cell(value: &serde_json::Value) -> String {
+    let text = serde_json::to_string_pretty(value).unwrap_or_default();
+    format!("<pre>{}</pre>", esc(&text))
+}
+
+fn topic_query(topic: Option<&str>) -> String {
+    topic.map_or(String::new(), |t| format!("topic={}&", q(t)))
+}
+
+pub(crate) fn overview(data: &Overview, started: Instant) -> String {
+    let mut b = String::new();
+    let due: u64 = data.queues.iter().map(|q| q.due_now.value).sum();
+    let later: u64 = data.queues.iter().map(|q| q.future.value).sum();
+    let any_more = data.queues.iter().any(|q| q.due_now.more);
+    b.push_str("<div class=\"cards\">");
+    b.push_str(&card("queues", &data.queues.len().to_string(), "queues"));
+    b.push_str(&card(
+        "due now",
+        &format!("{due}{}", if any_more { "+" } else { "" }),
+        "due-now",
+    ));
+    b.push_str(&card("due later", &later.to_string(), "due-later"));
+    b.push_str(&card("tables", &data.tables.len().to_string(), "tables"));
+    b.push_str("</div>");
+
+    b.push_str("<h2>Queues</h2><table id=\"queues\"><tr><th>queue</th><th class=\"num\">partitions</th><th class=\"num\">due now</th><th class=\"num\">later</th><th>oldest due</th><th>late by</th><th class=\"num\">completed (kept)</th><th class=\"num\">last minute</th></tr>");
+    if data.queues.is_empty() {
+        b.push_str("<tr><td colspan=\"8\" class=\"muted\">no queue in this store</td></tr>");
+    }
+    for queue in &data.queues {
+        let now_s = queue.now_ms / 1000;
+        let late = queue.oldest_due.map_or(0, |d| now_s.saturating_sub(d));
+        let _ = write!(
+            b,
+            "<tr data-queue=\"{label}\"><td><a href=\"queue?{topic}\">{label}</a></td><td class=\"num\">{parts}</td>\
+             <td class=\"num\" data-figure=\"due-now\">{due}</td><td class=\"num\">{later}</td><td>{oldest}</td><td>{late}</td>\
+             <td class=\"num\">{completed}</td><td class=\"num\">{minute}</td></tr>",
+            label = esc(&queue.info.label),
+            topic = topic_query(queue.info.topic.as_deref()),
+            parts = queue.info.partitions.map_or("?".into(), |p| p.to_string()),
+            due = count(&queue.due_now),
+            later = count(&queue.future),
+            oldest = queue.oldest_due.map_or("—".into(), utc_s),
+            late = late_cell(late, queue.due_now.value > 0),
+            completed = count(&queue.completed),
+            minute = queue.completed_per_minute.first().map_or("0".into(), count),
+        );
+    }
+    b.push_str("</table>");
+
+    if !data.inboxes.is_empty() {
+        b.push_str("<h2>Inboxes</h2><table id=\"inboxes\"><tr><th>inbox</th><th>group</th><th class=\"num\">ready</th><th class=\"num\">delayed</th><th class=\"num\">leased</th><th class=\"num\">processed</th><th class=\"num\">bad rows</th></tr>");
+        for inbox in &data.inboxes {
+            let c = &inbox.counts;
+            let more = if c.more { "+" } else { "" };
+            let _ = write!(
+                b,
+                "<tr data-inbox=\"{table}/{group}\"><td><a href=\"inbox?table={tq}&group={gq}\">{table}</a></td><td>{group}</td>\
+                 <td class=\"num\" data-figure=\"ready\">{}{more}</td><td class=\"num\">{}{more}</td><td class=\"num\">{}{more}</td>\
+                 <td class=\"num\">{}{more}</td><td class=\"num\">{}</td></tr>",
+                c.ready,
+                c.delayed,
+                c.leased,
+                c.processed,
+                c.bad,
+                table = esc(&inbox.table),
+                group = esc(&inbox.group),
+                tq = q(&inbox.table),
+                gq = q(&inbox.group),
+            );
+        }
+        b.push_str("</table>");
+    }
+
+    b.push_str(
+        "<h2>Tables</h2><table id=\"tables\"><tr><th>table</th><th class=\"num\">rows</th></tr>",
+    );
+    if data.tables.is_empty() {
+        b.push_str("<tr><td colspan=\"2\" class=\"muted\">no rows in this store</td></tr>");
+    }
+    for table in &data.tables {
+        let _ = write!(
+            b,
+            "<tr data-table=\"{t}\"><td><a href=\"table?name={tq}\">{t}</a></td><td class=\"num\" data-figure=\"rows\">{}</td></tr>",
+            count(&table.rows),
+            t = esc(&table.table),
+            tq = q(&table.table)
+        );
+    }
+    b.push_str("</table>");
+
+    if !data.kv.is_empty() {
+        b.push_str("<h2>Key/value namespaces</h2><table id=\"kv\"><tr><th>namespace</th><th class=\"num\">keys</th></tr>");
+        for ns in &data.kv {
+            let _ = write!(
+                b,
+                "<tr data-namespace=\"{n}\"><td><a href=\"kv?namespace={nq}\">{n}</a></td><td class=\"num\" data-figure=\"keys\">{}</td></tr>",
+                count(&ns.keys),
+                n = esc(&ns.namespace),
+                nq = q(&ns.namespace)
+            );
+        }
+        b.push_str("</table>");
+    }
+    if !data.actions.is_empty() {
+        b.push_str("<h2>Recent actions</h2>");
+        b.push_str(&actions_table(&data.actions));
+    }
+    page("Overview", &b, Some(started))
+}
+
+fn row_table(rows: &[QueueRow], completed: bool) -> String {
+    let mut b = String::new();
+    let when = if completed { "completed" } else { "due" };
+    let _ = write!(
+        b,
+        "<table class=\"rows\"><tr><th>event id</th><th>key</th><th>{when}</th><th>owner</th><th>payload</th></tr>"
+    );
+    if rows.is_empty() {
+        b.push_str("<tr><td colspan=\"5\" class=\"muted\">none</td></tr>");
+    }
+    for row in rows {
+        let when = if completed {
+            row.processed_ms.map_or("?".into(), utc_ms)
+        } else {
+            row.due.map_or("?".into(), utc_s)
+        };
+        match (&row.event, &row.malformed) {
+            (Some(event), None) => {
+                let owner = event.owner.as_ref().map_or(String::new(), |o| {
+                    format!("{}/{}", esc(&o.kind), esc(&o.id))
+                });
+                let _ = write!(
+                    b,
+                    "<tr data-event=\"{id}\"><td><code>{id}</code></td><td>{key}</td><td>{when}</td><td>{owner}</td><td>{}</td></tr>",
+                    json_cell(&event.payload),
+                    id = esc(&event.id),
+                    key = esc(&event.key),
+                );
+            }
+            _ => {
+                let _ = write!(
+                    b,
+                    "<tr class=\"bad\" data-malformed=\"1\"><td colspan=\"2\"><code>{}</code></td><td>{when}</td><td colspan=\"2\"><span class=\"error\">{}</span><pre>{}</pre></td></tr>",
+                    esc(&row.key),
+                    esc(row.malformed.as_deref().unwrap_or("")),
+                    esc(row.raw.as_deref().unwrap_or("")),
+                );
+            }
+        }
+    }
+    b.push_str("</table>");
+    b
+}
+
+pub(crate) fn queue(data: &QueueData, started: Instant) -> String {
+    let o = &data.overview;
+    let topic = o.info.topic.as_deref();
+    let tq = topic_query(topic);
+    let now_s = o.now_ms / 1000;
+    let mut b = String::new();
+    b.push_str("<div class=\"cards\">");
+    b.push_str(&card("due now", &count(&o.due_now), "due-now"));
+    b.push_str(&card("due later", &count(&o.future), "due-later"));
+    b.push_str(&card(
+        "oldest due is late by",
+        &o.oldest_due
+            .filter(|_| o.due_now.value > 0)
+            .map_or("—".into(), |d| duration_s(now_s.saturating_sub(d))),
+        "late",
+    ));
+    b.push_str(&card("completed (kept)", &count(&o.completed), "completed"));
+    b.push_str(&card(
+        "coordinator",
+        o.coordinator.as_deref().unwrap_or("—"),
+        "coordinator",
+    ));
+    b.push_str("</div>");
+
+    b.push_str("<h2>Throughput</h2><table id=\"throughput\"><tr>");
+    for minute in 0..o.completed_per_minute.len() {
+        let label = if minute == 0 {
+            "this minute".to_string()
+        } else {
+            format!("{minute} min ago")
+        };
+        let _ = write!(b, "<th class=\"num\">{label}</th>");
+    }
+    b.push_str("</tr><tr>");
+    for c in &o.completed_per_minute {
+        let _ = write!(b, "<td class=\"num\">{}</td>", count(c));
+    }
+    b.push_str("</tr></table>");
+
+    b.push_str("<h2>Partitions</h2><table id=\"partitions\"><tr><th class=\"num\">partition</th><th class=\"num\">due now</th><th class=\"num\">later</th><th>oldest due</th><th>late by</th><th>lease holder</th><th>lease until</th></tr>");
+    for p in &o.partitions {
+        let (holder, until) = match &p.lease {
+            Some(l) => (
+                format!("<code>{}</code>", esc(&l.holder)),
+                if l.expires_ms == 0 {
+                    "—".into()
+                } else {
+                    utc_ms(l.expires_ms)
+                },
+            ),
+            None => ("<span class=\"muted\">free</span>".into(), "—".into()),
+        };
+        let _ = write!(
+            b,
+            "<tr data-partition=\"{n}\"><td class=\"num\"><a href=\"queue?{tq}partition={n}\">{n}</a></td><td class=\"num\" data-figure=\"due-now\">{}</td><td class=\"num\">{}</td><td>{}</td><td>{}</td><td>{holder}</td><td>{until}</td></tr>",
+            count(&p.due_now),
+            count(&p.future),
+            p.oldest_due.map_or("—".into(), utc_s),
+            late_cell(p.oldest_late_s, p.due_now.value > 0),
+            n = p.partition,
+        );
+    }
+    b.push_str("</table>");
+    if !o.members.is_empty() {
+        let members: Vec<String> = o
+            .members
+            .iter()
+            .map(|m| format!("<code>{}</code>", esc(m)))
+            .collect();
+        let _ = write!(b, "<p>Cluster members: {}</p>", members.join(", "));
+    }
+
+    let _ = write!(
+        b,
+        "<h2 id=\"pending\">Pending in partition {}</h2>",
+        data.partition
+    );
+    b.push_str(&row_table(&data.pending.items, false));
+    if let Some(cursor) = &data.pending.cursor {
+        let _ = write!(
+            b,
+            "<div class=\"pager\"><a href=\"queue?{tq}partition={}&cursor={}\">next page →</a></div>",
+            data.partition,
+            q(cursor)
+        );
+    }
+    b.push_str("<h2>Recently completed</h2>");
+    b.push_str(&row_table(&data.completed.items, true));
+    if let Some(cursor) = &data.completed.cursor {
+        let _ = write!(
+            b,
+            "<div class=\"pager\"><a href=\"queue?{tq}partition={}&completed_cursor={}\">older →</a></div>",
+            data.partition,
+            q(cursor)
+        );
+    }
+    let _ = write!(
+        b,
+        "<h2>Erase an owner's work</h2><form method=\"post\" action=\"erase-owner\">\
+         <input type=\"hidden\" name=\"topic\" value=\"{}\">\
+         <input name=\"kind\" placeholder=\"owner kind\" required> <input name=\"id\" placeholder=\"owner id\" required> \
+         <button class=\"danger\" type=\"submit\">Erase…</button></form>",
+        esc(topic.unwrap_or(""))
+    );
+    page(&format!("Queue {}", o.info.label), &b, Some(started))
+}
+
+pub(crate) fn inbox(data: &InboxData, started: Instant) -> String {
+    let c = &data.counts;
+    let more = if c.more { "+" } else { "" };
+    let mut b = String::new();
+    b.push_str("<div class=\"cards\">");
+    b.push_str(&card("ready", &format!("{}{more}", c.ready), "ready"));
+    b.push_str(&card("delayed", &format!("{}{more}", c.delayed), "delayed"));
+    b.push_str(&card("leased", &format!("{}{more}", c.leased), "leased"));
+    b.push_str(&card(
+        "processed",
+        &format!("{}{more}", c.processed),
+        "processed",
+    ));
+    b.push_str(&card("bad rows (all groups)", &c.bad.to_string(), "bad"));
+    b.push_str("</div>");
+    let base = format!("inbox?table={}&group={}", q(&data.table), q(&data.group));
+    b.push_str("<p>Show: ");
+    for (label, state) in [
+        ("all", ""),
+        ("ready", "ready"),
+        ("delayed", "delayed"),
+        ("leased", "leased"),
+        ("processed", "processed"),
+    ] {
+        let _ = write!(b, "<a href=\"{base}&state={state}\">{label}</a> · ");
+    }
+    b.push_str("</p>");
+    b.push_str("<table id=\"rows\"><tr><th>id</th><th>state</th><th class=\"num\">attempt</th><th>retry after</th><th>lease until</th><th>row</th><th></th></tr>");
+    if data.rows.items.is_empty() {
+        b.push_str("<tr><td colspan=\"7\" class=\"muted\">none</td></tr>");
+    }
+    let groups: Vec<&String> = data.groups.iter().filter(|g| **g != data.group).collect();
+    for row in &data.rows.items {
+        let state = serde_json::to_value(row.state)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_string))
+            .unwrap_or_default();
+        let ms = |v: Option<i64>| {
+            v.filter(|v| *v > 0)
+                .map_or("—".into(), |v| utc_ms(v as u64))
+        };
+        let mut forms = String::new();
+        for group in &groups {
+            let _ = write!(
+                forms,
+                "<form class=\"inline\" method=\"post\" action=\"requeue\">\
+                 <input type=\"hidden\" name=\"table\" value=\"{}\"><input type=\"hidden\" name=\"id\" value=\"{}\">\
+                 <input type=\"hidden\" name=\"group\" value=\"{g}\"><button type=\"submit\">move to {g}…</button></form> ",
+                esc(&data.table),
+                esc(&row.id),
+                g = esc(group),
+            );
+        }
+        let _ = write!(
+            b,
+            "<tr data-row=\"{id}\"><td><code>{id}</code></td><td><span class=\"state {state}\">{state}</span></td><td class=\"num\">{}</td><td>{}</td><td>{}</td><td>{}</td><td>{forms}</td></tr>",
+            row.attempt.map_or("—".into(), |a| a.to_string()),
+            ms(row.retry_after),
+            ms(row.locked_until),
+            json_cell(&row.row),
+            id = esc(&row.id),
+        );
+    }
+    b.push_str("</table>");
+    if let Some(cursor) = &data.rows.cursor {
+        let state = data
+            .state
+            .and_then(|s| serde_json::to_value(s).ok())
+            .and_then(|v| v.as_str().map(str::to_string))
+            .unwrap_or_default();
+        let _ = write!(
+            b,
+            "<div class=\"pager\"><a href=\"{base}&state={state}&cursor={}\">next page →</a></div>",
+            q(cursor)
+        );
+    }
+    b.push_str("<h2>Bad rows</h2><table id=\"bad\"><tr><th>row id</th><th>key</th></tr>");
+    if data.bad.is_empty() {
+        b.push_str("<tr><td colspan=\"2\" class=\"muted\">none</td></tr>");
+    }
+    for id in &data.bad {
+        let _ = write!(
+            b,
+            "<tr class=\"bad\"><td><code>{}</code></td><td><code>{}</code></td></tr>",
+            esc(id),
+            esc(&tito::keys::inbox_bad_key(&data.table, id))
+        );
+    }
+    b.push_str("</table>");
+    page(
+        &format!("Inbox {} / {}", data.table, data.group),
+        &b,
+        Some(started),
+    )
+}
+
+pub(crate) fn table(data: &TableData, started: Instant) -> String {
+    let mut b = String::new();
+    b.push_str("<div class=\"cards\">");
+    b.push_str(&card("rows", &count(&data.rows), "rows"));
+    b.push_str(&card(
+        "schema version",
+        &data.schema.version.to_string(),
+        "version",
+    ));
+    b.push_str(&card(
+        "indexes",
+        &data.schema.indexes.len().to_string(),
+        "indexes",
+    ));
+    b.push_str("</div>");
+    b.push_str("<h2>Indexes</h2><table id=\"indexes\"><tr><th>index</th><th>definition</th><th>state</th><th class=\"num\">since</th><th>progress</th></tr>");
+    if data.schema.indexes.is_empty() {
+        b.push_str("<tr><td colspan=\"5\" class=\"muted\">no catalog or no index</td></tr>");
+    }
+    for index in &data.schema.indexes {
+        let state = index.state.to_string();
+        let _ = write!(
+            b,
+            "<tr data-index=\"{n}\"><td><code>{n}</code></td><td><code>{}</code></td><td><span class=\"state {state}\" data-figure=\"state\">{state}</span></td><td class=\"num\">{}</td><td>{}</td></tr>",
+            esc(&index.definition.to_string()),
+            index.since,
+            index
+                .progress
+                .as_ref()
+                .map_or("—".into(), |p| esc(&p.to_string())),
+            n = esc(&index.name),
+        );
+    }
+    b.push_str("</table><h2>Last audit</h2>");
+    match &data.last_audit {
+        None => b.push_str("<p class=\"muted\" id=\"audit\">never audited</p>"),
+        Some(report) => {
+            let found: u64 = report.findings.values().map(|f| f.count).sum();
+            let _ = write!(
+                b,
+                "<p id=\"audit\">{} {} rows, {} keys: {}</p>",
+                if report.repair { "Repair:" } else { "Audit:" },
+                report.rows,
+                report.keys,
+                if !report.finished {
+                    "<span class=\"late\">unfinished</span>".to_string()
+                } else if report.is_clean() {
+                    "<span class=\"ok\" data-figure=\"audit\">clean</span>".to_string()
+                } else {
+                    format!("<span class=\"late\" data-figure=\"audit\">{found} findings</span>")
+                }
+            );
+            for (kind, finding) in &report.findings {
+                if finding.count > 0 {
+                    let first: Vec<String> = finding
+                        .first
+                        .iter()
+                        .map(|k| format!("<code>{}</code>", esc(k)))
+                        .collect();
+                    let _ = write!(
+                        b,
+                        "<p>{kind:?}: {} — {}</p>",
+                        finding.count,
+                        first.join(", ")
+                    );
+                }
+            }
+        }
+    }
+    if data.can_audit {
+        let _ = write!(
+            b,
+            "<form method=\"post\" action=\"audit\"><input type=\"hidden\" name=\"table\" value=\"{}\"><button type=\"submit\">Start an audit…</button></form>",
+            esc(&data.table)
+        );
+    }
+    b.push_str("<h2>Rows</h2><table id=\"rows\"><tr><th>id</th><th>row</th></tr>");
+    if data.page.items.is_empty() {
+        b.push_str("<tr><td colspan=\"2\" class=\"muted\">none</td></tr>");
+    }
+    for row in &data.page.items {
+        let cell = match (&row.value, &row.raw) {
+            (Some(value), _) => json_cell(value),
+            (None, raw) => format!(
+                "<span class=\"error\">not JSON</span><pre>{}</pre>",
+                esc(raw.as_deref().unwrap_or(""))
+            ),
+        };
+        let _ = write!(
+            b,
+            "<tr data-row=\"{id}\"><td><code>{id}</code></td><td>{cell}</td></tr>",
+            id = esc(row.id.as_deref().unwrap_or(&row.key)),
+        );
+    }
+    b.push_str("</table>");
+    if let Some(cursor) = &data.page.cursor {
+        let _ = write!(
+            b,
+            "<div class=\"pager\"><a href=\"table?name={}&cursor={}\">next page →</a></div>",
+            q(&data.table),
+            q(cursor)
+        );
+    }
+    page(&format!("Table {}", data.table), &b, Some(started))
+}
+
+pub(crate) fn kv(data: &KvData, started: Instant) -> String {
+    let mut b = String::new();
+    b.push_str("<div class=\"cards\">");
+    b.push_str(&card(
+        "keys (expired ones until swept)",
+        &count(&data.keys),
+        "keys",
+    ));
+    b.push_str("</div><table id=\"entries\"><tr><th>key</th><th class=\"num\">version</th><th>expires</th><th>value</th></tr>");
+    if data.page.entries.is_empty() {
+        b.push_str("<tr><td colspan=\"4\" class=\"muted\">none</td></tr>");
+    }
+    for entry in &data.page.entries {
+        let _ = write!(
+            b,
+            "<tr data-key=\"{k}\"><td><code>{k}</code></td><td class=\"num\">{}</td><td>{}</td><td>{}</td></tr>",
+            entry.version,
+            entry.expires_ms.map_or("never".into(), utc_ms),
+            json_cell(&entry.value),
+            k = esc(&entry.key),
+        );
+    }
+    b.push_str("</table>");
+    if let Some(cursor) = &data.page.cursor {
+        let _ = write!(
+            b,
+            "<div class=\"pager\"><a href=\"kv?namespace={}&cursor={}\">next page →</a></div>",
+            q(&data.namespace),
+            q(cursor)
+        );
+    }
+    page(&format!("Namespace {}", data.namespace), &b, Some(started))
+}
+
+fn actions_table(actions: &[ActionRecord]) -> String {
+    let mut b = String::from(
+        "<table id=\"actions\"><tr><th>when</th><th>peer</th><th>action</th><th>target</th><th>result</th></tr>",
+    );
+    if actions.is_empty() {
+        b.push_str("<tr><td colspan=\"5\" class=\"muted\">none yet</td></tr>");
+    }
+    for a in actions {
+        let _ = write!(
+            b,
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            utc_ms(a.at_ms.max(0) as u64),
+            esc(a.peer.as_deref().unwrap_or("?")),
+            esc(&a.action),
+            esc(&a.target),
+            esc(&a.result)
+        );
+    }
+    b.push_str("</table>");
+    b
+}
+
+pub(crate) fn actions(actions: &[ActionRecord]) -> String {
+    page("Actions", &actions_table(actions), None)
+}
+
+pub(crate) fn confirm(
+    title: &str,
+    question: &str,
+    action: &str,
+    fields: &[(&str, String)],
+) -> String {
+    let mut hidden = String::new();
+    for (name, value) in fields {
+        let _ = write!(
+            hidden,
+            "<input type=\"hidden\" name=\"{name}\" value=\"{}\">",
+            esc(value)
+        );
+    }
+    let body = format!(
+        "<p>{}</p><form method=\"post\" action=\"{}\">{hidden}<input type=\"hidden\" name=\"confirm\" value=\"yes\">\
+         <button class=\"danger\" type=\"submit\" id=\"confirm\">Yes, do it</button> <a href=\"./\">cancel</a></form>",
+        esc(question),
+        esc(action),
+    );
+    page(title, &body, None)
+}
+
+pub(crate) fn done(title: &str, message: &str) -> String {
+    page(
+        title,
+        &format!(
+            "<p id=\"result\">{}</p><p><a href=\"actions\">all actions</a></p>",
+            esc(message)
+        ),
+        None,
+    )
+}

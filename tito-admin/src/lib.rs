@@ -1,0 +1,850 @@
+//! An admin dashboard and JSON API for a Tito store, as an [axum] router to mount.
+//!
+//! The pages are server-rendered HTML (no JavaScript, no build step); every page has a JSON
+//! twin under `/api`:
+//!
+//! | page | JSON | shows |
+//! |---|---|---|
+//! | `/` | `/api/overview` | queues (pending due now and later, how late the oldest is), inboxes, tables (row counts), kv namespaces, recent actions |
+//! | `/queue?topic=T` | `/api/queue?topic=T` | per partition: due now, later, oldest due and lateness, lease holder and expiry; completed in the retention window and per minute; cluster members and coordinator; a page of one partition's pending rows (`partition`, `cursor`) and of the newest completed ones |
+//! | `/inbox?table=T&group=G` | `/api/inbox?...` | ready, delayed, leased, processed, bad rows; a page of rows (`state`, `cursor`) |
+//! | `/table?name=T` | `/api/table?name=T` | row count, indexes with state and build progress, the last audit, a page of rows (`cursor`) |
+//! | `/kv?namespace=N` | `/api/kv?namespace=N` | key count and a page of keys (`cursor`) |
+//! | `/actions` | `/api/actions` | the actions taken through this router |
+//!
+//! Without `topic` the queue page shows the default queue. Every read is bounded: counts stop at
+//! [`tito::inspect::COUNT_BOUND`] per partition or table and show `10000+` past it, pages hold
+//! at most [`PAGE`] rows and continue with the project's cursors.
+//!
+//! # Actions
+//!
+//! `POST /erase-owner` (one owner's invocations, pending and completed), `POST /requeue` (an
+//! inbox row back into a group as a fresh job) and `POST /audit` (for
+//! tables whose model was registered with [`Admin::model`]). Each first answers with a
+//! confirmation form; it runs only when posted with `confirm=yes`. Every action is logged
+//! (`tracing`, target `tito_admin`, with the peer address) and kept in the last [`KEPT_ACTIONS`]
+//! of `/actions`. A `POST` whose `Origin` header names another host than its `Host` header is
+//! refused (a page elsewhere cannot post to the dashboard).
+//!
+//! # Access
+//!
+//! With an [authorization hook](Admin::authorize), a request is served when the hook accepts
+//! it. Without one, only requests from a loopback peer are served (the router reads the peer
+//! from [`ConnectInfo`]; serve it with `into_make_service_with_connect_info::<SocketAddr>()`,
+//! as [`serve`] does); everything else, including requests whose peer is unknown, is refused
+//! with 403.
+//!
+//! # Examples
+//!
+//! ```no_run
+//! use std::net::SocketAddr;
+//! use tito::backend::embedded::Embedded;
+//!
+//! # #[tokio::main]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let db = Embedded::open("./data").await?;
+//! let admin = tito_admin::Admin::new(db).authorize(|request| {
+//!     request.headers().get("x-admin-token").is_some_and(|t| t == "secret")
+//! });
+//! let app = axum::Router::new().nest("/tito", admin.router());
+//! let listener = tokio::net::TcpListener::bind("0.0.0.0:8080").await?;
+//! axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>()).await?;
+//! # Ok(())
+//! # }
+//! ```
+
+mod html;
+mod sources;
+
+use std::collections::{BTreeMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use axum::Router;
+use axum::extract::{ConnectInfo, Extension, Form, Query, Request, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{Html, IntoResponse, Json, Response};
+use axum::routing::{get, post};
+use serde::{Deserialize, Serialize};
+use tito::inbox::{Inbox, InboxModel, InboxRowState};
+use tito::inspect::{self, QueueState};
+use tito::model::TitoModelTrait;
+use tito::{TitoEngine, TitoError};
+
+pub use sources::{Auditor, InboxSource};
+
+/// Rows per page.
+pub const PAGE: usize = 50;
+
+/// How many actions `/actions` keeps.
+pub const KEPT_ACTIONS: usize = 200;
+
+/// Listings (queues, tables, namespaces) show at most this many names.
+pub const NAMES: usize = 200;
+
+type Hook = Arc<dyn Fn(&Request) -> bool + Send + Sync>;
+
+/// The admin router's configuration: the store, the inboxes and models to show, the
+/// authorization hook.
+pub struct Admin<E: TitoEngine> {
+    db: E,
+    inboxes: Vec<Arc<dyn InboxSource>>,
+    auditors: BTreeMap<String, Arc<dyn Auditor>>,
+    authorize: Option<Hook>,
+}
+
+/// One action taken through the router.
+#[derive(Clone, Debug, Serialize)]
+pub struct ActionRecord {
+    /// When (Unix ms, host clock).
+    pub at_ms: i64,
+    /// Who: the peer address, when known.
+    pub peer: Option<String>,
+    /// What (`erase-owner`, `requeue`, `audit`).
+    pub action: String,
+    /// On what.
+    pub target: String,
+    /// What came of it.
+    pub result: String,
+}
+
+struct Inner<E: TitoEngine> {
+    db: E,
+    inboxes: Vec<Arc<dyn InboxSource>>,
+    auditors: BTreeMap<String, Arc<dyn Auditor>>,
+    authorize: Option<Hook>,
+    actions: Mutex<VecDeque<ActionRecord>>,
+}
+
+impl<E: TitoEngine> Admin<E> {
+    /// An admin over `db`: its queues, tables and kv namespaces are found in the store.
+    pub fn new(db: E) -> Self {
+        Admin {
+            db,
+            inboxes: Vec::new(),
+            auditors: BTreeMap::new(),
+            authorize: None,
+        }
+    }
+
+    /// Shows an inbox's `groups` (inboxes are typed by their model, so they are registered).
+    pub fn inbox<M: InboxModel>(mut self, inbox: Arc<Inbox<E, M>>, groups: &[&str]) -> Self {
+        let groups = groups.iter().map(|g| g.to_string()).collect();
+        self.inboxes
+            .push(Arc::new(sources::TypedInbox { inbox, groups }));
+        self
+    }
+
+    /// Lets the table page of `T` start an audit.
+    pub fn model<T: TitoModelTrait>(mut self) -> Self {
+        let model = self.db.clone().model::<T>();
+        self.auditors
+            .insert(T::default().table(), Arc::new(sources::TypedModel(model)));
+        self
+    }
+
+    /// Serves a request only when `hook` accepts it (a session check, a token header). Without
+    /// a hook only loopback peers are served.
+    pub fn authorize(mut self, hook: impl Fn(&Request) -> bool + Send + Sync + 'static) -> Self {
+        self.authorize = Some(Arc::new(hook));
+        self
+    }
+
+    /// The router: mount it (`app.nest("/tito", admin.router())`) or [`serve`] it.
+    pub fn router(self) -> Router {
+        let state = Arc::new(Inner {
+            db: self.db,
+            inboxes: self.inboxes,
+            auditors: self.auditors,
+            authorize: self.authorize,
+            actions: Mutex::new(VecDeque::new()),
+        });
+        Router::new()
+            .route("/", get(overview_page::<E>))
+            .route("/api/overview", get(overview_json::<E>))
+            .route("/queue", get(queue_page::<E>))
+            .route("/api/queue", get(queue_json::<E>))
+            .route("/inbox", get(inbox_page::<E>))
+            .route("/api/inbox", get(inbox_json::<E>))
+            .route("/table", get(table_page::<E>))
+            .route("/api/table", get(table_json::<E>))
+            .route("/kv", get(kv_page::<E>))
+            .route("/api/kv", get(kv_json::<E>))
+            .route("/actions", get(actions_page::<E>))
+            .route("/api/actions", get(actions_json::<E>))
+            .route("/erase-owner", post(erase_owner::<E>))
+            .route("/requeue", post(requeue::<E>))
+            .route("/audit", post(audit::<E>))
+            .layer(middleware::from_fn_with_state(state.clone(), guard::<E>))
+            .with_state(state)
+    }
+}
+
+/// Serves `router` on `listener` with the peer addresses the router's access rule needs, until
+/// `shutdown` resolves.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(
+        listener,
+        router.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(shutdown)
+    .await
+}
+
+/// The peer of the request being served, when the server passes it ([`ConnectInfo`]).
+#[derive(Clone, Copy, Debug)]
+struct Peer(Option<SocketAddr>);
+
+fn peer(request: &Request) -> Option<SocketAddr> {
+    request
+        .extensions()
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|c| c.0)
+}
+
+async fn guard<E: TitoEngine>(
+    State(state): State<Arc<Inner<E>>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let allowed = match &state.authorize {
+        Some(hook) => hook(&request),
+        None => peer(&request).is_some_and(|p| p.ip().is_loopback()),
+    };
+    if !allowed {
+        tracing::warn!(target: "tito_admin", peer = ?peer(&request), path = %request.uri().path(), "admin request refused");
+        return (
+            StatusCode::FORBIDDEN,
+            "refused: the Tito admin serves loopback peers only unless an authorization hook is configured (Admin::authorize)\n",
+        )
+            .into_response();
+    }
+    if request.method() == axum::http::Method::POST && !same_origin(request.headers()) {
+        tracing::warn!(target: "tito_admin", peer = ?peer(&request), path = %request.uri().path(), "cross-origin admin post refused");
+        return (
+            StatusCode::FORBIDDEN,
+            "refused: the request's Origin is not this host\n",
+        )
+            .into_response();
+    }
+    let base = html::base_of(&request);
+    let mut request = request;
+    let who = Peer(peer(&request));
+    request.extensions_mut().insert(who);
+    html::BASE.scope(base, next.run(request)).await
+}
+
+/// Whether a request's `Origin` (when it has one) names its `Host`.
+fn same_origin(headers: &HeaderMap) -> bool {
+    let Some(origin) = headers.get(header::ORIGIN) else {
+        return true;
+    };
+    let host = headers.get(header::HOST).and_then(|h| h.to_str().ok());
+    let origin_host = origin
+        .to_str()
+        .ok()
+        .and_then(|o| o.split_once("://").map(|(_, rest)| rest));
+    matches!((origin_host, host), (Some(o), Some(h)) if o == h)
+}
+
+/// A failed page: the error's message, with 400 for bad input and 500 otherwise.
+struct Failure(TitoError);
+
+impl From<TitoError> for Failure {
+    fn from(err: TitoError) -> Self {
+        Failure(err)
+    }
+}
+
+impl IntoResponse for Failure {
+    fn into_response(self) -> Response {
+        let status = match self.0 {
+            TitoError::InvalidArgument(_) => StatusCode::BAD_REQUEST,
+            TitoError::NotFound(_) => StatusCode::NOT_FOUND,
+            _ => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        let body = html::page(
+            "Error",
+            &format!("<p class=\"error\">{}</p>", html::esc(&self.0.to_string())),
+            None,
+        );
+        (status, Html(body)).into_response()
+    }
+}
+
+type Page = Result<Html<String>, Failure>;
+type Data = Result<Json<serde_json::Value>, Failure>;
+
+fn json<T: Serialize>(value: &T) -> Data {
+    Ok(Json(
+        serde_json::to_value(value).map_err(|e| Failure(TitoError::from(e)))?,
+    ))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Overview
+// ---------------------------------------------------------------------------------------------
+
+/// What the overview shows.
+#[derive(Serialize)]
+struct Overview {
+    queues: Vec<inspect::QueueOverview>,
+    inboxes: Vec<InboxSummary>,
+    tables: Vec<TableSummary>,
+    kv: Vec<NamespaceSummary>,
+    actions: Vec<ActionRecord>,
+}
+
+#[derive(Serialize)]
+struct InboxSummary {
+    table: String,
+    group: String,
+    counts: tito::inbox::InboxCounts,
+}
+
+#[derive(Serialize)]
+struct TableSummary {
+    table: String,
+    rows: inspect::Count,
+}
+
+#[derive(Serialize)]
+struct NamespaceSummary {
+    namespace: String,
+    keys: inspect::Count,
+}
+
+async fn load_overview<E: TitoEngine>(state: &Inner<E>) -> Result<Overview, TitoError> {
+    let db = &state.db;
+    let mut queues = Vec::new();
+    for info in inspect::queues(db, NAMES).await? {
+        queues.push(inspect::queue_overview(db, info.topic.as_deref()).await?);
+    }
+    let mut inboxes = Vec::new();
+    for inbox in &state.inboxes {
+        for group in inbox.groups() {
+            inboxes.push(InboxSummary {
+                table: inbox.table().to_string(),
+                group: group.clone(),
+                counts: inbox.counts(group).await?,
+            });
+        }
+    }
+    let mut tables = Vec::new();
+    for table in inspect::tables(db, NAMES).await? {
+        tables.push(TableSummary {
+            rows: inspect::table_count(db, &table).await?,
+            table,
+        });
+    }
+    let mut kv = Vec::new();
+    for namespace in inspect::kv_namespaces(db, NAMES).await? {
+        kv.push(NamespaceSummary {
+            keys: inspect::kv_count(db, &namespace).await?,
+            namespace,
+        });
+    }
+    let actions = lock(&state.actions)
+        .iter()
+        .rev()
+        .take(10)
+        .cloned()
+        .collect();
+    Ok(Overview {
+        queues,
+        inboxes,
+        tables,
+        kv,
+        actions,
+    })
+}
+
+async fn overview_page<E: TitoEngine>(State(state): State<Arc<Inner<E>>>) -> Page {
+    let started = Instant::now();
+    let data = load_overview(&state).await?;
+    Ok(Html(html::overview(&data, started)))
+}
+
+async fn overview_json<E: TitoEngine>(State(state): State<Arc<Inner<E>>>) -> Data {
+    json(&load_overview(&state).await?)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Queue
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Deserialize)]
+struct QueueParams {
+    topic: Option<String>,
+    partition: Option<u32>,
+    cursor: Option<String>,
+    completed_cursor: Option<String>,
+}
+
+#[derive(Serialize)]
+struct QueueData {
+    overview: inspect::QueueOverview,
+    partition: u32,
+    pending: tito::TitoPage<inspect::QueueRow>,
+    completed: tito::TitoPage<inspect::QueueRow>,
+}
+
+async fn load_queue<E: TitoEngine>(
+    state: &Inner<E>,
+    params: &QueueParams,
+) -> Result<QueueData, TitoError> {
+    let topic = params.topic.as_deref().filter(|t| !t.is_empty());
+    let overview = inspect::queue_overview(&state.db, topic).await?;
+    let Some(partitions) = overview.info.partitions else {
+        return Err(TitoError::NotFound(format!(
+            "no queue {:?} in this store",
+            overview.info.label
+        )));
+    };
+    // The partition asked for, else the one with the most work due.
+    let partition = match params.partition {
+        Some(p) if p >= partitions => {
+            return Err(TitoError::invalid_argument(format!(
+                "partition {p} of a queue of {partitions}"
+            )));
+        }
+        Some(p) => p,
+        None => overview
+            .partitions
+            .iter()
+            .max_by_key(|p| {
+                (
+                    p.due_now.value,
+                    p.future.value,
+                    std::cmp::Reverse(p.partition),
+                )
+            })
+            .map_or(0, |p| p.partition),
+    };
+    let pending = inspect::queue_scan(
+        &state.db,
+        topic,
+        QueueState::Pending(partition),
+        params.cursor.as_deref(),
+        PAGE,
+    )
+    .await?;
+    let completed = inspect::queue_scan(
+        &state.db,
+        topic,
+        QueueState::Completed,
+        params.completed_cursor.as_deref(),
+        PAGE,
+    )
+    .await?;
+    Ok(QueueData {
+        overview,
+        partition,
+        pending,
+        completed,
+    })
+}
+
+async fn queue_page<E: TitoEngine>(
+    State(state): State<Arc<Inner<E>>>,
+    Query(params): Query<QueueParams>,
+) -> Page {
+    let started = Instant::now();
+    let data = load_queue(&state, &params).await?;
+    Ok(Html(html::queue(&data, started)))
+}
+
+async fn queue_json<E: TitoEngine>(
+    State(state): State<Arc<Inner<E>>>,
+    Query(params): Query<QueueParams>,
+) -> Data {
+    json(&load_queue(&state, &params).await?)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Inbox
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Deserialize)]
+struct InboxParams {
+    table: String,
+    group: String,
+    state: Option<String>,
+    cursor: Option<String>,
+}
+
+#[derive(Serialize)]
+struct InboxData {
+    table: String,
+    group: String,
+    state: Option<InboxRowState>,
+    counts: tito::inbox::InboxCounts,
+    rows: tito::TitoPage<tito::inbox::InboxRow>,
+    bad: Vec<String>,
+    groups: Vec<String>,
+}
+
+fn parse_state(state: Option<&str>) -> Result<Option<InboxRowState>, TitoError> {
+    match state.filter(|s| !s.is_empty()) {
+        None => Ok(None),
+        Some(text) => serde_json::from_value(serde_json::Value::from(text))
+            .map(Some)
+            .map_err(|_| {
+                TitoError::invalid_argument(format!(
+                    "unknown inbox state {text:?} (ready, delayed, leased, processed)"
+                ))
+            }),
+    }
+}
+
+fn find_inbox<'a, E: TitoEngine>(
+    state: &'a Inner<E>,
+    table: &str,
+) -> Result<&'a Arc<dyn InboxSource>, TitoError> {
+    state
+        .inboxes
+        .iter()
+        .find(|i| i.table() == table)
+        .ok_or_else(|| TitoError::NotFound(format!("no inbox {table:?} is registered")))
+}
+
+async fn load_inbox<E: TitoEngine>(
+    state: &Inner<E>,
+    params: &InboxParams,
+) -> Result<InboxData, TitoError> {
+    let inbox = find_inbox(state, &params.table)?;
+    let wanted = parse_state(params.state.as_deref())?;
+    Ok(InboxData {
+        table: params.table.clone(),
+        group: params.group.clone(),
+        state: wanted,
+        counts: inbox.counts(&params.group).await?,
+        rows: inbox
+            .scan(&params.group, wanted, params.cursor.as_deref(), PAGE)
+            .await?,
+        bad: inbox.bad_rows().await?,
+        groups: inbox.groups().to_vec(),
+    })
+}
+
+async fn inbox_page<E: TitoEngine>(
+    State(state): State<Arc<Inner<E>>>,
+    Query(params): Query<InboxParams>,
+) -> Page {
+    let started = Instant::now();
+    let data = load_inbox(&state, &params).await?;
+    Ok(Html(html::inbox(&data, started)))
+}
+
+async fn inbox_json<E: TitoEngine>(
+    State(state): State<Arc<Inner<E>>>,
+    Query(params): Query<InboxParams>,
+) -> Data {
+    json(&load_inbox(&state, &params).await?)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Table
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Deserialize)]
+struct TableParams {
+    name: String,
+    cursor: Option<String>,
+}
+
+#[derive(Serialize)]
+struct TableData {
+    table: String,
+    rows: inspect::Count,
+    schema: tito::schema::TableSchema,
+    last_audit: Option<tito::schema::AuditReport>,
+    can_audit: bool,
+    page: tito::TitoPage<inspect::RawRow>,
+}
+
+async fn load_table<E: TitoEngine>(
+    state: &Inner<E>,
+    params: &TableParams,
+) -> Result<TableData, TitoError> {
+    let table = &params.name;
+    Ok(TableData {
+        table: table.clone(),
+        rows: inspect::table_count(&state.db, table).await?,
+        schema: tito::schema::table_schema(&state.db, table).await?,
+        last_audit: tito::schema::last_audit(&state.db, table).await?,
+        can_audit: state.auditors.contains_key(table),
+        page: inspect::table_rows(&state.db, table, params.cursor.as_deref(), PAGE).await?,
+    })
+}
+
+async fn table_page<E: TitoEngine>(
+    State(state): State<Arc<Inner<E>>>,
+    Query(params): Query<TableParams>,
+) -> Page {
+    let started = Instant::now();
+    let data = load_table(&state, &params).await?;
+    Ok(Html(html::table(&data, started)))
+}
+
+async fn table_json<E: TitoEngine>(
+    State(state): State<Arc<Inner<E>>>,
+    Query(params): Query<TableParams>,
+) -> Data {
+    json(&load_table(&state, &params).await?)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kv
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Deserialize)]
+struct KvParams {
+    namespace: String,
+    cursor: Option<String>,
+}
+
+#[derive(Serialize)]
+struct KvData {
+    namespace: String,
+    keys: inspect::Count,
+    page: tito::kv::KvPage,
+}
+
+async fn load_kv<E: TitoEngine>(state: &Inner<E>, params: &KvParams) -> Result<KvData, TitoError> {
+    let kv = tito::kv::Kv::new(state.db.clone());
+    Ok(KvData {
+        namespace: params.namespace.clone(),
+        keys: inspect::kv_count(&state.db, &params.namespace).await?,
+        page: kv
+            .list(&params.namespace, "", PAGE, params.cursor.as_deref())
+            .await?,
+    })
+}
+
+async fn kv_page<E: TitoEngine>(
+    State(state): State<Arc<Inner<E>>>,
+    Query(params): Query<KvParams>,
+) -> Page {
+    let started = Instant::now();
+    let data = load_kv(&state, &params).await?;
+    Ok(Html(html::kv(&data, started)))
+}
+
+async fn kv_json<E: TitoEngine>(
+    State(state): State<Arc<Inner<E>>>,
+    Query(params): Query<KvParams>,
+) -> Data {
+    json(&load_kv(&state, &params).await?)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Actions
+// ---------------------------------------------------------------------------------------------
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl<E: TitoEngine> Inner<E> {
+    fn record(&self, peer: Option<SocketAddr>, action: &str, target: String, result: String) {
+        let record = ActionRecord {
+            at_ms: chrono::Utc::now().timestamp_millis(),
+            peer: peer.map(|p| p.to_string()),
+            action: action.to_string(),
+            target,
+            result,
+        };
+        tracing::info!(
+            target: "tito_admin",
+            action = %record.action,
+            target_object = %record.target,
+            result = %record.result,
+            peer = ?record.peer,
+            "admin action"
+        );
+        let mut actions = lock(&self.actions);
+        actions.push_back(record);
+        while actions.len() > KEPT_ACTIONS {
+            actions.pop_front();
+        }
+    }
+}
+
+async fn actions_page<E: TitoEngine>(State(state): State<Arc<Inner<E>>>) -> Page {
+    let actions: Vec<ActionRecord> = lock(&state.actions).iter().rev().cloned().collect();
+    Ok(Html(html::actions(&actions)))
+}
+
+async fn actions_json<E: TitoEngine>(State(state): State<Arc<Inner<E>>>) -> Data {
+    let actions: Vec<ActionRecord> = lock(&state.actions).iter().rev().cloned().collect();
+    json(&actions)
+}
+
+fn confirmed(confirm: &Option<String>) -> bool {
+    confirm.as_deref() == Some("yes")
+}
+
+#[derive(Deserialize)]
+struct EraseForm {
+    topic: Option<String>,
+    kind: String,
+    id: String,
+    confirm: Option<String>,
+}
+
+async fn erase_owner<E: TitoEngine>(
+    State(state): State<Arc<Inner<E>>>,
+    Extension(Peer(peer)): Extension<Peer>,
+    Form(form): Form<EraseForm>,
+) -> Page {
+    let topic = form.topic.clone().filter(|t| !t.is_empty());
+    let owner = tito::QueueOwner::new(form.kind.clone(), form.id.clone());
+    owner_check(&owner)?;
+    let target = format!(
+        "queue {:?}, owner {}/{}",
+        topic.as_deref().unwrap_or("default"),
+        owner.kind,
+        owner.id
+    );
+    if !confirmed(&form.confirm) {
+        let fields = [
+            ("topic", topic.clone().unwrap_or_default()),
+            ("kind", form.kind.clone()),
+            ("id", form.id.clone()),
+        ];
+        return Ok(Html(html::confirm(
+            "Erase an owner's work",
+            &format!("Delete every pending and completed invocation of {target}?"),
+            "erase-owner",
+            &fields,
+        )));
+    }
+    let info = inspect::queues(&state.db, NAMES)
+        .await?
+        .into_iter()
+        .find(|q| q.topic == topic)
+        .ok_or_else(|| TitoError::NotFound(format!("no queue {target}")))?;
+    let mut config = tito::QueueConfig::new(
+        info.partitions.unwrap_or(1),
+        std::time::Duration::from_secs(60),
+    );
+    config.topic = topic.clone();
+    let queue = tito::Queue::new(state.db.clone(), config);
+    let owner_ref = &owner;
+    let queue_ref = &queue;
+    let deleted = state
+        .db
+        .transaction(|tx| async move {
+            queue_ref
+                .delete_by_owner_matching_in_tx::<serde_json::Value, _>(owner_ref, |_| true, &tx)
+                .await
+        })
+        .await?;
+    let result = format!("{deleted} invocations deleted");
+    state.record(peer, "erase-owner", target.clone(), result.clone());
+    Ok(Html(html::done(
+        "Owner erased",
+        &format!("{target}: {result}."),
+    )))
+}
+
+fn owner_check(owner: &tito::QueueOwner) -> Result<(), TitoError> {
+    if owner.kind.is_empty() || owner.id.is_empty() {
+        return Err(TitoError::invalid_argument(
+            "an owner needs a kind and an id",
+        ));
+    }
+    Ok(())
+}
+
+#[derive(Deserialize)]
+struct RequeueForm {
+    table: String,
+    id: String,
+    group: String,
+    confirm: Option<String>,
+}
+
+async fn requeue<E: TitoEngine>(
+    State(state): State<Arc<Inner<E>>>,
+    Extension(Peer(peer)): Extension<Peer>,
+    Form(form): Form<RequeueForm>,
+) -> Page {
+    let inbox = find_inbox(&state, &form.table)?;
+    if form.id.is_empty() || form.group.is_empty() {
+        return Err(TitoError::invalid_argument("a requeue needs a row id and a group").into());
+    }
+    let target = format!(
+        "inbox {:?}, row {:?} into group {:?}",
+        form.table, form.id, form.group
+    );
+    if !confirmed(&form.confirm) {
+        let fields = [
+            ("table", form.table.clone()),
+            ("id", form.id.clone()),
+            ("group", form.group.clone()),
+        ];
+        return Ok(Html(html::confirm(
+            "Move a row back to ready",
+            &format!("Move {target} as a fresh job (attempts 0, no delay, no lease)?"),
+            "requeue",
+            &fields,
+        )));
+    }
+    inbox.requeue(&form.id, &form.group).await?;
+    state.record(peer, "requeue", target.clone(), "moved".into());
+    Ok(Html(html::done(
+        "Row requeued",
+        &format!("{target}: moved."),
+    )))
+}
+
+#[derive(Deserialize)]
+struct AuditForm {
+    table: String,
+    confirm: Option<String>,
+}
+
+async fn audit<E: TitoEngine>(
+    State(state): State<Arc<Inner<E>>>,
+    Extension(Peer(peer)): Extension<Peer>,
+    Form(form): Form<AuditForm>,
+) -> Page {
+    let auditor = state.auditors.get(&form.table).cloned().ok_or_else(|| {
+        TitoError::NotFound(format!(
+            "table {:?} has no registered model (Admin::model) to audit with",
+            form.table
+        ))
+    })?;
+    let target = format!("table {:?}", form.table);
+    if !confirmed(&form.confirm) {
+        return Ok(Html(html::confirm(
+            "Audit a table",
+            &format!("Audit {target}? It reads every row and index entry (nothing is changed)."),
+            "audit",
+            &[("table", form.table.clone())],
+        )));
+    }
+    let report = auditor.audit().await?;
+    let result = if report.is_clean() {
+        format!("clean: {} rows, {} keys", report.rows, report.keys)
+    } else {
+        let found: u64 = report.findings.values().map(|f| f.count).sum();
+        format!(
+            "{found} findings in {} rows, {} keys",
+            report.rows, report.keys
+        )
+    };
+    state.record(peer, "audit", target.clone(), result.clone());
+    Ok(Html(html::done(
+        "Audit finished",
+        &format!("{target}: {result}."),
+    )))
+}

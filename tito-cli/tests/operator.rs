@@ -1,0 +1,829 @@
+//! The operator tools against seeded stores: the `tito` binary (a real process on a real
+//! embedded store, and against an endpoint that does not answer), and the admin dashboard
+//! served on loopback and read by headless Chromium (Debian's `chromium`; `TITO_CHROMIUM`
+//! names another binary), with screenshots under `target/tmp/dashboard/`.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::extract::ConnectInfo;
+use axum::http::{Request, StatusCode};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use tito::backend::embedded::Embedded;
+use tito::inbox::Inbox;
+use tito::kv::Kv;
+use tito::queue::run_worker;
+use tito::{
+    Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, QueueOwner, TitoEngine, TitoModel,
+    TitoTransaction, WorkerConfig,
+};
+use tower::ServiceExt;
+
+#[derive(TitoModel, Default, Clone, Debug, Serialize, Deserialize)]
+#[tito(table = "user")]
+#[tito(index = "user_by_team: team")]
+struct User {
+    id: String,
+    team: String,
+    email: String,
+}
+
+#[derive(TitoModel, Default, Clone, Debug, Serialize, Deserialize)]
+#[tito(inbox)]
+#[tito(table = "job")]
+struct Job {
+    id: String,
+    #[tito(group)]
+    queue: String,
+    #[tito(priority)]
+    priority: i64,
+    #[tito(retry_after)]
+    retry_after: i64,
+    #[tito(attempt)]
+    attempt: i64,
+    #[tito(processed_at)]
+    processed_at: Option<i64>,
+    #[tito(locked_until)]
+    locked_until: Option<i64>,
+    #[tito(payload)]
+    payload: BTreeMap<String, String>,
+}
+
+const USERS: usize = 30;
+const DUE_NOW: usize = 12;
+const DUE_LATER: usize = 5;
+
+/// Seeds every kind of thing the tools show: users with an index, a default queue with a late
+/// backlog, future work, an owner and a malformed row, a `mail` queue whose events completed,
+/// an inbox with ready, delayed and dead-lettered rows, kv entries.
+async fn seed(db: &Embedded) {
+    let users = db.clone().model::<User>();
+    for i in 0..USERS {
+        users
+            .build(User {
+                id: format!("u{i:02}"),
+                team: if i % 3 == 0 { "red" } else { "blue" }.into(),
+                email: format!("u{i}@example.com"),
+            })
+            .await
+            .unwrap();
+    }
+    let queue = Queue::new(db.clone(), QueueConfig::new(4, Duration::from_secs(3600)));
+    let now = chrono::Utc::now().timestamp();
+    for i in 0..DUE_NOW {
+        let mut event = QueueEvent::new(
+            format!("order:{i}"),
+            serde_json::json!({ "n": i }),
+            now - 120,
+        );
+        if i < 3 {
+            event = event.with_owner(QueueOwner::new("tenant", "acme"));
+        }
+        queue
+            .publish(event.with_id(format!("due-{i}")))
+            .await
+            .unwrap();
+    }
+    for i in 0..DUE_LATER {
+        let event = QueueEvent::new(
+            format!("later:{i}"),
+            serde_json::json!({ "n": i }),
+            now + 3600,
+        );
+        queue
+            .publish(event.with_id(format!("later-{i}")))
+            .await
+            .unwrap();
+    }
+    // A pending row that is not an invocation, in partition 0.
+    let root = tito::keys::queue_root(None);
+    let tx = db.begin().await.unwrap();
+    let key = tito::keys::pending_key(&root, 0, (now - 60) as u64, 1, "broken");
+    tx.put(key.into_bytes(), b"{not an invocation".to_vec())
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+
+    // The `mail` queue: two events, run to completion by a worker.
+    let mail = Arc::new(Queue::new(
+        db.clone(),
+        QueueConfig::new(2, Duration::from_secs(3600)).topic("mail"),
+    ));
+    for i in 0..2 {
+        mail.publish(QueueEvent::new(format!("m{i}"), i, now - 5))
+            .await
+            .unwrap();
+    }
+    let (stop, shutdown) = tokio::sync::watch::channel(false);
+    let worker = tokio::spawn(run_worker(
+        mail.clone(),
+        WorkerConfig::new(0..2).max_idle_backoff(Duration::from_millis(20)),
+        |_event: QueueEvent<i64>| async { Ok(QueueHandlerOutcome::Acknowledge) },
+        shutdown,
+    ));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while mail.completed_count().await.unwrap() < 2 {
+        assert!(Instant::now() < deadline, "the mail worker did not finish");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    stop.send(true).unwrap();
+    worker.await.unwrap().unwrap();
+
+    // The inbox: 3 ready and 1 delayed in `mail`, 1 out of attempts in `mail-dead`.
+    let jobs = db.clone().model::<Job>();
+    let host_ms = chrono::Utc::now().timestamp_millis();
+    for (id, group, retry_after, attempt) in [
+        ("j1", "mail", 0, 0),
+        ("j2", "mail", 0, 1),
+        ("j3", "mail", 0, 0),
+        ("j4", "mail", host_ms + 3_600_000, 2),
+        ("j5", "mail-dead", 0, 5),
+    ] {
+        jobs.build(Job {
+            id: id.into(),
+            queue: group.into(),
+            retry_after,
+            attempt,
+            payload: BTreeMap::from([("to".to_string(), format!("{id}@example.com"))]),
+            ..Job::default()
+        })
+        .await
+        .unwrap();
+    }
+
+    let kv = Kv::new(db.clone());
+    for i in 0..3 {
+        kv.put(
+            "sessions",
+            &format!("s{i}"),
+            &serde_json::json!({ "user": i }),
+            None,
+            None,
+        )
+        .await
+        .unwrap();
+    }
+}
+
+fn tito() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_tito"))
+}
+
+fn run(args: &[&str]) -> Output {
+    tito().args(args).output().expect("the tito binary runs")
+}
+
+fn stdout_json(output: &Output) -> Value {
+    assert!(
+        output.status.success(),
+        "tito failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_slice(&output.stdout).unwrap_or_else(|err| {
+        panic!(
+            "not JSON ({err}): {}",
+            String::from_utf8_lossy(&output.stdout)
+        )
+    })
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_reads_a_seeded_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().to_str().unwrap().to_string();
+    {
+        let db = Embedded::open(dir.path()).await.unwrap();
+        seed(&db).await;
+        db.close().await.unwrap();
+    }
+    let at = |args: &[&str]| {
+        let mut all = vec!["--path", path.as_str()];
+        all.extend_from_slice(args);
+        run(&all)
+    };
+
+    let tables = stdout_json(&at(&["table", "ls", "--json"]));
+    let rows: BTreeMap<String, u64> = tables
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| {
+            (
+                t["table"].as_str().unwrap().to_string(),
+                t["rows"]["value"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        rows,
+        BTreeMap::from([("job".into(), 5), ("user".into(), USERS as u64)])
+    );
+
+    let row = stdout_json(&at(&["table", "get", "user", "u03", "--json"]));
+    assert_eq!(row["value"]["team"], "red");
+    let missing = at(&["table", "get", "user", "nobody"]);
+    assert_eq!(missing.status.code(), Some(1));
+    assert!(
+        stderr(&missing).contains("no row \"nobody\""),
+        "{}",
+        stderr(&missing)
+    );
+
+    // Paging: 30 rows by 8, following the printed cursors.
+    let mut cursor: Option<String> = None;
+    let mut seen = 0;
+    loop {
+        let mut args = vec!["table", "scan", "user", "--limit", "8", "--json"];
+        if let Some(c) = &cursor {
+            args.extend_from_slice(&["--cursor", c]);
+        }
+        let page = stdout_json(&at(&args));
+        seen += page["items"].as_array().unwrap().len();
+        match page["cursor"].as_str() {
+            Some(next) => cursor = Some(next.to_string()),
+            None => break,
+        }
+    }
+    assert_eq!(seen, USERS);
+    let text = String::from_utf8_lossy(&at(&["table", "scan", "user", "--limit", "2"]).stdout)
+        .into_owned();
+    assert!(
+        text.contains("u00") && text.contains("next page: --cursor c1."),
+        "{text}"
+    );
+
+    let status = stdout_json(&at(&["index", "status", "user", "--json"]));
+    assert_eq!(status["schema"]["indexes"][0]["name"], "user_by_team");
+    assert_eq!(status["schema"]["indexes"][0]["state"], "ready");
+
+    let queues = stdout_json(&at(&["queue", "ls", "--json"]));
+    let labels: Vec<&str> = queues
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|q| q["label"].as_str().unwrap())
+        .collect();
+    assert_eq!(labels, ["default", "mail"]);
+
+    let stats = stdout_json(&at(&["queue", "stats", "--json"]));
+    // The seeded backlog plus the malformed row (a pending key like the others).
+    assert_eq!(stats["due_now"]["value"], DUE_NOW as u64 + 1);
+    assert_eq!(stats["future"]["value"], DUE_LATER as u64);
+    let text = String::from_utf8_lossy(&at(&["queue", "stats"]).stdout).into_owned();
+    assert!(text.contains("13 due now, 5 due later"), "{text}");
+
+    let peek = stdout_json(&at(&[
+        "queue",
+        "peek",
+        "--partition",
+        "0",
+        "--limit",
+        "100",
+        "--json",
+    ]));
+    let malformed: Vec<&Value> = peek["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| !r["malformed"].is_null())
+        .collect();
+    assert_eq!(malformed.len(), 1, "{peek}");
+    assert_eq!(malformed[0]["raw"], "{not an invocation");
+    let completed = stdout_json(&at(&[
+        "queue",
+        "peek",
+        "--topic",
+        "mail",
+        "--completed",
+        "--json",
+    ]));
+    assert_eq!(completed["items"].as_array().unwrap().len(), 2);
+
+    let namespaces = stdout_json(&at(&["kv", "ls", "--json"]));
+    assert_eq!(namespaces[0]["namespace"], "sessions");
+    assert_eq!(namespaces[0]["keys"]["value"], 3);
+    let entry = stdout_json(&at(&["kv", "get", "sessions", "s1", "--json"]));
+    assert_eq!(entry["value"]["user"], 1);
+    let list = stdout_json(&at(&["kv", "list", "sessions", "--limit", "2", "--json"]));
+    assert_eq!(list["entries"].as_array().unwrap().len(), 2);
+
+    let key = tito::keys::row_key("user", "a:b");
+    let decoded = stdout_json(&run(&["keys", "decode", &key, "--json"]));
+    assert_eq!(decoded, serde_json::json!(["table", "user", "a:b"]));
+
+    // Bad input is refused with the library's message.
+    let zero = at(&["table", "scan", "user", "--limit", "0"]);
+    assert_eq!(zero.status.code(), Some(1));
+    assert!(stderr(&zero).contains("1 to 1000"), "{}", stderr(&zero));
+    let forged = at(&["table", "scan", "user", "--cursor", "c1.zz"]);
+    assert!(
+        stderr(&forged).contains("malformed cursor"),
+        "{}",
+        stderr(&forged)
+    );
+
+    // gc with no retention deletes the two completed mail rows.
+    let gc = stdout_json(&at(&["gc", "--retention", "0", "--json"]));
+    assert_eq!(gc["queue mail"], 2, "{gc}");
+    let again = stdout_json(&at(&["queue", "stats", "--topic", "mail", "--json"]));
+    assert_eq!(again["completed"]["value"], 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_explains_a_held_store_an_absent_one_and_a_silent_cluster() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = Embedded::open(dir.path()).await.unwrap();
+    let held = run(&["--path", dir.path().to_str().unwrap(), "table", "ls"]);
+    assert_eq!(held.status.code(), Some(1));
+    let message = stderr(&held);
+    assert!(message.contains("held by another process"), "{message}");
+    assert!(message.contains("tito_admin::Admin"), "{message}");
+    db.close().await.unwrap();
+
+    let absent = run(&["--path", "/nonexistent/tito-store", "table", "ls"]);
+    assert_eq!(absent.status.code(), Some(1));
+    assert!(
+        stderr(&absent).contains("is not a store directory"),
+        "{}",
+        stderr(&absent)
+    );
+
+    let none = run(&["table", "ls"]);
+    assert_eq!(none.status.code(), Some(1));
+    assert!(stderr(&none).contains("--path DIR"), "{}", stderr(&none));
+    let both = run(&["--path", "x", "--pd", "y:1", "table", "ls"]);
+    assert_eq!(both.status.code(), Some(2), "clap refuses both stores");
+
+    // An address nothing listens on (bound, then released).
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let endpoint = format!("127.0.0.1:{port}");
+    let started = Instant::now();
+    let silent = run(&["--pd", &endpoint, "--timeout", "2", "queue", "ls"]);
+    let took = started.elapsed();
+    assert_eq!(silent.status.code(), Some(1));
+    assert!(stderr(&silent).contains(&endpoint), "{}", stderr(&silent));
+    assert!(
+        took < Duration::from_secs(30),
+        "answered within the timeout: {took:?}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// The dashboard
+// ---------------------------------------------------------------------------------------------
+
+fn chromium() -> PathBuf {
+    if let Some(path) = std::env::var_os("TITO_CHROMIUM") {
+        return PathBuf::from(path);
+    }
+    for candidate in ["/usr/bin/chromium", "/usr/bin/chromium-browser"] {
+        if Path::new(candidate).exists() {
+            return PathBuf::from(candidate);
+        }
+    }
+    panic!(
+        "the dashboard test needs headless Chromium: install Debian's `chromium` package \
+         (`apt-get install chromium`; .ci/run does) or set TITO_CHROMIUM to a Chromium binary"
+    );
+}
+
+/// Runs headless Chromium on `url` with `extra` arguments; returns its stdout.
+fn chromium_run(url: &str, extra: &[String]) -> String {
+    let profile = tempfile::tempdir().unwrap();
+    let output = Command::new(chromium())
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--hide-scrollbars",
+        ])
+        .arg(format!("--user-data-dir={}", profile.path().display()))
+        .args(extra)
+        .arg(url)
+        .output()
+        .expect("chromium starts");
+    assert!(
+        output.status.success(),
+        "chromium failed on {url}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+/// The page's DOM after Chromium loaded it, and a screenshot of it saved as `name`.png.
+fn browse(base: &str, path: &str, name: &str) -> String {
+    let url = format!("{base}{path}");
+    let dom = chromium_run(&url, &["--dump-dom".to_string()]);
+    let shots = Path::new(env!("CARGO_TARGET_TMPDIR")).join("dashboard");
+    std::fs::create_dir_all(&shots).unwrap();
+    let file = shots.join(format!("{name}.png"));
+    chromium_run(
+        &url,
+        &[
+            format!("--screenshot={}", file.display()),
+            "--window-size=1280,1100".to_string(),
+        ],
+    );
+    assert!(
+        std::fs::metadata(&file)
+            .map(|m| m.len() > 10_000)
+            .unwrap_or(false),
+        "a screenshot of {url} at {}",
+        file.display()
+    );
+    dom
+}
+
+/// The text of the first element carrying `attribute` after `anchor` in `dom`.
+fn figure_after(dom: &str, anchor: &str, attribute: &str) -> String {
+    let from = dom
+        .find(anchor)
+        .unwrap_or_else(|| panic!("{anchor} in the page:\n{dom}"));
+    let rest = &dom[from..];
+    let at = rest
+        .find(attribute)
+        .unwrap_or_else(|| panic!("{attribute} after {anchor}"));
+    let rest = &rest[at..];
+    let open = rest.find('>').unwrap() + 1;
+    let close = rest[open..].find('<').unwrap() + open;
+    rest[open..close].trim().to_string()
+}
+
+fn admin(db: &Embedded) -> axum::Router {
+    let inbox = Arc::new(Inbox::<_, Job>::new(db.clone()).unwrap());
+    tito_admin::Admin::new(db.clone())
+        .inbox(inbox, &["mail", "mail-dead"])
+        .model::<User>()
+        .router()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_shows_the_seeded_figures_in_a_browser() {
+    let chromium = chromium();
+    assert!(chromium.exists(), "{}", chromium.display());
+    let dir = tempfile::tempdir().unwrap();
+    let db = Embedded::open(dir.path()).await.unwrap();
+    seed(&db).await;
+
+    // Mounted under a prefix, as an application would.
+    let app = axum::Router::new().nest("/tito", admin(&db));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(tito_admin::serve(listener, app, async {
+        let _ = stopped.await;
+    }));
+    let base = format!("http://{addr}/tito/");
+
+    let pages = tokio::task::spawn_blocking(move || {
+        [
+            ("", "overview"),
+            ("queue", "queue"),
+            ("queue?partition=0", "queue-partition-0"),
+            ("inbox?table=job&group=mail", "inbox"),
+            ("inbox?table=job&group=mail-dead", "inbox-dead"),
+            ("table?name=user", "table"),
+            ("kv?namespace=sessions", "kv"),
+        ]
+        .map(|(path, name)| (name, browse(&base, path, name)))
+    })
+    .await
+    .unwrap();
+    let page = |name: &str| pages.iter().find(|(n, _)| *n == name).unwrap().1.clone();
+
+    let overview = page("overview");
+    assert_eq!(
+        figure_after(
+            &overview,
+            "data-queue=\"default\"",
+            "data-figure=\"due-now\""
+        ),
+        (DUE_NOW + 1).to_string()
+    );
+    assert_eq!(
+        figure_after(&overview, "data-table=\"user\"", "data-figure=\"rows\""),
+        USERS.to_string()
+    );
+    assert_eq!(
+        figure_after(
+            &overview,
+            "data-inbox=\"job/mail\"",
+            "data-figure=\"ready\""
+        ),
+        "3"
+    );
+    assert_eq!(
+        figure_after(
+            &overview,
+            "data-namespace=\"sessions\"",
+            "data-figure=\"keys\""
+        ),
+        "3"
+    );
+    // The links resolve under the mount point.
+    assert!(overview.contains("<base href=\"/tito/\">"), "{overview}");
+
+    let queue = page("queue");
+    assert_eq!(
+        figure_after(&queue, "<main>", "data-figure=\"due-now\""),
+        "13"
+    );
+    assert_eq!(
+        figure_after(&queue, "<main>", "data-figure=\"due-later\""),
+        "5"
+    );
+    let late = figure_after(&queue, "<main>", "data-figure=\"late\"");
+    assert!(
+        late.starts_with("2m"),
+        "the oldest is two minutes late: {late}"
+    );
+    let partition0 = page("queue-partition-0");
+    assert!(
+        partition0.contains("data-malformed"),
+        "the broken row is shown"
+    );
+    assert!(partition0.contains("{not an invocation"));
+
+    let inbox = page("inbox");
+    assert_eq!(figure_after(&inbox, "<main>", "data-figure=\"ready\""), "3");
+    assert_eq!(
+        figure_after(&inbox, "<main>", "data-figure=\"delayed\""),
+        "1"
+    );
+    let dead = page("inbox-dead");
+    assert!(dead.contains("data-row=\"j5\""), "{dead}");
+    assert!(
+        dead.contains("move to mail"),
+        "the requeue action is offered"
+    );
+
+    let table = page("table");
+    assert_eq!(figure_after(&table, "<main>", "data-figure=\"rows\""), "30");
+    assert_eq!(
+        figure_after(
+            &table,
+            "data-index=\"user_by_team\"",
+            "data-figure=\"state\""
+        ),
+        "ready"
+    );
+    assert!(table.contains("Start an audit"));
+    let kv = page("kv");
+    for key in ["s0", "s1", "s2"] {
+        assert!(kv.contains(&format!("data-key=\"{key}\"")), "{key}");
+    }
+
+    let _ = stop.send(());
+    server.await.unwrap().unwrap();
+}
+
+/// Sends one request to the router, from `peer` when given.
+async fn send(
+    router: &axum::Router,
+    request: Request<Body>,
+    peer: Option<&str>,
+) -> (StatusCode, String) {
+    let mut request = request;
+    if let Some(peer) = peer {
+        let addr: SocketAddr = peer.parse().unwrap();
+        request.extensions_mut().insert(ConnectInfo(addr));
+    }
+    let response = router.clone().oneshot(request).await.unwrap();
+    let status = response.status();
+    let body = axum::body::to_bytes(response.into_body(), 1 << 24)
+        .await
+        .unwrap();
+    (status, String::from_utf8_lossy(&body).into_owned())
+}
+
+fn get(path: &str) -> Request<Body> {
+    Request::get(path).body(Body::empty()).unwrap()
+}
+
+fn post(path: &str, form: &str) -> Request<Body> {
+    Request::post(path)
+        .header("content-type", "application/x-www-form-urlencoded")
+        .header("host", "127.0.0.1:8080")
+        .body(Body::from(form.to_string()))
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_guards_access_and_confirms_and_logs_actions() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = Embedded::open(dir.path()).await.unwrap();
+    seed(&db).await;
+    let router = admin(&db);
+    let local = Some("127.0.0.1:50000");
+
+    // No hook: loopback peers only; an unknown peer is refused too.
+    assert_eq!(send(&router, get("/"), local).await.0, StatusCode::OK);
+    assert_eq!(
+        send(&router, get("/"), Some("[::1]:5")).await.0,
+        StatusCode::OK
+    );
+    assert_eq!(
+        send(&router, get("/"), Some("10.1.2.3:5")).await.0,
+        StatusCode::FORBIDDEN
+    );
+    assert_eq!(
+        send(&router, get("/api/overview"), None).await.0,
+        StatusCode::FORBIDDEN
+    );
+    // A hook decides alone, whatever the peer.
+    let hooked = tito_admin::Admin::new(db.clone())
+        .authorize(|r| r.headers().get("x-token").is_some_and(|t| t == "s3cret"))
+        .router();
+    let with_token = Request::get("/")
+        .header("x-token", "s3cret")
+        .body(Body::empty())
+        .unwrap();
+    assert_eq!(
+        send(&hooked, with_token, Some("10.1.2.3:5")).await.0,
+        StatusCode::OK
+    );
+    assert_eq!(
+        send(&hooked, get("/"), local).await.0,
+        StatusCode::FORBIDDEN
+    );
+
+    // JSON twins carry the same figures.
+    let (status, body) = send(&router, get("/api/queue"), local).await;
+    assert_eq!(status, StatusCode::OK);
+    let queue: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(queue["overview"]["due_now"]["value"], 13);
+    let (status, body) = send(&router, get("/api/queue?partition=9"), local).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    let (status, _) = send(&router, get("/api/queue?topic=nope"), local).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let (status, body) = send(
+        &router,
+        get("/api/inbox?table=job&group=mail&state=zzz"),
+        local,
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+
+    // Erasing an owner: a confirmation first, nothing deleted; then with confirm=yes.
+    let (status, body) = send(&router, post("/erase-owner", "kind=tenant&id=acme"), local).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(body.contains("name=\"confirm\" value=\"yes\""), "{body}");
+    let (_, body) = send(&router, get("/api/queue"), local).await;
+    assert_eq!(
+        serde_json::from_str::<Value>(&body).unwrap()["overview"]["due_now"]["value"],
+        13
+    );
+    let (status, body) = send(
+        &router,
+        post("/erase-owner", "kind=tenant&id=acme&confirm=yes"),
+        local,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert!(body.contains("3 invocations deleted"), "{body}");
+    let (_, body) = send(&router, get("/api/queue"), local).await;
+    assert_eq!(
+        serde_json::from_str::<Value>(&body).unwrap()["overview"]["due_now"]["value"],
+        10
+    );
+    let (status, _) = send(
+        &router,
+        post("/erase-owner", "kind=&id=acme&confirm=yes"),
+        local,
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+
+    // A post from another origin is refused.
+    let mut cross = post("/erase-owner", "kind=tenant&id=acme&confirm=yes");
+    cross
+        .headers_mut()
+        .insert("origin", "http://evil.example".parse().unwrap());
+    assert_eq!(send(&router, cross, local).await.0, StatusCode::FORBIDDEN);
+
+    // Moving the dead-lettered row back to ready.
+    let (status, body) = send(
+        &router,
+        post("/requeue", "table=job&id=j5&group=mail&confirm=yes"),
+        local,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let (_, body) = send(
+        &router,
+        get("/api/inbox?table=job&group=mail&state=ready"),
+        local,
+    )
+    .await;
+    let inbox: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(inbox["counts"]["ready"], 4);
+    let j5 = inbox["rows"]["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["id"] == "j5")
+        .expect("j5 is ready in mail");
+    assert_eq!(j5["attempt"], 0);
+    let (status, _) = send(
+        &router,
+        post("/requeue", "table=job&id=nope&group=mail&confirm=yes"),
+        local,
+    )
+    .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+
+    // An audit of the registered model; an unregistered table cannot be audited.
+    let (status, body) = send(&router, post("/audit", "table=user&confirm=yes"), local).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert!(body.contains("clean: 30 rows"), "{body}");
+    let (_, body) = send(&router, get("/api/table?name=user"), local).await;
+    let table: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(table["last_audit"]["rows"], 30);
+    let (status, _) = send(&router, post("/audit", "table=job&confirm=yes"), local).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+
+    // Every action that ran is logged, newest first, with its peer.
+    let (_, body) = send(&router, get("/api/actions"), local).await;
+    let actions: Value = serde_json::from_str(&body).unwrap();
+    let names: Vec<&str> = actions
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["action"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["audit", "requeue", "erase-owner"]);
+    assert_eq!(actions[0]["peer"], "127.0.0.1:50000");
+}
+
+/// `TITO_DASHBOARD_EVENTS=100000 cargo test -p tito-cli --release --test operator -- --ignored
+/// --nocapture dashboard_pages_at_size`: times every page on a store with that many pending
+/// events (server-side read time, through the router).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a sizing run; prints figures"]
+async fn dashboard_pages_at_size() {
+    let events: usize = std::env::var("TITO_DASHBOARD_EVENTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(100_000);
+    let dir = tempfile::tempdir().unwrap();
+    let db = Embedded::open(dir.path()).await.unwrap();
+    seed(&db).await;
+    let queue = Queue::new(db.clone(), QueueConfig::new(4, Duration::from_secs(3600)));
+    let now = chrono::Utc::now().timestamp();
+    let started = Instant::now();
+    for chunk in 0..events.div_ceil(1000) {
+        let tx = db.begin().await.unwrap();
+        for i in chunk * 1000..((chunk + 1) * 1000).min(events) {
+            let due = if i % 2 == 0 { now - 600 } else { now + 600 };
+            let event = QueueEvent::new(format!("k{i}"), i, due).with_id(format!("bulk-{i}"));
+            queue.publish_in_tx(&event, &tx).await.unwrap();
+        }
+        tx.commit().await.unwrap();
+    }
+    println!(
+        "seeded {events} pending events in {:.1?}",
+        started.elapsed()
+    );
+    let router = admin(&db);
+    for path in [
+        "/",
+        "/queue",
+        "/queue?partition=3",
+        "/api/queue",
+        "/inbox?table=job&group=mail",
+        "/table?name=user",
+        "/kv?namespace=sessions",
+    ] {
+        let mut times = Vec::new();
+        for _ in 0..5 {
+            let started = Instant::now();
+            let (status, _) = send(&router, get(path), Some("127.0.0.1:1")).await;
+            assert_eq!(status, StatusCode::OK, "{path}");
+            times.push(started.elapsed().as_secs_f64() * 1000.0);
+        }
+        times.sort_by(f64::total_cmp);
+        println!(
+            "{path:<32} median {:>8.1} ms   min {:>8.1} ms   max {:>8.1} ms",
+            times[2], times[0], times[4]
+        );
+    }
+}
