@@ -25,7 +25,7 @@ td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; }
 .late { color: #b3261e; font-weight: 600; } .ok { color: #1f7a3a; } .muted { color: #7a8294; }
 .error { color: #b3261e; } .bad { background: #fff3f2; }
 code, pre { font: 12px/1.4 ui-monospace, SFMono-Regular, Menlo, monospace; }
-pre { margin: 0; white-space: pre-wrap; word-break: break-all; max-height: 8em; overflow: auto; }
+pre { margin: 0; white-space: pre-wrap; word-break: break-all; }
 a { color: #1a56c4; }
 form.inline { display: inline; }
 button { font: inherit; padding: 3px 10px; border: 1px solid #9aa3b5; background: #fff; border-radius: 3px; cursor: pointer; }
@@ -33,6 +33,7 @@ button.danger { border-color: #b3261e; color: #b3261e; }
 input { font: inherit; padding: 3px 6px; border: 1px solid #9aa3b5; border-radius: 3px; }
 .pager { margin: 8px 0; } footer { color: #7a8294; font-size: 12px; margin-top: 24px; }
 .state { display: inline-block; padding: 0 6px; border-radius: 3px; font-size: 12px; background: #eef0f4; }
+tr.shown td { background: #eef4ff; font-weight: 600; }
 .state.ready { background: #e3f4e8; } .state.leased { background: #e5ecfb; } .state.delayed { background: #fdf3dc; } .state.building, .state.dropping { background: #fdf3dc; }
 "#;
 
@@ -93,9 +94,10 @@ pub(crate) fn base_of(request: &axum::extract::Request) -> String {
 /// wherever it is mounted.
 pub(crate) fn page(title: &str, body: &str, started: Option<Instant>) -> String {
     let base = BASE.try_with(Clone::clone).unwrap_or_else(|_| "/".into());
+    let home = home(&base);
     let timing = started.map_or(String::new(), |s| {
         format!(
-            "<footer>read in <span id=\"read-ms\">{:.1}</span> ms</footer>",
+            "<footer>times in UTC · read in <span id=\"read-ms\">{:.1}</span> ms</footer>",
             s.elapsed().as_secs_f64() * 1000.0
         )
     });
@@ -103,11 +105,21 @@ pub(crate) fn page(title: &str, body: &str, started: Option<Instant>) -> String 
         "<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">\
          <meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\
          <base href=\"{base}\"><title>{title} · Tito</title><style>{STYLE}</style></head><body>\
-         <header><a class=\"brand\" href=\"./\">Tito</a><a href=\"./\">Overview</a>\
+         <header><a class=\"brand\" href=\"{home}\">Tito</a><a href=\"{home}\">Overview</a>\
          <a href=\"actions\">Actions</a></header><main><h1>{title}</h1>{body}{timing}</main></body></html>",
         title = esc(title),
         base = esc(&base),
+        home = esc(&home),
     )
+}
+
+/// The overview's path: the mount path itself (`/tito`, which a nested router answers; `/tito/`
+/// it does not), or `/` at the root.
+fn home(base: &str) -> String {
+    match base.trim_end_matches('/') {
+        "" => "/".to_string(),
+        mount => mount.to_string(),
+    }
 }
 
 fn card(label: &str, value: &str, id: &str) -> String {
@@ -151,7 +163,8 @@ fn count(c: &Count) -> String {
 }
 
 fn json_cell(value: &serde_json::Value) -> String {
-    let text = serde_json::to_string_pretty(value).unwrap_or_default();
+    // Compact: one line per row (wrapped when long), so a page of rows stays readable.
+    let text = serde_json::to_string(value).unwrap_or_default();
     format!("<pre>{}</pre>", esc(&text))
 }
 
@@ -359,12 +372,17 @@ pub(crate) fn queue(data: &QueueData, started: Instant) -> String {
         };
         let _ = write!(
             b,
-            "<tr data-partition=\"{n}\"><td class=\"num\"><a href=\"queue?{tq}partition={n}\">{n}</a></td><td class=\"num\" data-figure=\"due-now\">{}</td><td class=\"num\">{}</td><td>{}</td><td>{}</td><td>{holder}</td><td>{until}</td></tr>",
+            "<tr data-partition=\"{n}\"{shown}><td class=\"num\"><a href=\"queue?{tq}partition={n}\">{n}</a></td><td class=\"num\" data-figure=\"due-now\">{}</td><td class=\"num\">{}</td><td>{}</td><td>{}</td><td>{holder}</td><td>{until}</td></tr>",
             count(&p.due_now),
             count(&p.future),
             p.oldest_due.map_or("—".into(), utc_s),
             late_cell(p.oldest_late_s, p.due_now.value > 0),
             n = p.partition,
+            shown = if p.partition == data.partition {
+                " class=\"shown\""
+            } else {
+                ""
+            },
         );
     }
     b.push_str("</table>");
@@ -690,9 +708,12 @@ pub(crate) fn confirm(
     }
     let body = format!(
         "<p>{}</p><form method=\"post\" action=\"{}\">{hidden}<input type=\"hidden\" name=\"confirm\" value=\"yes\">\
-         <button class=\"danger\" type=\"submit\" id=\"confirm\">Yes, do it</button> <a href=\"./\">cancel</a></form>",
+         <button class=\"danger\" type=\"submit\" id=\"confirm\">Yes, do it</button> <a href=\"{home}\">cancel</a></form>",
         esc(question),
         esc(action),
+        home = esc(&home(
+            &BASE.try_with(Clone::clone).unwrap_or_else(|_| "/".into())
+        )),
     );
     page(title, &body, None)
 }

@@ -402,7 +402,7 @@ fn chromium() -> PathBuf {
 }
 
 /// Runs headless Chromium on `url` with `extra` arguments; returns its stdout.
-fn chromium_run(url: &str, extra: &[String]) -> String {
+fn chromium_run(url: &str, extra: &[String]) -> (String, String) {
     let profile = tempfile::tempdir().unwrap();
     let output = Command::new(chromium())
         .args([
@@ -426,29 +426,33 @@ fn chromium_run(url: &str, extra: &[String]) -> String {
         "chromium failed on {url}: {}",
         String::from_utf8_lossy(&output.stderr)
     );
-    String::from_utf8_lossy(&output.stdout).into_owned()
+    (
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
 }
 
 /// The page's DOM after Chromium loaded it, and a screenshot of it saved as `name`.png.
 fn browse(base: &str, path: &str, name: &str) -> String {
     let url = format!("{base}{path}");
-    let dom = chromium_run(&url, &["--dump-dom".to_string()]);
+    let (dom, _) = chromium_run(&url, &["--dump-dom".to_string()]);
     let shots = Path::new(env!("CARGO_TARGET_TMPDIR")).join("dashboard");
     std::fs::create_dir_all(&shots).unwrap();
     let file = shots.join(format!("{name}.png"));
-    chromium_run(
+    let (_, log) = chromium_run(
         &url,
         &[
             format!("--screenshot={}", file.display()),
             "--window-size=1280,1100".to_string(),
         ],
     );
+    let size = std::fs::metadata(&file).map(|m| m.len()).unwrap_or(0);
+    let log: Vec<&str> = log.lines().filter(|l| !l.contains("dbus")).collect();
     assert!(
-        std::fs::metadata(&file)
-            .map(|m| m.len() > 10_000)
-            .unwrap_or(false),
-        "a screenshot of {url} at {}",
-        file.display()
+        size > 10_000,
+        "a screenshot of {url} at {} ({size} bytes): {}",
+        file.display(),
+        log.join("\n")
     );
     dom
 }
@@ -492,17 +496,17 @@ async fn the_dashboard_shows_the_seeded_figures_in_a_browser() {
     let server = tokio::spawn(tito_admin::serve(listener, app, async {
         let _ = stopped.await;
     }));
-    let base = format!("http://{addr}/tito/");
+    let base = format!("http://{addr}/tito");
 
     let pages = tokio::task::spawn_blocking(move || {
         [
             ("", "overview"),
-            ("queue", "queue"),
-            ("queue?partition=0", "queue-partition-0"),
-            ("inbox?table=job&group=mail", "inbox"),
-            ("inbox?table=job&group=mail-dead", "inbox-dead"),
-            ("table?name=user", "table"),
-            ("kv?namespace=sessions", "kv"),
+            ("/queue", "queue"),
+            ("/queue?partition=0", "queue-partition-0"),
+            ("/inbox?table=job&group=mail", "inbox"),
+            ("/inbox?table=job&group=mail-dead", "inbox-dead"),
+            ("/table?name=user", "table"),
+            ("/kv?namespace=sessions", "kv"),
         ]
         .map(|(path, name)| (name, browse(&base, path, name)))
     })
@@ -541,6 +545,10 @@ async fn the_dashboard_shows_the_seeded_figures_in_a_browser() {
     );
     // The links resolve under the mount point.
     assert!(overview.contains("<base href=\"/tito/\">"), "{overview}");
+    assert!(
+        overview.contains("<a href=\"/tito\">Overview</a>"),
+        "{overview}"
+    );
 
     let queue = page("queue");
     assert_eq!(
