@@ -75,6 +75,15 @@ use tito::{TitoEngine, TitoError};
 
 pub use sources::{Auditor, InboxSource};
 
+/// An inbox as an [`InboxSource`] showing `groups`.
+pub fn inbox_source<E: TitoEngine, M: InboxModel>(
+    inbox: Arc<Inbox<E, M>>,
+    groups: &[&str],
+) -> Arc<dyn InboxSource> {
+    let groups = groups.iter().map(|g| g.to_string()).collect();
+    Arc::new(sources::TypedInbox { inbox, groups })
+}
+
 /// Rows per page.
 pub const PAGE: usize = 50;
 
@@ -134,6 +143,18 @@ impl<E: TitoEngine> Admin<E> {
         let groups = groups.iter().map(|g| g.to_string()).collect();
         self.inboxes
             .push(Arc::new(sources::TypedInbox { inbox, groups }));
+        self
+    }
+
+    /// Shows an inbox through its [`InboxSource`] ([`inbox_source`] makes one).
+    pub fn inbox_source(mut self, source: Arc<dyn InboxSource>) -> Self {
+        self.inboxes.push(source);
+        self
+    }
+
+    /// Lets the page of `table` start an audit through `auditor`.
+    pub fn auditor(mut self, table: impl Into<String>, auditor: Arc<dyn Auditor>) -> Self {
+        self.auditors.insert(table.into(), auditor);
         self
     }
 

@@ -835,3 +835,143 @@ async fn dashboard_pages_at_size() {
         );
     }
 }
+
+/// The same table as `User`, one deploy later: it adds a unique email index.
+#[derive(TitoModel, Default, Clone, Debug, Serialize, Deserialize)]
+#[tito(table = "user")]
+#[tito(index = "user_by_team: team")]
+#[tito(unique_index = "user_by_email: email")]
+struct UserV2 {
+    id: String,
+    team: String,
+    email: String,
+}
+
+fn tool() -> tito_cli::Tool {
+    tito_cli::Tool::new().model::<UserV2>().inbox::<Job>()
+}
+
+async fn execute(path: &str, args: &[&str]) -> Result<String, String> {
+    let mut all = vec!["--path", path];
+    all.extend_from_slice(args);
+    tool().execute(all).await
+}
+
+async fn execute_json(path: &str, args: &[&str]) -> Value {
+    let mut all = args.to_vec();
+    all.push("--json");
+    let out = execute(path, &all)
+        .await
+        .unwrap_or_else(|e| panic!("{args:?}: {e}"));
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("{args:?} is not JSON ({e}): {out}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tool_with_the_models_builds_audits_repairs_and_shows_inboxes() {
+    tito::schema::set_write_grace(Duration::from_millis(20)).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().to_str().unwrap().to_string();
+    {
+        let db = Embedded::open(dir.path()).await.unwrap();
+        seed(&db).await;
+        db.close().await.unwrap();
+    }
+    // The stock binary has no model: it says how to get one.
+    let stock = run(&["--path", &path, "audit", "user"]);
+    assert_eq!(stock.status.code(), Some(1));
+    assert!(
+        stderr(&stock).contains("tito_cli::Tool::new().model::<YourModel>()"),
+        "{}",
+        stderr(&stock)
+    );
+
+    // The new index is registered as building on first use and built by the tool.
+    let built = execute_json(&path, &["index", "build", "user"]).await;
+    assert_eq!(built["rows"], USERS as u64, "{built}");
+    assert_eq!(
+        built["finished"],
+        serde_json::json!(["build user_by_email"])
+    );
+    let status = execute_json(&path, &["index", "status", "user"]).await;
+    let states: BTreeMap<String, String> = status["schema"]["indexes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| {
+            (
+                i["name"].as_str().unwrap().into(),
+                i["state"].as_str().unwrap().into(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        states,
+        BTreeMap::from([
+            ("user_by_email".into(), "ready".into()),
+            ("user_by_team".into(), "ready".into())
+        ])
+    );
+    // Nothing is building now: naming an index that is not building is refused.
+    let refused = execute(&path, &["index", "build", "user", "user_by_email"]).await;
+    assert!(refused.unwrap_err().contains("is not building"));
+    let refused = execute(&path, &["index", "drop", "user", "user_by_team"]).await;
+    assert!(refused.unwrap_err().contains("is not dropping"));
+
+    let clean = execute_json(&path, &["audit", "user"]).await;
+    assert_eq!(clean["rows"], USERS as u64);
+    assert!(
+        clean["findings"]
+            .as_object()
+            .unwrap()
+            .values()
+            .all(|f| f["count"] == 0),
+        "{clean}"
+    );
+
+    // One index entry lost behind Tito's back: the audit finds it, the repair puts it back.
+    {
+        let db = Embedded::open(dir.path()).await.unwrap();
+        let prefix = tito::keys::index_prefix("user", "user_by_email", &[]).unwrap();
+        let end = tito::keys::prefix_end(prefix.clone());
+        let tx = db.begin().await.unwrap();
+        let rows = tx.scan(prefix.as_bytes(), end.as_bytes(), 1).await.unwrap();
+        tx.delete(rows[0].0.clone()).await.unwrap();
+        tx.commit().await.unwrap();
+        db.close().await.unwrap();
+    }
+    let found = execute_json(&path, &["audit", "user"]).await;
+    let total: u64 = found["findings"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|f| f["count"].as_u64().unwrap())
+        .sum();
+    assert_eq!(total, 1, "{found}");
+    let text = execute(&path, &["repair", "user"]).await.unwrap();
+    assert!(text.starts_with("repair of user: 30 rows"), "{text}");
+    let again = execute_json(&path, &["audit", "user"]).await;
+    assert!(
+        again["findings"]
+            .as_object()
+            .unwrap()
+            .values()
+            .all(|f| f["count"] == 0),
+        "{again}"
+    );
+    let status = execute(&path, &["index", "status", "user"]).await.unwrap();
+    assert!(status.contains("last audit: 30 rows"), "{status}");
+
+    // Inboxes, through the registered model.
+    let stats = execute_json(&path, &["inbox", "stats", "job", "--group", "mail"]).await;
+    assert_eq!(
+        (stats["ready"].as_u64(), stats["delayed"].as_u64()),
+        (Some(3), Some(1))
+    );
+    let dead = execute_json(&path, &["inbox", "dead", "job", "--group", "mail-dead"]).await;
+    assert_eq!(dead["rows"]["items"][0]["id"], "j5");
+    assert_eq!(dead["rows"]["items"][0]["attempt"], 5);
+    let unknown = execute(&path, &["inbox", "stats", "email", "--group", "x"]).await;
+    assert!(unknown.unwrap_err().contains("no inbox model"));
+    // Bad usage is reported, not a panic.
+    assert!(execute(&path, &["index", "frobnicate"]).await.is_err());
+}
