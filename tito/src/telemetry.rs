@@ -3,9 +3,11 @@
 //! # Metrics
 //!
 //! Tito records through the [`metrics`](https://docs.rs/metrics) facade: nothing is kept or
-//! exported until the application installs a recorder (a Prometheus exporter, say), and with
-//! none installed a recording costs one relaxed atomic load. Names and labels follow the
-//! Prometheus conventions: counters end in `_total`, durations are histograms in seconds.
+//! exported until the application installs a recorder (a Prometheus exporter, say); with none
+//! installed a recording builds its key (copying its label values) and drops it. Names and
+//! labels follow the Prometheus conventions: counters end in `_total`, durations are
+//! histograms in seconds. Install the recorder before the first store handle is used; the
+//! facade's global recorder can be set once per process.
 //!
 //! | name | kind | labels | what |
 //! |---|---|---|---|
