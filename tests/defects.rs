@@ -52,6 +52,7 @@ macro_rules! defects_suite {
                 defect_17_bad_inbox_kv_and_event_settings_are_refused,
                 defect_18_oversized_keys_and_values_are_refused,
                 defect_19_handler_errors_carry_their_source,
+                defect_20_a_failing_handler_backs_off_without_holding_others,
             ]
         );
     };
@@ -1321,4 +1322,76 @@ pub async fn defect_19_handler_errors_carry_their_source<E: TitoEngine>(ctx: Ctx
         std::error::Error::source(&err).map(ToString::to_string),
         Some("mail server unavailable".to_string())
     );
+}
+
+/// A handler that fails every time used to be started again at once, thousands of times a
+/// second (its invocation stays due). The worker now waits before starting it again (50 ms,
+/// doubling up to `max_idle_backoff`), and the wait holds only that invocation: another one
+/// published meanwhile runs at once. Once the handler succeeds the invocation completes.
+pub async fn defect_20_a_failing_handler_backs_off_without_holding_others<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    let queue = queue(&ctx.db, 1);
+    queue
+        .publish(QueueEvent::new("k", Job { n: 0 }, now()).with_id("poison"))
+        .await
+        .unwrap();
+    let failing = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let poison_runs = Arc::new(AtomicUsize::new(0));
+    let other_done = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let (failing, poison_runs, other_done) =
+            (failing.clone(), poison_runs.clone(), other_done.clone());
+        move |event: QueueEvent<Job>| {
+            let (failing, poison_runs, other_done) =
+                (failing.clone(), poison_runs.clone(), other_done.clone());
+            async move {
+                if event.id == "poison" {
+                    poison_runs.fetch_add(1, Ordering::SeqCst);
+                    if failing.load(Ordering::SeqCst) {
+                        return Err(tito::TitoError::handler("always fails"));
+                    }
+                } else {
+                    other_done.fetch_add(1, Ordering::SeqCst);
+                }
+                Ok(QueueHandlerOutcome::Acknowledge)
+            }
+        }
+    };
+    let (stop, rx) = watch::channel(false);
+    let config = WorkerConfig::new(0..1).max_idle_backoff(Duration::from_millis(100));
+    let worker = tokio::spawn(run_worker(queue.clone(), config, handler, rx));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Another invocation is not held back by the failing one's pause.
+    queue
+        .publish(QueueEvent::new("k", Job { n: 1 }, now()).with_id("fine"))
+        .await
+        .unwrap();
+    let done = other_done.clone();
+    wait_for("the other invocation", Duration::from_secs(10), move || {
+        let done = done.clone();
+        async move { done.load(Ordering::SeqCst) == 1 }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let runs = poison_runs.load(Ordering::SeqCst);
+    // About 600 ms of failing at 50, 100, 100... ms apart: a handful, never thousands.
+    assert!(
+        (2..=20).contains(&runs),
+        "the failing handler ran {runs} times in 600 ms"
+    );
+    failing.store(false, Ordering::SeqCst);
+    let q = queue.clone();
+    wait_for(
+        "the invocation to complete",
+        Duration::from_secs(10),
+        move || {
+            let q = q.clone();
+            async move { pending_total(&q).await == 0 }
+        },
+    )
+    .await;
+    stop.send(true).unwrap();
+    worker.await.unwrap().unwrap();
+    assert!(queue.stats().failed as usize >= runs - 1);
 }

@@ -9,8 +9,6 @@
 //! in place and stepped over. When a scan finds nothing more, the pass is over; the next pull
 //! starts a new pass from the oldest runnable row.
 
-use std::collections::HashMap;
-
 use crate::engine::{self, TitoTransaction};
 use crate::error::TitoResult;
 use crate::keys::{self, PendingKey};
@@ -69,7 +67,7 @@ impl Cursor {
         tx: &X,
         root: &str,
         want: usize,
-        in_flight: &HashMap<String, u32>,
+        skip: &(dyn Fn(&str) -> bool + Sync),
         stats: &QueueCounters,
     ) -> TitoResult<PullResult> {
         let mut result = PullResult {
@@ -112,7 +110,7 @@ impl Cursor {
                     pass.next = keys::prefix_end(bucket).into_bytes();
                     break;
                 }
-                if in_flight.contains_key(text) {
+                if skip(text) {
                     continue;
                 }
                 let stored = match StoredEvent::parse(&value) {

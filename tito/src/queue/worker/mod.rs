@@ -40,7 +40,7 @@ use crate::telemetry::names;
 use handler::{Invoker, Report, Running};
 use leases::{LeaseKeeper, Maintenance};
 use outcome::Outcome;
-use pulling::Pulling;
+use pulling::{Cooling, Pulling};
 use tracing::Instrument;
 
 /// How a worker runs. Build with [`WorkerConfig::new`] and the setters.
@@ -58,7 +58,10 @@ pub struct WorkerConfig {
     pub handler_timeout: Duration,
     /// How long a partition lease lasts without renewal (renewed every third of it).
     pub lease_duration: Duration,
-    /// The longest pause between polls of a partition with nothing runnable.
+    /// The longest pause between polls of a partition with nothing runnable. Also the longest
+    /// pause before this worker starts an invocation whose handler failed again: the pause
+    /// starts at 50 ms and doubles with every failure in a row (the invocation stays pending
+    /// meanwhile; another worker may take it sooner).
     pub max_idle_backoff: Duration,
     /// The pause between maintenance passes once their work has caught up. A pass deletes
     /// completed rows past retention, expired commit markers
@@ -464,7 +467,14 @@ where
         }
         // Collect every finished handler, then commit their outcomes together.
         while let Some(Some(joined)) = handlers.join_next().now_or_never() {
-            collect(&queue, joined, &mut ready, &mut in_flight);
+            collect(
+                &queue,
+                &config,
+                joined,
+                &mut ready,
+                &mut in_flight,
+                &mut pulling.cooling,
+            );
         }
         if !ready.is_empty() {
             let done = outcome::commit(
@@ -498,7 +508,8 @@ where
             _ = stop.wait(), if !stopping => stopping = true,
             joined = handlers.join_next(), if !handlers.is_empty() => {
                 if let Some(joined) = joined {
-                    collect(&queue, joined, &mut ready, &mut in_flight);
+                    let cooling = &mut pulling.cooling;
+                    collect(&queue, &config, joined, &mut ready, &mut in_flight, cooling);
                 }
             }
             _ = tokio::time::sleep_until(wake_at) => {}
@@ -514,9 +525,11 @@ where
 /// pending and is forgotten here).
 fn collect<E: TitoEngine, T: Serialize>(
     queue: &Queue<E>,
+    config: &WorkerConfig,
     joined: Result<(Running, Report<T>), tokio::task::JoinError>,
     ready: &mut Vec<Outcome>,
     in_flight: &mut HashMap<String, u32>,
+    cooling: &mut Cooling,
 ) {
     let counters = queue.counters();
     let (running, report) = match joined {
@@ -534,6 +547,7 @@ fn collect<E: TitoEngine, T: Serialize>(
             } else {
                 queue.count(&counters.acknowledged, names::QUEUE_ACKNOWLEDGED, 1);
             }
+            cooling.settled(&running.pulled.key);
             in_flight.remove(&running.pulled.key);
             return;
         }
@@ -546,12 +560,16 @@ fn collect<E: TitoEngine, T: Serialize>(
         }
     };
     match outcome {
-        Ok(replacement) => ready.push(Outcome {
-            running,
-            replacement,
-        }),
+        Ok(replacement) => {
+            cooling.settled(&running.pulled.key);
+            ready.push(Outcome {
+                running,
+                replacement,
+            })
+        }
         Err(err) => {
             queue.count(&counters.failed, names::QUEUE_FAILED, 1);
+            cooling.failed(&running.pulled.key, config.max_idle_backoff);
             tracing::warn!(key = %running.pulled.key, error = %err, "handler failed; invocation left pending");
             in_flight.remove(&running.pulled.key);
         }

@@ -32,6 +32,8 @@ pub(super) struct Pulling {
     max_idle_backoff: Duration,
     page_size: usize,
     concurrency: usize,
+    /// Invocations whose handler failed, not started again before their pause ends.
+    pub cooling: Cooling,
 }
 
 impl Pulling {
@@ -41,6 +43,7 @@ impl Pulling {
             max_idle_backoff,
             page_size,
             concurrency,
+            cooling: Cooling::default(),
         }
     }
 
@@ -98,6 +101,8 @@ impl Pulling {
             .collect();
         due.sort_unstable();
         let counters = queue.counters();
+        self.cooling.prune(self.max_idle_backoff);
+        let cooling = &self.cooling;
         for partition in due {
             let free = self.concurrency.saturating_sub(in_flight.len());
             if free == 0 || stop.requested() || Instant::now() >= fresh_until {
@@ -107,9 +112,12 @@ impl Pulling {
             let state = self.partitions.get_mut(&partition).expect("due partition");
             let pulled = async {
                 let tx = queue.engine().begin().await?;
+                let now = Instant::now();
+                let running: &HashMap<String, u32> = in_flight;
+                let skip = |key: &str| running.contains_key(key) || cooling.holds(key, now);
                 let result = state
                     .cursor
-                    .pull(&tx, queue.root(), want, in_flight, counters)
+                    .pull(&tx, queue.root(), want, &skip, counters)
                     .await;
                 let _ = tx.rollback().await;
                 result
@@ -189,5 +197,51 @@ impl Pulling {
                 );
             }
         }
+    }
+}
+
+/// The shortest pause before an invocation whose handler failed is started again by this worker.
+pub const MIN_RETRY_BACKOFF: Duration = Duration::from_millis(50);
+
+/// Invocations whose handler failed (an error, a panic, a timeout), kept from new starts by
+/// this worker for a pause that doubles with every failure in a row, from
+/// [`MIN_RETRY_BACKOFF`] up to the worker's idle backoff. Without it a failing invocation that
+/// is due is pulled again at once, and a handler that always fails runs in a tight loop.
+/// Executor state only: another worker (or this one after a restart) may run it sooner.
+#[derive(Debug, Default)]
+pub struct Cooling {
+    keys: HashMap<String, (Instant, u32)>,
+}
+
+impl Cooling {
+    /// Records a failure of `key`'s handler.
+    pub fn failed(&mut self, key: &str, cap: Duration) {
+        let now = Instant::now();
+        let entry = self.keys.entry(key.to_string()).or_insert((now, 0));
+        entry.1 = entry.1.saturating_add(1);
+        let pause = MIN_RETRY_BACKOFF
+            .saturating_mul(1 << (entry.1 - 1).min(16))
+            .min(cap.max(MIN_RETRY_BACKOFF));
+        entry.0 = now + pause;
+    }
+
+    /// Forgets `key` (its outcome was applied).
+    pub fn settled(&mut self, key: &str) {
+        self.keys.remove(key);
+    }
+
+    /// Whether `key` may not start yet.
+    pub fn holds(&self, key: &str, now: Instant) -> bool {
+        self.keys.get(key).is_some_and(|(until, _)| *until > now)
+    }
+
+    /// Forgets keys whose pause ended more than `cap` ago (they completed elsewhere, or will
+    /// fail again and start over from the shortest pause).
+    pub fn prune(&mut self, cap: Duration) {
+        if self.keys.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        self.keys.retain(|_, (until, _)| *until + cap > now);
     }
 }
