@@ -592,11 +592,18 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
         Ok(InboxRowState::Ready)
     }
 
-    fn in_group(&self, row: &Value, group: &str) -> bool {
-        match &self.spec.group {
+    /// A stored row's id and JSON, when it is JSON and belongs to `group`.
+    fn group_row(&self, key: &[u8], value: &[u8], group: &str) -> Option<(String, Value)> {
+        let row = serde_json::from_slice::<Value>(value).ok()?;
+        let in_group = match &self.spec.group {
             Some(field) => row.get(field).and_then(Value::as_str) == Some(group),
             None => true,
+        };
+        if !in_group {
+            return None;
         }
+        let id = keys::row_key_id(&String::from_utf8_lossy(key), &self.table).unwrap_or_default();
+        Some((id, row))
     }
 
     /// Counts the rows of `group` by state (host clock), reading at most
@@ -616,14 +623,9 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
                 let rows = tx.scan(&start, end.as_bytes(), want).await?;
                 for (key, value) in &rows {
                     counts.scanned += 1;
-                    let Ok(row) = serde_json::from_slice::<Value>(value) else {
+                    let Some((id, row)) = self.group_row(key, value, group) else {
                         continue;
                     };
-                    if !self.in_group(&row, group) {
-                        continue;
-                    }
-                    let id = keys::row_key_id(&String::from_utf8_lossy(key), &self.table)
-                        .unwrap_or_default();
                     match self.state_of(tx, &id, &row, now).await? {
                         InboxRowState::Ready => counts.ready += 1,
                         InboxRowState::Delayed => counts.delayed += 1,
@@ -664,17 +666,9 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
             )));
         }
         let prefix = keys::table_prefix(&self.table);
-        let end = keys::prefix_end(prefix.clone()).into_bytes();
+        let mut end = keys::prefix_end(prefix.clone()).into_bytes();
         let mut start = prefix.clone().into_bytes();
-        if let Some(cursor) = cursor {
-            let key = crate::model::query::decode_cursor(cursor)?;
-            if key < start || key >= end {
-                return Err(TitoError::invalid_argument(
-                    "the cursor is outside the requested range",
-                ));
-            }
-            start = keys::key_after_bytes(&key);
-        }
+        crate::model::query::narrow_to_cursor(&mut start, &mut end, false, cursor)?;
         let budget = limit * 10;
         let now = host_now_ms();
         crate::model::read_only(&self.db, async |tx| {
@@ -684,14 +678,9 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
             let mut last = None;
             for (key, value) in &rows {
                 last = Some(key.clone());
-                let Ok(row) = serde_json::from_slice::<Value>(value) else {
+                let Some((id, row)) = self.group_row(key, value, group) else {
                     continue;
                 };
-                if !self.in_group(&row, group) {
-                    continue;
-                }
-                let id = keys::row_key_id(&String::from_utf8_lossy(key), &self.table)
-                    .unwrap_or_default();
                 let row_state = self.state_of(tx, &id, &row, now).await?;
                 if state.is_some_and(|wanted| wanted != row_state) {
                     continue;

@@ -41,7 +41,7 @@ use serde_json::Value;
 use crate::engine::{self, TitoEngine, TitoTransaction};
 use crate::error::{TitoError, TitoResult};
 use crate::keys;
-use crate::model::query::{decode_cursor, encode_cursor};
+use crate::model::query::{encode_cursor, narrow_to_cursor};
 use crate::model::{MAX_PAGE_LIMIT, TitoPage, read_only};
 use crate::queue::QueueOwner;
 use crate::queue::event::StoredEvent;
@@ -535,19 +535,7 @@ async fn raw_page<E: TitoEngine>(
 ) -> TitoResult<TitoPage<(Vec<u8>, Vec<u8>)>> {
     let mut start = prefix.as_bytes().to_vec();
     let mut end = keys::prefix_end(prefix.to_string()).into_bytes();
-    if let Some(cursor) = cursor {
-        let key = decode_cursor(cursor)?;
-        if key < start || key >= end {
-            return Err(TitoError::invalid_argument(
-                "the cursor is outside the requested range",
-            ));
-        }
-        if reverse {
-            end = key;
-        } else {
-            start = keys::key_after_bytes(&key);
-        }
-    }
+    narrow_to_cursor(&mut start, &mut end, reverse, cursor)?;
     read_only(db, async |tx| {
         let mut rows = if reverse {
             tx.scan_reverse(&start, &end, limit + 1).await?

@@ -59,6 +59,31 @@ pub(crate) fn decode_cursor(cursor: &str) -> TitoResult<Vec<u8>> {
         .collect()
 }
 
+/// Narrows `[start, end)` to what follows the page that returned `cursor` (before it, for a
+/// reverse page). A cursor outside the range is refused.
+pub(crate) fn narrow_to_cursor(
+    start: &mut Vec<u8>,
+    end: &mut Vec<u8>,
+    reverse: bool,
+    cursor: Option<&str>,
+) -> TitoResult<()> {
+    let Some(cursor) = cursor else {
+        return Ok(());
+    };
+    let key = decode_cursor(cursor)?;
+    if key < *start || key >= *end {
+        return Err(TitoError::invalid_argument(
+            "the cursor is outside the requested range",
+        ));
+    }
+    if reverse {
+        *end = key;
+    } else {
+        *start = keys::key_after_bytes(&key);
+    }
+    Ok(())
+}
+
 fn check_limit(limit: Option<usize>) -> TitoResult<usize> {
     match limit {
         None => Ok(DEFAULT_PAGE_LIMIT),
@@ -87,19 +112,7 @@ where
     X: TitoTransaction,
     T: TitoModelTrait,
 {
-    if let Some(cursor) = cursor {
-        let key = decode_cursor(cursor)?;
-        if key < start || key >= end {
-            return Err(TitoError::invalid_argument(
-                "the cursor is outside the requested range",
-            ));
-        }
-        if reverse {
-            end = key;
-        } else {
-            start = keys::key_after_bytes(&key);
-        }
-    }
+    narrow_to_cursor(&mut start, &mut end, reverse, cursor)?;
     if start >= end {
         return Ok(TitoPage {
             items: Vec::new(),
