@@ -62,7 +62,7 @@ const DUE_LATER: usize = 5;
 /// Seeds every kind of thing the tools show: users with an index, a default queue with a late
 /// backlog, future work, an owner and a malformed row, a `mail` queue whose events completed,
 /// an inbox with ready, delayed and dead-lettered rows, kv entries.
-async fn seed(db: &Embedded) {
+async fn seed<E: TitoEngine>(db: &E) {
     let users = db.clone().model::<User>();
     for i in 0..USERS {
         users
@@ -337,6 +337,35 @@ async fn the_cli_reads_a_seeded_store() {
     assert_eq!(gc["queue mail"], 2, "{gc}");
     let again = stdout_json(&at(&["queue", "stats", "--topic", "mail", "--json"]));
     assert_eq!(again["completed"]["value"], 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_reads_a_tikv_cluster() {
+    let cluster = tito_tikv_test_server::TestCluster::start().await.unwrap();
+    let endpoint = cluster.pd_endpoints()[0].clone();
+    let db = tito::backend::tikv::TiKV::connect(vec![endpoint.clone()])
+        .await
+        .unwrap();
+    seed(&db).await;
+    let at = move |args: &[&str]| {
+        let mut all = vec!["--pd".to_string(), endpoint.clone()];
+        all.extend(args.iter().map(|a| a.to_string()));
+        // The test server is served by this runtime: wait for the process off its threads.
+        tokio::task::spawn_blocking(move || tito().args(&all).output().unwrap())
+    };
+    let tables = stdout_json(&at(&["table", "ls", "--json"]).await.unwrap());
+    assert_eq!(tables.as_array().unwrap().len(), 2, "{tables}");
+    let stats = stdout_json(&at(&["queue", "stats", "--json"]).await.unwrap());
+    assert_eq!(stats["due_now"]["value"], DUE_NOW as u64 + 1);
+    assert_eq!(stats["future"]["value"], DUE_LATER as u64);
+    let entry = stdout_json(
+        &at(&["kv", "get", "sessions", "s2", "--json"])
+            .await
+            .unwrap(),
+    );
+    assert_eq!(entry["value"]["user"], 2);
+    let status = stdout_json(&at(&["index", "status", "user", "--json"]).await.unwrap());
+    assert_eq!(status["schema"]["indexes"][0]["state"], "ready");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
