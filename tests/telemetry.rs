@@ -18,6 +18,7 @@ use metrics::{
 use serde::{Deserialize, Serialize};
 use tito::backend::memory::Memory;
 use tito::engine::{Fault, FaultPoint, FaultRule, FaultyEngine};
+use tito::inbox::{Inbox, InboxConfig, InboxDelivery, InboxOutcome, run_inbox};
 use tito::kv::Kv;
 use tito::queue::run_worker;
 use tito::telemetry::names;
@@ -205,6 +206,33 @@ struct Job {
     step: u32,
 }
 
+#[derive(TitoModel, Default, Clone, Debug, Serialize, Deserialize)]
+#[tito(inbox)]
+#[tito(table = "telemetry_mail")]
+struct Mail {
+    id: String,
+    #[tito(group)]
+    queue: String,
+    #[tito(processed_at)]
+    processed_at: Option<i64>,
+}
+
+#[derive(TitoModel, Default, Clone, Debug, Serialize, Deserialize)]
+#[tito(table = "telemetry_member")]
+struct MemberV1 {
+    id: String,
+    name: String,
+}
+
+/// The next deploy of `MemberV1`: it adds an index over rows that exist.
+#[derive(TitoModel, Default, Clone, Debug, Serialize, Deserialize)]
+#[tito(table = "telemetry_member")]
+#[tito(index = "member_by_name: name")]
+struct MemberV2 {
+    id: String,
+    name: String,
+}
+
 /// Runs `script` on a current-thread runtime with the recorder and the subscriber installed for
 /// this thread.
 fn observed<F: std::future::Future<Output = ()>>(
@@ -340,6 +368,51 @@ fn a_scripted_run_reports_its_figures_to_the_recorder_and_the_subscriber() {
         stop.send(true).unwrap();
         worker.await.unwrap().unwrap();
         assert_eq!(queue.completed_count().await.unwrap(), 4);
+
+        // An inbox: two rows of group `tele`, claimed and acknowledged.
+        for id in ["m1", "m2"] {
+            db.clone()
+                .model::<Mail>()
+                .build(Mail {
+                    id: id.into(),
+                    queue: "tele".into(),
+                    processed_at: None,
+                })
+                .await
+                .unwrap();
+        }
+        let inbox = Arc::new(Inbox::<_, Mail>::new(db.clone()).unwrap());
+        let (stop, shutdown) = watch::channel(false);
+        let config = InboxConfig::new("tele").max_idle(Duration::from_millis(20));
+        let handler = |_: InboxDelivery<serde_json::Value>| async { Ok(InboxOutcome::Ack) };
+        let subscription = tokio::spawn(run_inbox(inbox.clone(), config, handler, shutdown));
+        while inbox.stats().completed < 2 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the inbox run did not finish"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        stop.send(true).unwrap();
+        subscription.await.unwrap().unwrap();
+
+        // An index build: three rows of one deploy, an index added by the next.
+        tito::schema::set_write_grace(Duration::from_millis(50)).unwrap();
+        for (id, name) in [("1", "ada"), ("2", "bob"), ("3", "cy")] {
+            db.clone()
+                .model::<MemberV1>()
+                .build(MemberV1 {
+                    id: id.into(),
+                    name: name.into(),
+                })
+                .await
+                .unwrap();
+        }
+        db.clone()
+            .model::<MemberV2>()
+            .build_indexes(|_| {})
+            .await
+            .unwrap();
     });
 
     // Kv: one per call.
@@ -378,7 +451,43 @@ fn a_scripted_run_reports_its_figures_to_the_recorder_and_the_subscriber() {
     let (now, peak) = *held.gauge.lock().unwrap();
     assert_eq!((now, peak), (0.0, 2.0), "both leases held, then released");
 
+    // The inbox and the index build.
+    let mail = "table=telemetry_mail";
+    assert_eq!(
+        m.total(&format!("{}{{group=tele,{mail}}}", names::INBOX_CLAIMED)),
+        2
+    );
+    assert_eq!(
+        m.keys_of(names::INBOX_OUTCOMES),
+        vec![format!(
+            "{}{{group=tele,outcome=ack,{mail}}}",
+            names::INBOX_OUTCOMES
+        )]
+    );
+    assert_eq!(
+        m.total(&format!(
+            "{}{{group=tele,outcome=ack,{mail}}}",
+            names::INBOX_OUTCOMES
+        )),
+        2
+    );
+    let build = "index=member_by_name,table=telemetry_member,work=build";
+    assert_eq!(m.total(&format!("{}{{{build}}}", names::SCHEMA_ROWS)), 3);
+    assert_eq!(
+        m.total(&format!("{}{{{build}}}", names::SCHEMA_FINISHED)),
+        1
+    );
+
     // Spans.
+    let deliveries = spans.named("tito.inbox.delivery");
+    let mut delivered: Vec<&str> = deliveries.iter().map(|f| f["id"].as_str()).collect();
+    delivered.sort_unstable();
+    assert_eq!(delivered, ["m1", "m2"]);
+    assert!(
+        deliveries
+            .iter()
+            .all(|f| f["table"] == "telemetry_mail" && f["group"] == "tele")
+    );
     let attempts = spans.named("tito.transaction");
     assert_eq!(attempts[0]["attempt"], "1");
     assert_eq!(attempts[0]["outcome"], "conflict");
