@@ -415,7 +415,7 @@ pub struct InboxRow {
     pub attempt: Option<i64>,
     /// Not claimable before (Unix ms; with a `retry_after` role).
     pub retry_after: Option<i64>,
-    /// Its lease's end (Unix ms), if it has one.
+    /// Its lease's end (Unix ms), if it has one (not read for processed rows).
     pub locked_until: Option<i64>,
     /// When it was processed (Unix ms; with a `processed_at` role).
     pub processed_at: Option<i64>,
@@ -570,26 +570,27 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
         .await
     }
 
-    /// The state of a row now (host clock), from its roles.
+    /// The state of a row now (host clock), from its roles, and its lease's end (not read for
+    /// a processed row: `None`).
     async fn state_of(
         &self,
         tx: &E::Transaction,
         id: &str,
         row: &Value,
         now: i64,
-    ) -> TitoResult<InboxRowState> {
+    ) -> TitoResult<(InboxRowState, Option<i64>)> {
         if field_i64(row, &self.spec.processed_at).is_some() {
-            return Ok(InboxRowState::Processed);
+            return Ok((InboxRowState::Processed, None));
         }
-        if let Some(until) = self.lease_of(tx, id, row).await?
-            && until > now
-        {
-            return Ok(InboxRowState::Leased);
-        }
-        if field_i64(row, &self.spec.retry_after).is_some_and(|at| at > now) {
-            return Ok(InboxRowState::Delayed);
-        }
-        Ok(InboxRowState::Ready)
+        let lease = self.lease_of(tx, id, row).await?;
+        let state = if lease.is_some_and(|until| until > now) {
+            InboxRowState::Leased
+        } else if field_i64(row, &self.spec.retry_after).is_some_and(|at| at > now) {
+            InboxRowState::Delayed
+        } else {
+            InboxRowState::Ready
+        };
+        Ok((state, lease))
     }
 
     /// A stored row's id and JSON, when it is JSON and belongs to `group`.
@@ -626,7 +627,7 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
                     let Some((id, row)) = self.group_row(key, value, group) else {
                         continue;
                     };
-                    match self.state_of(tx, &id, &row, now).await? {
+                    match self.state_of(tx, &id, &row, now).await?.0 {
                         InboxRowState::Ready => counts.ready += 1,
                         InboxRowState::Delayed => counts.delayed += 1,
                         InboxRowState::Leased => counts.leased += 1,
@@ -681,14 +682,14 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
                 let Some((id, row)) = self.group_row(key, value, group) else {
                     continue;
                 };
-                let row_state = self.state_of(tx, &id, &row, now).await?;
+                let (row_state, lease) = self.state_of(tx, &id, &row, now).await?;
                 if state.is_some_and(|wanted| wanted != row_state) {
                     continue;
                 }
                 items.push(InboxRow {
                     attempt: field_i64(&row, &self.spec.attempt),
                     retry_after: field_i64(&row, &self.spec.retry_after),
-                    locked_until: self.lease_of(tx, &id, &row).await?,
+                    locked_until: lease,
                     processed_at: field_i64(&row, &self.spec.processed_at),
                     id,
                     state: row_state,
