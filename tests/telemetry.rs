@@ -2,9 +2,9 @@
 //! unknown outcome, a model insert, kv calls, a queue run with a failure and a reschedule) see
 //! the figures the run implies, under the names and labels `tito::telemetry` documents.
 //!
-//! Both are installed for this test's thread only (`with_local_recorder`, `with_default`) and
-//! the run is driven by a current-thread runtime on that thread, so other tests running at the
-//! same time cannot add to the figures.
+//! Both take only this test's thread (`with_local_recorder`; a process-wide subscriber that
+//! records spans of the capturing thread only) and the run is driven by a current-thread
+//! runtime on that thread, so other tests running at the same time cannot add to the figures.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -160,10 +160,7 @@ impl Visit for Fields<'_> {
     }
 }
 
-impl tracing::Subscriber for Spans {
-    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
-        true
-    }
+impl Spans {
     fn new_span(&self, span: &Attributes<'_>) -> Id {
         let mut fields = BTreeMap::new();
         span.record(&mut Fields(&mut fields));
@@ -171,10 +168,50 @@ impl tracing::Subscriber for Spans {
         spans.push((span.metadata().name().to_string(), fields));
         Id::from_u64(spans.len() as u64)
     }
+
     fn record(&self, span: &Id, values: &Record<'_>) {
         let mut spans = self.spans.lock().unwrap();
-        let index = span.into_u64() as usize - 1;
-        values.record(&mut Fields(&mut spans[index].1));
+        if let Some(entry) = spans.get_mut(span.into_u64() as usize - 1) {
+            values.record(&mut Fields(&mut entry.1));
+        }
+    }
+}
+
+thread_local! {
+    /// The spans of the test running on this thread, while it captures.
+    static CAPTURE: std::cell::RefCell<Option<Spans>> = const { std::cell::RefCell::new(None) };
+}
+
+/// The process's subscriber: it hands spans to the capture of the thread that creates them and
+/// ignores every other thread. (A subscriber scoped to one thread with `with_default` misses
+/// callsites that other tests' threads reach first: tracing caches their interest from those
+/// threads' default, which has no subscriber.)
+struct Forward;
+
+impl tracing::Subscriber for Forward {
+    fn register_callsite(
+        &self,
+        _: &'static tracing::Metadata<'static>,
+    ) -> tracing::subscriber::Interest {
+        tracing::subscriber::Interest::sometimes()
+    }
+    fn max_level_hint(&self) -> Option<tracing::level_filters::LevelFilter> {
+        Some(tracing::level_filters::LevelFilter::TRACE)
+    }
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        CAPTURE.with(|c| c.borrow().is_some())
+    }
+    fn new_span(&self, span: &Attributes<'_>) -> Id {
+        CAPTURE
+            .with(|c| c.borrow().as_ref().map(|spans| spans.new_span(span)))
+            .unwrap_or_else(|| Id::from_u64(u64::MAX))
+    }
+    fn record(&self, span: &Id, values: &Record<'_>) {
+        CAPTURE.with(|c| {
+            if let Some(spans) = c.borrow().as_ref() {
+                spans.record(span, values);
+            }
+        });
     }
     fn record_follows_from(&self, _: &Id, _: &Id) {}
     fn event(&self, _: &tracing::Event<'_>) {}
@@ -233,8 +270,8 @@ struct MemberV2 {
     name: String,
 }
 
-/// Runs `script` on a current-thread runtime with the recorder and the subscriber installed for
-/// this thread.
+/// Runs `script` on a current-thread runtime with the recorder installed and the spans captured
+/// for this thread.
 fn observed<F: std::future::Future<Output = ()>>(
     script: impl FnOnce(Arc<Recorded>) -> F,
 ) -> (Arc<Recorded>, Spans) {
@@ -245,9 +282,11 @@ fn observed<F: std::future::Future<Output = ()>>(
         .enable_all()
         .build()
         .unwrap();
-    metrics::with_local_recorder(recorder.as_ref(), || {
-        tracing::subscriber::with_default(spans.clone(), || runtime.block_on(script))
-    });
+    static INSTALL: std::sync::Once = std::sync::Once::new();
+    INSTALL.call_once(|| tracing::subscriber::set_global_default(Forward).unwrap());
+    CAPTURE.with(|c| *c.borrow_mut() = Some(spans.clone()));
+    metrics::with_local_recorder(recorder.as_ref(), || runtime.block_on(script));
+    CAPTURE.with(|c| *c.borrow_mut() = None);
     (recorder, spans)
 }
 
