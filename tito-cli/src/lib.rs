@@ -530,6 +530,22 @@ fn print<T: Serialize>(json: bool, value: &T, text: impl FnOnce() -> String) -> 
     }
 }
 
+/// Names with their bounded counts: JSON objects `{name_field: name, count_field: count}`, or a
+/// two-column table whose counts say `+` past their bound.
+fn counts(json: bool, (name, count): (&str, &str), rows: &[(String, inspect::Count)]) -> Outcome {
+    let value: Vec<serde_json::Value> = rows
+        .iter()
+        .map(|(n, c)| serde_json::json!({ name: n, count: c }))
+        .collect();
+    print(json, &value, || {
+        let mut out = format!("{:<32} {:>10}", name.to_uppercase(), count.to_uppercase());
+        for (n, c) in rows {
+            out.push_str(&format!("\n{n:<32} {:>10}", c.to_string()));
+        }
+        out
+    })
+}
+
 fn cursor_line(cursor: &Option<String>) -> String {
     match cursor {
         Some(c) => format!("next page: --cursor {c}"),
@@ -648,23 +664,9 @@ async fn execute<E: TitoEngine>(db: E, typed: &Typing, cli: Cli) -> Outcome {
             let mut rows = Vec::new();
             for table in inspect::tables(&db, 1000).await? {
                 let count = inspect::table_count(&db, &table).await?;
-                rows.push(serde_json::json!({ "table": table, "rows": count }));
+                rows.push((table, count));
             }
-            print(json, &rows, || {
-                let mut out = format!("{:<32} {:>10}", "TABLE", "ROWS");
-                for r in &rows {
-                    out.push_str(&format!(
-                        "\n{:<32} {:>10}",
-                        r["table"].as_str().unwrap_or_default(),
-                        format!(
-                            "{}{}",
-                            r["rows"]["value"],
-                            if r["rows"]["more"] == true { "+" } else { "" }
-                        )
-                    ));
-                }
-                out
-            })
+            counts(json, ("table", "rows"), &rows)
         }
         Command::Table(TableCommand::Get { table, id }) => {
             let Some(row) = inspect::table_row(&db, &table, &id).await? else {
@@ -735,19 +737,9 @@ async fn execute<E: TitoEngine>(db: E, typed: &Typing, cli: Cli) -> Outcome {
             let mut rows = Vec::new();
             for namespace in inspect::kv_namespaces(&db, 1000).await? {
                 let count = inspect::kv_count(&db, &namespace).await?;
-                rows.push(serde_json::json!({ "namespace": namespace, "keys": count }));
+                rows.push((namespace, count));
             }
-            print(json, &rows, || {
-                let mut out = format!("{:<32} {:>10}", "NAMESPACE", "KEYS");
-                for r in &rows {
-                    out.push_str(&format!(
-                        "\n{:<32} {:>10}",
-                        r["namespace"].as_str().unwrap_or_default(),
-                        r["keys"]["value"]
-                    ));
-                }
-                out
-            })
+            counts(json, ("namespace", "keys"), &rows)
         }
         Command::Kv(KvCommand::Get { namespace, key }) => {
             let kv = tito::kv::Kv::new(db);
@@ -861,6 +853,22 @@ async fn execute<E: TitoEngine>(db: E, typed: &Typing, cli: Cli) -> Outcome {
     }
 }
 
+/// Runs `batch` until it handles fewer than `full` items (nothing more is waiting); returns the
+/// total handled.
+async fn until_short(
+    full: usize,
+    mut batch: impl AsyncFnMut() -> TitoResult<usize>,
+) -> TitoResult<usize> {
+    let mut total = 0;
+    loop {
+        let handled = batch().await?;
+        total += handled;
+        if handled < full {
+            return Ok(total);
+        }
+    }
+}
+
 async fn gc<E: TitoEngine>(db: &E, retention: Duration, json: bool) -> Outcome {
     let started = Instant::now();
     let mut report = serde_json::Map::new();
@@ -871,36 +879,20 @@ async fn gc<E: TitoEngine>(db: &E, retention: Duration, json: bool) -> Outcome {
         let mut config = tito::QueueConfig::new(partitions, retention);
         config.topic = info.topic.clone();
         let queue = tito::Queue::new(db.clone(), config);
-        let mut deleted = 0;
-        loop {
-            let batch = queue.expire_completed().await?;
-            deleted += batch;
-            if batch < tito::queue::RETENTION_BATCH {
-                break;
-            }
-        }
+        let full = tito::queue::RETENTION_BATCH;
+        let deleted = until_short(full, async || queue.expire_completed().await).await?;
         report.insert(format!("queue {}", info.label), deleted.into());
     }
     let kv = tito::kv::Kv::new(db.clone());
-    let mut expired = 0;
-    loop {
-        let batch = kv.sweep(tito::kv::SWEEP_BATCH).await?;
-        expired += batch;
-        if batch < tito::kv::SWEEP_BATCH {
-            break;
-        }
-    }
+    let full = tito::kv::SWEEP_BATCH;
+    let expired = until_short(full, async || kv.sweep(full).await).await?;
     report.insert("kv expired".into(), expired.into());
-    let mut markers = 0;
-    loop {
-        let batch =
-            tito::engine::sweep_commit_markers(db, tito::engine::COMMIT_MARKER_SWEEP_BATCH).await?;
-        markers += batch;
-        if batch < tito::engine::COMMIT_MARKER_SWEEP_BATCH {
-            break;
-        }
-    }
-    report.insert("commit markers".into(), markers.into());
+    let full = tito::engine::COMMIT_MARKER_SWEEP_BATCH;
+    let sweep = async || tito::engine::sweep_commit_markers(db, full).await;
+    report.insert(
+        "commit markers".into(),
+        until_short(full, sweep).await?.into(),
+    );
     report.insert(
         "seconds".into(),
         serde_json::json!(started.elapsed().as_secs_f64()),
