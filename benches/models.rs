@@ -198,9 +198,18 @@ fn user_keys(row: &User) -> UserKeys {
     }
 }
 
-/// The raw engine doing the model layer's reads and writes of an insert: the row, manifest and
-/// catalog in one read, the claim, then the row, claim, two entries and the manifest.
-async fn raw_insert<X: TitoTransaction>(tx: &X, row: &User) {
+/// What an index entry holds in the raw engine's layout.
+#[derive(Clone, Copy, PartialEq)]
+enum Entries {
+    /// A copy of the row (Tito's layout): a query reads the entries only.
+    Clones,
+    /// The row's id only: a query reads the entries, then the rows in one batch.
+    Keys,
+}
+
+/// The raw engine doing the model layer's reads and writes of an insert: the row, manifest,
+/// catalog and claim in one read, then the row, claim, two entries and the manifest.
+async fn raw_insert<X: TitoTransaction>(tx: &X, row: &User, entries: Entries) {
     let k = user_keys(row);
     let body = serde_json::to_vec(row).unwrap();
     let found = tx
@@ -208,21 +217,25 @@ async fn raw_insert<X: TitoTransaction>(tx: &X, row: &User) {
             k.row.clone().into_bytes(),
             k.manifest.clone().into_bytes(),
             keys::schema_key("users").into_bytes(),
+            k.claim.clone().into_bytes(),
         ])
         .await
         .unwrap();
-    assert!(found[0].is_none() && found[1].is_none());
-    assert!(tx.get(k.claim.as_bytes()).await.unwrap().is_none());
+    assert!(found[0].is_none() && found[1].is_none() && found[3].is_none());
     let manifest = serde_json::to_vec(&serde_json::json!({
         "v": 1,
         "keys": [&k.email, &k.team, &k.claim],
     }))
     .unwrap();
+    let entry = match entries {
+        Entries::Clones => body.clone(),
+        Entries::Keys => row.id.clone().into_bytes(),
+    };
     tx.put(k.claim.into_bytes(), row.id.clone().into_bytes())
         .await
         .unwrap();
-    tx.put(k.email.into_bytes(), body.clone()).await.unwrap();
-    tx.put(k.team.into_bytes(), body.clone()).await.unwrap();
+    tx.put(k.email.into_bytes(), entry.clone()).await.unwrap();
+    tx.put(k.team.into_bytes(), entry).await.unwrap();
     tx.put(k.manifest.into_bytes(), manifest).await.unwrap();
     tx.put(k.row.into_bytes(), body).await.unwrap();
 }
@@ -251,19 +264,32 @@ async fn raw_get(db: &Embedded, id: &str) -> User {
     serde_json::from_slice(&bytes).unwrap()
 }
 
-async fn raw_newest(db: &Embedded, team: &str) -> Vec<User> {
+async fn raw_newest(db: &Embedded, team: &str, entries: Entries) -> Vec<User> {
     let team = KeyValue::String(team.to_string());
     let prefix = keys::index_prefix("users", "user_by_team_created", &[("team", &team)]).unwrap();
     let end = tito::prefix_end(prefix.clone());
     let tx = db.begin().await.unwrap();
-    let rows = tx
+    let found = tx
         .scan_reverse(prefix.as_bytes(), end.as_bytes(), 11)
         .await
         .unwrap();
+    let found = &found[..found.len().min(10)];
+    let rows = match entries {
+        Entries::Clones => found.iter().map(|(_, v)| v.clone()).collect(),
+        Entries::Keys => {
+            let ids: Vec<Vec<u8>> = found
+                .iter()
+                .map(|(_, id)| {
+                    keys::row_key("users", std::str::from_utf8(id).unwrap()).into_bytes()
+                })
+                .collect();
+            let rows = tx.batch_get(&ids).await.unwrap();
+            rows.into_iter().map(|row| row.unwrap()).collect::<Vec<_>>()
+        }
+    };
     tx.rollback().await.unwrap();
     rows.iter()
-        .take(10)
-        .map(|(_, v)| serde_json::from_slice(v).unwrap())
+        .map(|v| serde_json::from_slice(v).unwrap())
         .collect()
 }
 
@@ -315,6 +341,8 @@ async fn settle(dirs: &[&Path]) -> Duration {
 struct Rates {
     tito: f64,
     raw: f64,
+    /// The raw engine with key-only index entries.
+    keys: f64,
     sqlite: f64,
 }
 
@@ -333,6 +361,8 @@ struct Stores {
     db: Embedded,
     users: TitoModel<Embedded, User>,
     raw: Embedded,
+    /// The raw engine with key-only index entries.
+    keys: Embedded,
     /// Behind a mutex only so the stores can be shared with a spawned task (never contended).
     conn: std::sync::Mutex<Connection>,
     rows: u64,
@@ -340,15 +370,17 @@ struct Stores {
 }
 
 impl Stores {
-    /// Tito, the raw engine and SQLite in `dirs` (in that order), empty, for `rows` rows.
-    async fn open(dirs: &[tempfile::TempDir; 3], durability: Durability, rows: u64) -> Stores {
+    /// Tito, the raw engine (clones, key-only entries) and SQLite in `dirs` (in that order),
+    /// empty, for `rows` rows.
+    async fn open(dirs: &[tempfile::TempDir; 4], durability: Durability, rows: u64) -> Stores {
         let db = open(dirs[0].path(), durability).await;
         Stores {
             users: db.clone().model::<User>(),
             db,
             raw: open(dirs[1].path(), durability).await,
+            keys: open(dirs[2].path(), durability).await,
             conn: std::sync::Mutex::new(sqlite(
-                dirs[2].path(),
+                dirs[3].path(),
                 durability == Durability::Immediate,
             )),
             rows,
@@ -372,6 +404,11 @@ impl Stores {
             async move { assert_eq!(raw_get(&self.raw, &id).await.id, id) }
         })
         .await;
+        get.keys = measure(|_| {
+            let id = user(pick.below(rows), teams).id;
+            async move { assert_eq!(raw_get(&self.keys, &id).await.id, id) }
+        })
+        .await;
         get.sqlite = measure(|_| {
             let id = user(pick.below(rows), teams).id;
             assert_eq!(sqlite_get(&self.conn.lock().unwrap(), &id).id, id);
@@ -385,7 +422,17 @@ impl Stores {
         .await;
         newest.raw = measure(|_| {
             let team = user(pick.below(teams), teams).team;
-            async move { assert_eq!(raw_newest(&self.raw, &team).await.len(), 10) }
+            async move {
+                assert_eq!(
+                    raw_newest(&self.raw, &team, Entries::Clones).await.len(),
+                    10
+                )
+            }
+        })
+        .await;
+        newest.keys = measure(|_| {
+            let team = user(pick.below(teams), teams).team;
+            async move { assert_eq!(raw_newest(&self.keys, &team, Entries::Keys).await.len(), 10) }
         })
         .await;
         newest.sqlite = measure(|_| {
@@ -404,32 +451,42 @@ impl Stores {
             self.users.build(user(rows + i, teams)).await.unwrap();
         })
         .await;
-        let base = rows + 10_000_000;
-        let raw = measure(|i| async move {
-            let row = user(base + i, teams);
-            self.raw
-                .transaction(|tx| {
-                    let row = row.clone();
-                    async move {
-                        raw_insert(&tx, &row).await;
-                        Ok::<(), tito::TitoError>(())
-                    }
-                })
-                .await
-                .unwrap();
-        })
-        .await;
+        let raw = raw_inserts(&self.raw, Entries::Clones, rows + 10_000_000, teams).await;
+        let keys = raw_inserts(&self.keys, Entries::Keys, rows + 10_000_000, teams).await;
         let base = rows + 20_000_000;
         let sqlite = measure(|i| {
             sqlite_insert(&self.conn.lock().unwrap(), &[user(base + i, teams)]);
             async {}
         })
         .await;
-        Rates { tito, raw, sqlite }
+        Rates {
+            tito,
+            raw,
+            keys,
+            sqlite,
+        }
     }
 }
 
-async fn load(stores: &Stores, only_tito: bool) -> [f64; 3] {
+/// The raw engine's insert rate, ids from `base` on.
+async fn raw_inserts(db: &Embedded, entries: Entries, base: u64, teams: u64) -> f64 {
+    measure(|i| async move {
+        let row = user(base + i, teams);
+        db.transaction(|tx| {
+            let row = row.clone();
+            async move {
+                raw_insert(&tx, &row, entries).await;
+                Ok::<(), tito::TitoError>(())
+            }
+        })
+        .await
+        .unwrap();
+    })
+    .await
+}
+
+/// Loads the rows into every store (only Tito's with `only_tito`); the load rates.
+async fn load(stores: &Stores, only_tito: bool) -> Rates {
     let (rows, teams) = (stores.rows, stores.teams);
     let batches = rows.div_ceil(LOAD_BATCH);
     let batch = |b: u64| -> Vec<User> {
@@ -459,32 +516,44 @@ async fn load(stores: &Stores, only_tito: bool) -> [f64; 3] {
     }
     let tito = rows as f64 / start.elapsed().as_secs_f64();
     if only_tito {
-        return [tito, 0.0, 0.0];
+        return Rates {
+            tito,
+            ..Rates::default()
+        };
     }
-    let start = Instant::now();
-    for b in 0..batches {
-        let rows = batch(b);
-        stores
-            .raw
-            .transaction(|tx| {
+    let mut raw_rates = [0.0; 2];
+    for (rate, (db, entries)) in raw_rates.iter_mut().zip([
+        (&stores.raw, Entries::Clones),
+        (&stores.keys, Entries::Keys),
+    ]) {
+        let start = Instant::now();
+        for b in 0..batches {
+            let rows = batch(b);
+            db.transaction(|tx| {
                 let rows = rows.clone();
                 async move {
                     for row in &rows {
-                        raw_insert(&tx, row).await;
+                        raw_insert(&tx, row, entries).await;
                     }
                     Ok::<(), tito::TitoError>(())
                 }
             })
             .await
             .unwrap();
+        }
+        *rate = rows as f64 / start.elapsed().as_secs_f64();
     }
-    let raw = rows as f64 / start.elapsed().as_secs_f64();
     let start = Instant::now();
     for b in 0..batches {
         sqlite_insert(&stores.conn.lock().unwrap(), &batch(b));
     }
     let sqlite = rows as f64 / start.elapsed().as_secs_f64();
-    [tito, raw, sqlite]
+    Rates {
+        tito,
+        raw: raw_rates[0],
+        keys: raw_rates[1],
+        sqlite,
+    }
 }
 
 async fn run(durability: Durability, rows: u64, lines: &mut Vec<Line>) {
@@ -492,23 +561,26 @@ async fn run(durability: Durability, rows: u64, lines: &mut Vec<Line>) {
         Durability::Immediate => "durable",
         _ => "buffered",
     };
-    let dirs = [(); 3].map(|_| tempfile::tempdir().unwrap());
+    let dirs = [(); 4].map(|_| tempfile::tempdir().unwrap());
     let stores = Stores::open(&dirs, durability, rows).await;
-    let [tito, raw, sqlite] = load(&stores, false).await;
+    let loaded = load(&stores, false).await;
     println!(
-        "  {label} {rows} rows loaded (rows/s, batches of {LOAD_BATCH}): tito {tito:.0}, raw {raw:.0}, sqlite {sqlite:.0}"
+        "  {label} {rows} rows loaded (rows/s, batches of {LOAD_BATCH}): tito {:.0}, raw {:.0}, raw key-only {:.0}, sqlite {:.0}",
+        loaded.tito, loaded.raw, loaded.keys, loaded.sqlite
     );
     let mut pick = Pick(rows);
     let fresh = stores.reads(&mut pick).await;
-    let took = settle(&[dirs[0].path(), dirs[1].path()]).await;
+    let took = settle(&[dirs[0].path(), dirs[1].path(), dirs[2].path()]).await;
     let (tito_bytes, _, tito_files) = footprint(dirs[0].path());
     let (raw_bytes, _, _) = footprint(dirs[1].path());
-    let (sqlite_bytes, _, _) = footprint(dirs[2].path());
+    let (keys_bytes, _, _) = footprint(dirs[2].path());
+    let (sqlite_bytes, _, _) = footprint(dirs[3].path());
     println!(
-        "  {label} {rows} rows settled in {:.1} s; on disk: tito {:.1} MiB in {tito_files} files, raw {:.1} MiB, sqlite {:.1} MiB",
+        "  {label} {rows} rows settled in {:.1} s; on disk: tito {:.1} MiB in {tito_files} files, raw {:.1} MiB, raw key-only {:.1} MiB, sqlite {:.1} MiB",
         took.as_secs_f64(),
         tito_bytes as f64 / 1048576.0,
         raw_bytes as f64 / 1048576.0,
+        keys_bytes as f64 / 1048576.0,
         sqlite_bytes as f64 / 1048576.0,
     );
     let settled = stores.reads(&mut pick).await;
@@ -542,6 +614,7 @@ async fn run(durability: Durability, rows: u64, lines: &mut Vec<Line>) {
     ]);
     stores.db.close().await.unwrap();
     stores.raw.close().await.unwrap();
+    stores.keys.close().await.unwrap();
 }
 
 /// `TITO_BENCH_PROFILE=insert|get|newest`: runs only that operation on Tito over
@@ -553,7 +626,7 @@ async fn profile(what: &str) {
         Ok("1") => Durability::Immediate,
         _ => Durability::Buffered,
     };
-    let dirs = [(); 3].map(|_| tempfile::tempdir().unwrap());
+    let dirs = [(); 4].map(|_| tempfile::tempdir().unwrap());
     let stores = Stores::open(&dirs, durability, rows).await;
     load(&stores, true).await;
     eprintln!("loaded");
@@ -613,8 +686,18 @@ async fn bench() {
             run(durability, rows, &mut lines).await;
         }
         println!(
-            "{:<9} {:>8} {:<30} {:>9} {:>9} {:>9} {:>8} {:>8} {:>9}",
-            "", "rows", "operation", "tito", "raw", "sqlite", "/raw", "/sqlite", "/smallest"
+            "{:<9} {:>8} {:<30} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>9} {:>11}",
+            "",
+            "rows",
+            "operation",
+            "tito",
+            "raw",
+            "raw keys",
+            "sqlite",
+            "/raw",
+            "/sqlite",
+            "/smallest",
+            "keys/clones"
         );
         for line in &lines {
             let smallest = lines
@@ -623,22 +706,26 @@ async fn bench() {
                 .map(|l| line.rates.tito / l.rates.tito)
                 .unwrap_or(1.0);
             println!(
-                "{:<9} {:>8} {:<30} {:>9.0} {:>9.0} {:>9.0} {:>8.2} {:>8.2} {:>9.2}",
+                "{:<9} {:>8} {:<30} {:>9.0} {:>9.0} {:>9.0} {:>9.0} {:>8.2} {:>8.2} {:>9.2} {:>11.2}",
                 label,
                 line.rows,
                 line.operation,
                 line.rates.tito,
                 line.rates.raw,
+                line.rates.keys,
                 line.rates.sqlite,
                 line.rates.tito / line.rates.raw,
                 line.rates.tito / line.rates.sqlite,
                 smallest,
+                line.rates.keys / line.rates.raw,
             );
         }
     }
     println!(
         "(durable: every commit synced, SQLite WAL with synchronous=FULL; buffered: commits reach \
          the OS, SQLite WAL with synchronous=NORMAL. /smallest: Tito's rate over its rate at the \
-         smallest size.)"
+         smallest size. raw keys: the raw engine with key-only index entries, a query reading \
+         the rows in one batch after the entries; keys/clones: its rate over the raw engine's \
+         with the row copied into each entry, Tito's layout.)"
     );
 }

@@ -1,7 +1,8 @@
-//! What each model operation costs on TiKV, counted by the test server per gRPC method, with
-//! every kind of key (rows, manifests, index entries, claims, the catalog) in a region of its
-//! own, as in a table large enough to span regions. The counts are exact: a change that adds a
-//! round trip to an operation fails here.
+//! What each model operation and each queue publication and outcome costs on TiKV, counted by
+//! the test server per gRPC method, with every kind of key (rows, manifests, index entries,
+//! claims, the catalog; pending rows per partition, completed rows, event ids, leases, commit
+//! markers) in a region of its own, as in a store large enough to span regions. The counts are
+//! exact: a change that adds a round trip to an operation fails here.
 
 use std::collections::BTreeMap;
 
@@ -130,4 +131,256 @@ async fn tikv_model_operations_cost_the_counted_requests() {
         delete,
         calls(&[("KvBatchGet", 5), ("KvCommit", 5), ("KvPrewrite", 4)])
     );
+}
+
+/// What one outcome case costs: its events (key, owner?) and what each handler answers.
+struct OutcomeCase {
+    name: &'static str,
+    keys: Vec<String>,
+    owned: bool,
+    reschedule: bool,
+    /// Run by `run_transactional_worker` (the handler in the outcome's transaction).
+    transactional: bool,
+}
+
+/// Publishes the case's events, lets a worker start all of them (each handler waits), then
+/// opens the gate and counts the calls until the outcomes are applied. The worker runs on this
+/// test's single thread, so every handler has finished when the worker looks, and the outcomes
+/// commit as one batch. Pulls (`KvScan`) are left out: the worker polls again once its slots
+/// are free, as often as its backoff says.
+async fn outcome_calls(
+    cluster: &TestCluster,
+    db: &TiKV,
+    case: &OutcomeCase,
+) -> BTreeMap<String, u64> {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
+    use tito::queue::{
+        Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, QueueOwner, WorkerConfig,
+        run_transactional_worker, run_worker,
+    };
+
+    let queue = Arc::new(Queue::new(
+        db.clone(),
+        QueueConfig::new(2, Duration::from_secs(3600)),
+    ));
+    let now = chrono::Utc::now().timestamp() - 1;
+    for key in &case.keys {
+        let mut event = QueueEvent::new(key.clone(), 1u32, now);
+        if case.owned {
+            event = event.with_owner(QueueOwner::new("user", key.clone()));
+        }
+        queue.publish(event).await.unwrap();
+    }
+    let started = Arc::new(AtomicUsize::new(0));
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let reschedule = case.reschedule;
+    let config = WorkerConfig::new(0..2)
+        .concurrency(case.keys.len())
+        .page_size(case.keys.len())
+        .outcome_batch(64)
+        .lease_duration(Duration::from_secs(600))
+        .maintenance_interval(Duration::from_secs(600));
+    let answer = move |event: &QueueEvent<u32>| {
+        if reschedule {
+            let later = event.timestamp + 3600;
+            QueueHandlerOutcome::Reschedule(event.clone().rescheduled(later))
+        } else {
+            QueueHandlerOutcome::Acknowledge
+        }
+    };
+    let worker = if case.transactional {
+        let (started, gate) = (started.clone(), gate.clone());
+        tokio::spawn(run_transactional_worker(
+            queue.clone(),
+            config,
+            move |event: QueueEvent<u32>, _tx| {
+                let (started, gate) = (started.clone(), gate.clone());
+                async move {
+                    started.fetch_add(1, Ordering::SeqCst);
+                    gate.acquire().await.unwrap().forget();
+                    Ok(answer(&event))
+                }
+            },
+            stopped,
+        ))
+    } else {
+        let (started, gate) = (started.clone(), gate.clone());
+        tokio::spawn(run_worker(
+            queue.clone(),
+            config,
+            move |event: QueueEvent<u32>| {
+                let (started, gate) = (started.clone(), gate.clone());
+                async move {
+                    started.fetch_add(1, Ordering::SeqCst);
+                    gate.acquire().await.unwrap().forget();
+                    Ok(answer(&event))
+                }
+            },
+            stopped,
+        ))
+    };
+    while started.load(Ordering::SeqCst) < case.keys.len() {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let data = |calls: BTreeMap<String, u64>| -> BTreeMap<String, u64> {
+        calls.into_iter().filter(|(m, _)| m != "KvScan").collect()
+    };
+    let before = data(quiet_except_scans(cluster).await);
+    gate.add_permits(case.keys.len());
+    let target = case.keys.len() as u64;
+    while queue.stats().acknowledged + queue.stats().rescheduled < target {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let counted = delta(&before, &data(quiet_except_scans(cluster).await));
+    stop.send(true).unwrap();
+    worker.await.unwrap().unwrap();
+    // Leave nothing for the next case.
+    let leftover = queue.stats();
+    assert_eq!(leftover.outcome_failures, 0, "{}", case.name);
+    println!("{:<45} {counted:?}", case.name);
+    counted
+}
+
+/// Like [`quiet`], but a worker's polls (`KvScan`) do not count as movement.
+async fn quiet_except_scans(cluster: &TestCluster) -> BTreeMap<String, u64> {
+    let without_scans = |mut calls: BTreeMap<String, u64>| {
+        calls.remove("KvScan");
+        calls
+    };
+    let mut last = without_scans(cluster.all_calls());
+    loop {
+        tokio::time::sleep(std::time::Duration::from_millis(150)).await;
+        let now = without_scans(cluster.all_calls());
+        if now == last {
+            return now;
+        }
+        last = now;
+    }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn tikv_queue_outcomes_cost_the_counted_requests() {
+    let cluster = TestCluster::start().await.unwrap();
+    // Each kind of queue key in a region of its own, as in a queue large enough to span regions.
+    for split in [
+        "commit-marker:",
+        "queue:completed:",
+        "queue:event:",
+        "queue:lease-expiry:",
+        "queue:lease:",
+        "queue:meta",
+        "queue:owner:",
+        "queue:pending:0000:",
+        "queue:pending:0001:",
+    ] {
+        cluster.split(split);
+    }
+    let db = TiKV::connect(cluster.pd_endpoints()).await.unwrap();
+    // Keys of events that land in partition 0 and in partition 1.
+    let in_partition = |p: u32, n: usize, tag: &str| -> Vec<String> {
+        (0..)
+            .map(|i| format!("{tag}-{i}"))
+            .filter(|k| tito::queue::partition_for(k, 2) == p)
+            .take(n)
+            .collect()
+    };
+    let cases = [
+        OutcomeCase {
+            name: "acknowledge 1",
+            keys: in_partition(0, 1, "a"),
+            owned: false,
+            reschedule: false,
+            transactional: false,
+        },
+        OutcomeCase {
+            name: "reschedule 1",
+            keys: in_partition(0, 1, "b"),
+            owned: false,
+            reschedule: true,
+            transactional: false,
+        },
+        OutcomeCase {
+            name: "acknowledge 1 with an owner",
+            keys: in_partition(0, 1, "c"),
+            owned: true,
+            reschedule: false,
+            transactional: false,
+        },
+        OutcomeCase {
+            name: "acknowledge 4 in one partition (one batch)",
+            keys: in_partition(0, 4, "d"),
+            owned: false,
+            reschedule: false,
+            transactional: false,
+        },
+        OutcomeCase {
+            name: "acknowledge 4 over two partitions (one batch)",
+            keys: [in_partition(0, 2, "e"), in_partition(1, 2, "e")].concat(),
+            owned: false,
+            reschedule: false,
+            transactional: false,
+        },
+        OutcomeCase {
+            name: "acknowledge 1 (transactional worker)",
+            keys: in_partition(0, 1, "f"),
+            owned: false,
+            reschedule: false,
+            transactional: true,
+        },
+    ];
+    // A publication, with no worker running: the event-id check, then the pending row and the
+    // event-id key (the queue's partition count was checked by an earlier publication).
+    let queue = tito::queue::Queue::new(
+        db.clone(),
+        tito::queue::QueueConfig::new(2, std::time::Duration::from_secs(3600)),
+    );
+    let now = chrono::Utc::now().timestamp();
+    queue
+        .publish(tito::queue::QueueEvent::new("p-0", 1u32, now + 3600))
+        .await
+        .unwrap();
+    let before = quiet(&cluster).await;
+    queue
+        .publish(tito::queue::QueueEvent::new("p-1", 1u32, now + 3600))
+        .await
+        .unwrap();
+    let publish = delta(&before, &quiet(&cluster).await);
+    println!("{:<45} {publish:?}", "publish 1");
+    assert_eq!(
+        publish,
+        calls(&[("KvCommit", 2), ("KvGet", 1), ("KvPrewrite", 2)])
+    );
+
+    let mut counted = Vec::new();
+    for case in &cases {
+        counted.push(outcome_calls(&cluster, &db, case).await);
+    }
+    // Every outcome batch reads in one request (one call per region it reads, in parallel):
+    // the lease's holder record and expiry, and each invocation's pending row. It then
+    // prewrites every region it writes (the pending rows deleted and the replacement, the
+    // completed rows, the event-id keys, the owner keys, the holder key it locks, its commit
+    // marker) and commits them, the primary's first.
+    let one = calls(&[("KvBatchGet", 3), ("KvCommit", 5), ("KvPrewrite", 5)]);
+    assert_eq!(counted[0], one, "{}", cases[0].name);
+    assert_eq!(counted[1], one, "{}", cases[1].name);
+    assert_eq!(
+        counted[2],
+        calls(&[("KvBatchGet", 3), ("KvCommit", 6), ("KvPrewrite", 6)]),
+        "{}",
+        cases[2].name
+    );
+    // Four outcomes cost what one does: one transaction, the same regions.
+    assert_eq!(counted[3], one, "{}", cases[3].name);
+    // Two partitions: one more pending-row region to read and write, and the commit of the
+    // primary's region again for its other keys.
+    assert_eq!(
+        counted[4],
+        calls(&[("KvBatchGet", 4), ("KvCommit", 7), ("KvPrewrite", 6)]),
+        "{}",
+        cases[4].name
+    );
+    assert_eq!(counted[5], one, "{}", cases[5].name);
 }

@@ -645,13 +645,22 @@ pub(crate) async fn holder_alive<X: TitoTransaction>(
     root: &str,
     lease: &Lease,
 ) -> TitoResult<bool> {
-    let Some(epoch) = lease.epoch else {
+    if lease.epoch.is_none() {
         return Ok(lease.expires > tx.start_version());
+    }
+    let node = tx
+        .get(keys::node_key(root, &lease.owner).as_bytes())
+        .await?;
+    Ok(node_alive(node.as_deref(), lease, tx))
+}
+
+/// Whether a cluster lease's holder is alive by its node record's value (`None`: no record),
+/// with its epoch, at `tx`'s start version.
+pub(crate) fn node_alive<X: TitoTransaction>(node: Option<&[u8]>, lease: &Lease, tx: &X) -> bool {
+    let Some(node) = node.and_then(|b| serde_json::from_slice::<NodeRecord>(b).ok()) else {
+        return false;
     };
-    let Some(node) = read_node(tx, root, &lease.owner).await? else {
-        return Ok(false);
-    };
-    Ok(node.epoch == epoch && node.expires > tx.start_version())
+    lease.epoch == Some(node.epoch) && node.expires > tx.start_version()
 }
 
 /// The cluster as stored: coordinator, members, node records, assignment and leases.

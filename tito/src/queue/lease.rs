@@ -140,36 +140,82 @@ pub(crate) async fn acquire<E: TitoEngine>(
     .await
 }
 
-/// Inside an outcome transaction: whether `owner` still holds `partition` at `generation`. When
-/// it does, the holder key is locked, so a takeover committed after this transaction started
-/// makes the commit fail instead of applying the outcome. Renewals do not touch that key.
-pub(crate) async fn still_held<X: TitoTransaction>(
-    tx: &X,
-    root: &str,
-    partition: u32,
-    owner: &str,
-    generation: u64,
-) -> TitoResult<bool> {
-    let key = keys::lease_key(root, partition);
-    let Some(bytes) = tx.get(key.as_bytes()).await? else {
-        return Ok(false);
-    };
-    let Some(lease) = parse(&key, &bytes) else {
-        return Ok(false);
-    };
-    if lease.released() || lease.owner != owner || lease.generation != generation {
-        return Ok(false);
+/// The lease check of an outcome transaction: whether `owner` still holds a partition at a
+/// generation. When it does, the holder key is locked, so a takeover committed after this
+/// transaction started makes the commit fail instead of applying the outcome (renewals do not
+/// touch that key). Split in two so its reads join the transaction's one batched read: [`HeldCheck::keys`] (the holder record, the expiry key and,
+/// for a cluster node, its node record) and [`HeldCheck::decide`] on their values.
+pub(crate) struct HeldCheck<'a> {
+    root: &'a str,
+    owner: &'a str,
+    keys: [Vec<u8>; 3],
+    /// Whether the node record is among the keys (cluster leases need it).
+    cluster: bool,
+}
+
+impl<'a> HeldCheck<'a> {
+    /// The check of `owner`'s lease on `partition`; `cluster` when `owner` is a cluster node.
+    pub fn new(root: &'a str, partition: u32, owner: &'a str, cluster: bool) -> Self {
+        HeldCheck {
+            root,
+            owner,
+            keys: [
+                keys::lease_key(root, partition).into_bytes(),
+                keys::lease_expiry_key(root, partition).into_bytes(),
+                keys::node_key(root, owner).into_bytes(),
+            ],
+            cluster,
+        }
     }
-    let alive = match lease.epoch {
-        // Cluster leases live as long as their holder's node record.
-        Some(_) => super::cluster::holder_alive(tx, root, &lease).await?,
-        None => expiry(tx, root, partition, &lease).await? > tx.start_version(),
-    };
-    if !alive {
-        return Ok(false);
+
+    /// The keys to read, in the order [`Self::decide`] takes their values.
+    pub fn keys(&self) -> &[Vec<u8>] {
+        if self.cluster {
+            &self.keys
+        } else {
+            &self.keys[..2]
+        }
     }
-    tx.lock_keys(&[key.into_bytes()]).await?;
-    Ok(true)
+
+    /// Whether the lease is still held at `generation`, from the values of [`Self::keys`]; locks
+    /// the holder key when it is. A cluster lease whose node record was not read (a standalone
+    /// check meeting a cluster lease) reads it.
+    pub async fn decide<X: TitoTransaction>(
+        &self,
+        tx: &X,
+        generation: u64,
+        values: &[Option<Vec<u8>>],
+    ) -> TitoResult<bool> {
+        let holder = &self.keys[0];
+        let Some(bytes) = values.first().and_then(|v| v.as_deref()) else {
+            return Ok(false);
+        };
+        let Some(lease) = parse(&keys::display_key(holder), bytes) else {
+            return Ok(false);
+        };
+        if lease.released() || lease.owner != self.owner || lease.generation != generation {
+            return Ok(false);
+        }
+        let alive = match lease.epoch {
+            // Cluster leases live as long as their holder's node record.
+            Some(_) => match values.get(2) {
+                Some(node) => super::cluster::node_alive(node.as_deref(), &lease, tx),
+                None => super::cluster::holder_alive(tx, self.root, &lease).await?,
+            },
+            None => {
+                let expires = match values.get(1) {
+                    Some(Some(bytes)) => parse_expiry(bytes),
+                    _ => lease.expires,
+                };
+                expires > tx.start_version()
+            }
+        };
+        if !alive {
+            return Ok(false);
+        }
+        tx.lock_keys(std::slice::from_ref(holder)).await?;
+        Ok(true)
+    }
 }
 
 /// A standalone lease's current expiry: its expiry key, or the holder record's for a lease

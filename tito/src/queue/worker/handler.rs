@@ -13,10 +13,10 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::outcome::{complete, replacement};
-use crate::engine::TitoEngine;
+use crate::engine::{TitoEngine, TitoTransaction};
 use crate::error::TitoError;
 use crate::queue::event::{QueueEvent, QueueHandlerOutcome, QueueHandlerResult};
-use crate::queue::lease;
+use crate::queue::lease::HeldCheck;
 use crate::queue::pull::Pulled;
 
 /// One invocation being handled.
@@ -104,16 +104,23 @@ where
                                 .map_err(TitoError::InvalidArgument)?,
                         ),
                     };
+                    // The lease and the pending row, read in one batch.
                     let partition = pulled.parsed.partition;
-                    if !lease::still_held(&tx, &root, partition, &owner, generation).await? {
+                    let check = HeldCheck::new(&root, partition, &owner, false);
+                    let mut reads = check.keys().to_vec();
+                    reads.push(pulled.key.clone().into_bytes());
+                    let values = tx.batch_get(&reads).await?;
+                    let (lease, row) = values.split_at(values.len() - 1);
+                    if !check.decide(&tx, generation, lease).await? {
                         return Err(TitoError::LeaseLost(format!("partition {partition}")));
                     }
-                    if !complete(&tx, &root, partitions, &pulled, next.as_ref()).await? {
+                    if row[0].is_none() {
                         return Err(TitoError::NotFound(format!(
                             "invocation {} is no longer pending",
                             pulled.key
                         )));
                     }
+                    complete(&tx, &root, partitions, &pulled, next.as_ref()).await?;
                     Ok::<_, TitoError>(next.is_some())
                 }
             });

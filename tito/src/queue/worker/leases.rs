@@ -134,6 +134,11 @@ impl<E: TitoEngine> LeaseKeeper<E> {
         &self.id
     }
 
+    /// Whether the worker is a cluster node (its leases live as long as its node record).
+    pub fn is_cluster(&self) -> bool {
+        matches!(self.mode, Mode::Cluster(_))
+    }
+
     /// When the next tick is due.
     pub fn next_at(&self) -> Instant {
         self.next_at

@@ -480,6 +480,7 @@ where
             let done = outcome::commit(
                 &queue,
                 leases.id(),
+                leases.is_cluster(),
                 config.outcome_batch,
                 std::mem::take(&mut ready),
             )

@@ -10,7 +10,7 @@ use crate::engine::{TitoEngine, TitoTransaction};
 use crate::error::{TitoError, TitoResult};
 use crate::keys;
 use crate::queue::event::{QueueEvent, StoredEvent};
-use crate::queue::lease;
+use crate::queue::lease::HeldCheck;
 use crate::queue::pull::Pulled;
 use crate::queue::{Queue, insert_pending};
 use crate::telemetry::names;
@@ -23,10 +23,12 @@ pub(super) struct Outcome {
 
 /// Applies outcomes in batches of at most `batch_size`; whatever does not commit stays pending
 /// (or, on an unknown outcome, is either completed or delivered again). Returns every key it
-/// handled, applied or not, so the caller can forget them.
+/// handled, applied or not, so the caller can forget them. `cluster`: `owner` is a cluster
+/// node (its leases live as long as its node record, read with the rest).
 pub(super) async fn commit<E: TitoEngine>(
     queue: &Queue<E>,
     owner: &str,
+    cluster: bool,
     batch_size: usize,
     outcomes: Vec<Outcome>,
 ) -> Vec<String> {
@@ -49,7 +51,7 @@ pub(super) async fn commit<E: TitoEngine>(
     for batch in batches {
         metrics::histogram!(names::QUEUE_OUTCOME_BATCH, "queue" => queue.label().to_string())
             .record(batch.len() as f64);
-        match apply(queue, owner, &batch).await {
+        match apply(queue, owner, cluster, &batch).await {
             Ok(applied) => {
                 for outcome in &batch {
                     if !applied.contains(&outcome.running.pulled.key) {
@@ -77,77 +79,88 @@ pub(super) async fn commit<E: TitoEngine>(
     done
 }
 
-/// One outcome transaction; returns the keys of the invocations it completed.
+/// One outcome transaction; returns the keys of the invocations it completed. It reads
+/// everything it checks in one batch before writing: each partition's lease (holder record,
+/// expiry, and a cluster node's own record) and each invocation's pending row; on TiKV that is
+/// one read round trip whatever the batch holds.
 async fn apply<E: TitoEngine>(
     queue: &Queue<E>,
     owner: &str,
+    cluster: bool,
     batch: &[Outcome],
 ) -> TitoResult<HashSet<String>> {
-    let root = queue.root().to_string();
+    let root = queue.root();
     let partitions = queue.config().partitions;
-    let owner = owner.to_string();
+    // One check per partition and lease generation (a partition lost and taken again between
+    // two pulls has invocations of both generations).
+    let mut order: Vec<(u32, u64)> = batch
+        .iter()
+        .map(|o| (o.running.pulled.parsed.partition, o.running.generation))
+        .collect();
+    order.sort_unstable();
+    order.dedup();
+    let checks: Vec<((u32, u64), HeldCheck<'_>)> = order
+        .iter()
+        .map(|&(p, g)| ((p, g), HeldCheck::new(root, p, owner, cluster)))
+        .collect();
+    let mut reads: Vec<Vec<u8>> = checks.iter().flat_map(|(_, c)| c.keys().to_vec()).collect();
+    let lease_reads = reads.len();
+    reads.extend(
+        batch
+            .iter()
+            .map(|o| o.running.pulled.key.clone().into_bytes()),
+    );
     // An acknowledgement whose commit outcome is unknown is resolved, not guessed: applied, it
     // counts as applied; proven not applied, it is replayed (after re-checking the lease).
     let policy = queue.engine().retry_policy().resolving();
+    let (checks, reads) = (&checks, &reads);
+
     queue
         .engine()
-        .transaction_with(policy, |tx| {
-            let (root, owner) = (root.clone(), owner.clone());
-            async move {
-                let mut held: HashMap<u32, bool> = HashMap::new();
-                let mut applied = HashSet::new();
-                for outcome in batch {
-                    let pulled = &outcome.running.pulled;
-                    let partition = pulled.parsed.partition;
-                    let ok = match held.get(&partition) {
-                        Some(ok) => *ok,
-                        None => {
-                            let ok = lease::still_held(
-                                &tx,
-                                &root,
-                                partition,
-                                &owner,
-                                outcome.running.generation,
-                            )
-                            .await?;
-                            if !ok {
-                                tracing::warn!(
-                                    partition,
-                                    "partition lease lost; outcomes left pending"
-                                );
-                            }
-                            held.insert(partition, ok);
-                            ok
-                        }
-                    };
-                    if !ok {
-                        continue;
-                    }
-                    if complete(&tx, &root, partitions, pulled, outcome.replacement.as_ref())
-                        .await?
-                    {
-                        applied.insert(pulled.key.clone());
-                    }
+        .transaction_with(policy, |tx| async move {
+            let values = tx.batch_get(reads).await?;
+            let (lease_values, pending) = values.split_at(lease_reads);
+            let mut held: HashMap<(u32, u64), bool> = HashMap::new();
+            let mut at = 0;
+            for &((partition, generation), ref check) in checks {
+                let n = check.keys().len();
+                let ok = check
+                    .decide(&tx, generation, &lease_values[at..at + n])
+                    .await?;
+                at += n;
+                if !ok {
+                    tracing::warn!(partition, "partition lease lost; outcomes left pending");
                 }
-                Ok::<_, TitoError>(applied)
+                held.insert((partition, generation), ok);
             }
+            let mut applied = HashSet::new();
+            for (outcome, row) in batch.iter().zip(pending) {
+                let pulled = &outcome.running.pulled;
+                if !held[&(pulled.parsed.partition, outcome.running.generation)] {
+                    continue;
+                }
+                // Erased by its owner meanwhile: nothing to complete.
+                if row.is_none() {
+                    continue;
+                }
+                complete(&tx, root, partitions, pulled, outcome.replacement.as_ref()).await?;
+                applied.insert(pulled.key.clone());
+            }
+            Ok::<_, TitoError>(applied)
         })
         .await
 }
 
-/// Completes one invocation inside `tx`: deletes the pending row, writes the completed row,
-/// moves the owner key and the event-id key, and inserts the replacement. Returns false
-/// (writing nothing) when the pending row is gone (erased by its owner meanwhile).
+/// Completes one invocation inside `tx`, whose pending row the caller read and found: deletes
+/// the pending row, writes the completed row, moves the owner key and the event-id key, and
+/// inserts the replacement.
 pub(super) async fn complete<X: TitoTransaction>(
     tx: &X,
     root: &str,
     partitions: u32,
     pulled: &Pulled,
     replacement: Option<&StoredEvent>,
-) -> TitoResult<bool> {
-    if tx.get(pulled.key.as_bytes()).await?.is_none() {
-        return Ok(false);
-    }
+) -> TitoResult<()> {
     tx.delete(pulled.key.clone().into_bytes()).await?;
     let processed_at = tx.start_version();
     let mut completed = pulled.stored.clone();
@@ -191,7 +204,7 @@ pub(super) async fn complete<X: TitoTransaction>(
             .await?;
         }
     }
-    Ok(true)
+    Ok(())
 }
 
 /// Checks a `Reschedule` replacement against the invocation it replaces: same id, key, owner
