@@ -13,7 +13,8 @@
 //! done), where inserts are measured too.
 //!
 //! `cargo bench --bench models`. `TITO_BENCH_SECS` sets the seconds per cell (default 2),
-//! `TITO_BENCH_ROWS` the sizes (default `2000,200000,1000000`).
+//! `TITO_BENCH_ROWS` the sizes (default `2000,200000,1000000`), `TITO_BENCH_NAME_BYTES` a wider
+//! row (the display name padded to that many bytes).
 
 use std::path::Path;
 use std::time::{Duration, Instant, SystemTime};
@@ -41,13 +42,29 @@ struct User {
 }
 
 fn user(i: u64, teams: u64) -> User {
+    let mut name = format!("User number {i}, of a reasonably sized display name");
+    let wanted = padding();
+    while name.len() < wanted {
+        name.push_str(" and more");
+    }
     User {
         id: format!("u{i:09}"),
         email: format!("user{i}@example.com"),
         team: format!("team-{:07}", i % teams),
-        name: format!("User number {i}, of a reasonably sized display name"),
+        name,
         created: 1_700_000_000 + i as i64,
     }
+}
+
+/// `TITO_BENCH_NAME_BYTES`: the display name's length at least (a wider row; default 0, the
+/// name as it is, about 50 bytes).
+fn padding() -> usize {
+    static BYTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *BYTES.get_or_init(|| {
+        std::env::var("TITO_BENCH_NAME_BYTES")
+            .map(|s| s.parse().expect("TITO_BENCH_NAME_BYTES: a byte count"))
+            .unwrap_or(0)
+    })
 }
 
 fn secs() -> Duration {
