@@ -14,7 +14,10 @@
 //!
 //! `cargo bench --bench models`. `TITO_BENCH_SECS` sets the seconds per cell (default 2),
 //! `TITO_BENCH_ROWS` the sizes (default `2000,200000,1000000`), `TITO_BENCH_NAME_BYTES` a wider
-//! row (the display name padded to that many bytes).
+//! row (the display name padded to that many bytes). Two more columns, beside the raw engine:
+//! the raw engine with key-only index entries (the entry holds the row's id; a query reads the
+//! rows in one batch after the entries), and with `--features bench-fjall`, fjall 3 doing the
+//! raw engine's reads and writes (the candidate replacement engine, measured in the same run).
 
 use std::path::Path;
 use std::time::{Duration, Instant, SystemTime};
@@ -310,6 +313,121 @@ async fn raw_newest(db: &Embedded, team: &str, entries: Entries) -> Vec<User> {
         .collect()
 }
 
+/// fjall 3 (`OptimisticTxDatabase`, one keyspace, its defaults but a block cache as large as
+/// the embedded engine's) doing the raw engine's reads and writes with the same keys, rows and
+/// clones (`--features bench-fjall`).
+#[cfg(feature = "bench-fjall")]
+mod peer {
+    use super::*;
+    use fjall::Readable;
+    use fjall::{KeyspaceCreateOptions, OptimisticTxDatabase, OptimisticTxKeyspace, PersistMode};
+
+    pub struct Fjall {
+        db: OptimisticTxDatabase,
+        ks: OptimisticTxKeyspace,
+        durable: bool,
+    }
+
+    impl Fjall {
+        pub fn open(dir: &Path, durable: bool) -> Fjall {
+            let db = OptimisticTxDatabase::builder(dir)
+                .cache_size(tito::backend::embedded::DEFAULT_BLOCK_CACHE_BYTES)
+                .open()
+                .unwrap();
+            let ks = db.keyspace("tito", KeyspaceCreateOptions::default).unwrap();
+            Fjall { db, ks, durable }
+        }
+
+        fn write_tx(&self) -> fjall::OptimisticWriteTx {
+            let mode = self.durable.then_some(PersistMode::SyncAll);
+            self.db.write_tx().unwrap().durability(mode)
+        }
+
+        /// The raw insert's reads (row, manifest, catalog, claim) and writes, one transaction
+        /// per `rows` slice.
+        pub fn insert(&self, rows: &[User]) {
+            let mut tx = self.write_tx();
+            for row in rows {
+                let k = user_keys(row);
+                for key in [&k.row, &k.manifest, &k.claim] {
+                    assert!(tx.get(&self.ks, key.as_bytes()).unwrap().is_none());
+                }
+                let _ = tx
+                    .get(&self.ks, keys::schema_key("users").as_bytes())
+                    .unwrap();
+                let body = serde_json::to_vec(row).unwrap();
+                let manifest = serde_json::to_vec(&serde_json::json!({
+                    "v": 1,
+                    "keys": [&k.email, &k.team, &k.claim],
+                }))
+                .unwrap();
+                tx.insert(&self.ks, k.claim, row.id.clone());
+                tx.insert(&self.ks, k.email, body.clone());
+                tx.insert(&self.ks, k.team, body.clone());
+                tx.insert(&self.ks, k.manifest, manifest);
+                tx.insert(&self.ks, k.row, body);
+            }
+            tx.commit().unwrap().unwrap();
+        }
+
+        pub fn get(&self, id: &str) -> User {
+            let snapshot = self.db.read_tx();
+            let bytes = snapshot
+                .get(&self.ks, keys::row_key("users", id).as_bytes())
+                .unwrap()
+                .unwrap();
+            serde_json::from_slice(&bytes).unwrap()
+        }
+
+        pub fn newest(&self, team: &str) -> Vec<User> {
+            let team = KeyValue::String(team.to_string());
+            let prefix =
+                keys::index_prefix("users", "user_by_team_created", &[("team", &team)]).unwrap();
+            let end = tito::prefix_end(prefix.clone());
+            let snapshot = self.db.read_tx();
+            snapshot
+                .range(&self.ks, prefix.into_bytes()..end.into_bytes())
+                .rev()
+                .take(10)
+                .map(|guard| serde_json::from_slice(&guard.into_inner().unwrap().1).unwrap())
+                .collect()
+        }
+    }
+}
+
+/// Without `--features bench-fjall`: no fjall column.
+#[cfg(not(feature = "bench-fjall"))]
+mod peer {
+    use super::*;
+
+    pub struct Fjall;
+
+    impl Fjall {
+        pub fn open(_: &Path, _: bool) -> Fjall {
+            Fjall
+        }
+        pub fn insert(&self, _: &[User]) {}
+        pub fn get(&self, _: &str) -> User {
+            User::default()
+        }
+        pub fn newest(&self, _: &str) -> Vec<User> {
+            Vec::new()
+        }
+    }
+}
+
+/// A fjall cell: empty without the feature.
+fn fjall_cell(value: f64, decimals: usize) -> String {
+    if WITH_FJALL {
+        format!("{value:.decimals$}")
+    } else {
+        String::new()
+    }
+}
+
+/// Whether the run has a fjall column.
+const WITH_FJALL: bool = cfg!(feature = "bench-fjall");
+
 /// The total size and latest modification of the files under `dir`.
 fn footprint(dir: &Path) -> (u64, Option<SystemTime>, usize) {
     let mut bytes = 0;
@@ -360,6 +478,8 @@ struct Rates {
     raw: f64,
     /// The raw engine with key-only index entries.
     keys: f64,
+    /// fjall with the raw engine's layout (`--features bench-fjall`; 0 without).
+    fjall: f64,
     sqlite: f64,
 }
 
@@ -380,6 +500,7 @@ struct Stores {
     raw: Embedded,
     /// The raw engine with key-only index entries.
     keys: Embedded,
+    fjall: peer::Fjall,
     /// Behind a mutex only so the stores can be shared with a spawned task (never contended).
     conn: std::sync::Mutex<Connection>,
     rows: u64,
@@ -387,15 +508,16 @@ struct Stores {
 }
 
 impl Stores {
-    /// Tito, the raw engine (clones, key-only entries) and SQLite in `dirs` (in that order),
-    /// empty, for `rows` rows.
-    async fn open(dirs: &[tempfile::TempDir; 4], durability: Durability, rows: u64) -> Stores {
+    /// Tito, the raw engine (clones, key-only entries), SQLite and fjall in `dirs` (in that
+    /// order), empty, for `rows` rows.
+    async fn open(dirs: &[tempfile::TempDir; 5], durability: Durability, rows: u64) -> Stores {
         let db = open(dirs[0].path(), durability).await;
         Stores {
             users: db.clone().model::<User>(),
             db,
             raw: open(dirs[1].path(), durability).await,
             keys: open(dirs[2].path(), durability).await,
+            fjall: peer::Fjall::open(dirs[4].path(), durability == Durability::Immediate),
             conn: std::sync::Mutex::new(sqlite(
                 dirs[3].path(),
                 durability == Durability::Immediate,
@@ -426,6 +548,14 @@ impl Stores {
             async move { assert_eq!(raw_get(&self.keys, &id).await.id, id) }
         })
         .await;
+        if WITH_FJALL {
+            get.fjall = measure(|_| {
+                let id = user(pick.below(rows), teams).id;
+                assert_eq!(self.fjall.get(&id).id, id);
+                async {}
+            })
+            .await;
+        }
         get.sqlite = measure(|_| {
             let id = user(pick.below(rows), teams).id;
             assert_eq!(sqlite_get(&self.conn.lock().unwrap(), &id).id, id);
@@ -452,6 +582,14 @@ impl Stores {
             async move { assert_eq!(raw_newest(&self.keys, &team, Entries::Keys).await.len(), 10) }
         })
         .await;
+        if WITH_FJALL {
+            newest.fjall = measure(|_| {
+                let team = user(pick.below(teams), teams).team;
+                assert_eq!(self.fjall.newest(&team).len(), 10);
+                async {}
+            })
+            .await;
+        }
         newest.sqlite = measure(|_| {
             let team = user(pick.below(teams), teams).team;
             assert_eq!(sqlite_newest(&self.conn.lock().unwrap(), &team).len(), 10);
@@ -470,6 +608,15 @@ impl Stores {
         .await;
         let raw = raw_inserts(&self.raw, Entries::Clones, rows + 10_000_000, teams).await;
         let keys = raw_inserts(&self.keys, Entries::Keys, rows + 10_000_000, teams).await;
+        let mut fjall = 0.0;
+        if WITH_FJALL {
+            let base = rows + 30_000_000;
+            fjall = measure(|i| {
+                self.fjall.insert(&[user(base + i, teams)]);
+                async {}
+            })
+            .await;
+        }
         let base = rows + 20_000_000;
         let sqlite = measure(|i| {
             sqlite_insert(&self.conn.lock().unwrap(), &[user(base + i, teams)]);
@@ -480,6 +627,7 @@ impl Stores {
             tito,
             raw,
             keys,
+            fjall,
             sqlite,
         }
     }
@@ -565,10 +713,19 @@ async fn load(stores: &Stores, only_tito: bool) -> Rates {
         sqlite_insert(&stores.conn.lock().unwrap(), &batch(b));
     }
     let sqlite = rows as f64 / start.elapsed().as_secs_f64();
+    let mut fjall = 0.0;
+    if WITH_FJALL {
+        let start = Instant::now();
+        for b in 0..batches {
+            stores.fjall.insert(&batch(b));
+        }
+        fjall = rows as f64 / start.elapsed().as_secs_f64();
+    }
     Rates {
         tito,
         raw: raw_rates[0],
         keys: raw_rates[1],
+        fjall,
         sqlite,
     }
 }
@@ -578,27 +735,35 @@ async fn run(durability: Durability, rows: u64, lines: &mut Vec<Line>) {
         Durability::Immediate => "durable",
         _ => "buffered",
     };
-    let dirs = [(); 4].map(|_| tempfile::tempdir().unwrap());
+    let dirs = [(); 5].map(|_| tempfile::tempdir().unwrap());
     let stores = Stores::open(&dirs, durability, rows).await;
     let loaded = load(&stores, false).await;
     println!(
-        "  {label} {rows} rows loaded (rows/s, batches of {LOAD_BATCH}): tito {:.0}, raw {:.0}, raw key-only {:.0}, sqlite {:.0}",
-        loaded.tito, loaded.raw, loaded.keys, loaded.sqlite
+        "  {label} {rows} rows loaded (rows/s, batches of {LOAD_BATCH}): tito {:.0}, raw {:.0}, raw key-only {:.0}, sqlite {:.0}, fjall {:.0}",
+        loaded.tito, loaded.raw, loaded.keys, loaded.sqlite, loaded.fjall
     );
     let mut pick = Pick(rows);
     let fresh = stores.reads(&mut pick).await;
-    let took = settle(&[dirs[0].path(), dirs[1].path(), dirs[2].path()]).await;
+    let took = settle(&[
+        dirs[0].path(),
+        dirs[1].path(),
+        dirs[2].path(),
+        dirs[4].path(),
+    ])
+    .await;
     let (tito_bytes, _, tito_files) = footprint(dirs[0].path());
     let (raw_bytes, _, _) = footprint(dirs[1].path());
     let (keys_bytes, _, _) = footprint(dirs[2].path());
     let (sqlite_bytes, _, _) = footprint(dirs[3].path());
+    let (fjall_bytes, _, _) = footprint(dirs[4].path());
     println!(
-        "  {label} {rows} rows settled in {:.1} s; on disk: tito {:.1} MiB in {tito_files} files, raw {:.1} MiB, raw key-only {:.1} MiB, sqlite {:.1} MiB",
+        "  {label} {rows} rows settled in {:.1} s; on disk: tito {:.1} MiB in {tito_files} files, raw {:.1} MiB, raw key-only {:.1} MiB, sqlite {:.1} MiB, fjall {:.1} MiB",
         took.as_secs_f64(),
         tito_bytes as f64 / 1048576.0,
         raw_bytes as f64 / 1048576.0,
         keys_bytes as f64 / 1048576.0,
         sqlite_bytes as f64 / 1048576.0,
+        fjall_bytes as f64 / 1048576.0,
     );
     let settled = stores.reads(&mut pick).await;
     let inserts = stores.inserts().await;
@@ -643,7 +808,7 @@ async fn profile(what: &str) {
         Ok("1") => Durability::Immediate,
         _ => Durability::Buffered,
     };
-    let dirs = [(); 4].map(|_| tempfile::tempdir().unwrap());
+    let dirs = [(); 5].map(|_| tempfile::tempdir().unwrap());
     let stores = Stores::open(&dirs, durability, rows).await;
     load(&stores, true).await;
     eprintln!("loaded");
@@ -703,7 +868,7 @@ async fn bench() {
             run(durability, rows, &mut lines).await;
         }
         println!(
-            "{:<9} {:>8} {:<30} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>9} {:>11}",
+            "{:<9} {:>8} {:<30} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>9} {:>11} {:>9} {:>9}",
             "",
             "rows",
             "operation",
@@ -714,7 +879,9 @@ async fn bench() {
             "/raw",
             "/sqlite",
             "/smallest",
-            "keys/clones"
+            "keys/clones",
+            if WITH_FJALL { "fjall" } else { "" },
+            if WITH_FJALL { "fjall/raw" } else { "" },
         );
         for line in &lines {
             let smallest = lines
@@ -723,7 +890,7 @@ async fn bench() {
                 .map(|l| line.rates.tito / l.rates.tito)
                 .unwrap_or(1.0);
             println!(
-                "{:<9} {:>8} {:<30} {:>9.0} {:>9.0} {:>9.0} {:>9.0} {:>8.2} {:>8.2} {:>9.2} {:>11.2}",
+                "{:<9} {:>8} {:<30} {:>9.0} {:>9.0} {:>9.0} {:>9.0} {:>8.2} {:>8.2} {:>9.2} {:>11.2} {:>9} {:>9}",
                 label,
                 line.rows,
                 line.operation,
@@ -735,6 +902,8 @@ async fn bench() {
                 line.rates.tito / line.rates.sqlite,
                 smallest,
                 line.rates.keys / line.rates.raw,
+                fjall_cell(line.rates.fjall, 0),
+                fjall_cell(line.rates.fjall / line.rates.raw, 2),
             );
         }
     }
@@ -743,6 +912,7 @@ async fn bench() {
          the OS, SQLite WAL with synchronous=NORMAL. /smallest: Tito's rate over its rate at the \
          smallest size. raw keys: the raw engine with key-only index entries, a query reading \
          the rows in one batch after the entries; keys/clones: its rate over the raw engine's \
-         with the row copied into each entry, Tito's layout.)"
+         with the row copied into each entry, Tito's layout. fjall: fjall 3 with the raw \
+         engine's keys and clones, with --features bench-fjall.)"
     );
 }

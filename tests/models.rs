@@ -33,6 +33,7 @@ macro_rules! models_suite {
                 scans_fail_on_corrupt_rows,
                 cursors_page_forward_and_backward,
                 query_mistakes_are_clear_errors,
+                key_only_entries_hold_keys_and_queries_read_the_rows,
             ]
         );
     };
@@ -1002,4 +1003,287 @@ async fn model_futures_spawn_with_a_concrete_engine() {
     .await
     .unwrap()
     .unwrap();
+}
+
+/// A model with both entry layouts: `entries = "keys"` on a composite and a unique index, copies
+/// (the default) on another.
+// clippy's duplicated_attributes reads two `entries = "keys"` as one attribute given twice
+// (rust-clippy#12923).
+#[allow(clippy::duplicated_attributes)]
+#[derive(tito::TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(table = "doc")]
+#[tito(index = "doc_by_owner_rank: owner, rank", entries = "keys")]
+#[tito(unique_index = "doc_by_slug: slug", entries = "keys")]
+#[tito(index = "doc_by_owner: owner", entries = "copies")]
+struct Doc {
+    id: String,
+    owner: String,
+    slug: String,
+    rank: i64,
+    body: String,
+}
+
+fn doc(i: i64, owner: &str) -> Doc {
+    Doc {
+        id: format!("d{i}"),
+        owner: owner.to_string(),
+        slug: format!("s{i}"),
+        rank: i,
+        body: format!("the body of document {i}, long enough to be worth not copying"),
+    }
+}
+
+/// The same table and index name with copies: another definition of `doc_by_owner_rank`.
+#[derive(tito::TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(table = "doc")]
+#[tito(index = "doc_by_owner_rank: owner, rank")]
+#[tito(unique_index = "doc_by_slug: slug", entries = "keys")]
+#[tito(index = "doc_by_owner: owner")]
+struct DocWithCopies {
+    id: String,
+    owner: String,
+    slug: String,
+    rank: i64,
+    body: String,
+}
+
+/// The next deploy of [`Doc`]: one more index of keys, built over the rows already there.
+// clippy's duplicated_attributes reads two `entries = "keys"` as one attribute given twice
+// (rust-clippy#12923).
+#[allow(clippy::duplicated_attributes)]
+#[derive(tito::TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(table = "doc")]
+#[tito(index = "doc_by_owner_rank: owner, rank", entries = "keys")]
+#[tito(unique_index = "doc_by_slug: slug", entries = "keys")]
+#[tito(index = "doc_by_owner: owner", entries = "copies")]
+#[tito(index = "doc_by_rank: rank", entries = "keys")]
+struct DocV2 {
+    id: String,
+    owner: String,
+    slug: String,
+    rank: i64,
+    body: String,
+}
+
+/// Entries and their values under `prefix`.
+async fn entries_under<E: TitoEngine>(db: &E, prefix: &str) -> Vec<(String, Vec<u8>)> {
+    let tx = db.begin().await.unwrap();
+    let end = tito::prefix_end(prefix.to_string());
+    let rows = tx
+        .scan(prefix.as_bytes(), end.as_bytes(), 10_000)
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    rows.into_iter()
+        .map(|(k, v)| (String::from_utf8(k).unwrap(), v))
+        .collect()
+}
+
+pub async fn key_only_entries_hold_keys_and_queries_read_the_rows<E: TitoEngine>(ctx: Ctx<E>) {
+    let docs = ctx.db.clone().model::<Doc>();
+    for i in 1..=5 {
+        docs.build(doc(i, "a")).await.unwrap();
+    }
+    for i in 6..=7 {
+        docs.build(doc(i, "b")).await.unwrap();
+    }
+    // Keys only: empty values. Copies: the row's bytes.
+    let keyed = entries_under(&ctx.db, "index:doc:doc_by_owner_rank:").await;
+    assert_eq!(keyed.len(), 7);
+    assert!(keyed.iter().all(|(_, v)| v.is_empty()), "{keyed:?}");
+    let slugs = entries_under(&ctx.db, "index:doc:doc_by_slug:").await;
+    assert_eq!(slugs.len(), 7);
+    assert!(slugs.iter().all(|(_, v)| v.is_empty()));
+    let copies = entries_under(&ctx.db, "index:doc:doc_by_owner:").await;
+    let d1 = tito::keys::row_key("doc", "d1");
+    let row = read(&ctx.db, d1.as_bytes()).await.unwrap();
+    assert_eq!(copies.len(), 7);
+    assert_eq!(copies[0].1, row);
+
+    // Queries read the rows: pages of two, newest first, cursors across pages.
+    let mut ranks = Vec::new();
+    let mut cursor = None;
+    loop {
+        let page = docs
+            .doc_by_owner_rank("a")
+            .reverse(true)
+            .limit(Some(2))
+            .cursor(cursor)
+            .execute()
+            .await
+            .unwrap();
+        assert!(page.items.len() <= 2);
+        ranks.extend(page.items.iter().map(|d| (d.rank, d.body.clone())));
+        cursor = page.cursor;
+        if cursor.is_none() {
+            break;
+        }
+    }
+    let expected: Vec<(i64, String)> = (1..=5).rev().map(|i| (i, doc(i, "a").body)).collect();
+    assert_eq!(ranks, expected);
+    let page = docs
+        .doc_by_owner_rank("b")
+        .rank(7..)
+        .execute()
+        .await
+        .unwrap();
+    assert_eq!(page.items, vec![doc(7, "b")]);
+    let by_slug = docs.doc_by_slug("s3").execute().await.unwrap();
+    assert_eq!(by_slug.items, vec![doc(3, "a")]);
+    // A unique index of keys still refuses a second row with its values.
+    let mut clash = doc(8, "a");
+    clash.slug = "s3".into();
+    assert!(matches!(
+        docs.build(clash).await,
+        Err(TitoError::UniqueViolation { .. })
+    ));
+
+    // An update that keeps every entry's key rewrites the row and the copy, not the keys.
+    let counted = tito::engine::FaultyEngine::new(ctx.db.clone());
+    let mut changed = doc(2, "a");
+    changed.body = "a new body".into();
+    counted
+        .clone()
+        .model::<Doc>()
+        .update(changed.clone())
+        .await
+        .unwrap();
+    assert_eq!(counted.faults().calls(tito::engine::FaultPoint::Put), 2);
+    let page = docs
+        .doc_by_owner_rank("a")
+        .rank_eq(&2)
+        .execute()
+        .await
+        .unwrap();
+    assert_eq!(page.items, vec![changed.clone()]);
+    // Moving a key moves the entry (still empty).
+    changed.rank = 20;
+    docs.update(changed.clone()).await.unwrap();
+    let newest = docs
+        .doc_by_owner_rank("a")
+        .reverse(true)
+        .limit(Some(1))
+        .execute()
+        .await
+        .unwrap();
+    assert_eq!(newest.items, vec![changed.clone()]);
+    let keyed = entries_under(&ctx.db, "index:doc:doc_by_owner_rank:").await;
+    assert_eq!(keyed.len(), 7);
+    assert!(keyed.iter().all(|(_, v)| v.is_empty()));
+    docs.delete_by_id("d7").await.unwrap();
+    assert!(
+        docs.doc_by_owner_rank("b")
+            .execute()
+            .await
+            .unwrap()
+            .items
+            .iter()
+            .all(|d| d.id == "d6")
+    );
+
+    // The catalog records the layout; the same name with copies is another definition.
+    let schema = tito::schema::table_schema(&ctx.db, "doc").await.unwrap();
+    let layout: Vec<(String, bool)> = schema
+        .indexes
+        .iter()
+        .map(|i| (i.name.clone(), i.definition.key_only))
+        .collect();
+    assert_eq!(
+        layout,
+        [
+            ("doc_by_owner".to_string(), false),
+            ("doc_by_owner_rank".to_string(), true),
+            ("doc_by_slug".to_string(), true),
+        ]
+    );
+    let shown = schema.indexes[1].definition.to_string();
+    assert!(shown.ends_with("keys only"), "{shown}");
+    let other = DocWithCopies {
+        id: "d9".into(),
+        owner: "a".into(),
+        slug: "s9".into(),
+        rank: 9,
+        body: String::new(),
+    };
+    match ctx.db.clone().model::<DocWithCopies>().build(other).await {
+        Err(TitoError::SchemaMismatch(message)) => {
+            assert!(message.contains("doc_by_owner_rank"), "{message}")
+        }
+        other => panic!("expected SchemaMismatch, got {other:?}"),
+    }
+
+    // An index of keys added by a later deploy is built with empty entries and queried.
+    let v2 = ctx.db.clone().model::<DocV2>();
+    v2.build_indexes(|_| {}).await.unwrap();
+    let built = entries_under(&ctx.db, "index:doc:doc_by_rank:").await;
+    assert_eq!(built.len(), 6);
+    assert!(built.iter().all(|(_, v)| v.is_empty()));
+    let low = v2.doc_by_rank_range(..4).execute().await.unwrap();
+    let ids: Vec<&str> = low.items.iter().map(|d| d.id.as_str()).collect();
+    assert_eq!(ids, ["d1", "d3"]);
+    assert!(v2.audit(|_| {}).await.unwrap().is_clean());
+
+    // The audit expects empty entries: one that holds bytes is found and emptied.
+    assert!(docs.audit(|_| {}).await.unwrap().is_clean());
+    let tampered = keyed[0].0.clone();
+    let tx = ctx.db.begin().await.unwrap();
+    tx.put(tampered.clone().into_bytes(), b"{}".to_vec())
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let report = docs.repair(|_| {}).await.unwrap();
+    assert_eq!(report.count(tito::schema::AuditKind::StaleClone), 1);
+    assert_eq!(read(&ctx.db, tampered.as_bytes()).await, Some(Vec::new()));
+    assert!(docs.audit(|_| {}).await.unwrap().is_clean());
+
+    // An entry whose row is gone (deleted behind Tito's back) fails the query, naming both.
+    let tx = ctx.db.begin().await.unwrap();
+    tx.delete(d1.clone().into_bytes()).await.unwrap();
+    tx.commit().await.unwrap();
+    match docs.doc_by_owner_rank("a").rank_eq(&1).execute().await {
+        Err(TitoError::Integrity(message)) => {
+            assert!(message.contains(&d1), "{message}");
+            assert!(message.contains("does not exist"), "{message}");
+        }
+        other => panic!("expected an integrity error, got {other:?}"),
+    }
+}
+
+/// A hand-written model naming a key-only index it does not declare is refused.
+#[derive(Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct Misnamed {
+    id: String,
+}
+
+impl TitoModelTrait for Misnamed {
+    fn id(&self) -> String {
+        self.id.clone()
+    }
+    fn table(&self) -> String {
+        "misnamed".to_string()
+    }
+    fn indexes(&self) -> Vec<TitoIndexConfig> {
+        vec![index(
+            "misnamed_by_id",
+            vec![field("id", TitoIndexBlockType::String)],
+        )]
+    }
+    fn key_only_indexes(&self) -> Vec<String> {
+        vec!["misnamed_by_idd".to_string()]
+    }
+}
+
+#[tokio::test]
+async fn key_only_names_must_be_indexes() {
+    let db = tito::backend::memory::Memory::new();
+    match db
+        .model::<Misnamed>()
+        .build(Misnamed { id: "1".into() })
+        .await
+    {
+        Err(TitoError::InvalidArgument(message)) => {
+            assert!(message.contains("misnamed_by_idd"), "{message}")
+        }
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    }
 }

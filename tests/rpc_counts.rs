@@ -22,6 +22,17 @@ struct User {
     created: i64,
 }
 
+/// The same table shape with the composite index's entries holding only keys.
+#[derive(TitoModel, Default, Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[tito(table = "rpc_keyed_users")]
+#[tito(index = "rpc_keyed_by_team_created: team, created", entries = "keys")]
+struct KeyedUser {
+    id: String,
+    email: String,
+    team: String,
+    created: i64,
+}
+
 fn user(i: i64, team: &str) -> User {
     User {
         id: format!("u{i}"),
@@ -109,9 +120,37 @@ async fn tikv_model_operations_cost_the_counted_requests() {
     );
     let delete = count!("delete by id", users.delete_by_id("u100").await.unwrap());
 
+    // The same query over entries that hold only keys: the entries, then the rows in one
+    // batched read (one more round trip).
+    let keyed = db.clone().model::<KeyedUser>();
+    for i in 0..12 {
+        let u = user(i, "core");
+        keyed
+            .build(KeyedUser {
+                id: u.id,
+                email: u.email,
+                team: u.team,
+                created: u.created,
+            })
+            .await
+            .unwrap();
+    }
+    let keyed_query = count!("team's 10 newest, entries of keys", {
+        let page = keyed
+            .rpc_keyed_by_team_created("core")
+            .reverse(true)
+            .limit(Some(10))
+            .execute()
+            .await
+            .unwrap();
+        assert_eq!(page.items.len(), 10);
+        assert_eq!(page.items[0].id, "u11");
+    });
+
     for (name, counted) in &table {
         println!("{name:<45} {counted:?}");
     }
+    assert_eq!(keyed_query, calls(&[("KvBatchGet", 1), ("KvScan", 1)]));
     // A write reads the row, manifest, catalog and the claims it expects to take in one
     // request (one call per region, in parallel), prewrites each region it writes, commits the
     // primary's region, then the secondaries' after the reply (the client groups them by region,

@@ -1,7 +1,8 @@
 //! Parsing of `#[tito(...)]` attributes, keeping the literal tokens for error spans.
 //!
 //! On the struct: `table = ".."`, `index = "name: field, field"` (optionally with
-//! `condition = "method"` in the same attribute), `unique_index = ".."` (same form), `event =
+//! `condition = "method"`, `condition_version = N` and `entries = "keys"` in the same
+//! attribute), `unique_index = ".."` (same form), `event =
 //! ".."` (optionally with `at = "field_or_method"`), `inbox`, `manual_timestamps`. On a field:
 //! `id`.
 
@@ -15,6 +16,7 @@ const INDEX: &str = "index";
 const UNIQUE_INDEX: &str = "unique_index";
 const CONDITION: &str = "condition";
 const CONDITION_VERSION: &str = "condition_version";
+const ENTRIES: &str = "entries";
 const EVENT: &str = "event";
 const AT: &str = "at";
 const ID: &str = "id";
@@ -43,6 +45,11 @@ pub struct IndexSpec {
     pub condition: Option<LitStr>,
     /// `condition_version = N`: bumped when the condition's meaning changes (default 1).
     pub condition_version: Option<syn::LitInt>,
+    /// `entries = "keys"`: entries hold only their key (`"copies"`, the default: a copy of the
+    /// row).
+    pub key_only: bool,
+    /// The `entries` literal, for errors that concern it.
+    pub entries: Option<LitStr>,
 }
 
 /// An event as written.
@@ -141,6 +148,36 @@ pub fn container(attrs: &[Attribute], errors: &mut Errors) -> ContainerAttrs {
                         }
                     }
                 }
+                ENTRIES => {
+                    let lit: LitStr = meta.value()?.parse()?;
+                    match (&last, out.indexes.last_mut()) {
+                        (Last::Index, Some(index)) => {
+                            if index.entries.is_some() {
+                                errors.push(syn::Error::new(lit.span(), "duplicate `entries`"));
+                            }
+                            match lit.value().as_str() {
+                                "keys" => index.key_only = true,
+                                "copies" => index.key_only = false,
+                                other => errors.push(syn::Error::new(
+                                    lit.span(),
+                                    format!(
+                                        "unknown `entries = \"{other}\"`; expected \"copies\" (the \
+                                         default: each entry holds a copy of the row) or \"keys\" \
+                                         (entries hold only the row's key; a query reads the rows \
+                                         after the entries)"
+                                    ),
+                                )),
+                            }
+                            index.entries = Some(lit);
+                        }
+                        _ => {
+                            return Err(syn::Error::new(
+                                lit.span(),
+                                "`entries` belongs to an `index` or `unique_index` in the same attribute",
+                            ));
+                        }
+                    }
+                }
                 EVENT => {
                     if !matches!(last, Last::None) {
                         return Err(meta.error(
@@ -179,7 +216,7 @@ pub fn container(attrs: &[Attribute], errors: &mut Errors) -> ContainerAttrs {
                 }
                 _ => {
                     return Err(meta.error(format!(
-                        "unknown tito attribute `{}`; expected `table`, `index`, `unique_index`, `condition`, `condition_version`, `event`, `at`, `inbox` or `manual_timestamps`",
+                        "unknown tito attribute `{}`; expected `table`, `index`, `unique_index`, `condition`, `condition_version`, `entries`, `event`, `at`, `inbox` or `manual_timestamps`",
                         path_text(&meta.path)
                     )));
                 }
@@ -251,6 +288,8 @@ fn parse_index(lit: &LitStr, unique: bool, errors: &mut Errors) -> Option<IndexS
         unique,
         condition: None,
         condition_version: None,
+        key_only: false,
+        entries: None,
     })
 }
 

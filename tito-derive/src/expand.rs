@@ -93,8 +93,12 @@ fn expand(model: &Model, id: usize, errors: &mut Errors) -> TokenStream {
     let mut plain = Vec::new();
     let mut unique = Vec::new();
     let mut conditions = Vec::new();
+    let mut key_only = Vec::new();
     for index in &model.attrs.indexes {
         let name = &index.name;
+        if index.key_only {
+            key_only.push(quote!(::std::string::String::from(#name)));
+        }
         if let Some(lit) = &index.condition {
             let method = lit.value();
             let version = index
@@ -185,6 +189,15 @@ fn expand(model: &Model, id: usize, errors: &mut Errors) -> TokenStream {
             }
         });
     }
+    let key_only_indexes = if key_only.is_empty() {
+        TokenStream::new()
+    } else {
+        quote! {
+            fn key_only_indexes(&self) -> ::std::vec::Vec<::std::string::String> {
+                ::std::vec![#(#key_only),*]
+            }
+        }
+    };
     let timestamps = if model.attrs.manual_timestamps.is_some() {
         quote! {
             fn managed_timestamps(&self) -> bool {
@@ -224,6 +237,8 @@ fn expand(model: &Model, id: usize, errors: &mut Errors) -> TokenStream {
             fn conditions(&self) -> ::std::vec::Vec<::tito::model::TitoCondition> {
                 ::std::vec![#(#conditions),*]
             }
+
+            #key_only_indexes
 
             #timestamps
         }

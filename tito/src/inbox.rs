@@ -457,7 +457,8 @@ fn ms(duration: Duration) -> i64 {
 }
 
 impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
-    /// The inbox of `M`. Checks that the model declares its claim index.
+    /// The inbox of `M`. Checks that the model declares its claim index, with copies of the
+    /// rows as its entries.
     pub fn new(db: E) -> TitoResult<Self> {
         let spec = M::inbox_spec();
         let sample = M::default();
@@ -470,6 +471,14 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
             if declared.as_ref().map(|i| &i.fields) != Some(&expected.fields) {
                 return Err(TitoError::invalid_argument(format!(
                     "model {table:?} must declare its inbox claim index {:?} (InboxSpec::claim_index) in indexes()",
+                    expected.name
+                )));
+            }
+            // Claims read rows from the claim index's entries.
+            if sample.key_only_indexes().contains(&expected.name) {
+                return Err(TitoError::invalid_argument(format!(
+                    "the inbox claim index {:?} of model {table:?} must hold copies of the rows, \
+                     not only keys (remove it from key_only_indexes())",
                     expected.name
                 )));
             }

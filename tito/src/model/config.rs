@@ -80,6 +80,22 @@ pub trait TitoModelTrait:
         Vec::new()
     }
 
+    /// The indexes whose entries hold only the row's key instead of a copy of the row (the
+    /// derive's `entries = "keys"` beside an `index` or `unique_index`).
+    ///
+    /// A query over such an index reads its entries, then their rows in one batched read (on
+    /// TiKV one more round trip); a write stores only the entry's key, and an update that
+    /// leaves an entry's key as it was does not rewrite the entry. Copies (the default) answer
+    /// a query from the entries alone, at the cost of writing the row once more per index.
+    /// Copies suit narrow rows and read-heavy indexes; keys suit wide rows, many indexes and
+    /// write-heavy tables (`cargo bench --bench models` measures both). The layout is part of
+    /// the index's definition in the schema catalog: switching an index from one to the other is
+    /// a new definition (give it a new name). Names that are not indexes of the model are
+    /// refused as [`TitoError::InvalidArgument`](crate::TitoError::InvalidArgument).
+    fn key_only_indexes(&self) -> Vec<String> {
+        Vec::new()
+    }
+
     /// The events a write of this row publishes when its options ask for events.
     fn events(&self) -> Vec<TitoEventConfig> {
         Vec::new()

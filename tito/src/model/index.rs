@@ -16,6 +16,19 @@ pub(crate) struct Entry {
     pub index: String,
     pub key: String,
     pub claim: Option<String>,
+    /// The entry holds only its key (the index's entries are keys, not copies of the row).
+    pub key_only: bool,
+}
+
+impl Entry {
+    /// The value stored under the entry's key for a row serialized as `row`.
+    pub fn value(&self, row: &[u8]) -> Vec<u8> {
+        if self.key_only {
+            Vec::new()
+        } else {
+            row.to_vec()
+        }
+    }
 }
 
 /// The values at a dotted path. An array met on the way is walked element by element, so
@@ -125,6 +138,7 @@ pub(crate) fn entries(
             index: config.name.clone(),
             key,
             claim,
+            key_only: false,
         };
         if !out.contains(&entry) {
             out.push(entry);

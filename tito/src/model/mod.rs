@@ -123,7 +123,7 @@
 //! ```
 
 mod config;
-mod index;
+pub(crate) mod index;
 pub(crate) mod query;
 
 use std::collections::{HashMap, HashSet};
@@ -273,7 +273,8 @@ pub(crate) fn planned_entries(
                     .0
             }
         };
-        for entry in index::entries(config, planned.unique, row, table, id)? {
+        for mut entry in index::entries(config, planned.unique, row, table, id)? {
+            entry.key_only = planned.key_only;
             out.push((entry, planned.state));
         }
     }
@@ -819,26 +820,28 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
             self.release_claim(tx, claim, &id).await?;
         }
 
-        let new_keys: Vec<String> = new_entries
+        let kept: Vec<index::Entry> = new_entries
             .into_iter()
             .filter(|(e, _)| e.claim.as_ref().is_none_or(|c| !tolerated.contains(c)))
-            .map(|(e, _)| e.key)
+            .map(|(e, _)| e)
             .collect();
         let row_changed = stored.as_ref().is_none_or(|s| s.row != row);
-        let new_set: HashSet<&String> = new_keys.iter().chain(&new_claims).collect();
+        let new_set: HashSet<&String> = kept.iter().map(|e| &e.key).chain(&new_claims).collect();
         for key in old_listed
             .iter()
             .filter(|k| !keys::is_claim_key_of(k, &table) && !new_set.contains(k))
         {
             tx.delete(key.clone().into_bytes()).await?;
         }
-        for key in &new_keys {
-            // Entries are clones of the row: kept entries change only when the row does.
-            if row_changed || !old_listed.contains(key) {
-                tx.put(key.clone().into_bytes(), bytes.clone()).await?;
+        for entry in &kept {
+            // A copy changes only when the row does; a key-only entry never changes.
+            let fresh = !old_listed.contains(&entry.key);
+            if fresh || (row_changed && !entry.key_only) {
+                tx.put(entry.key.clone().into_bytes(), entry.value(&bytes))
+                    .await?;
             }
         }
-        let manifest: Vec<String> = new_keys.into_iter().chain(new_claims).collect();
+        let manifest: Vec<String> = kept.into_iter().map(|e| e.key).chain(new_claims).collect();
         let keys_changed = stored
             .as_ref()
             .is_none_or(|s| s.manifest != manifest || s.manifest_version != plan.version);

@@ -97,20 +97,20 @@ fn check_limit(limit: Option<usize>) -> TitoResult<usize> {
     }
 }
 
-/// Reads one page of `[start, end)` (empty `end`: unbounded is never used here), decoding every
-/// value; `check` validates each key. Corrupt rows fail the page instead of shortening it.
-async fn read_page<X, T>(
+/// Reads one page of `[start, end)` (empty `end`: unbounded is never used here); `decode`
+/// validates each key and decodes its value. Corrupt rows fail the page instead of shortening
+/// it.
+async fn read_page<X, I>(
     tx: &X,
     mut start: Vec<u8>,
     mut end: Vec<u8>,
     reverse: bool,
     limit: usize,
     cursor: Option<&str>,
-    check: impl Fn(&str) -> TitoResult<()>,
-) -> TitoResult<TitoPage<T>>
+    decode: impl Fn(&str, &[u8]) -> TitoResult<I>,
+) -> TitoResult<TitoPage<I>>
 where
     X: TitoTransaction,
-    T: TitoModelTrait,
 {
     narrow_to_cursor(&mut start, &mut end, reverse, cursor)?;
     if start >= end {
@@ -129,9 +129,7 @@ where
     let mut items = Vec::with_capacity(limit.min(rows.len()));
     let mut last = None;
     for (key, value) in rows.into_iter().take(limit) {
-        let text = keys::key_str(&key)?;
-        check(text)?;
-        items.push(decode_model::<T>(text, &value)?);
+        items.push(decode(keys::key_str(&key)?, &value)?);
         last = Some(key);
     }
     Ok(TitoPage {
@@ -246,7 +244,8 @@ impl<E: TitoEngine, T: TitoModelTrait> IndexQuery<E, T> {
                 self.index
             )));
         };
-        self.model
+        let key_only = self
+            .model
             .schema_handle()
             .await?
             .check_queryable(tx, &config.name)
@@ -300,16 +299,41 @@ impl<E: TitoEngine, T: TitoModelTrait> IndexQuery<E, T> {
             }
         };
         let row_prefix = keys::table_prefix(&table);
-        read_page(
-            tx,
-            start.into_bytes(),
-            end.into_bytes(),
-            self.reverse,
-            limit,
-            self.cursor.as_deref(),
-            |key| keys::check_index_key_in(key, &row_prefix).map(|_| ()),
-        )
-        .await
+        let (start, end) = (start.into_bytes(), end.into_bytes());
+        let cursor = self.cursor.as_deref();
+        if !key_only {
+            let decode = |key: &str, value: &[u8]| {
+                keys::check_index_key_in(key, &row_prefix)?;
+                decode_model::<T>(key, value)
+            };
+            return read_page(tx, start, end, self.reverse, limit, cursor, decode).await;
+        }
+        // Entries of keys: the page's entries (their values are not read), then their rows in
+        // one batched read.
+        let row_key = |key: &str, _: &[u8]| {
+            let id = keys::check_index_key_in(key, &row_prefix)?;
+            Ok((key.to_string(), format!("{row_prefix}{id}")))
+        };
+        let entries = read_page(tx, start, end, self.reverse, limit, cursor, row_key).await?;
+        let wanted: Vec<Vec<u8>> = entries
+            .items
+            .iter()
+            .map(|(_, row)| row.clone().into_bytes())
+            .collect();
+        let rows = tx.batch_get(&wanted).await?;
+        let mut items = Vec::with_capacity(rows.len());
+        for ((entry, row_key), row) in entries.items.iter().zip(rows) {
+            let Some(row) = row else {
+                return Err(TitoError::Integrity(format!(
+                    "index entry {entry:?} names row {row_key:?}, which does not exist"
+                )));
+            };
+            items.push(decode_model::<T>(row_key, &row)?);
+        }
+        Ok(TitoPage {
+            items,
+            cursor: entries.cursor,
+        })
     }
 }
 
@@ -410,14 +434,14 @@ impl<E: TitoEngine, T: TitoModelTrait> TableQuery<E, T> {
             self.reverse,
             limit,
             self.cursor.as_deref(),
-            |key| {
+            |key, value| {
                 // A row key has exactly one segment after the table prefix.
                 if key[prefix.len()..].contains(keys::SEPARATOR) {
                     return Err(TitoError::Integrity(format!(
                         "key {key:?} in table {table:?} is not a row key"
                     )));
                 }
-                Ok(())
+                decode_model::<T>(key, value)
             },
         )
         .await

@@ -12,6 +12,7 @@ use super::{Catalog, DEFAULT_BATCH, IndexState, PlannedIndex, TableHandle, Write
 use crate::engine::{TitoEngine, TitoTransaction};
 use crate::error::{TitoError, TitoResult};
 use crate::keys;
+use crate::model::index::Entry;
 use crate::model::{
     TitoModel, TitoModelTrait, encode_manifest, index_configs, parse_manifest, planned_entries,
 };
@@ -29,7 +30,8 @@ pub enum AuditKind {
     /// An index entry, claim or manifest that no row implies (its row is gone or holds other
     /// values), or a key a manifest names that its row does not imply.
     OrphanedEntry,
-    /// An index entry whose copy of the row differs from the row.
+    /// An index entry whose copy of the row differs from the row (or, in an index of keys, an
+    /// entry that holds anything).
     StaleClone,
     /// A row without a manifest.
     MissingManifest,
@@ -152,6 +154,7 @@ fn audit_plan(handle: &TableHandle, catalog: Option<&Catalog>) -> TitoResult<Wri
         indexes.push(PlannedIndex {
             name: name.clone(),
             unique: entry.definition.unique,
+            key_only: entry.definition.key_only,
             state: IndexState::Ready,
             stored,
         });
@@ -299,15 +302,15 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         Ok((state, phase.name()))
     }
 
-    /// The keys a row implies under `plan` (entries and claims, and the row's bytes for
-    /// comparing clones), or `None` when it does not decode.
+    /// The keys a row implies under `plan` (its entries, each with its layout, and its claims),
+    /// or `None` when it does not decode.
     fn implied(
         &self,
         plan: &WritePlan,
         table: &str,
         id: &str,
         bytes: &[u8],
-    ) -> Option<(Vec<String>, Vec<String>)> {
+    ) -> Option<(Vec<Entry>, Vec<String>)> {
         let row_key = keys::row_key(table, id);
         let row = crate::model::parse_row(&row_key, bytes).ok()?;
         let code = if plan.indexes.iter().any(|i| i.stored.is_none()) {
@@ -317,17 +320,17 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
             Vec::new()
         };
         let entries = planned_entries(plan, &code, &row, table, id).ok()?;
-        let mut keys_ = Vec::new();
+        let mut out = Vec::new();
         let mut claims = Vec::new();
         for (entry, _) in entries {
-            if let Some(claim) = entry.claim
-                && !claims.contains(&claim)
+            if let Some(claim) = &entry.claim
+                && !claims.contains(claim)
             {
-                claims.push(claim);
+                claims.push(claim.clone());
             }
-            keys_.push(entry.key);
+            out.push(entry);
         }
-        Some((keys_, claims))
+        Some((out, claims))
     }
 
     /// One batch of the row phase; returns whether the phase is over.
@@ -368,23 +371,27 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
             };
             let wanted: Vec<Vec<u8>> = entries
                 .iter()
+                .map(|e| &e.key)
                 .chain(&claims)
                 .map(|k| k.clone().into_bytes())
                 .collect();
             let present = tx.batch_get(&wanted).await?;
             let mut manifest_out: Vec<String> = Vec::new();
-            for (key, value) in entries.iter().zip(&present) {
+            for (entry, value) in entries.iter().zip(&present) {
+                let key = &entry.key;
+                // A copy must equal the row; a key-only entry must be empty.
+                let expected = entry.value(bytes);
                 match value {
                     None => {
                         report.found(AuditKind::MissingEntry, key);
                         if repair {
-                            tx.put(key.clone().into_bytes(), bytes.clone()).await?;
+                            tx.put(key.clone().into_bytes(), expected).await?;
                         }
                     }
-                    Some(clone) if clone != bytes => {
+                    Some(held) if *held != expected => {
                         report.found(AuditKind::StaleClone, key);
                         if repair {
-                            tx.put(key.clone().into_bytes(), bytes.clone()).await?;
+                            tx.put(key.clone().into_bytes(), expected).await?;
                         }
                     }
                     Some(_) => {}
@@ -422,7 +429,8 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
                 manifest_out.push(claim.clone());
             }
             if let Some(listed) = &listed {
-                let implied: HashSet<&String> = entries.iter().chain(&claims).collect();
+                let implied: HashSet<&String> =
+                    entries.iter().map(|e| &e.key).chain(&claims).collect();
                 let live = |key: &String| {
                     keys::index_name_of(key, &table).is_some_and(|index| plan.is_live(&index))
                 };
@@ -537,7 +545,7 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
                         // A row that does not decode was reported in the row phase.
                         None => true,
                         Some((entries, claims)) => match sort {
-                            KeySort::Entry => entries.iter().any(|k| k == text),
+                            KeySort::Entry => entries.iter().any(|e| e.key == text),
                             _ => claims.iter().any(|k| k == text),
                         },
                     },

@@ -210,6 +210,7 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
             indexes: vec![PlannedIndex {
                 name: name.to_string(),
                 unique: entry.definition.unique,
+                key_only: entry.definition.key_only,
                 state: IndexState::Building,
                 stored: match handle.code.definitions.get(name) {
                     Some(_) => None,
@@ -269,8 +270,8 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
                 if !listed.contains(&entry.key) {
                     added.push(entry.key.clone());
                 }
-                // Rewritten even when listed: an entry is a clone of the row as it is now.
-                writes.push(Write::Entry(entry.key.clone(), bytes.clone()));
+                // Rewritten even when listed: a copy must be the row as it is now.
+                writes.push(Write::Entry(entry.key.clone(), entry.value(bytes)));
             }
             // The manifest now lists every index of this schema version: it is written under it.
             listed.extend(added);

@@ -124,7 +124,7 @@
 //! [`TitoError::IndexNotReady`]: crate::TitoError::IndexNotReady
 
 use std::any::{Any, TypeId};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::{Duration, Instant};
 
@@ -183,6 +183,12 @@ pub struct IndexDefinition {
     /// The condition's name and version, when rows are in the index only where it holds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub condition: Option<(String, u32)>,
+    /// Whether entries hold only their key, not a copy of the row
+    /// ([`TitoModelTrait::key_only_indexes`](crate::model::TitoModelTrait::key_only_indexes)).
+    /// Absent from the stored definition when false, so catalogs written before the layout
+    /// existed keep their fingerprints.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub key_only: bool,
 }
 
 impl std::fmt::Display for IndexDefinition {
@@ -198,6 +204,9 @@ impl std::fmt::Display for IndexDefinition {
         }
         if let Some((name, version)) = &self.condition {
             write!(f, " where {name} v{version}")?;
+        }
+        if self.key_only {
+            f.write_str(" keys only")?;
         }
         Ok(())
     }
@@ -425,6 +434,7 @@ impl CodeSchema {
             .into_iter()
             .map(|c| (c.index, (c.name, c.version)))
             .collect();
+        let mut key_only: HashSet<String> = model.key_only_indexes().into_iter().collect();
         let mut definitions = BTreeMap::new();
         for (config, unique) in crate::model::index_configs(&model)? {
             let definition = IndexDefinition {
@@ -435,8 +445,16 @@ impl CodeSchema {
                     .collect(),
                 unique,
                 condition: conditions.get(&config.name).cloned(),
+                key_only: key_only.remove(&config.name),
             };
             definitions.insert(config.name, definition);
+        }
+        if let Some(name) = key_only.into_iter().min() {
+            return Err(TitoError::invalid_argument(format!(
+                "table {:?} names {name:?} among its key-only indexes, but declares no index of \
+                 that name",
+                model.table()
+            )));
         }
         let canonical = serde_json::to_vec(&definitions)?;
         Ok(CodeSchema {
@@ -458,6 +476,8 @@ pub(crate) struct WritePlan {
 pub(crate) struct PlannedIndex {
     pub name: String,
     pub unique: bool,
+    /// Entries hold only their key.
+    pub key_only: bool,
     pub state: IndexState,
     /// `None`: take the code's config (its condition evaluated on the row).
     pub stored: Option<TitoIndexConfig>,
@@ -613,17 +633,20 @@ impl TableHandle {
         self.catalog_of(bytes.as_deref())
     }
 
-    /// Checks that `index` may be queried.
+    /// Checks that `index` may be queried; returns whether its entries hold only their keys
+    /// (as the catalog defines it, or the code without a catalog).
     pub(crate) async fn check_queryable<X: TitoTransaction>(
         &self,
         tx: &X,
         index: &str,
-    ) -> TitoResult<()> {
+    ) -> TitoResult<bool> {
         let Some(catalog) = self.catalog_for_query(tx).await? else {
-            return Ok(());
+            return Ok(self.code.definitions.get(index).is_some_and(|d| d.key_only));
         };
         let state = match catalog.indexes.get(index) {
-            Some(entry) if entry.state == IndexState::Ready => return Ok(()),
+            Some(entry) if entry.state == IndexState::Ready => {
+                return Ok(entry.definition.key_only);
+            }
             Some(entry) => {
                 let progress = read_progress(tx, &self.table, index).await?;
                 match progress {
@@ -660,6 +683,7 @@ impl TableHandle {
                     .map(|(name, d)| PlannedIndex {
                         name: name.clone(),
                         unique: d.unique,
+                        key_only: d.key_only,
                         state: IndexState::Ready,
                         stored: None,
                     })
@@ -695,6 +719,7 @@ impl TableHandle {
             indexes.push(PlannedIndex {
                 name: name.clone(),
                 unique: entry.definition.unique,
+                key_only: entry.definition.key_only,
                 state: entry.state,
                 stored,
             });

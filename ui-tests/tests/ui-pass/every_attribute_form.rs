@@ -17,7 +17,7 @@ use tito::{TitoEngine, TitoModel};
 #[tito(unique_index = "by_handle: handle")]
 #[tito(unique_index = "active_by_handle: handle", condition = "is_active", condition_version = 2)]
 #[tito(index = "by_tag: tags")]
-#[tito(index = "by_nickname: nickname")]
+#[tito(index = "by_nickname: nickname", entries = "keys")]
 #[tito(index = "by_score_joined: score, joined, verified")]
 #[tito(event = "user")]
 #[tito(event = "reminder", at = "remind_at")]
@@ -97,6 +97,8 @@ async fn main() {
         (conditions[1].index.as_str(), conditions[1].version),
         ("active_by_handle", 2)
     );
+    // `entries = "keys"`: the index's entries hold only keys.
+    assert_eq!(User::default().key_only_indexes(), ["by_nickname"]);
     let db = Embedded::temporary().await.unwrap();
     let users = db.model::<User>();
     let joined = DateTime::<Utc>::from_timestamp(0, 0).unwrap();

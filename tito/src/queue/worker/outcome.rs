@@ -114,7 +114,6 @@ async fn apply<E: TitoEngine>(
     // counts as applied; proven not applied, it is replayed (after re-checking the lease).
     let policy = queue.engine().retry_policy().resolving();
     let (checks, reads) = (&checks, &reads);
-
     queue
         .engine()
         .transaction_with(policy, |tx| async move {
