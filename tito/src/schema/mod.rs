@@ -184,7 +184,7 @@ pub struct IndexDefinition {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub condition: Option<(String, u32)>,
     /// Whether entries hold only their key, not a copy of the row
-    /// ([`TitoModelTrait::key_only_indexes`](crate::model::TitoModelTrait::key_only_indexes)).
+    /// ([`TitoModelTrait::key_only_indexes`]).
     /// Absent from the stored definition when false, so catalogs written before the layout
     /// existed keep their fingerprints.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
