@@ -98,10 +98,11 @@ struct Job {
     first_due: i64,
 }
 
-/// A model written in the same transactions as some publications, racing on a unique handle.
+/// A model written in the same transactions as some publications, racing on a unique handle
+/// whose index holds keys, not copies.
 #[derive(TitoModel, Default, Clone, Debug, Serialize, Deserialize)]
 #[tito(table = "sim_account")]
-#[tito(unique_index = "by_handle: handle")]
+#[tito(unique_index = "by_handle: handle", entries = "keys")]
 struct Account {
     id: String,
     handle: String,
@@ -908,10 +909,14 @@ impl Sim {
                 }
             }
             for prefix in [format!("index:{table}:"), format!("unique:{table}:")] {
-                for (key, _) in scan_all(&tx, prefix.as_bytes()).await {
+                for (key, value) in scan_all(&tx, prefix.as_bytes()).await {
                     let text = String::from_utf8(key).unwrap();
                     let owned = listed.contains(&text);
                     self.check(owned, || format!("orphaned {text}"));
+                    // The account index holds keys only.
+                    if text.starts_with("index:sim_account:") {
+                        self.check(value.is_empty(), || format!("{text} is not empty"));
+                    }
                 }
             }
         }
@@ -944,6 +949,14 @@ impl Sim {
             let owner = tx.get(key.as_bytes()).await.unwrap();
             self.check(owner.as_deref() == Some(id.as_bytes()), || {
                 format!("claim of {handle} is {owner:?}, row {id} holds it")
+            });
+            // The index of keys answers with the row.
+            let accounts = self.db.clone().model::<Account>();
+            let found = accounts.by_handle(handle).execute_tx(&tx).await;
+            let ids: Option<Vec<String>> =
+                found.ok().map(|page| page.items.into_iter().map(|a| a.id).collect());
+            self.check(ids.as_deref() == Some(std::slice::from_ref(id)), || {
+                format!("query of handle {handle} found {ids:?}, row {id} holds it")
             });
         }
         // Kv: the counter holds every acknowledged increment and at most the unknown ones.
