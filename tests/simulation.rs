@@ -953,8 +953,9 @@ impl Sim {
             // The index of keys answers with the row.
             let accounts = self.db.clone().model::<Account>();
             let found = accounts.by_handle(handle).execute_tx(&tx).await;
-            let ids: Option<Vec<String>> =
-                found.ok().map(|page| page.items.into_iter().map(|a| a.id).collect());
+            let ids: Option<Vec<String>> = found
+                .ok()
+                .map(|page| page.items.into_iter().map(|a| a.id).collect());
             self.check(ids.as_deref() == Some(std::slice::from_ref(id)), || {
                 format!("query of handle {handle} found {ids:?}, row {id} holds it")
             });
