@@ -598,3 +598,46 @@ pub async fn roles_that_are_absent_are_not_needed<E: TitoEngine>(ctx: Ctx<E>) {
         "ack deletes without processed_at"
     );
 }
+
+/// An inbox model whose claim index is declared as holding keys (by hand: the derive never
+/// does): claims read rows from those entries, so the inbox refuses it.
+#[derive(Default, Clone, Debug, Serialize, Deserialize)]
+#[serde(transparent)]
+struct KeyedClaims(LooseJob);
+
+impl tito::model::TitoModelTrait for KeyedClaims {
+    fn id(&self) -> String {
+        self.0.id()
+    }
+    fn table(&self) -> String {
+        self.0.table()
+    }
+    fn indexes(&self) -> Vec<tito::model::TitoIndexConfig> {
+        self.0.indexes()
+    }
+    fn conditions(&self) -> Vec<tito::model::TitoCondition> {
+        self.0.conditions()
+    }
+    fn key_only_indexes(&self) -> Vec<String> {
+        vec![tito::inbox::InboxSpec::claim_index_name("email_job")]
+    }
+}
+
+impl tito::inbox::InboxModel for KeyedClaims {
+    fn inbox_spec() -> tito::inbox::InboxSpec {
+        LooseJob::inbox_spec()
+    }
+}
+
+#[test]
+fn an_inbox_claim_index_of_keys_is_refused() {
+    let db = tito::backend::memory::Memory::new();
+    match Inbox::<_, KeyedClaims>::new(db) {
+        Err(TitoError::InvalidArgument(message)) => {
+            assert!(message.contains("email_job_inbox_claim"), "{message}");
+            assert!(message.contains("copies"), "{message}");
+        }
+        Err(other) => panic!("expected InvalidArgument, got {other:?}"),
+        Ok(_) => panic!("an inbox whose claim index holds keys was accepted"),
+    }
+}
