@@ -143,26 +143,32 @@ pub(crate) async fn acquire<E: TitoEngine>(
 /// The lease check of an outcome transaction: whether `owner` still holds a partition at a
 /// generation. When it does, the holder key is locked, so a takeover committed after this
 /// transaction started makes the commit fail instead of applying the outcome (renewals do not
-/// touch that key). Split in two so its reads join the transaction's one batched read: [`HeldCheck::keys`] (the holder record, the expiry key and,
-/// for a cluster node, its node record) and [`HeldCheck::decide`] on their values.
+/// touch that key). Split in two so its reads join the transaction's one batched read:
+/// [`HeldCheck::keys`] (the holder record, then the expiry key, or for a cluster node its node
+/// record) and [`HeldCheck::decide`] on their values.
 pub(crate) struct HeldCheck<'a> {
     root: &'a str,
     owner: &'a str,
-    keys: [Vec<u8>; 3],
-    /// Whether the node record is among the keys (cluster leases need it).
+    partition: u32,
+    /// The holder key, then the expiry key (standalone) or the owner's node record (cluster).
+    keys: [Vec<u8>; 2],
     cluster: bool,
 }
 
 impl<'a> HeldCheck<'a> {
     /// The check of `owner`'s lease on `partition`; `cluster` when `owner` is a cluster node.
     pub fn new(root: &'a str, partition: u32, owner: &'a str, cluster: bool) -> Self {
+        let second = match cluster {
+            true => keys::node_key(root, owner),
+            false => keys::lease_expiry_key(root, partition),
+        };
         HeldCheck {
             root,
             owner,
+            partition,
             keys: [
                 keys::lease_key(root, partition).into_bytes(),
-                keys::lease_expiry_key(root, partition).into_bytes(),
-                keys::node_key(root, owner).into_bytes(),
+                second.into_bytes(),
             ],
             cluster,
         }
@@ -170,16 +176,12 @@ impl<'a> HeldCheck<'a> {
 
     /// The keys to read, in the order [`Self::decide`] takes their values.
     pub fn keys(&self) -> &[Vec<u8>] {
-        if self.cluster {
-            &self.keys
-        } else {
-            &self.keys[..2]
-        }
+        &self.keys
     }
 
     /// Whether the lease is still held at `generation`, from the values of [`Self::keys`]; locks
-    /// the holder key when it is. A cluster lease whose node record was not read (a standalone
-    /// check meeting a cluster lease) reads it.
+    /// the holder key when it is. A lease of the other kind than the check expected (never
+    /// written by this owner) has what it needs read separately.
     pub async fn decide<X: TitoTransaction>(
         &self,
         tx: &X,
@@ -196,18 +198,14 @@ impl<'a> HeldCheck<'a> {
         if lease.released() || lease.owner != self.owner || lease.generation != generation {
             return Ok(false);
         }
-        let alive = match lease.epoch {
+        let second = values.get(1).and_then(|v| v.as_deref());
+        let alive = match (lease.epoch, self.cluster) {
             // Cluster leases live as long as their holder's node record.
-            Some(_) => match values.get(2) {
-                Some(node) => super::cluster::node_alive(node.as_deref(), &lease, tx),
-                None => super::cluster::holder_alive(tx, self.root, &lease).await?,
-            },
-            None => {
-                let expires = match values.get(1) {
-                    Some(Some(bytes)) => parse_expiry(bytes),
-                    _ => lease.expires,
-                };
-                expires > tx.start_version()
+            (Some(_), true) => super::cluster::node_alive(second, &lease, tx),
+            (Some(_), false) => super::cluster::holder_alive(tx, self.root, &lease).await?,
+            (None, false) => second.map_or(lease.expires, parse_expiry) > tx.start_version(),
+            (None, true) => {
+                expiry(tx, self.root, self.partition, &lease).await? > tx.start_version()
             }
         };
         if !alive {

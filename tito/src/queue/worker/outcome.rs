@@ -80,9 +80,9 @@ pub(super) async fn commit<E: TitoEngine>(
 }
 
 /// One outcome transaction; returns the keys of the invocations it completed. It reads
-/// everything it checks in one batch before writing: each partition's lease (holder record,
-/// expiry, and a cluster node's own record) and each invocation's pending row; on TiKV that is
-/// one read round trip whatever the batch holds.
+/// everything it checks in one batch before writing: each partition's lease (holder record and
+/// expiry, or for a cluster node its own node record) and each invocation's pending row; on TiKV
+/// that is one read round trip whatever the batch holds.
 async fn apply<E: TitoEngine>(
     queue: &Queue<E>,
     owner: &str,
