@@ -55,10 +55,21 @@ fn delta(before: &BTreeMap<String, u64>, after: &BTreeMap<String, u64>) -> BTree
 
 /// The counters once they stop moving: the commits of secondary keys run after a commit's reply.
 async fn quiet(cluster: &TestCluster) -> BTreeMap<String, u64> {
-    let mut last = cluster.all_calls();
+    quiet_except(cluster, &[]).await
+}
+
+/// The counters of every method but `ignored` once those stop moving (a worker's polls,
+/// `KvScan`, keep going as often as its backoff says).
+async fn quiet_except(cluster: &TestCluster, ignored: &[&str]) -> BTreeMap<String, u64> {
+    let counted = || {
+        let mut calls = cluster.all_calls();
+        calls.retain(|method, _| !ignored.contains(&method.as_str()));
+        calls
+    };
+    let mut last = counted();
     loop {
         tokio::time::sleep(std::time::Duration::from_millis(150)).await;
-        let now = cluster.all_calls();
+        let now = counted();
         if now == last {
             return now;
         }
@@ -264,16 +275,13 @@ async fn outcome_calls(
     while started.load(Ordering::SeqCst) < case.keys.len() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let data = |calls: BTreeMap<String, u64>| -> BTreeMap<String, u64> {
-        calls.into_iter().filter(|(m, _)| m != "KvScan").collect()
-    };
-    let before = data(quiet_except_scans(cluster).await);
+    let before = quiet_except(cluster, &["KvScan"]).await;
     gate.add_permits(case.keys.len());
     let target = case.keys.len() as u64;
     while queue.stats().acknowledged + queue.stats().rescheduled < target {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let counted = delta(&before, &data(quiet_except_scans(cluster).await));
+    let counted = delta(&before, &quiet_except(cluster, &["KvScan"]).await);
     stop.send(true).unwrap();
     worker.await.unwrap().unwrap();
     // Leave nothing for the next case.
@@ -281,23 +289,6 @@ async fn outcome_calls(
     assert_eq!(leftover.outcome_failures, 0, "{}", case.name);
     println!("{:<45} {counted:?}", case.name);
     counted
-}
-
-/// Like [`quiet`], but a worker's polls (`KvScan`) do not count as movement.
-async fn quiet_except_scans(cluster: &TestCluster) -> BTreeMap<String, u64> {
-    let without_scans = |mut calls: BTreeMap<String, u64>| {
-        calls.remove("KvScan");
-        calls
-    };
-    let mut last = without_scans(cluster.all_calls());
-    loop {
-        tokio::time::sleep(std::time::Duration::from_millis(150)).await;
-        let now = without_scans(cluster.all_calls());
-        if now == last {
-            return now;
-        }
-        last = now;
-    }
 }
 
 #[tokio::test(flavor = "current_thread")]

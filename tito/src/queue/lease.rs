@@ -151,11 +151,14 @@ pub(crate) struct HeldCheck<'a> {
     owner: &'a str,
     partition: u32,
     /// The holder key, then the expiry key (standalone) or the owner's node record (cluster).
-    keys: [Vec<u8>; 2],
+    keys: [Vec<u8>; HeldCheck::KEYS],
     cluster: bool,
 }
 
 impl<'a> HeldCheck<'a> {
+    /// How many keys [`Self::keys`] holds.
+    pub const KEYS: usize = 2;
+
     /// The check of `owner`'s lease on `partition`; `cluster` when `owner` is a cluster node.
     pub fn new(root: &'a str, partition: u32, owner: &'a str, cluster: bool) -> Self {
         let second = match cluster {

@@ -151,13 +151,12 @@ fn audit_plan(handle: &TableHandle, catalog: Option<&Catalog>) -> TitoResult<Wri
             _ if entry.definition.condition.is_none() => Some(entry.definition.config(name)?),
             _ => continue,
         };
-        indexes.push(PlannedIndex {
-            name: name.clone(),
-            unique: entry.definition.unique,
-            key_only: entry.definition.key_only,
-            state: IndexState::Ready,
+        indexes.push(PlannedIndex::new(
+            name,
+            &entry.definition,
+            IndexState::Ready,
             stored,
-        });
+        ));
     }
     Ok(WritePlan {
         version: catalog.version,

@@ -207,16 +207,15 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         let table = handle.table();
         let plan = WritePlan {
             version: catalog.version,
-            indexes: vec![PlannedIndex {
-                name: name.to_string(),
-                unique: entry.definition.unique,
-                key_only: entry.definition.key_only,
-                state: IndexState::Building,
-                stored: match handle.code.definitions.get(name) {
+            indexes: vec![PlannedIndex::new(
+                name,
+                &entry.definition,
+                IndexState::Building,
+                match handle.code.definitions.get(name) {
                     Some(_) => None,
                     None => Some(entry.definition.config(name)?),
                 },
-            }],
+            )],
         };
         if progress.rows_done == 0 && progress.rows_estimate.is_none() {
             progress.rows_estimate = super::estimate_rows(tx, table, super::ESTIMATE_CAP).await?;

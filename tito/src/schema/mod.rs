@@ -483,6 +483,25 @@ pub(crate) struct PlannedIndex {
     pub stored: Option<TitoIndexConfig>,
 }
 
+impl PlannedIndex {
+    /// Index `name` as `definition` defines it, in `state`, with its config from `stored`
+    /// (`None`: the code's).
+    pub(crate) fn new(
+        name: &str,
+        definition: &IndexDefinition,
+        state: IndexState,
+        stored: Option<TitoIndexConfig>,
+    ) -> Self {
+        PlannedIndex {
+            name: name.to_string(),
+            unique: definition.unique,
+            key_only: definition.key_only,
+            state,
+            stored,
+        }
+    }
+}
+
 impl WritePlan {
     /// Whether keys of `index` belong to a live (building or ready) index.
     pub fn is_live(&self, index: &str) -> bool {
@@ -680,13 +699,7 @@ impl TableHandle {
                     .code
                     .definitions
                     .iter()
-                    .map(|(name, d)| PlannedIndex {
-                        name: name.clone(),
-                        unique: d.unique,
-                        key_only: d.key_only,
-                        state: IndexState::Ready,
-                        stored: None,
-                    })
+                    .map(|(name, d)| PlannedIndex::new(name, d, IndexState::Ready, None))
                     .collect(),
             });
         };
@@ -716,13 +729,12 @@ impl TableHandle {
                     )));
                 }
             };
-            indexes.push(PlannedIndex {
-                name: name.clone(),
-                unique: entry.definition.unique,
-                key_only: entry.definition.key_only,
-                state: entry.state,
+            indexes.push(PlannedIndex::new(
+                name,
+                &entry.definition,
+                entry.state,
                 stored,
-            });
+            ));
         }
         Ok(WritePlan {
             version: catalog.version,

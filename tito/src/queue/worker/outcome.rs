@@ -120,13 +120,9 @@ async fn apply<E: TitoEngine>(
             let values = tx.batch_get(reads).await?;
             let (lease_values, pending) = values.split_at(lease_reads);
             let mut held: HashMap<(u32, u64), bool> = HashMap::new();
-            let mut at = 0;
-            for &((partition, generation), ref check) in checks {
-                let n = check.keys().len();
-                let ok = check
-                    .decide(&tx, generation, &lease_values[at..at + n])
-                    .await?;
-                at += n;
+            let per_check = lease_values.chunks(HeldCheck::KEYS);
+            for (&((partition, generation), ref check), values) in checks.iter().zip(per_check) {
+                let ok = check.decide(&tx, generation, values).await?;
                 if !ok {
                     tracing::warn!(partition, "partition lease lost; outcomes left pending");
                 }
