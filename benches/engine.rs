@@ -72,12 +72,16 @@ async fn tito_db(dir: &std::path::Path, durability: Durability) -> Embedded {
         .unwrap()
 }
 
+/// surrealkv with the options the embedded engine gives it by default.
 fn raw_tree(dir: &std::path::Path) -> surrealkv::Tree {
-    TreeBuilder::new()
-        .with_path(dir.to_path_buf())
-        .with_max_memtable_size(32 * 1024 * 1024)
-        .build()
-        .unwrap()
+    TreeBuilder::with_options(
+        surrealkv::Options::new()
+            .with_path(dir.to_path_buf())
+            .with_max_memtable_size(32 * 1024 * 1024)
+            .with_wal_preallocation(true),
+    )
+    .build()
+    .unwrap()
 }
 
 fn row(name: &str, tasks: usize, tito: f64, raw: f64) {
@@ -138,32 +142,53 @@ async fn writes(durability: Durability, tasks: usize) -> (f64, f64) {
     (tito, raw)
 }
 
-/// 4-key write transactions with and without a commit marker (unknown-outcome resolution), on
-/// one store, alternating twice so that drift of the machine falls on both sides.
-async fn marker_cost(durability: Durability, tasks: usize) -> (f64, f64) {
-    let dir = tempfile::tempdir().unwrap();
-    let db = tito_db(&dir.path().join("tito"), durability).await;
-    let (mut with, mut without) = (0.0, 0.0);
-    for round in 0..4u64 {
-        let resolve = round % 2 == 1;
-        let policy = if resolve {
-            tito::RetryPolicy::default().resolve_unknown_outcomes()
-        } else {
-            tito::RetryPolicy::default()
-        };
-        let db = db.clone();
-        let rate = measure(tasks, move |i| {
+/// 4-key write transactions on two sides (a store and a retry policy each), the sides taking
+/// `turns` turns each, alternating from the first, so that drift of the machine (the syncs of a
+/// shared disk vary several times over from minute to minute) falls on both; each side's rate.
+async fn in_turns(tasks: usize, turns: u64, sides: [(Embedded, tito::RetryPolicy); 2]) -> [f64; 2] {
+    let mut rates = [0.0; 2];
+    for round in 0..2 * turns {
+        let which = (round % 2) as usize;
+        let (db, policy) = sides[which].clone();
+        rates[which] += measure(tasks, move |i| {
             let (db, policy) = (db.clone(), policy.clone());
             async move { four_key_write(&db, policy, i + (round << 36)).await }
         })
-        .await;
-        if resolve {
-            with += rate / 2.0;
-        } else {
-            without += rate / 2.0;
-        }
+        .await
+            / turns as f64;
     }
+    rates
+}
+
+/// 4-key write transactions with and without a commit marker (unknown-outcome resolution), on
+/// one store, two turns each.
+async fn marker_cost(durability: Durability, tasks: usize) -> (f64, f64) {
+    let dir = tempfile::tempdir().unwrap();
+    let db = tito_db(&dir.path().join("tito"), durability).await;
+    let policy = tito::RetryPolicy::default();
+    let resolving = policy.clone().resolve_unknown_outcomes();
+    let [without, with] = in_turns(tasks, 2, [(db.clone(), policy), (db, resolving)]).await;
     (with, without)
+}
+
+/// Durable 4-key write transactions on a store whose log writes zeros ahead of its records (the
+/// default) and on one whose log appends, four turns each.
+async fn preallocation_cost(tasks: usize) -> (f64, f64) {
+    let dir = tempfile::tempdir().unwrap();
+    let open = |name: &str, on: bool| {
+        let path = dir.path().join(name);
+        let options = EmbeddedOptions::new()
+            .durability(Durability::Immediate)
+            .wal_preallocation(on);
+        async move { Embedded::open_with(path, options).await.unwrap() }
+    };
+    let policy = tito::RetryPolicy::default();
+    let sides = [
+        (open("preallocated", true).await, policy.clone()),
+        (open("appending", false).await, policy),
+    ];
+    let [on, off] = in_turns(tasks, 4, sides).await;
+    (on, off)
 }
 
 async fn reads_and_scans() -> [(f64, f64); 3] {
@@ -293,6 +318,16 @@ async fn all(flavor: &str) {
             let (with, without) = marker_cost(durability, tasks).await;
             row(&format!("4-key write txn, {name}"), tasks, with, without);
         }
+    }
+
+    println!(
+        "\nthe write-ahead log with zeros written ahead (EmbeddedOptions::wal_preallocation, the \
+         default) against an appending one, durable commits, Tito on both sides\n"
+    );
+    header("preallocated", "appending");
+    for tasks in [1, 8] {
+        let (on, off) = preallocation_cost(tasks).await;
+        row("4-key write txn, durable", tasks, on, off);
     }
 }
 

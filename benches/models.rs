@@ -16,8 +16,9 @@
 //! `TITO_BENCH_ROWS` the sizes (default `2000,200000,1000000`), `TITO_BENCH_NAME_BYTES` a wider
 //! row (the display name padded to that many bytes). Two more columns, beside the raw engine:
 //! the raw engine with key-only index entries (the entry holds the row's id; a query reads the
-//! rows in one batch after the entries), and with `--features bench-fjall`, fjall 3 doing the
-//! raw engine's reads and writes (the candidate replacement engine, measured in the same run).
+//! rows in one batch after the entries), and a candidate replacement engine doing the raw
+//! engine's reads and writes in the same run: fjall 3 with `--features bench-fjall`, redb 2 (a
+//! B-tree) with `--features bench-redb` (one at a time).
 
 use std::path::Path;
 use std::time::{Duration, Instant, SystemTime};
@@ -91,20 +92,48 @@ fn sizes() -> Vec<u64> {
 }
 
 /// Runs `op(i)` for i = 0, 1, .. for the measuring time; returns operations per second.
-async fn measure<F, Fut>(mut op: F) -> f64
+async fn measure<F, Fut>(op: F) -> f64
+where
+    F: FnMut(u64) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    measure_for(secs(), op).await.rate()
+}
+
+/// Operations done and seconds taken.
+#[derive(Clone, Copy, Default)]
+struct Count(u64, f64);
+
+impl Count {
+    fn add(&mut self, other: Count) {
+        self.0 += other.0;
+        self.1 += other.1;
+    }
+
+    fn rate(self) -> f64 {
+        self.0 as f64 / self.1
+    }
+}
+
+/// Runs `op(0)`, `op(1)`, ... for `time`.
+async fn measure_for<F, Fut>(time: Duration, mut op: F) -> Count
 where
     F: FnMut(u64) -> Fut,
     Fut: std::future::Future<Output = ()>,
 {
     let start = Instant::now();
-    let deadline = start + secs();
+    let deadline = start + time;
     let mut n = 0;
     while Instant::now() < deadline {
         op(n).await;
         n += 1;
     }
-    n as f64 / start.elapsed().as_secs_f64()
+    Count(n, start.elapsed().as_secs_f64())
 }
+
+/// The insert cells run in this many turns per store, the stores taking turns, so that a
+/// minute of slow disk syncs falls on all of them.
+const INSERT_TURNS: u64 = 4;
 
 /// A deterministic pseudo-random sequence below `n`.
 struct Pick(u64);
@@ -126,6 +155,9 @@ async fn open(dir: &Path, durability: Durability) -> Embedded {
     }
     if let Ok(kb) = std::env::var("TITO_BENCH_BLOCK_KB") {
         options = options.block_bytes(kb.parse::<usize>().unwrap() << 10);
+    }
+    if let Ok(on) = std::env::var("TITO_BENCH_WAL_PREALLOCATION") {
+        options = options.wal_preallocation(on == "1");
     }
     if let Ok(mb) = std::env::var("TITO_BENCH_MEMTABLE_MB") {
         options = options.memtable_bytes(mb.parse::<usize>().unwrap() << 20);
@@ -227,37 +259,66 @@ enum Entries {
     Keys,
 }
 
+/// What the model layer's insert of `row` reads and writes, in the raw layout: the keys read
+/// (the row, manifest, catalog and claim; all but the catalog must be absent) and the pairs
+/// written (the claim, two entries, the manifest and the row), in that order.
+struct RawInsert {
+    reads: [Vec<u8>; 4],
+    writes: [(Vec<u8>, Vec<u8>); 5],
+}
+
+impl RawInsert {
+    /// Where the catalog, which may be present, is among the reads.
+    const CATALOG: usize = 2;
+
+    fn new(row: &User, entries: Entries) -> RawInsert {
+        let k = user_keys(row);
+        let body = serde_json::to_vec(row).unwrap();
+        let manifest = serde_json::to_vec(&serde_json::json!({
+            "v": 1,
+            "keys": [&k.email, &k.team, &k.claim],
+        }))
+        .unwrap();
+        let entry = match entries {
+            Entries::Clones => body.clone(),
+            Entries::Keys => row.id.clone().into_bytes(),
+        };
+        RawInsert {
+            reads: [
+                k.row.clone().into_bytes(),
+                k.manifest.clone().into_bytes(),
+                keys::schema_key("users").into_bytes(),
+                k.claim.clone().into_bytes(),
+            ],
+            writes: [
+                (k.claim.into_bytes(), row.id.clone().into_bytes()),
+                (k.email.into_bytes(), entry.clone()),
+                (k.team.into_bytes(), entry),
+                (k.manifest.into_bytes(), manifest),
+                (k.row.into_bytes(), body),
+            ],
+        }
+    }
+
+    /// Checks what the reads found: nothing but the catalog.
+    fn check_reads<T>(found: impl IntoIterator<Item = Option<T>>) {
+        for (i, value) in found.into_iter().enumerate() {
+            assert!(
+                i == Self::CATALOG || value.is_none(),
+                "read {i} found a value"
+            );
+        }
+    }
+}
+
 /// The raw engine doing the model layer's reads and writes of an insert: the row, manifest,
 /// catalog and claim in one read, then the row, claim, two entries and the manifest.
 async fn raw_insert<X: TitoTransaction>(tx: &X, row: &User, entries: Entries) {
-    let k = user_keys(row);
-    let body = serde_json::to_vec(row).unwrap();
-    let found = tx
-        .batch_get(&[
-            k.row.clone().into_bytes(),
-            k.manifest.clone().into_bytes(),
-            keys::schema_key("users").into_bytes(),
-            k.claim.clone().into_bytes(),
-        ])
-        .await
-        .unwrap();
-    assert!(found[0].is_none() && found[1].is_none() && found[3].is_none());
-    let manifest = serde_json::to_vec(&serde_json::json!({
-        "v": 1,
-        "keys": [&k.email, &k.team, &k.claim],
-    }))
-    .unwrap();
-    let entry = match entries {
-        Entries::Clones => body.clone(),
-        Entries::Keys => row.id.clone().into_bytes(),
-    };
-    tx.put(k.claim.into_bytes(), row.id.clone().into_bytes())
-        .await
-        .unwrap();
-    tx.put(k.email.into_bytes(), entry.clone()).await.unwrap();
-    tx.put(k.team.into_bytes(), entry).await.unwrap();
-    tx.put(k.manifest.into_bytes(), manifest).await.unwrap();
-    tx.put(k.row.into_bytes(), body).await.unwrap();
+    let insert = RawInsert::new(row, entries);
+    RawInsert::check_reads(tx.batch_get(&insert.reads).await.unwrap());
+    for (key, value) in insert.writes {
+        tx.put(key, value).await.unwrap();
+    }
 }
 
 /// Tito's 10 newest users of a team, checked.
@@ -316,26 +377,28 @@ async fn raw_newest(db: &Embedded, team: &str, entries: Entries) -> Vec<User> {
 /// fjall 3 (`OptimisticTxDatabase`, one keyspace, its defaults but a block cache as large as
 /// the embedded engine's) doing the raw engine's reads and writes with the same keys, rows and
 /// clones (`--features bench-fjall`).
-#[cfg(feature = "bench-fjall")]
+#[cfg(all(feature = "bench-fjall", not(feature = "bench-redb")))]
 mod peer {
     use super::*;
     use fjall::Readable;
     use fjall::{KeyspaceCreateOptions, OptimisticTxDatabase, OptimisticTxKeyspace, PersistMode};
 
-    pub struct Fjall {
+    pub const NAME: &str = "fjall";
+
+    pub struct Peer {
         db: OptimisticTxDatabase,
         ks: OptimisticTxKeyspace,
         durable: bool,
     }
 
-    impl Fjall {
-        pub fn open(dir: &Path, durable: bool) -> Fjall {
+    impl Peer {
+        pub fn open(dir: &Path, durable: bool) -> Peer {
             let db = OptimisticTxDatabase::builder(dir)
                 .cache_size(tito::backend::embedded::DEFAULT_BLOCK_CACHE_BYTES)
                 .open()
                 .unwrap();
             let ks = db.keyspace("tito", KeyspaceCreateOptions::default).unwrap();
-            Fjall { db, ks, durable }
+            Peer { db, ks, durable }
         }
 
         fn write_tx(&self) -> fjall::OptimisticWriteTx {
@@ -348,24 +411,16 @@ mod peer {
         pub fn insert(&self, rows: &[User]) {
             let mut tx = self.write_tx();
             for row in rows {
-                let k = user_keys(row);
-                for key in [&k.row, &k.manifest, &k.claim] {
-                    assert!(tx.get(&self.ks, key.as_bytes()).unwrap().is_none());
+                let insert = RawInsert::new(row, Entries::Clones);
+                RawInsert::check_reads(
+                    insert
+                        .reads
+                        .iter()
+                        .map(|key| tx.get(&self.ks, key).unwrap()),
+                );
+                for (key, value) in insert.writes {
+                    tx.insert(&self.ks, key, value);
                 }
-                let _ = tx
-                    .get(&self.ks, keys::schema_key("users").as_bytes())
-                    .unwrap();
-                let body = serde_json::to_vec(row).unwrap();
-                let manifest = serde_json::to_vec(&serde_json::json!({
-                    "v": 1,
-                    "keys": [&k.email, &k.team, &k.claim],
-                }))
-                .unwrap();
-                tx.insert(&self.ks, k.claim, row.id.clone());
-                tx.insert(&self.ks, k.email, body.clone());
-                tx.insert(&self.ks, k.team, body.clone());
-                tx.insert(&self.ks, k.manifest, manifest);
-                tx.insert(&self.ks, k.row, body);
             }
             tx.commit().unwrap().unwrap();
         }
@@ -395,16 +450,102 @@ mod peer {
     }
 }
 
-/// Without `--features bench-fjall`: no fjall column.
-#[cfg(not(feature = "bench-fjall"))]
+#[cfg(all(feature = "bench-fjall", feature = "bench-redb"))]
+compile_error!("the models benchmark takes one peer store: bench-fjall or bench-redb");
+
+/// redb 2 (a copy-on-write B-tree, one table, a cache as large as the embedded engine's) doing
+/// the raw engine's reads and writes with the same keys, rows and clones, one write transaction
+/// per insert (`--features bench-redb`). redb has one writer at a time and no conflict check: this
+/// column is the B-tree's cost without the optimistic layer Tito would need on top.
+#[cfg(feature = "bench-redb")]
+mod peer {
+    use super::*;
+    use redb::{ReadableTable, TableDefinition};
+
+    pub const NAME: &str = "redb";
+    const TABLE: TableDefinition<&[u8], &[u8]> = TableDefinition::new("tito");
+
+    pub struct Peer {
+        db: redb::Database,
+        durable: bool,
+    }
+
+    impl Peer {
+        pub fn open(dir: &Path, durable: bool) -> Peer {
+            let db = redb::Builder::new()
+                .set_cache_size(tito::backend::embedded::DEFAULT_BLOCK_CACHE_BYTES as usize)
+                .create(dir.join("redb"))
+                .unwrap();
+            Peer { db, durable }
+        }
+
+        /// The raw insert's reads (row, manifest, catalog, claim) and writes, one transaction
+        /// per `rows` slice.
+        pub fn insert(&self, rows: &[User]) {
+            let mut tx = self.db.begin_write().unwrap();
+            tx.set_durability(if self.durable {
+                redb::Durability::Immediate
+            } else {
+                redb::Durability::Eventual
+            });
+            {
+                let mut table = tx.open_table(TABLE).unwrap();
+                for row in rows {
+                    let insert = RawInsert::new(row, Entries::Clones);
+                    RawInsert::check_reads(
+                        insert
+                            .reads
+                            .iter()
+                            .map(|key| table.get(key.as_slice()).unwrap()),
+                    );
+                    for (key, value) in &insert.writes {
+                        table.insert(key.as_slice(), value.as_slice()).unwrap();
+                    }
+                }
+            }
+            tx.commit().unwrap();
+        }
+
+        pub fn get(&self, id: &str) -> User {
+            let tx = self.db.begin_read().unwrap();
+            let table = tx.open_table(TABLE).unwrap();
+            let found = table
+                .get(keys::row_key("users", id).as_bytes())
+                .unwrap()
+                .unwrap();
+            serde_json::from_slice(found.value()).unwrap()
+        }
+
+        pub fn newest(&self, team: &str) -> Vec<User> {
+            let team = KeyValue::String(team.to_string());
+            let prefix =
+                keys::index_prefix("users", "user_by_team_created", &[("team", &team)]).unwrap();
+            let end = tito::prefix_end(prefix.clone());
+            let tx = self.db.begin_read().unwrap();
+            let table = tx.open_table(TABLE).unwrap();
+            table
+                .range(prefix.as_bytes()..end.as_bytes())
+                .unwrap()
+                .rev()
+                .take(10)
+                .map(|entry| serde_json::from_slice(entry.unwrap().1.value()).unwrap())
+                .collect()
+        }
+    }
+}
+
+/// Without `--features bench-fjall` or `bench-redb`: no peer column.
+#[cfg(not(any(feature = "bench-fjall", feature = "bench-redb")))]
 mod peer {
     use super::*;
 
-    pub struct Fjall;
+    pub const NAME: &str = "";
 
-    impl Fjall {
-        pub fn open(_: &Path, _: bool) -> Fjall {
-            Fjall
+    pub struct Peer;
+
+    impl Peer {
+        pub fn open(_: &Path, _: bool) -> Peer {
+            Peer
         }
         pub fn insert(&self, _: &[User]) {}
         pub fn get(&self, _: &str) -> User {
@@ -416,20 +557,30 @@ mod peer {
     }
 }
 
-/// A fjall cell: empty without the feature.
-fn fjall_cell(value: f64, decimals: usize) -> String {
-    if WITH_FJALL {
+/// A peer cell: empty without a peer feature.
+fn peer_cell(value: f64, decimals: usize) -> String {
+    if WITH_PEER {
         format!("{value:.decimals$}")
     } else {
         String::new()
     }
 }
 
-/// Whether the run has a fjall column.
-const WITH_FJALL: bool = cfg!(feature = "bench-fjall");
+/// Whether the run has a peer column (fjall or redb): the peer has a name.
+const WITH_PEER: bool = !peer::NAME.is_empty();
 
-/// The total size and latest modification of the files under `dir`.
+/// The total size and latest modification of the files under `dir`, and how many there are.
 fn footprint(dir: &Path) -> (u64, Option<SystemTime>, usize) {
+    files_under(dir, false)
+}
+
+/// [`footprint`] without the embedded engine's write-ahead log (its directory `wal`), whose
+/// active segment keeps up to 32 MiB of zeros written ahead while the store is open.
+fn data_footprint(dir: &Path) -> (u64, Option<SystemTime>, usize) {
+    files_under(dir, true)
+}
+
+fn files_under(dir: &Path, skip_log: bool) -> (u64, Option<SystemTime>, usize) {
     let mut bytes = 0;
     let mut latest = None;
     let mut files = 0;
@@ -441,7 +592,9 @@ fn footprint(dir: &Path) -> (u64, Option<SystemTime>, usize) {
         for entry in entries.flatten() {
             let Ok(meta) = entry.metadata() else { continue };
             if meta.is_dir() {
-                stack.push(entry.path());
+                if !(skip_log && entry.file_name() == "wal") {
+                    stack.push(entry.path());
+                }
             } else {
                 files += 1;
                 bytes += meta.len();
@@ -478,8 +631,9 @@ struct Rates {
     raw: f64,
     /// The raw engine with key-only index entries.
     keys: f64,
-    /// fjall with the raw engine's layout (`--features bench-fjall`; 0 without).
-    fjall: f64,
+    /// The peer store with the raw engine's layout (`--features bench-fjall` or `bench-redb`;
+    /// 0 without).
+    peer: f64,
     sqlite: f64,
 }
 
@@ -500,7 +654,7 @@ struct Stores {
     raw: Embedded,
     /// The raw engine with key-only index entries.
     keys: Embedded,
-    fjall: peer::Fjall,
+    peer: peer::Peer,
     /// Behind a mutex only so the stores can be shared with a spawned task (never contended).
     conn: std::sync::Mutex<Connection>,
     rows: u64,
@@ -508,7 +662,7 @@ struct Stores {
 }
 
 impl Stores {
-    /// Tito, the raw engine (clones, key-only entries), SQLite and fjall in `dirs` (in that
+    /// Tito, the raw engine (clones, key-only entries), SQLite and the peer store in `dirs` (in that
     /// order), empty, for `rows` rows.
     async fn open(dirs: &[tempfile::TempDir; 5], durability: Durability, rows: u64) -> Stores {
         let db = open(dirs[0].path(), durability).await;
@@ -517,7 +671,7 @@ impl Stores {
             db,
             raw: open(dirs[1].path(), durability).await,
             keys: open(dirs[2].path(), durability).await,
-            fjall: peer::Fjall::open(dirs[4].path(), durability == Durability::Immediate),
+            peer: peer::Peer::open(dirs[4].path(), durability == Durability::Immediate),
             conn: std::sync::Mutex::new(sqlite(
                 dirs[3].path(),
                 durability == Durability::Immediate,
@@ -548,10 +702,10 @@ impl Stores {
             async move { assert_eq!(raw_get(&self.keys, &id).await.id, id) }
         })
         .await;
-        if WITH_FJALL {
-            get.fjall = measure(|_| {
+        if WITH_PEER {
+            get.peer = measure(|_| {
                 let id = user(pick.below(rows), teams).id;
-                assert_eq!(self.fjall.get(&id).id, id);
+                assert_eq!(self.peer.get(&id).id, id);
                 async {}
             })
             .await;
@@ -582,10 +736,10 @@ impl Stores {
             async move { assert_eq!(raw_newest(&self.keys, &team, Entries::Keys).await.len(), 10) }
         })
         .await;
-        if WITH_FJALL {
-            newest.fjall = measure(|_| {
+        if WITH_PEER {
+            newest.peer = measure(|_| {
                 let team = user(pick.below(teams), teams).team;
-                assert_eq!(self.fjall.newest(&team).len(), 10);
+                assert_eq!(self.peer.newest(&team).len(), 10);
                 async {}
             })
             .await;
@@ -600,42 +754,59 @@ impl Stores {
     }
 
     async fn inserts(&self) -> Rates {
-        // Fresh ids past the loaded rows, in teams that exist.
+        // Fresh ids past the loaded rows, in teams that exist, a million apart per turn.
         let (rows, teams) = (self.rows, self.teams);
-        let tito = measure(|i| async move {
-            self.users.build(user(rows + i, teams)).await.unwrap();
-        })
-        .await;
-        let raw = raw_inserts(&self.raw, Entries::Clones, rows + 10_000_000, teams).await;
-        let keys = raw_inserts(&self.keys, Entries::Keys, rows + 10_000_000, teams).await;
-        let mut fjall = 0.0;
-        if WITH_FJALL {
-            let base = rows + 30_000_000;
-            fjall = measure(|i| {
-                self.fjall.insert(&[user(base + i, teams)]);
-                async {}
-            })
-            .await;
+        let slice = secs() / INSERT_TURNS as u32;
+        let [mut tito, mut raw, mut keys, mut peer, mut sqlite] = [Count::default(); 5];
+        for turn in 0..INSERT_TURNS {
+            let from = rows + turn * 1_000_000;
+            tito.add(
+                measure_for(slice, |i| async move {
+                    self.users.build(user(from + i, teams)).await.unwrap();
+                })
+                .await,
+            );
+            let base = from + 10_000_000;
+            raw.add(raw_inserts(slice, &self.raw, Entries::Clones, base, teams).await);
+            keys.add(raw_inserts(slice, &self.keys, Entries::Keys, base, teams).await);
+            if WITH_PEER {
+                let base = from + 30_000_000;
+                peer.add(
+                    measure_for(slice, |i| {
+                        self.peer.insert(&[user(base + i, teams)]);
+                        async {}
+                    })
+                    .await,
+                );
+            }
+            let base = from + 20_000_000;
+            sqlite.add(
+                measure_for(slice, |i| {
+                    sqlite_insert(&self.conn.lock().unwrap(), &[user(base + i, teams)]);
+                    async {}
+                })
+                .await,
+            );
         }
-        let base = rows + 20_000_000;
-        let sqlite = measure(|i| {
-            sqlite_insert(&self.conn.lock().unwrap(), &[user(base + i, teams)]);
-            async {}
-        })
-        .await;
         Rates {
-            tito,
-            raw,
-            keys,
-            fjall,
-            sqlite,
+            tito: tito.rate(),
+            raw: raw.rate(),
+            keys: keys.rate(),
+            peer: if WITH_PEER { peer.rate() } else { 0.0 },
+            sqlite: sqlite.rate(),
         }
     }
 }
 
-/// The raw engine's insert rate, ids from `base` on.
-async fn raw_inserts(db: &Embedded, entries: Entries, base: u64, teams: u64) -> f64 {
-    measure(|i| async move {
+/// The raw engine's inserts for `time`, ids from `base` on.
+async fn raw_inserts(
+    time: Duration,
+    db: &Embedded,
+    entries: Entries,
+    base: u64,
+    teams: u64,
+) -> Count {
+    measure_for(time, |i| async move {
         let row = user(base + i, teams);
         db.transaction(|tx| {
             let row = row.clone();
@@ -713,19 +884,19 @@ async fn load(stores: &Stores, only_tito: bool) -> Rates {
         sqlite_insert(&stores.conn.lock().unwrap(), &batch(b));
     }
     let sqlite = rows as f64 / start.elapsed().as_secs_f64();
-    let mut fjall = 0.0;
-    if WITH_FJALL {
+    let mut peer = 0.0;
+    if WITH_PEER {
         let start = Instant::now();
         for b in 0..batches {
-            stores.fjall.insert(&batch(b));
+            stores.peer.insert(&batch(b));
         }
-        fjall = rows as f64 / start.elapsed().as_secs_f64();
+        peer = rows as f64 / start.elapsed().as_secs_f64();
     }
     Rates {
         tito,
         raw: raw_rates[0],
         keys: raw_rates[1],
-        fjall,
+        peer,
         sqlite,
     }
 }
@@ -739,8 +910,13 @@ async fn run(durability: Durability, rows: u64, lines: &mut Vec<Line>) {
     let stores = Stores::open(&dirs, durability, rows).await;
     let loaded = load(&stores, false).await;
     println!(
-        "  {label} {rows} rows loaded (rows/s, batches of {LOAD_BATCH}): tito {:.0}, raw {:.0}, raw key-only {:.0}, sqlite {:.0}, fjall {:.0}",
-        loaded.tito, loaded.raw, loaded.keys, loaded.sqlite, loaded.fjall
+        "  {label} {rows} rows loaded (rows/s, batches of {LOAD_BATCH}): tito {:.0}, raw {:.0}, raw key-only {:.0}, sqlite {:.0}, {} {:.0}",
+        loaded.tito,
+        loaded.raw,
+        loaded.keys,
+        loaded.sqlite,
+        peer::NAME,
+        loaded.peer
     );
     let mut pick = Pick(rows);
     let fresh = stores.reads(&mut pick).await;
@@ -751,19 +927,20 @@ async fn run(durability: Durability, rows: u64, lines: &mut Vec<Line>) {
         dirs[4].path(),
     ])
     .await;
-    let (tito_bytes, _, tito_files) = footprint(dirs[0].path());
-    let (raw_bytes, _, _) = footprint(dirs[1].path());
-    let (keys_bytes, _, _) = footprint(dirs[2].path());
+    let (tito_bytes, _, tito_files) = data_footprint(dirs[0].path());
+    let (raw_bytes, _, _) = data_footprint(dirs[1].path());
+    let (keys_bytes, _, _) = data_footprint(dirs[2].path());
     let (sqlite_bytes, _, _) = footprint(dirs[3].path());
-    let (fjall_bytes, _, _) = footprint(dirs[4].path());
+    let (peer_bytes, _, _) = footprint(dirs[4].path());
     println!(
-        "  {label} {rows} rows settled in {:.1} s; on disk: tito {:.1} MiB in {tito_files} files, raw {:.1} MiB, raw key-only {:.1} MiB, sqlite {:.1} MiB, fjall {:.1} MiB",
+        "  {label} {rows} rows settled in {:.1} s; on disk (the embedded stores' logs left out): tito {:.1} MiB in {tito_files} files, raw {:.1} MiB, raw key-only {:.1} MiB, sqlite {:.1} MiB, {} {:.1} MiB",
         took.as_secs_f64(),
         tito_bytes as f64 / 1048576.0,
         raw_bytes as f64 / 1048576.0,
         keys_bytes as f64 / 1048576.0,
         sqlite_bytes as f64 / 1048576.0,
-        fjall_bytes as f64 / 1048576.0,
+        peer::NAME,
+        peer_bytes as f64 / 1048576.0,
     );
     let settled = stores.reads(&mut pick).await;
     let inserts = stores.inserts().await;
@@ -880,8 +1057,12 @@ async fn bench() {
             "/sqlite",
             "/smallest",
             "keys/clones",
-            if WITH_FJALL { "fjall" } else { "" },
-            if WITH_FJALL { "fjall/raw" } else { "" },
+            peer::NAME,
+            if WITH_PEER {
+                format!("{}/raw", peer::NAME)
+            } else {
+                String::new()
+            },
         );
         for line in &lines {
             let smallest = lines
@@ -902,8 +1083,8 @@ async fn bench() {
                 line.rates.tito / line.rates.sqlite,
                 smallest,
                 line.rates.keys / line.rates.raw,
-                fjall_cell(line.rates.fjall, 0),
-                fjall_cell(line.rates.fjall / line.rates.raw, 2),
+                peer_cell(line.rates.peer, 0),
+                peer_cell(line.rates.peer / line.rates.raw, 2),
             );
         }
     }
@@ -912,7 +1093,8 @@ async fn bench() {
          the OS, SQLite WAL with synchronous=NORMAL. /smallest: Tito's rate over its rate at the \
          smallest size. raw keys: the raw engine with key-only index entries, a query reading \
          the rows in one batch after the entries; keys/clones: its rate over the raw engine's \
-         with the row copied into each entry, Tito's layout. fjall: fjall 3 with the raw \
-         engine's keys and clones, with --features bench-fjall.)"
+         with the row copied into each entry, Tito's layout. The last columns: fjall 3 \
+         (--features bench-fjall) or redb 2 (--features bench-redb) with the raw engine's keys \
+         and clones.)"
     );
 }

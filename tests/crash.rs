@@ -10,6 +10,8 @@ use tito::{TitoEngine, TitoError, TitoTransaction};
 
 const DIR_VAR: &str = "TITO_CRASH_CHILD_DIR";
 const MODE_VAR: &str = "TITO_CRASH_CHILD_MODE";
+const PREALLOCATION_VAR: &str = "TITO_CRASH_CHILD_PREALLOCATION";
+const FIRST_VAR: &str = "TITO_CRASH_CHILD_FIRST";
 const KEYS_PER_TX: usize = 4;
 
 fn options(mode: &str) -> EmbeddedOptions {
@@ -27,17 +29,21 @@ fn row_key(i: u64, part: usize) -> Vec<u8> {
     format!("k:{i:08}:{part}").into_bytes()
 }
 
-/// The child: commits four-key transactions forever, reporting each after it returned, while
-/// holding a transaction that never commits. Does nothing unless started by `crash_run`.
+/// The child: commits four-key transactions forever, numbered from `FIRST_VAR` on, reporting
+/// each after it returned, while holding a transaction that never commits. Does nothing unless
+/// started by `crash_run`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "started as a child process by the crash tests"]
 async fn crash_child() {
     let (Ok(dir), Ok(mode)) = (std::env::var(DIR_VAR), std::env::var(MODE_VAR)) else {
         return;
     };
-    let db = Embedded::open_with(&dir, options(&mode)).await.unwrap();
+    let preallocation = std::env::var(PREALLOCATION_VAR).map_or(true, |v| v == "1");
+    let first: u64 = std::env::var(FIRST_VAR).map_or(0, |v| v.parse().unwrap());
+    let options = options(&mode).wal_preallocation(preallocation);
+    let db = Embedded::open_with(&dir, options).await.unwrap();
     let open = db.begin().await.unwrap();
-    for i in 0u64.. {
+    for i in first.. {
         if i % 16 == 0 {
             open.put(
                 format!("uncommitted:{i:08}").into_bytes(),
@@ -59,8 +65,22 @@ async fn crash_child() {
     }
 }
 
+/// One child killed after `commits_before_kill` reported commits, the store then checked.
 async fn crash_run(mode: &str, commits_before_kill: u64) {
     let dir = tempfile::tempdir().unwrap();
+    let reported = run_child(dir.path(), mode, true, 0, commits_before_kill);
+    check_after_crash(dir.path(), mode, &reported).await;
+}
+
+/// Starts a child on `dir` and kills it with SIGKILL once it reported `commits_before_kill`
+/// commits; returns them as (number, start version).
+fn run_child(
+    dir: &std::path::Path,
+    mode: &str,
+    preallocation: bool,
+    first: u64,
+    commits_before_kill: u64,
+) -> Vec<(u64, u64)> {
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args([
             "crash::crash_child",
@@ -69,8 +89,10 @@ async fn crash_run(mode: &str, commits_before_kill: u64) {
             "--nocapture",
             "--test-threads=1",
         ])
-        .env(DIR_VAR, dir.path())
+        .env(DIR_VAR, dir)
         .env(MODE_VAR, mode)
+        .env(PREALLOCATION_VAR, if preallocation { "1" } else { "0" })
+        .env(FIRST_VAR, first.to_string())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -96,14 +118,17 @@ async fn crash_run(mode: &str, commits_before_kill: u64) {
     );
     child.kill().unwrap(); // SIGKILL
     child.wait().unwrap();
+    reported
+}
 
-    let db = Embedded::open_with(dir.path(), options(mode))
-        .await
-        .unwrap();
+/// Reopens a store a child was killed on: every reported commit is there whole, nothing is half
+/// applied, nothing uncommitted is there, versions rise, and the store takes writes.
+async fn check_after_crash(dir: &std::path::Path, mode: &str, reported: &[(u64, u64)]) {
+    let db = Embedded::open_with(dir, options(mode)).await.unwrap();
     let tx = db.begin().await.unwrap();
 
     // Every reported commit is there, whole.
-    for (i, _) in &reported {
+    for (i, _) in reported {
         for part in 0..KEYS_PER_TX {
             let value = tx.get(&row_key(*i, part)).await.unwrap();
             assert_eq!(
@@ -159,6 +184,20 @@ async fn durable_commits_survive_sigkill() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn buffered_commits_survive_a_process_crash() {
     crash_run("buffered", 400).await;
+}
+
+/// The log's preallocation changed between crashes, with no clean close in between: a child
+/// with it on is killed (its segment ends in zeros), one with it off opens that store and is
+/// killed, then one with it on again. Every commit of all three is there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn durable_commits_survive_crashes_across_preallocation_settings() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut reported = Vec::new();
+    for (phase, preallocation) in [true, false, true].into_iter().enumerate() {
+        let first = phase as u64 * 10_000_000;
+        reported.extend(run_child(dir.path(), "durable", preallocation, first, 60));
+    }
+    check_after_crash(dir.path(), "durable", &reported).await;
 }
 
 const CYCLE_VAR: &str = "TITO_CRASH_CHILD_CYCLE";

@@ -122,3 +122,61 @@ async fn bad_options_are_refused() {
         assert_eq!(all[0].0, b"k01000".to_vec());
     }
 }
+
+/// The bytes of the files under the store's write-ahead log directory.
+fn wal_bytes(dir: &std::path::Path) -> u64 {
+    let wal = dir.join("wal");
+    assert!(wal.is_dir(), "no log directory at {}", wal.display());
+    std::fs::read_dir(&wal)
+        .unwrap()
+        .map(|entry| entry.unwrap().metadata().unwrap())
+        .filter(|meta| meta.is_file())
+        .map(|meta| meta.len())
+        .sum()
+}
+
+/// With preallocation (the default) the open log holds zeros ahead of its records and a clean
+/// close cuts them; without it the log is as long as its records. A store written one way
+/// opens and keeps its rows the other way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_log_preallocates_until_it_closes() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |db: Embedded, from: u32| async move {
+        for i in from..from + 20 {
+            db.transaction(|tx| async move {
+                tx.put(format!("k{i:03}").into_bytes(), vec![b'v'; 100])
+                    .await
+            })
+            .await
+            .unwrap();
+        }
+    };
+    let db = Embedded::open(dir.path()).await.unwrap();
+    write(db.clone(), 0).await;
+    let open = wal_bytes(dir.path());
+    assert!(open >= 16 << 20, "the open log holds {open} bytes");
+    db.close().await.unwrap();
+    drop(db);
+    let closed = wal_bytes(dir.path());
+    assert!(closed < 1 << 20, "the closed log holds {closed} bytes");
+
+    let appending = EmbeddedOptions::new().wal_preallocation(false);
+    let db = Embedded::open_with(dir.path(), appending.clone())
+        .await
+        .unwrap();
+    write(db.clone(), 20).await;
+    let open = wal_bytes(dir.path());
+    assert!(open < 1 << 20, "the appending log holds {open} bytes");
+    db.close().await.unwrap();
+    drop(db);
+
+    for options in [EmbeddedOptions::new(), appending] {
+        let db = Embedded::open_with(dir.path(), options).await.unwrap();
+        let tx = db.begin().await.unwrap();
+        let rows = tx.scan(b"k", b"l", 100).await.unwrap();
+        assert_eq!(rows.len(), 40);
+        assert_eq!(rows[39].0, b"k039".to_vec());
+        tx.rollback().await.unwrap();
+        db.close().await.unwrap();
+    }
+}
