@@ -124,25 +124,30 @@ pub fn display_key(key: &[u8]) -> String {
 }
 
 /// Appends the segment encoding of a string to `out`.
+///
+/// Bytes below `<` are escaped (`:` as `;<`, `;` as `;=`, the others as `;` and the byte); every
+/// other byte, multi-byte characters included, is copied as it is, run by run.
 pub fn encode_str(value: &str, out: &mut String) {
-    for (index, byte) in value.bytes().enumerate() {
+    out.reserve(value.len());
+    let bytes = value.as_bytes();
+    let mut run = 0;
+    for (index, &byte) in bytes.iter().enumerate() {
+        if byte >= 0x3C {
+            continue;
+        }
+        // An ASCII byte: `index` is a character boundary.
+        out.push_str(&value[run..index]);
         match byte {
             b':' => out.push_str(";<"),
             b';' => out.push_str(";="),
-            0x00..=0x39 => {
+            _ => {
                 out.push(ESCAPE as char);
                 out.push(byte as char);
             }
-            // Multi-byte characters are copied whole at their first byte.
-            0x80.. => {
-                if value.is_char_boundary(index) {
-                    let ch = value[index..].chars().next().unwrap_or_default();
-                    out.push(ch);
-                }
-            }
-            _ => out.push(byte as char),
         }
+        run = index + 1;
     }
+    out.push_str(&value[run..]);
 }
 
 /// Checks that `segment` is a string segment [`decode_str`] accepts, without decoding it.
@@ -343,7 +348,7 @@ impl KeyBuilder {
     /// An empty key.
     pub fn new() -> Self {
         KeyBuilder {
-            key: String::new(),
+            key: String::with_capacity(64),
             first: true,
         }
     }
@@ -439,7 +444,12 @@ pub fn table_prefix(table: &str) -> String {
 
 /// The key of a row's reverse-index manifest: `reverse-index:table:{table}:{id}`.
 pub fn manifest_key(table: &str, id: &str) -> String {
-    format!("reverse-index:{}", row_key(table, id))
+    KeyBuilder::new()
+        .raw("reverse-index")
+        .raw("table")
+        .string(table)
+        .string(id)
+        .finish()
 }
 
 /// The prefix of an index's entries with the given leading fields bound:
@@ -459,11 +469,14 @@ pub fn index_key(
     table: &str,
     id: &str,
 ) -> TitoResult<String> {
-    Ok(format!(
-        "{}{}",
-        index_prefix(table, index, fields)?,
-        row_key(table, id)
-    ))
+    let mut key = index_prefix(table, index, fields)?;
+    key.push_str("table");
+    key.push(SEPARATOR);
+    encode_str(table, &mut key);
+    key.push(SEPARATOR);
+    encode_str(id, &mut key);
+    debug_assert!(key.ends_with(&row_key(table, id)));
+    Ok(key)
 }
 
 /// The key a unique index of `table` claims for one combination of values; its value is the

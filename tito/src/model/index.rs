@@ -71,16 +71,23 @@ pub(crate) fn coerce(value: &Value, kind: TitoIndexBlockType) -> Option<KeyValue
 /// (arrays, at the end of the path or on the way, contribute each element), or none.
 fn field_values(row: &Value, name: &str, kind: TitoIndexBlockType) -> Vec<KeyValue> {
     let mut out: Vec<KeyValue> = Vec::new();
-    for value in lookup(row, name) {
-        let found: Vec<KeyValue> = match value {
-            Value::Array(items) => items.iter().filter_map(|item| coerce(item, kind)).collect(),
-            value => coerce(value, kind).into_iter().collect(),
-        };
-        for value in found {
-            if !out.contains(&value) {
+    let add = |value: &Value| {
+        let mut one = |item: &Value| {
+            if let Some(value) = coerce(item, kind)
+                && !out.contains(&value)
+            {
                 out.push(value);
             }
+        };
+        match value {
+            Value::Array(items) => items.iter().for_each(&mut one),
+            value => one(value),
         }
+    };
+    // A top-level field of an object row (the common case) needs no walk.
+    match row {
+        Value::Object(fields) if !name.contains('.') => fields.get(name).into_iter().for_each(add),
+        _ => lookup(row, name).into_iter().for_each(add),
     }
     out
 }
@@ -96,38 +103,44 @@ pub(crate) fn entries(
     if !config.condition || config.fields.is_empty() {
         return Ok(Vec::new());
     }
-    let mut combinations: Vec<Vec<KeyValue>> = vec![Vec::new()];
+    let mut per_field: Vec<Vec<KeyValue>> = Vec::with_capacity(config.fields.len());
+    let mut combinations = 1;
     for field in &config.fields {
         let values = field_values(row, &field.name, field.r#type);
         if values.is_empty() {
             return Ok(Vec::new());
         }
-        if combinations.len() * values.len() > MAX_INDEX_ENTRIES_PER_ROW {
+        combinations *= values.len();
+        if combinations > MAX_INDEX_ENTRIES_PER_ROW {
             return Err(TitoError::invalid_argument(format!(
                 "row {id:?} of table {table:?} would have more than {MAX_INDEX_ENTRIES_PER_ROW} \
                  entries in index {:?}",
                 config.name
             )));
         }
-        combinations = combinations
-            .into_iter()
-            .flat_map(|prefix| {
-                values.iter().map(move |value| {
-                    let mut next = prefix.clone();
-                    next.push(value.clone());
-                    next
-                })
-            })
-            .collect();
+        per_field.push(values);
     }
-    let mut out = Vec::with_capacity(combinations.len());
-    for values in combinations {
-        let fields: Vec<(&str, &KeyValue)> = config
-            .fields
-            .iter()
-            .map(|f| f.name.as_str())
-            .zip(values.iter())
-            .collect();
+    // Every combination of one value per field, the last field varying fastest.
+    let mut out = Vec::with_capacity(combinations);
+    let mut chosen = vec![0usize; per_field.len()];
+    let mut fields: Vec<(&str, &KeyValue)> = Vec::with_capacity(per_field.len());
+    for _ in 0..combinations {
+        fields.clear();
+        fields.extend(
+            config
+                .fields
+                .iter()
+                .zip(&per_field)
+                .zip(&chosen)
+                .map(|((field, values), &at)| (field.name.as_str(), &values[at])),
+        );
+        for (at, values) in chosen.iter_mut().zip(&per_field).rev() {
+            *at += 1;
+            if *at < values.len() {
+                break;
+            }
+            *at = 0;
+        }
         let key = keys::index_key(&config.name, &fields, table, id)?;
         let claim = if unique {
             Some(keys::unique_claim_key(table, &config.name, &fields)?)
@@ -228,6 +241,33 @@ mod tests {
             .unwrap()
             .is_empty()
         );
+    }
+
+    /// Combinations come out in key order of the fields as declared, the last field varying
+    /// fastest, each once (manifests list them in this order).
+    #[test]
+    fn combinations_in_order() {
+        let ix = index(&[
+            ("team", TitoIndexBlockType::String),
+            ("n", TitoIndexBlockType::Integer),
+        ]);
+        let row = json!({"team": ["x", "y", "x"], "n": [1, 2, 2]});
+        let got: Vec<String> = entries(&ix, false, &row, "t", "1")
+            .unwrap()
+            .into_iter()
+            .map(|e| e.key)
+            .collect();
+        let want: Vec<String> = [("x", 1), ("x", 2), ("y", 1), ("y", 2)]
+            .iter()
+            .map(|(team, n)| {
+                let (team, n) = (KeyValue::String(team.to_string()), KeyValue::I64(*n));
+                keys::index_key("ix", &[("team", &team), ("n", &n)], "t", "1").unwrap()
+            })
+            .collect();
+        assert_eq!(got, want);
+        let one = entries(&ix, false, &json!({"team": "x", "n": 5}), "t", "1").unwrap();
+        assert_eq!(one.len(), 1);
+        assert!(one[0].key.ends_with(&keys::row_key("t", "1")));
     }
 
     /// Defect 9: a dotted path through an array of objects indexes every element's value.

@@ -256,24 +256,55 @@ pub(crate) fn planned_entries(
     table: &str,
     id: &str,
 ) -> TitoResult<Vec<(index::Entry, IndexState)>> {
+    planned_entries_reusing(plan, code, row, table, id, &mut [])
+}
+
+/// The entries of `row` for each of the code's configs (aligned with `code`, each with its own
+/// uniqueness), `None` where computing them failed (the write plan computes them again and
+/// reports the error where it would have).
+fn code_entries(
+    code: &[(TitoIndexConfig, bool)],
+    row: &Value,
+    table: &str,
+    id: &str,
+) -> Vec<Option<Vec<index::Entry>>> {
+    code.iter()
+        .map(|(config, unique)| index::entries(config, *unique, row, table, id).ok())
+        .collect()
+}
+
+/// [`planned_entries`], taking the entries of a planned index from `known` (see
+/// [`code_entries`], computed for the same `row`) where the plan maintains the code's config
+/// as it is, with the same uniqueness.
+fn planned_entries_reusing(
+    plan: &WritePlan,
+    code: &[(TitoIndexConfig, bool)],
+    row: &Value,
+    table: &str,
+    id: &str,
+    known: &mut [Option<Vec<index::Entry>>],
+) -> TitoResult<Vec<(index::Entry, IndexState)>> {
     let mut out = Vec::new();
     for planned in &plan.indexes {
-        let config = match &planned.stored {
-            Some(config) => config,
-            None => {
-                &code
-                    .iter()
-                    .find(|(c, _)| c.name == planned.name)
-                    .ok_or_else(|| {
-                        integrity(format!(
-                            "index {:?} of table {table:?} is planned from code that does not declare it",
-                            planned.name
-                        ))
-                    })?
-                    .0
+        let in_code = code.iter().position(|(c, _)| c.name == planned.name);
+        let config = match (&planned.stored, in_code) {
+            (Some(config), _) => config,
+            (None, Some(at)) => &code[at].0,
+            (None, None) => {
+                return Err(integrity(format!(
+                    "index {:?} of table {table:?} is planned from code that does not declare it",
+                    planned.name
+                )));
             }
         };
-        for mut entry in index::entries(config, planned.unique, row, table, id)? {
+        let reused = in_code
+            .filter(|&at| code[at].1 == planned.unique && code[at].0 == *config)
+            .and_then(|at| known.get_mut(at)?.take());
+        let entries = match reused {
+            Some(entries) => entries,
+            None => index::entries(config, planned.unique, row, table, id)?,
+        };
+        for mut entry in entries {
             entry.key_only = planned.key_only;
             out.push((entry, planned.state));
         }
@@ -713,18 +744,19 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         let row_key = keys::row_key(&table, &id);
         let handle = self.schema_handle().await?;
         let mut row = serde_json::to_value(&model)?;
+        let mut configs = index_configs(&model)?;
+        // The row's entries under the code's indexes, computed once: the write plan takes them
+        // unless the catalog maintains an index otherwise or the row's timestamps are stamped.
+        let mut known = code_entries(&configs, &row, &table, &id);
         // The claims the row will take, as far as the code's indexes tell before the catalog and
         // the stored row are read: they join the row's read, saving a request each. A claim the
         // write ends up needing that is not among them (a stamped field, a catalog that differs)
         // is read on its own.
-        let expected_claims: Vec<String> = index_configs(&model)
-            .unwrap_or_default()
+        let expected_claims: Vec<String> = known
             .iter()
-            .filter(|(_, unique)| *unique)
-            .flat_map(|(config, _)| {
-                index::entries(config, true, &row, &table, &id).unwrap_or_default()
-            })
-            .filter_map(|entry| entry.claim)
+            .flatten()
+            .flatten()
+            .filter_map(|entry| entry.claim.clone())
             .collect();
         let (stored, plan, claim_owners) = load(tx, &table, &id, &handle, &expected_claims).await?;
         let mut prefetched: HashMap<String, Option<Vec<u8>>> =
@@ -746,16 +778,19 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
                 stored.as_ref().map(|s| &s.row),
                 engine::version_millis(tx.start_version()),
             );
-        // What was stored, as the model: re-read only when timestamps changed it.
+        // What was stored, as the model: re-read only when timestamps changed it, and then its
+        // indexes (whose conditions may read the timestamps) and entries are evaluated again.
         let stored_model: T = if stamped {
-            serde_json::from_value(row.clone())?
+            let stored_model: T = serde_json::from_value(row.clone())?;
+            configs = index_configs(&stored_model)?;
+            known.clear();
+            stored_model
         } else {
             model
         };
         let bytes = serde_json::to_vec(&row)?;
 
-        let configs = index_configs(&stored_model)?;
-        let new_entries = planned_entries(&plan, &configs, &row, &table, &id)?;
+        let new_entries = planned_entries_reusing(&plan, &configs, &row, &table, &id, &mut known)?;
         // What the row held before comes from its manifest, never from evaluating the indexes
         // (and their row-dependent conditions) on the old row again.
         let old_listed: HashSet<String> = stored
