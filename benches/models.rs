@@ -10,9 +10,11 @@
 //! For each size the three stores are loaded in batches of 1,000 rows per transaction; the reads
 //! are measured right after the load, then again once the stores settled (no file of the
 //! embedded stores' directories changed for 3 s: the flushes and compactions of the load are
-//! done), where inserts are measured too.
+//! done), where inserts are measured too. Every cell runs in four turns per store, the stores
+//! taking turns, so that a slow minute of the disk or another store's compaction falls on all.
 //!
 //! `cargo bench --bench models`. `TITO_BENCH_SECS` sets the seconds per cell (default 2),
+//! `TITO_BENCH_RAW=0` leaves the raw engine out (Tito and SQLite alone in the process),
 //! `TITO_BENCH_ROWS` the sizes (default `2000,200000,1000000`), `TITO_BENCH_NAME_BYTES` a wider
 //! row (the display name padded to that many bytes). Two more columns, beside the raw engine:
 //! the raw engine with key-only index entries (the entry holds the row's id; a query reads the
@@ -79,6 +81,13 @@ fn secs() -> Duration {
     Duration::from_secs_f64(secs)
 }
 
+/// `TITO_BENCH_RAW=0` leaves the raw engine's two columns out: Tito and SQLite are then the only
+/// stores loaded in the process (with the peer, if one is built in), so no other LSM tree's
+/// flushes and compactions share the two cores with Tito's.
+fn with_raw() -> bool {
+    std::env::var("TITO_BENCH_RAW").map_or(true, |v| v != "0")
+}
+
 fn sizes() -> Vec<u64> {
     std::env::var("TITO_BENCH_ROWS")
         .unwrap_or_else(|_| "2000,200000,1000000".into())
@@ -110,8 +119,13 @@ impl Count {
         self.1 += other.1;
     }
 
+    /// Operations per second; 0 for a store that was not measured.
     fn rate(self) -> f64 {
-        self.0 as f64 / self.1
+        if self.1 > 0.0 {
+            self.0 as f64 / self.1
+        } else {
+            0.0
+        }
     }
 }
 
@@ -131,9 +145,9 @@ where
     Count(n, start.elapsed().as_secs_f64())
 }
 
-/// The insert cells run in this many turns per store, the stores taking turns, so that a
-/// minute of slow disk syncs falls on all of them.
-const INSERT_TURNS: u64 = 4;
+/// Every cell runs in this many turns per store, the stores taking turns, so that a minute of
+/// slow disk syncs, or of another store's compaction, falls on all of them.
+const TURNS: u64 = 4;
 
 /// A deterministic pseudo-random sequence below `n`.
 struct Pick(u64);
@@ -557,6 +571,15 @@ mod peer {
     }
 }
 
+/// `a / b` with two decimals, or empty when `b` was not measured.
+fn ratio(a: f64, b: f64) -> String {
+    if b > 0.0 {
+        format!("{:.2}", a / b)
+    } else {
+        String::new()
+    }
+}
+
 /// A peer cell: empty without a peer feature.
 fn peer_cell(value: f64, decimals: usize) -> String {
     if WITH_PEER {
@@ -637,6 +660,19 @@ struct Rates {
     sqlite: f64,
 }
 
+impl Rates {
+    /// Tito, raw, raw with keys, the peer (left at 0 without one) and SQLite, from their counts.
+    fn of([tito, raw, keys, peer, sqlite]: [Count; 5]) -> Rates {
+        Rates {
+            tito: tito.rate(),
+            raw: raw.rate(),
+            keys: keys.rate(),
+            peer: if WITH_PEER { peer.rate() } else { 0.0 },
+            sqlite: sqlite.rate(),
+        }
+    }
+}
+
 struct Line {
     rows: u64,
     operation: &'static str,
@@ -681,84 +717,105 @@ impl Stores {
         }
     }
 
+    /// Gets and team queries on every store, in [`TURNS`] turns per store, the stores taking
+    /// turns.
     async fn reads(&self, pick: &mut Pick) -> Reads {
         let (rows, teams) = (self.rows, self.teams);
-        let mut get = Rates::default();
-        let mut newest = Rates::default();
-        get.tito = measure(|_| {
-            let id = user(pick.below(rows), teams).id;
-            async move {
-                assert_eq!(self.users.find_by_id(&id, vec![]).await.unwrap().id, id);
+        let slice = secs() / TURNS as u32;
+        let [mut get, mut newest] = [[Count::default(); 5]; 2];
+        for _ in 0..TURNS {
+            get[0].add(
+                measure_for(slice, |_| {
+                    let id = user(pick.below(rows), teams).id;
+                    async move {
+                        assert_eq!(self.users.find_by_id(&id, vec![]).await.unwrap().id, id);
+                    }
+                })
+                .await,
+            );
+            for (at, db) in [(1, &self.raw), (2, &self.keys)]
+                .into_iter()
+                .filter(|_| with_raw())
+            {
+                get[at].add(
+                    measure_for(slice, |_| {
+                        let id = user(pick.below(rows), teams).id;
+                        async move { assert_eq!(raw_get(db, &id).await.id, id) }
+                    })
+                    .await,
+                );
             }
-        })
-        .await;
-        get.raw = measure(|_| {
-            let id = user(pick.below(rows), teams).id;
-            async move { assert_eq!(raw_get(&self.raw, &id).await.id, id) }
-        })
-        .await;
-        get.keys = measure(|_| {
-            let id = user(pick.below(rows), teams).id;
-            async move { assert_eq!(raw_get(&self.keys, &id).await.id, id) }
-        })
-        .await;
-        if WITH_PEER {
-            get.peer = measure(|_| {
-                let id = user(pick.below(rows), teams).id;
-                assert_eq!(self.peer.get(&id).id, id);
-                async {}
-            })
-            .await;
-        }
-        get.sqlite = measure(|_| {
-            let id = user(pick.below(rows), teams).id;
-            assert_eq!(sqlite_get(&self.conn.lock().unwrap(), &id).id, id);
-            async {}
-        })
-        .await;
-        newest.tito = measure(|_| {
-            let team = user(pick.below(teams), teams).team;
-            async move { tito_newest(&self.users, &team).await }
-        })
-        .await;
-        newest.raw = measure(|_| {
-            let team = user(pick.below(teams), teams).team;
-            async move {
-                assert_eq!(
-                    raw_newest(&self.raw, &team, Entries::Clones).await.len(),
-                    10
-                )
+            if WITH_PEER {
+                get[3].add(
+                    measure_for(slice, |_| {
+                        let id = user(pick.below(rows), teams).id;
+                        assert_eq!(self.peer.get(&id).id, id);
+                        async {}
+                    })
+                    .await,
+                );
             }
-        })
-        .await;
-        newest.keys = measure(|_| {
-            let team = user(pick.below(teams), teams).team;
-            async move { assert_eq!(raw_newest(&self.keys, &team, Entries::Keys).await.len(), 10) }
-        })
-        .await;
-        if WITH_PEER {
-            newest.peer = measure(|_| {
-                let team = user(pick.below(teams), teams).team;
-                assert_eq!(self.peer.newest(&team).len(), 10);
-                async {}
-            })
-            .await;
+            get[4].add(
+                measure_for(slice, |_| {
+                    let id = user(pick.below(rows), teams).id;
+                    assert_eq!(sqlite_get(&self.conn.lock().unwrap(), &id).id, id);
+                    async {}
+                })
+                .await,
+            );
         }
-        newest.sqlite = measure(|_| {
-            let team = user(pick.below(teams), teams).team;
-            assert_eq!(sqlite_newest(&self.conn.lock().unwrap(), &team).len(), 10);
-            async {}
-        })
-        .await;
-        Reads { get, newest }
+        for _ in 0..TURNS {
+            newest[0].add(
+                measure_for(slice, |_| {
+                    let team = user(pick.below(teams), teams).team;
+                    async move { tito_newest(&self.users, &team).await }
+                })
+                .await,
+            );
+            let raw = [
+                (1, &self.raw, Entries::Clones),
+                (2, &self.keys, Entries::Keys),
+            ];
+            for (at, db, entries) in raw.into_iter().filter(|_| with_raw()) {
+                newest[at].add(
+                    measure_for(slice, |_| {
+                        let team = user(pick.below(teams), teams).team;
+                        async move { assert_eq!(raw_newest(db, &team, entries).await.len(), 10) }
+                    })
+                    .await,
+                );
+            }
+            if WITH_PEER {
+                newest[3].add(
+                    measure_for(slice, |_| {
+                        let team = user(pick.below(teams), teams).team;
+                        assert_eq!(self.peer.newest(&team).len(), 10);
+                        async {}
+                    })
+                    .await,
+                );
+            }
+            newest[4].add(
+                measure_for(slice, |_| {
+                    let team = user(pick.below(teams), teams).team;
+                    assert_eq!(sqlite_newest(&self.conn.lock().unwrap(), &team).len(), 10);
+                    async {}
+                })
+                .await,
+            );
+        }
+        Reads {
+            get: Rates::of(get),
+            newest: Rates::of(newest),
+        }
     }
 
     async fn inserts(&self) -> Rates {
         // Fresh ids past the loaded rows, in teams that exist, a million apart per turn.
         let (rows, teams) = (self.rows, self.teams);
-        let slice = secs() / INSERT_TURNS as u32;
+        let slice = secs() / TURNS as u32;
         let [mut tito, mut raw, mut keys, mut peer, mut sqlite] = [Count::default(); 5];
-        for turn in 0..INSERT_TURNS {
+        for turn in 0..TURNS {
             let from = rows + turn * 1_000_000;
             tito.add(
                 measure_for(slice, |i| async move {
@@ -767,8 +824,10 @@ impl Stores {
                 .await,
             );
             let base = from + 10_000_000;
-            raw.add(raw_inserts(slice, &self.raw, Entries::Clones, base, teams).await);
-            keys.add(raw_inserts(slice, &self.keys, Entries::Keys, base, teams).await);
+            if with_raw() {
+                raw.add(raw_inserts(slice, &self.raw, Entries::Clones, base, teams).await);
+                keys.add(raw_inserts(slice, &self.keys, Entries::Keys, base, teams).await);
+            }
             if WITH_PEER {
                 let base = from + 30_000_000;
                 peer.add(
@@ -788,13 +847,7 @@ impl Stores {
                 .await,
             );
         }
-        Rates {
-            tito: tito.rate(),
-            raw: raw.rate(),
-            keys: keys.rate(),
-            peer: if WITH_PEER { peer.rate() } else { 0.0 },
-            sqlite: sqlite.rate(),
-        }
+        Rates::of([tito, raw, keys, peer, sqlite])
     }
 }
 
@@ -858,10 +911,11 @@ async fn load(stores: &Stores, only_tito: bool) -> Rates {
         };
     }
     let mut raw_rates = [0.0; 2];
-    for (rate, (db, entries)) in raw_rates.iter_mut().zip([
+    let raw = [
         (&stores.raw, Entries::Clones),
         (&stores.keys, Entries::Keys),
-    ]) {
+    ];
+    for (rate, (db, entries)) in raw_rates.iter_mut().zip(raw).filter(|_| with_raw()) {
         let start = Instant::now();
         for b in 0..batches {
             let rows = batch(b);
@@ -976,9 +1030,11 @@ async fn run(durability: Durability, rows: u64, lines: &mut Vec<Line>) {
     stores.keys.close().await.unwrap();
 }
 
-/// `TITO_BENCH_PROFILE=insert|get|newest`: runs only that operation on Tito over
+/// `TITO_BENCH_PROFILE=insert|get|newest|get-raw|newest-raw`: runs only that operation on Tito
+/// (the `-raw` ones: the raw engine's reads on Tito's store) over
 /// `TITO_BENCH_ROWS`'s first size (`TITO_BENCH_DURABLE=1` for durable commits) for the measuring
-/// time, for a profiler.
+/// time, for a profiler. Only Tito's store is loaded, unless `TITO_BENCH_PROFILE_ALL=1` loads
+/// every store first, as the measured run does.
 async fn profile(what: &str) {
     let rows = sizes()[0];
     let durability = match std::env::var("TITO_BENCH_DURABLE").as_deref() {
@@ -987,34 +1043,51 @@ async fn profile(what: &str) {
     };
     let dirs = [(); 5].map(|_| tempfile::tempdir().unwrap());
     let stores = Stores::open(&dirs, durability, rows).await;
-    load(&stores, true).await;
+    load(&stores, std::env::var("TITO_BENCH_PROFILE_ALL").is_err()).await;
     eprintln!("loaded");
-    settle(&[dirs[0].path(), dirs[1].path()]).await;
+    settle(&[dirs[0].path(), dirs[1].path(), dirs[2].path()]).await;
     let mut pick = Pick(1);
     let (teams, users) = (stores.teams, &stores.users);
-    let rate = match what {
-        "insert" => {
-            measure(|i| async move {
-                users.build(user(rows + i, teams)).await.unwrap();
-            })
-            .await
-        }
-        "get" => {
-            measure(|_| {
-                let id = user(pick.below(rows), teams).id;
-                async move { assert_eq!(users.find_by_id(&id, vec![]).await.unwrap().id, id) }
-            })
-            .await
-        }
-        "newest" => {
-            measure(|_| {
+    let rate =
+        match what {
+            "insert" => {
+                measure(|i| async move {
+                    users.build(user(rows + i, teams)).await.unwrap();
+                })
+                .await
+            }
+            "get" => {
+                measure(|_| {
+                    let id = user(pick.below(rows), teams).id;
+                    async move { assert_eq!(users.find_by_id(&id, vec![]).await.unwrap().id, id) }
+                })
+                .await
+            }
+            "newest" => {
+                measure(|_| {
+                    let team = user(pick.below(teams), teams).team;
+                    async move { tito_newest(users, &team).await }
+                })
+                .await
+            }
+            // The raw engine's reads on Tito's own store: Tito's overhead without the spread
+            // between two stores.
+            "get-raw" => {
+                measure(|_| {
+                    let id = user(pick.below(rows), teams).id;
+                    let db = &stores.db;
+                    async move { assert_eq!(raw_get(db, &id).await.id, id) }
+                })
+                .await
+            }
+            "newest-raw" => measure(|_| {
                 let team = user(pick.below(teams), teams).team;
-                async move { tito_newest(users, &team).await }
+                let db = &stores.db;
+                async move { assert_eq!(raw_newest(db, &team, Entries::Clones).await.len(), 10) }
             })
-            .await
-        }
-        other => panic!("TITO_BENCH_PROFILE: unknown operation {other:?}"),
-    };
+            .await,
+            other => panic!("TITO_BENCH_PROFILE: unknown operation {other:?}"),
+        };
     println!("{what}: {rate:.0} per second");
 }
 
@@ -1071,7 +1144,7 @@ async fn bench() {
                 .map(|l| line.rates.tito / l.rates.tito)
                 .unwrap_or(1.0);
             println!(
-                "{:<9} {:>8} {:<30} {:>9.0} {:>9.0} {:>9.0} {:>9.0} {:>8.2} {:>8.2} {:>9.2} {:>11.2} {:>9} {:>9}",
+                "{:<9} {:>8} {:<30} {:>9.0} {:>9.0} {:>9.0} {:>9.0} {:>8} {:>8.2} {:>9.2} {:>11} {:>9} {:>9}",
                 label,
                 line.rows,
                 line.operation,
@@ -1079,10 +1152,10 @@ async fn bench() {
                 line.rates.raw,
                 line.rates.keys,
                 line.rates.sqlite,
-                line.rates.tito / line.rates.raw,
+                ratio(line.rates.tito, line.rates.raw),
                 line.rates.tito / line.rates.sqlite,
                 smallest,
-                line.rates.keys / line.rates.raw,
+                ratio(line.rates.keys, line.rates.raw),
                 peer_cell(line.rates.peer, 0),
                 peer_cell(line.rates.peer / line.rates.raw, 2),
             );
