@@ -62,8 +62,8 @@
 //! team's 10 newest and one-row inserts) on this engine's raw keys and, in the same run, on
 //! fjall 3.1 (`OptimisticTxDatabase`, one keyspace, its defaults and a block cache of the same
 //! 128 MiB) doing the same reads and writes with the same keys. On a 2-core machine, fjall's
-//! rate over surrealkv's, after the load / once settled (measured before this engine's log
-//! preallocated, inserts one cell after another):
+//! rate over surrealkv's, after the load / once settled (measured with 16 KiB blocks, before
+//! this engine's log preallocated, inserts one cell after another):
 //!
 //! | rows | get by id | team's 10 newest | insert, buffered | insert, durable |
 //! |---|---|---|---|---|
@@ -79,7 +79,7 @@
 //! `--features bench-redb` puts redb 2.6 (a copy-on-write B-tree, one table, a 128 MiB cache,
 //! one write transaction per insert) in fjall's place. redb has a single writer and no conflict
 //! check, so this is the B-tree's cost before the optimistic layer Tito would need on top of it.
-//! redb's rate over surrealkv's, same run, after the load / once settled:
+//! redb's rate over surrealkv's, same run, after the load / once settled (16 KiB blocks):
 //!
 //! | rows | get by id | team's 10 newest | insert, buffered | insert, durable |
 //! |---|---|---|---|---|
