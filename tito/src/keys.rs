@@ -378,6 +378,11 @@ impl KeyBuilder {
         self
     }
 
+    /// Appends the segments of a row key, `table:{table}:{id}` ([`row_key`]).
+    pub fn row(self, table: &str, id: &str) -> Self {
+        self.raw("table").string(table).string(id)
+    }
+
     /// Appends an encoded `u64` segment.
     pub fn u64(mut self, value: u64) -> Self {
         self.separate();
@@ -430,11 +435,7 @@ pub fn key_str(key: &[u8]) -> TitoResult<&str> {
 
 /// The key of a model row: `table:{table}:{id}`.
 pub fn row_key(table: &str, id: &str) -> String {
-    KeyBuilder::new()
-        .raw("table")
-        .string(table)
-        .string(id)
-        .finish()
+    KeyBuilder::new().row(table, id).finish()
 }
 
 /// The prefix of every row of a table: `table:{table}:`.
@@ -446,20 +447,28 @@ pub fn table_prefix(table: &str) -> String {
 pub fn manifest_key(table: &str, id: &str) -> String {
     KeyBuilder::new()
         .raw("reverse-index")
-        .raw("table")
-        .string(table)
-        .string(id)
+        .row(table, id)
         .finish()
 }
 
 /// The prefix of an index's entries with the given leading fields bound:
 /// `index:{table}:{index}:{field}:{value}:...:`.
 pub fn index_prefix(table: &str, index: &str, bound: &[(&str, &KeyValue)]) -> TitoResult<String> {
-    let mut builder = KeyBuilder::new().raw("index").string(table).string(index);
+    Ok(bound_fields("index", table, index, bound)?.prefix())
+}
+
+/// `{kind}:{table}:{index}:{field}:{value}..` for the fields in `bound`, still open.
+fn bound_fields(
+    kind: &str,
+    table: &str,
+    index: &str,
+    bound: &[(&str, &KeyValue)],
+) -> TitoResult<KeyBuilder> {
+    let mut builder = KeyBuilder::new().raw(kind).string(table).string(index);
     for (field, value) in bound {
         builder = builder.string(field).value(value)?;
     }
-    Ok(builder.prefix())
+    Ok(builder)
 }
 
 /// The key of one index entry: the index prefix with every field bound, then the row key.
@@ -469,14 +478,9 @@ pub fn index_key(
     table: &str,
     id: &str,
 ) -> TitoResult<String> {
-    let mut key = index_prefix(table, index, fields)?;
-    key.push_str("table");
-    key.push(SEPARATOR);
-    encode_str(table, &mut key);
-    key.push(SEPARATOR);
-    encode_str(id, &mut key);
-    debug_assert!(key.ends_with(&row_key(table, id)));
-    Ok(key)
+    Ok(bound_fields("index", table, index, fields)?
+        .row(table, id)
+        .finish())
 }
 
 /// The key a unique index of `table` claims for one combination of values; its value is the
@@ -486,11 +490,7 @@ pub fn unique_claim_key(
     index: &str,
     fields: &[(&str, &KeyValue)],
 ) -> TitoResult<String> {
-    let mut builder = KeyBuilder::new().raw("unique").string(table).string(index);
-    for (field, value) in fields {
-        builder = builder.string(field).value(value)?;
-    }
-    Ok(builder.finish())
+    Ok(bound_fields("unique", table, index, fields)?.finish())
 }
 
 /// Whether `key` is an index entry of the row `table:{table}:{id}`: it starts with

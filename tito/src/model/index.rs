@@ -31,21 +31,26 @@ impl Entry {
     }
 }
 
-/// The values at a dotted path. An array met on the way is walked element by element, so
-/// `comments.author_id` over `comments: [{author_id: 1}, {author_id: 2}]` yields 1 and 2.
-fn lookup<'a>(row: &'a Value, path: &str) -> Vec<&'a Value> {
-    let mut current = vec![row];
-    for part in path.split('.') {
-        let mut next = Vec::new();
-        for value in current {
-            match value {
-                Value::Array(items) => next.extend(items.iter().filter_map(|item| item.get(part))),
-                other => next.extend(other.get(part)),
+/// Calls `found` with each value at a dotted path, in document order. An array met on the way
+/// is walked element by element, so `comments.author_id` over
+/// `comments: [{author_id: 1}, {author_id: 2}]` yields 1 and 2.
+fn lookup<'a>(value: &'a Value, path: &str, found: &mut impl FnMut(&'a Value)) {
+    let (part, rest) = match path.split_once('.') {
+        Some((part, rest)) => (part, Some(rest)),
+        None => (path, None),
+    };
+    let mut step = |item: &'a Value| {
+        if let Some(next) = item.get(part) {
+            match rest {
+                Some(rest) => lookup(next, rest, found),
+                None => found(next),
             }
         }
-        current = next;
+    };
+    match value {
+        Value::Array(items) => items.iter().for_each(&mut step),
+        other => step(other),
     }
-    current
 }
 
 /// A JSON value as a key value of the type, or `None` when it holds no value of that type
@@ -71,7 +76,7 @@ pub(crate) fn coerce(value: &Value, kind: TitoIndexBlockType) -> Option<KeyValue
 /// (arrays, at the end of the path or on the way, contribute each element), or none.
 fn field_values(row: &Value, name: &str, kind: TitoIndexBlockType) -> Vec<KeyValue> {
     let mut out: Vec<KeyValue> = Vec::new();
-    let add = |value: &Value| {
+    lookup(row, name, &mut |value| {
         let mut one = |item: &Value| {
             if let Some(value) = coerce(item, kind)
                 && !out.contains(&value)
@@ -83,12 +88,7 @@ fn field_values(row: &Value, name: &str, kind: TitoIndexBlockType) -> Vec<KeyVal
             Value::Array(items) => items.iter().for_each(&mut one),
             value => one(value),
         }
-    };
-    // A top-level field of an object row (the common case) needs no walk.
-    match row {
-        Value::Object(fields) if !name.contains('.') => fields.get(name).into_iter().for_each(add),
-        _ => lookup(row, name).into_iter().for_each(add),
-    }
+    });
     out
 }
 
