@@ -5,6 +5,7 @@
 
 mod support;
 
+mod boundary;
 mod cluster;
 mod crash;
 mod defects;

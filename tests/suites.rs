@@ -1,4 +1,4 @@
-//! The feature suites (models, derive, queue, cluster, kv, inbox, defects) on every backend
+//! The feature suites (models, derive, queue, cluster, kv, inbox, defects, boundary) on every backend
 //! (embedded, TiKV through the test server, memory): one line per suite.
 
 mod embedded {
@@ -22,6 +22,9 @@ mod embedded {
     }
     mod defects {
         crate::defects_suite!(crate::support::EmbeddedBackend);
+    }
+    mod boundary {
+        crate::boundary_suite!(crate::support::EmbeddedBackend);
     }
 }
 
@@ -47,6 +50,9 @@ mod tikv {
     mod defects {
         crate::defects_suite!(crate::support::TikvBackend);
     }
+    mod boundary {
+        crate::boundary_suite!(crate::support::TikvBackend);
+    }
 }
 
 mod memory {
@@ -70,5 +76,8 @@ mod memory {
     }
     mod defects {
         crate::defects_suite!(crate::support::MemoryBackend);
+    }
+    mod boundary {
+        crate::boundary_suite!(crate::support::MemoryBackend);
     }
 }

@@ -238,6 +238,17 @@ async fn guard<E: TitoEngine>(
         Some(hook) => hook(&request),
         None => peer(&request).is_some_and(|p| p.ip().is_loopback()),
     };
+    if !allowed && state.authorize.is_none() && peer(&request).is_none() {
+        tracing::warn!(target: "tito_admin", path = %request.uri().path(), "admin request refused: the peer address is unknown");
+        return (
+            StatusCode::FORBIDDEN,
+            "refused: this request's peer address is unknown, so the rule that serves loopback \
+             peers only cannot admit it. Serve the router with its connect info \
+             (axum::serve(listener, app.into_make_service_with_connect_info::<std::net::SocketAddr>()), \
+             or tito_admin::serve), or configure an authorization hook (Admin::authorize)\n",
+        )
+            .into_response();
+    }
     if !allowed {
         tracing::warn!(target: "tito_admin", peer = ?peer(&request), path = %request.uri().path(), "admin request refused");
         return (

@@ -380,7 +380,7 @@ impl Tool {
         match runtime.block_on(self.run(cli)) {
             Ok(output) => {
                 if !output.is_empty() {
-                    println!("{output}");
+                    say(&output);
                 }
                 ExitCode::SUCCESS
             }
@@ -449,16 +449,27 @@ impl Tool {
     }
 }
 
-async fn open_embedded(path: &std::path::Path) -> Result<Embedded, Failure> {
-    if !path.is_dir() {
-        return Err(Failure(format!(
-            "{} is not a store directory (it does not exist or is not a directory)",
-            path.display()
-        )));
+/// Prints a line on stdout. A reader that went away (`tito queue stats | head -2`) ends the
+/// output quietly, as other Unix tools do, instead of panicking on the closed pipe.
+fn say(text: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match writeln!(out, "{text}").and_then(|()| out.flush()) {
+        Ok(()) => {}
+        Err(err) if err.kind() == std::io::ErrorKind::BrokenPipe => {}
+        Err(err) => eprintln!("tito: cannot write the output: {err}"),
     }
-    Embedded::open(path).await.map_err(|err| {
+}
+
+/// Opens an existing store. No command creates one: a path that is not a store (a mistyped
+/// path, a directory of other files) is refused and left untouched.
+async fn open_embedded(path: &std::path::Path) -> Result<Embedded, Failure> {
+    let options = tito::backend::embedded::EmbeddedOptions::new().create_if_missing(false);
+    Embedded::open_with(path, options).await.map_err(|err| {
         let text = chain(&err);
-        if text.contains("already locked") {
+        if let TitoError::NotFound(message) = &err {
+            Failure(message.clone())
+        } else if text.contains("already locked") {
             Failure(format!(
                 "the store at {} is held by another process (an embedded store has one owner). \
                  Inspect it live by mounting the admin router in that process: \
@@ -1060,7 +1071,9 @@ async fn serve<E: TitoEngine>(db: E, typed: &Typing, listen: SocketAddr) -> Outc
              your own server to serve others)"
         );
     }
-    println!("serving the Tito admin on http://{local}/ (Ctrl-C stops)");
+    say(&format!(
+        "serving the Tito admin on http://{local}/ (Ctrl-C stops)"
+    ));
     let mut admin = tito_admin::Admin::new(db);
     for (table, model) in &typed.models {
         admin = admin.auditor(table.clone(), Arc::new(ModelAuditor(model.clone())));

@@ -382,10 +382,11 @@ async fn the_cli_explains_a_held_store_an_absent_one_and_a_silent_cluster() {
     let absent = run(&["--path", "/nonexistent/tito-store", "table", "ls"]);
     assert_eq!(absent.status.code(), Some(1));
     assert!(
-        stderr(&absent).contains("is not a store directory"),
+        stderr(&absent).contains("is not an embedded Tito store: it does not exist"),
         "{}",
         stderr(&absent)
     );
+    assert!(!std::path::Path::new("/nonexistent/tito-store").exists());
 
     let none = run(&["table", "ls"]);
     assert_eq!(none.status.code(), Some(1));
@@ -1003,4 +1004,70 @@ async fn a_tool_with_the_models_builds_audits_repairs_and_shows_inboxes() {
     assert!(unknown.unwrap_err().contains("no inbox model"));
     // Bad usage is reported, not a panic.
     assert!(execute(&path, &["index", "frobnicate"]).await.is_err());
+}
+
+/// A directory that is not a store (a mistyped path, someone's notes) is refused by every
+/// command and left as it was; a file is refused too.
+#[test]
+fn the_cli_never_turns_a_directory_into_a_store() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("notes.txt"), "mine").unwrap();
+    let path = dir.path().to_str().unwrap();
+    let listing = || {
+        let mut names: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    };
+    for args in [
+        &["table", "ls"][..],
+        &["queue", "stats", "--json"][..],
+        &["kv", "ls"][..],
+        &["gc"][..],
+    ] {
+        let mut all = vec!["--path", path];
+        all.extend_from_slice(args);
+        let out = run(&all);
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        assert!(
+            stderr(&out).contains("holds no store (no manifest/ in it); nothing was created"),
+            "{args:?}: {}",
+            stderr(&out)
+        );
+        assert_eq!(listing(), vec!["notes.txt".to_string()], "{args:?}");
+    }
+    let file = dir.path().join("notes.txt");
+    let out = run(&["--path", file.to_str().unwrap(), "table", "ls"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        stderr(&out).contains("it is not a directory"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+/// `tito ... | head -2`: a reader that goes away ends the command quietly, without a panic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_pipe_ends_the_output_quietly() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let db = Embedded::open(dir.path()).await.unwrap();
+        seed(&db).await;
+        db.close().await.unwrap();
+    }
+    let mut child = tito()
+        .args(["--path", dir.path().to_str().unwrap(), "queue", "stats"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The reader closes its end before the tool writes anything.
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let err = stderr(&out);
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(!err.contains("Broken pipe"), "{err}");
+    assert_eq!(out.status.code(), Some(0), "{err}");
 }

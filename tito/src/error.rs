@@ -131,6 +131,19 @@ pub enum TitoError {
     #[error("the transaction is already {0}")]
     TransactionFinished(&'static str),
 
+    /// The transaction is aborted: an operation in it failed after part of its writes had been
+    /// buffered (an I/O error, a read that failed half way), so committing it would store half
+    /// of that operation. Its commit is refused with this error, which names the first failure;
+    /// roll it back (dropping it does) and run the work again in a new transaction. This is
+    /// PostgreSQL's "current transaction is aborted" rule. Failures that Tito can foresee (a
+    /// unique value taken, a row that exists, a key or value over its limit) are checked before
+    /// anything is buffered and do not abort the transaction.
+    #[error(
+        "the transaction is aborted and cannot commit: an operation failed after buffering part \
+         of its writes ({0}); roll it back and run the work again in a new transaction"
+    )]
+    TransactionAborted(String),
+
     /// A key or value read from storage is not what Tito wrote there: a malformed key, a value
     /// that is not valid JSON, a broken reverse-index manifest. The message names the key.
     #[error("storage integrity error: {0}")]

@@ -1247,7 +1247,9 @@ async fn handle<E, M, P, F, Fut>(
     F: Fn(InboxDelivery<P>) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = TitoResult<InboxOutcome>> + Send + 'static,
 {
-    let mut work = std::panic::AssertUnwindSafe(handler(delivery))
+    // The call that builds the future is supervised with it (a handler that panics before it
+    // returns a future fails like one whose future panics).
+    let mut work = std::panic::AssertUnwindSafe(async move { handler(delivery).await })
         .catch_unwind()
         .boxed();
     let mut claim = claim;

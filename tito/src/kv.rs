@@ -196,40 +196,35 @@ async fn write<X: TitoTransaction>(
     expires: Option<u64>,
     previous: Option<&Stored>,
 ) -> TitoResult<u64> {
-    drop_expiry_index(tx, namespace, key, previous).await?;
     let version = tx.start_version();
     let stored = Stored {
         v: value,
         ver: version,
         exp: expires,
     };
-    tx.put(
-        keys::kv_key(namespace, key).into_bytes(),
-        serde_json::to_vec(&stored)?,
-    )
-    .await?;
+    // Checked as a whole before the first write is buffered (a value over the limit leaves the
+    // old expiry entry in place, not half of a write).
+    let mut writes = engine::Writes::default();
+    drop_expiry_index(&mut writes, namespace, key, previous);
+    writes.put(keys::kv_key(namespace, key), serde_json::to_vec(&stored)?);
     if let Some(exp) = expires {
-        tx.put(
-            keys::kv_expiry_key(exp, namespace, key).into_bytes(),
-            Vec::new(),
-        )
-        .await?;
+        writes.put(keys::kv_expiry_key(exp, namespace, key), Vec::new());
     }
+    writes.apply(tx).await?;
     Ok(version)
 }
 
-/// Removes the expiry index entry of `previous`, the row stored at `key`, if it has one.
-async fn drop_expiry_index<X: TitoTransaction>(
-    tx: &X,
+/// Plans the removal of the expiry index entry of `previous`, the row stored at `key`, if it
+/// has one.
+fn drop_expiry_index(
+    writes: &mut engine::Writes,
     namespace: &str,
     key: &str,
     previous: Option<&Stored>,
-) -> TitoResult<()> {
+) {
     if let Some(exp) = previous.and_then(|p| p.exp) {
-        tx.delete(keys::kv_expiry_key(exp, namespace, key).into_bytes())
-            .await?;
+        writes.delete(keys::kv_expiry_key(exp, namespace, key));
     }
-    Ok(())
 }
 
 /// The key/value store on an engine. Cheap to clone.
@@ -566,8 +561,10 @@ impl<E: TitoEngine> Kv<E> {
                 actual,
             });
         }
-        drop_expiry_index(tx, namespace, key, previous.as_ref()).await?;
-        tx.delete(keys::kv_key(namespace, key).into_bytes()).await?;
+        let mut writes = engine::Writes::default();
+        drop_expiry_index(&mut writes, namespace, key, previous.as_ref());
+        writes.delete(keys::kv_key(namespace, key));
+        writes.apply(tx).await?;
         // Versions are never 0, so a live row had a nonzero one.
         Ok(actual != 0)
     }

@@ -15,10 +15,19 @@
 //! # Versions
 //!
 //! Start versions come from a timestamp oracle in the store: physical milliseconds shifted left
-//! by [`LOGICAL_BITS`] plus a logical counter, strictly increasing.
-//! Like TiKV's PD, the oracle persists a high-water mark three seconds ahead of the versions it
-//! hands out, and a reopened store starts above it, so versions keep increasing across a restart
-//! even when the clock moved back.
+//! by [`LOGICAL_BITS`] plus a logical counter, strictly increasing, and following the wall
+//! clock (a version is the later of the wall clock and one above the last version).
+//!
+//! While the store is open, the oracle persists a high-water mark up to three seconds ahead of
+//! the versions it hands out (one durable write per three seconds of use, not one per version),
+//! and no version reaches the mark before a new one is persisted. [`Embedded::close`] writes the
+//! mark back to the exact last version, so a reopened store continues from there, or from the
+//! wall clock when it is later: reopening any number of times does not move the clock ahead,
+//! and opening a store only to read it changes nothing. Only a crash (or a process that exits
+//! without closing the store, see [`Embedded::close`]) leaves the mark ahead: the next open
+//! starts from it, at most three seconds ahead of the wall clock, as PD's timestamp oracle does
+//! after a leader change. Versions keep increasing across a restart either way, also when the
+//! clock moved back.
 //!
 //! # Garbage collection
 //!
@@ -145,6 +154,7 @@ pub struct EmbeddedOptions {
     block_cache_bytes: u64,
     block_bytes: usize,
     wal_preallocation: bool,
+    create_if_missing: bool,
     retry: RetryPolicy,
 }
 
@@ -157,6 +167,7 @@ impl Default for EmbeddedOptions {
             block_cache_bytes: DEFAULT_BLOCK_CACHE_BYTES,
             block_bytes: DEFAULT_BLOCK_BYTES,
             wal_preallocation: true,
+            create_if_missing: true,
             retry: RetryPolicy::default(),
         }
     }
@@ -220,6 +231,16 @@ impl EmbeddedOptions {
         self
     }
 
+    /// Whether opening a path that holds no store creates one there (the default). With
+    /// `false`, [`Embedded::open_with`] refuses a path that does not exist, is not a directory,
+    /// or is a directory without a store in it (see [`Embedded::is_store`]) with
+    /// [`TitoError::NotFound`], and creates nothing: for tools that inspect a store and must
+    /// not turn a mistyped path into an empty one.
+    pub fn create_if_missing(mut self, create: bool) -> Self {
+        self.create_if_missing = create;
+        self
+    }
+
     /// The retry policy of [`TitoEngine::transaction`] on this handle.
     pub fn retry_policy(mut self, policy: RetryPolicy) -> Self {
         self.retry = policy;
@@ -262,6 +283,8 @@ struct Inner {
     oracle: Mutex<Oracle>,
     /// Serializes the read-modify-writes of the store's metadata (oracle mark, GC safe point).
     meta_writes: tokio::sync::Mutex<()>,
+    /// Set by the first [`Embedded::close`].
+    closed: std::sync::atomic::AtomicBool,
     durability: Durability,
     partitions: u32,
     path: PathBuf,
@@ -421,6 +444,19 @@ impl Embedded {
                 options.block_bytes
             )));
         }
+        if !options.create_if_missing && !Self::is_store(&path) {
+            let why = if !path.exists() {
+                "it does not exist"
+            } else if !path.is_dir() {
+                "it is not a directory"
+            } else {
+                "the directory holds no store (no manifest/ in it)"
+            };
+            return Err(TitoError::NotFound(format!(
+                "{} is not an embedded Tito store: {why}; nothing was created",
+                path.display()
+            )));
+        }
         std::fs::create_dir_all(&path).map_err(|err| {
             TitoError::storage(format!("cannot create directory {}", path.display()), err)
         })?;
@@ -441,6 +477,7 @@ impl Embedded {
         let inner = Inner {
             tree,
             meta_writes: tokio::sync::Mutex::new(()),
+            closed: std::sync::atomic::AtomicBool::new(false),
             oracle: Mutex::new(Oracle {
                 last: stored_limit,
                 persisted_limit: stored_limit,
@@ -456,6 +493,13 @@ impl Embedded {
         })
     }
 
+    /// Whether `path` is a directory that holds an embedded store (one that
+    /// [`Embedded::open`] created: its `manifest/` directory is there). Reads the directory
+    /// only.
+    pub fn is_store(path: impl AsRef<Path>) -> bool {
+        path.as_ref().join("manifest").is_dir()
+    }
+
     /// The directory of the store.
     pub fn path(&self) -> &Path {
         &self.inner.path
@@ -466,9 +510,35 @@ impl Embedded {
         self.inner.durability
     }
 
-    /// Flushes and closes the store. Every handle fails afterwards. Dropping the last handle
-    /// also closes the store, in the background.
+    /// Flushes and closes the store. Every handle fails afterwards; closing again does nothing.
+    ///
+    /// The clock's high-water mark is written back to the last version handed out, so the next
+    /// open continues from it (or from the wall clock, when that is later) instead of from the
+    /// mark kept ahead of it while the store was open (see "Versions" in the module docs).
     pub async fn close(&self) -> TitoResult<()> {
+        {
+            let _persisting = self.inner.meta_writes.lock().await;
+            let exact = {
+                let mut oracle = self.oracle();
+                // No version is handed out past this point: one that asks for a version now
+                // takes the slow path, which waits for this lock and then finds the store closed.
+                let last = oracle.last;
+                let ahead = oracle.persisted_limit > last;
+                oracle.persisted_limit = oracle.persisted_limit.min(last);
+                ahead.then_some(last)
+            };
+            let first_close = !self
+                .inner
+                .closed
+                .swap(true, std::sync::atomic::Ordering::SeqCst);
+            if let Some(last) = exact
+                && first_close
+                && let Err(err) = self.write_meta(META_ORACLE, last).await
+            {
+                // The mark stays ahead: safe, the next open only starts later than it needs to.
+                tracing::warn!(error = %err, "embedded store: writing the clock's mark at close failed");
+            }
+        }
         self.inner
             .tree
             .close()
@@ -574,6 +644,7 @@ impl TitoEngine for Embedded {
             inner: Arc::new(TxInner {
                 start_version,
                 state: Mutex::new(TxState::Active(tx)),
+                failed: engine::FirstFailure::default(),
             }),
         })
     }
@@ -671,6 +742,7 @@ pub struct EmbeddedTransaction {
 struct TxInner {
     start_version: u64,
     state: Mutex<TxState>,
+    failed: engine::FirstFailure,
 }
 
 enum TxState {
@@ -819,7 +891,15 @@ impl TitoTransaction for EmbeddedTransaction {
         })
     }
 
+    fn fail(&self, cause: &TitoError) {
+        self.inner.failed.record(cause);
+    }
+
     async fn commit(&self) -> TitoResult<()> {
+        if let Some(refusal) = self.inner.failed.refusal() {
+            self.rollback().await?;
+            return Err(refusal);
+        }
         let mut tx = {
             let mut state = self.lock();
             match std::mem::replace(&mut *state, TxState::Finished("committed")) {

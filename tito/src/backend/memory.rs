@@ -281,6 +281,7 @@ impl TitoEngine for Memory {
                     writes: BTreeMap::new(),
                     locks: BTreeSet::new(),
                 }),
+                failed: engine::FirstFailure::default(),
             }),
         })
     }
@@ -361,6 +362,7 @@ struct TxInner {
     db: Arc<Inner>,
     start_version: u64,
     state: Mutex<TxState>,
+    failed: engine::FirstFailure,
 }
 
 enum TxState {
@@ -552,7 +554,15 @@ impl TitoTransaction for MemoryTransaction {
         })
     }
 
+    fn fail(&self, cause: &TitoError) {
+        self.inner.failed.record(cause);
+    }
+
     async fn commit(&self) -> TitoResult<()> {
+        if let Some(refusal) = self.inner.failed.refusal() {
+            self.rollback().await?;
+            return Err(refusal);
+        }
         let mut state = self.inner.state.lock().unwrap_or_else(|e| e.into_inner());
         let (writes, locks) = match &mut *state {
             TxState::Active { writes, locks } => (std::mem::take(writes), std::mem::take(locks)),

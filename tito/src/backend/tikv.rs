@@ -149,6 +149,7 @@ impl TitoEngine for TiKV {
             inner: Arc::new(TxInner {
                 start_version,
                 tx: tokio::sync::Mutex::new(Some(tx)),
+                failed: crate::engine::FirstFailure::default(),
             }),
         })
     }
@@ -212,6 +213,7 @@ pub struct TiKVTransaction {
 struct TxInner {
     start_version: u64,
     tx: tokio::sync::Mutex<Option<tikv_client::Transaction>>,
+    failed: crate::engine::FirstFailure,
 }
 
 impl std::fmt::Debug for TiKVTransaction {
@@ -335,7 +337,15 @@ impl TitoTransaction for TiKVTransaction {
             .map_err(|err| classify_read(err, "lock_keys"))
     }
 
+    fn fail(&self, cause: &TitoError) {
+        self.inner.failed.record(cause);
+    }
+
     async fn commit(&self) -> TitoResult<()> {
+        if let Some(refusal) = self.inner.failed.refusal() {
+            self.rollback().await?;
+            return Err(refusal);
+        }
         let mut guard = self.inner.tx.lock().await;
         let Some(mut tx) = guard.take() else {
             return Err(TitoError::TransactionFinished("finished"));

@@ -270,6 +270,7 @@ impl<E: TitoEngine> TitoEngine for FaultyEngine<E> {
             inner: self.inner.begin().await?,
             faults: self.faults.clone(),
             written: Arc::new(Mutex::new(Vec::new())),
+            failed: Arc::default(),
         })
     }
 
@@ -304,6 +305,7 @@ pub struct FaultyTransaction<T> {
     inner: T,
     faults: Faults,
     written: Arc<Mutex<Vec<Vec<u8>>>>,
+    failed: Arc<super::FirstFailure>,
 }
 
 impl<T> FaultyTransaction<T> {
@@ -368,7 +370,17 @@ impl<T: TitoTransaction> TitoTransaction for FaultyTransaction<T> {
         self.inner.lock_keys(keys).await
     }
 
+    fn fail(&self, cause: &TitoError) {
+        self.failed.record(cause);
+        self.inner.fail(cause);
+    }
+
     async fn commit(&self) -> TitoResult<()> {
+        // A failed transaction is refused before any fault is drawn.
+        if let Some(refusal) = self.failed.refusal() {
+            self.inner.rollback().await?;
+            return Err(refusal);
+        }
         let written = self
             .written
             .lock()

@@ -334,11 +334,91 @@ pub trait TitoTransaction: Clone + Send + Sync + 'static {
     /// after this transaction started, as if this transaction wrote them.
     fn lock_keys(&self, keys: &[Vec<u8>]) -> impl Future<Output = TitoResult<()>> + Send;
 
-    /// Commits the buffered writes atomically.
+    /// Commits the buffered writes atomically. A transaction [marked failed](Self::fail) is
+    /// rolled back instead, and the commit returns [`TitoError::TransactionAborted`] naming the
+    /// first failure.
     fn commit(&self) -> impl Future<Output = TitoResult<()>> + Send;
+
+    /// Marks the transaction failed: `cause` (the first one counts) left part of an operation's
+    /// writes buffered, so its commit must be refused. Reads, writes and rollback go on as
+    /// before; only [`commit`](Self::commit) changes. Tito's operations call it when they fail
+    /// after buffering a write; see [`aborting`].
+    fn fail(&self, cause: &TitoError);
 
     /// Discards the buffered writes. Rolling back a finished transaction is an error.
     fn rollback(&self) -> impl Future<Output = TitoResult<()>> + Send;
+}
+
+/// Runs the write phase of an operation in a caller's transaction: on an error, `tx` is
+/// [marked failed](TitoTransaction::fail) (part of the operation may be buffered), so a caller
+/// that handles the error and commits anyway gets [`TitoError::TransactionAborted`] instead of
+/// storing half of it. Tito's operations check what they can foresee before this phase.
+pub async fn aborting<X: TitoTransaction, R>(
+    tx: &X,
+    work: impl Future<Output = TitoResult<R>>,
+) -> TitoResult<R> {
+    let result = work.await;
+    if let Err(err) = &result {
+        tx.fail(err);
+    }
+    result
+}
+
+/// The first failure of a transaction, kept for its commit (see [`TitoTransaction::fail`]).
+#[derive(Debug, Default)]
+pub(crate) struct FirstFailure(std::sync::OnceLock<String>);
+
+impl FirstFailure {
+    /// Records `cause` unless a failure is recorded already.
+    pub(crate) fn record(&self, cause: &TitoError) {
+        let _ = self.0.set(cause.to_string());
+    }
+
+    /// The error a commit returns, when a failure was recorded.
+    pub(crate) fn refusal(&self) -> Option<TitoError> {
+        self.0
+            .get()
+            .map(|cause| TitoError::TransactionAborted(cause.clone()))
+    }
+}
+
+/// A plan of writes, checked as a whole before any is buffered: every key and value against
+/// [`MAX_KEY_BYTES`] and [`MAX_VALUE_BYTES`], then applied in order; a failure while applying
+/// marks the transaction failed ([`aborting`]).
+#[derive(Debug, Default)]
+pub(crate) struct Writes(Vec<(Vec<u8>, Option<Vec<u8>>)>);
+
+impl Writes {
+    pub(crate) fn put(&mut self, key: impl Into<Vec<u8>>, value: Vec<u8>) {
+        self.0.push((key.into(), Some(value)));
+    }
+
+    pub(crate) fn delete(&mut self, key: impl Into<Vec<u8>>) {
+        self.0.push((key.into(), None));
+    }
+
+    /// Checks every write against the limits; nothing is buffered.
+    pub(crate) fn check(&self) -> TitoResult<()> {
+        for (key, value) in &self.0 {
+            check_write(key, value.as_deref().unwrap_or_default())?;
+        }
+        Ok(())
+    }
+
+    /// Checks, then buffers every write in `tx`; a failure after the check marks `tx` failed.
+    pub(crate) async fn apply<X: TitoTransaction>(self, tx: &X) -> TitoResult<()> {
+        self.check()?;
+        aborting(tx, async {
+            for (key, value) in self.0 {
+                match value {
+                    Some(value) => tx.put(key, value).await?,
+                    None => tx.delete(key).await?,
+                }
+            }
+            Ok(())
+        })
+        .await
+    }
 }
 
 /// Checks the arguments of a scan: a limit in range and `start < end` (or an open end).

@@ -213,6 +213,14 @@ pub(crate) fn encode_manifest(version: u64, keys: &[String]) -> TitoResult<Vec<u
     })?)
 }
 
+/// A missing row, as the user wrote its id (the storage key follows, for operators).
+fn no_row(table: &str, id: &str) -> String {
+    format!(
+        "table {table:?} has no row with id {id:?} (key {})",
+        keys::row_key(table, id)
+    )
+}
+
 fn integrity(message: String) -> TitoError {
     TitoError::Integrity(message)
 }
@@ -624,11 +632,9 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         let table = table.to_string();
         let handle = self.schema_handle().await?;
         let (stored, _, _) = load(tx, &table, id, &handle, &[]).await?;
-        let stored = stored.ok_or_else(|| {
-            TitoError::NotFound(format!("no row {:?}", keys::row_key(&table, id)))
-        })?;
-        let deleted: Option<T> = match options.events {
-            Some(_) => {
+        let stored = stored.ok_or_else(|| TitoError::NotFound(no_row(&table, id)))?;
+        let events = match options.events {
+            Some(operation) => {
                 let model: T = serde_json::from_value(stored.row.clone()).map_err(|err| {
                     integrity(format!(
                         "row {:?} does not deserialize: {err}",
@@ -636,54 +642,68 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
                     ))
                 })?;
                 check_events(&model, &options)?;
-                Some(model)
+                self.prepare_events(operation, &model, &stored.row)?
             }
-            None => None,
+            None => Vec::new(),
         };
         // Exactly what the manifest lists: entries and claims (a condition that depends on the
-        // row is never evaluated again, least of all on a default row).
+        // row is never evaluated again, least of all on a default row). Read first, then
+        // written together (see `write_in`).
+        let mut writes = engine::Writes::default();
         for key in stored.manifest {
             if keys::is_claim_key_of(&key, &table) {
-                self.release_claim(tx, &key, id).await?;
+                self.release_claim(tx, &key, id, &mut writes).await?;
             } else {
-                tx.delete(key.into_bytes()).await?;
+                writes.delete(key.into_bytes());
             }
         }
-        tx.delete(keys::manifest_key(&table, id).into_bytes())
-            .await?;
-        tx.delete(keys::row_key(&table, id).into_bytes()).await?;
-        if let (Some(operation), Some(model)) = (options.events, deleted) {
-            self.publish_events(tx, operation, &model, &stored.row)
-                .await?;
-        }
-        Ok(())
+        writes.delete(keys::manifest_key(&table, id).into_bytes());
+        writes.delete(keys::row_key(&table, id).into_bytes());
+        self.plan_events(tx, events, &mut writes).await?;
+        writes.apply(tx).await
     }
 
-    /// Publishes the model's events for `operation` in `tx`: one [`ModelEvent`] per event
-    /// config, to the queue named like the config, keyed `{table}:{id}`.
+    /// The model's events for `operation`, encoded and checked before anything is written: one
+    /// [`ModelEvent`] per event config, to the queue named like the config, keyed
+    /// `{table}:{id}`.
     ///
     /// [`ModelEvent`]: crate::queue::ModelEvent
-    async fn publish_events<R: serde::Serialize>(
+    fn prepare_events<R: serde::Serialize>(
         &self,
-        tx: &E::Transaction,
         operation: TitoOperation,
         model: &T,
         row: &R,
-    ) -> TitoResult<()> {
+    ) -> TitoResult<Vec<(String, crate::queue::PreparedEvent)>> {
         let (table, id) = (model.table(), model.id());
-        for config in model.events() {
-            let event = crate::queue::QueueEvent::new(
-                format!("{table}:{id}"),
-                crate::queue::ModelEvent {
-                    operation,
-                    table: table.clone(),
-                    id: id.clone(),
-                    row,
-                },
-                config.timestamp,
-            );
-            crate::queue::publish_model_event(tx, &config.name, self.db.partitions(), &event)
-                .await?;
+        model
+            .events()
+            .into_iter()
+            .map(|config| {
+                let event = crate::queue::QueueEvent::new(
+                    format!("{table}:{id}"),
+                    crate::queue::ModelEvent {
+                        operation,
+                        table: table.clone(),
+                        id: id.clone(),
+                        row,
+                    },
+                    config.timestamp,
+                );
+                Ok((config.name, crate::queue::PreparedEvent::new(&event)?))
+            })
+            .collect()
+    }
+
+    /// Plans the publication of prepared events: their queues' metadata and id keys are read
+    /// now, their writes join `writes`.
+    async fn plan_events(
+        &self,
+        tx: &E::Transaction,
+        events: Vec<(String, crate::queue::PreparedEvent)>,
+        writes: &mut engine::Writes,
+    ) -> TitoResult<()> {
+        for (topic, event) in events {
+            crate::queue::plan_model_event(tx, &topic, self.db.partitions(), event, writes).await?;
         }
         Ok(())
     }
@@ -699,11 +719,18 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
             .await
     }
 
-    async fn release_claim(&self, tx: &E::Transaction, claim: &str, id: &str) -> TitoResult<()> {
+    /// Plans the release of a claim the row held: read now, deleted with the other writes.
+    async fn release_claim(
+        &self,
+        tx: &E::Transaction,
+        claim: &str,
+        id: &str,
+        writes: &mut engine::Writes,
+    ) -> TitoResult<()> {
         let owner = tx.get(claim.as_bytes()).await?;
         // A claim held by another row is not ours to remove.
         if owner.as_deref() == Some(id.as_bytes()) {
-            tx.delete(claim.as_bytes().to_vec()).await?;
+            writes.delete(claim.as_bytes().to_vec());
         }
         Ok(())
     }
@@ -763,10 +790,12 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
             expected_claims.into_iter().zip(claim_owners).collect();
         match (mode, &stored) {
             (Mode::Insert, Some(_)) => {
-                return Err(TitoError::AlreadyExists(format!("row {row_key:?}")));
+                return Err(TitoError::AlreadyExists(format!(
+                    "table {table:?} already has a row with id {id:?} (key {row_key})"
+                )));
             }
             (Mode::Update, None) => {
-                return Err(TitoError::NotFound(format!("no row {row_key:?}")));
+                return Err(TitoError::NotFound(no_row(&table, &id)));
             }
             _ => {}
         }
@@ -798,8 +827,12 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
             .map(|s| s.manifest.iter().cloned().collect())
             .unwrap_or_default();
 
+        // Everything that can refuse the write is decided before the first write is buffered
+        // (claims taken by other rows, the sizes of every key and value), so a caller that
+        // handles the error in its own transaction and commits leaves nothing half-written.
         // Unique claims: new ones are checked and written so racing writers conflict; claims
         // the row no longer holds are released.
+        let mut writes = engine::Writes::default();
         let mut new_claims: Vec<String> = Vec::new();
         let mut tolerated: HashSet<String> = HashSet::new();
         let mut old_claims: Option<HashSet<String>> = None;
@@ -841,10 +874,7 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
                         owner: String::from_utf8_lossy(&owner).into_owned(),
                     });
                 }
-                _ => {
-                    tx.put(claim.clone().into_bytes(), id.clone().into_bytes())
-                        .await?
-                }
+                _ => writes.put(claim.clone(), id.clone().into_bytes()),
             }
             new_claims.push(claim.clone());
         }
@@ -852,7 +882,7 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
             .iter()
             .filter(|k| keys::is_claim_key_of(k, &table) && !new_claims.contains(k))
         {
-            self.release_claim(tx, claim, &id).await?;
+            self.release_claim(tx, claim, &id, &mut writes).await?;
         }
 
         let kept: Vec<index::Entry> = new_entries
@@ -866,14 +896,13 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
             .iter()
             .filter(|k| !keys::is_claim_key_of(k, &table) && !new_set.contains(k))
         {
-            tx.delete(key.clone().into_bytes()).await?;
+            writes.delete(key.clone());
         }
         for entry in &kept {
             // A copy changes only when the row does; a key-only entry never changes.
             let fresh = !old_listed.contains(&entry.key);
             if fresh || (row_changed && !entry.key_only) {
-                tx.put(entry.key.clone().into_bytes(), entry.value(&bytes))
-                    .await?;
+                writes.put(entry.key.clone(), entry.value(&bytes));
             }
         }
         let manifest: Vec<String> = kept.into_iter().map(|e| e.key).chain(new_claims).collect();
@@ -881,19 +910,19 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
             .as_ref()
             .is_none_or(|s| s.manifest != manifest || s.manifest_version != plan.version);
         if keys_changed {
-            tx.put(
-                keys::manifest_key(&table, &id).into_bytes(),
+            writes.put(
+                keys::manifest_key(&table, &id),
                 encode_manifest(plan.version, &manifest)?,
-            )
-            .await?;
+            );
         }
         if row_changed {
-            tx.put(row_key.into_bytes(), bytes).await?;
+            writes.put(row_key, bytes);
         }
         if let Some(operation) = options.events {
-            self.publish_events(tx, operation, &stored_model, &stored_model)
-                .await?;
+            let events = self.prepare_events(operation, &stored_model, &stored_model)?;
+            self.plan_events(tx, events, &mut writes).await?;
         }
+        writes.apply(tx).await?;
         Ok(stored_model)
     }
 
@@ -916,7 +945,7 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         let span = tracing::debug_span!("tito.model", table = %table, operation = "get", id);
         match tx.get(key.as_bytes()).instrument(span).await? {
             Some(bytes) => decode_model(&key, &bytes),
-            None => Err(TitoError::NotFound(format!("no row {key:?}"))),
+            None => Err(TitoError::NotFound(no_row(&table, id))),
         }
     }
 

@@ -237,7 +237,14 @@ struct QueueMeta {
 
 /// Checks (and on first use records) the partition count of the queue at `root`. Returns whether
 /// it was already recorded.
-async fn check_meta<X: TitoTransaction>(tx: &X, root: &str, partitions: u32) -> TitoResult<bool> {
+/// Checks the stored partition count of a queue; plans its metadata when the queue has none
+/// yet. Returns whether the metadata was there.
+async fn check_meta<X: TitoTransaction>(
+    tx: &X,
+    root: &str,
+    partitions: u32,
+    writes: &mut engine::Writes,
+) -> TitoResult<bool> {
     let key = keys::queue_meta_key(root);
     match tx.get(key.as_bytes()).await? {
         Some(bytes) => {
@@ -253,26 +260,23 @@ async fn check_meta<X: TitoTransaction>(tx: &X, root: &str, partitions: u32) -> 
             Ok(true)
         }
         None => {
-            tx.put(
-                key.into_bytes(),
-                serde_json::to_vec(&QueueMeta { partitions })?,
-            )
-            .await?;
+            writes.put(key, serde_json::to_vec(&QueueMeta { partitions })?);
             Ok(false)
         }
     }
 }
 
-/// Writes a pending invocation (with its owner key and its event-id key) in `tx`, unless the
-/// event id already has a live invocation in this queue: then nothing is written and the
-/// answer says `duplicate`. Returns the invocation's key and partition.
-pub(crate) async fn write_pending<X: TitoTransaction>(
+/// Plans a pending invocation (with its owner key and its event-id key) unless the event id
+/// already has a live invocation in this queue: then nothing is planned and the answer says
+/// `duplicate`. Reads now; writes nothing. Returns the invocation's key and partition.
+async fn plan_pending<X: TitoTransaction>(
     tx: &X,
     root: &str,
     partitions: u32,
     stored: &StoredEvent,
+    bytes: Vec<u8>,
+    writes: &mut engine::Writes,
 ) -> TitoResult<(Published, u32)> {
-    let bytes = stored.to_bytes()?;
     let partition = partition_for(&stored.key, partitions);
     let id_key = keys::event_id_key(root, &stored.id);
     if let Some(live) = tx.get(id_key.as_bytes()).await? {
@@ -287,7 +291,7 @@ pub(crate) async fn write_pending<X: TitoTransaction>(
             partition,
         ));
     }
-    let key = insert_pending(tx, root, partitions, stored, bytes).await?;
+    let key = plan_insert(tx.start_version(), root, partitions, stored, bytes, writes);
     Ok((
         Published {
             key,
@@ -295,6 +299,36 @@ pub(crate) async fn write_pending<X: TitoTransaction>(
         },
         partition,
     ))
+}
+
+/// Plans a pending row, its owner key and its event-id key (pointing at the row), with no
+/// duplicate check. Returns the row's key.
+fn plan_insert(
+    start_version: u64,
+    root: &str,
+    partitions: u32,
+    stored: &StoredEvent,
+    bytes: Vec<u8>,
+    writes: &mut engine::Writes,
+) -> String {
+    let partition = partition_for(&stored.key, partitions);
+    let key = keys::pending_key(
+        root,
+        partition,
+        stored.timestamp as u64,
+        start_version,
+        &stored.id,
+    );
+    writes.put(key.clone(), bytes);
+    writes.put(
+        keys::event_id_key(root, &stored.id),
+        key.clone().into_bytes(),
+    );
+    if let Some(owner) = &stored.owner {
+        let owner_key = keys::owner_key(root, &owner.kind, &owner.id, keys::OWNER_PENDING, &key);
+        writes.put(owner_key, Vec::new());
+    }
+    key
 }
 
 /// Writes a pending row, its owner key and its event-id key (pointing at the row), with no
@@ -306,24 +340,16 @@ pub(crate) async fn insert_pending<X: TitoTransaction>(
     stored: &StoredEvent,
     bytes: Vec<u8>,
 ) -> TitoResult<String> {
-    let partition = partition_for(&stored.key, partitions);
-    let key = keys::pending_key(
-        root,
-        partition,
-        stored.timestamp as u64,
+    let mut writes = engine::Writes::default();
+    let key = plan_insert(
         tx.start_version(),
-        &stored.id,
+        root,
+        partitions,
+        stored,
+        bytes,
+        &mut writes,
     );
-    tx.put(key.clone().into_bytes(), bytes).await?;
-    tx.put(
-        keys::event_id_key(root, &stored.id).into_bytes(),
-        key.clone().into_bytes(),
-    )
-    .await?;
-    if let Some(owner) = &stored.owner {
-        let owner_key = keys::owner_key(root, &owner.kind, &owner.id, keys::OWNER_PENDING, &key);
-        tx.put(owner_key.into_bytes(), Vec::new()).await?;
-    }
+    writes.apply(tx).await?;
     Ok(key)
 }
 
@@ -342,18 +368,33 @@ pub(crate) async fn forget_event_id<X: TitoTransaction>(
     Ok(())
 }
 
-/// Publishes a model's event to the queue named `topic` in `tx` (the model layer's hook).
-pub(crate) async fn publish_model_event<X: TitoTransaction, T: Serialize>(
+/// A model's event, encoded and checked (id, timestamp, owner, size) before a write begins.
+#[derive(Debug)]
+pub(crate) struct PreparedEvent {
+    stored: StoredEvent,
+    bytes: Vec<u8>,
+}
+
+impl PreparedEvent {
+    pub(crate) fn new<T: Serialize>(event: &QueueEvent<ModelEvent<T>>) -> TitoResult<Self> {
+        let stored = StoredEvent::from_event(event)?;
+        let bytes = stored.to_bytes()?;
+        Ok(PreparedEvent { stored, bytes })
+    }
+}
+
+/// Plans the publication of a model's event to the queue named `topic` (the model layer's
+/// hook): reads the queue's metadata and the event's id key now, adds the writes to `writes`.
+pub(crate) async fn plan_model_event<X: TitoTransaction>(
     tx: &X,
     topic: &str,
     partitions: u32,
-    event: &QueueEvent<ModelEvent<T>>,
+    event: PreparedEvent,
+    writes: &mut engine::Writes,
 ) -> TitoResult<()> {
-    let stored = StoredEvent::from_event(event)?;
-    stored.to_bytes()?;
     let root = keys::queue_root(Some(topic));
-    check_meta(tx, &root, partitions).await?;
-    write_pending(tx, &root, partitions, &stored).await?;
+    check_meta(tx, &root, partitions, writes).await?;
+    plan_pending(tx, &root, partitions, &event.stored, event.bytes, writes).await?;
     Ok(())
 }
 
@@ -432,9 +473,22 @@ impl<E: TitoEngine> Queue<E> {
         if self.meta_known.load(Ordering::Relaxed) {
             return Ok(());
         }
-        if check_meta(tx, &self.root, self.config.partitions).await? {
+        let mut writes = engine::Writes::default();
+        let known = check_meta(tx, &self.root, self.config.partitions, &mut writes).await?;
+        writes.apply(tx).await?;
+        if known {
             self.meta_known.store(true, Ordering::Relaxed);
         }
+        Ok(())
+    }
+
+    /// [`Self::ensure_meta`], planning the metadata's write instead of writing it.
+    async fn plan_meta(&self, tx: &E::Transaction, writes: &mut engine::Writes) -> TitoResult<()> {
+        self.check_config()?;
+        if self.meta_known.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        check_meta(tx, &self.root, self.config.partitions, writes).await?;
         Ok(())
     }
 
@@ -458,10 +512,15 @@ impl<E: TitoEngine> Queue<E> {
             .transaction(|tx| {
                 let (root, stored) = (root.clone(), stored.clone());
                 async move {
+                    let mut writes = engine::Writes::default();
                     if !known {
-                        check_meta(&tx, &root, partitions).await?;
+                        check_meta(&tx, &root, partitions, &mut writes).await?;
                     }
-                    write_pending(&tx, &root, partitions, &stored).await
+                    let bytes = stored.to_bytes()?;
+                    let planned =
+                        plan_pending(&tx, &root, partitions, &stored, bytes, &mut writes).await?;
+                    writes.apply(&tx).await?;
+                    Ok::<_, TitoError>(planned)
                 }
             })
             .await?;
@@ -478,10 +537,21 @@ impl<E: TitoEngine> Queue<E> {
         tx: &E::Transaction,
     ) -> TitoResult<Published> {
         let stored = StoredEvent::from_event(event)?;
-        stored.to_bytes()?;
-        self.ensure_meta(tx).await?;
-        let (published, partition) =
-            write_pending(tx, &self.root, self.config.partitions, &stored).await?;
+        let bytes = stored.to_bytes()?;
+        // Reads first, then every write checked and buffered together: an error leaves nothing
+        // of this publication in the caller's transaction.
+        let mut writes = engine::Writes::default();
+        self.plan_meta(tx, &mut writes).await?;
+        let (published, partition) = plan_pending(
+            tx,
+            &self.root,
+            self.config.partitions,
+            &stored,
+            bytes,
+            &mut writes,
+        )
+        .await?;
+        writes.apply(tx).await?;
         self.published(&published, partition);
         Ok(published)
     }

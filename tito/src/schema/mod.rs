@@ -51,10 +51,14 @@
 //! The first operation of a process on a model type reads the catalog and reconciles it with
 //! the code (one transaction; afterwards nothing extra is read per operation):
 //!
-//! - an index the catalog lacks is registered as **building**, or as **ready** at once when
-//!   the table has no rows; writers maintain it from then on, and a build fills it for older
-//!   rows in bounded, resumable batches ([`TitoModel::build_indexes`], or a queue worker's
-//!   maintenance);
+//! - an index the catalog lacks is registered as **building**; writers maintain it from then
+//!   on, and a build fills it for older rows in bounded, resumable batches
+//!   ([`TitoModel::build_indexes`], or a queue worker's maintenance). Only the table's first
+//!   registration, when there is no catalog yet and no row, registers its indexes as **ready**
+//!   at once: no writer can have read an older catalog. An index added later to a table that
+//!   happens to be empty waits for the [`write_grace`] and a build pass like any other (the pass
+//!   is one short scan), because a writer of the previous deploy may be committing a row that
+//!   its older catalog did not index;
 //! - an index the catalog has but the code no longer declares goes to **dropping**: its entries
 //!   and claims are deleted in bounded batches, and its name cannot be declared again until
 //!   that is done ([`TitoError::SchemaMismatch`]);
@@ -853,7 +857,14 @@ async fn reconcile<E: TitoEngine>(
                             known
                         }
                     };
-                    let state = if is_empty {
+                    // Ready at once only on the table's first registration, and only when it
+                    // has no rows: no writer can have read a catalog before this one (a writer
+                    // reconciles before it writes, and two first registrations write the same
+                    // catalog key, so one replays). Once a catalog exists, a writer of older code
+                    // may be committing a row it read the old catalog for, which touches no key
+                    // this registration writes: the index builds after the write grace like any
+                    // other, which is one short pass when the table is empty.
+                    let state = if stored.is_none() && is_empty {
                         IndexState::Ready
                     } else {
                         IndexState::Building

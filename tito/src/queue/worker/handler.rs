@@ -52,7 +52,9 @@ where
     Arc::new(move |running, event| {
         let handler = handler.clone();
         Box::pin(async move {
-            let report = match supervise(timeout, handler(event)).await {
+            // The call that builds the future is supervised with it: a handler that panics
+            // before it returns a future is an invocation that panicked, not a lost task.
+            let report = match supervise(timeout, async move { handler(event).await }).await {
                 Ok(outcome) => Report::Done(outcome),
                 Err(err) => Report::Failed(err),
             };
