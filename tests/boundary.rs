@@ -34,6 +34,7 @@ macro_rules! boundary_suite {
                 a_handler_that_panics_before_its_future_is_run_again,
                 a_refused_write_in_a_callers_transaction_leaves_nothing,
                 a_failure_after_buffering_aborts_the_callers_transaction,
+                every_inbox_outcome_against_every_combination_of_roles,
             ]
         );
     };
@@ -553,4 +554,192 @@ pub async fn a_failure_after_buffering_aborts_the_callers_transaction<E: TitoEng
     users.build(signup("bob", "bob@x", "bob")).await.unwrap();
     let report = users.audit(|_| {}).await.unwrap();
     assert!(report.is_clean(), "{report:?}");
+}
+
+/// An inbox row whose optional roles are chosen by the bits of `R`: 1 `processed_at`,
+/// 2 `retry_after`, 4 `attempt`, 8 `locked_until`. The fields exist either way; only the
+/// declared ones play their role.
+#[derive(Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Matrix<const R: u8> {
+    pub id: String,
+    pub processed_at: Option<i64>,
+    pub retry_after: i64,
+    pub attempt: i64,
+    pub locked_until: Option<i64>,
+    pub payload: Job,
+}
+
+const PROCESSED_AT: u8 = 1;
+const RETRY_AFTER: u8 = 2;
+const ATTEMPT: u8 = 4;
+const LOCKED_UNTIL: u8 = 8;
+
+impl<const R: u8> TitoModelTrait for Matrix<R> {
+    fn id(&self) -> String {
+        self.id.clone()
+    }
+    fn table(&self) -> String {
+        format!("matrix{R}")
+    }
+    fn indexes(&self) -> Vec<TitoIndexConfig> {
+        let processed = R & PROCESSED_AT != 0 && self.processed_at.is_some();
+        <Self as tito::inbox::InboxModel>::inbox_spec()
+            .claim_index(&self.table(), processed)
+            .into_iter()
+            .collect()
+    }
+    fn conditions(&self) -> Vec<tito::model::TitoCondition> {
+        let spec = <Self as tito::inbox::InboxModel>::inbox_spec();
+        spec.claim_index(&self.table(), false)
+            .map(|index| tito::model::TitoCondition {
+                index: index.name,
+                name: "inbox_unprocessed".into(),
+                version: 1,
+            })
+            .into_iter()
+            .collect()
+    }
+}
+
+impl<const R: u8> tito::inbox::InboxModel for Matrix<R> {
+    fn inbox_spec() -> tito::inbox::InboxSpec {
+        let mut spec = tito::inbox::InboxSpec::new().payload("payload");
+        if R & PROCESSED_AT != 0 {
+            spec = spec.processed_at("processed_at");
+        }
+        if R & RETRY_AFTER != 0 {
+            spec = spec.retry_after("retry_after");
+        }
+        if R & ATTEMPT != 0 {
+            spec = spec.attempt("attempt");
+        }
+        if R & LOCKED_UNTIL != 0 {
+            spec = spec.locked_until("locked_until");
+        }
+        spec
+    }
+}
+
+/// Item 12: each outcome (Ack, Drop, Retry, RetryAfter) on a model with each combination of
+/// the optional roles does what its documentation says, and a delay the model cannot carry
+/// out (no `retry_after` role) is refused and changes nothing.
+async fn outcome_matrix<E: TitoEngine, const R: u8>(db: &E) {
+    let rows = db.clone().model::<Matrix<R>>();
+    let inbox = Inbox::<E, Matrix<R>>::new(db.clone()).unwrap();
+    let config = InboxConfig::<E, Matrix<R>>::new("m").lease(Duration::from_secs(600));
+    let outcomes = [
+        InboxOutcome::Ack,
+        InboxOutcome::Drop,
+        InboxOutcome::Retry,
+        InboxOutcome::RetryAfter(Duration::from_secs(3600)),
+    ];
+    for (n, outcome) in outcomes.into_iter().enumerate() {
+        let id = format!("row{n}");
+        rows.build(Matrix::<R> {
+            id: id.clone(),
+            payload: Job { n: n as u32 },
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        let claims = inbox.claim::<Job>(&config, 1).await.unwrap();
+        assert_eq!(
+            claims.len(),
+            1,
+            "roles {R}: {outcome:?}: the row is claimed"
+        );
+        let (claim, delivery) = claims.into_iter().next().unwrap();
+        assert_eq!(delivery.id, id);
+        let what = format!("roles {R:04b}, {outcome:?}");
+        let applied = inbox.complete(&config, &claim, outcome).await;
+        let stored = rows.find_by_id(&id, vec![]).await.ok();
+        match outcome {
+            InboxOutcome::Ack if R & PROCESSED_AT != 0 => {
+                assert!(applied.unwrap(), "{what}");
+                let row = stored.expect("an acknowledged row stays, processed");
+                assert!(row.processed_at.is_some(), "{what}");
+            }
+            InboxOutcome::Ack | InboxOutcome::Drop => {
+                assert!(applied.unwrap(), "{what}");
+                assert!(stored.is_none(), "{what}: the row is deleted");
+            }
+            InboxOutcome::Retry => {
+                assert!(applied.unwrap(), "{what}");
+                assert!(stored.is_some(), "{what}");
+                let again = inbox.claim::<Job>(&config, 1).await.unwrap();
+                assert_eq!(again.len(), 1, "{what}: ready again at once");
+                let (claim, delivery) = again.into_iter().next().unwrap();
+                if R & ATTEMPT != 0 {
+                    assert_eq!(delivery.attempt, 2, "{what}: the second attempt");
+                }
+                assert!(
+                    inbox
+                        .complete(&config, &claim, InboxOutcome::Drop)
+                        .await
+                        .unwrap()
+                );
+            }
+            InboxOutcome::RetryAfter(_) if R & RETRY_AFTER != 0 => {
+                assert!(applied.unwrap(), "{what}");
+                let row = stored.expect("the row stays");
+                let wait = row.retry_after - chrono::Utc::now().timestamp_millis();
+                assert!(
+                    (3_500_000..=3_600_000).contains(&wait),
+                    "{what}: due in about an hour, not {wait} ms"
+                );
+                let again = inbox.claim::<Job>(&config, 1).await.unwrap();
+                assert!(again.is_empty(), "{what}: not ready before its time");
+                rows.delete_by_id(&id).await.unwrap();
+            }
+            InboxOutcome::RetryAfter(_) => {
+                let err = applied.expect_err("a delay without a retry_after role is refused");
+                assert!(
+                    matches!(err, TitoError::InvalidArgument(_)),
+                    "{what}: {err}"
+                );
+                assert!(err.to_string().contains("retry_after"), "{what}: {err}");
+                assert!(stored.is_some(), "{what}: nothing changed");
+                // Still leased: not handed out again before its lease ends.
+                let again = inbox.claim::<Job>(&config, 1).await.unwrap();
+                assert!(again.is_empty(), "{what}: still leased");
+                // A zero delay is a plain retry, on every model.
+                assert!(
+                    inbox
+                        .complete(&config, &claim, InboxOutcome::RetryAfter(Duration::ZERO))
+                        .await
+                        .unwrap(),
+                    "{what}"
+                );
+                let again = inbox.claim::<Job>(&config, 1).await.unwrap();
+                assert_eq!(again.len(), 1, "{what}: RetryAfter(0) is ready at once");
+                let (claim, _) = again.into_iter().next().unwrap();
+                assert!(
+                    inbox
+                        .complete(&config, &claim, InboxOutcome::Drop)
+                        .await
+                        .unwrap()
+                );
+            }
+        }
+    }
+}
+
+pub async fn every_inbox_outcome_against_every_combination_of_roles<E: TitoEngine>(ctx: Ctx<E>) {
+    let db = &ctx.db;
+    outcome_matrix::<E, 0>(db).await;
+    outcome_matrix::<E, 1>(db).await;
+    outcome_matrix::<E, 2>(db).await;
+    outcome_matrix::<E, 3>(db).await;
+    outcome_matrix::<E, 4>(db).await;
+    outcome_matrix::<E, 5>(db).await;
+    outcome_matrix::<E, 6>(db).await;
+    outcome_matrix::<E, 7>(db).await;
+    outcome_matrix::<E, 8>(db).await;
+    outcome_matrix::<E, 9>(db).await;
+    outcome_matrix::<E, 10>(db).await;
+    outcome_matrix::<E, 11>(db).await;
+    outcome_matrix::<E, 12>(db).await;
+    outcome_matrix::<E, 13>(db).await;
+    outcome_matrix::<E, 14>(db).await;
+    outcome_matrix::<E, 15>(db).await;
 }

@@ -1147,13 +1147,19 @@ pub async fn defect_17_bad_inbox_kv_and_event_settings_are_refused<E: TitoEngine
         .unwrap()
         .pop()
         .unwrap();
-    assert!(
+    // (Task has no retry_after role: a delay is refused, not turned into a retry at once.)
+    assert!(matches!(
         inbox
             .complete(&config, &claim, InboxOutcome::RetryAfter(Duration::MAX))
+            .await,
+        Err(TitoError::InvalidArgument(_))
+    ));
+    assert!(
+        inbox
+            .complete(&config, &claim, InboxOutcome::Retry)
             .await
             .unwrap()
     );
-    // (Task has no retry_after role: the retry makes it claimable now.)
     assert_eq!(inbox.claim::<Body>(&config, 1).await.unwrap().len(), 1);
 
     // Kv TTLs under one millisecond.

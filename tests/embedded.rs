@@ -180,3 +180,148 @@ async fn the_log_preallocates_until_it_closes() {
         db.close().await.unwrap();
     }
 }
+
+fn wall_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+/// A store closed cleanly and opened again continues from its last version, or from the wall
+/// clock when that is later: reopening any number of times, and opening only to read, never
+/// moves the clock ahead of the wall clock (it used to move three seconds per open).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reopening_a_closed_store_keeps_its_clock_on_the_wall_clock() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut last = 0;
+    let mut most_ahead: i64 = i64::MIN;
+    for round in 0..8 {
+        let db = Embedded::open(dir.path()).await.unwrap();
+        let version = db.current_version().await.unwrap();
+        let wall = wall_ms();
+        assert!(version > last, "round {round}: versions keep increasing");
+        let ahead = tito::engine::version_millis(version) as i64 - wall as i64;
+        most_ahead = most_ahead.max(ahead);
+        // The version is the later of the wall clock (read before `wall`) and the last one.
+        assert!(
+            ahead <= 0,
+            "round {round}: {ahead} ms ahead of the wall clock"
+        );
+        if round % 2 == 0 {
+            // A write, as a program would do.
+            db.transaction(|tx| async move { tx.put(b"k".to_vec(), b"v".to_vec()).await })
+                .await
+                .unwrap();
+        } else {
+            // A read-only use, as `tito table ls` does.
+            let tx = db.begin().await.unwrap();
+            tx.get(b"k").await.unwrap();
+            tx.rollback().await.unwrap();
+        }
+        last = db.current_version().await.unwrap();
+        db.close().await.unwrap();
+        // Closing twice does nothing.
+        db.close().await.unwrap();
+    }
+    println!("clock offset over 8 reopens: at most {most_ahead} ms ahead of the wall clock");
+    // Versions handed out after the clock's mark was written back still increase.
+    let db = Embedded::open(dir.path()).await.unwrap();
+    assert!(db.current_version().await.unwrap() > last);
+    db.close().await.unwrap();
+}
+
+const UNCLOSED_DIR: &str = "TITO_UNCLOSED_CHILD_DIR";
+const UNCLOSED_MODE: &str = "TITO_UNCLOSED_CHILD_MODE";
+
+/// The child: opens the store, commits a row and returns without `close`, as the README's first
+/// program used to. With mode `held`, a task it never stops still holds a handle when the
+/// runtime shuts down. Does nothing unless started by the test below.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "started as a child process by a_store_dropped_without_close_is_closed"]
+async fn unclosed_child() {
+    let (Ok(dir), Ok(mode)) = (std::env::var(UNCLOSED_DIR), std::env::var(UNCLOSED_MODE)) else {
+        return;
+    };
+    let db = Embedded::open(&dir).await.unwrap();
+    let version = db
+        .transaction(|tx| async move {
+            tx.put(b"row".to_vec(), b"kept".to_vec()).await?;
+            Ok::<_, TitoError>(tx.start_version())
+        })
+        .await
+        .unwrap();
+    println!("committed {version}");
+    if mode == "held" {
+        let held = db.clone();
+        tokio::spawn(async move {
+            let _held = held;
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+        });
+    }
+}
+
+fn run_unclosed_child(dir: &std::path::Path, mode: &str) -> u64 {
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "embedded::unclosed_child",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(UNCLOSED_DIR, dir)
+        .env(UNCLOSED_MODE, mode)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // A hang detector, not a timing: the child must exit on its own.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            assert!(status.success(), "{mode}: the child failed");
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{mode}: the child did not exit"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = std::io::read_to_string(child.stdout.take().unwrap()).unwrap();
+    out.lines()
+        .find_map(|l| l.split("committed ").nth(1))
+        .expect("the child committed")
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// A program that ends without `close` on a multi-threaded runtime closes its store in the drop
+/// of the last handle: the next open finds its clock exactly where it was (not up to three
+/// seconds ahead, as after a crash). A handle still held by a task at shutdown does not keep
+/// the process from exiting, and loses nothing it committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_dropped_without_close_is_closed() {
+    let dir = tempfile::tempdir().unwrap();
+    for round in 0..3 {
+        let last = run_unclosed_child(dir.path(), "dropped");
+        let db = Embedded::open(dir.path()).await.unwrap();
+        let version = db.current_version().await.unwrap();
+        let ahead = tito::engine::version_millis(version) as i64 - wall_ms() as i64;
+        assert!(version > last);
+        assert!(
+            ahead <= 0,
+            "round {round}: {ahead} ms ahead of the wall clock"
+        );
+        db.close().await.unwrap();
+    }
+    let last = run_unclosed_child(dir.path(), "held");
+    let db = Embedded::open(dir.path()).await.unwrap();
+    assert!(db.current_version().await.unwrap() > last);
+    let tx = db.begin().await.unwrap();
+    assert_eq!(tx.get(b"row").await.unwrap(), Some(b"kept".to_vec()));
+    tx.rollback().await.unwrap();
+    db.close().await.unwrap();
+}

@@ -198,6 +198,7 @@ impl<E: TitoEngine> Admin<E> {
             .route("/erase-owner", post(erase_owner::<E>))
             .route("/requeue", post(requeue::<E>))
             .route("/audit", post(audit::<E>))
+            .fallback(fallback::<E>)
             .layer(middleware::from_fn_with_state(state.clone(), guard::<E>))
             .with_state(state)
     }
@@ -401,6 +402,24 @@ async fn overview_page<E: TitoEngine>(State(state): State<Arc<Inner<E>>>) -> Pag
     let started = Instant::now();
     let data = load_overview(&state).await?;
     Ok(Html(html::overview(&data, started)))
+}
+
+/// Nested under a path (`nest("/tito", ..)`), the router's `/` answers `/tito` only; the
+/// mount path with its slash, `/tito/`, reaches the router's fallback with an empty remainder.
+/// It serves the overview too (the pages' links are relative to `/tito/`); anything else is a
+/// plain 404.
+async fn fallback<E: TitoEngine>(
+    State(state): State<Arc<Inner<E>>>,
+    uri: axum::http::Uri,
+) -> Response {
+    if matches!(uri.path(), "" | "/") {
+        return overview_page(State(state)).await.into_response();
+    }
+    (
+        StatusCode::NOT_FOUND,
+        format!("no such page of the Tito admin: {}\n", uri.path()),
+    )
+        .into_response()
 }
 
 async fn overview_json<E: TitoEngine>(State(state): State<Arc<Inner<E>>>) -> Data {

@@ -683,9 +683,13 @@ async fn the_dashboard_guards_access_and_confirms_and_logs_actions() {
         send(&router, get("/"), Some("10.1.2.3:5")).await.0,
         StatusCode::FORBIDDEN
     );
-    assert_eq!(
-        send(&router, get("/api/overview"), None).await.0,
-        StatusCode::FORBIDDEN
+    let (status, unknown) = send(&router, get("/api/overview"), None).await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    // Served without connect info: the refusal says why, and how to serve it.
+    assert!(unknown.contains("peer address is unknown"), "{unknown}");
+    assert!(
+        unknown.contains("into_make_service_with_connect_info"),
+        "{unknown}"
     );
     // A hook decides alone, whatever the peer.
     let hooked = tito_admin::Admin::new(db.clone())
@@ -1070,4 +1074,28 @@ async fn a_closed_pipe_ends_the_output_quietly() {
     assert!(!err.contains("panicked"), "{err}");
     assert!(!err.contains("Broken pipe"), "{err}");
     assert_eq!(out.status.code(), Some(0), "{err}");
+}
+
+/// Mounted as the README shows, the mount path answers with and without its slash; other
+/// paths under it are a 404 with a body that says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_answers_at_its_mount_path_with_and_without_a_slash() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = Embedded::open(dir.path()).await.unwrap();
+    seed(&db).await;
+    let app = axum::Router::new().nest("/tito", admin(&db));
+    let local = Some("127.0.0.1:50000");
+    for path in ["/tito", "/tito/"] {
+        let (status, body) = send(&app, get(path), local).await;
+        assert_eq!(status, StatusCode::OK, "{path}");
+        assert!(body.contains("<base href=\"/tito/\">"), "{path}: {body}");
+        assert!(body.contains("data-queue=\"default\""), "{path}");
+    }
+    let (status, body) = send(&app, get("/tito/nowhere"), local).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert!(body.contains("no such page"), "{body}");
+    // The guard still applies to the mount path with its slash.
+    let (status, _) = send(&app, get("/tito/"), Some("10.1.2.3:5")).await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    db.close().await.unwrap();
 }

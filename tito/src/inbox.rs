@@ -160,8 +160,10 @@ pub enum InboxOutcome {
     Drop,
     /// Ready again now.
     Retry,
-    /// Ready again after this long (with a `retry_after` role; a delay beyond what Unix
-    /// milliseconds in an `i64` can hold saturates to "never").
+    /// Ready again after this long. Needs a `retry_after` role: on a model without one, a
+    /// nonzero delay is refused ([`Inbox::complete`] returns [`TitoError::InvalidArgument`],
+    /// `run_inbox` logs it at error level and the row is claimable again when its lease ends).
+    /// A delay beyond what Unix milliseconds in an `i64` can hold saturates to "never".
     RetryAfter(Duration),
 }
 
@@ -1057,13 +1059,35 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
             .await
     }
 
+    /// Refuses an outcome the model's roles cannot carry out: a delay without a `retry_after`
+    /// role (the row would be ready again at once, hammering whatever the handler calls).
+    fn check_outcome(&self, outcome: InboxOutcome) -> TitoResult<()> {
+        if let InboxOutcome::RetryAfter(delay) = outcome
+            && !delay.is_zero()
+            && self.spec.retry_after.is_none()
+        {
+            return Err(TitoError::invalid_argument(format!(
+                "InboxOutcome::RetryAfter({delay:?}) needs a `retry_after` role, which inbox model \
+                 {:?} does not declare: without one the row would be ready again at once. Declare \
+                 #[tito(retry_after)] on an i64 field (Unix milliseconds), or return \
+                 InboxOutcome::Retry",
+                self.table
+            )));
+        }
+        Ok(())
+    }
+
     /// Applies an outcome if the claim still holds the row; `false` when the lease was lost.
+    /// An outcome the model's roles cannot carry out ([`InboxOutcome::RetryAfter`] with a
+    /// delay, on a model without a `retry_after` role) is [`TitoError::InvalidArgument`] and
+    /// changes nothing: the row is claimable again when its lease ends.
     pub async fn complete(
         &self,
         config: &InboxConfig<E, M>,
         claim: &InboxClaim,
         outcome: InboxOutcome,
     ) -> TitoResult<bool> {
+        self.check_outcome(outcome)?;
         // An outcome whose commit is unknown is resolved: applied, it is not delivered again;
         // proven not applied, it is replayed while the claim still holds the row.
         self.db
@@ -1300,6 +1324,11 @@ async fn handle<E, M, P, F, Fut>(
             inbox.stats.lease_lost.fetch_add(1, Ordering::Relaxed);
             inbox.record(names::INBOX_OUTCOMES, &config.group, Some("lease_lost"));
             tracing::warn!(id = %claim.id, "inbox outcome refused: the lease was lost");
+        }
+        Err(err @ TitoError::InvalidArgument(_)) => {
+            inbox.stats.failed.fetch_add(1, Ordering::Relaxed);
+            inbox.record(names::INBOX_OUTCOMES, &config.group, Some("refused"));
+            tracing::error!(id = %claim.id, error = %err, "inbox outcome refused; the row is claimable when its lease ends");
         }
         Err(err) => {
             tracing::warn!(id = %claim.id, error = %err, "applying an inbox outcome failed")

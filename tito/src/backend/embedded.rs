@@ -291,6 +291,53 @@ struct Inner {
     _temp: Option<tempfile::TempDir>,
 }
 
+impl Drop for Inner {
+    /// The last handle went without [`Embedded::close`]: close now, waiting for it where the
+    /// thread may block (a multi-threaded runtime), so that the next open needs no recovery and
+    /// continues the clock exactly. Elsewhere surrealkv's own drop closes in the background.
+    fn drop(&mut self) {
+        if self.closed.load(std::sync::atomic::Ordering::SeqCst) || self._temp.is_some() {
+            return;
+        }
+        let Ok(handle) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if handle.runtime_flavor() != tokio::runtime::RuntimeFlavor::MultiThread {
+            return;
+        }
+        // A runtime that is shutting down (the handle was held by a task it drops) no longer
+        // drives the close's timers and tasks: the wait is bounded by a thread of its own, and
+        // a panic of a runtime that refuses the close is caught. Either way the store is then
+        // recovered at its next open, as after a crash.
+        let (fire, expired) = tokio::sync::oneshot::channel::<()>();
+        std::thread::spawn(move || {
+            std::thread::sleep(DROP_CLOSE_WAIT);
+            let _ = fire.send(());
+        });
+        let closed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            tokio::task::block_in_place(|| {
+                handle.block_on(async {
+                    tokio::select! {
+                        closed = self.close() => Some(closed),
+                        _ = expired => None,
+                    }
+                })
+            })
+        }));
+        match closed {
+            Ok(Some(Ok(()))) => {}
+            Ok(Some(Err(err))) => {
+                tracing::warn!(error = %err, path = %self.path.display(), "embedded store: closing on drop failed")
+            }
+            Ok(None) | Err(_) => tracing::warn!(
+                path = %self.path.display(),
+                "embedded store: closing on drop did not finish (was the runtime shutting down?); \
+                 the next open recovers the store: call Embedded::close before exiting"
+            ),
+        }
+    }
+}
+
 impl std::fmt::Debug for Embedded {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Embedded")
@@ -320,6 +367,8 @@ const META_ORACLE: &[u8] = b"\x00oracle-high-water";
 const META_SAFE_POINT: &[u8] = b"\x00gc-safe-point";
 /// How far ahead of the versions it hands out the oracle persists its high-water mark.
 const ORACLE_WINDOW_MS: u64 = 3_000;
+/// The longest the drop of the last handle waits for the store to close.
+const DROP_CLOSE_WAIT: Duration = Duration::from_secs(2);
 /// How many keys one transaction of [`Embedded::delete_range`] removes.
 const DELETE_RANGE_BATCH: usize = 1_000;
 
@@ -515,35 +564,16 @@ impl Embedded {
     /// The clock's high-water mark is written back to the last version handed out, so the next
     /// open continues from it (or from the wall clock, when that is later) instead of from the
     /// mark kept ahead of it while the store was open (see "Versions" in the module docs).
+    ///
+    /// End a program with it. Dropping the last handle closes the store too: on a
+    /// multi-threaded Tokio runtime (`#[tokio::main]`'s default) the drop waits for the close
+    /// to finish; elsewhere (a current-thread runtime, no runtime, or a handle dropped while
+    /// the runtime shuts down) the close is left to the background and may not finish before
+    /// the process exits. A store that was not closed is recovered from its log at the next
+    /// open, which is slower, and its clock starts from the mark kept ahead (up to three
+    /// seconds past the wall clock).
     pub async fn close(&self) -> TitoResult<()> {
-        {
-            let _persisting = self.inner.meta_writes.lock().await;
-            let exact = {
-                let mut oracle = self.oracle();
-                // No version is handed out past this point: one that asks for a version now
-                // takes the slow path, which waits for this lock and then finds the store closed.
-                let last = oracle.last;
-                let ahead = oracle.persisted_limit > last;
-                oracle.persisted_limit = oracle.persisted_limit.min(last);
-                ahead.then_some(last)
-            };
-            let first_close = !self
-                .inner
-                .closed
-                .swap(true, std::sync::atomic::Ordering::SeqCst);
-            if let Some(last) = exact
-                && first_close
-                && let Err(err) = self.write_meta(META_ORACLE, last).await
-            {
-                // The mark stays ahead: safe, the next open only starts later than it needs to.
-                tracing::warn!(error = %err, "embedded store: writing the clock's mark at close failed");
-            }
-        }
-        self.inner
-            .tree
-            .close()
-            .await
-            .map_err(|e| storage_err("close", e))
+        self.inner.close().await
     }
 
     /// A new handle to the same store with another retry policy for
@@ -556,10 +586,7 @@ impl Embedded {
     }
 
     fn oracle(&self) -> MutexGuard<'_, Oracle> {
-        self.inner
-            .oracle
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.inner.oracle()
     }
 
     /// The next version of the oracle. No version at or above the persisted high-water mark
@@ -592,11 +619,45 @@ impl Embedded {
 
     /// Writes a metadata value durably, whatever the handle's durability.
     async fn write_meta(&self, key: &[u8], value: u64) -> TitoResult<()> {
-        let mut tx = self
-            .inner
-            .tree
-            .begin()
-            .map_err(|e| storage_err("begin", e))?;
+        self.inner.write_meta(key, value).await
+    }
+}
+
+impl Inner {
+    fn oracle(&self) -> MutexGuard<'_, Oracle> {
+        self.oracle
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// See [`Embedded::close`].
+    async fn close(&self) -> TitoResult<()> {
+        {
+            let _persisting = self.meta_writes.lock().await;
+            let exact = {
+                let mut oracle = self.oracle();
+                // No version is handed out past this point: one that asks for a version now
+                // takes the slow path, which waits for this lock and then finds the store closed.
+                let last = oracle.last;
+                let ahead = oracle.persisted_limit > last;
+                oracle.persisted_limit = oracle.persisted_limit.min(last);
+                ahead.then_some(last)
+            };
+            let first_close = !self.closed.swap(true, std::sync::atomic::Ordering::SeqCst);
+            if let Some(last) = exact
+                && first_close
+                && let Err(err) = self.write_meta(META_ORACLE, last).await
+            {
+                // The mark stays ahead: safe, the next open only starts later than it needs to.
+                tracing::warn!(error = %err, "embedded store: writing the clock's mark at close failed");
+            }
+        }
+        self.tree.close().await.map_err(|e| storage_err("close", e))
+    }
+
+    /// Writes a metadata value durably, whatever the handle's durability.
+    async fn write_meta(&self, key: &[u8], value: u64) -> TitoResult<()> {
+        let mut tx = self.tree.begin().map_err(|e| storage_err("begin", e))?;
         tx.set_durability(surrealkv::Durability::Immediate);
         tx.set(key, value.to_be_bytes().as_slice())
             .map_err(|e| storage_err("write metadata", e))?;

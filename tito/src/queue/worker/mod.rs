@@ -61,7 +61,9 @@ pub struct WorkerConfig {
     /// The longest pause between polls of a partition with nothing runnable. Also the longest
     /// pause before this worker starts an invocation whose handler failed again: the pause
     /// starts at 50 ms and doubles with every failure in a row (the invocation stays pending
-    /// meanwhile; another worker may take it sooner).
+    /// meanwhile; another worker may take it sooner). The invocation is started at its
+    /// partition's first poll after the pause, so the gap between two runs can reach the pause
+    /// plus one idle poll pause.
     pub max_idle_backoff: Duration,
     /// The pause between maintenance passes once their work has caught up. A pass deletes
     /// completed rows past retention, expired commit markers
