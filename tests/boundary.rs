@@ -35,6 +35,7 @@ macro_rules! boundary_suite {
                 a_refused_write_in_a_callers_transaction_leaves_nothing,
                 a_failure_after_buffering_aborts_the_callers_transaction,
                 every_inbox_outcome_against_every_combination_of_roles,
+                a_worker_of_the_wrong_type_costs_one_attempt_per_row,
             ]
         );
     };
@@ -742,4 +743,114 @@ pub async fn every_inbox_outcome_against_every_combination_of_roles<E: TitoEngin
     outcome_matrix::<E, 13>(db).await;
     outcome_matrix::<E, 14>(db).await;
     outcome_matrix::<E, 15>(db).await;
+}
+
+/// What a worker of the wrong type expects: a field the stored events lack.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Other {
+    pub name: String,
+}
+
+/// Item 4: a worker whose handler type does not match the stored events tries each row once,
+/// counts and logs it once, leaves a note operators can see, and does not spin; a row can be
+/// moved aside; a worker of the right type then runs the rest and the notes are swept.
+pub async fn a_worker_of_the_wrong_type_costs_one_attempt_per_row<E: TitoEngine>(ctx: Ctx<E>) {
+    let queue = Arc::new(tito::Queue::new(
+        ctx.db.clone(),
+        tito::QueueConfig::new(1, Duration::from_secs(3600)).topic("mismatch"),
+    ));
+    let mut keys = Vec::new();
+    for n in 0..3 {
+        let published = queue
+            .publish(QueueEvent::new("k", Job { n }, now()).with_id(format!("job-{n}")))
+            .await
+            .unwrap();
+        keys.push(published.key);
+    }
+    let called = Arc::new(AtomicUsize::new(0));
+    let (stop, rx) = watch::channel(false);
+    let handler = {
+        let called = called.clone();
+        move |_event: QueueEvent<Other>| {
+            called.fetch_add(1, Ordering::SeqCst);
+            async { Ok(QueueHandlerOutcome::Acknowledge) }
+        }
+    };
+    let worker = tokio::spawn(run_worker(
+        queue.clone(),
+        WorkerConfig::new(0..1),
+        handler,
+        rx,
+    ));
+    let q = queue.clone();
+    wait_for("the three rows noted", Duration::from_secs(20), move || {
+        let q = q.clone();
+        async move { q.stats().malformed == 3 }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    stop.send(true).unwrap();
+    worker.await.unwrap().unwrap();
+    let stats = queue.stats();
+    assert_eq!(called.load(Ordering::SeqCst), 0);
+    assert_eq!(stats.malformed, 3, "one attempt per row, not one per poll");
+    // Idle polls only: a handful of scans a second, where it used to be over a thousand.
+    assert!(stats.scans < 200, "{} scans", stats.scans);
+    assert_eq!(pending_total(&queue).await, 3, "the rows stay pending");
+
+    // Operators see which rows a worker could not decode, and as what.
+    let page = tito::inspect::queue_scan(
+        &ctx.db,
+        Some("mismatch"),
+        tito::inspect::QueueState::Pending(0),
+        None,
+        10,
+    )
+    .await
+    .unwrap();
+    assert_eq!(page.items.len(), 3);
+    for row in &page.items {
+        let note = row.undecodable.as_ref().expect("a note on every row");
+        assert!(note.type_name.ends_with("Other"), "{}", note.type_name);
+        assert!(note.error.contains("name"), "{}", note.error);
+    }
+
+    // One is moved aside: it leaves the partition, its id is free, and it is listed aside.
+    assert!(queue.set_aside(&keys[0], "wrong type").await.unwrap());
+    assert!(!queue.set_aside(&keys[0], "again").await.unwrap());
+    assert!(matches!(
+        queue.set_aside("queue:pending:nonsense", "x").await,
+        Err(TitoError::InvalidArgument(_))
+    ));
+    assert_eq!(pending_total(&queue).await, 2);
+    let aside = tito::inspect::queue_aside(&ctx.db, Some("mismatch"), None, 10)
+        .await
+        .unwrap();
+    assert_eq!(aside.items.len(), 1);
+    let record = aside.items[0].record.as_ref().unwrap();
+    assert_eq!(record.why, "wrong type");
+    assert_eq!(record.row["id"], "job-0");
+    let again = queue
+        .publish(QueueEvent::new("k", Job { n: 0 }, now()).with_id("job-0"))
+        .await
+        .unwrap();
+    assert!(
+        !again.duplicate,
+        "the id of a row set aside may be published again"
+    );
+
+    // A worker of the right type runs the rest; the notes of rows that are gone are swept.
+    let (stop, rx) = watch::channel(false);
+    let worker = tokio::spawn(run_worker(
+        queue.clone(),
+        WorkerConfig::new(0..1).max_idle_backoff(Duration::from_millis(20)),
+        |_event: QueueEvent<Job>| async { Ok(QueueHandlerOutcome::Acknowledge) },
+        rx,
+    ));
+    drained(&queue, "the right worker to run the rest").await;
+    stop.send(true).unwrap();
+    worker.await.unwrap().unwrap();
+    let swept = queue.sweep_undecodable().await.unwrap();
+    assert_eq!(swept, 2, "the notes of the two rows that ran");
+    assert_eq!(queue.sweep_undecodable().await.unwrap(), 0);
 }

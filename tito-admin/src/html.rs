@@ -295,9 +295,22 @@ fn row_table(rows: &[QueueRow], completed: bool) -> String {
                 let owner = event.owner.as_ref().map_or(String::new(), |o| {
                     format!("{}/{}", esc(&o.kind), esc(&o.id))
                 });
+                // A worker could not decode it as its handler's type: say so on the row.
+                let undecodable = row.undecodable.as_ref().map_or(String::new(), |note| {
+                    format!(
+                        "<div class=\"error\" data-undecodable=\"1\">undecodable as <code>{}</code>: {} (<code>tito queue set-aside</code> moves it aside)</div>",
+                        esc(&note.type_name),
+                        esc(&note.error)
+                    )
+                });
+                let class = if undecodable.is_empty() {
+                    ""
+                } else {
+                    " class=\"bad\""
+                };
                 let _ = write!(
                     b,
-                    "<tr data-event=\"{id}\"><td><code>{id}</code></td><td>{key}</td><td>{when}</td><td>{owner}</td><td>{}</td></tr>",
+                    "<tr{class} data-event=\"{id}\"><td><code>{id}</code></td><td>{key}</td><td>{when}</td><td>{owner}</td><td>{}{undecodable}</td></tr>",
                     json_cell(&event.payload),
                     id = esc(&event.id),
                     key = esc(&event.key),

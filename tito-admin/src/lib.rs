@@ -46,7 +46,7 @@
 //! let admin = tito_admin::Admin::new(db).authorize(|request| {
 //!     request.headers().get("x-admin-token").is_some_and(|t| t == "secret")
 //! });
-//! let app = axum::Router::new().nest("/tito", admin.router());
+//! let app = axum::Router::new().merge(admin.mount("/tito"));
 //! let listener = tokio::net::TcpListener::bind("0.0.0.0:8080").await?;
 //! axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>()).await?;
 //! # Ok(())
@@ -173,7 +173,31 @@ impl<E: TitoEngine> Admin<E> {
         self
     }
 
-    /// The router: mount it (`app.nest("/tito", admin.router())`) or [`serve`] it.
+    /// The router mounted under `path` (`"/tito"`), to merge into an application:
+    /// `app.merge(admin.mount("/tito"))`. The dashboard answers at `/tito`, and `/tito/`
+    /// redirects there (a router nested with `app.nest("/tito", admin.router())` answers `/tito`
+    /// only: axum routes the mount path with its slash to no nested route).
+    ///
+    /// # Panics
+    ///
+    /// When `path` does not start with `/` or is the root (serve [`Admin::router`] itself
+    /// there), as [`Router::nest`] does.
+    pub fn mount(self, path: &str) -> Router {
+        let path = path.trim_end_matches('/');
+        assert!(
+            path.starts_with('/'),
+            "tito_admin::Admin::mount: the path must start with '/' and not be the root (serve \
+             Admin::router() for the root), got {path:?}"
+        );
+        let to = path.to_string();
+        Router::new().nest(path, self.router()).route(
+            &format!("{path}/"),
+            get(move || async move { axum::response::Redirect::permanent(&to) }),
+        )
+    }
+
+    /// The router: [`mount`](Self::mount) it, nest it (`app.nest("/tito", admin.router())`),
+    /// or [`serve`] it.
     pub fn router(self) -> Router {
         let state = Arc::new(Inner {
             db: self.db,
@@ -198,7 +222,6 @@ impl<E: TitoEngine> Admin<E> {
             .route("/erase-owner", post(erase_owner::<E>))
             .route("/requeue", post(requeue::<E>))
             .route("/audit", post(audit::<E>))
-            .fallback(fallback::<E>)
             .layer(middleware::from_fn_with_state(state.clone(), guard::<E>))
             .with_state(state)
     }
@@ -402,24 +425,6 @@ async fn overview_page<E: TitoEngine>(State(state): State<Arc<Inner<E>>>) -> Pag
     let started = Instant::now();
     let data = load_overview(&state).await?;
     Ok(Html(html::overview(&data, started)))
-}
-
-/// Nested under a path (`nest("/tito", ..)`), the router's `/` answers `/tito` only; the
-/// mount path with its slash, `/tito/`, reaches the router's fallback with an empty remainder.
-/// It serves the overview too (the pages' links are relative to `/tito/`); anything else is a
-/// plain 404.
-async fn fallback<E: TitoEngine>(
-    State(state): State<Arc<Inner<E>>>,
-    uri: axum::http::Uri,
-) -> Response {
-    if matches!(uri.path(), "" | "/") {
-        return overview_page(State(state)).await.into_response();
-    }
-    (
-        StatusCode::NOT_FOUND,
-        format!("no such page of the Tito admin: {}\n", uri.path()),
-    )
-        .into_response()
 }
 
 async fn overview_json<E: TitoEngine>(State(state): State<Arc<Inner<E>>>) -> Data {

@@ -211,6 +211,27 @@ enum QueueCommand {
         #[arg(long)]
         cursor: Option<String>,
     },
+    /// Moves one pending row aside (out of its partition, kept under the queue's `aside:`
+    /// keys): for a row no worker can decode, or one that must not run. Prints whether it was
+    /// pending.
+    SetAside {
+        #[arg(long)]
+        topic: Option<String>,
+        /// The row's storage key, as `queue peek` prints it.
+        key: String,
+        /// Why, kept with the row.
+        #[arg(long, default_value = "set aside by an operator")]
+        why: String,
+    },
+    /// A page of the rows a queue moved aside.
+    Aside {
+        #[arg(long)]
+        topic: Option<String>,
+        #[arg(long, default_value_t = 20)]
+        limit: usize,
+        #[arg(long)]
+        cursor: Option<String>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -473,7 +494,7 @@ async fn open_embedded(path: &std::path::Path) -> Result<Embedded, Failure> {
             Failure(format!(
                 "the store at {} is held by another process (an embedded store has one owner). \
                  Inspect it live by mounting the admin router in that process: \
-                 app.nest(\"/tito\", tito_admin::Admin::new(db).router())",
+                 app.merge(tito_admin::Admin::new(db).mount(\"/tito\"))",
                 path.display()
             ))
         } else {
@@ -654,6 +675,12 @@ async fn execute<E: TitoEngine>(db: E, typed: &Typing, cli: Cli) -> Outcome {
             print(json, &page, || {
                 let mut out = String::new();
                 for row in &page.items {
+                    if let Some(note) = &row.undecodable {
+                        out.push_str(&format!(
+                            "{}  UNDECODABLE as {}: {} (tito queue set-aside moves it aside)\n",
+                            row.key, note.type_name, note.error
+                        ));
+                    }
                     match (&row.event, &row.malformed) {
                         (Some(e), None) => out.push_str(&format!(
                             "{}  id={} key={} due={} payload={}\n",
@@ -663,6 +690,62 @@ async fn execute<E: TitoEngine>(db: E, typed: &Typing, cli: Cli) -> Outcome {
                             "{}  MALFORMED: {} raw={:?}\n",
                             row.key,
                             row.malformed.as_deref().unwrap_or(""),
+                            row.raw.as_deref().unwrap_or("")
+                        )),
+                    }
+                }
+                out.push_str(&cursor_line(&page.cursor));
+                out
+            })
+        }
+        Command::Queue(QueueCommand::SetAside { topic, key, why }) => {
+            let partitions = inspect::queues(&db, 1000)
+                .await?
+                .into_iter()
+                .find(|q| q.topic == topic)
+                .and_then(|q| q.partitions)
+                .ok_or_else(|| {
+                    Failure(format!(
+                        "no queue {}",
+                        topic.as_deref().unwrap_or("(default)")
+                    ))
+                })?;
+            let mut config = tito::QueueConfig::new(partitions, Duration::from_secs(86_400));
+            if let Some(topic) = &topic {
+                config = config.topic(topic.clone());
+            }
+            let queue = tito::Queue::new(db.clone(), config);
+            let moved = queue.set_aside(&key, &why).await?;
+            print(
+                json,
+                &serde_json::json!({ "key": key, "set_aside": moved }),
+                || {
+                    if moved {
+                        format!("{key}: set aside")
+                    } else {
+                        format!("{key}: not pending (nothing moved)")
+                    }
+                },
+            )
+        }
+        Command::Queue(QueueCommand::Aside {
+            topic,
+            limit,
+            cursor,
+        }) => {
+            let page =
+                inspect::queue_aside(&db, topic.as_deref(), cursor.as_deref(), limit).await?;
+            print(json, &page, || {
+                let mut out = String::new();
+                for row in &page.items {
+                    match &row.record {
+                        Some(record) => out.push_str(&format!(
+                            "{}  why={:?} row={}\n",
+                            row.key, record.why, record.row
+                        )),
+                        None => out.push_str(&format!(
+                            "{}  MALFORMED raw={:?}\n",
+                            row.key,
                             row.raw.as_deref().unwrap_or("")
                         )),
                     }

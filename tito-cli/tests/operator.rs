@@ -519,7 +519,15 @@ async fn the_dashboard_shows_the_seeded_figures_in_a_browser() {
     seed(&db).await;
 
     // Mounted under a prefix, as an application would.
-    let app = axum::Router::new().nest("/tito", admin(&db));
+    let app = axum::Router::new().merge(
+        tito_admin::Admin::new(db.clone())
+            .inbox(
+                Arc::new(Inbox::<_, Job>::new(db.clone()).unwrap()),
+                &["mail", "mail-dead"],
+            )
+            .model::<User>()
+            .mount("/tito"),
+    );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -1076,26 +1084,37 @@ async fn a_closed_pipe_ends_the_output_quietly() {
     assert_eq!(out.status.code(), Some(0), "{err}");
 }
 
-/// Mounted as the README shows, the mount path answers with and without its slash; other
-/// paths under it are a 404 with a body that says so.
+/// Mounted as the README shows, the mount path answers with its slash too (a redirect to the
+/// overview); pages and the access rule work under it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_dashboard_answers_at_its_mount_path_with_and_without_a_slash() {
     let dir = tempfile::tempdir().unwrap();
     let db = Embedded::open(dir.path()).await.unwrap();
     seed(&db).await;
-    let app = axum::Router::new().nest("/tito", admin(&db));
-    let local = Some("127.0.0.1:50000");
-    for path in ["/tito", "/tito/"] {
-        let (status, body) = send(&app, get(path), local).await;
-        assert_eq!(status, StatusCode::OK, "{path}");
-        assert!(body.contains("<base href=\"/tito/\">"), "{path}: {body}");
-        assert!(body.contains("data-queue=\"default\""), "{path}");
+    let inbox = Arc::new(Inbox::<_, Job>::new(db.clone()).unwrap());
+    for mount in ["/tito", "/tito/"] {
+        let admin = tito_admin::Admin::new(db.clone())
+            .inbox(inbox.clone(), &["mail"])
+            .model::<User>();
+        let app = axum::Router::new().merge(admin.mount(mount));
+        let local = Some("127.0.0.1:50000");
+        let (status, body) = send(&app, get("/tito"), local).await;
+        assert_eq!(status, StatusCode::OK);
+        assert!(body.contains("<base href=\"/tito/\">"), "{body}");
+        assert!(body.contains("data-queue=\"default\""));
+        let response = app.clone().oneshot(get("/tito/")).await.unwrap();
+        assert_eq!(response.status(), StatusCode::PERMANENT_REDIRECT);
+        assert_eq!(response.headers()["location"], "/tito");
+        let (status, _) = send(&app, get("/tito/queue"), local).await;
+        assert_eq!(status, StatusCode::OK);
+        let (status, _) = send(&app, get("/tito"), Some("10.1.2.3:5")).await;
+        assert_eq!(status, StatusCode::FORBIDDEN);
     }
-    let (status, body) = send(&app, get("/tito/nowhere"), local).await;
-    assert_eq!(status, StatusCode::NOT_FOUND);
-    assert!(body.contains("no such page"), "{body}");
-    // The guard still applies to the mount path with its slash.
-    let (status, _) = send(&app, get("/tito/"), Some("10.1.2.3:5")).await;
-    assert_eq!(status, StatusCode::FORBIDDEN);
+    let admin = tito_admin::Admin::new(db.clone());
+    let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| admin.mount("tito")));
+    assert!(
+        refused.is_err(),
+        "a path without its leading slash is refused"
+    );
     db.close().await.unwrap();
 }

@@ -43,8 +43,8 @@ use crate::error::{TitoError, TitoResult};
 use crate::keys;
 use crate::model::query::{encode_cursor, narrow_to_cursor};
 use crate::model::{MAX_PAGE_LIMIT, TitoPage, read_only};
-use crate::queue::QueueOwner;
 use crate::queue::event::StoredEvent;
+use crate::queue::{AsideRecord, QueueOwner, UndecodableNote};
 
 /// Where counts stop: past it a [`Count`] says "more than".
 pub const COUNT_BOUND: u64 = 10_000;
@@ -446,6 +446,9 @@ pub struct QueueRow {
     pub malformed: Option<String>,
     /// The raw value, for rows that do not decode (as stored; shown lossily as text).
     pub raw: Option<String>,
+    /// A worker's note that this pending row does not decode as its handler's event type: the
+    /// row waits for a worker of the right type, or for [`crate::Queue::set_aside`].
+    pub undecodable: Option<UndecodableNote>,
 }
 
 /// A page of a queue's pending rows of one partition (in due order) or of its completed rows
@@ -465,10 +468,69 @@ pub async fn queue_scan<E: TitoEngine>(
         QueueState::Completed => (keys::completed_prefix(&root), true),
     };
     let page = raw_page(db, &prefix, reverse, cursor, limit).await?;
-    let items = page
+    let mut items: Vec<QueueRow> = page
         .items
         .into_iter()
         .map(|(key, value)| queue_row(&root, state, &key, &value))
+        .collect();
+    if let QueueState::Pending(_) = state
+        && !items.is_empty()
+    {
+        // Workers' notes of rows they cannot decode, in one read.
+        let notes: Vec<Vec<u8>> = items
+            .iter()
+            .map(|row| {
+                keys::undecodable_key(&root, &row.key)
+                    .unwrap_or_default()
+                    .into_bytes()
+            })
+            .collect();
+        let found = read_only(db, async |tx| tx.batch_get(&notes).await).await?;
+        for (row, note) in items.iter_mut().zip(found) {
+            row.undecodable = note.and_then(|bytes| serde_json::from_slice(&bytes).ok());
+        }
+    }
+    Ok(TitoPage {
+        items,
+        cursor: page.cursor,
+    })
+}
+
+/// A row moved aside ([`crate::Queue::set_aside`]).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct AsideRow {
+    /// Its key under `{queue}:aside:`.
+    pub key: String,
+    /// Why it was moved aside, and the row as it was; `None` when the record does not decode.
+    pub record: Option<AsideRecord>,
+    /// The raw value, when the record does not decode.
+    pub raw: Option<String>,
+}
+
+/// A page of the rows a queue moved aside, in key order (partition, due time), at most `limit`
+/// (1 to [`MAX_PAGE_LIMIT`]), continuing from `cursor`.
+pub async fn queue_aside<E: TitoEngine>(
+    db: &E,
+    topic: Option<&str>,
+    cursor: Option<&str>,
+    limit: usize,
+) -> TitoResult<TitoPage<AsideRow>> {
+    let limit = check_limit(limit)?;
+    let root = keys::queue_root(topic);
+    let page = raw_page(db, &keys::aside_prefix(&root), false, cursor, limit).await?;
+    let items = page
+        .items
+        .into_iter()
+        .map(|(key, value)| {
+            let record: Option<AsideRecord> = serde_json::from_slice(&value).ok();
+            AsideRow {
+                key: String::from_utf8_lossy(&key).into_owned(),
+                raw: record
+                    .is_none()
+                    .then(|| String::from_utf8_lossy(&value).into_owned()),
+                record,
+            }
+        })
         .collect();
     Ok(TitoPage {
         items,
@@ -522,6 +584,7 @@ fn queue_row(root: &str, state: QueueState, key: &[u8], value: &[u8]) -> QueueRo
         processed_ms,
         event,
         malformed,
+        undecodable: None,
     }
 }
 

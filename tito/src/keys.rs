@@ -634,6 +634,11 @@ pub fn fnv1a(bytes: &[u8]) -> u64 {
 // {queue}:lease-expiry:{partition:04}            a standalone lease's expiry (a version)
 // {queue}:event:{event_id}                       the live invocation of an event id
 // {queue}:meta                                   the queue's partition count (JSON)
+// {queue}:undecodable:{partition:04}:{timestamp:020}:{enqueue_version:020}:{event_id}
+//                                                a worker could not decode that pending row
+//                                                as its handler's type (JSON: type, error)
+// {queue}:aside:{partition:04}:{timestamp:020}:{enqueue_version:020}:{event_id}
+//                                                a pending row moved aside (JSON: why, row)
 // {queue}:node:{id} / :coordinator / :members     cluster mode (see `queue::cluster`)
 //
 // `processed_at` is the version of the transaction that completed the invocation (unique per
@@ -816,6 +821,59 @@ pub fn event_id_key(root: &str, id: &str) -> String {
 /// The key holding a queue's partition count.
 pub fn queue_meta_key(root: &str) -> String {
     format!("{root}:meta")
+}
+
+/// A pending key's suffix (partition, due time, version, event id) under another state of the
+/// same queue: `{queue}:{state}:{suffix}`.
+fn pending_twin(root: &str, state: &str, pending_key: &str) -> TitoResult<String> {
+    let suffix = pending_key
+        .strip_prefix(root)
+        .and_then(|r| r.strip_prefix(":pending:"))
+        .ok_or_else(|| {
+            TitoError::invalid_argument(format!(
+                "{pending_key:?} is not a pending key of queue {root:?}"
+            ))
+        })?;
+    Ok(format!("{root}:{state}:{suffix}"))
+}
+
+/// `{queue}:undecodable:{partition:04}:{timestamp:020}:{version:020}:{event_id}`: a worker's
+/// note that the pending row `pending_key` does not decode as its handler's type.
+pub fn undecodable_key(root: &str, pending_key: &str) -> TitoResult<String> {
+    pending_twin(root, "undecodable", pending_key)
+}
+
+/// `{queue}:undecodable:{partition:04}:`, the undecodable notes of one partition.
+pub fn undecodable_partition_prefix(root: &str, partition: u32) -> String {
+    format!("{root}:undecodable:{partition:04}:")
+}
+
+/// `{queue}:undecodable:`, every undecodable note of a queue.
+pub fn undecodable_prefix(root: &str) -> String {
+    format!("{root}:undecodable:")
+}
+
+/// The pending key an undecodable note is about.
+pub fn undecodable_target(root: &str, note_key: &str) -> TitoResult<String> {
+    let suffix = note_key
+        .strip_prefix(&undecodable_prefix(root))
+        .ok_or_else(|| {
+            TitoError::Integrity(format!(
+                "{note_key:?} is not an undecodable note of queue {root:?}"
+            ))
+        })?;
+    Ok(format!("{root}:pending:{suffix}"))
+}
+
+/// `{queue}:aside:{partition:04}:{timestamp:020}:{version:020}:{event_id}`: a pending row moved
+/// aside by an operator.
+pub fn aside_key(root: &str, pending_key: &str) -> TitoResult<String> {
+    pending_twin(root, "aside", pending_key)
+}
+
+/// `{queue}:aside:`, every row a queue moved aside.
+pub fn aside_prefix(root: &str) -> String {
+    format!("{root}:aside:")
 }
 
 const B64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
@@ -1268,6 +1326,19 @@ mod tests {
             completed_key(&root, 9, 8, "x"),
             "queue:completed:00000000000000000009:00000000000000000008:x"
         );
+        let note = undecodable_key(&root, &key).unwrap();
+        assert_eq!(
+            note,
+            "queue:undecodable:0003:00000000001700000000:00000000000000000042:e;<;1"
+        );
+        assert!(note.starts_with(&undecodable_partition_prefix(&root, 3)));
+        assert_eq!(undecodable_target(&root, &note).unwrap(), key);
+        assert!(
+            aside_key(&root, &key)
+                .unwrap()
+                .starts_with(&aside_prefix(&root))
+        );
+        assert!(undecodable_key("queue@a", &key).is_err());
         let owner = owner_key(&root, "user", "42", OWNER_PENDING, &key);
         assert!(owner.starts_with(&owner_prefix(&root, "user", "42")));
         assert_eq!(owner_key_target(&owner).unwrap(), key);

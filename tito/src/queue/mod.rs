@@ -85,6 +85,7 @@ use std::time::Duration;
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
+use serde_json::Value;
 
 pub use cluster::{ClusterConfig, ClusterState, cluster_state};
 pub use event::{
@@ -684,4 +685,140 @@ impl<E: TitoEngine> Queue<E> {
         self.count(&stats.expired, names::QUEUE_EXPIRED, deleted as u64);
         Ok(deleted)
     }
+
+    /// Records that a worker cannot decode the pending row `key` as `type_name`, for
+    /// operators (the inspection API, the dashboard, `tito queue peek`), unless the row is gone.
+    pub(crate) async fn note_undecodable(
+        &self,
+        key: &str,
+        type_name: &str,
+        error: &str,
+    ) -> TitoResult<()> {
+        let note_key = keys::undecodable_key(&self.root, key)?;
+        let note = serde_json::to_vec(&UndecodableNote {
+            type_name: type_name.to_string(),
+            error: error.to_string(),
+        })?;
+        let key = key.to_string();
+        self.db
+            .transaction(|tx| {
+                let (key, note_key, note) = (key.clone(), note_key.clone(), note.clone());
+                async move {
+                    if tx.get(key.as_bytes()).await?.is_some() {
+                        tx.put(note_key.into_bytes(), note).await?;
+                    }
+                    Ok::<_, TitoError>(())
+                }
+            })
+            .await
+    }
+
+    /// Moves the pending row `key` aside: it leaves the partition (no worker sees it again)
+    /// with its owner key and its event id (the id may be published again), and is kept under
+    /// `{queue}:aside:` with `why` (listed by [`crate::inspect::queue_aside`]). For rows no
+    /// worker can decode, or that should not run. Returns `false` when the row is not pending.
+    pub async fn set_aside(&self, key: &str, why: &str) -> TitoResult<bool> {
+        let aside = keys::aside_key(&self.root, key)?;
+        let note_key = keys::undecodable_key(&self.root, key)?;
+        let parsed = keys::parse_pending_key(&self.root, key)?;
+        let (root, key, why) = (self.root.clone(), key.to_string(), why.to_string());
+        self.db
+            .transaction(|tx| {
+                let (root, key, why, aside, note_key) = (
+                    root.clone(),
+                    key.clone(),
+                    why.clone(),
+                    aside.clone(),
+                    note_key.clone(),
+                );
+                let event_id = parsed.event_id.clone();
+                async move {
+                    let Some(value) = tx.get(key.as_bytes()).await? else {
+                        return Ok(false);
+                    };
+                    let row: Value = serde_json::from_slice(&value).unwrap_or_else(|_| {
+                        Value::String(String::from_utf8_lossy(&value).into_owned())
+                    });
+                    let mut writes = engine::Writes::default();
+                    if let Ok(stored) = StoredEvent::parse(&value)
+                        && let Some(owner) = &stored.owner
+                    {
+                        writes.delete(keys::owner_key(
+                            &root,
+                            &owner.kind,
+                            &owner.id,
+                            keys::OWNER_PENDING,
+                            &key,
+                        ));
+                    }
+                    let id_key = keys::event_id_key(&root, &event_id);
+                    if tx.get(id_key.as_bytes()).await?.as_deref() == Some(key.as_bytes()) {
+                        writes.delete(id_key);
+                    }
+                    writes.delete(key.clone());
+                    writes.delete(note_key);
+                    writes.put(aside, serde_json::to_vec(&AsideRecord { why, row })?);
+                    writes.apply(&tx).await?;
+                    Ok::<_, TitoError>(true)
+                }
+            })
+            .await
+    }
+
+    /// One maintenance step: deletes up to [`RETENTION_BATCH`] undecodable notes whose rows are
+    /// no longer pending (another worker ran them, or they were set aside). Returns how many.
+    pub async fn sweep_undecodable(&self) -> TitoResult<usize> {
+        let root = self.root.clone();
+        self.db
+            .transaction(|tx| {
+                let root = root.clone();
+                async move {
+                    let prefix = keys::undecodable_prefix(&root);
+                    let end = keys::prefix_end(prefix.clone());
+                    let notes = tx
+                        .scan(prefix.as_bytes(), end.as_bytes(), RETENTION_BATCH)
+                        .await?;
+                    let targets: Vec<Vec<u8>> = notes
+                        .iter()
+                        .map(|(k, _)| {
+                            keys::key_str(k)
+                                .ok()
+                                .and_then(|k| keys::undecodable_target(&root, k).ok())
+                                .unwrap_or_default()
+                                .into_bytes()
+                        })
+                        .collect();
+                    let live = tx.batch_get(&targets).await?;
+                    let mut deleted = 0;
+                    for ((note, _), row) in notes.iter().zip(live) {
+                        if row.is_none() {
+                            tx.delete(note.clone()).await?;
+                            deleted += 1;
+                        }
+                    }
+                    Ok::<_, TitoError>(deleted)
+                }
+            })
+            .await
+    }
+}
+
+/// A worker's note that it cannot decode a pending row as its handler's event type.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct UndecodableNote {
+    /// The handler's event type (Rust's name for it).
+    pub type_name: String,
+    /// Why the row does not decode as that type.
+    pub error: String,
+}
+
+/// A row moved aside ([`Queue::set_aside`]), as stored.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct AsideRecord {
+    /// Why it was moved aside.
+    pub why: String,
+    /// The row as it was (JSON, or its bytes as text when it was not JSON).
+    pub row: Value,
 }

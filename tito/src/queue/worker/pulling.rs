@@ -34,7 +34,14 @@ pub(super) struct Pulling {
     concurrency: usize,
     /// Invocations whose handler failed, not started again before their pause ends.
     pub cooling: Cooling,
+    /// Pending rows that do not decode as this worker's event type: a row never changes, so
+    /// each costs this worker one attempt, then is stepped over (see [`MAX_UNDECODABLE_KEPT`]).
+    undecodable: std::collections::HashSet<String>,
 }
+
+/// How many undecodable rows a worker remembers; past it, more are paused like failed
+/// handlers (their attempts then cost a decode per pause, not per poll).
+pub const MAX_UNDECODABLE_KEPT: usize = 10_000;
 
 impl Pulling {
     pub fn new(max_idle_backoff: Duration, page_size: usize, concurrency: usize) -> Self {
@@ -44,6 +51,7 @@ impl Pulling {
             page_size,
             concurrency,
             cooling: Cooling::default(),
+            undecodable: std::collections::HashSet::new(),
         }
     }
 
@@ -102,7 +110,6 @@ impl Pulling {
         due.sort_unstable();
         let counters = queue.counters();
         self.cooling.prune(self.max_idle_backoff);
-        let cooling = &self.cooling;
         for partition in due {
             let free = self.concurrency.saturating_sub(in_flight.len());
             if free == 0 || stop.requested() || Instant::now() >= fresh_until {
@@ -110,11 +117,16 @@ impl Pulling {
             }
             let want = free.min(self.page_size);
             let state = self.partitions.get_mut(&partition).expect("due partition");
+            let (cooling, undecodable) = (&self.cooling, &self.undecodable);
             let pulled = async {
                 let tx = queue.engine().begin().await?;
                 let now = Instant::now();
                 let running: &HashMap<String, u32> = in_flight;
-                let skip = |key: &str| running.contains_key(key) || cooling.holds(key, now);
+                let skip = |key: &str| {
+                    running.contains_key(key)
+                        || cooling.holds(key, now)
+                        || undecodable.contains(key)
+                };
                 let result = state
                     .cursor
                     .pull(&tx, queue.root(), want, &skip, counters)
@@ -159,8 +171,15 @@ impl Pulling {
                 let event = match item.stored.typed::<T>() {
                     Ok(event) => event,
                     Err(err) => {
-                        queue.count(&counters.malformed, names::QUEUE_MALFORMED, 1);
-                        tracing::warn!(key = %item.key, error = %err, "queue row does not decode as the handler's event type; left in place");
+                        undecodable_row::<E, T>(
+                            &mut self.undecodable,
+                            &mut self.cooling,
+                            self.max_idle_backoff,
+                            queue,
+                            &item.key,
+                            &err,
+                        )
+                        .await;
                         continue;
                     }
                 };
@@ -197,6 +216,43 @@ impl Pulling {
                 );
             }
         }
+    }
+}
+
+/// A pending row that does not decode as `T`: counted and logged at warn once, noted in the
+/// store for operators (the inspection API, the dashboard and `tito queue peek` show it;
+/// [`Queue::set_aside`] moves it out of the partition), and never pulled again by this
+/// worker. Past [`MAX_UNDECODABLE_KEPT`] rows it is paused like a failed handler instead.
+async fn undecodable_row<E: TitoEngine, T>(
+    undecodable: &mut std::collections::HashSet<String>,
+    cooling: &mut Cooling,
+    max_idle_backoff: Duration,
+    queue: &Queue<E>,
+    key: &str,
+    err: &crate::error::TitoError,
+) {
+    if undecodable.len() >= MAX_UNDECODABLE_KEPT {
+        cooling.failed(key, max_idle_backoff);
+        tracing::debug!(key, error = %err, "queue row does not decode as the handler's event type");
+        return;
+    }
+    if !undecodable.insert(key.to_string()) {
+        return;
+    }
+    let type_name = std::any::type_name::<T>();
+    queue.count(&queue.counters().malformed, names::QUEUE_MALFORMED, 1);
+    tracing::warn!(
+        key,
+        event_type = type_name,
+        error = %err,
+        "queue row does not decode as this worker's event type: left pending for a worker \
+         of the right type, not pulled again by this one (Queue::set_aside moves it aside)"
+    );
+    if let Err(note_err) = queue
+        .note_undecodable(key, type_name, &err.to_string())
+        .await
+    {
+        tracing::debug!(key, error = %note_err, "noting an undecodable queue row failed");
     }
 }
 
