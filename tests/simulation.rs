@@ -11,7 +11,8 @@
 //! same event id twice), standalone workers starting, stopping cleanly, crashing (task aborted,
 //! nothing released) and restarting over overlapping partitions, handlers that succeed, fail,
 //! panic, time out, reschedule or run longer than their lease; kv increments; model writes
-//! racing on a unique index; faults from `FaultyEngine` (conflicts, unknown commit outcomes
+//! racing on a unique index; model writes in callers' transactions that catch the write's error
+//! and commit anyway; faults from `FaultyEngine` (conflicts, unknown commit outcomes
 //! applied or not, storage errors, delays); time moving in jumps.
 //!
 //! Determinism: the seed is the only source of randomness (the engine's clock is the runtime's,
@@ -106,6 +107,21 @@ struct Job {
 struct Account {
     id: String,
     handle: String,
+}
+
+/// A model with two unique indexes and an index of copies, written in callers' transactions
+/// that catch the write's error (a value taken, a missing or existing row, an injected storage
+/// error) and commit their other writes anyway.
+#[derive(TitoModel, Default, Clone, Debug, Serialize, Deserialize)]
+#[tito(table = "sim_profile")]
+#[tito(unique_index = "by_email: email")]
+#[tito(unique_index = "by_nick: nick")]
+#[tito(index = "by_team: team")]
+struct Profile {
+    id: String,
+    email: String,
+    nick: String,
+    team: String,
 }
 
 /// An inbox row: no `locked_until` role (the lease lives in its own key), attempts counted,
@@ -680,6 +696,49 @@ impl Sim {
         format!("race {handle} {outcomes:?}")
     }
 
+    /// A caller's transaction that writes a key of its own and a profile, catches the profile
+    /// write's error and commits anyway: committed, it must hold the whole write or none of it.
+    async fn caught_write(&mut self, step: u32) -> String {
+        let profiles = self.db.clone().model::<Profile>();
+        let profile = Profile {
+            id: format!("p{}", self.rng.below(8)),
+            email: format!("e{}", self.rng.below(5)),
+            nick: format!("n{}", self.rng.below(5)),
+            team: format!("t{}", self.rng.below(3)),
+        };
+        let mode = self.rng.below(4);
+        let result = self
+            .db
+            .transaction(|tx| {
+                let (profiles, profile) = (profiles.clone(), profile.clone());
+                async move {
+                    tx.put(b"sim:caught".to_vec(), step.to_string().into_bytes())
+                        .await?;
+                    let options = TitoOptions::default();
+                    let written = match mode {
+                        0 => profiles.build_with_options(profile, options, &tx).await,
+                        1 => profiles.update_with_options(profile, options, &tx).await,
+                        2 => profiles.upsert_with_options(profile, options, &tx).await,
+                        _ => profiles
+                            .delete_by_id_with_options(&profile.id, options, &tx)
+                            .await
+                            .map(|()| Profile::default()),
+                    };
+                    // The caller handles the error and commits its own write.
+                    Ok::<_, TitoError>(written.err().map(|err| error_kind(&err)))
+                }
+            })
+            .await;
+        match result {
+            Ok(caught) => format!("caught-write {mode} {} {caught:?}", profile.id),
+            Err(err) => format!(
+                "caught-write {mode} {} commit {}",
+                profile.id,
+                error_kind(&err)
+            ),
+        }
+    }
+
     async fn step(&mut self, step: u32) {
         let roll = self.rng.below(100);
         let started = sim_ms(self.start);
@@ -744,6 +803,7 @@ impl Sim {
                 tokio::time::advance(Duration::from_secs(2)).await;
                 "jump 2s".into()
             }
+            78..=81 => self.caught_write(step).await,
             _ => {
                 let pause = 1 + self.rng.below(400);
                 tokio::time::sleep(Duration::from_millis(pause)).await;
@@ -894,7 +954,7 @@ impl Sim {
         let tx = self.db.begin().await.unwrap();
         // Indexes and claims of both models: every entry listed by a manifest, every listed key
         // present.
-        for table in ["sim_account", "sim_task"] {
+        for table in ["sim_account", "sim_task", "sim_profile"] {
             let mut listed = BTreeSet::new();
             let manifests = format!("reverse-index:table:{table}:");
             for (key, value) in scan_all(&tx, manifests.as_bytes()).await {
@@ -960,6 +1020,39 @@ impl Sim {
                 format!("query of handle {handle} found {ids:?}, row {id} holds it")
             });
         }
+        // Profiles, written in transactions that caught their errors and committed anyway: each
+        // row holds its two claims and its team entry, nothing else is claimed or indexed.
+        let mut profile_keys = BTreeSet::new();
+        for (_, value) in scan_all(&tx, b"table:sim_profile:").await {
+            let row: serde_json::Value = serde_json::from_slice(&value).unwrap();
+            let id = row["id"].as_str().unwrap().to_string();
+            for (index, field) in [("by_email", "email"), ("by_nick", "nick")] {
+                let value = row[field].as_str().unwrap().to_string();
+                let claim = tito::keys::unique_claim_key(
+                    "sim_profile",
+                    index,
+                    &[(field, &tito::keys::KeyValue::String(value))],
+                )
+                .unwrap();
+                let owner = tx.get(claim.as_bytes()).await.unwrap();
+                self.check(owner.as_deref() == Some(id.as_bytes()), || {
+                    format!("profile {id}: claim {claim} is owned by {owner:?}")
+                });
+                profile_keys.insert(claim);
+            }
+            let team = profiles_by_team(&tx, &self.db, row["team"].as_str().unwrap()).await;
+            self.check(team.contains(&id), || {
+                format!("profile {id} is missing from its team's index: {team:?}")
+            });
+        }
+        let claims = scan_all(&tx, b"unique:sim_profile:").await;
+        self.check(claims.len() == profile_keys.len(), || {
+            format!(
+                "{} profile claims for {} that rows imply",
+                claims.len(),
+                profile_keys.len()
+            )
+        });
         // Kv: the counter holds every acknowledged increment and at most the unknown ones.
         let value = |entry: Option<tito::kv::KvEntry>| {
             entry.map_or(0, |e| e.value.as_i64().unwrap_or(-1) as u64)
@@ -1034,6 +1127,9 @@ fn error_kind(err: &TitoError) -> String {
         TitoError::CommitOutcomeUnknown { .. } => "unknown".into(),
         TitoError::UniqueViolation { .. } => "unique-violation".into(),
         TitoError::Storage { .. } => "storage".into(),
+        TitoError::TransactionAborted(_) => "aborted".into(),
+        TitoError::AlreadyExists(_) => "exists".into(),
+        TitoError::NotFound(_) => "not-found".into(),
         other => format!("error {other}"),
     }
 }
@@ -1156,6 +1252,15 @@ fn campaign(seeds: std::ops::Range<u64>) {
          {faults} faults injected, {published} events published, {runs} handler runs",
         count as f64 / secs
     );
+}
+
+/// The ids of the profiles the team index lists for `team`.
+async fn profiles_by_team<E: TitoEngine>(tx: &E::Transaction, db: &E, team: &str) -> Vec<String> {
+    let profiles = db.clone().model::<Profile>();
+    match profiles.by_team(team).execute_tx(tx).await {
+        Ok(page) => page.items.into_iter().map(|p| p.id).collect(),
+        Err(err) => vec![format!("query failed: {err}")],
+    }
 }
 
 #[test]

@@ -26,6 +26,14 @@
 //!     tito_cli::Tool::new().model::<User>().main()
 //! }
 //! ```
+//!
+//! With a second binary, `cargo run` needs to know which one is the application's: set
+//! `default-run = "your-app"` under `[package]`, and run the tool with `cargo run --bin tito`.
+//!
+//! # Features
+//!
+//! `tikv` (default): `--pd` opens TiKV stores. Without it (`default-features = false`) the tool
+//! opens embedded stores only and the TiKV client is not built.
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
@@ -39,6 +47,7 @@ use futures::future::BoxFuture;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use tito::backend::embedded::Embedded;
+#[cfg(feature = "tikv")]
 use tito::backend::tikv::TiKV;
 use tito::inbox::{Inbox, InboxModel};
 use tito::inspect::{self, QueueState};
@@ -338,12 +347,14 @@ pub struct Tool {
 struct Registered {
     table: String,
     embedded: Box<dyn Fn(Embedded) -> Arc<dyn ModelOps> + Send + Sync>,
+    #[cfg(feature = "tikv")]
     tikv: Box<dyn Fn(TiKV) -> Arc<dyn ModelOps> + Send + Sync>,
 }
 
 struct RegisteredInbox {
     table: String,
     embedded: Box<dyn Fn(Embedded) -> TitoResult<Arc<dyn InboxSource>> + Send + Sync>,
+    #[cfg(feature = "tikv")]
     tikv: Box<dyn Fn(TiKV) -> TitoResult<Arc<dyn InboxSource>> + Send + Sync>,
 }
 
@@ -358,6 +369,7 @@ impl Tool {
         self.models.push(Registered {
             table: T::default().table(),
             embedded: Box::new(|db| Arc::new(Typed::<Embedded, T>(db.model::<T>()))),
+            #[cfg(feature = "tikv")]
             tikv: Box::new(|db| Arc::new(Typed::<TiKV, T>(db.model::<T>()))),
         });
         self
@@ -373,6 +385,7 @@ impl Tool {
                     &[],
                 ))
             }),
+            #[cfg(feature = "tikv")]
             tikv: Box::new(|db| {
                 Ok(tito_admin::inbox_source(
                     Arc::new(Inbox::<_, M>::new(db)?),
@@ -455,6 +468,20 @@ impl Tool {
                 "which store? give --path DIR (embedded) or --pd HOST:PORT (TiKV)".into(),
             ));
         };
+        self.run_tikv(endpoints, cli).await
+    }
+
+    #[cfg(not(feature = "tikv"))]
+    async fn run_tikv(self, _endpoints: Vec<String>, _cli: Cli) -> Outcome {
+        Err(Failure(
+            "this tito was built without TiKV (tito-cli's `tikv` feature): it opens embedded \
+             stores only (--path DIR)"
+                .into(),
+        ))
+    }
+
+    #[cfg(feature = "tikv")]
+    async fn run_tikv(self, endpoints: Vec<String>, cli: Cli) -> Outcome {
         let db = connect_tikv(&endpoints, Duration::from_secs(cli.timeout.max(1))).await?;
         let models = self
             .models
@@ -521,6 +548,7 @@ fn chain(err: &dyn std::error::Error) -> String {
     text
 }
 
+#[cfg(feature = "tikv")]
 async fn connect_tikv(endpoints: &[String], timeout: Duration) -> Result<TiKV, Failure> {
     let connect = TiKV::connect_with_config(endpoints.to_vec(), 16, timeout);
     let db = match tokio::time::timeout(timeout, connect).await {
