@@ -236,6 +236,12 @@ pub trait TitoEngine: Clone + Send + Sync + 'static {
     ///   attempt returns its value and one proven not to have committed is replayed (see
     ///   [Unknown outcomes](self#unknown-outcomes)).
     /// - Dropping the returned future rolls the transaction back.
+    /// - `f` may handle an error of an operation it ran and still return `Ok`: Tito's
+    ///   operations (model writes, publications, kv writes) check what can refuse them before
+    ///   they buffer anything, so a refused one left nothing behind. One that failed after
+    ///   buffering part of its writes [marked the transaction failed](TitoTransaction::fail):
+    ///   the commit then returns [`TitoError::TransactionAborted`] naming that failure, and `f`
+    ///   is not replayed.
     ///
     /// # Examples
     ///

@@ -18,6 +18,17 @@
 //! exact row key) and claims of this table that this row holds, and every key it names exists.
 //! Anything else is [`TitoError::Integrity`] naming the key, and nothing is written.
 //!
+//! # In a caller's transaction
+//!
+//! The `*_with_options` writes join a transaction the caller commits. A write that fails leaves
+//! nothing of itself in that transaction: the row, its manifest, the claims it would take or
+//! give back, every key and value size and the events it would publish are read and checked
+//! first, and only then is anything buffered. So a caller may handle, say,
+//! [`TitoError::UniqueViolation`] and commit its other writes. A failure after the first write
+//! was buffered (an I/O error) marks the transaction failed
+//! ([`TitoTransaction::fail`]): its commit is refused with
+//! [`TitoError::TransactionAborted`].
+//!
 //! The manifest is the one record of what a row holds: an update removes exactly the entries
 //! and claims it lists that the new row no longer implies, and a delete removes exactly what it
 //! lists. A condition that depends on the row is evaluated once, on the row being written.
