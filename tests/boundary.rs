@@ -510,6 +510,28 @@ pub async fn a_refused_write_in_a_callers_transaction_leaves_nothing<E: TitoEngi
         "its expiry entry is intact"
     );
 
+    // A publication refused in a caller's transaction (a handle configured with another
+    // partition count than the queue's): nothing of it is committed with the caller's writes.
+    let one = Arc::new(tito::Queue::new(
+        ctx.db.clone(),
+        tito::QueueConfig::new(1, Duration::from_secs(3600)).topic("refused"),
+    ));
+    one.publish(QueueEvent::new("k", Job { n: 1 }, now()))
+        .await
+        .unwrap();
+    let two = Arc::new(tito::Queue::new(
+        ctx.db.clone(),
+        tito::QueueConfig::new(2, Duration::from_secs(3600)).topic("refused"),
+    ));
+    let err = commit_after_error(&ctx.db, |tx| async move {
+        two.publish_in_tx(&QueueEvent::new("k", Job { n: 2 }, now()), &tx)
+            .await
+            .map(|_| ())
+    })
+    .await;
+    assert!(matches!(err, TitoError::InvalidArgument(_)), "{err}");
+    assert_eq!(pending_total(&one).await, 1);
+
     let report = users.audit(|_| {}).await.unwrap();
     assert!(report.is_clean(), "{report:?}");
 }
