@@ -876,3 +876,109 @@ pub async fn a_worker_of_the_wrong_type_costs_one_attempt_per_row<E: TitoEngine>
     assert_eq!(swept, 2, "the notes of the two rows that ran");
     assert_eq!(queue.sweep_undecodable().await.unwrap(), 0);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Two stores in one process share nothing: each has its own schema catalog state and its own
+// inbox subscriptions (they live on the store's handle, not in process statics).
+// ---------------------------------------------------------------------------------------------
+
+async fn two_stores_share_nothing<E: TitoEngine>(a: E, b: E) {
+    tito::schema::set_write_grace(Duration::from_millis(50)).unwrap();
+    // Store a: the first deploy writes a row, the next one adds an index: building there.
+    let old = a.clone().model::<RaceOld<40>>();
+    old.build(RaceOld {
+        id: "1".into(),
+        team: "core".into(),
+    })
+    .await
+    .unwrap();
+    let on_a = a.clone().model::<RaceNew<40>>();
+    assert_eq!(
+        on_a.schema().await.unwrap().indexes[0].state,
+        IndexState::Building
+    );
+    // Store b: the same model's first registration on an empty table: ready, from its own
+    // catalog (a's cached handle and catalog are not reused).
+    let on_b = b.clone().model::<RaceNew<40>>();
+    assert_eq!(
+        on_b.schema().await.unwrap().indexes[0].state,
+        IndexState::Ready
+    );
+    assert_eq!(
+        on_b.query_by_index("by_team")
+            .value("core")
+            .execute()
+            .await
+            .unwrap()
+            .items
+            .len(),
+        0
+    );
+    assert!(matches!(
+        on_a.query_by_index("by_team").value("core").execute().await,
+        Err(TitoError::IndexNotReady { .. })
+    ));
+
+    // One subscription per (model, group) per store: the same group on both stores runs; a
+    // second one on store a (also through a wrapper of it) is refused.
+    let subscribe = |db: E| {
+        let (stop, rx) = watch::channel(false);
+        let inbox = Arc::new(Inbox::<E, Task>::new(db).unwrap());
+        let task = tokio::spawn(run_inbox(
+            inbox,
+            InboxConfig::new("g").max_idle(Duration::from_millis(20)),
+            |_d: InboxDelivery<Job>| async { Ok(InboxOutcome::Ack) },
+            rx,
+        ));
+        (stop, task)
+    };
+    let (stop_a, task_a) = subscribe(a.clone());
+    let (stop_b, task_b) = subscribe(b.clone());
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!task_a.is_finished() && !task_b.is_finished(), "both run");
+    let faulty = FaultyEngine::new(a.clone());
+    let inbox = Arc::new(Inbox::<_, Task>::new(faulty).unwrap());
+    let (_stop, rx) = watch::channel(false);
+    let again = run_inbox(
+        inbox,
+        InboxConfig::new("g"),
+        |_d: InboxDelivery<Job>| async { Ok(InboxOutcome::Ack) },
+        rx,
+    )
+    .await;
+    assert!(
+        matches!(again, Err(TitoError::AlreadySubscribed(_))),
+        "{again:?}"
+    );
+    stop_a.send(true).unwrap();
+    stop_b.send(true).unwrap();
+    task_a.await.unwrap().unwrap();
+    task_b.await.unwrap().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_embedded_stores_share_nothing() {
+    let a = tito::backend::embedded::Embedded::temporary()
+        .await
+        .unwrap();
+    let b = tito::backend::embedded::Embedded::temporary()
+        .await
+        .unwrap();
+    two_stores_share_nothing(a, b).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_memory_stores_share_nothing() {
+    two_stores_share_nothing(
+        tito::backend::memory::Memory::new(),
+        tito::backend::memory::Memory::new(),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_tikv_stores_share_nothing() {
+    let a = crate::support::test_server_ctx().await;
+    let b = crate::support::test_server_ctx().await;
+    two_stores_share_nothing(a.db.clone(), b.db.clone()).await;
+}

@@ -18,6 +18,7 @@ mod engine_tikv;
 mod inbox;
 mod inspect;
 mod kv;
+mod layers;
 mod models;
 mod queue;
 mod rpc_counts;

@@ -362,6 +362,9 @@ pub async fn a_store_wide_policy_resolves_every_transaction<E: TitoEngine>(ctx: 
         fn retry_policy(&self) -> RetryPolicy {
             self.1.clone()
         }
+        fn extensions(&self) -> &tito::engine::Extensions {
+            self.0.extensions()
+        }
     }
     let db = FaultyEngine::new(WithPolicy(ctx.db.clone(), resolving()));
     db.faults().add(FaultRule::new(

@@ -35,7 +35,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
 use std::marker::PhantomData;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::FutureExt;
@@ -327,30 +327,35 @@ crate::counters::counters! {
     }
 }
 
-fn registry() -> &'static Mutex<HashSet<String>> {
-    static SUBSCRIPTIONS: OnceLock<Mutex<HashSet<String>>> = OnceLock::new();
-    SUBSCRIPTIONS.get_or_init(Mutex::default)
-}
+/// The (model, group) subscriptions of one store in this process, on the store's handle
+/// ([`TitoEngine::extensions`]).
+#[derive(Default)]
+struct Subscriptions(Mutex<HashSet<String>>);
 
-/// The registration of one (store, model, group) subscription in this process.
-struct Subscription(String);
+/// The registration of one (model, group) subscription of a store in this process.
+struct Subscription(Arc<Subscriptions>, String);
 
 impl Subscription {
-    fn take(name: String) -> TitoResult<Subscription> {
-        let mut subscriptions = registry().lock().unwrap_or_else(|e| e.into_inner());
-        if !subscriptions.insert(name.clone()) {
+    fn take(subscriptions: Arc<Subscriptions>, name: String) -> TitoResult<Subscription> {
+        let fresh = subscriptions
+            .0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(name.clone());
+        if !fresh {
             return Err(TitoError::AlreadySubscribed(name));
         }
-        Ok(Subscription(name))
+        Ok(Subscription(subscriptions, name))
     }
 }
 
 impl Drop for Subscription {
     fn drop(&mut self) {
-        registry()
+        self.0
+            .0
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .remove(&self.0);
+            .remove(&self.1);
     }
 }
 
@@ -1188,8 +1193,10 @@ where
     } else {
         String::new()
     };
-    let _subscription =
-        Subscription::take(format!("{}/{}/{group}", inbox.db.store_id(), inbox.table))?;
+    let _subscription = Subscription::take(
+        inbox.db.extensions().get::<Subscriptions>(),
+        format!("{}/{group}", inbox.table),
+    )?;
     let config = Arc::new(config);
     let handler = Arc::new(handler);
     let mut shutdown = shutdown.wait();

@@ -285,6 +285,7 @@ struct Inner {
     meta_writes: tokio::sync::Mutex<()>,
     /// Set by the first [`Embedded::close`].
     closed: std::sync::atomic::AtomicBool,
+    extensions: engine::Extensions,
     durability: Durability,
     partitions: u32,
     path: PathBuf,
@@ -527,6 +528,7 @@ impl Embedded {
             tree,
             meta_writes: tokio::sync::Mutex::new(()),
             closed: std::sync::atomic::AtomicBool::new(false),
+            extensions: engine::Extensions::new(),
             oracle: Mutex::new(Oracle {
                 last: stored_limit,
                 persisted_limit: stored_limit,
@@ -769,8 +771,8 @@ impl TitoEngine for Embedded {
         self.inner.partitions
     }
 
-    fn store_id(&self) -> String {
-        format!("embedded:{}", self.path().display())
+    fn extensions(&self) -> &engine::Extensions {
+        &self.inner.extensions
     }
 
     fn retry_policy(&self) -> RetryPolicy {

@@ -131,6 +131,7 @@ struct Inner {
     clock: Clock,
     partitions: u32,
     id: u64,
+    extensions: engine::Extensions,
 }
 
 enum Clock {
@@ -209,6 +210,7 @@ impl Memory {
                 clock,
                 partitions,
                 id: STORES.fetch_add(1, Ordering::Relaxed),
+                extensions: engine::Extensions::new(),
             }),
             retry: options.retry,
         })
@@ -343,8 +345,8 @@ impl TitoEngine for Memory {
         self.inner.partitions
     }
 
-    fn store_id(&self) -> String {
-        format!("memory:{}", self.inner.id)
+    fn extensions(&self) -> &engine::Extensions {
+        &self.inner.extensions
     }
 
     fn retry_policy(&self) -> RetryPolicy {

@@ -60,11 +60,13 @@ pub struct TiKV {
     partitions: u32,
     retry: RetryPolicy,
     endpoints: Arc<str>,
+    extensions: Arc<engine::Extensions>,
 }
 
 impl std::fmt::Debug for TiKV {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TiKV")
+            .field("endpoints", &self.endpoints)
             .field("partitions", &self.partitions)
             .finish()
     }
@@ -109,6 +111,7 @@ impl TiKV {
             partitions,
             retry: RetryPolicy::default(),
             endpoints: sorted.join(",").into(),
+            extensions: Arc::new(engine::Extensions::new()),
         })
     }
 
@@ -195,8 +198,8 @@ impl TitoEngine for TiKV {
         self.partitions
     }
 
-    fn store_id(&self) -> String {
-        format!("tikv:{}", self.endpoints)
+    fn extensions(&self) -> &engine::Extensions {
+        &self.extensions
     }
 
     fn retry_policy(&self) -> RetryPolicy {

@@ -290,8 +290,8 @@ impl<E: TitoEngine> TitoEngine for FaultyEngine<E> {
         self.inner.partitions()
     }
 
-    fn store_id(&self) -> String {
-        self.inner.store_id()
+    fn extensions(&self) -> &super::Extensions {
+        self.inner.extensions()
     }
 
     fn retry_policy(&self) -> RetryPolicy {

@@ -121,6 +121,7 @@ use crate::error::{TitoError, TitoResult};
 
 mod fault;
 mod outcome;
+mod random;
 mod retry;
 
 pub use fault::{Fault, FaultPoint, FaultRule, Faults, FaultyEngine, FaultyTransaction};
@@ -132,6 +133,48 @@ pub use retry::RetryPolicy;
 
 /// A key and its value, as returned by scans.
 pub type KvPair = (Vec<u8>, Vec<u8>);
+
+/// Per-store state of the layers above the engine, one value per type
+/// ([`TitoEngine::extensions`]). A backend creates one with each store it opens and hands the
+/// same one to every clone of the handle.
+#[derive(Default)]
+pub struct Extensions(
+    std::sync::Mutex<
+        std::collections::HashMap<
+            std::any::TypeId,
+            std::sync::Arc<dyn std::any::Any + Send + Sync>,
+        >,
+    >,
+);
+
+impl Extensions {
+    /// A new, empty set (for a backend's open or connect).
+    pub fn new() -> Self {
+        Extensions::default()
+    }
+
+    /// This store's value of type `T`, created with `T::default()` on first use.
+    pub fn get<T: std::any::Any + Send + Sync + Default>(&self) -> std::sync::Arc<T> {
+        let mut values = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let value = values
+            .entry(std::any::TypeId::of::<T>())
+            .or_insert_with(|| std::sync::Arc::new(T::default()));
+        match value.clone().downcast::<T>() {
+            Ok(value) => value,
+            // Entries are keyed by their own type id: a mismatch cannot happen.
+            Err(_) => std::sync::Arc::new(T::default()),
+        }
+    }
+}
+
+impl std::fmt::Debug for Extensions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let count = self.0.lock().map_or(0, |values| values.len());
+        f.debug_struct("Extensions")
+            .field("values", &count)
+            .finish()
+    }
+}
 
 /// How many low bits of a version hold the logical counter; the bits above hold milliseconds.
 pub const LOGICAL_BITS: u32 = 18;
@@ -209,12 +252,12 @@ pub trait TitoEngine: Clone + Send + Sync + 'static {
         RetryPolicy::default()
     }
 
-    /// Identifies the store this handle reaches (a path, a cluster's endpoints), so that
-    /// per-process registries (one inbox subscription per model and group) can tell stores
-    /// apart. Handles to one store must agree; the default treats every store as one.
-    fn store_id(&self) -> String {
-        String::new()
-    }
+    /// The state the layers above keep for this store in this process (the schema catalog's
+    /// cache and registered builders, the inbox subscriptions). Created by the backend's open or
+    /// connect and shared by every clone of the handle (and by wrappers such as
+    /// [`FaultyEngine`], which return their inner engine's), so two stores in one process never
+    /// share it.
+    fn extensions(&self) -> &Extensions;
 
     /// The operations on model `T` stored in this engine: `db.clone().model::<User>()`.
     fn model<T: crate::model::TitoModelTrait>(self) -> crate::model::TitoModel<Self, T> {

@@ -48,8 +48,8 @@ pub(crate) enum Resolution {
 /// seed) makes the nonce repeatable under simulation; otherwise it is random.
 pub(crate) fn marker_key(start_version: u64, seed: Option<u64>) -> Vec<u8> {
     let nonce = match seed {
-        Some(seed) => super::retry::splitmix(seed ^ start_version.rotate_left(17)),
-        None => super::retry::random_u64(),
+        Some(seed) => super::random::splitmix(seed ^ start_version.rotate_left(17)),
+        None => super::random::random_u64(),
     };
     keys::commit_marker_key(start_version, nonce).into_bytes()
 }

@@ -3,10 +3,10 @@
 //! outcome through the attempt's commit marker.
 
 use std::future::Future;
-use std::hash::{BuildHasher, Hasher};
 use std::time::Duration;
 
 use super::outcome::{self, Resolution};
+use super::random::{random_u64, splitmix};
 use super::{TitoEngine, TitoTransaction};
 use crate::error::{TitoError, TitoResult};
 use crate::telemetry::names;
@@ -174,22 +174,6 @@ impl RetryPolicy {
         };
         Duration::from_nanos(half + random % (nanos - half).max(1))
     }
-}
-
-/// splitmix64's finalizer: a well-spread number from a seed.
-pub(crate) fn splitmix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
-
-/// A random number from the standard library's randomly keyed hasher: enough for jitter, and
-/// no extra dependency.
-pub(crate) fn random_u64() -> u64 {
-    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-    hasher.write_u64(0x9e37_79b9_7f4a_7c15);
-    hasher.finish()
 }
 
 pub(crate) async fn run<D, F, Fut, T, E>(db: &D, policy: RetryPolicy, f: F) -> Result<T, E>

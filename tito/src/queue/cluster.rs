@@ -31,6 +31,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use super::lease::Lease;
+pub use super::lease::NodeRecord;
 use crate::engine::{self, TitoEngine, TitoTransaction};
 use crate::error::{TitoError, TitoResult};
 use crate::keys;
@@ -129,17 +130,6 @@ impl Default for ClusterConfig {
     fn default() -> Self {
         ClusterConfig::new()
     }
-}
-
-/// A node record.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct NodeRecord {
-    /// The node's id.
-    pub id: String,
-    /// The process run's epoch.
-    pub epoch: u64,
-    /// The engine version after which the node is no longer a member.
-    pub expires: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -635,32 +625,6 @@ async fn read_members<E: TitoEngine>(db: &E, root: &str) -> TitoResult<Members> 
     let members = members_in(&tx, root).await;
     let _ = tx.rollback().await;
     members
-}
-
-/// Inside an outcome transaction: whether a cluster lease's holder is alive with its epoch at
-/// the transaction's start. The node record is not locked (heartbeats rewrite it); a takeover
-/// after the holder's expiry writes the lease key, which the caller locks.
-pub(crate) async fn holder_alive<X: TitoTransaction>(
-    tx: &X,
-    root: &str,
-    lease: &Lease,
-) -> TitoResult<bool> {
-    if lease.epoch.is_none() {
-        return Ok(lease.expires > tx.start_version());
-    }
-    let node = tx
-        .get(keys::node_key(root, &lease.owner).as_bytes())
-        .await?;
-    Ok(node_alive(node.as_deref(), lease, tx))
-}
-
-/// Whether a cluster lease's holder is alive by its node record's value (`None`: no record),
-/// with its epoch, at `tx`'s start version.
-pub(crate) fn node_alive<X: TitoTransaction>(node: Option<&[u8]>, lease: &Lease, tx: &X) -> bool {
-    let Some(node) = node.and_then(|b| serde_json::from_slice::<NodeRecord>(b).ok()) else {
-        return false;
-    };
-    lease.epoch == Some(node.epoch) && node.expires > tx.start_version()
 }
 
 /// The cluster as stored: coordinator, members, node records, assignment and leases.

@@ -204,8 +204,8 @@ impl<'a> HeldCheck<'a> {
         let second = values.get(1).and_then(|v| v.as_deref());
         let alive = match (lease.epoch, self.cluster) {
             // Cluster leases live as long as their holder's node record.
-            (Some(_), true) => super::cluster::node_alive(second, &lease, tx),
-            (Some(_), false) => super::cluster::holder_alive(tx, self.root, &lease).await?,
+            (Some(_), true) => node_alive(second, &lease, tx),
+            (Some(_), false) => holder_alive(tx, self.root, &lease).await?,
             (None, false) => second.map_or(lease.expires, parse_expiry) > tx.start_version(),
             (None, true) => {
                 expiry(tx, self.root, self.partition, &lease).await? > tx.start_version()
@@ -272,6 +272,45 @@ pub(crate) async fn release<E: TitoEngine>(
         }
     })
     .await
+}
+
+// Lease liveness: whether a lease's holder is alive (a node record, in cluster mode).
+
+/// A node record.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeRecord {
+    /// The node's id.
+    pub id: String,
+    /// The process run's epoch.
+    pub epoch: u64,
+    /// The engine version after which the node is no longer a member.
+    pub expires: u64,
+}
+
+/// Inside an outcome transaction: whether a cluster lease's holder is alive with its epoch at
+/// the transaction's start. The node record is not locked (heartbeats rewrite it); a takeover
+/// after the holder's expiry writes the lease key, which the caller locks.
+pub(crate) async fn holder_alive<X: TitoTransaction>(
+    tx: &X,
+    root: &str,
+    lease: &Lease,
+) -> TitoResult<bool> {
+    if lease.epoch.is_none() {
+        return Ok(lease.expires > tx.start_version());
+    }
+    let node = tx
+        .get(keys::node_key(root, &lease.owner).as_bytes())
+        .await?;
+    Ok(node_alive(node.as_deref(), lease, tx))
+}
+
+/// Whether a cluster lease's holder is alive by its node record's value (`None`: no record),
+/// with its epoch, at `tx`'s start version.
+pub(crate) fn node_alive<X: TitoTransaction>(node: Option<&[u8]>, lease: &Lease, tx: &X) -> bool {
+    let Some(node) = node.and_then(|b| serde_json::from_slice::<NodeRecord>(b).ok()) else {
+        return false;
+    };
+    lease.epoch == Some(node.epoch) && node.expires > tx.start_version()
 }
 
 #[cfg(test)]

@@ -129,7 +129,7 @@
 
 use std::any::{Any, TypeId};
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::{Arc, LazyLock, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -530,24 +530,21 @@ struct CachedCatalog {
     read_at: Instant,
 }
 
-type HandleKey = (String, String, TypeId);
-
-static HANDLES: LazyLock<Mutex<HashMap<HandleKey, Arc<TableHandle>>>> =
-    LazyLock::new(Mutex::default);
-
-/// The stores' builders: per store id, one entry per table a model handle of this process
-/// reconciled, run by queue maintenance.
-/// The last catalog read of each (store, table) in this process.
-static CATALOGS: LazyLock<Mutex<HashMap<(String, String), SharedCatalog>>> =
-    LazyLock::new(Mutex::default);
+/// What the schema layer keeps per store in this process, on the store's handle
+/// ([`TitoEngine::extensions`]): never shared between two stores.
+#[derive(Default)]
+struct SchemaState {
+    /// Each (table, model type)'s handle, reconciled on first use.
+    handles: Mutex<HashMap<(String, TypeId), Arc<TableHandle>>>,
+    /// The last catalog read of each table, shared by every model type of the table.
+    catalogs: Mutex<HashMap<String, SharedCatalog>>,
+    /// `(table, model type, builder)` for every table a model handle reconciled, run by queue
+    /// maintenance: every model type of a table gets a turn, so a conditional index is built by
+    /// the code that declares it.
+    builders: Mutex<Vec<(String, TypeId, ErasedBuilder)>>,
+}
 
 type SharedCatalog = Arc<Mutex<Option<CachedCatalog>>>;
-
-static BUILDERS: LazyLock<Mutex<Registry>> = LazyLock::new(Mutex::default);
-
-/// Per store id, `(table, model type, builder)`: every model type of a table gets a turn, so a
-/// conditional index is built by the code that declares it.
-type Registry = HashMap<String, Vec<(String, TypeId, ErasedBuilder)>>;
 
 /// A [`Builder`] of some engine type, behind `Any` so one registry holds every engine's.
 type ErasedBuilder = Arc<dyn Any + Send + Sync>;
@@ -565,9 +562,10 @@ impl TableHandle {
         db: &E,
     ) -> TitoResult<Arc<TableHandle>> {
         let table = T::default().table();
-        let key = (db.store_id(), table.clone(), TypeId::of::<T>());
+        let state = db.extensions().get::<SchemaState>();
+        let key = (table.clone(), TypeId::of::<T>());
         let handle = {
-            let existing = lock(&HANDLES).get(&key).cloned();
+            let existing = lock(&state.handles).get(&key).cloned();
             match existing {
                 Some(handle) => handle,
                 None => {
@@ -575,12 +573,12 @@ impl TableHandle {
                         table,
                         code: CodeSchema::of::<T>()?,
                         reconciled: Mutex::new(false),
-                        cached: lock(&CATALOGS)
-                            .entry((key.0.clone(), key.1.clone()))
+                        cached: lock(&state.catalogs)
+                            .entry(key.0.clone())
                             .or_default()
                             .clone(),
                     });
-                    lock(&HANDLES).entry(key).or_insert(handle).clone()
+                    lock(&state.handles).entry(key).or_insert(handle).clone()
                 }
             }
         };
@@ -1002,8 +1000,8 @@ impl Step {
 fn register_builder<E: TitoEngine, T: TitoModelTrait>(db: &E, table: &str) {
     let builder: Builder<E> =
         Arc::new(|db: E| Box::pin(async move { db.model::<T>().schema_step(DEFAULT_BATCH).await }));
-    let mut builders = lock(&BUILDERS);
-    let entry = builders.entry(db.store_id()).or_default();
+    let state = db.extensions().get::<SchemaState>();
+    let mut entry = lock(&state.builders);
     let kind = TypeId::of::<T>();
     if !entry.iter().any(|(t, k, _)| t == table && *k == kind) {
         entry.push((table.to_string(), kind, Arc::new(builder) as ErasedBuilder));
@@ -1014,20 +1012,16 @@ fn register_builder<E: TitoEngine, T: TitoModelTrait>(db: &E, table: &str) {
 /// has used on this store; returns how many steps did work. Queue workers call it from their
 /// maintenance (the coordinator only, in cluster mode). A failing table is logged and skipped.
 pub async fn maintain<E: TitoEngine>(db: &E) -> usize {
-    let builders: Vec<(String, Builder<E>)> = lock(&BUILDERS)
-        .get(&db.store_id())
-        .map(|entries| {
-            entries
-                .iter()
-                .filter_map(|(table, _, any)| {
-                    any.clone()
-                        .downcast::<Builder<E>>()
-                        .ok()
-                        .map(|b| (table.clone(), (*b).clone()))
-                })
-                .collect()
+    let state = db.extensions().get::<SchemaState>();
+    let builders: Vec<(String, Builder<E>)> = lock(&state.builders)
+        .iter()
+        .filter_map(|(table, _, any)| {
+            any.clone()
+                .downcast::<Builder<E>>()
+                .ok()
+                .map(|b| (table.clone(), (*b).clone()))
         })
-        .unwrap_or_default();
+        .collect();
     let mut worked = 0;
     for (table, builder) in builders {
         match builder(db.clone()).await {

@@ -12,19 +12,12 @@ use futures::future::BoxFuture;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use super::Running;
 use super::outcome::{complete, replacement};
 use crate::engine::{TitoEngine, TitoTransaction};
 use crate::error::TitoError;
 use crate::queue::event::{QueueEvent, QueueHandlerOutcome, QueueHandlerResult};
 use crate::queue::lease::HeldCheck;
-use crate::queue::pull::Pulled;
-
-/// One invocation being handled.
-pub(super) struct Running {
-    pub pulled: Pulled,
-    /// The generation of the partition lease it was pulled under.
-    pub generation: u64,
-}
 
 /// What a handler task reports.
 pub(super) enum Report<T> {

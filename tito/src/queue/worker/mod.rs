@@ -37,11 +37,18 @@ use super::event::{QueueEvent, QueueHandlerOutcome, QueueHandlerResult, new_even
 use crate::engine::TitoEngine;
 use crate::error::{TitoError, TitoResult};
 use crate::telemetry::names;
-use handler::{Invoker, Report, Running};
+use handler::{Invoker, Report};
 use leases::{LeaseKeeper, Maintenance};
 use outcome::Outcome;
 use pulling::{Cooling, Pulling};
 use tracing::Instrument;
+
+/// One invocation being handled: what a handler runs and what its outcome applies to.
+pub(super) struct Running {
+    pub pulled: crate::queue::pull::Pulled,
+    /// The generation of the partition lease it was pulled under.
+    pub generation: u64,
+}
 
 /// How a worker runs. Build with [`WorkerConfig::new`] and the setters.
 #[derive(Clone, Debug)]

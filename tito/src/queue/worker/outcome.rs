@@ -5,7 +5,7 @@ use std::collections::{HashMap, HashSet};
 
 use serde::Serialize;
 
-use super::handler::Running;
+use super::Running;
 use crate::engine::{TitoEngine, TitoTransaction};
 use crate::error::{TitoError, TitoResult};
 use crate::keys;

@@ -9,8 +9,9 @@ use serde::de::DeserializeOwned;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
+use super::Running;
 use super::Stop;
-use super::handler::{Invoker, Report, Running};
+use super::handler::{Invoker, Report};
 use crate::engine::{TitoEngine, TitoTransaction};
 use crate::queue::Queue;
 use crate::queue::pull::Cursor;
