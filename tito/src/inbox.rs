@@ -50,7 +50,7 @@ use crate::keys::{self, KeyValue};
 use crate::model::{
     TitoIndexBlockType, TitoIndexConfig, TitoIndexField, TitoModel, TitoModelTrait, TitoOptions,
 };
-use crate::queue::Shutdown;
+use crate::runtime::Shutdown;
 use crate::telemetry::names;
 use tracing::Instrument;
 

@@ -676,7 +676,7 @@ impl<E: TitoEngine> Kv<E> {
     /// the same: [`WorkerConfig::sweep_kv`].)
     ///
     /// [`WorkerConfig::sweep_kv`]: crate::queue::WorkerConfig::sweep_kv
-    pub async fn run_sweeper(&self, interval: Duration, shutdown: impl crate::queue::Shutdown) {
+    pub async fn run_sweeper(&self, interval: Duration, shutdown: impl crate::runtime::Shutdown) {
         let mut shutdown = shutdown.wait();
         loop {
             let mut full = match self.sweep(SWEEP_BATCH).await {

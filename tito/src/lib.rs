@@ -53,6 +53,7 @@ pub mod keys;
 pub mod kv;
 pub mod model;
 pub mod queue;
+mod runtime;
 pub mod schema;
 pub mod telemetry;
 

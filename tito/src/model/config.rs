@@ -1,5 +1,6 @@
 //! What a model says about itself: its id and table, its indexes, its events.
 
+pub use crate::queue::TitoOperation;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
@@ -169,20 +170,6 @@ pub struct TitoEventConfig {
     pub name: String,
     /// When the event becomes runnable, in Unix seconds (never negative).
     pub timestamp: i64,
-}
-
-/// The write an event reports.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
-#[non_exhaustive]
-pub enum TitoOperation {
-    /// A new row.
-    Insert,
-    /// A changed row.
-    Update,
-    /// A row written whether or not it existed.
-    Upsert,
-    /// A removed row.
-    Delete,
 }
 
 /// Options of one write.

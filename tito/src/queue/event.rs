@@ -205,6 +205,20 @@ impl StoredEvent {
     }
 }
 
+/// The write an event reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[non_exhaustive]
+pub enum TitoOperation {
+    /// A new row.
+    Insert,
+    /// A changed row.
+    Update,
+    /// A row written whether or not it existed.
+    Upsert,
+    /// A removed row.
+    Delete,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -90,7 +90,7 @@ use serde_json::Value;
 pub use cluster::{ClusterConfig, ClusterState, cluster_state};
 pub use event::{
     MAX_OWNER_BYTES, MAX_QUEUE_EVENT_BYTES, QueueEvent, QueueHandlerOutcome, QueueHandlerResult,
-    QueueOwner, partition_for,
+    QueueOwner, TitoOperation, partition_for,
 };
 pub use worker::{
     MAX_SETTING, MIN_LEASE, Shutdown, WorkerConfig, run_cluster_worker, run_transactional_worker,
@@ -100,7 +100,6 @@ pub use worker::{
 use crate::engine::{self, TitoEngine, TitoTransaction};
 use crate::error::{TitoError, TitoResult};
 use crate::keys;
-use crate::model::TitoOperation;
 use crate::telemetry::names;
 use event::StoredEvent;
 

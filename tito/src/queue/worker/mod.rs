@@ -36,6 +36,7 @@ use super::cluster::{ClusterConfig, Node};
 use super::event::{QueueEvent, QueueHandlerOutcome, QueueHandlerResult, new_event_id};
 use crate::engine::TitoEngine;
 use crate::error::{TitoError, TitoResult};
+pub use crate::runtime::Shutdown;
 use crate::telemetry::names;
 use handler::{Invoker, Report};
 use leases::{LeaseKeeper, Maintenance};
@@ -228,52 +229,6 @@ pub const MIN_LEASE: Duration = Duration::from_millis(30);
 /// The longest duration any worker, cluster or inbox setting accepts (30 days): longer ones are
 /// a mistake, and timers past it would overflow.
 pub const MAX_SETTING: Duration = Duration::from_secs(30 * 24 * 60 * 60);
-
-/// What stops a worker: once it resolves, `run_worker` starts no new pull or handler, drains the
-/// handlers that started (keeping their leases), applies their outcomes, releases its leases and
-/// returns.
-pub trait Shutdown: Send + 'static {
-    /// Resolves when the worker must stop.
-    fn wait(self) -> BoxFuture<'static, ()>;
-}
-
-impl Shutdown for tokio::sync::watch::Receiver<bool> {
-    /// Stops when the value becomes `true` or the sender is dropped.
-    fn wait(mut self) -> BoxFuture<'static, ()> {
-        Box::pin(async move {
-            let _ = self.wait_for(|stop| *stop).await;
-        })
-    }
-}
-
-impl<T: Send + 'static> Shutdown for tokio::sync::oneshot::Receiver<T> {
-    /// Stops when a value is sent or the sender is dropped.
-    fn wait(self) -> BoxFuture<'static, ()> {
-        Box::pin(async move {
-            let _ = self.await;
-        })
-    }
-}
-
-impl<T: Clone + Send + 'static> Shutdown for tokio::sync::broadcast::Receiver<T> {
-    /// Stops at the first message, or when every sender is dropped.
-    fn wait(mut self) -> BoxFuture<'static, ()> {
-        Box::pin(async move {
-            loop {
-                match self.recv().await {
-                    Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
-                    _ => return,
-                }
-            }
-        })
-    }
-}
-
-impl Shutdown for BoxFuture<'static, ()> {
-    fn wait(self) -> BoxFuture<'static, ()> {
-        self
-    }
-}
 
 /// Shutdown as the loop sees it: asked for or not, polled without waiting.
 pub(super) struct Stop {
