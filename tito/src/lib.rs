@@ -77,6 +77,48 @@ pub use queue::{
 /// [`model`].
 pub use tito_derive::TitoModel;
 
+pub use backend::embedded::Embedded;
+#[cfg(feature = "tikv")]
+pub use backend::tikv::TiKV;
+pub use inbox::Inbox;
+pub use kv::Kv;
+
+/// What a first program needs, in one import: `use tito::prelude::*;`.
+///
+/// ```
+/// use serde::{Deserialize, Serialize};
+/// use tito::prelude::*;
+///
+/// #[derive(TitoModel, Default, Clone, Debug, Serialize, Deserialize)]
+/// #[tito(index = "by_team: team")]
+/// struct Member { id: String, team: String }
+///
+/// # #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+/// # async fn main() -> Result<(), TitoError> {
+/// let db = Embedded::temporary().await?;
+/// let members = db.clone().model::<Member>();
+/// members.build(Member { id: "1".into(), team: "core".into() }).await?;
+/// let page = members.by_team("core").limit(10).execute().await?;
+/// assert_eq!(page.items.len(), 1);
+/// db.close().await
+/// # }
+/// ```
+pub mod prelude {
+    pub use crate::backend::embedded::Embedded;
+    #[cfg(feature = "tikv")]
+    pub use crate::backend::tikv::TiKV;
+    pub use crate::inbox::{
+        Inbox, InboxConfig, InboxDelivery, InboxModel, InboxOutcome, run_inbox,
+    };
+    pub use crate::kv::Kv;
+    pub use crate::model::{TitoModelTrait, TitoOperation, TitoOptions, TitoPage};
+    pub use crate::queue::{
+        ModelEvent, Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, WorkerConfig,
+        run_transactional_worker, run_worker,
+    };
+    pub use crate::{TitoEngine, TitoError, TitoModel, TitoResult, TitoTransaction};
+}
+
 /// The README's code samples, compiled as doc tests.
 #[cfg(doctest)]
 #[doc = include_str!("../../README.md")]

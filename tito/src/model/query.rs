@@ -209,9 +209,10 @@ impl<E: TitoEngine, T: TitoModelTrait> IndexQuery<E, T> {
     }
 
     /// At most this many rows per page (default [`DEFAULT_PAGE_LIMIT`], at most
-    /// [`MAX_PAGE_LIMIT`]; zero is invalid).
-    pub fn limit(&mut self, limit: Option<usize>) -> &mut Self {
-        self.limit = limit;
+    /// [`MAX_PAGE_LIMIT`]; zero is invalid): `limit(10)`, or `limit(Some(10))` as the seed
+    /// writes it (`None::<usize>` for the default).
+    pub fn limit(&mut self, limit: impl Into<Option<usize>>) -> &mut Self {
+        self.limit = limit.into();
         self
     }
 
@@ -378,9 +379,9 @@ impl<E: TitoEngine, T: TitoModelTrait> TableQuery<E, T> {
         self
     }
 
-    /// At most this many rows per page (zero is invalid).
-    pub fn limit(&mut self, limit: Option<usize>) -> &mut Self {
-        self.limit = limit;
+    /// At most this many rows per page (zero is invalid): `limit(10)` or `limit(Some(10))`.
+    pub fn limit(&mut self, limit: impl Into<Option<usize>>) -> &mut Self {
+        self.limit = limit.into();
         self
     }
 
