@@ -35,6 +35,10 @@
 //! `tikv` (default): `--pd` opens TiKV stores. Without it (`default-features = false`) the tool
 //! opens embedded stores only and the TiKV client is not built.
 
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+#![cfg_attr(not(test), warn(clippy::unwrap_used))]
+
 use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};

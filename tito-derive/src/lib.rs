@@ -2,7 +2,9 @@
 //! attributes, plus a typed query method per index. See the `tito` crate's `model` module for
 //! the attribute grammar.
 
+#![forbid(unsafe_code)]
 #![warn(missing_docs)]
+#![cfg_attr(not(test), warn(clippy::unwrap_used))]
 
 mod ast;
 mod attr;

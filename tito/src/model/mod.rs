@@ -960,6 +960,39 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         }
     }
 
+    /// Reads one row by id in a transaction of its own: `None` when the table has no such row
+    /// ([`Self::find_by_id`] answers [`TitoError::NotFound`] instead).
+    ///
+    /// ```
+    /// # use serde::{Deserialize, Serialize};
+    /// # use tito::prelude::*;
+    /// # #[derive(TitoModel, Default, Clone, Debug, Serialize, Deserialize)]
+    /// # struct Member { id: String }
+    /// # #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+    /// # async fn main() -> Result<(), TitoError> {
+    /// let db = Embedded::temporary().await?;
+    /// let members = db.clone().model::<Member>();
+    /// assert!(members.get("1").await?.is_none());
+    /// members.build(Member { id: "1".into() }).await?;
+    /// assert_eq!(members.get("1").await?.map(|m| m.id).as_deref(), Some("1"));
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn get(&self, id: &str) -> TitoResult<Option<T>> {
+        read_only(&self.db, async |tx| self.get_tx(id, tx).await).await
+    }
+
+    /// [`Self::get`] inside `tx`.
+    pub async fn get_tx(&self, id: &str, tx: &E::Transaction) -> TitoResult<Option<T>> {
+        let table = Self::table();
+        let key = keys::row_key(&table, id);
+        let span = tracing::debug_span!("tito.model", table = %table, operation = "get", id);
+        match tx.get(key.as_bytes()).instrument(span).await? {
+            Some(bytes) => decode_model(&key, &bytes).map(Some),
+            None => Ok(None),
+        }
+    }
+
     /// Reads many rows in one round trip, in a transaction of its own; the answer is aligned
     /// with `ids` (`None` for a missing row).
     pub async fn find_by_ids(&self, ids: &[String]) -> TitoResult<Vec<Option<T>>> {
