@@ -481,7 +481,10 @@ where
             _ = wakeups.notify.notified(), if !stopping => {}
         }
     }
+    // Gone before the worker returns: a maintenance task still alive when the program's runtime
+    // shuts down would be polled without timers and panic.
     maintenance.abort();
+    let _ = maintenance.await;
     leases.release_all().await;
     Ok(())
 }
