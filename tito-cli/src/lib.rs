@@ -731,23 +731,7 @@ async fn execute<E: TitoEngine>(db: E, typed: &Typing, cli: Cli) -> Outcome {
             })
         }
         Command::Queue(QueueCommand::SetAside { topic, key, why }) => {
-            let partitions = inspect::queues(&db, 1000)
-                .await?
-                .into_iter()
-                .find(|q| q.topic == topic)
-                .and_then(|q| q.partitions)
-                .ok_or_else(|| {
-                    Failure(format!(
-                        "no queue {}",
-                        topic.as_deref().unwrap_or("(default)")
-                    ))
-                })?;
-            let mut config = tito::QueueConfig::new(partitions, Duration::from_secs(86_400));
-            if let Some(topic) = &topic {
-                config = config.topic(topic.clone());
-            }
-            let queue = tito::Queue::new(db.clone(), config);
-            let moved = queue.set_aside(&key, &why).await?;
+            let moved = tito::queue::set_aside(&db, topic.as_deref(), &key, &why).await?;
             print(
                 json,
                 &serde_json::json!({ "key": key, "set_aside": moved }),

@@ -843,11 +843,6 @@ pub fn undecodable_key(root: &str, pending_key: &str) -> TitoResult<String> {
     pending_twin(root, "undecodable", pending_key)
 }
 
-/// `{queue}:undecodable:{partition:04}:`, the undecodable notes of one partition.
-pub fn undecodable_partition_prefix(root: &str, partition: u32) -> String {
-    format!("{root}:undecodable:{partition:04}:")
-}
-
 /// `{queue}:undecodable:`, every undecodable note of a queue.
 pub fn undecodable_prefix(root: &str) -> String {
     format!("{root}:undecodable:")
@@ -1331,7 +1326,7 @@ mod tests {
             note,
             "queue:undecodable:0003:00000000001700000000:00000000000000000042:e;<;1"
         );
-        assert!(note.starts_with(&undecodable_partition_prefix(&root, 3)));
+        assert!(note.starts_with(&undecodable_prefix(&root)));
         assert_eq!(undecodable_target(&root, &note).unwrap(), key);
         assert!(
             aside_key(&root, &key)

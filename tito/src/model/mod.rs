@@ -951,13 +951,9 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
 
     /// Reads one row by id inside `tx`.
     pub async fn find_by_id_tx(&self, id: &str, tx: &E::Transaction) -> TitoResult<T> {
-        let table = Self::table();
-        let key = keys::row_key(&table, id);
-        let span = tracing::debug_span!("tito.model", table = %table, operation = "get", id);
-        match tx.get(key.as_bytes()).instrument(span).await? {
-            Some(bytes) => decode_model(&key, &bytes),
-            None => Err(TitoError::NotFound(no_row(&table, id))),
-        }
+        self.get_tx(id, tx)
+            .await?
+            .ok_or_else(|| TitoError::NotFound(no_row(&Self::table(), id)))
     }
 
     /// Reads one row by id in a transaction of its own: `None` when the table has no such row

@@ -467,19 +467,12 @@ impl<E: TitoEngine> Queue<E> {
         Ok(())
     }
 
-    /// Checks the stored partition count in `tx` (once per handle after it was found).
+    /// Checks the stored partition count in `tx` (once per handle after it was found), writing
+    /// it when the queue has none yet.
     pub(crate) async fn ensure_meta(&self, tx: &E::Transaction) -> TitoResult<()> {
-        self.check_config()?;
-        if self.meta_known.load(Ordering::Relaxed) {
-            return Ok(());
-        }
         let mut writes = engine::Writes::default();
-        let known = check_meta(tx, &self.root, self.config.partitions, &mut writes).await?;
-        writes.apply(tx).await?;
-        if known {
-            self.meta_known.store(true, Ordering::Relaxed);
-        }
-        Ok(())
+        self.plan_meta(tx, &mut writes).await?;
+        writes.apply(tx).await
     }
 
     /// [`Self::ensure_meta`], planning the metadata's write instead of writing it.
@@ -488,7 +481,9 @@ impl<E: TitoEngine> Queue<E> {
         if self.meta_known.load(Ordering::Relaxed) {
             return Ok(());
         }
-        check_meta(tx, &self.root, self.config.partitions, writes).await?;
+        if check_meta(tx, &self.root, self.config.partitions, writes).await? {
+            self.meta_known.store(true, Ordering::Relaxed);
+        }
         Ok(())
     }
 
@@ -500,7 +495,7 @@ impl<E: TitoEngine> Queue<E> {
     pub async fn publish<T: Serialize>(&self, event: QueueEvent<T>) -> TitoResult<Published> {
         // Checked before any transaction, so a bad event costs nothing.
         let stored = StoredEvent::from_event(&event)?;
-        stored.to_bytes()?;
+        let bytes = stored.to_bytes()?;
         self.check_config()?;
         let root = self.root.clone();
         let partitions = self.config.partitions;
@@ -510,13 +505,12 @@ impl<E: TitoEngine> Queue<E> {
         let (published, partition) = self
             .db
             .transaction(|tx| {
-                let (root, stored) = (root.clone(), stored.clone());
+                let (root, stored, bytes) = (root.clone(), stored.clone(), bytes.clone());
                 async move {
                     let mut writes = engine::Writes::default();
                     if !known {
                         check_meta(&tx, &root, partitions, &mut writes).await?;
                     }
-                    let bytes = stored.to_bytes()?;
                     let planned =
                         plan_pending(&tx, &root, partitions, &stored, bytes, &mut writes).await?;
                     writes.apply(&tx).await?;
@@ -716,52 +710,9 @@ impl<E: TitoEngine> Queue<E> {
     /// with its owner key and its event id (the id may be published again), and is kept under
     /// `{queue}:aside:` with `why` (listed by [`crate::inspect::queue_aside`]). For rows no
     /// worker can decode, or that should not run. Returns `false` when the row is not pending.
+    /// [`set_aside`] does the same with the queue's topic alone (for tools).
     pub async fn set_aside(&self, key: &str, why: &str) -> TitoResult<bool> {
-        let aside = keys::aside_key(&self.root, key)?;
-        let note_key = keys::undecodable_key(&self.root, key)?;
-        let parsed = keys::parse_pending_key(&self.root, key)?;
-        let (root, key, why) = (self.root.clone(), key.to_string(), why.to_string());
-        self.db
-            .transaction(|tx| {
-                let (root, key, why, aside, note_key) = (
-                    root.clone(),
-                    key.clone(),
-                    why.clone(),
-                    aside.clone(),
-                    note_key.clone(),
-                );
-                let event_id = parsed.event_id.clone();
-                async move {
-                    let Some(value) = tx.get(key.as_bytes()).await? else {
-                        return Ok(false);
-                    };
-                    let row: Value = serde_json::from_slice(&value).unwrap_or_else(|_| {
-                        Value::String(String::from_utf8_lossy(&value).into_owned())
-                    });
-                    let mut writes = engine::Writes::default();
-                    if let Ok(stored) = StoredEvent::parse(&value)
-                        && let Some(owner) = &stored.owner
-                    {
-                        writes.delete(keys::owner_key(
-                            &root,
-                            &owner.kind,
-                            &owner.id,
-                            keys::OWNER_PENDING,
-                            &key,
-                        ));
-                    }
-                    let id_key = keys::event_id_key(&root, &event_id);
-                    if tx.get(id_key.as_bytes()).await?.as_deref() == Some(key.as_bytes()) {
-                        writes.delete(id_key);
-                    }
-                    writes.delete(key.clone());
-                    writes.delete(note_key);
-                    writes.put(aside, serde_json::to_vec(&AsideRecord { why, row })?);
-                    writes.apply(&tx).await?;
-                    Ok::<_, TitoError>(true)
-                }
-            })
-            .await
+        set_aside_under(&self.db, &self.root, key, why).await
     }
 
     /// One maintenance step: deletes up to [`RETENTION_BATCH`] undecodable notes whose rows are
@@ -820,4 +771,66 @@ pub struct AsideRecord {
     pub why: String,
     /// The row as it was (JSON, or its bytes as text when it was not JSON).
     pub row: Value,
+}
+
+/// [`Queue::set_aside`] on the queue named `topic` (`None`: the default queue), for tools that
+/// have no queue handle: the row's key is enough.
+pub async fn set_aside<E: TitoEngine>(
+    db: &E,
+    topic: Option<&str>,
+    key: &str,
+    why: &str,
+) -> TitoResult<bool> {
+    set_aside_under(db, &keys::queue_root(topic), key, why).await
+}
+
+async fn set_aside_under<E: TitoEngine>(
+    db: &E,
+    root: &str,
+    key: &str,
+    why: &str,
+) -> TitoResult<bool> {
+    let aside = keys::aside_key(root, key)?;
+    let note_key = keys::undecodable_key(root, key)?;
+    let parsed = keys::parse_pending_key(root, key)?;
+    let (root, key, why) = (root.to_string(), key.to_string(), why.to_string());
+    db.transaction(|tx| {
+        let (root, key, why, aside, note_key) = (
+            root.clone(),
+            key.clone(),
+            why.clone(),
+            aside.clone(),
+            note_key.clone(),
+        );
+        let event_id = parsed.event_id.clone();
+        async move {
+            let Some(value) = tx.get(key.as_bytes()).await? else {
+                return Ok(false);
+            };
+            let row: Value = serde_json::from_slice(&value)
+                .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&value).into_owned()));
+            let mut writes = engine::Writes::default();
+            if let Ok(stored) = StoredEvent::parse(&value)
+                && let Some(owner) = &stored.owner
+            {
+                writes.delete(keys::owner_key(
+                    &root,
+                    &owner.kind,
+                    &owner.id,
+                    keys::OWNER_PENDING,
+                    &key,
+                ));
+            }
+            let id_key = keys::event_id_key(&root, &event_id);
+            if tx.get(id_key.as_bytes()).await?.as_deref() == Some(key.as_bytes()) {
+                writes.delete(id_key);
+            }
+            writes.delete(key.clone());
+            writes.delete(note_key);
+            writes.put(aside, serde_json::to_vec(&AsideRecord { why, row })?);
+            writes.apply(&tx).await?;
+            Ok::<_, TitoError>(true)
+        }
+    })
+    .await
 }
