@@ -55,9 +55,11 @@ fn row(n: u64) -> Before {
 }
 
 async fn open() -> Embedded {
-    Embedded::temporary_with(EmbeddedOptions::new().durability(Durability::Buffered))
+    let db = Embedded::temporary_with(EmbeddedOptions::new().durability(Durability::Buffered))
         .await
-        .unwrap()
+        .unwrap();
+    tito::schema::set_write_grace(&db, Duration::ZERO).unwrap();
+    db
 }
 
 async fn load(db: &Embedded, n: u64) {
@@ -155,7 +157,6 @@ async fn updaters(db: &Embedded, n: u64, stop: Arc<AtomicBool>) -> f64 {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
-    tito::schema::set_write_grace(Duration::ZERO).unwrap();
     let n = rows();
     println!("\nonline index builds, embedded engine (buffered), {n} rows\n");
 

@@ -138,7 +138,7 @@ async fn race_once<E: TitoEngine, const N: u8>(db: &E) {
 pub async fn an_index_added_to_an_empty_table_keeps_rows_of_racing_old_writers<E: TitoEngine>(
     ctx: Ctx<E>,
 ) {
-    tito::schema::set_write_grace(Duration::from_millis(50)).unwrap();
+    tito::schema::set_write_grace(&ctx.db, Duration::from_millis(50)).unwrap();
     race_once::<E, 0>(&ctx.db).await;
     race_once::<E, 1>(&ctx.db).await;
     race_once::<E, 2>(&ctx.db).await;
@@ -890,7 +890,16 @@ pub async fn a_worker_of_the_wrong_type_costs_one_attempt_per_row<E: TitoEngine>
 // ---------------------------------------------------------------------------------------------
 
 async fn two_stores_share_nothing<E: TitoEngine>(a: E, b: E) {
-    tito::schema::set_write_grace(Duration::from_millis(50)).unwrap();
+    tito::schema::set_write_grace(&a, Duration::from_millis(50)).unwrap();
+    // The write grace is the store's: b keeps the default, a wrapper of a sees a's.
+    assert_eq!(
+        tito::schema::write_grace(&b),
+        tito::schema::DEFAULT_WRITE_GRACE
+    );
+    assert_eq!(
+        tito::schema::write_grace(&FaultyEngine::new(a.clone())),
+        Duration::from_millis(50)
+    );
     // Store a: the first deploy writes a row, the next one adds an index: building there.
     let old = a.clone().model::<RaceOld<40>>();
     old.build(RaceOld {

@@ -723,8 +723,8 @@ shared_names!(Member, "member");
 shared_names!(Guest, "guest");
 
 pub async fn defect_8_tables_sharing_an_index_name_never_collide<E: TitoEngine>(ctx: Ctx<E>) {
-    let members: TitoModel<E, Member> = ctx.db.clone().model();
-    let guests: TitoModel<E, Guest> = ctx.db.clone().model();
+    let members: TitoModel<E, Member> = ctx.db.clone().model::<Member>();
+    let guests: TitoModel<E, Guest> = ctx.db.clone().model::<Guest>();
     let member = |id: &str| Member {
         id: id.into(),
         email: "e@x".into(),

@@ -253,8 +253,8 @@ fn state_of(schema: &tito::schema::TableSchema, index: &str) -> Option<IndexStat
 }
 
 /// Builds and drops wait this long after a catalog change (the default is ten seconds).
-fn short_grace() {
-    tito::schema::set_write_grace(Duration::from_millis(50)).unwrap();
+fn short_grace<E: TitoEngine>(db: &E) {
+    tito::schema::set_write_grace(db, Duration::from_millis(50)).unwrap();
 }
 
 fn rows_for_busy_table() -> u64 {
@@ -265,7 +265,7 @@ fn rows_for_busy_table() -> u64 {
 }
 
 pub async fn a_new_index_on_a_busy_table_matches_a_filtered_scan<E: TitoEngine>(ctx: Ctx<E>) {
-    short_grace();
+    short_grace(&ctx.db);
     let rows = rows_for_busy_table();
     let v1 = ctx.db.clone().model::<MemberV1>();
     load(&ctx.db, (0..rows).map(member::<MemberV1>).collect()).await;
@@ -400,7 +400,7 @@ pub async fn a_new_index_on_a_busy_table_matches_a_filtered_scan<E: TitoEngine>(
 }
 
 pub async fn older_code_is_refused_only_for_conditions_it_lacks<E: TitoEngine>(ctx: Ctx<E>) {
-    short_grace();
+    short_grace(&ctx.db);
     let v1 = ctx.db.clone().model::<MemberV1>();
     load(&ctx.db, (0..300).map(member::<MemberV1>).collect()).await;
     let v2 = ctx.db.clone().model::<MemberV2>();
@@ -473,7 +473,7 @@ pub async fn older_code_is_refused_only_for_conditions_it_lacks<E: TitoEngine>(c
 }
 
 pub async fn a_drop_removes_every_entry_and_claim<E: TitoEngine>(ctx: Ctx<E>) {
-    short_grace();
+    short_grace(&ctx.db);
     let old = ctx.db.clone().model::<MemberUnique>();
     load(&ctx.db, (0..300).map(member::<MemberUnique>).collect()).await;
     assert_eq!(
@@ -551,7 +551,7 @@ pub async fn a_drop_removes_every_entry_and_claim<E: TitoEngine>(ctx: Ctx<E>) {
 }
 
 pub async fn a_unique_build_over_duplicates_stops_and_changes_no_row<E: TitoEngine>(ctx: Ctx<E>) {
-    short_grace();
+    short_grace(&ctx.db);
     let plain = ctx.db.clone().model::<MemberV1>();
     let mut rows: Vec<MemberV1> = (0..600).map(member).collect();
     rows[10].email = "same@example.com".into();
@@ -641,7 +641,7 @@ pub async fn a_unique_build_over_duplicates_stops_and_changes_no_row<E: TitoEngi
 }
 
 pub async fn a_changed_definition_is_refused_with_a_rename_hint<E: TitoEngine>(ctx: Ctx<E>) {
-    short_grace();
+    short_grace(&ctx.db);
     let v1 = ctx.db.clone().model::<MemberV1>();
     v1.build(member(1)).await.unwrap();
     let changed = ctx.db.clone().model::<MemberRedefined>();
@@ -671,7 +671,7 @@ pub async fn a_changed_definition_is_refused_with_a_rename_hint<E: TitoEngine>(c
 }
 
 pub async fn audit_finds_each_kind_and_repair_fixes_it<E: TitoEngine>(ctx: Ctx<E>) {
-    short_grace();
+    short_grace(&ctx.db);
     let model = ctx.db.clone().model::<MemberUnique>();
     load(&ctx.db, (0..300).map(member::<MemberUnique>).collect()).await;
     let clean = model.audit(|_| {}).await.unwrap();
@@ -812,7 +812,7 @@ pub async fn audit_finds_each_kind_and_repair_fixes_it<E: TitoEngine>(ctx: Ctx<E
 }
 
 pub async fn queue_maintenance_builds_indexes<E: TitoEngine>(ctx: Ctx<E>) {
-    short_grace();
+    short_grace(&ctx.db);
     load(&ctx.db, (0..400).map(member::<MemberV1>).collect()).await;
     let v2 = ctx.db.clone().model::<MemberV2>();
     assert_eq!(
@@ -853,7 +853,7 @@ pub async fn queue_maintenance_builds_indexes<E: TitoEngine>(ctx: Ctx<E>) {
 }
 
 pub async fn bad_batch_sizes_are_refused<E: TitoEngine>(ctx: Ctx<E>) {
-    short_grace();
+    short_grace(&ctx.db);
     let v1 = ctx.db.clone().model::<MemberV1>();
     for batch in [0, tito::engine::MAX_SCAN_LIMIT + 1, usize::MAX] {
         assert!(matches!(
@@ -865,11 +865,14 @@ pub async fn bad_batch_sizes_are_refused<E: TitoEngine>(ctx: Ctx<E>) {
     // A grace over an hour is refused and leaves the setting as it was.
     for grace in [Duration::from_secs(3601), Duration::MAX] {
         assert!(matches!(
-            tito::schema::set_write_grace(grace),
+            tito::schema::set_write_grace(&ctx.db, grace),
             Err(TitoError::InvalidArgument(_))
         ));
     }
-    assert!(tito::schema::write_grace() <= Duration::from_secs(3600));
+    assert_eq!(
+        tito::schema::write_grace(&ctx.db),
+        Duration::from_millis(50)
+    );
     assert!(
         v1.schema_step(tito::engine::MAX_SCAN_LIMIT)
             .await
@@ -894,8 +897,8 @@ async fn schema_build_child() {
     let Ok(dir) = std::env::var(BUILD_DIR_VAR) else {
         return;
     };
-    short_grace();
     let db = tito::backend::embedded::Embedded::open(&dir).await.unwrap();
+    short_grace(&db);
     let v2 = db.model::<MemberV2>();
     loop {
         let step = v2.schema_step(BUILD_BATCH).await.unwrap();
@@ -910,10 +913,10 @@ async fn schema_build_child() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_build_resumes_from_its_cursor() {
     use tito::backend::embedded::Embedded;
-    short_grace();
     let dir = tempfile::tempdir().unwrap();
     {
         let db = Embedded::open(dir.path()).await.unwrap();
+        short_grace(&db);
         load(&db, (0..BUILD_ROWS).map(member::<MemberV1>).collect()).await;
         db.close().await.unwrap();
     }

@@ -436,7 +436,7 @@ fn a_scripted_run_reports_its_figures_to_the_recorder_and_the_subscriber() {
         subscription.await.unwrap().unwrap();
 
         // An index build: three rows of one deploy, an index added by the next.
-        tito::schema::set_write_grace(Duration::from_millis(50)).unwrap();
+        tito::schema::set_write_grace(&db, Duration::from_millis(50)).unwrap();
         for (id, name) in [("1", "ada"), ("2", "bob"), ("3", "cy")] {
             db.clone()
                 .model::<MemberV1>()

@@ -345,6 +345,7 @@ type Outcome = Result<String, Failure>;
 pub struct Tool {
     models: Vec<Registered>,
     inboxes: Vec<RegisteredInbox>,
+    write_grace: Option<std::time::Duration>,
 }
 
 /// A model registered for both engines the tool can open.
@@ -376,6 +377,15 @@ impl Tool {
             #[cfg(feature = "tikv")]
             tikv: Box::new(|db| Arc::new(Typed::<TiKV, T>(db.model::<T>()))),
         });
+        self
+    }
+
+    /// The schema write grace of the store this tool opens
+    /// ([`tito::schema::set_write_grace`]): how long a build waits after an index this tool's
+    /// models register before it scans rows. Ten seconds unless set; give your application's
+    /// setting. Over an hour is refused when a command opens the store.
+    pub fn write_grace(mut self, grace: std::time::Duration) -> Self {
+        self.write_grace = Some(grace);
         self
     }
 
@@ -450,6 +460,9 @@ impl Tool {
         }
         if let Some(path) = &cli.store.path {
             let db = open_embedded(path).await?;
+            if let Some(grace) = self.write_grace {
+                tito::schema::set_write_grace(&db, grace)?;
+            }
             let models = self
                 .models
                 .iter()
@@ -487,6 +500,9 @@ impl Tool {
     #[cfg(feature = "tikv")]
     async fn run_tikv(self, endpoints: Vec<String>, cli: Cli) -> Outcome {
         let db = connect_tikv(&endpoints, Duration::from_secs(cli.timeout.max(1))).await?;
+        if let Some(grace) = self.write_grace {
+            tito::schema::set_write_grace(&db, grace)?;
+        }
         let models = self
             .models
             .iter()

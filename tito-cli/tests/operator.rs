@@ -890,7 +890,10 @@ struct UserV2 {
 }
 
 fn tool() -> tito_cli::Tool {
-    tito_cli::Tool::new().model::<UserV2>().inbox::<Job>()
+    tito_cli::Tool::new()
+        .model::<UserV2>()
+        .inbox::<Job>()
+        .write_grace(Duration::from_millis(20))
 }
 
 async fn execute(path: &str, args: &[&str]) -> Result<String, String> {
@@ -910,7 +913,6 @@ async fn execute_json(path: &str, args: &[&str]) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tool_with_the_models_builds_audits_repairs_and_shows_inboxes() {
-    tito::schema::set_write_grace(Duration::from_millis(20)).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().to_str().unwrap().to_string();
     {

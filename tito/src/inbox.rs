@@ -337,11 +337,7 @@ struct Subscription(Arc<Subscriptions>, String);
 
 impl Subscription {
     fn take(subscriptions: Arc<Subscriptions>, name: String) -> TitoResult<Subscription> {
-        let fresh = subscriptions
-            .0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(name.clone());
+        let fresh = crate::util::lock(&subscriptions.0).insert(name.clone());
         if !fresh {
             return Err(TitoError::AlreadySubscribed(name));
         }
@@ -351,11 +347,7 @@ impl Subscription {
 
 impl Drop for Subscription {
     fn drop(&mut self) {
-        self.0
-            .0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&self.1);
+        crate::util::lock(&self.0.0).remove(&self.1);
     }
 }
 
@@ -575,7 +567,7 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
     pub async fn bad_rows(&self) -> TitoResult<Vec<String>> {
         let prefix = keys::inbox_bad_prefix(&self.table);
         let end = keys::prefix_end(prefix.clone());
-        crate::model::read_only(&self.db, async |tx| {
+        crate::engine::read_only(&self.db, async |tx| {
             let rows = tx
                 .scan(prefix.as_bytes(), end.as_bytes(), engine::MAX_SCAN_LIMIT)
                 .await?;
@@ -632,7 +624,7 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
         let end = keys::prefix_end(prefix.clone());
         let bound = crate::inspect::COUNT_BOUND as usize;
         let now = host_now_ms();
-        let mut counts = crate::model::read_only(&self.db, async |tx| {
+        let mut counts = crate::engine::read_only(&self.db, async |tx| {
             let mut counts = InboxCounts::default();
             let mut start = prefix.clone().into_bytes();
             while counts.scanned < bound as u64 {
@@ -688,7 +680,7 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
         crate::model::query::narrow_to_cursor(&mut start, &mut end, false, cursor)?;
         let budget = limit * 10;
         let now = host_now_ms();
-        crate::model::read_only(&self.db, async |tx| {
+        crate::engine::read_only(&self.db, async |tx| {
             let rows = tx.scan(&start, &end, budget).await?;
             let full = rows.len() == budget;
             let mut items = Vec::new();
@@ -812,10 +804,7 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
             .unwrap_or_else(|| keys::table_prefix(&self.table));
         let end = keys::prefix_end(prefix.clone()).into_bytes();
         let first = prefix.into_bytes();
-        let resumed = self
-            .resume
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+        let resumed = crate::util::lock(&self.resume)
             .remove(&config.group)
             .filter(|at| *at >= first && *at < end);
         let mut start = resumed.clone().unwrap_or_else(|| first.clone());
@@ -965,10 +954,7 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
         }
         if bounded && claimed.len() < n {
             // Stopped by the scan bound: the next claim continues here.
-            self.resume
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(config.group.clone(), start);
+            crate::util::lock(&self.resume).insert(config.group.clone(), start);
         }
         Ok(claimed)
     }

@@ -38,12 +38,13 @@
 use serde::Serialize;
 use serde_json::Value;
 
+use crate::engine::read_only;
 use crate::engine::{self, TitoEngine, TitoTransaction};
 use crate::error::{TitoError, TitoResult};
+use crate::event::StoredEvent;
 use crate::keys;
 use crate::model::query::{encode_cursor, narrow_to_cursor};
-use crate::model::{MAX_PAGE_LIMIT, TitoPage, read_only};
-use crate::queue::event::StoredEvent;
+use crate::model::{MAX_PAGE_LIMIT, TitoPage};
 use crate::queue::{AsideRecord, QueueOwner, UndecodableNote};
 
 /// Where counts stop: past it a [`Count`] says "more than".

@@ -133,7 +133,7 @@ fn ttl_ms(ttl: Option<Duration>) -> TitoResult<Option<u64>> {
         Some(ttl) if ttl < Duration::from_millis(1) => Err(TitoError::invalid_argument(format!(
             "a kv ttl must be at least one millisecond, not {ttl:?}"
         ))),
-        Some(ttl) => Ok(Some(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX))),
+        Some(ttl) => Ok(Some(crate::util::millis(ttl))),
     }
 }
 
@@ -249,7 +249,7 @@ impl<E: TitoEngine> Kv<E> {
     pub async fn get(&self, namespace: &str, key: &str) -> TitoResult<Option<KvEntry>> {
         check_names(namespace, key)?;
         let (namespace, key) = (namespace.to_string(), key.to_string());
-        crate::model::read_only(&self.db, async |tx| self.get_tx(&namespace, &key, tx).await).await
+        crate::engine::read_only(&self.db, async |tx| self.get_tx(&namespace, &key, tx).await).await
     }
 
     /// The live entry at `(namespace, key)`, inside `tx`.
@@ -272,7 +272,7 @@ impl<E: TitoEngine> Kv<E> {
         keys: &[String],
     ) -> TitoResult<Vec<Option<KvEntry>>> {
         let namespace = namespace.to_string();
-        crate::model::read_only(&self.db, async |tx| {
+        crate::engine::read_only(&self.db, async |tx| {
             self.get_many_tx(&namespace, keys, tx).await
         })
         .await
@@ -579,7 +579,7 @@ impl<E: TitoEngine> Kv<E> {
         cursor: Option<&str>,
     ) -> TitoResult<KvPage> {
         let namespace = namespace.to_string();
-        crate::model::read_only(&self.db, async |tx| {
+        crate::engine::read_only(&self.db, async |tx| {
             self.list_tx(&namespace, prefix, limit, cursor, tx).await
         })
         .await

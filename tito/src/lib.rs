@@ -49,6 +49,7 @@ pub mod backend;
 mod counters;
 pub mod engine;
 mod error;
+mod event;
 pub mod inbox;
 pub mod inspect;
 pub mod keys;
@@ -58,6 +59,7 @@ pub mod queue;
 mod runtime;
 pub mod schema;
 pub mod telemetry;
+mod util;
 
 #[doc(hidden)]
 #[path = "private.rs"]

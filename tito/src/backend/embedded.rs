@@ -396,7 +396,7 @@ fn storage_err(what: &str, err: surrealkv::Error) -> TitoError {
 fn now_millis() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
+        .map(crate::util::millis)
         .unwrap_or(0)
 }
 
@@ -627,9 +627,7 @@ impl Embedded {
 
 impl Inner {
     fn oracle(&self) -> MutexGuard<'_, Oracle> {
-        self.oracle
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        crate::util::lock(&self.oracle)
     }
 
     /// See [`Embedded::close`].
@@ -837,10 +835,7 @@ impl EmbeddedTransaction {
     fn lock(&self) -> MutexGuard<'_, TxState> {
         // A panic while the lock was held cannot leave the transaction half-updated in a way
         // that matters: surrealkv keeps its own state consistent per call.
-        self.inner
-            .state
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        crate::util::lock(&self.inner.state)
     }
 
     /// Runs `f`, a read of `keys` keys, on the active transaction (see [`read`]).

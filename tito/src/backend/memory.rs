@@ -147,10 +147,10 @@ impl Clock {
         match self {
             Clock::Host => SystemTime::now()
                 .duration_since(UNIX_EPOCH)
-                .map(|d| d.as_millis() as u64)
+                .map(crate::util::millis)
                 .unwrap_or(0),
             Clock::Runtime { epoch_ms, start } => {
-                epoch_ms.saturating_add(start.elapsed().as_millis() as u64)
+                epoch_ms.saturating_add(crate::util::millis(start.elapsed()))
             }
         }
     }
@@ -243,7 +243,7 @@ impl Memory {
 impl Inner {
     fn lock(&self) -> MutexGuard<'_, State> {
         // Every update below leaves the state consistent before it can panic.
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        crate::util::lock(&self.state)
     }
 
     /// The next version: the clock, or one above the last version handed out.
@@ -419,7 +419,7 @@ impl MemoryTransaction {
         &self,
         f: impl FnOnce(&mut Writes, &mut BTreeSet<Vec<u8>>) -> TitoResult<R>,
     ) -> TitoResult<R> {
-        let mut state = self.inner.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut state = crate::util::lock(&self.inner.state);
         match &mut *state {
             TxState::Active { writes, locks } => f(writes, locks),
             TxState::Finished(how) => Err(TitoError::TransactionFinished(how)),
@@ -565,7 +565,7 @@ impl TitoTransaction for MemoryTransaction {
             self.rollback().await?;
             return Err(refusal);
         }
-        let mut state = self.inner.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut state = crate::util::lock(&self.inner.state);
         let (writes, locks) = match &mut *state {
             TxState::Active { writes, locks } => (std::mem::take(writes), std::mem::take(locks)),
             TxState::Finished(how) => return Err(TitoError::TransactionFinished(how)),
@@ -613,7 +613,7 @@ impl TitoTransaction for MemoryTransaction {
     }
 
     async fn rollback(&self) -> TitoResult<()> {
-        let mut state = self.inner.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut state = crate::util::lock(&self.inner.state);
         match &*state {
             TxState::Active { .. } => {
                 self.inner.close(&mut state, "rolled back");

@@ -150,9 +150,7 @@ impl std::fmt::Debug for Faults {
 
 impl Faults {
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        crate::util::lock(&self.state)
     }
 
     /// Adds a rule.
@@ -310,10 +308,7 @@ pub struct FaultyTransaction<T> {
 
 impl<T> FaultyTransaction<T> {
     fn record(&self, key: &[u8]) {
-        self.written
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(key.to_vec());
+        crate::util::lock(&self.written).push(key.to_vec());
     }
 }
 
@@ -381,11 +376,7 @@ impl<T: TitoTransaction> TitoTransaction for FaultyTransaction<T> {
             self.inner.rollback().await?;
             return Err(refusal);
         }
-        let written = self
-            .written
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
+        let written = crate::util::lock(&self.written).clone();
         let fault = self
             .faults
             .check(FaultPoint::Commit, written.iter().map(Vec::as_slice));

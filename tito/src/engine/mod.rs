@@ -155,7 +155,7 @@ impl Extensions {
 
     /// This store's value of type `T`, created with `T::default()` on first use.
     pub fn get<T: std::any::Any + Send + Sync + Default>(&self) -> std::sync::Arc<T> {
-        let mut values = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let mut values = crate::util::lock(&self.0);
         let value = values
             .entry(std::any::TypeId::of::<T>())
             .or_insert_with(|| std::sync::Arc::new(T::default()));
@@ -259,9 +259,10 @@ pub trait TitoEngine: Clone + Send + Sync + 'static {
     /// share it.
     fn extensions(&self) -> &Extensions;
 
-    /// The operations on model `T` stored in this engine: `db.clone().model::<User>()`.
-    fn model<T: crate::model::TitoModelTrait>(self) -> crate::model::TitoModel<Self, T> {
-        crate::model::TitoModel::new(self)
+    /// The operations on model `T` stored in this engine: `db.clone().model::<User>()` is a
+    /// [`TitoModel<Self, User>`](crate::TitoModel).
+    fn model<T: OnStore<Self>>(self) -> T::Handle {
+        T::handle(self)
     }
 
     /// Runs `f` in a transaction and commits it, replaying `f` in a new transaction after a
@@ -396,6 +397,33 @@ pub trait TitoTransaction: Clone + Send + Sync + 'static {
 
     /// Discards the buffered writes. Rolling back a finished transaction is an error.
     fn rollback(&self) -> impl Future<Output = TitoResult<()>> + Send;
+}
+
+/// A type with a handle over a store: what [`TitoEngine::model`] builds. The model layer
+/// implements it for every [`TitoModelTrait`](crate::TitoModelTrait) type (the handle is its
+/// [`TitoModel`](crate::TitoModel)), so the storage contract names no layer above it.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a Tito model",
+    label = "not a model",
+    note = "derive it: `#[derive(TitoModel, Default, Clone, Serialize, Deserialize)]`"
+)]
+pub trait OnStore<E>: Sized {
+    /// The handle: a [`TitoModel<E, Self>`](crate::TitoModel) for a model.
+    type Handle;
+    /// The handle of this type over `engine`.
+    fn handle(engine: E) -> Self::Handle;
+}
+
+/// Runs `read` in a transaction of its own, then rolls that transaction back (nothing was
+/// written, so a failed rollback loses nothing).
+pub(crate) async fn read_only<E: TitoEngine, R>(
+    db: &E,
+    read: impl AsyncFnOnce(&E::Transaction) -> TitoResult<R>,
+) -> TitoResult<R> {
+    let tx = db.begin().await?;
+    let result = read(&tx).await;
+    let _ = tx.rollback().await;
+    result
 }
 
 /// Runs the write phase of an operation in a caller's transaction: on an error, `tx` is
@@ -538,7 +566,7 @@ pub(crate) fn check_destroy_range(start: &[u8], end: &[u8]) -> TitoResult<()> {
 
 /// Checks a garbage-collection retention window.
 pub(crate) fn check_retention(retention: Duration) -> TitoResult<u64> {
-    let millis = u64::try_from(retention.as_millis()).unwrap_or(u64::MAX);
+    let millis = crate::util::millis(retention);
     if millis == 0 {
         return Err(TitoError::invalid_argument(
             "garbage collection retention must be at least one millisecond",

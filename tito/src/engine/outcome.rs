@@ -133,7 +133,7 @@ fn too_old_to_fence(marker: &[u8], now: u64) -> Option<String> {
     let text = std::str::from_utf8(marker).ok()?;
     let (_, started, _) = keys::parse_commit_marker_key(text).ok()?;
     let age_ms = version_millis(now).saturating_sub(version_millis(started));
-    let half = COMMIT_MARKER_RETENTION.as_millis() as u64 / 2;
+    let half = crate::util::millis(COMMIT_MARKER_RETENTION) / 2;
     (age_ms > half).then(|| {
         format!(
             "the transaction started {age_ms} ms ago, longer than half the marker retention: \
@@ -190,7 +190,7 @@ pub(crate) fn check_bound(bound: Duration) -> TitoResult<()> {
 pub async fn sweep_commit_markers<E: TitoEngine>(db: &E, batch: usize) -> TitoResult<usize> {
     let batch = batch.clamp(1, super::MAX_SCAN_LIMIT);
     db.transaction(|tx| async move {
-        let retention_ms = COMMIT_MARKER_RETENTION.as_millis() as u64;
+        let retention_ms = crate::util::millis(COMMIT_MARKER_RETENTION);
         let now_ms = version_millis(tx.start_version());
         let Some(cutoff_ms) = now_ms.checked_sub(retention_ms) else {
             return Ok(0);

@@ -1,6 +1,6 @@
 //! What a model says about itself: its id and table, its indexes, its events.
 
-pub use crate::queue::TitoOperation;
+pub use crate::event::TitoOperation;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 

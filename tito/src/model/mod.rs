@@ -133,6 +133,7 @@
 //! # }
 //! ```
 
+pub(crate) mod catalog;
 mod config;
 pub(crate) mod index;
 pub(crate) mod query;
@@ -151,10 +152,11 @@ pub use config::{
 pub use index::MAX_INDEX_ENTRIES_PER_ROW;
 pub use query::{DEFAULT_PAGE_LIMIT, IndexQuery, MAX_PAGE_LIMIT, TableQuery, TitoPage};
 
-use crate::engine::{self, TitoEngine, TitoTransaction};
+pub(crate) use crate::engine::read_only;
+use crate::engine::{self, OnStore, TitoEngine, TitoTransaction};
 use crate::error::{TitoError, TitoResult};
 use crate::keys;
-use crate::schema::{IndexState, TableHandle, WritePlan};
+use catalog::{IndexState, TableHandle, WritePlan};
 
 /// The operations on one model type. Cheap to clone; get one with
 /// [`TitoEngine::model`].
@@ -356,18 +358,6 @@ fn check_events<T: TitoModelTrait>(model: &T, options: &TitoOptions) -> TitoResu
     Ok(())
 }
 
-/// Runs `read` in a transaction of its own, then rolls that transaction back.
-pub(crate) async fn read_only<E: TitoEngine, R>(
-    db: &E,
-    read: impl AsyncFnOnce(&E::Transaction) -> TitoResult<R>,
-) -> TitoResult<R> {
-    let tx = db.begin().await?;
-    let result = read(&tx).await;
-    // Nothing was written: a failed rollback loses nothing.
-    let _ = tx.rollback().await;
-    result
-}
-
 /// A manifest's schema version and keys. Manifests written before catalogs are a plain JSON
 /// array of keys (version 0).
 pub(crate) fn parse_manifest(key: &str, bytes: &[u8]) -> TitoResult<(u64, Vec<String>)> {
@@ -528,6 +518,15 @@ fn stamp(row: &mut Value, previous: Option<&Value>, now_millis: u64) -> bool {
     changed
 }
 
+/// What [`TitoEngine::model`] builds for a model type.
+impl<E: TitoEngine, T: TitoModelTrait> OnStore<E> for T {
+    type Handle = TitoModel<E, T>;
+
+    fn handle(engine: E) -> TitoModel<E, T> {
+        TitoModel::new(engine)
+    }
+}
+
 impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
     /// The operations on `T` stored in `db`.
     pub fn new(db: E) -> Self {
@@ -678,21 +677,21 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
     /// [`ModelEvent`] per event config, to the queue named like the config, keyed
     /// `{table}:{id}`.
     ///
-    /// [`ModelEvent`]: crate::queue::ModelEvent
+    /// [`ModelEvent`]: crate::event::ModelEvent
     fn prepare_events<R: serde::Serialize>(
         &self,
         operation: TitoOperation,
         model: &T,
         row: &R,
-    ) -> TitoResult<Vec<(String, crate::queue::PreparedEvent)>> {
+    ) -> TitoResult<Vec<(String, crate::event::publish::PreparedEvent)>> {
         let (table, id) = (model.table(), model.id());
         model
             .events()
             .into_iter()
             .map(|config| {
-                let event = crate::queue::QueueEvent::new(
+                let event = crate::event::QueueEvent::new(
                     format!("{table}:{id}"),
-                    crate::queue::ModelEvent {
+                    crate::event::ModelEvent {
                         operation,
                         table: table.clone(),
                         id: id.clone(),
@@ -700,7 +699,10 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
                     },
                     config.timestamp,
                 );
-                Ok((config.name, crate::queue::PreparedEvent::new(&event)?))
+                Ok((
+                    config.name,
+                    crate::event::publish::PreparedEvent::new(&event)?,
+                ))
             })
             .collect()
     }
@@ -710,11 +712,18 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
     async fn plan_events(
         &self,
         tx: &E::Transaction,
-        events: Vec<(String, crate::queue::PreparedEvent)>,
+        events: Vec<(String, crate::event::publish::PreparedEvent)>,
         writes: &mut engine::Writes,
     ) -> TitoResult<()> {
         for (topic, event) in events {
-            crate::queue::plan_model_event(tx, &topic, self.db.partitions(), event, writes).await?;
+            crate::event::publish::plan_model_event(
+                tx,
+                &topic,
+                self.db.partitions(),
+                event,
+                writes,
+            )
+            .await?;
         }
         Ok(())
     }

@@ -297,14 +297,14 @@ fn node_id_from_env() -> String {
         .ok()
         .filter(|h| !h.is_empty())
         .unwrap_or_else(|| "node".to_string());
-    let boot = super::event::new_event_id();
+    let boot = crate::event::new_event_id();
     format!("{host}-{}", &boot[boot.len() - 12..])
 }
 
 fn random_epoch() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-    hasher.write(super::event::new_event_id().as_bytes());
+    hasher.write(crate::event::new_event_id().as_bytes());
     hasher.finish().max(1)
 }
 
@@ -322,7 +322,7 @@ pub(crate) struct Tick {
 }
 
 fn ms(duration: Duration) -> u64 {
-    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+    crate::util::millis(duration)
 }
 
 impl Node {

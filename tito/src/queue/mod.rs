@@ -73,7 +73,6 @@
 //! ```
 
 pub mod cluster;
-pub(crate) mod event;
 mod lease;
 mod pull;
 mod worker;
@@ -87,11 +86,12 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-pub use cluster::{ClusterConfig, ClusterState, cluster_state};
-pub use event::{
-    MAX_OWNER_BYTES, MAX_QUEUE_EVENT_BYTES, QueueEvent, QueueHandlerOutcome, QueueHandlerResult,
-    QueueOwner, TitoOperation, partition_for,
+use crate::event::publish::{check_meta, forget_event_id, plan_pending};
+pub use crate::event::{
+    MAX_OWNER_BYTES, MAX_QUEUE_EVENT_BYTES, ModelEvent, Published, QueueEvent, QueueHandlerOutcome,
+    QueueHandlerResult, QueueOwner, TitoOperation, partition_for,
 };
+pub use cluster::{ClusterConfig, ClusterState, cluster_state};
 pub use worker::{
     MAX_SETTING, MIN_LEASE, Shutdown, WorkerConfig, run_cluster_worker, run_transactional_worker,
     run_worker,
@@ -99,9 +99,9 @@ pub use worker::{
 
 use crate::engine::{self, TitoEngine, TitoTransaction};
 use crate::error::{TitoError, TitoResult};
+use crate::event::StoredEvent;
 use crate::keys;
 use crate::telemetry::names;
-use event::StoredEvent;
 
 /// How many completed rows one maintenance batch deletes at most.
 pub const RETENTION_BATCH: usize = 256;
@@ -136,19 +136,6 @@ impl QueueConfig {
     }
 }
 
-/// The event a model write publishes when its options ask for events.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct ModelEvent<T> {
-    /// The write.
-    pub operation: TitoOperation,
-    /// The model's table.
-    pub table: String,
-    /// The row's id.
-    pub id: String,
-    /// The row as written (for a delete: as it was).
-    pub row: T,
-}
-
 crate::counters::counters! {
     /// The counters of one queue handle and its workers, as plain numbers at one moment
     /// ([`Queue::stats`]).
@@ -177,17 +164,6 @@ crate::counters::counters! {
     }
 }
 
-/// What a publication did.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Published {
-    /// The storage key of the event's invocation: the new pending row, or, for a duplicate,
-    /// the live invocation (pending or completed) that already holds the event id.
-    pub key: String,
-    /// Whether the event id already had a live invocation, so nothing was written.
-    pub duplicate: bool,
-}
-
 /// Partitions with fresh publications from this process, for workers to poll at once.
 #[derive(Default)]
 pub(crate) struct Wakeups {
@@ -197,15 +173,12 @@ pub(crate) struct Wakeups {
 
 impl Wakeups {
     fn wake(&self, partition: u32) {
-        self.partitions
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(partition);
+        crate::util::lock(&self.partitions).insert(partition);
         self.notify.notify_waiters();
     }
 
     pub(crate) fn take(&self) -> HashSet<u32> {
-        std::mem::take(&mut *self.partitions.lock().unwrap_or_else(|e| e.into_inner()))
+        std::mem::take(&mut *crate::util::lock(&self.partitions))
     }
 }
 
@@ -228,174 +201,6 @@ impl<E> std::fmt::Debug for Queue<E> {
             .field("config", &self.config)
             .finish()
     }
-}
-
-#[derive(Serialize, Deserialize)]
-struct QueueMeta {
-    partitions: u32,
-}
-
-/// Checks (and on first use records) the partition count of the queue at `root`. Returns whether
-/// it was already recorded.
-/// Checks the stored partition count of a queue; plans its metadata when the queue has none
-/// yet. Returns whether the metadata was there.
-async fn check_meta<X: TitoTransaction>(
-    tx: &X,
-    root: &str,
-    partitions: u32,
-    writes: &mut engine::Writes,
-) -> TitoResult<bool> {
-    let key = keys::queue_meta_key(root);
-    match tx.get(key.as_bytes()).await? {
-        Some(bytes) => {
-            let meta: QueueMeta = serde_json::from_slice(&bytes).map_err(|err| {
-                TitoError::Integrity(format!("queue metadata {key:?} is malformed: {err}"))
-            })?;
-            if meta.partitions != partitions {
-                return Err(TitoError::invalid_argument(format!(
-                    "queue {root:?} has {} partitions; this handle was configured with {partitions}",
-                    meta.partitions
-                )));
-            }
-            Ok(true)
-        }
-        None => {
-            writes.put(key, serde_json::to_vec(&QueueMeta { partitions })?);
-            Ok(false)
-        }
-    }
-}
-
-/// Plans a pending invocation (with its owner key and its event-id key) unless the event id
-/// already has a live invocation in this queue: then nothing is planned and the answer says
-/// `duplicate`. Reads now; writes nothing. Returns the invocation's key and partition.
-async fn plan_pending<X: TitoTransaction>(
-    tx: &X,
-    root: &str,
-    partitions: u32,
-    stored: &StoredEvent,
-    bytes: Vec<u8>,
-    writes: &mut engine::Writes,
-) -> TitoResult<(Published, u32)> {
-    let partition = partition_for(&stored.key, partitions);
-    let id_key = keys::event_id_key(root, &stored.id);
-    if let Some(live) = tx.get(id_key.as_bytes()).await? {
-        let key = String::from_utf8(live).map_err(|_| {
-            TitoError::Integrity(format!("event id key {id_key:?} does not hold a key"))
-        })?;
-        return Ok((
-            Published {
-                key,
-                duplicate: true,
-            },
-            partition,
-        ));
-    }
-    let key = plan_insert(tx.start_version(), root, partitions, stored, bytes, writes);
-    Ok((
-        Published {
-            key,
-            duplicate: false,
-        },
-        partition,
-    ))
-}
-
-/// Plans a pending row, its owner key and its event-id key (pointing at the row), with no
-/// duplicate check. Returns the row's key.
-fn plan_insert(
-    start_version: u64,
-    root: &str,
-    partitions: u32,
-    stored: &StoredEvent,
-    bytes: Vec<u8>,
-    writes: &mut engine::Writes,
-) -> String {
-    let partition = partition_for(&stored.key, partitions);
-    let key = keys::pending_key(
-        root,
-        partition,
-        stored.timestamp as u64,
-        start_version,
-        &stored.id,
-    );
-    writes.put(key.clone(), bytes);
-    writes.put(
-        keys::event_id_key(root, &stored.id),
-        key.clone().into_bytes(),
-    );
-    if let Some(owner) = &stored.owner {
-        let owner_key = keys::owner_key(root, &owner.kind, &owner.id, keys::OWNER_PENDING, &key);
-        writes.put(owner_key, Vec::new());
-    }
-    key
-}
-
-/// Writes a pending row, its owner key and its event-id key (pointing at the row), with no
-/// duplicate check: publication checked it, and a replacement takes over its own id.
-pub(crate) async fn insert_pending<X: TitoTransaction>(
-    tx: &X,
-    root: &str,
-    partitions: u32,
-    stored: &StoredEvent,
-    bytes: Vec<u8>,
-) -> TitoResult<String> {
-    let mut writes = engine::Writes::default();
-    let key = plan_insert(
-        tx.start_version(),
-        root,
-        partitions,
-        stored,
-        bytes,
-        &mut writes,
-    );
-    writes.apply(tx).await?;
-    Ok(key)
-}
-
-/// Deletes the event-id key of `id` when it still points at `storage_key` (a newer invocation
-/// of the id keeps its own).
-pub(crate) async fn forget_event_id<X: TitoTransaction>(
-    tx: &X,
-    root: &str,
-    id: &str,
-    storage_key: &str,
-) -> TitoResult<()> {
-    let id_key = keys::event_id_key(root, id);
-    if tx.get(id_key.as_bytes()).await?.as_deref() == Some(storage_key.as_bytes()) {
-        tx.delete(id_key.into_bytes()).await?;
-    }
-    Ok(())
-}
-
-/// A model's event, encoded and checked (id, timestamp, owner, size) before a write begins.
-#[derive(Debug)]
-pub(crate) struct PreparedEvent {
-    stored: StoredEvent,
-    bytes: Vec<u8>,
-}
-
-impl PreparedEvent {
-    pub(crate) fn new<T: Serialize>(event: &QueueEvent<ModelEvent<T>>) -> TitoResult<Self> {
-        let stored = StoredEvent::from_event(event)?;
-        let bytes = stored.to_bytes()?;
-        Ok(PreparedEvent { stored, bytes })
-    }
-}
-
-/// Plans the publication of a model's event to the queue named `topic` (the model layer's
-/// hook): reads the queue's metadata and the event's id key now, adds the writes to `writes`.
-pub(crate) async fn plan_model_event<X: TitoTransaction>(
-    tx: &X,
-    topic: &str,
-    partitions: u32,
-    event: PreparedEvent,
-    writes: &mut engine::Writes,
-) -> TitoResult<()> {
-    let root = keys::queue_root(Some(topic));
-    check_meta(tx, &root, partitions, writes).await?;
-    plan_pending(tx, &root, partitions, &event.stored, event.bytes, writes).await?;
-    Ok(())
 }
 
 impl<E: TitoEngine> Queue<E> {
@@ -633,8 +438,7 @@ impl<E: TitoEngine> Queue<E> {
     /// full batch means more may be waiting.
     pub async fn expire_completed(&self) -> TitoResult<usize> {
         let root = self.root.clone();
-        let retention_ms =
-            u64::try_from(self.config.completed_retention.as_millis()).unwrap_or(u64::MAX);
+        let retention_ms = crate::util::millis(self.config.completed_retention);
         let stats = self.stats.clone();
         let deleted = self
             .db

@@ -14,7 +14,7 @@ use crate::error::TitoResult;
 use crate::keys::{self, PendingKey};
 
 use super::QueueCounters;
-use super::event::StoredEvent;
+use crate::event::StoredEvent;
 
 /// At most this many rows per storage scan.
 pub const SCAN_ROWS: usize = 16;

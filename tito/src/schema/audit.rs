@@ -8,10 +8,11 @@ use std::collections::{BTreeMap, HashSet};
 use serde::{Deserialize, Serialize};
 
 use super::build::{read_catalog, scan_rows_with_manifests};
-use super::{Catalog, DEFAULT_BATCH, IndexState, PlannedIndex, TableHandle, WritePlan};
+use super::{Catalog, DEFAULT_BATCH, IndexState};
 use crate::engine::{TitoEngine, TitoTransaction};
 use crate::error::{TitoError, TitoResult};
 use crate::keys;
+use crate::model::catalog::{PlannedIndex, TableHandle, WritePlan};
 use crate::model::index::Entry;
 use crate::model::{
     TitoModel, TitoModelTrait, encode_manifest, index_configs, parse_manifest, planned_entries,
@@ -178,7 +179,7 @@ fn phases(plan: &WritePlan) -> Vec<Phase> {
 
 /// The last audit or repair of a table, finished or not (for dashboards and tools).
 pub async fn last_audit<E: TitoEngine>(db: &E, table: &str) -> TitoResult<Option<AuditReport>> {
-    crate::model::read_only(db, async |tx| {
+    crate::engine::read_only(db, async |tx| {
         let key = keys::schema_audit_key(table);
         match tx.get(key.as_bytes()).await? {
             Some(bytes) => Ok(Some(parse_state(&key, &bytes)?.report)),

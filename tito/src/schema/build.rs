@@ -2,20 +2,21 @@
 //! cursor, so a build or drop killed at any point continues after its last committed batch.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::Value;
 
 use super::{
-    Catalog, CatalogIndex, DEFAULT_BATCH, IndexProgress, IndexState, PlannedIndex, Step,
-    TableHandle, TableSchema, WritePlan, parse_catalog, read_progress, table_schema,
+    Catalog, CatalogIndex, DEFAULT_BATCH, IndexProgress, IndexState, Step, TableSchema,
+    parse_catalog, read_progress, table_schema,
 };
 use crate::engine::{RetryPolicy, TitoEngine, TitoTransaction};
 use crate::error::{TitoError, TitoResult};
 use crate::keys;
+use crate::model::catalog::{PlannedIndex, TableHandle, WritePlan};
 use crate::model::{
-    TitoModel, TitoModelTrait, encode_manifest, index_configs, parse_manifest, parse_row,
-    planned_entries,
+    TitoModel, TitoModelTrait, encode_manifest, parse_manifest, parse_row, planned_entries,
 };
 
 /// How many rows with duplicate values a failed unique build names.
@@ -60,48 +61,9 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
     /// of the table's schema work: the first building index is built further, else the first
     /// dropping one is dropped further. An idle [`Step`] means nothing is left.
     pub async fn schema_step(&self, batch: usize) -> TitoResult<Step> {
-        if batch == 0 || batch > crate::engine::MAX_SCAN_LIMIT {
-            return Err(TitoError::invalid_argument(format!(
-                "a schema batch must be between 1 and {} rows, got {batch}",
-                crate::engine::MAX_SCAN_LIMIT
-            )));
-        }
+        check_batch(batch)?;
         let handle = TableHandle::of::<E, T>(self.engine()).await?;
-        let this = self.clone();
-        let shared = handle.clone();
-        let outcome = self
-            .engine()
-            .transaction_with(batch_policy(self.engine()), |tx| async move {
-                this.step_tx(&tx, &shared, batch).await
-            })
-            .await?;
-        match outcome {
-            Outcome::Done(step) => {
-                if let Some(index) = &step.index {
-                    let labels = [
-                        ("table", handle.table().to_string()),
-                        ("index", index.clone()),
-                        ("work", step.work.to_string()),
-                    ];
-                    metrics::counter!(crate::telemetry::names::SCHEMA_ROWS, &labels)
-                        .increment(step.handled as u64);
-                    if step.finished {
-                        metrics::counter!(crate::telemetry::names::SCHEMA_FINISHED, &labels)
-                            .increment(1);
-                    }
-                }
-                if step.finished {
-                    handle.invalidate();
-                    tracing::info!(table = %handle.table(), index = ?step.index, work = step.work, "schema work finished");
-                }
-                Ok(step)
-            }
-            Outcome::Duplicates { index, rows } => Err(TitoError::DuplicateValues {
-                table: handle.table().to_string(),
-                index,
-                rows,
-            }),
-        }
+        step(self.engine(), &handle, batch).await
     }
 
     /// Starts a build that stopped on duplicate values again, from the first row.
@@ -130,216 +92,266 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
             })
             .await
     }
+}
 
-    async fn step_tx(
-        &self,
-        tx: &E::Transaction,
-        handle: &TableHandle,
-        batch: usize,
-    ) -> TitoResult<Outcome> {
-        let table = handle.table();
-        let Some(mut catalog) = read_catalog(tx, table).await? else {
-            return Ok(Outcome::Done(Step::default()));
-        };
-        // Work and writers exclude each other through the catalog key: a reconcile or another
-        // step that changes it makes this batch replay.
-        tx.lock_keys(&[keys::schema_key(table).into_bytes()])
-            .await?;
-        let mut work = None;
-        for (name, entry) in &catalog.indexes {
-            // Only code that declares a conditional index can decide which rows it holds.
-            let buildable = entry.definition.condition.is_none()
-                || handle.code.definitions.get(name) == Some(&entry.definition);
-            let candidate = match entry.state {
-                IndexState::Building => buildable,
-                IndexState::Dropping => work.is_none(),
-                _ => false,
-            };
-            // Ready indexes have no progress to read: no request per ready index per step.
-            if !candidate {
-                continue;
-            }
-            let progress = read_progress(tx, table, name).await?.unwrap_or_default();
-            match entry.state {
-                IndexState::Building if progress.failure.is_none() => {
-                    work = Some((name.clone(), entry.clone(), progress));
-                    break;
+/// One batch of at most `batch` rows of the schema work of `handle`'s table on `db`
+/// (reconciling first when the catalog vanished): the first building index is built further,
+/// else the first dropping one is dropped further. An idle [`Step`] means nothing is left.
+pub(super) async fn step<E: TitoEngine>(
+    db: &E,
+    handle: &Arc<TableHandle>,
+    batch: usize,
+) -> TitoResult<Step> {
+    check_batch(batch)?;
+    handle.clone().reconcile_again(db.clone()).await?;
+    let shared = handle.clone();
+    let outcome = db
+        .transaction_with(batch_policy(db), |tx| async move {
+            step_tx(&tx, &shared, batch).await
+        })
+        .await?;
+    match outcome {
+        Outcome::Done(step) => {
+            if let Some(index) = &step.index {
+                let labels = [
+                    ("table", handle.table().to_string()),
+                    ("index", index.clone()),
+                    ("work", step.work.to_string()),
+                ];
+                metrics::counter!(crate::telemetry::names::SCHEMA_ROWS, &labels)
+                    .increment(step.handled as u64);
+                if step.finished {
+                    metrics::counter!(crate::telemetry::names::SCHEMA_FINISHED, &labels)
+                        .increment(1);
                 }
-                IndexState::Dropping => work = Some((name.clone(), entry.clone(), progress)),
-                _ => {}
             }
+            if step.finished {
+                handle.invalidate();
+                tracing::info!(table = %handle.table(), index = ?step.index, work = step.work, "schema work finished");
+            }
+            Ok(step)
         }
-        let Some((name, entry, progress)) = work else {
-            return Ok(Outcome::Done(Step::default()));
+        Outcome::Duplicates { index, rows } => Err(TitoError::DuplicateValues {
+            table: handle.table().to_string(),
+            index,
+            rows,
+        }),
+    }
+}
+
+/// Refuses a batch size outside 1 to [`MAX_SCAN_LIMIT`](crate::engine::MAX_SCAN_LIMIT).
+fn check_batch(batch: usize) -> TitoResult<()> {
+    if batch == 0 || batch > crate::engine::MAX_SCAN_LIMIT {
+        return Err(TitoError::invalid_argument(format!(
+            "a schema batch must be between 1 and {} rows, got {batch}",
+            crate::engine::MAX_SCAN_LIMIT
+        )));
+    }
+    Ok(())
+}
+
+async fn step_tx<X: TitoTransaction>(
+    tx: &X,
+    handle: &TableHandle,
+    batch: usize,
+) -> TitoResult<Outcome> {
+    let table = handle.table();
+    let Some(mut catalog) = read_catalog(tx, table).await? else {
+        return Ok(Outcome::Done(Step::default()));
+    };
+    // Work and writers exclude each other through the catalog key: a reconcile or another
+    // step that changes it makes this batch replay.
+    tx.lock_keys(&[keys::schema_key(table).into_bytes()])
+        .await?;
+    let mut work = None;
+    for (name, entry) in &catalog.indexes {
+        // Only code that declares a conditional index can decide which rows it holds.
+        let buildable = entry.definition.condition.is_none()
+            || handle.code.definitions.get(name) == Some(&entry.definition);
+        let candidate = match entry.state {
+            IndexState::Building => buildable,
+            IndexState::Dropping => work.is_none(),
+            _ => false,
         };
-        let now_ms = crate::engine::version_millis(tx.start_version());
-        if now_ms < entry.not_before_ms {
-            return Ok(Outcome::Done(Step {
-                index: Some(name),
-                work: "wait",
-                waiting: Some(Duration::from_millis(entry.not_before_ms - now_ms)),
-                progress,
-                ..Step::default()
-            }));
+        // Ready indexes have no progress to read: no request per ready index per step.
+        if !candidate {
+            continue;
         }
+        let progress = read_progress(tx, table, name).await?.unwrap_or_default();
         match entry.state {
-            IndexState::Building => {
-                self.build_batch(tx, handle, &mut catalog, &name, &entry, progress, batch)
-                    .await
+            IndexState::Building if progress.failure.is_none() => {
+                work = Some((name.clone(), entry.clone(), progress));
+                break;
             }
-            _ => drop_batch(tx, table, &mut catalog, &name, progress, batch)
-                .await
-                .map(Outcome::Done),
+            IndexState::Dropping => work = Some((name.clone(), entry.clone(), progress)),
+            _ => {}
         }
     }
-
-    #[allow(clippy::too_many_arguments)]
-    async fn build_batch(
-        &self,
-        tx: &E::Transaction,
-        handle: &TableHandle,
-        catalog: &mut Catalog,
-        name: &str,
-        entry: &CatalogIndex,
-        mut progress: IndexProgress,
-        batch: usize,
-    ) -> TitoResult<Outcome> {
-        let table = handle.table();
-        let plan = WritePlan {
-            version: catalog.version,
-            indexes: vec![PlannedIndex::new(
-                name,
-                &entry.definition,
-                IndexState::Building,
-                match handle.code.definitions.get(name) {
-                    Some(_) => None,
-                    None => Some(entry.definition.config(name)?),
-                },
-            )],
-        };
-        if progress.rows_done == 0 && progress.rows_estimate.is_none() {
-            progress.rows_estimate = super::estimate_rows(tx, table, super::ESTIMATE_CAP).await?;
-        }
-        let (rows, manifests) =
-            scan_rows_with_manifests(tx, table, progress.cursor.as_deref(), batch).await?;
-
-        // First every read and check, then (only without duplicates) every write.
-        let mut claimed: HashMap<String, String> = HashMap::new();
-        let mut duplicates: Vec<(String, String)> = Vec::new();
-        let mut writes: Vec<Write> = Vec::new();
-        for ((id, bytes), manifest) in rows.iter().zip(&manifests) {
-            let row_key = keys::row_key(table, id);
-            let row: Value = parse_row(&row_key, bytes)?;
-            let code = match plan.indexes[0].stored {
-                Some(_) => Vec::new(),
-                None => {
-                    let model: T = crate::model::decode_model(&row_key, bytes)?;
-                    index_configs(&model)?
-                }
-            };
-            let (_, mut listed) = match manifest {
-                Some(m) => parse_manifest(&keys::manifest_key(table, id), m)?,
-                None => (0, Vec::new()),
-            };
-            let mut added = Vec::new();
-            for (entry, _) in planned_entries(&plan, &code, &row, table, id)? {
-                if let Some(claim) = &entry.claim {
-                    let owner = match claimed.get(claim) {
-                        Some(owner) => Some(owner.clone()),
-                        None => tx
-                            .get(claim.as_bytes())
-                            .await?
-                            .map(|o| String::from_utf8_lossy(&o).into_owned()),
-                    };
-                    match owner {
-                        Some(owner) if owner != *id => {
-                            if duplicates.len() < DUPLICATES_SHOWN {
-                                duplicates.push((owner, id.clone()));
-                            }
-                            continue;
-                        }
-                        _ => {
-                            claimed.insert(claim.clone(), id.clone());
-                        }
-                    }
-                    if !listed.contains(claim) {
-                        added.push(claim.clone());
-                    }
-                }
-                if !listed.contains(&entry.key) {
-                    added.push(entry.key.clone());
-                }
-                // Rewritten even when listed: a copy must be the row as it is now.
-                writes.push(Write::Entry(entry.key.clone(), entry.value(bytes)));
-            }
-            // The manifest now lists every index of this schema version: it is written under it.
-            listed.extend(added);
-            writes.push(Write::Manifest(keys::manifest_key(table, id), listed));
-        }
-        if !duplicates.is_empty() {
-            // Nothing of this batch is written; the build stops where it is, unready.
-            let list: Vec<String> = duplicates
-                .iter()
-                .map(|(a, b)| format!("{a} and {b}"))
-                .collect();
-            progress.failure = Some(format!(
-                "rows hold the same values of unique index {name:?}: {}",
-                list.join(", ")
-            ));
-            write_progress(tx, table, name, &progress).await?;
-            return Ok(Outcome::Duplicates {
-                index: name.to_string(),
-                rows: duplicates,
-            });
-        }
-        // Each indexed row is written again (unchanged): a write of the row that committed
-        // after this batch's snapshot, from a writer that did not see the index, conflicts with
-        // this batch or this batch with it, on every engine.
-        for (id, bytes) in &rows {
-            tx.put(keys::row_key(table, id).into_bytes(), bytes.clone())
-                .await?;
-        }
-        for (claim, id) in &claimed {
-            tx.put(claim.clone().into_bytes(), id.clone().into_bytes())
-                .await?;
-        }
-        for write in writes {
-            match write {
-                Write::Entry(key, value) => tx.put(key.into_bytes(), value).await?,
-                Write::Manifest(key, listed) => {
-                    tx.put(key.into_bytes(), encode_manifest(catalog.version, &listed)?)
-                        .await?
-                }
-            }
-        }
-        progress.rows_done += rows.len() as u64;
-        if let Some((last, _)) = rows.last() {
-            progress.cursor = Some(last.clone());
-        }
-        let finished = rows.len() < batch;
-        if finished {
-            let next = catalog.version + 1;
-            if let Some(entry) = catalog.indexes.get_mut(name) {
-                entry.state = IndexState::Ready;
-                entry.since = next;
-            }
-            bump_and_store(tx, table, catalog).await?;
-            progress.rows_finished = true;
-            // Progress is kept while work runs; a ready index has none.
-            tx.delete(keys::schema_progress_key(table, name).into_bytes())
-                .await?;
-        } else {
-            write_progress(tx, table, name, &progress).await?;
-        }
-        Ok(Outcome::Done(Step {
-            index: Some(name.to_string()),
-            work: "build",
-            handled: rows.len(),
-            finished,
+    let Some((name, entry, progress)) = work else {
+        return Ok(Outcome::Done(Step::default()));
+    };
+    let now_ms = crate::engine::version_millis(tx.start_version());
+    if now_ms < entry.not_before_ms {
+        return Ok(Outcome::Done(Step {
+            index: Some(name),
+            work: "wait",
+            waiting: Some(Duration::from_millis(entry.not_before_ms - now_ms)),
             progress,
-            waiting: None,
-        }))
+            ..Step::default()
+        }));
     }
+    match entry.state {
+        IndexState::Building => {
+            build_batch(tx, handle, &mut catalog, &name, &entry, progress, batch).await
+        }
+        _ => drop_batch(tx, table, &mut catalog, &name, progress, batch)
+            .await
+            .map(Outcome::Done),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn build_batch<X: TitoTransaction>(
+    tx: &X,
+    handle: &TableHandle,
+    catalog: &mut Catalog,
+    name: &str,
+    entry: &CatalogIndex,
+    mut progress: IndexProgress,
+    batch: usize,
+) -> TitoResult<Outcome> {
+    let table = handle.table();
+    let plan = WritePlan {
+        version: catalog.version,
+        indexes: vec![PlannedIndex::new(
+            name,
+            &entry.definition,
+            IndexState::Building,
+            match handle.code.definitions.get(name) {
+                Some(_) => None,
+                None => Some(entry.definition.config(name)?),
+            },
+        )],
+    };
+    if progress.rows_done == 0 && progress.rows_estimate.is_none() {
+        progress.rows_estimate = super::estimate_rows(tx, table, super::ESTIMATE_CAP).await?;
+    }
+    let (rows, manifests) =
+        scan_rows_with_manifests(tx, table, progress.cursor.as_deref(), batch).await?;
+
+    // First every read and check, then (only without duplicates) every write.
+    let mut claimed: HashMap<String, String> = HashMap::new();
+    let mut duplicates: Vec<(String, String)> = Vec::new();
+    let mut writes: Vec<Write> = Vec::new();
+    for ((id, bytes), manifest) in rows.iter().zip(&manifests) {
+        let row_key = keys::row_key(table, id);
+        let row: Value = parse_row(&row_key, bytes)?;
+        let code = match plan.indexes[0].stored {
+            Some(_) => Vec::new(),
+            None => (handle.code.row_configs)(&row_key, bytes)?,
+        };
+        let (_, mut listed) = match manifest {
+            Some(m) => parse_manifest(&keys::manifest_key(table, id), m)?,
+            None => (0, Vec::new()),
+        };
+        let mut added = Vec::new();
+        for (entry, _) in planned_entries(&plan, &code, &row, table, id)? {
+            if let Some(claim) = &entry.claim {
+                let owner = match claimed.get(claim) {
+                    Some(owner) => Some(owner.clone()),
+                    None => tx
+                        .get(claim.as_bytes())
+                        .await?
+                        .map(|o| String::from_utf8_lossy(&o).into_owned()),
+                };
+                match owner {
+                    Some(owner) if owner != *id => {
+                        if duplicates.len() < DUPLICATES_SHOWN {
+                            duplicates.push((owner, id.clone()));
+                        }
+                        continue;
+                    }
+                    _ => {
+                        claimed.insert(claim.clone(), id.clone());
+                    }
+                }
+                if !listed.contains(claim) {
+                    added.push(claim.clone());
+                }
+            }
+            if !listed.contains(&entry.key) {
+                added.push(entry.key.clone());
+            }
+            // Rewritten even when listed: a copy must be the row as it is now.
+            writes.push(Write::Entry(entry.key.clone(), entry.value(bytes)));
+        }
+        // The manifest now lists every index of this schema version: it is written under it.
+        listed.extend(added);
+        writes.push(Write::Manifest(keys::manifest_key(table, id), listed));
+    }
+    if !duplicates.is_empty() {
+        // Nothing of this batch is written; the build stops where it is, unready.
+        let list: Vec<String> = duplicates
+            .iter()
+            .map(|(a, b)| format!("{a} and {b}"))
+            .collect();
+        progress.failure = Some(format!(
+            "rows hold the same values of unique index {name:?}: {}",
+            list.join(", ")
+        ));
+        write_progress(tx, table, name, &progress).await?;
+        return Ok(Outcome::Duplicates {
+            index: name.to_string(),
+            rows: duplicates,
+        });
+    }
+    // Each indexed row is written again (unchanged): a write of the row that committed
+    // after this batch's snapshot, from a writer that did not see the index, conflicts with
+    // this batch or this batch with it, on every engine.
+    for (id, bytes) in &rows {
+        tx.put(keys::row_key(table, id).into_bytes(), bytes.clone())
+            .await?;
+    }
+    for (claim, id) in &claimed {
+        tx.put(claim.clone().into_bytes(), id.clone().into_bytes())
+            .await?;
+    }
+    for write in writes {
+        match write {
+            Write::Entry(key, value) => tx.put(key.into_bytes(), value).await?,
+            Write::Manifest(key, listed) => {
+                tx.put(key.into_bytes(), encode_manifest(catalog.version, &listed)?)
+                    .await?
+            }
+        }
+    }
+    progress.rows_done += rows.len() as u64;
+    if let Some((last, _)) = rows.last() {
+        progress.cursor = Some(last.clone());
+    }
+    let finished = rows.len() < batch;
+    if finished {
+        let next = catalog.version + 1;
+        if let Some(entry) = catalog.indexes.get_mut(name) {
+            entry.state = IndexState::Ready;
+            entry.since = next;
+        }
+        bump_and_store(tx, table, catalog).await?;
+        progress.rows_finished = true;
+        // Progress is kept while work runs; a ready index has none.
+        tx.delete(keys::schema_progress_key(table, name).into_bytes())
+            .await?;
+    } else {
+        write_progress(tx, table, name, &progress).await?;
+    }
+    Ok(Outcome::Done(Step {
+        index: Some(name.to_string()),
+        work: "build",
+        handled: rows.len(),
+        finished,
+        progress,
+        waiting: None,
+    }))
 }
 
 /// A write a build batch makes once it found no duplicates.

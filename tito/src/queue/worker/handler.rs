@@ -16,7 +16,7 @@ use super::Running;
 use super::outcome::{complete, replacement};
 use crate::engine::{TitoEngine, TitoTransaction};
 use crate::error::TitoError;
-use crate::queue::event::{QueueEvent, QueueHandlerOutcome, QueueHandlerResult};
+use crate::event::{QueueEvent, QueueHandlerOutcome, QueueHandlerResult};
 use crate::queue::lease::HeldCheck;
 
 /// What a handler task reports.

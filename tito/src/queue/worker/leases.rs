@@ -240,7 +240,7 @@ impl<E: TitoEngine> LeaseKeeper<E> {
                 partitions,
                 duration,
             } => {
-                let duration_ms = u64::try_from(duration.as_millis()).unwrap_or(u64::MAX);
+                let duration_ms = crate::util::millis(*duration);
                 let wanted: Vec<u32> = if stopping {
                     self.held.keys().copied().collect()
                 } else {

@@ -33,9 +33,9 @@ use tokio::task::JoinSet;
 
 use super::Queue;
 use super::cluster::{ClusterConfig, Node};
-use super::event::{QueueEvent, QueueHandlerOutcome, QueueHandlerResult, new_event_id};
 use crate::engine::TitoEngine;
 use crate::error::{TitoError, TitoResult};
+use crate::event::{QueueEvent, QueueHandlerOutcome, QueueHandlerResult, new_event_id};
 pub use crate::runtime::Shutdown;
 use crate::telemetry::names;
 use handler::{Invoker, Report};

@@ -8,11 +8,12 @@ use serde::Serialize;
 use super::Running;
 use crate::engine::{TitoEngine, TitoTransaction};
 use crate::error::{TitoError, TitoResult};
+use crate::event::publish::insert_pending;
+use crate::event::{QueueEvent, StoredEvent};
 use crate::keys;
-use crate::queue::event::{QueueEvent, StoredEvent};
+use crate::queue::Queue;
 use crate::queue::lease::HeldCheck;
 use crate::queue::pull::Pulled;
-use crate::queue::{Queue, insert_pending};
 use crate::telemetry::names;
 
 /// An outcome ready to commit.

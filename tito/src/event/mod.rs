@@ -1,4 +1,9 @@
-//! Queue events, owners, handler outcomes, and the stored form of an invocation.
+//! What is published: queue events, owners, handler outcomes, the stored form of an
+//! invocation, the event a model write publishes, and (in [`publish`]) the planning of a
+//! publication inside a transaction.
+//!
+//! This is the layer under both the model layer (whose writes publish their events here) and
+//! the queue (whose publications and workers use it): a write never needs the queue's workers.
 
 use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -8,6 +13,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::error::{TitoError, TitoResult};
+
+pub(crate) mod publish;
 
 /// The largest serialized invocation a queue accepts (1 MiB).
 pub const MAX_QUEUE_EVENT_BYTES: usize = 1024 * 1024;
@@ -217,6 +224,30 @@ pub enum TitoOperation {
     Upsert,
     /// A removed row.
     Delete,
+}
+
+/// The event a model write publishes when its options ask for events.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModelEvent<T> {
+    /// The write.
+    pub operation: TitoOperation,
+    /// The model's table.
+    pub table: String,
+    /// The row's id.
+    pub id: String,
+    /// The row as written (for a delete: as it was).
+    pub row: T,
+}
+
+/// What a publication did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Published {
+    /// The storage key of the event's invocation: the new pending row, or, for a duplicate,
+    /// the live invocation (pending or completed) that already holds the event id.
+    pub key: String,
+    /// Whether the event id already had a live invocation, so nothing was written.
+    pub duplicate: bool,
 }
 
 #[cfg(test)]

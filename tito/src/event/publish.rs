@@ -1,0 +1,179 @@
+//! Planning a publication inside a transaction: the queue's stored partition count, the
+//! pending row with its owner and event-id keys, idempotency by event id, and a model event's
+//! publication. Reads happen first; the writes go into an [`engine::Writes`] plan that the
+//! caller applies (so a refused publication leaves nothing in the caller's transaction).
+
+use serde::{Deserialize, Serialize};
+
+use super::{ModelEvent, Published, QueueEvent, StoredEvent, partition_for};
+use crate::engine::{self, TitoTransaction};
+use crate::error::{TitoError, TitoResult};
+use crate::keys;
+
+#[derive(Serialize, Deserialize)]
+struct QueueMeta {
+    partitions: u32,
+}
+
+/// Checks (and on first use records) the partition count of the queue at `root`. Returns whether
+/// it was already recorded.
+/// Checks the stored partition count of a queue; plans its metadata when the queue has none
+/// yet. Returns whether the metadata was there.
+pub(crate) async fn check_meta<X: TitoTransaction>(
+    tx: &X,
+    root: &str,
+    partitions: u32,
+    writes: &mut engine::Writes,
+) -> TitoResult<bool> {
+    let key = keys::queue_meta_key(root);
+    match tx.get(key.as_bytes()).await? {
+        Some(bytes) => {
+            let meta: QueueMeta = serde_json::from_slice(&bytes).map_err(|err| {
+                TitoError::Integrity(format!("queue metadata {key:?} is malformed: {err}"))
+            })?;
+            if meta.partitions != partitions {
+                return Err(TitoError::invalid_argument(format!(
+                    "queue {root:?} has {} partitions; this handle was configured with {partitions}",
+                    meta.partitions
+                )));
+            }
+            Ok(true)
+        }
+        None => {
+            writes.put(key, serde_json::to_vec(&QueueMeta { partitions })?);
+            Ok(false)
+        }
+    }
+}
+
+/// Plans a pending invocation (with its owner key and its event-id key) unless the event id
+/// already has a live invocation in this queue: then nothing is planned and the answer says
+/// `duplicate`. Reads now; writes nothing. Returns the invocation's key and partition.
+pub(crate) async fn plan_pending<X: TitoTransaction>(
+    tx: &X,
+    root: &str,
+    partitions: u32,
+    stored: &StoredEvent,
+    bytes: Vec<u8>,
+    writes: &mut engine::Writes,
+) -> TitoResult<(Published, u32)> {
+    let partition = partition_for(&stored.key, partitions);
+    let id_key = keys::event_id_key(root, &stored.id);
+    if let Some(live) = tx.get(id_key.as_bytes()).await? {
+        let key = String::from_utf8(live).map_err(|_| {
+            TitoError::Integrity(format!("event id key {id_key:?} does not hold a key"))
+        })?;
+        return Ok((
+            Published {
+                key,
+                duplicate: true,
+            },
+            partition,
+        ));
+    }
+    let key = plan_insert(tx.start_version(), root, partitions, stored, bytes, writes);
+    Ok((
+        Published {
+            key,
+            duplicate: false,
+        },
+        partition,
+    ))
+}
+
+/// Plans a pending row, its owner key and its event-id key (pointing at the row), with no
+/// duplicate check. Returns the row's key.
+fn plan_insert(
+    start_version: u64,
+    root: &str,
+    partitions: u32,
+    stored: &StoredEvent,
+    bytes: Vec<u8>,
+    writes: &mut engine::Writes,
+) -> String {
+    let partition = partition_for(&stored.key, partitions);
+    let key = keys::pending_key(
+        root,
+        partition,
+        stored.timestamp as u64,
+        start_version,
+        &stored.id,
+    );
+    writes.put(key.clone(), bytes);
+    writes.put(
+        keys::event_id_key(root, &stored.id),
+        key.clone().into_bytes(),
+    );
+    if let Some(owner) = &stored.owner {
+        let owner_key = keys::owner_key(root, &owner.kind, &owner.id, keys::OWNER_PENDING, &key);
+        writes.put(owner_key, Vec::new());
+    }
+    key
+}
+
+/// Writes a pending row, its owner key and its event-id key (pointing at the row), with no
+/// duplicate check: publication checked it, and a replacement takes over its own id.
+pub(crate) async fn insert_pending<X: TitoTransaction>(
+    tx: &X,
+    root: &str,
+    partitions: u32,
+    stored: &StoredEvent,
+    bytes: Vec<u8>,
+) -> TitoResult<String> {
+    let mut writes = engine::Writes::default();
+    let key = plan_insert(
+        tx.start_version(),
+        root,
+        partitions,
+        stored,
+        bytes,
+        &mut writes,
+    );
+    writes.apply(tx).await?;
+    Ok(key)
+}
+
+/// Deletes the event-id key of `id` when it still points at `storage_key` (a newer invocation
+/// of the id keeps its own).
+pub(crate) async fn forget_event_id<X: TitoTransaction>(
+    tx: &X,
+    root: &str,
+    id: &str,
+    storage_key: &str,
+) -> TitoResult<()> {
+    let id_key = keys::event_id_key(root, id);
+    if tx.get(id_key.as_bytes()).await?.as_deref() == Some(storage_key.as_bytes()) {
+        tx.delete(id_key.into_bytes()).await?;
+    }
+    Ok(())
+}
+
+/// A model's event, encoded and checked (id, timestamp, owner, size) before a write begins.
+#[derive(Debug)]
+pub(crate) struct PreparedEvent {
+    stored: StoredEvent,
+    bytes: Vec<u8>,
+}
+
+impl PreparedEvent {
+    pub(crate) fn new<T: Serialize>(event: &QueueEvent<ModelEvent<T>>) -> TitoResult<Self> {
+        let stored = StoredEvent::from_event(event)?;
+        let bytes = stored.to_bytes()?;
+        Ok(PreparedEvent { stored, bytes })
+    }
+}
+
+/// Plans the publication of a model's event to the queue named `topic` (the model layer's
+/// hook): reads the queue's metadata and the event's id key now, adds the writes to `writes`.
+pub(crate) async fn plan_model_event<X: TitoTransaction>(
+    tx: &X,
+    topic: &str,
+    partitions: u32,
+    event: PreparedEvent,
+    writes: &mut engine::Writes,
+) -> TitoResult<()> {
+    let root = keys::queue_root(Some(topic));
+    check_meta(tx, &root, partitions, writes).await?;
+    plan_pending(tx, &root, partitions, &event.stored, event.bytes, writes).await?;
+    Ok(())
+}
