@@ -1,0 +1,179 @@
+//! The `TitoModelTrait` impl: id, table, indexes (plain, unique, key-only, with conditions),
+//! events and timestamps, with the inbox and query items added beside it.
+
+use proc_macro2::TokenStream;
+use quote::{quote, quote_spanned};
+use syn::spanned::Spanned;
+
+use super::{index_block_type, lit_ident};
+use crate::ast::{Errors, Model};
+
+/// Everything the derive generates for a checked model (`id` is the index of its id field).
+pub(super) fn expand(model: &Model, id: usize, errors: &mut Errors) -> TokenStream {
+    let ident = &model.ident;
+    let table = model.table();
+    let id_field = &model.fields[id];
+    let id_ident = &id_field.ident;
+    let id_ty = &id_field.ty;
+    let id_expr = quote_spanned! {id_ty.span()=>
+        <#id_ty as ::tito::__private::IdField>::to_id(&self.#id_ident)
+    };
+
+    let mut plain = Vec::new();
+    let mut unique = Vec::new();
+    let mut conditions = Vec::new();
+    let mut key_only = Vec::new();
+    for index in &model.attrs.indexes {
+        let name = &index.name;
+        if index.key_only {
+            key_only.push(quote!(::std::string::String::from(#name)));
+        }
+        if let Some(lit) = &index.condition {
+            let method = lit.value();
+            let version = index
+                .condition_version
+                .as_ref()
+                .and_then(|v| v.base10_parse::<u32>().ok())
+                .unwrap_or(1);
+            conditions.push(quote! {
+                ::tito::model::TitoCondition {
+                    index: ::std::string::String::from(#name),
+                    name: ::std::string::String::from(#method),
+                    version: #version,
+                }
+            });
+        }
+        let condition = match &index.condition {
+            None => quote!(true),
+            Some(lit) => match lit_ident(lit, errors, "method") {
+                Some(method) => quote_spanned! {lit.span()=>
+                    ::tito::__private::condition(self, Self::#method)
+                },
+                None => quote!(true),
+            },
+        };
+        let fields = index.fields.iter().map(|field_name| {
+            let field = model.field(field_name).expect("checked");
+            let ty = &field.ty;
+            let json_name = &field.json_name;
+            let kind = index_block_type(ty);
+            quote! {
+                ::tito::model::TitoIndexField {
+                    name: ::std::string::String::from(#json_name),
+                    r#type: #kind,
+                }
+            }
+        });
+        let config = quote! {
+            ::tito::model::TitoIndexConfig {
+                condition: #condition,
+                name: ::std::string::String::from(#name),
+                fields: ::std::vec![#(#fields),*],
+            }
+        };
+        if index.unique {
+            unique.push(config);
+        } else {
+            plain.push(config);
+        }
+    }
+
+    let events = model.attrs.events.iter().map(|event| {
+        let name = event.lit.value();
+        let timestamp = match &event.at {
+            None => quote!(::tito::__private::now()),
+            Some(at) => match model.field(at.value().trim()) {
+                Some(field) => {
+                    let field_ident = &field.ident;
+                    let ty = &field.ty;
+                    quote_spanned! {ty.span()=>
+                        <#ty as ::tito::__private::EventTime>::event_timestamp(&self.#field_ident)
+                    }
+                }
+                None => match lit_ident(at, errors, "field or method") {
+                    Some(method) => quote_spanned! {at.span()=>
+                        ::tito::__private::event_at(self, Self::#method)
+                    },
+                    None => quote!(0),
+                },
+            },
+        };
+        quote! {
+            ::tito::model::TitoEventConfig {
+                name: ::std::string::String::from(#name),
+                timestamp: #timestamp,
+            }
+        }
+    });
+
+    let queries = super::queries::queries(model);
+    let (claim_index, inbox_impl) = super::inbox::inbox(model, &table);
+    if model.attrs.inbox.is_some() {
+        // The claim index holds unprocessed rows only: a condition of its own.
+        conditions.push(quote! {
+            ::tito::model::TitoCondition {
+                index: ::tito::inbox::InboxSpec::claim_index_name(#table),
+                name: ::std::string::String::from("inbox_unprocessed"),
+                version: 1,
+            }
+        });
+    }
+    let key_only_indexes = if key_only.is_empty() {
+        TokenStream::new()
+    } else {
+        quote! {
+            fn key_only_indexes(&self) -> ::std::vec::Vec<::std::string::String> {
+                ::std::vec![#(#key_only),*]
+            }
+        }
+    };
+    let timestamps = if model.attrs.manual_timestamps.is_some() {
+        quote! {
+            fn managed_timestamps(&self) -> bool {
+                false
+            }
+        }
+    } else {
+        TokenStream::new()
+    };
+
+    quote! {
+        #[automatically_derived]
+        impl ::tito::model::TitoModelTrait for #ident {
+            fn id(&self) -> ::std::string::String {
+                #id_expr
+            }
+
+            fn table(&self) -> ::std::string::String {
+                ::std::string::String::from(#table)
+            }
+
+            fn indexes(&self) -> ::std::vec::Vec<::tito::model::TitoIndexConfig> {
+                #[allow(unused_mut)]
+                let mut indexes = ::std::vec![#(#plain),*];
+                #claim_index
+                indexes
+            }
+
+            fn unique_indexes(&self) -> ::std::vec::Vec<::tito::model::TitoIndexConfig> {
+                ::std::vec![#(#unique),*]
+            }
+
+            fn events(&self) -> ::std::vec::Vec<::tito::model::TitoEventConfig> {
+                ::std::vec![#(#events),*]
+            }
+
+            fn conditions(&self) -> ::std::vec::Vec<::tito::model::TitoCondition> {
+                ::std::vec![#(#conditions),*]
+            }
+
+            #key_only_indexes
+
+            #timestamps
+        }
+
+        #inbox_impl
+
+        #queries
+    }
+}
