@@ -1,0 +1,254 @@
+//! Reading an inbox as an operator does: counts per state, rows page by page, rows set aside,
+//! and putting a row back in line.
+
+use serde_json::Value;
+
+use crate::engine::{self, TitoEngine, TitoTransaction};
+use crate::error::{TitoError, TitoResult};
+use crate::keys::{self};
+use crate::model::TitoOptions;
+
+use super::{Inbox, InboxModel, field_i64, host_now_ms, set};
+
+/// The state of an inbox row, as operator tools show it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum InboxRowState {
+    /// Claimable now.
+    Ready,
+    /// Not claimable before its `retry_after`.
+    Delayed,
+    /// Claimed; its lease has not run out.
+    Leased,
+    /// Done (`processed_at` set).
+    Processed,
+}
+
+/// Counts of one group's rows by state ([`Inbox::counts`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct InboxCounts {
+    /// Claimable now.
+    pub ready: u64,
+    /// Waiting for their retry time.
+    pub delayed: u64,
+    /// Under a live lease.
+    pub leased: u64,
+    /// Processed (kept by models with a `processed_at` role).
+    pub processed: u64,
+    /// Rows of the table read (all groups).
+    pub scanned: u64,
+    /// Whether the count stopped at its bound with rows left.
+    pub more: bool,
+    /// Rows set aside because they do not decode (all groups).
+    pub bad: crate::inspect::Count,
+}
+
+/// One row of an inbox scan ([`Inbox::scan`]).
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+#[non_exhaustive]
+pub struct InboxRow {
+    /// The row's id.
+    pub id: String,
+    /// Its state now.
+    pub state: InboxRowState,
+    /// Its claims so far (with an `attempt` role).
+    pub attempt: Option<i64>,
+    /// Not claimable before (Unix ms; with a `retry_after` role).
+    pub retry_after: Option<i64>,
+    /// Its lease's end (Unix ms), if it has one (not read for processed rows).
+    pub locked_until: Option<i64>,
+    /// When it was processed (Unix ms; with a `processed_at` role).
+    pub processed_at: Option<i64>,
+    /// The whole row.
+    pub row: Value,
+}
+
+impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
+    /// The ids of rows set aside because they do not deserialize.
+    pub async fn bad_rows(&self) -> TitoResult<Vec<String>> {
+        let prefix = keys::inbox_bad_prefix(&self.table);
+        let end = keys::prefix_end(prefix.clone());
+        crate::engine::read_only(&self.db, async |tx| {
+            let rows = tx
+                .scan(prefix.as_bytes(), end.as_bytes(), engine::MAX_SCAN_LIMIT)
+                .await?;
+            rows.iter()
+                .map(|(k, _)| keys::decode_str(&keys::key_str(k)?[prefix.len()..]))
+                .collect()
+        })
+        .await
+    }
+
+    /// The state of a row now (host clock), from its roles, and its lease's end (not read for
+    /// a processed row: `None`).
+    pub(super) async fn state_of(
+        &self,
+        tx: &E::Transaction,
+        id: &str,
+        row: &Value,
+        now: i64,
+    ) -> TitoResult<(InboxRowState, Option<i64>)> {
+        if field_i64(row, &self.spec.processed_at).is_some() {
+            return Ok((InboxRowState::Processed, None));
+        }
+        let lease = self.lease_of(tx, id, row).await?;
+        let state = if lease.is_some_and(|until| until > now) {
+            InboxRowState::Leased
+        } else if field_i64(row, &self.spec.retry_after).is_some_and(|at| at > now) {
+            InboxRowState::Delayed
+        } else {
+            InboxRowState::Ready
+        };
+        Ok((state, lease))
+    }
+
+    /// A stored row's id and JSON, when it is JSON and belongs to `group`.
+    pub(super) fn group_row(
+        &self,
+        key: &[u8],
+        value: &[u8],
+        group: &str,
+    ) -> Option<(String, Value)> {
+        let row = serde_json::from_slice::<Value>(value).ok()?;
+        let in_group = match &self.spec.group {
+            Some(field) => row.get(field).and_then(Value::as_str) == Some(group),
+            None => true,
+        };
+        if !in_group {
+            return None;
+        }
+        let id = keys::row_key_id(&String::from_utf8_lossy(key), &self.table).unwrap_or_default();
+        Some((id, row))
+    }
+
+    /// Counts the rows of `group` by state (host clock), reading at most
+    /// [`COUNT_BOUND`](crate::inspect::COUNT_BOUND) rows of the table (all groups): past that,
+    /// [`InboxCounts::more`] is set and the counts cover the rows read. Rows set aside as bad
+    /// are counted apart (all groups). For operator tools.
+    pub async fn counts(&self, group: &str) -> TitoResult<InboxCounts> {
+        let prefix = keys::table_prefix(&self.table);
+        let end = keys::prefix_end(prefix.clone());
+        let bound = crate::inspect::COUNT_BOUND as usize;
+        let now = host_now_ms();
+        let mut counts = crate::engine::read_only(&self.db, async |tx| {
+            let mut counts = InboxCounts::default();
+            let mut start = prefix.clone().into_bytes();
+            while counts.scanned < bound as u64 {
+                let want = 1000.min(bound - counts.scanned as usize);
+                let rows = tx.scan(&start, end.as_bytes(), want).await?;
+                for (key, value) in &rows {
+                    counts.scanned += 1;
+                    let Some((id, row)) = self.group_row(key, value, group) else {
+                        continue;
+                    };
+                    match self.state_of(tx, &id, &row, now).await?.0 {
+                        InboxRowState::Ready => counts.ready += 1,
+                        InboxRowState::Delayed => counts.delayed += 1,
+                        InboxRowState::Leased => counts.leased += 1,
+                        InboxRowState::Processed => counts.processed += 1,
+                    }
+                }
+                match rows.last() {
+                    Some((key, _)) if rows.len() == want => start = keys::key_after_bytes(key),
+                    _ => return Ok(counts),
+                }
+            }
+            counts.more = !tx.scan(&start, end.as_bytes(), 1).await?.is_empty();
+            Ok(counts)
+        })
+        .await?;
+        counts.bad =
+            crate::inspect::count_prefix(&self.db, &keys::inbox_bad_prefix(&self.table), 10_000)
+                .await?;
+        Ok(counts)
+    }
+
+    /// A page of the rows of `group` (in id order), only those in `state` when given, with
+    /// their roles. Reads at most 10 × `limit` rows of the table (`limit` 1 to
+    /// [`MAX_PAGE_LIMIT`](crate::model::MAX_PAGE_LIMIT)); a page may hold fewer rows than
+    /// `limit` and still have a cursor (it stopped at that bound). For operator tools.
+    pub async fn scan(
+        &self,
+        group: &str,
+        state: Option<InboxRowState>,
+        cursor: Option<&str>,
+        limit: usize,
+    ) -> TitoResult<crate::TitoPage<InboxRow>> {
+        if limit == 0 || limit > crate::model::MAX_PAGE_LIMIT {
+            return Err(TitoError::invalid_argument(format!(
+                "an inbox page holds 1 to {} rows, got {limit}",
+                crate::model::MAX_PAGE_LIMIT
+            )));
+        }
+        let prefix = keys::table_prefix(&self.table);
+        let mut end = keys::prefix_end(prefix.clone()).into_bytes();
+        let mut start = prefix.clone().into_bytes();
+        crate::model::query::narrow_to_cursor(&mut start, &mut end, false, cursor)?;
+        let budget = limit * 10;
+        let now = host_now_ms();
+        crate::engine::read_only(&self.db, async |tx| {
+            let rows = tx.scan(&start, &end, budget).await?;
+            let full = rows.len() == budget;
+            let mut items = Vec::new();
+            let mut last = None;
+            for (key, value) in &rows {
+                last = Some(key.clone());
+                let Some((id, row)) = self.group_row(key, value, group) else {
+                    continue;
+                };
+                let (row_state, lease) = self.state_of(tx, &id, &row, now).await?;
+                if state.is_some_and(|wanted| wanted != row_state) {
+                    continue;
+                }
+                items.push(InboxRow {
+                    attempt: field_i64(&row, &self.spec.attempt),
+                    retry_after: field_i64(&row, &self.spec.retry_after),
+                    locked_until: lease,
+                    processed_at: field_i64(&row, &self.spec.processed_at),
+                    id,
+                    state: row_state,
+                    row,
+                });
+                if items.len() == limit {
+                    break;
+                }
+            }
+            let stopped_early = items.len() == limit && last.as_ref() != rows.last().map(|r| &r.0);
+            let cursor = if full || stopped_early {
+                last.map(|k| crate::model::query::encode_cursor(&k))
+            } else {
+                None
+            };
+            Ok(crate::TitoPage { items, cursor })
+        })
+        .await
+    }
+
+    /// Moves a row into `group` as a fresh job: attempts 0, no delay, no lease, not processed
+    /// (the roles the model has). For moving a dead-lettered row back (dead letters into a
+    /// group). A missing row is [`TitoError::NotFound`].
+    pub async fn requeue(&self, id: &str, group: &str) -> TitoResult<()> {
+        let (id, group) = (id.to_string(), group.to_string());
+        self.db
+            .transaction(|tx| {
+                let (id, group) = (id.clone(), group.clone());
+                async move {
+                    let model = self.models.find_by_id_tx(&id, &tx).await?;
+                    let mut row = serde_json::to_value(&model)?;
+                    set(&mut row, &self.spec.group, Value::from(group));
+                    set(&mut row, &self.spec.attempt, Value::from(0));
+                    set(&mut row, &self.spec.retry_after, Value::from(0));
+                    set(&mut row, &self.spec.processed_at, Value::Null);
+                    self.set_lease(&tx, &id, &mut row, None).await?;
+                    let model: M = serde_json::from_value(row)?;
+                    self.models
+                        .update_with_options(model, TitoOptions::default(), &tx)
+                        .await?;
+                    tracing::info!(table = %self.table, id, "inbox row requeued");
+                    Ok(())
+                }
+            })
+            .await
+    }
+}
