@@ -137,8 +137,9 @@ pub(crate) mod catalog;
 mod config;
 pub(crate) mod index;
 pub(crate) mod query;
+mod write;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::marker::PhantomData;
 use std::sync::{Arc, OnceLock};
 use tracing::Instrument;
@@ -739,22 +740,6 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
             .await
     }
 
-    /// Plans the release of a claim the row held: read now, deleted with the other writes.
-    async fn release_claim(
-        &self,
-        tx: &E::Transaction,
-        claim: &str,
-        id: &str,
-        writes: &mut engine::Writes,
-    ) -> TitoResult<()> {
-        let owner = tx.get(claim.as_bytes()).await?;
-        // A claim held by another row is not ours to remove.
-        if owner.as_deref() == Some(id.as_bytes()) {
-            writes.delete(claim.as_bytes().to_vec());
-        }
-        Ok(())
-    }
-
     async fn write(
         &self,
         tx: &E::Transaction,
@@ -771,179 +756,6 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         self.write_in(tx, model, mode, options)
             .instrument(span)
             .await
-    }
-
-    async fn write_in(
-        &self,
-        tx: &E::Transaction,
-        model: T,
-        mode: Mode,
-        options: &TitoOptions,
-    ) -> TitoResult<T> {
-        let id = model.id();
-        let table = model.table();
-        if id.is_empty() {
-            return Err(TitoError::invalid_argument(format!(
-                "a row of table {table:?} has an empty id"
-            )));
-        }
-        check_events(&model, options)?;
-        let row_key = keys::row_key(&table, &id);
-        let handle = self.schema_handle().await?;
-        let mut row = serde_json::to_value(&model)?;
-        let mut configs = index_configs(&model)?;
-        // The row's entries under the code's indexes, computed once: the write plan takes them
-        // unless the catalog maintains an index otherwise or the row's timestamps are stamped.
-        let mut known = code_entries(&configs, &row, &table, &id);
-        // The claims the row will take, as far as the code's indexes tell before the catalog and
-        // the stored row are read: they join the row's read, saving a request each. A claim the
-        // write ends up needing that is not among them (a stamped field, a catalog that differs)
-        // is read on its own.
-        let expected_claims: Vec<String> = known
-            .iter()
-            .flatten()
-            .flatten()
-            .filter_map(|entry| entry.claim.clone())
-            .collect();
-        let (stored, plan, claim_owners) = load(tx, &table, &id, &handle, &expected_claims).await?;
-        let mut prefetched: HashMap<String, Option<Vec<u8>>> =
-            expected_claims.into_iter().zip(claim_owners).collect();
-        match (mode, &stored) {
-            (Mode::Insert, Some(_)) => {
-                return Err(TitoError::AlreadyExists(format!(
-                    "table {table:?} already has a row with id {id:?} (key {row_key})"
-                )));
-            }
-            (Mode::Update, None) => {
-                return Err(TitoError::NotFound(no_row(&table, &id)));
-            }
-            _ => {}
-        }
-
-        let stamped = model.managed_timestamps()
-            && !options.keep_timestamps
-            && stamp(
-                &mut row,
-                stored.as_ref().map(|s| &s.row),
-                engine::version_millis(tx.start_version()),
-            );
-        // What was stored, as the model: re-read only when timestamps changed it, and then its
-        // indexes (whose conditions may read the timestamps) and entries are evaluated again.
-        let stored_model: T = if stamped {
-            let stored_model: T = serde_json::from_value(row.clone())?;
-            configs = index_configs(&stored_model)?;
-            known.clear();
-            stored_model
-        } else {
-            model
-        };
-        let bytes = serde_json::to_vec(&row)?;
-
-        let new_entries = planned_entries_reusing(&plan, &configs, &row, &table, &id, &mut known)?;
-        // What the row held before comes from its manifest, never from evaluating the indexes
-        // (and their row-dependent conditions) on the old row again.
-        let old_listed: HashSet<String> = stored
-            .as_ref()
-            .map(|s| s.manifest.iter().cloned().collect())
-            .unwrap_or_default();
-
-        // Everything that can refuse the write is decided before the first write is buffered
-        // (claims taken by other rows, the sizes of every key and value), so a caller that
-        // handles the error in its own transaction and commits leaves nothing half-written.
-        // Unique claims: new ones are checked and written so racing writers conflict; claims
-        // the row no longer holds are released.
-        let mut writes = engine::Writes::default();
-        let mut new_claims: Vec<String> = Vec::new();
-        let mut tolerated: HashSet<String> = HashSet::new();
-        let mut old_claims: Option<HashSet<String>> = None;
-        for (entry, state) in &new_entries {
-            let Some(claim) = &entry.claim else { continue };
-            if new_claims.contains(claim) || tolerated.contains(claim) {
-                continue;
-            }
-            if old_listed.contains(claim) {
-                new_claims.push(claim.clone());
-                continue;
-            }
-            let owner = match prefetched.remove(claim) {
-                Some(owner) => owner,
-                None => tx.get(claim.as_bytes()).await?,
-            };
-            match owner {
-                Some(owner) if owner != id.as_bytes() => {
-                    // A unique index still building tolerates a duplicate the row already had
-                    // (its build reports it); a new duplicate is refused as always.
-                    if *state == IndexState::Building {
-                        let old = match &old_claims {
-                            Some(old) => old,
-                            None => old_claims.insert(match &stored {
-                                Some(s) => planned_entries(&plan, &configs, &s.row, &table, &id)?
-                                    .into_iter()
-                                    .filter_map(|(e, _)| e.claim)
-                                    .collect(),
-                                None => HashSet::new(),
-                            }),
-                        };
-                        if old.contains(claim) {
-                            tolerated.insert(claim.clone());
-                            continue;
-                        }
-                    }
-                    return Err(TitoError::UniqueViolation {
-                        index: entry.index.clone(),
-                        owner: String::from_utf8_lossy(&owner).into_owned(),
-                    });
-                }
-                _ => writes.put(claim.clone(), id.clone().into_bytes()),
-            }
-            new_claims.push(claim.clone());
-        }
-        for claim in old_listed
-            .iter()
-            .filter(|k| keys::is_claim_key_of(k, &table) && !new_claims.contains(k))
-        {
-            self.release_claim(tx, claim, &id, &mut writes).await?;
-        }
-
-        let kept: Vec<index::Entry> = new_entries
-            .into_iter()
-            .filter(|(e, _)| e.claim.as_ref().is_none_or(|c| !tolerated.contains(c)))
-            .map(|(e, _)| e)
-            .collect();
-        let row_changed = stored.as_ref().is_none_or(|s| s.row != row);
-        let new_set: HashSet<&String> = kept.iter().map(|e| &e.key).chain(&new_claims).collect();
-        for key in old_listed
-            .iter()
-            .filter(|k| !keys::is_claim_key_of(k, &table) && !new_set.contains(k))
-        {
-            writes.delete(key.clone());
-        }
-        for entry in &kept {
-            // A copy changes only when the row does; a key-only entry never changes.
-            let fresh = !old_listed.contains(&entry.key);
-            if fresh || (row_changed && !entry.key_only) {
-                writes.put(entry.key.clone(), entry.value(&bytes));
-            }
-        }
-        let manifest: Vec<String> = kept.into_iter().map(|e| e.key).chain(new_claims).collect();
-        let keys_changed = stored
-            .as_ref()
-            .is_none_or(|s| s.manifest != manifest || s.manifest_version != plan.version);
-        if keys_changed {
-            writes.put(
-                keys::manifest_key(&table, &id),
-                encode_manifest(plan.version, &manifest)?,
-            );
-        }
-        if row_changed {
-            writes.put(row_key, bytes);
-        }
-        if let Some(operation) = options.events {
-            let events = self.prepare_events(operation, &stored_model, &stored_model)?;
-            self.plan_events(tx, events, &mut writes).await?;
-        }
-        writes.apply(tx).await?;
-        Ok(stored_model)
     }
 
     /// Reads one row by id in a transaction of its own. A missing row is

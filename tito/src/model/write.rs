@@ -1,0 +1,275 @@
+//! A model write in a caller's transaction, in steps: read the row, its manifest, the catalog and
+//! the expected claims together; decide every claim; plan the row, its entries, its manifest and
+//! its events; then buffer them all at once (so a refused write leaves nothing behind).
+
+use std::collections::{HashMap, HashSet};
+
+use serde_json::Value;
+
+use super::catalog::{IndexState, WritePlan};
+use super::index::{self, Entry};
+use super::{
+    Mode, Stored, TitoModel, TitoModelTrait, TitoOptions, check_events, code_entries,
+    encode_manifest, index_configs, load, no_row, planned_entries, planned_entries_reusing, stamp,
+};
+use crate::engine::{self, TitoEngine, TitoTransaction};
+use crate::error::{TitoError, TitoResult};
+use crate::keys;
+
+/// What a write has read and decided about its row before it plans any write.
+struct RowWrite<'a> {
+    table: &'a str,
+    id: &'a str,
+    plan: &'a WritePlan,
+    configs: &'a [(crate::model::TitoIndexConfig, bool)],
+    stored: Option<&'a Stored>,
+    /// The keys the row's manifest lists (its entries and claims before the write).
+    old_listed: HashSet<String>,
+}
+
+/// The unique claims of a write, once decided.
+struct Claims {
+    /// Every claim the row holds after the write.
+    held: Vec<String>,
+    /// Duplicates a building unique index tolerates (the row already had them).
+    tolerated: HashSet<String>,
+}
+
+impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
+    /// Writes `model` in `tx` as `mode` says; returns the row as stored (timestamps stamped).
+    pub(super) async fn write_in(
+        &self,
+        tx: &E::Transaction,
+        model: T,
+        mode: Mode,
+        options: &TitoOptions,
+    ) -> TitoResult<T> {
+        let id = model.id();
+        let table = model.table();
+        if id.is_empty() {
+            return Err(TitoError::invalid_argument(format!(
+                "a row of table {table:?} has an empty id"
+            )));
+        }
+        check_events(&model, options)?;
+        let row_key = keys::row_key(&table, &id);
+        let handle = self.schema_handle().await?;
+        let mut row = serde_json::to_value(&model)?;
+        let mut configs = index_configs(&model)?;
+        // The row's entries under the code's indexes, computed once: the write plan takes them
+        // unless the catalog maintains an index otherwise or the row's timestamps are stamped.
+        let mut known = code_entries(&configs, &row, &table, &id);
+        // The claims the row will take, as far as the code's indexes tell before the catalog and
+        // the stored row are read: they join the row's read, saving a request each. A claim the
+        // write ends up needing that is not among them (a stamped field, a catalog that differs)
+        // is read on its own.
+        let expected_claims: Vec<String> = known
+            .iter()
+            .flatten()
+            .flatten()
+            .filter_map(|entry| entry.claim.clone())
+            .collect();
+        let (stored, plan, claim_owners) = load(tx, &table, &id, &handle, &expected_claims).await?;
+        let mut prefetched: HashMap<String, Option<Vec<u8>>> =
+            expected_claims.into_iter().zip(claim_owners).collect();
+        match (mode, &stored) {
+            (Mode::Insert, Some(_)) => {
+                return Err(TitoError::AlreadyExists(format!(
+                    "table {table:?} already has a row with id {id:?} (key {row_key})"
+                )));
+            }
+            (Mode::Update, None) => {
+                return Err(TitoError::NotFound(no_row(&table, &id)));
+            }
+            _ => {}
+        }
+
+        let stamped = model.managed_timestamps()
+            && !options.keep_timestamps
+            && stamp(
+                &mut row,
+                stored.as_ref().map(|s| &s.row),
+                engine::version_millis(tx.start_version()),
+            );
+        // What was stored, as the model: re-read only when timestamps changed it, and then its
+        // indexes (whose conditions may read the timestamps) and entries are evaluated again.
+        let stored_model: T = if stamped {
+            let stored_model: T = serde_json::from_value(row.clone())?;
+            configs = index_configs(&stored_model)?;
+            known.clear();
+            stored_model
+        } else {
+            model
+        };
+        let new_entries = planned_entries_reusing(&plan, &configs, &row, &table, &id, &mut known)?;
+        let step = RowWrite {
+            table: &table,
+            id: &id,
+            plan: &plan,
+            configs: &configs,
+            stored: stored.as_ref(),
+            // What the row held before comes from its manifest, never from evaluating the
+            // indexes (and their row-dependent conditions) on the old row again.
+            old_listed: stored
+                .as_ref()
+                .map(|s| s.manifest.iter().cloned().collect())
+                .unwrap_or_default(),
+        };
+
+        // Everything that can refuse the write is decided before the first write is buffered
+        // (claims taken by other rows, the sizes of every key and value), so a caller that
+        // handles the error in its own transaction and commits leaves nothing half-written.
+        let mut writes = engine::Writes::default();
+        let claims = self
+            .plan_claims(tx, &step, &new_entries, &mut prefetched, &mut writes)
+            .await?;
+        plan_row(&step, new_entries, claims, row_key, &row, &mut writes)?;
+        if let Some(operation) = options.events {
+            let events = self.prepare_events(operation, &stored_model, &stored_model)?;
+            self.plan_events(tx, events, &mut writes).await?;
+        }
+        writes.apply(tx).await?;
+        Ok(stored_model)
+    }
+
+    /// Decides the unique claims of the row's new entries: a claim another row holds refuses the
+    /// write with [`TitoError::UniqueViolation`], unless a unique index still building tolerates
+    /// a duplicate the row already had (its build reports it); a new claim is planned, so racing
+    /// writers conflict on it. Claims the row no longer holds are released.
+    async fn plan_claims(
+        &self,
+        tx: &E::Transaction,
+        step: &RowWrite<'_>,
+        new_entries: &[(Entry, IndexState)],
+        prefetched: &mut HashMap<String, Option<Vec<u8>>>,
+        writes: &mut engine::Writes,
+    ) -> TitoResult<Claims> {
+        let mut held: Vec<String> = Vec::new();
+        let mut tolerated: HashSet<String> = HashSet::new();
+        let mut old_claims: Option<HashSet<String>> = None;
+        for (entry, state) in new_entries {
+            let Some(claim) = &entry.claim else { continue };
+            if held.contains(claim) || tolerated.contains(claim) {
+                continue;
+            }
+            if step.old_listed.contains(claim) {
+                held.push(claim.clone());
+                continue;
+            }
+            let owner = match prefetched.remove(claim) {
+                Some(owner) => owner,
+                None => tx.get(claim.as_bytes()).await?,
+            };
+            match owner {
+                Some(owner) if owner != step.id.as_bytes() => {
+                    if *state == IndexState::Building {
+                        let old = match &old_claims {
+                            Some(old) => old,
+                            None => old_claims.insert(step.claims_of_stored_row()?),
+                        };
+                        if old.contains(claim) {
+                            tolerated.insert(claim.clone());
+                            continue;
+                        }
+                    }
+                    return Err(TitoError::UniqueViolation {
+                        index: entry.index.clone(),
+                        owner: String::from_utf8_lossy(&owner).into_owned(),
+                    });
+                }
+                _ => writes.put(claim.clone(), step.id.as_bytes().to_vec()),
+            }
+            held.push(claim.clone());
+        }
+        for claim in step
+            .old_listed
+            .iter()
+            .filter(|k| keys::is_claim_key_of(k, step.table) && !held.contains(k))
+        {
+            self.release_claim(tx, claim, step.id, writes).await?;
+        }
+        Ok(Claims { held, tolerated })
+    }
+
+    /// Plans the release of a claim the row held: read now, deleted with the other writes.
+    pub(super) async fn release_claim(
+        &self,
+        tx: &E::Transaction,
+        claim: &str,
+        id: &str,
+        writes: &mut engine::Writes,
+    ) -> TitoResult<()> {
+        let owner = tx.get(claim.as_bytes()).await?;
+        // A claim held by another row is not ours to remove.
+        if owner.as_deref() == Some(id.as_bytes()) {
+            writes.delete(claim.as_bytes().to_vec());
+        }
+        Ok(())
+    }
+}
+
+impl RowWrite<'_> {
+    /// The claims the stored row's values take under the current plan (read only when a
+    /// building unique index meets a duplicate).
+    fn claims_of_stored_row(&self) -> TitoResult<HashSet<String>> {
+        Ok(match self.stored {
+            Some(s) => planned_entries(self.plan, self.configs, &s.row, self.table, self.id)?
+                .into_iter()
+                .filter_map(|(e, _)| e.claim)
+                .collect(),
+            None => HashSet::new(),
+        })
+    }
+}
+
+/// Plans the row, its index entries and its manifest: entries the row no longer has are
+/// deleted, new ones written, copies rewritten only when the row changed (a key-only entry
+/// never changes), the manifest and the row only when they changed.
+fn plan_row(
+    step: &RowWrite<'_>,
+    new_entries: Vec<(Entry, IndexState)>,
+    claims: Claims,
+    row_key: String,
+    row: &Value,
+    writes: &mut engine::Writes,
+) -> TitoResult<()> {
+    let bytes = serde_json::to_vec(row)?;
+    let kept: Vec<index::Entry> = new_entries
+        .into_iter()
+        .filter(|(e, _)| {
+            e.claim
+                .as_ref()
+                .is_none_or(|c| !claims.tolerated.contains(c))
+        })
+        .map(|(e, _)| e)
+        .collect();
+    let row_changed = step.stored.is_none_or(|s| s.row != *row);
+    let new_set: HashSet<&String> = kept.iter().map(|e| &e.key).chain(&claims.held).collect();
+    for key in step
+        .old_listed
+        .iter()
+        .filter(|k| !keys::is_claim_key_of(k, step.table) && !new_set.contains(k))
+    {
+        writes.delete(key.clone());
+    }
+    for entry in &kept {
+        let fresh = !step.old_listed.contains(&entry.key);
+        if fresh || (row_changed && !entry.key_only) {
+            writes.put(entry.key.clone(), entry.value(&bytes));
+        }
+    }
+    let manifest: Vec<String> = kept.into_iter().map(|e| e.key).chain(claims.held).collect();
+    let keys_changed = step
+        .stored
+        .is_none_or(|s| s.manifest != manifest || s.manifest_version != step.plan.version);
+    if keys_changed {
+        writes.put(
+            keys::manifest_key(step.table, step.id),
+            encode_manifest(step.plan.version, &manifest)?,
+        );
+    }
+    if row_changed {
+        writes.put(row_key, bytes);
+    }
+    Ok(())
+}
