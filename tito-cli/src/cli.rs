@@ -1,0 +1,207 @@
+//! The command line, as clap parses it.
+
+use std::net::SocketAddr;
+
+use clap::{Args, Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "tito",
+    version,
+    about = "Inspect and operate a Tito store (embedded or TiKV)"
+)]
+pub(crate) struct Cli {
+    #[command(flatten)]
+    pub(crate) store: StoreArgs,
+    /// Print JSON instead of text.
+    #[arg(long, global = true)]
+    pub(crate) json: bool,
+    /// How long to wait for TiKV to answer, in seconds.
+    #[arg(long, global = true, default_value_t = 5)]
+    pub(crate) timeout: u64,
+    #[command(subcommand)]
+    pub(crate) command: Command,
+}
+
+#[derive(Args)]
+#[group(multiple = false)]
+pub(crate) struct StoreArgs {
+    /// An embedded store's directory (no other process may hold it open).
+    #[arg(long, global = true)]
+    pub(crate) path: Option<std::path::PathBuf>,
+    /// TiKV: PD endpoints, comma-separated (host:port).
+    #[arg(long, global = true, value_delimiter = ',')]
+    pub(crate) pd: Option<Vec<String>>,
+}
+
+#[derive(Subcommand)]
+pub(crate) enum Command {
+    /// Queues: list them, see one's backlog, peek at its rows.
+    #[command(subcommand)]
+    Queue(QueueCommand),
+    /// Tables: list them, read a row, page through rows.
+    #[command(subcommand)]
+    Table(TableCommand),
+    /// Indexes: a table's index catalog with states and build progress.
+    #[command(subcommand)]
+    Index(IndexCommand),
+    /// Key/value namespaces: list them, read a key, page through keys.
+    #[command(subcommand)]
+    Kv(KvCommand),
+    /// Inboxes (registered inbox models): counts by state, dead-lettered and bad rows.
+    #[command(subcommand)]
+    Inbox(InboxCommand),
+    /// Checks a table (registered model) against its ready indexes; changes nothing.
+    Audit { table: String },
+    /// Fixes what an audit finds, in bounded batches.
+    Repair { table: String },
+    /// Deletes what has expired: completed queue rows past retention, expired kv keys, old
+    /// commit markers. Prints what it deleted.
+    Gc {
+        /// The retention of completed queue rows, in seconds.
+        #[arg(long, default_value_t = 86_400)]
+        retention: u64,
+    },
+    /// Keys: show a storage key as its decoded segments.
+    #[command(subcommand)]
+    Keys(KeysCommand),
+    /// Serves the admin dashboard (tito-admin) for this store.
+    Serve {
+        /// The address to listen on. Without an authorization hook the dashboard only answers
+        /// loopback peers.
+        #[arg(long, default_value = "127.0.0.1:8080")]
+        listen: SocketAddr,
+    },
+}
+
+#[derive(Subcommand)]
+pub(crate) enum QueueCommand {
+    /// Every queue with its partition count.
+    Ls,
+    /// A queue's backlog: per partition due now and later, oldest due, lateness, leases;
+    /// completed rows and throughput.
+    Stats {
+        /// The queue's topic (none: the default queue).
+        #[arg(long)]
+        topic: Option<String>,
+    },
+    /// A page of a queue's rows: one partition's pending rows in due order, or the newest
+    /// completed ones. Malformed rows are shown raw.
+    Peek {
+        #[arg(long)]
+        topic: Option<String>,
+        /// The partition (pending rows).
+        #[arg(long, default_value_t = 0)]
+        partition: u32,
+        /// Completed rows instead of pending ones.
+        #[arg(long)]
+        completed: bool,
+        #[arg(long, default_value_t = 20)]
+        limit: usize,
+        /// The cursor a previous page printed.
+        #[arg(long)]
+        cursor: Option<String>,
+    },
+    /// Moves one pending row aside (out of its partition, kept under the queue's `aside:`
+    /// keys): for a row no worker can decode, or one that must not run. Prints whether it was
+    /// pending.
+    SetAside {
+        #[arg(long)]
+        topic: Option<String>,
+        /// The row's storage key, as `queue peek` prints it.
+        key: String,
+        /// Why, kept with the row.
+        #[arg(long, default_value = "set aside by an operator")]
+        why: String,
+    },
+    /// A page of the rows a queue moved aside.
+    Aside {
+        #[arg(long)]
+        topic: Option<String>,
+        #[arg(long, default_value_t = 20)]
+        limit: usize,
+        #[arg(long)]
+        cursor: Option<String>,
+    },
+}
+
+#[derive(Subcommand)]
+pub(crate) enum TableCommand {
+    /// Every table with rows, with a bounded row count.
+    Ls,
+    /// One row by id, as stored.
+    Get { table: String, id: String },
+    /// A page of rows in id order.
+    Scan {
+        table: String,
+        #[arg(long, default_value_t = 20)]
+        limit: usize,
+        #[arg(long)]
+        cursor: Option<String>,
+    },
+}
+
+#[derive(Subcommand)]
+pub(crate) enum IndexCommand {
+    /// A table's catalog: each index's definition, state and progress.
+    Status { table: String },
+    /// Builds the table's building indexes (registered model) to the end, in bounded,
+    /// resumable batches; with an index name, refuses unless that index is building.
+    Build {
+        table: String,
+        index: Option<String>,
+    },
+    /// Finishes dropping the indexes the code no longer declares (registered model); with an
+    /// index name, refuses unless that index is dropping.
+    Drop {
+        table: String,
+        index: Option<String>,
+    },
+    /// Starts a build that stopped on duplicate values again from the first row.
+    Restart { table: String, index: String },
+}
+
+#[derive(Subcommand)]
+pub(crate) enum InboxCommand {
+    /// One group's rows by state (bounded count), with the table's bad rows.
+    Stats {
+        table: String,
+        #[arg(long)]
+        group: String,
+    },
+    /// The rows of a dead-letter group (the group dead letters go to) and the bad rows.
+    Dead {
+        table: String,
+        /// The dead-letter group.
+        #[arg(long)]
+        group: String,
+        #[arg(long, default_value_t = 20)]
+        limit: usize,
+        #[arg(long)]
+        cursor: Option<String>,
+    },
+}
+
+#[derive(Subcommand)]
+pub(crate) enum KvCommand {
+    /// Every namespace with a bounded key count.
+    Ls,
+    /// One live entry.
+    Get { namespace: String, key: String },
+    /// A page of live entries whose keys start with `--prefix`.
+    List {
+        namespace: String,
+        #[arg(long, default_value = "")]
+        prefix: String,
+        #[arg(long, default_value_t = 20)]
+        limit: usize,
+        #[arg(long)]
+        cursor: Option<String>,
+    },
+}
+
+#[derive(Subcommand)]
+pub(crate) enum KeysCommand {
+    /// Decodes a key (as printed by the other commands).
+    Decode { key: String },
+}

@@ -1,0 +1,163 @@
+//! `tito queue`: queues, their partitions and rows, rows set aside.
+
+use tito::TitoEngine;
+use tito::inspect::{self, QueueState};
+
+use crate::cli::QueueCommand;
+use crate::{Failure, Outcome, cursor_line, print};
+
+/// Runs one `tito queue` command.
+pub(crate) async fn run<E: TitoEngine>(db: E, command: QueueCommand, json: bool) -> Outcome {
+    match command {
+        QueueCommand::Ls => {
+            let queues = inspect::queues(&db, 1000).await?;
+            print(json, &queues, || {
+                let mut out = format!("{:<32} {:>10}", "QUEUE", "PARTITIONS");
+                for q in &queues {
+                    let parts = q.partitions.map_or("?".into(), |p| p.to_string());
+                    out.push_str(&format!("\n{:<32} {:>10}", q.label, parts));
+                }
+                out
+            })
+        }
+        QueueCommand::Stats { topic } => {
+            let o = inspect::queue_overview(&db, topic.as_deref()).await?;
+            if o.info.partitions.is_none() {
+                return Err(Failure(format!(
+                    "no queue {:?} in this store",
+                    o.info.label
+                )));
+            }
+            print(json, &o, || {
+                let now_s = o.now_ms / 1000;
+                let mut out = format!(
+                    "queue {}: {} due now, {} due later, {} completed kept",
+                    o.info.label, o.due_now, o.future, o.completed
+                );
+                if let Some(due) = o.oldest_due.filter(|_| o.due_now.value > 0) {
+                    out.push_str(&format!(
+                        "; the oldest due is {} s late",
+                        now_s.saturating_sub(due)
+                    ));
+                }
+                let minutes: Vec<String> = o
+                    .completed_per_minute
+                    .iter()
+                    .map(|c| c.to_string())
+                    .collect();
+                out.push_str(&format!(
+                    "\ncompleted per minute (this minute first): {}",
+                    minutes.join(" ")
+                ));
+                if let Some(c) = &o.coordinator {
+                    out.push_str(&format!(
+                        "\ncoordinator {c}, members {}",
+                        o.members.join(",")
+                    ));
+                }
+                out.push_str(&format!(
+                    "\n{:>9} {:>10} {:>10} {:>8}  {}",
+                    "PARTITION", "DUE NOW", "LATER", "LATE S", "LEASE"
+                ));
+                for p in &o.partitions {
+                    let lease = p
+                        .lease
+                        .as_ref()
+                        .map_or("free".to_string(), |l| l.holder.clone());
+                    out.push_str(&format!(
+                        "\n{:>9} {:>10} {:>10} {:>8}  {lease}",
+                        p.partition,
+                        p.due_now.to_string(),
+                        p.future.to_string(),
+                        if p.due_now.value > 0 {
+                            p.oldest_late_s
+                        } else {
+                            0
+                        },
+                    ));
+                }
+                out
+            })
+        }
+        QueueCommand::Peek {
+            topic,
+            partition,
+            completed,
+            limit,
+            cursor,
+        } => {
+            let state = if completed {
+                QueueState::Completed
+            } else {
+                QueueState::Pending(partition)
+            };
+            let page =
+                inspect::queue_scan(&db, topic.as_deref(), state, cursor.as_deref(), limit).await?;
+            print(json, &page, || {
+                let mut out = String::new();
+                for row in &page.items {
+                    if let Some(note) = &row.undecodable {
+                        out.push_str(&format!(
+                            "{}  UNDECODABLE as {}: {} (tito queue set-aside moves it aside)\n",
+                            row.key, note.type_name, note.error
+                        ));
+                    }
+                    match (&row.event, &row.malformed) {
+                        (Some(e), None) => out.push_str(&format!(
+                            "{}  id={} key={} due={} payload={}\n",
+                            row.key, e.id, e.key, e.timestamp, e.payload
+                        )),
+                        _ => out.push_str(&format!(
+                            "{}  MALFORMED: {} raw={:?}\n",
+                            row.key,
+                            row.malformed.as_deref().unwrap_or(""),
+                            row.raw.as_deref().unwrap_or("")
+                        )),
+                    }
+                }
+                out.push_str(&cursor_line(&page.cursor));
+                out
+            })
+        }
+        QueueCommand::SetAside { topic, key, why } => {
+            let moved = tito::queue::set_aside(&db, topic.as_deref(), &key, &why).await?;
+            print(
+                json,
+                &serde_json::json!({ "key": key, "set_aside": moved }),
+                || {
+                    if moved {
+                        format!("{key}: set aside")
+                    } else {
+                        format!("{key}: not pending (nothing moved)")
+                    }
+                },
+            )
+        }
+        QueueCommand::Aside {
+            topic,
+            limit,
+            cursor,
+        } => {
+            let page =
+                inspect::queue_aside(&db, topic.as_deref(), cursor.as_deref(), limit).await?;
+            print(json, &page, || {
+                let mut out = String::new();
+                for row in &page.items {
+                    match &row.record {
+                        Some(record) => out.push_str(&format!(
+                            "{}  why={:?} row={}\n",
+                            row.key, record.why, record.row
+                        )),
+                        None => out.push_str(&format!(
+                            "{}  MALFORMED raw={:?}\n",
+                            row.key,
+                            row.raw.as_deref().unwrap_or("")
+                        )),
+                    }
+                }
+                out.push_str(&cursor_line(&page.cursor));
+                out
+            })
+        }
+    }
+}
