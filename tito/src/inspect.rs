@@ -43,7 +43,7 @@ use crate::engine::{self, TitoEngine, TitoTransaction};
 use crate::error::{TitoError, TitoResult};
 use crate::event::StoredEvent;
 use crate::keys;
-use crate::model::query::{encode_cursor, narrow_to_cursor};
+use crate::model::query::narrow_to_cursor;
 use crate::model::{MAX_PAGE_LIMIT, TitoPage};
 use crate::queue::{AsideRecord, QueueOwner, UndecodableNote};
 
@@ -599,7 +599,7 @@ async fn raw_page<E: TitoEngine>(
 ) -> TitoResult<TitoPage<(Vec<u8>, Vec<u8>)>> {
     let mut start = prefix.as_bytes().to_vec();
     let mut end = keys::prefix_end(prefix.to_string()).into_bytes();
-    narrow_to_cursor(&mut start, &mut end, reverse, cursor)?;
+    let cursors = narrow_to_cursor(&mut start, &mut end, reverse, cursor)?;
     read_only(db, async |tx| {
         let mut rows = if reverse {
             tx.scan_reverse(&start, &end, limit + 1).await?
@@ -609,7 +609,7 @@ async fn raw_page<E: TitoEngine>(
         let more = rows.len() > limit;
         rows.truncate(limit);
         let cursor = if more {
-            rows.last().map(|(k, _)| encode_cursor(k))
+            rows.last().map(|(k, _)| cursors.encode(k))
         } else {
             None
         };

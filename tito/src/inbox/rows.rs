@@ -184,7 +184,7 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
         let prefix = keys::table_prefix(&self.table);
         let mut end = keys::prefix_end(prefix.clone()).into_bytes();
         let mut start = prefix.clone().into_bytes();
-        crate::model::query::narrow_to_cursor(&mut start, &mut end, false, cursor)?;
+        let cursors = crate::model::query::narrow_to_cursor(&mut start, &mut end, false, cursor)?;
         let budget = limit * 10;
         let now = host_now_ms();
         crate::engine::read_only(&self.db, async |tx| {
@@ -216,7 +216,7 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
             }
             let stopped_early = items.len() == limit && last.as_ref() != rows.last().map(|r| &r.0);
             let cursor = if full || stopped_early {
-                last.map(|k| crate::model::query::encode_cursor(&k))
+                last.map(|k| cursors.encode(&k))
             } else {
                 None
             };

@@ -27,50 +27,122 @@ pub struct TitoPage<T> {
     /// The rows, in key order (reversed for reverse queries).
     pub items: Vec<T>,
     /// Pass to the same query's `cursor` to get the next page; `None` on the last page.
+    ///
+    /// Opaque and short: the last key's bytes after the part every key of the query's range
+    /// shares, in base64url (`c2.` and a few dozen characters for a typical index query). It
+    /// reveals what follows the bound values in that key (the remaining index values and the
+    /// row id), which the page itself showed; it is not signed, and a cursor of another range
+    /// is refused.
     pub cursor: Option<String>,
 }
 
-const CURSOR_TAG: &str = "c1.";
+/// Cursors of this form: the key's bytes after the range's shared prefix, in unpadded
+/// base64url.
+const CURSOR_TAG: &str = "c2.";
+/// Cursors of the earlier form (the whole key in hex), still accepted.
+const HEX_CURSOR_TAG: &str = "c1.";
+const BASE64URL: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
 
-pub(crate) fn encode_cursor(key: &[u8]) -> String {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    let mut out = String::with_capacity(CURSOR_TAG.len() + key.len() * 2);
-    out.push_str(CURSOR_TAG);
-    for byte in key {
-        out.push(HEX[usize::from(byte >> 4)] as char);
-        out.push(HEX[usize::from(byte & 0xf)] as char);
-    }
-    out
+/// The cursors of one range `[start, end)`. Every key of the range begins with the bytes
+/// `start` and `end` share, so a cursor carries only what follows them: for an index query,
+/// the index values past the bound prefix and the row id, in unpadded base64url (a cursor
+/// reveals those, and nothing a reader of the page did not see). A cursor is refused by a
+/// query of another range.
+#[derive(Clone, Debug)]
+pub(crate) struct Cursors {
+    shared: Vec<u8>,
 }
 
-pub(crate) fn decode_cursor(cursor: &str) -> TitoResult<Vec<u8>> {
-    let bad = || TitoError::invalid_argument(format!("malformed cursor {cursor:?}"));
-    let hex = cursor.strip_prefix(CURSOR_TAG).ok_or_else(bad)?;
+impl Cursors {
+    /// The cursors of `[start, end)`.
+    pub(crate) fn of(start: &[u8], end: &[u8]) -> Cursors {
+        let len = start.iter().zip(end).take_while(|(a, b)| a == b).count();
+        Cursors {
+            shared: start[..len].to_vec(),
+        }
+    }
+
+    /// The cursor that continues after (or, reversed, before) `key`.
+    pub(crate) fn encode(&self, key: &[u8]) -> String {
+        let rest = key.strip_prefix(self.shared.as_slice()).unwrap_or(key);
+        let mut out = String::with_capacity(CURSOR_TAG.len() + rest.len().div_ceil(3) * 4);
+        out.push_str(CURSOR_TAG);
+        for chunk in rest.chunks(3) {
+            let n = chunk
+                .iter()
+                .enumerate()
+                .fold(0u32, |n, (i, b)| n | u32::from(*b) << (16 - 8 * i));
+            for i in 0..=chunk.len() {
+                out.push(BASE64URL[(n >> (18 - 6 * i) & 63) as usize] as char);
+            }
+        }
+        out
+    }
+
+    /// The key `cursor` names.
+    pub(crate) fn decode(&self, cursor: &str) -> TitoResult<Vec<u8>> {
+        let bad = || TitoError::invalid_argument(format!("malformed cursor {cursor:?}"));
+        if let Some(hex) = cursor.strip_prefix(HEX_CURSOR_TAG) {
+            return decode_hex(hex).ok_or_else(bad);
+        }
+        let text = cursor.strip_prefix(CURSOR_TAG).ok_or_else(bad)?;
+        let mut key = self.shared.clone();
+        key.extend(decode_base64url(text).ok_or_else(bad)?);
+        Ok(key)
+    }
+}
+
+fn decode_hex(hex: &str) -> Option<Vec<u8>> {
     if hex.len() % 2 != 0 {
-        return Err(bad());
+        return None;
     }
     // Pairs of bytes, never string slices: a forged cursor may hold multi-byte characters.
     hex.as_bytes()
         .chunks(2)
         .map(|pair| {
-            let digit = |b: u8| (b as char).to_digit(16).ok_or_else(bad);
-            Ok((digit(pair[0])? * 16 + digit(pair[1])?) as u8)
+            let digit = |b: u8| (b as char).to_digit(16);
+            Some((digit(pair[0])? * 16 + digit(pair[1])?) as u8)
         })
         .collect()
 }
 
+fn decode_base64url(text: &str) -> Option<Vec<u8>> {
+    // A length of 1 mod 4 holds no whole byte: no encoder writes it.
+    if text.len() % 4 == 1 {
+        return None;
+    }
+    let mut out = Vec::with_capacity(text.len() * 3 / 4);
+    for chunk in text.as_bytes().chunks(4) {
+        let mut n = 0u32;
+        for (i, c) in chunk.iter().enumerate() {
+            let value = BASE64URL.iter().position(|b| b == c)? as u32;
+            n |= value << (18 - 6 * i);
+        }
+        for i in 0..chunk.len() - 1 {
+            out.push((n >> (16 - 8 * i)) as u8);
+        }
+        // Bits past the last whole byte must be zero: one key, one cursor.
+        if chunk.len() < 4 && n & ((1 << (32 - 8 * chunk.len())) - 1) != 0 {
+            return None;
+        }
+    }
+    Some(out)
+}
+
 /// Narrows `[start, end)` to what follows the page that returned `cursor` (before it, for a
-/// reverse page). A cursor outside the range is refused.
+/// reverse page). A cursor outside the range is refused. Returns the range's cursors (of the
+/// range as given, not as narrowed), for the next page's.
 pub(crate) fn narrow_to_cursor(
     start: &mut Vec<u8>,
     end: &mut Vec<u8>,
     reverse: bool,
     cursor: Option<&str>,
-) -> TitoResult<()> {
+) -> TitoResult<Cursors> {
+    let cursors = Cursors::of(start, end);
     let Some(cursor) = cursor else {
-        return Ok(());
+        return Ok(cursors);
     };
-    let key = decode_cursor(cursor)?;
+    let key = cursors.decode(cursor)?;
     if key < *start || key >= *end {
         return Err(TitoError::invalid_argument(
             "the cursor is outside the requested range",
@@ -81,7 +153,7 @@ pub(crate) fn narrow_to_cursor(
     } else {
         *start = keys::key_after_bytes(&key);
     }
-    Ok(())
+    Ok(cursors)
 }
 
 fn check_limit(limit: Option<usize>) -> TitoResult<usize> {
@@ -112,7 +184,7 @@ async fn read_page<X, I>(
 where
     X: TitoTransaction,
 {
-    narrow_to_cursor(&mut start, &mut end, reverse, cursor)?;
+    let cursors = narrow_to_cursor(&mut start, &mut end, reverse, cursor)?;
     if start >= end {
         return Ok(TitoPage {
             items: Vec::new(),
@@ -135,7 +207,7 @@ where
     Ok(TitoPage {
         items,
         cursor: if more {
-            last.map(|k| encode_cursor(&k))
+            last.map(|k| cursors.encode(&k))
         } else {
             None
         },
@@ -456,26 +528,52 @@ mod tests {
     #[test]
     fn cursors_round_trip_and_reject_garbage() {
         let key = b"index:x:\x00\xff".to_vec();
-        assert_eq!(decode_cursor(&encode_cursor(&key)).unwrap(), key);
-        assert!(decode_cursor("nope").is_err());
-        assert!(decode_cursor("c1.abc").is_err());
-        assert!(decode_cursor("c1.zz").is_err());
+        let any = Cursors::of(b"", b"\xff");
+        assert_eq!(any.decode(&any.encode(&key)).unwrap(), key);
+        for bad in [
+            "nope", "c1.abc", "c1.zz", "c2.a", "c2.A===", "c2.AB", "c2.+/",
+        ] {
+            assert!(any.decode(bad).is_err(), "{bad}");
+        }
         // Item 10 of the defects issue: multi-byte characters are an error, not a panic.
-        assert!(decode_cursor("c1.a€").is_err());
-        assert!(decode_cursor("c1.€€").is_err());
-        assert!(decode_cursor("c1.+1").is_err());
+        assert!(any.decode("c1.a€").is_err());
+        assert!(any.decode("c1.€€").is_err());
+        assert!(any.decode("c1.+1").is_err());
+        assert!(any.decode("c2.a€").is_err());
+        // The earlier form (the whole key in hex) is still read.
+        assert_eq!(any.decode("c1.696e6465783a").unwrap(), b"index:".to_vec());
+    }
+
+    #[test]
+    fn a_cursor_carries_only_what_follows_the_ranges_shared_prefix() {
+        let start = b"index:user_by_email:ada@example.com:".to_vec();
+        let end = keys::prefix_end(String::from_utf8(start.clone()).unwrap()).into_bytes();
+        let cursors = Cursors::of(&start, &end);
+        let key = b"index:user_by_email:ada@example.com:table:user:0193f2a4".to_vec();
+        let cursor = cursors.encode(&key);
+        // ":table:user:0193f2a4" in base64url, after the tag (the range's end differs from its
+        // start in the last byte, the bound prefix's separator).
+        assert_eq!(cursor, "c2.OnRhYmxlOnVzZXI6MDE5M2YyYTQ");
+        assert_eq!(cursors.decode(&cursor).unwrap(), key);
     }
 
     proptest::proptest! {
         #[test]
         fn any_cursor_string_decodes_or_errs(text in ".*") {
-            let _ = decode_cursor(&text);
-            let _ = decode_cursor(&format!("{CURSOR_TAG}{text}"));
+            let any = Cursors::of(b"a", b"b");
+            let _ = any.decode(&text);
+            let _ = any.decode(&format!("{CURSOR_TAG}{text}"));
+            let _ = any.decode(&format!("{HEX_CURSOR_TAG}{text}"));
         }
 
         #[test]
-        fn cursors_round_trip(key in proptest::collection::vec(proptest::num::u8::ANY, 0..64)) {
-            proptest::prop_assert_eq!(decode_cursor(&encode_cursor(&key)).unwrap(), key);
+        fn cursors_round_trip(
+            shared in proptest::collection::vec(proptest::num::u8::ANY, 0..8),
+            key in proptest::collection::vec(proptest::num::u8::ANY, 0..64),
+        ) {
+            let cursors = Cursors { shared: shared.clone() };
+            let full = [shared, key].concat();
+            proptest::prop_assert_eq!(cursors.decode(&cursors.encode(&full)).unwrap(), full);
         }
     }
 }
