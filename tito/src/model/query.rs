@@ -93,7 +93,7 @@ impl Cursors {
 }
 
 fn decode_hex(hex: &str) -> Option<Vec<u8>> {
-    if hex.len() % 2 != 0 {
+    if !hex.len().is_multiple_of(2) {
         return None;
     }
     // Pairs of bytes, never string slices: a forged cursor may hold multi-byte characters.
