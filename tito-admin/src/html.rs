@@ -528,7 +528,7 @@ pub(crate) fn inbox(data: &InboxData, started: Instant) -> String {
             b,
             "<tr class=\"bad\"><td><code>{}</code></td><td><code>{}</code></td></tr>",
             esc(id),
-            esc(&tito::keys::inbox_bad_key(&data.table, id))
+            esc(&tito::inspect::inbox_bad_key(&data.table, id))
         );
     }
     b.push_str("</table>");

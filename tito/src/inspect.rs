@@ -726,11 +726,18 @@ pub async fn kv_count<E: TitoEngine>(db: &E, namespace: &str) -> TitoResult<Coun
 // Keys
 // ---------------------------------------------------------------------------------------------
 
+/// The key under which an inbox row of `table` that cannot be read is noted (set aside, out of
+/// every claim), as the dashboard and `tito inbox dead` show it.
+pub fn inbox_bad_key(table: &str, id: &str) -> String {
+    keys::inbox_bad_key(table, id)
+}
+
 /// A storage key shown as its segments, each decoded from its string encoding where it is
 /// one (numbers stay as their digits). A key that is not UTF-8 is refused.
 ///
 /// ```
-/// let key = tito::keys::row_key("user", "a:1");
+/// // The row key of id `a:1` in table `user` (its `:` escaped in the segment).
+/// let key = "table:user:a;<1";
 /// assert_eq!(tito::inspect::key_segments(key.as_bytes()).unwrap(), ["table", "user", "a:1"]);
 /// ```
 pub fn key_segments(key: &[u8]) -> TitoResult<Vec<String>> {

@@ -1,36 +1,9 @@
 //! Storage keys: the one module that builds and parses them.
 //!
-//! Keys are UTF-8 text made of segments joined by `:`. Every value placed in a segment is
-//! encoded so that
-//!
-//! - **no value can end a segment early**: an encoded value never contains `:`, so the prefix
-//!   built for the value `ab` never matches the value `ab:c` or `ab;c`;
-//! - **encodings are lossless**: a key parses back to the exact values;
-//! - **byte order is value order**: for two values of one type, the encoded segments (followed by
-//!   `:` and anything) compare bytewise as the values compare.
-//!
-//! # Encodings
-//!
-//! | type | encoding | example |
-//! |---|---|---|
-//! | string | bytes `0x00..=0x39` as `;` + the byte; `:` as `;<`; `;` as `;=`; the rest as is | `a-1` → `a;-;1` |
-//! | `u64` | 20 decimal digits | `42` → `00000000000000000042` |
-//! | `i64` | the value with its sign bit flipped, as a `u64` | `-1` → `09223372036854775807` |
-//! | `f64` | IEEE 754 bits made totally ordered, as a `u64`; NaN is rejected | |
-//! | `bool` | `false` / `true` | |
-//! | timestamp | seconds as `i64`, `.`, nanoseconds as 9 digits | |
-//!
-//! Why strings escape more than `:`: the segment separator `:` (0x3A) must sort below every
-//! byte an encoded value can hold, or the value `a` (key `a:…`) would sort after `a0` (key
-//! `a0:…`) although `a < a0`. So every byte below `;` is written as `;` followed by a byte that
-//! keeps their order, and `;` itself as `;=`. Letters and every non-ASCII character stay as they
-//! are.
-//!
-//! # Ranges
-//!
-//! [`prefix_end`] gives the exclusive end of all keys that start with a prefix; [`key_after`]
-//! gives the first key after one exact key, for continuing a scan. They are different
-//! operations: continuing after `a2` with `prefix_end("a2")` = `a3` would skip `a20`.
+//! The layout and the encodings (why strings escape more than `:`, why `prefix_end` and
+//! `key_after` differ) are written once, in `docs/storage-layout.md`; a change here changes
+//! that page in the same commit. Internal: public only with the `test-util` feature, for tests
+//! that read or damage storage directly.
 
 use chrono::{DateTime, Utc};
 

@@ -16,7 +16,7 @@
 //!   is invisible from the first read after its instant, whether or not the sweeper has removed
 //!   it; [`Kv::sweep`] only frees space.
 //!
-//! Storage layout (see [`crate::keys`]): `kv:{namespace}:{key}` holds `{"v": value, "ver":
+//! Storage layout (see `docs/storage-layout.md`): `kv:{namespace}:{key}` holds `{"v": value, "ver":
 //! version, "exp": expiry_ms}`; `kv-exp:{expiry_ms:020}:{namespace}:{key}` indexes keys with an
 //! expiry for the sweeper.
 //!

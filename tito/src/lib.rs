@@ -8,7 +8,6 @@
 //!   replay on conflict, and a fault-injecting wrapper for tests.
 //! - [`backend`]: the engines: [`backend::embedded::Embedded`], [`backend::tikv::TiKV`], and
 //!   [`backend::memory::Memory`] for unit tests and simulation.
-//! - [`keys`]: the key layout and its order-preserving encodings.
 //! - [`model`]: models with sparse, composite and unique indexes, integrity manifests and index
 //!   queries with cursors; `#[derive(TitoModel)]` ([`TitoModel`](derive@TitoModel)) writes the impl and typed
 //!   queries.
@@ -52,7 +51,13 @@ mod error;
 mod event;
 pub mod inbox;
 pub mod inspect;
+/// Storage keys: internal (their layout is in `docs/storage-layout.md`), public with the
+/// `test-util` feature for tests that read or damage storage directly.
+#[cfg(feature = "test-util")]
 pub mod keys;
+#[cfg(not(feature = "test-util"))]
+#[allow(dead_code)]
+pub(crate) mod keys;
 pub mod kv;
 pub mod model;
 pub mod queue;
@@ -68,7 +73,7 @@ pub mod __private;
 pub use engine::{RetryPolicy, TitoEngine, TitoTransaction};
 pub use error::{BoxError, TitoError, TitoResult};
 #[allow(deprecated)]
-pub use keys::{key_after, next_string_lexicographically, prefix_end};
+pub use keys::{key_after, next_string_lexicographically, prefix_end, prefix_end_bytes};
 pub use model::{
     TitoEventConfig, TitoIndexBlockType, TitoIndexConfig, TitoIndexField, TitoModel,
     TitoModelTrait, TitoOperation, TitoOptions, TitoPage,

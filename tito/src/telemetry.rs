@@ -196,7 +196,7 @@ pub(crate) fn queue_label(topic: Option<&str>) -> String {
     topic.unwrap_or("default").to_string()
 }
 
-/// The `queue` label of the queue whose keys start with `root` ([`crate::keys::queue_root`]).
+/// The `queue` label of the queue whose keys start with `root` (`queue:` or `queue@{name}:`).
 pub(crate) fn queue_label_of_root(root: &str) -> String {
     match root.strip_prefix("queue@") {
         Some(topic) => crate::keys::decode_str(topic).unwrap_or_else(|_| topic.to_string()),

@@ -9,8 +9,8 @@
 //! collection safe point that only moves forward, and range destruction.
 //!
 //! Use it for unit tests of code written against [`TitoEngine`]: it is faster than a temporary
-//! directory and leaves nothing behind. Wrap it in [`FaultyEngine`](crate::engine::FaultyEngine)
-//! to inject conflicts, unknown commit outcomes, storage errors and delays.
+//! directory and leaves nothing behind. Wrap it in `tito::engine::FaultyEngine` (the
+//! `test-util` feature) to inject conflicts, unknown commit outcomes, storage errors and delays.
 //!
 //! # Clock
 //!

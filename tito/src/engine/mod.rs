@@ -8,7 +8,7 @@
 //!   TitoEngine  --begin-->  TitoTransaction (get, scan, put, delete, lock, commit)
 //!            |
 //!   backends: embedded (surrealkv, no server)   tikv (tikv-client, a TiKV cluster)
-//!             FaultyEngine<E> (wraps any engine and injects failures, for tests)
+//!             FaultyEngine<E> (wraps any engine and injects failures; `test-util` feature)
 //! ```
 //!
 //! Keys and values are bytes. Keys are ordered bytewise. Everything above this module speaks
@@ -69,7 +69,7 @@
 //! [`TitoEngine::retry_policy`]) decides instead:
 //!
 //! 1. Each attempt writes a commit marker, `commit-marker:{bucket}:{start_version}:{nonce}` =
-//!    `committed` (layout in [`crate::keys`]), in the same transaction as its other writes.
+//!    `committed` (layout in `docs/storage-layout.md`), in the same transaction as its other writes.
 //! 2. On an unknown outcome, a fresh transaction reads the marker. Present: the attempt
 //!    committed, every write with it, and the closure's value from that attempt is returned.
 //! 3. Absent: the fresh transaction writes `fenced` into the marker and commits. If that
@@ -107,7 +107,7 @@
 //!   otherwise the result is [`TitoError::CommitOutcomeUnknown`]. After reopening the store,
 //!   [`resolve_commit`] with the marker from the error decides for good.
 //! - **Memory.** Commits are atomic in memory and never have unknown outcomes of their own;
-//!   [`FaultyEngine`] injects them for tests, in both forms (applied and not).
+//!   `FaultyEngine` (the `test-util` feature) injects them for tests, in both forms (applied and not).
 //!
 //! Markers are kept for [`COMMIT_MARKER_RETENTION`] (one hour) and then deleted by
 //! [`sweep_commit_markers`] (queue worker maintenance and the kv sweeper run it). A resolution
@@ -119,11 +119,13 @@ use std::time::Duration;
 
 use crate::error::{TitoError, TitoResult};
 
+#[cfg(any(test, feature = "test-util"))]
 mod fault;
 mod outcome;
 mod random;
 mod retry;
 
+#[cfg(any(test, feature = "test-util"))]
 pub use fault::{Fault, FaultPoint, FaultRule, Faults, FaultyEngine, FaultyTransaction};
 pub use outcome::{
     COMMIT_MARKER_RETENTION, COMMIT_MARKER_SWEEP_BATCH, DEFAULT_RESOLUTION_BOUND,
@@ -233,7 +235,7 @@ pub trait TitoEngine: Clone + Send + Sync + 'static {
     /// never reaches to the edge of the key space by default), and so is `start >= end`.
     ///
     /// To clear everything under a prefix, pass the prefix and its end:
-    /// `db.delete_range(b"table:old:", &tito::keys::prefix_end_bytes(b"table:old:"))`.
+    /// `db.delete_range(b"table:old:", &tito::prefix_end_bytes(b"table:old:"))`.
     ///
     /// This is an offline, destructive maintenance operation for reset, restore and drop-style
     /// work with application traffic stopped. It is not a transaction: concurrent transactions
@@ -255,12 +257,12 @@ pub trait TitoEngine: Clone + Send + Sync + 'static {
     /// The state the layers above keep for this store in this process (the schema catalog's
     /// cache and registered builders, the inbox subscriptions). Created by the backend's open or
     /// connect and shared by every clone of the handle (and by wrappers such as
-    /// [`FaultyEngine`], which return their inner engine's), so two stores in one process never
+    /// `FaultyEngine`, which return their inner engine's), so two stores in one process never
     /// share it.
     fn extensions(&self) -> &Extensions;
 
     /// The operations on model `T` stored in this engine: `db.clone().model::<User>()` is a
-    /// [`TitoModel<Self, User>`](crate::TitoModel).
+    /// [`TitoModel<Self, User>`](struct@crate::TitoModel).
     fn model<T: OnStore<Self>>(self) -> T::Handle {
         T::handle(self)
     }
@@ -401,14 +403,14 @@ pub trait TitoTransaction: Clone + Send + Sync + 'static {
 
 /// A type with a handle over a store: what [`TitoEngine::model`] builds. The model layer
 /// implements it for every [`TitoModelTrait`](crate::TitoModelTrait) type (the handle is its
-/// [`TitoModel`](crate::TitoModel)), so the storage contract names no layer above it.
+/// [`TitoModel`](struct@crate::TitoModel)), so the storage contract names no layer above it.
 #[diagnostic::on_unimplemented(
     message = "`{Self}` is not a Tito model",
     label = "not a model",
     note = "derive it: `#[derive(TitoModel, Default, Clone, Serialize, Deserialize)]`"
 )]
 pub trait OnStore<E>: Sized {
-    /// The handle: a [`TitoModel<E, Self>`](crate::TitoModel) for a model.
+    /// The handle: a [`TitoModel<E, Self>`](struct@crate::TitoModel) for a model.
     type Handle;
     /// The handle of this type over `engine`.
     fn handle(engine: E) -> Self::Handle;

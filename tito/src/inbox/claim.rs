@@ -58,7 +58,7 @@ pub struct InboxClaim {
 impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
     /// Claims up to `n` ready rows of `config.group` in one transaction (replayed on conflicts,
     /// so two claimers never take one row). Dead-letters rows whose attempts ran out. The
-    /// building block of [`run_inbox`], for custom workers.
+    /// building block of [`run_inbox`](super::run_inbox), for custom workers.
     pub async fn claim<P: DeserializeOwned + Send>(
         &self,
         config: &InboxConfig<E, M>,

@@ -21,7 +21,7 @@ pub enum InboxOutcome {
     /// Ready again now.
     Retry,
     /// Ready again after this long. Needs a `retry_after` role: on a model without one, a
-    /// nonzero delay is refused ([`Inbox::complete`] returns [`TitoError::InvalidArgument`],
+    /// nonzero delay is refused ([`Inbox::complete`](super::Inbox::complete) returns [`TitoError::InvalidArgument`](crate::TitoError::InvalidArgument),
     /// `run_inbox` logs it at error level and the row is claimable again when its lease ends).
     /// A delay beyond what Unix milliseconds in an `i64` can hold saturates to "never".
     RetryAfter(Duration),
@@ -124,7 +124,7 @@ impl<E: TitoEngine, M> InboxConfig<E, M> {
     /// of it), at least one handler and one attempt, a nonzero idle pause, and no duration over
     /// [`MAX_SETTING`](crate::queue::MAX_SETTING). `claim`, `extend`
     /// and `run_inbox` refuse a configuration that fails it with
-    /// [`TitoError::InvalidArgument`] naming the setting, before anything is written.
+    /// [`TitoError::InvalidArgument`](crate::TitoError::InvalidArgument) naming the setting, before anything is written.
     pub fn check(&self) -> TitoResult<()> {
         let bad = |what: String| Err(TitoError::invalid_argument(what));
         let longest = crate::queue::MAX_SETTING;

@@ -1,7 +1,7 @@
 //! Models: rows of a table with sparse secondary indexes and reverse-index manifests, written
 //! and read one model at a time, in a caller's transaction or in one of their own.
 //!
-//! Storage layout (see [`crate::keys`]):
+//! Storage layout (see `docs/storage-layout.md`):
 //!
 //! ```text
 //! table:{table}:{id}                          the row, as JSON

@@ -208,13 +208,6 @@ pub fn rendezvous_owner(members: &[String], partition: u32) -> Option<&String> {
     })
 }
 
-/// The partitions of `0..partitions` that rendezvous hashing alone gives `member`.
-pub fn assigned_partitions(members: &[String], partitions: u32, member: &str) -> Vec<u32> {
-    (0..partitions)
-        .filter(|p| rendezvous_owner(members, *p).is_some_and(|m| m == member))
-        .collect()
-}
-
 /// A balanced, sticky assignment of `0..partitions` to `members`, given each partition's
 /// previous owner (`previous[p]`; missing entries count as none).
 ///

@@ -2,7 +2,7 @@
 //! handled by workers whose closures are typed by the event struct.
 //!
 //! - **Publication** writes a pending row keyed by partition, due time, the publishing
-//!   transaction's version and the event id (see [`crate::keys`] for the layout; named queues
+//!   transaction's version and the event id (see `docs/storage-layout.md` for the layout; named queues
 //!   live under `queue@{name}:`, the default one under the seed's `queue:`). A model written with
 //!   [`TitoOptions::with_events`](crate::model::TitoOptions::with_events) publishes one
 //!   [`ModelEvent`] per event config to the queue named like the config, in the same
@@ -72,7 +72,10 @@
 //! # }
 //! ```
 
+#[cfg(feature = "test-util")]
 pub mod cluster;
+#[cfg(not(feature = "test-util"))]
+mod cluster;
 mod lease;
 mod pull;
 mod worker;
@@ -91,7 +94,7 @@ pub use crate::event::{
     MAX_OWNER_BYTES, MAX_QUEUE_EVENT_BYTES, ModelEvent, Published, QueueEvent, QueueHandlerOutcome,
     QueueHandlerResult, QueueOwner, TitoOperation, partition_for,
 };
-pub use cluster::{ClusterConfig, ClusterState, cluster_state};
+pub use cluster::{ClusterConfig, ClusterState, MIN_TTL, cluster_state};
 pub use worker::{
     MAX_SETTING, MIN_LEASE, Shutdown, WorkerConfig, run_cluster_worker, run_transactional_worker,
     run_worker,

@@ -1,7 +1,7 @@
 //! Schema evolution: a stored index catalog per table, online index builds and drops, and an
 //! audit with repair.
 //!
-//! Every table has a catalog under `schema:{table}` (layout in [`crate::keys`]): the indexes
+//! Every table has a catalog under `schema:{table}` (layout in `docs/storage-layout.md`): the indexes
 //! the table has, each with its definition (fields and their types, unique or not, the
 //! identity of its condition), its state, and a schema version that increases with every
 //! change.

@@ -331,7 +331,7 @@ where
 }
 
 /// [`run_worker`] in cluster mode: the node joins the queue's cluster (see
-/// [`crate::queue::cluster`]) and runs the partitions the membership assigns to it, instead of
+/// [`ClusterConfig`](crate::queue::ClusterConfig)) and runs the partitions the membership assigns to it, instead of
 /// a configured range (`config.partitions` is ignored). Completed-row retention runs on the
 /// elected coordinator only, starting the moment it is elected.
 ///
