@@ -96,7 +96,7 @@ async fn run<E: TitoEngine>(db: E) -> Result<(), TitoError> {
                 async move {
                     // The marker, the credit and the acknowledgement commit together.
                     let marker = kv
-                        .put_if_absent_tx(
+                        .put_if_absent_in_tx(
                             "payments-applied",
                             &event.payload.payment,
                             &event.payload,
@@ -111,7 +111,7 @@ async fn run<E: TitoEngine>(db: E) -> Result<(), TitoError> {
                         );
                         return Ok(QueueHandlerOutcome::Acknowledge);
                     }
-                    let mut wallet = wallets.find_by_id_tx(&event.payload.wallet, &tx).await?;
+                    let mut wallet = wallets.find_by_id_in_tx(&event.payload.wallet, &tx).await?;
                     wallet.balance_cents += event.payload.cents;
                     wallets
                         .update_with_options(wallet, TitoOptions::default(), &tx)

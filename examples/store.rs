@@ -115,7 +115,7 @@ async fn run(db: impl TitoEngine) -> Result<(), TitoError> {
         };
         let (customers, orders) = (customers.clone(), orders.clone());
         db.transaction(|tx| async move {
-            let mut customer = customers.find_by_id_tx(&order.customer_id, &tx).await?;
+            let mut customer = customers.find_by_id_in_tx(&order.customer_id, &tx).await?;
             customer.orders_placed += 1;
             customer.spent_cents += order.total_cents;
             customers

@@ -493,7 +493,7 @@ pub async fn a_refused_write_in_a_callers_transaction_leaves_nothing<E: TitoEngi
     let big = "z".repeat(tito::engine::MAX_VALUE_BYTES + 1);
     let k = kv.clone();
     let err = commit_after_error(&ctx.db, |tx| async move {
-        k.put_tx("limits", "k", &big, None, None, &tx)
+        k.put_in_tx("limits", "k", &big, None, None, &tx)
             .await
             .map(|_| ())
     })

@@ -18,6 +18,7 @@ macro_rules! derive_suite {
             [
                 typed_queries_match_the_builder,
                 unique_and_conditional_indexes_work,
+                a_unique_index_looks_up_one_row_or_none,
                 serde_renames_are_followed,
             ]
         );
@@ -205,6 +206,40 @@ pub async fn unique_and_conditional_indexes_work<E: TitoEngine>(ctx: Ctx<E>) {
         page.items.iter().map(|o| o.order_id).collect::<Vec<_>>(),
         [1]
     );
+}
+
+/// A booking: one per room and day (a composite unique index).
+#[derive(TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(unique_index = "booking_by_slot: room, day")]
+pub struct Booking {
+    pub id: String,
+    pub room: String,
+    pub day: u32,
+}
+
+pub async fn a_unique_index_looks_up_one_row_or_none<E: TitoEngine>(ctx: Ctx<E>) {
+    let orders = ctx.db.clone().model::<Order>();
+    orders.build(order(1, "ada", 1, 10)).await.unwrap();
+    let found = orders.get_order_by_number("N-1").await.unwrap();
+    assert_eq!(found.map(|o| o.order_id), Some(1));
+    assert_eq!(orders.get_order_by_number("N-404").await.unwrap(), None);
+
+    let bookings = ctx.db.clone().model::<Booking>();
+    for (id, room, day) in [("b1", "blue", 3), ("b2", "blue", 4), ("b3", "red", 3)] {
+        bookings
+            .build(Booking {
+                id: id.into(),
+                room: room.into(),
+                day,
+            })
+            .await
+            .unwrap();
+    }
+    let slot = bookings.get_booking_by_slot("blue", &4).await.unwrap();
+    assert_eq!(slot.map(|b| b.id), Some("b2".to_string()));
+    assert_eq!(bookings.get_booking_by_slot("red", &4).await.unwrap(), None);
+    // A value that only prefixes a stored one names no row.
+    assert_eq!(bookings.get_booking_by_slot("blu", &4).await.unwrap(), None);
 }
 
 /// serde renames the stored keys; the indexes follow them.

@@ -319,7 +319,7 @@ pub async fn writes_join_the_callers_transaction<E: TitoEngine>(ctx: Ctx<E>) {
     let kv = Kv::new(ctx.db.clone());
     let ns = ns(&ctx);
     let tx = ctx.db.begin().await.unwrap();
-    kv.put_tx(&ns, "marker", &true, Some(0), None, &tx)
+    kv.put_in_tx(&ns, "marker", &true, Some(0), None, &tx)
         .await
         .unwrap();
     tx.put(ctx.key("effect"), b"1".to_vec()).await.unwrap();
@@ -329,8 +329,8 @@ pub async fn writes_join_the_callers_transaction<E: TitoEngine>(ctx: Ctx<E>) {
     let (k, n, effect) = (kv.clone(), ns.clone(), ctx.key("effect"));
     ctx.db
         .transaction(|tx| async move {
-            k.put_tx(&n, "marker", &true, Some(0), None, &tx).await?;
-            k.incr_tx(&n, "count", 1, None, &tx).await?;
+            k.put_in_tx(&n, "marker", &true, Some(0), None, &tx).await?;
+            k.incr_in_tx(&n, "count", 1, None, &tx).await?;
             tx.put(effect, b"1".to_vec()).await
         })
         .await
@@ -453,13 +453,13 @@ pub async fn a_redelivered_event_has_no_second_effect<E: TitoEngine>(ctx: Ctx<E>
             let (wallets, kv, markers) = (w.clone(), k.clone(), markers.clone());
             async move {
                 if kv
-                    .put_if_absent_tx(&markers, &event.id, &true, None, &tx)
+                    .put_if_absent_in_tx(&markers, &event.id, &true, None, &tx)
                     .await?
                     .is_none()
                 {
                     return Ok(QueueHandlerOutcome::Acknowledge); // seen before: no effect
                 }
-                let mut wallet = wallets.find_by_id_tx(&event.payload.wallet, &tx).await?;
+                let mut wallet = wallets.find_by_id_in_tx(&event.payload.wallet, &tx).await?;
                 wallet.balance += event.payload.amount;
                 wallets
                     .update_with_options(wallet, TitoOptions::default(), &tx)

@@ -614,7 +614,7 @@ pub async fn concurrent_updates_of_one_row_converge<E: TitoEngine>(ctx: Ctx<E>) 
             for _ in 0..5 {
                 let counters = (*counters).clone();
                 db.transaction(|tx| async move {
-                    let mut c = counters.find_by_id_tx("c", &tx).await?;
+                    let mut c = counters.find_by_id_in_tx("c", &tx).await?;
                     c.hits += 1;
                     counters
                         .update_with_options(c, TitoOptions::default(), &tx)
@@ -963,7 +963,7 @@ fn model_futures_are_send<E: TitoEngine>(db: E, tx: &E::Transaction) {
     send(users.find_by_ids(&[]));
     send(users.find().execute());
     send(users.query_by_index("by_email").value("a@x").execute());
-    send(users.query_by_index("by_email").execute_tx(tx));
+    send(users.query_by_index("by_email").execute_in_tx(tx));
 }
 
 /// The same, with a concrete engine: what users write (auto traits of async fns are checked at

@@ -1012,7 +1012,7 @@ impl Sim {
             });
             // The index of keys answers with the row.
             let accounts = self.db.clone().model::<Account>();
-            let found = accounts.by_handle(handle).execute_tx(&tx).await;
+            let found = accounts.by_handle(handle).execute_in_tx(&tx).await;
             let ids: Option<Vec<String>> = found
                 .ok()
                 .map(|page| page.items.into_iter().map(|a| a.id).collect());
@@ -1057,13 +1057,13 @@ impl Sim {
         let value = |entry: Option<tito::kv::KvEntry>| {
             entry.map_or(0, |e| e.value.as_i64().unwrap_or(-1) as u64)
         };
-        let counter = value(self.kv.get_tx("sim", "counter", &tx).await.unwrap());
+        let counter = value(self.kv.get_in_tx("sim", "counter", &tx).await.unwrap());
         let (ok, unknown) = self.increments;
         self.check(counter >= ok && counter <= ok + unknown, || {
             format!("counter {counter}: {ok} acknowledged and {unknown} unknown increments")
         });
         // Each compare-and-set that committed added one.
-        let cas = value(self.kv.get_tx("sim", "cas", &tx).await.unwrap()) as usize;
+        let cas = value(self.kv.get_in_tx("sim", "cas", &tx).await.unwrap()) as usize;
         let (ok, unknown) = (self.cas_versions.len(), self.cas_unknown);
         self.check(cas >= ok && cas <= ok + unknown, || {
             format!("cas value {cas} after {ok} successful and {unknown} unknown compare-and-sets")
@@ -1080,7 +1080,7 @@ impl Sim {
         for n in 1..=self.tasks {
             let id = format!("t{n:04}");
             let tx = self.db.begin().await.unwrap();
-            let row = tasks.find_by_id_tx(&id, &tx).await;
+            let row = tasks.find_by_id_in_tx(&id, &tx).await;
             let lease = tx
                 .get(tito::keys::inbox_lease_key("sim_task", &id).as_bytes())
                 .await
@@ -1257,7 +1257,7 @@ fn campaign(seeds: std::ops::Range<u64>) {
 /// The ids of the profiles the team index lists for `team`.
 async fn profiles_by_team<E: TitoEngine>(tx: &E::Transaction, db: &E, team: &str) -> Vec<String> {
     let profiles = db.clone().model::<Profile>();
-    match profiles.by_team(team).execute_tx(tx).await {
+    match profiles.by_team(team).execute_in_tx(tx).await {
         Ok(page) => page.items.into_iter().map(|p| p.id).collect(),
         Err(err) => vec![format!("query failed: {err}")],
     }

@@ -249,11 +249,14 @@ impl<E: TitoEngine> Kv<E> {
     pub async fn get(&self, namespace: &str, key: &str) -> TitoResult<Option<KvEntry>> {
         check_names(namespace, key)?;
         let (namespace, key) = (namespace.to_string(), key.to_string());
-        crate::engine::read_only(&self.db, async |tx| self.get_tx(&namespace, &key, tx).await).await
+        crate::engine::read_only(&self.db, async |tx| {
+            self.get_in_tx(&namespace, &key, tx).await
+        })
+        .await
     }
 
     /// The live entry at `(namespace, key)`, inside `tx`.
-    pub async fn get_tx(
+    pub async fn get_in_tx(
         &self,
         namespace: &str,
         key: &str,
@@ -273,13 +276,13 @@ impl<E: TitoEngine> Kv<E> {
     ) -> TitoResult<Vec<Option<KvEntry>>> {
         let namespace = namespace.to_string();
         crate::engine::read_only(&self.db, async |tx| {
-            self.get_many_tx(&namespace, keys, tx).await
+            self.get_many_in_tx(&namespace, keys, tx).await
         })
         .await
     }
 
     /// Many keys inside `tx`, read in one round trip with one "now".
-    pub async fn get_many_tx(
+    pub async fn get_many_in_tx(
         &self,
         namespace: &str,
         keys: &[String],
@@ -328,7 +331,7 @@ impl<E: TitoEngine> Kv<E> {
     }
 
     /// [`Self::put`] inside `tx`.
-    pub async fn put_tx<V: Serialize + ?Sized>(
+    pub async fn put_in_tx<V: Serialize + ?Sized>(
         &self,
         namespace: &str,
         key: &str,
@@ -402,7 +405,7 @@ impl<E: TitoEngine> Kv<E> {
     }
 
     /// [`Self::put_if_absent`] inside `tx`.
-    pub async fn put_if_absent_tx<V: Serialize + ?Sized>(
+    pub async fn put_if_absent_in_tx<V: Serialize + ?Sized>(
         &self,
         namespace: &str,
         key: &str,
@@ -454,7 +457,7 @@ impl<E: TitoEngine> Kv<E> {
     }
 
     /// [`Self::incr`] inside `tx`.
-    pub async fn incr_tx(
+    pub async fn incr_in_tx(
         &self,
         namespace: &str,
         key: &str,
@@ -526,7 +529,7 @@ impl<E: TitoEngine> Kv<E> {
     }
 
     /// [`Self::delete`] inside `tx`.
-    pub async fn delete_tx(
+    pub async fn delete_in_tx(
         &self,
         namespace: &str,
         key: &str,
@@ -580,13 +583,13 @@ impl<E: TitoEngine> Kv<E> {
     ) -> TitoResult<KvPage> {
         let namespace = namespace.to_string();
         crate::engine::read_only(&self.db, async |tx| {
-            self.list_tx(&namespace, prefix, limit, cursor, tx).await
+            self.list_in_tx(&namespace, prefix, limit, cursor, tx).await
         })
         .await
     }
 
     /// [`Self::list`] inside `tx`.
-    pub async fn list_tx(
+    pub async fn list_in_tx(
         &self,
         namespace: &str,
         prefix: &str,

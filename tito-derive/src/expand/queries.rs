@@ -127,6 +127,52 @@ fn index_queries(
         }
     }];
 
+    let mut methods = methods;
+    let mut bodies = bodies;
+    if index.unique {
+        // The one row a full set of values names (or none): a unique index's typed lookup.
+        let get_method = format_ident!("get_{}", method);
+        let params: Vec<TokenStream> = fields
+            .iter()
+            .map(|f| {
+                let (ident, arg) = (f.ident, index_arg(f.ty));
+                quote!(#ident: &#arg)
+            })
+            .collect();
+        let binds: Vec<TokenStream> = fields
+            .iter()
+            .map(|f| {
+                let ident = f.ident;
+                quote!(query.value(#ident);)
+            })
+            .collect();
+        let names = fields
+            .iter()
+            .map(|f| format!("`{}`", f.ident))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let doc_get = format!(
+            "The row of [`{ident}`] with these values of {names}, or `None`, through unique index \
+             `{name}` (one read of the index)."
+        );
+        methods.push(quote! {
+            #[doc = #doc_get]
+            fn #get_method(&self, #(#params),*) -> impl ::std::future::Future<
+                Output = ::tito::TitoResult<::std::option::Option<#ident>>,
+            > + ::std::marker::Send;
+        });
+        bodies.push(quote! {
+            fn #get_method(&self, #(#params),*) -> impl ::std::future::Future<
+                Output = ::tito::TitoResult<::std::option::Option<#ident>>,
+            > + ::std::marker::Send {
+                let mut query = self.query_by_index(#name);
+                #(#binds)*
+                query.limit(1);
+                async move { ::std::result::Result::Ok(query.execute().await?.items.into_iter().next()) }
+            }
+        });
+    }
+
     let mut structs = Vec::new();
     for bound in 1..fields.len() {
         let stage = stage_ident(bound);

@@ -319,7 +319,7 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
         tx: &E::Transaction,
         claim: &InboxClaim,
     ) -> TitoResult<Option<Value>> {
-        let Ok(model) = self.models.find_by_id_tx(&claim.id, tx).await else {
+        let Ok(model) = self.models.find_by_id_in_tx(&claim.id, tx).await else {
             return Ok(None);
         };
         let row = serde_json::to_value(&model)?;

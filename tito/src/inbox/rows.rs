@@ -234,7 +234,7 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
             .transaction(|tx| {
                 let (id, group) = (id.clone(), group.clone());
                 async move {
-                    let model = self.models.find_by_id_tx(&id, &tx).await?;
+                    let model = self.models.find_by_id_in_tx(&id, &tx).await?;
                     let mut row = serde_json::to_value(&model)?;
                     set(&mut row, &self.spec.group, Value::from(group));
                     set(&mut row, &self.spec.attempt, Value::from(0));

@@ -767,12 +767,12 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
                 "Tito does not load relationships ({relationships:?}); read related models explicitly"
             )));
         }
-        read_only(&self.db, async |tx| self.find_by_id_tx(id, tx).await).await
+        read_only(&self.db, async |tx| self.find_by_id_in_tx(id, tx).await).await
     }
 
     /// Reads one row by id inside `tx`.
-    pub async fn find_by_id_tx(&self, id: &str, tx: &E::Transaction) -> TitoResult<T> {
-        self.get_tx(id, tx)
+    pub async fn find_by_id_in_tx(&self, id: &str, tx: &E::Transaction) -> TitoResult<T> {
+        self.get_in_tx(id, tx)
             .await?
             .ok_or_else(|| TitoError::NotFound(no_row(&Self::table(), id)))
     }
@@ -796,11 +796,11 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
     /// # }
     /// ```
     pub async fn get(&self, id: &str) -> TitoResult<Option<T>> {
-        read_only(&self.db, async |tx| self.get_tx(id, tx).await).await
+        read_only(&self.db, async |tx| self.get_in_tx(id, tx).await).await
     }
 
     /// [`Self::get`] inside `tx`.
-    pub async fn get_tx(&self, id: &str, tx: &E::Transaction) -> TitoResult<Option<T>> {
+    pub async fn get_in_tx(&self, id: &str, tx: &E::Transaction) -> TitoResult<Option<T>> {
         let table = Self::table();
         let key = keys::row_key(&table, id);
         let span = tracing::debug_span!("tito.model", table = %table, operation = "get", id);
@@ -813,11 +813,11 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
     /// Reads many rows in one round trip, in a transaction of its own; the answer is aligned
     /// with `ids` (`None` for a missing row).
     pub async fn find_by_ids(&self, ids: &[String]) -> TitoResult<Vec<Option<T>>> {
-        read_only(&self.db, async |tx| self.find_by_ids_tx(ids, tx).await).await
+        read_only(&self.db, async |tx| self.find_by_ids_in_tx(ids, tx).await).await
     }
 
     /// Reads many rows in one round trip inside `tx`.
-    pub async fn find_by_ids_tx(
+    pub async fn find_by_ids_in_tx(
         &self,
         ids: &[String],
         tx: &E::Transaction,

@@ -302,11 +302,11 @@ impl<E: TitoEngine, T: TitoModelTrait> IndexQuery<E, T> {
 
     /// Runs the query in a transaction of its own.
     pub async fn execute(&self) -> TitoResult<TitoPage<T>> {
-        read_only(self.model.engine(), async |tx| self.execute_tx(tx).await).await
+        read_only(self.model.engine(), async |tx| self.execute_in_tx(tx).await).await
     }
 
     /// Runs the query inside `tx`.
-    pub async fn execute_tx(&self, tx: &E::Transaction) -> TitoResult<TitoPage<T>> {
+    pub async fn execute_in_tx(&self, tx: &E::Transaction) -> TitoResult<TitoPage<T>> {
         let limit = check_limit(self.limit)?;
         let model = T::default();
         let table = model.table();
@@ -471,11 +471,11 @@ impl<E: TitoEngine, T: TitoModelTrait> TableQuery<E, T> {
 
     /// Runs the scan in a transaction of its own.
     pub async fn execute(&self) -> TitoResult<TitoPage<T>> {
-        read_only(&self.db, async |tx| self.execute_tx(tx).await).await
+        read_only(&self.db, async |tx| self.execute_in_tx(tx).await).await
     }
 
     /// Runs the scan inside `tx`.
-    pub async fn execute_tx(&self, tx: &E::Transaction) -> TitoResult<TitoPage<T>> {
+    pub async fn execute_in_tx(&self, tx: &E::Transaction) -> TitoResult<TitoPage<T>> {
         let limit = check_limit(self.limit)?;
         let table = T::default().table();
         let prefix = keys::table_prefix(&table);
