@@ -258,7 +258,7 @@ async fn the_cli_reads_a_seeded_store() {
     let text = String::from_utf8_lossy(&at(&["table", "scan", "user", "--limit", "2"]).stdout)
         .into_owned();
     assert!(
-        text.contains("u00") && text.contains("next page: --cursor c1."),
+        text.contains("u00") && text.contains("next page: --cursor c2."),
         "{text}"
     );
 

@@ -736,8 +736,8 @@ pub fn inbox_bad_key(table: &str, id: &str) -> String {
 /// one (numbers stay as their digits). A key that is not UTF-8 is refused.
 ///
 /// ```
-/// // The row key of id `a:1` in table `user` (its `:` escaped in the segment).
-/// let key = "table:user:a;<1";
+/// // The row key of id `a:1` in table `user` (`:` and the digit escaped in the segment).
+/// let key = "table:user:a;<;1";
 /// assert_eq!(tito::inspect::key_segments(key.as_bytes()).unwrap(), ["table", "user", "a:1"]);
 /// ```
 pub fn key_segments(key: &[u8]) -> TitoResult<Vec<String>> {

@@ -44,10 +44,10 @@ const HEX_CURSOR_TAG: &str = "c1.";
 const BASE64URL: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
 
 /// The cursors of one range `[start, end)`. Every key of the range begins with the bytes
-/// `start` and `end` share, so a cursor carries only what follows them: for an index query,
-/// the index values past the bound prefix and the row id, in unpadded base64url (a cursor
-/// reveals those, and nothing a reader of the page did not see). A cursor is refused by a
-/// query of another range.
+/// `start` and `end` share, so a cursor carries only what follows them (for an index query,
+/// the index values past the bound prefix and the row id) after a 4-byte check of the shared
+/// bytes, in unpadded base64url. The check is what refuses a cursor of another range: without
+/// it, a cursor's remainder would name some key of whatever range it is given to.
 #[derive(Clone, Debug)]
 pub(crate) struct Cursors {
     shared: Vec<u8>,
@@ -62,9 +62,16 @@ impl Cursors {
         }
     }
 
+    /// The 4-byte check of the range a cursor belongs to.
+    fn check(&self) -> [u8; 4] {
+        (keys::fnv1a(&self.shared) as u32).to_be_bytes()
+    }
+
     /// The cursor that continues after (or, reversed, before) `key`.
     pub(crate) fn encode(&self, key: &[u8]) -> String {
         let rest = key.strip_prefix(self.shared.as_slice()).unwrap_or(key);
+        let rest = [&self.check()[..], rest].concat();
+        let rest = rest.as_slice();
         let mut out = String::with_capacity(CURSOR_TAG.len() + rest.len().div_ceil(3) * 4);
         out.push_str(CURSOR_TAG);
         for chunk in rest.chunks(3) {
@@ -86,8 +93,15 @@ impl Cursors {
             return decode_hex(hex).ok_or_else(bad);
         }
         let text = cursor.strip_prefix(CURSOR_TAG).ok_or_else(bad)?;
+        let bytes = decode_base64url(text).ok_or_else(bad)?;
+        let (check, rest) = bytes.split_at_checked(4).ok_or_else(bad)?;
+        if check != self.check() {
+            return Err(TitoError::invalid_argument(
+                "the cursor is outside the requested range",
+            ));
+        }
         let mut key = self.shared.clone();
-        key.extend(decode_base64url(text).ok_or_else(bad)?);
+        key.extend_from_slice(rest);
         Ok(key)
     }
 }
@@ -551,9 +565,12 @@ mod tests {
         let cursors = Cursors::of(&start, &end);
         let key = b"index:user_by_email:ada@example.com:table:user:0193f2a4".to_vec();
         let cursor = cursors.encode(&key);
-        // ":table:user:0193f2a4" in base64url, after the tag (the range's end differs from its
-        // start in the last byte, the bound prefix's separator).
-        assert_eq!(cursor, "c2.OnRhYmxlOnVzZXI6MDE5M2YyYTQ");
+        // The range's check and ":table:user:0193f2a4" (the range's end differs from its start
+        // in the last byte, the bound prefix's separator): 24 bytes, 32 characters.
+        assert_eq!(cursor.len(), "c2.".len() + 32, "{cursor}");
+        // Given to a query of another range, it is refused (not read as a key of that range).
+        let other = Cursors::of(b"index:user_by_team:", b"index:user_by_team;");
+        assert!(other.decode(&cursor).is_err());
         assert_eq!(cursors.decode(&cursor).unwrap(), key);
     }
 
