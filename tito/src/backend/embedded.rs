@@ -38,70 +38,17 @@
 //!
 //! # Performance
 //!
-//! - Commits go through surrealkv's group-commit task: a commit wakes it and waits for its
-//!   answer. From a task of a multi-threaded runtime both wake-ups usually stay on one worker;
-//!   from a thread outside the runtime (the body of `#[tokio::main]`, `block_on`) each crosses
-//!   threads, and buffered commits run at about half the rate (`cargo bench --bench models`
-//!   measured 5.8k against 11.4k inserts per second). Run Tito from spawned tasks.
-//! - Even from a task, a single task committing one transaction after another hands off to the
-//!   group-commit task and back through Tokio's LIFO slot, which takes at most three such
-//!   hand-offs in a row: the next one goes through the run queue and wakes the idle worker
-//!   through the I/O driver's `eventfd`, which then steals the task. A profile of one-row
-//!   inserts (2,000 users, buffered) puts 9-10% of the process's time in that `eventfd` write,
-//!   and the rate then depends on how quickly the other core answers: this is where buffered
-//!   commit rates that moved with the other core's load came from. It is Tokio's scheduler
-//!   meeting surrealkv's commit pipeline, not Tito's code; with several tasks committing, the
-//!   workers are busy and the wake-ups are not needed.
-//! - A durable commit waits for one sync of the log. The log keeps zeros written ahead of its
-//!   records ([`EmbeddedOptions::wal_preallocation`]), so that sync is an `fdatasync` of data
-//!   alone; appending instead, each sync also commits the file's new size to the file system's
-//!   journal (`cargo bench --bench engine`: 1.32-1.42 times the durable rate with one task,
-//!   1.36-1.84 with eight).
-//! - Reads of a store much larger than the memtable go through the level-0 files and the
-//!   levels, each with a filter and a block search: a get from a million-row table costs about
-//!   four times one from a table held in the memtable, and a larger block cache helps little
-//!   (1 GiB against 128 MiB: 136k against 114k gets per second for 941 MiB of data).
-//!   [`EmbeddedOptions::block_cache_bytes`] and [`EmbeddedOptions::block_bytes`] set the cache
-//!   and the data block size.
+//! - Run Tito from spawned tasks: commits go through surrealkv's group-commit task, and from a
+//!   thread outside the runtime (the body of `#[tokio::main]`, `block_on`) each commit's two
+//!   wake-ups cross threads (about half the buffered rate).
+//! - A durable commit waits for one sync of the log, which keeps zeros written ahead of its
+//!   records ([`EmbeddedOptions::wal_preallocation`]) so that sync is an `fdatasync` of data
+//!   alone.
+//! - [`EmbeddedOptions::block_cache_bytes`] and [`EmbeddedOptions::block_bytes`] set the block
+//!   cache and the data block size.
 //!
-//! # Why surrealkv: the engines compared
-//!
-//! `cargo bench --bench models --features bench-fjall` runs the users workload (a unique email
-//! and a (team, created) index, rows in 1,000-row transactions, then one task doing gets, a
-//! team's 10 newest and one-row inserts) on this engine's raw keys and, in the same run, on
-//! fjall 3.1 (`OptimisticTxDatabase`, one keyspace, its defaults and a block cache of the same
-//! 128 MiB) doing the same reads and writes with the same keys. On a 2-core machine, fjall's
-//! rate over surrealkv's, after the load / once settled (measured with 16 KiB blocks, before
-//! this engine's log preallocated, inserts one cell after another):
-//!
-//! | rows | get by id | team's 10 newest | insert, buffered | insert, durable |
-//! |---|---|---|---|---|
-//! | 2,000 | 1.00-1.19 | 0.81-1.08 | 1.37 | 1.56 |
-//! | 200,000 | 0.88-1.01 | 0.78-0.92 | 0.95 | 1.12 |
-//! | 1,000,000 | 0.68-1.30 | 1.09-1.78 | 5.36 (surrealkv stalled in that cell) | 1.02 |
-//!
-//! On disk at a million rows: surrealkv 941.6 MiB, fjall 1,188.3 MiB. Neither wins clearly: the
-//! cells scatter on both sides of 1 within what the same engine varies between two runs, and a
-//! first measurement with fjall's default cache (smaller) put its gets at a million rows at a
-//! fiftieth of surrealkv's.
-//!
-//! `--features bench-redb` puts redb 2.6 (a copy-on-write B-tree, one table, a 128 MiB cache,
-//! one write transaction per insert) in fjall's place. redb has a single writer and no conflict
-//! check, so this is the B-tree's cost before the optimistic layer Tito would need on top of it.
-//! redb's rate over surrealkv's, same run, after the load / once settled (16 KiB blocks):
-//!
-//! | rows | get by id | team's 10 newest | insert, buffered | insert, durable |
-//! |---|---|---|---|---|
-//! | 2,000 | 0.84-0.93 | 1.24-1.95 | 0.06 | 0.50 |
-//! | 200,000 | 1.13-1.36 | 2.06-2.68 | 0.05 | 0.48 |
-//! | 1,000,000 | 0.54-1.68 | 1.80-2.82 | 0.33 (surrealkv stalled in that cell) | 0.50 |
-//!
-//! On disk at a million rows: redb 2,056.5 MiB against surrealkv's 929.9 MiB of tables. redb's
-//! range reads are two to three times as fast, its point reads about even, and every commit
-//! rewrites the B-tree's path to the root (even unsynced, `Durability::Eventual`, about 1,000
-//! inserts per second here): it would trade the inserts, already the furthest from SQLite, for
-//! the query. The engine stays surrealkv, whose transactions already pass the conformance suite,
-//! the crash loops and the unknown-outcome classification.
+//! The measurements behind these, and the comparison with fjall and redb that kept surrealkv as
+//! the engine, are in `docs/performance.md` ("The embedded engine").
 //!
 //! # Blocking
 //!
@@ -110,15 +57,13 @@
 //! [`tokio::task::block_in_place`] on a multi-threaded Tokio runtime, so other tasks keep running
 //! meanwhile. Smaller reads run on the calling thread, as every call does on a current-thread
 //! runtime: `block_in_place` hands the worker's place to another thread and takes it back, and
-//! that hand-off cost more than such a read, which usually finds its blocks in the memtable or the
-//! cache (`cargo bench --bench models`, one task, inline against handed off: gets at 200k rows
-//! 1.12-1.50 times the rate, a team's 10 newest 1.04-1.24, one-row inserts 1.0-1.3). A small read
-//! that misses the cache waits for one block from the page cache or the disk on the worker.
+//! that hand-off costs more than such a read, which usually finds its blocks in the memtable or
+//! the cache. A small read that misses the cache waits for one block from the page cache or the
+//! disk on the worker.
 //!
 //! A commit hands its writes to surrealkv's group-commit task, which writes the log (and syncs it
 //! for a durable commit) on a worker of the runtime, and awaits its answer: the committing task
-//! blocks no thread. (Durable commits used to wait inside `block_in_place`; the extra hand-offs
-//! cost about a sixth of the durable insert rate: 3,221-3,350 against 3,589-4,010 per second.)
+//! blocks no thread.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
