@@ -375,29 +375,14 @@ async fn lease_of<X: TitoTransaction>(
         keys::lease_expiry_key(root, partition).into_bytes(),
     ];
     let values = tx.batch_get(&keys).await?;
-    let Some(lease) = values[0]
-        .as_ref()
-        .and_then(|bytes| serde_json::from_slice::<Value>(bytes).ok())
+    let Some((lease, expires)) =
+        crate::queue::lease::holder_of(values[0].as_deref(), values[1].as_deref())
     else {
         return Ok(None);
     };
-    let holder = lease
-        .get("owner")
-        .and_then(Value::as_str)
-        .unwrap_or_default()
-        .to_string();
-    if holder.is_empty() {
-        return Ok(None);
-    }
-    let expiry_key = values[1]
-        .as_ref()
-        .and_then(|b| std::str::from_utf8(b).ok()?.parse::<u64>().ok());
-    let expires = expiry_key
-        .or_else(|| lease.get("expires").and_then(Value::as_u64))
-        .unwrap_or(0);
     Ok(Some(LeaseView {
-        holder,
-        generation: lease.get("generation").and_then(Value::as_u64).unwrap_or(0),
+        holder: lease.owner,
+        generation: lease.generation,
         expires_ms: if expires == 0 {
             0
         } else {

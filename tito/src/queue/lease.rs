@@ -59,6 +59,20 @@ pub(crate) fn parse(key: &str, bytes: &[u8]) -> Option<Lease> {
     }
 }
 
+/// A partition's lease as operators see it, decoded as workers decode it: the holder record
+/// and the expiry to show (the expiry key's version, else the one recorded when the lease was
+/// taken). `None` when the lease is free, released or malformed (workers treat it as free).
+pub(crate) fn holder_of(record: Option<&[u8]>, expiry: Option<&[u8]>) -> Option<(Lease, u64)> {
+    let lease: Lease = serde_json::from_slice(record?).ok()?;
+    if lease.released() {
+        return None;
+    }
+    let expires = expiry
+        .and_then(|bytes| std::str::from_utf8(bytes).ok()?.parse().ok())
+        .unwrap_or(lease.expires);
+    Some((lease, expires))
+}
+
 /// Parses an expiry record (a decimal version); a malformed one reads as expired.
 fn parse_expiry(bytes: &[u8]) -> u64 {
     std::str::from_utf8(bytes)

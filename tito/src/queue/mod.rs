@@ -76,7 +76,7 @@
 pub mod cluster;
 #[cfg(not(feature = "test-util"))]
 mod cluster;
-mod lease;
+pub(crate) mod lease;
 mod pull;
 mod worker;
 
