@@ -28,56 +28,7 @@ pub(crate) async fn run<E: TitoEngine>(db: E, command: QueueCommand, json: bool)
                     o.info.label
                 )));
             }
-            print(json, &o, || {
-                let now_s = o.now_ms / 1000;
-                let mut out = format!(
-                    "queue {}: {} due now, {} due later, {} completed kept",
-                    o.info.label, o.due_now, o.future, o.completed
-                );
-                if let Some(due) = o.oldest_due.filter(|_| o.due_now.value > 0) {
-                    out.push_str(&format!(
-                        "; the oldest due is {} s late",
-                        now_s.saturating_sub(due)
-                    ));
-                }
-                let minutes: Vec<String> = o
-                    .completed_per_minute
-                    .iter()
-                    .map(|c| c.to_string())
-                    .collect();
-                out.push_str(&format!(
-                    "\ncompleted per minute (this minute first): {}",
-                    minutes.join(" ")
-                ));
-                if let Some(c) = &o.coordinator {
-                    out.push_str(&format!(
-                        "\ncoordinator {c}, members {}",
-                        o.members.join(",")
-                    ));
-                }
-                out.push_str(&format!(
-                    "\n{:>9} {:>10} {:>10} {:>8}  {}",
-                    "PARTITION", "DUE NOW", "LATER", "LATE S", "LEASE"
-                ));
-                for p in &o.partitions {
-                    let lease = p
-                        .lease
-                        .as_ref()
-                        .map_or("free".to_string(), |l| l.holder.clone());
-                    out.push_str(&format!(
-                        "\n{:>9} {:>10} {:>10} {:>8}  {lease}",
-                        p.partition,
-                        p.due_now.to_string(),
-                        p.future.to_string(),
-                        if p.due_now.value > 0 {
-                            p.oldest_late_s
-                        } else {
-                            0
-                        },
-                    ));
-                }
-                out
-            })
+            print(json, &o, || stats_text(&o))
         }
         QueueCommand::Peek {
             topic,
@@ -93,31 +44,7 @@ pub(crate) async fn run<E: TitoEngine>(db: E, command: QueueCommand, json: bool)
             };
             let page =
                 inspect::queue_scan(&db, topic.as_deref(), state, cursor.as_deref(), limit).await?;
-            print(json, &page, || {
-                let mut out = String::new();
-                for row in &page.items {
-                    if let Some(note) = &row.undecodable {
-                        out.push_str(&format!(
-                            "{}  UNDECODABLE as {}: {} (tito queue set-aside moves it aside)\n",
-                            row.key, note.type_name, note.error
-                        ));
-                    }
-                    match (&row.event, &row.malformed) {
-                        (Some(e), None) => out.push_str(&format!(
-                            "{}  id={} key={} due={} payload={}\n",
-                            row.key, e.id, e.key, e.timestamp, e.payload
-                        )),
-                        _ => out.push_str(&format!(
-                            "{}  MALFORMED: {} raw={:?}\n",
-                            row.key,
-                            row.malformed.as_deref().unwrap_or(""),
-                            row.raw.as_deref().unwrap_or("")
-                        )),
-                    }
-                }
-                out.push_str(&cursor_line(&page.cursor));
-                out
-            })
+            print(json, &page, || peek_text(&page))
         }
         QueueCommand::SetAside { topic, key, why } => {
             let moved = tito::queue::set_aside(&db, topic.as_deref(), &key, &why).await?;
@@ -140,24 +67,106 @@ pub(crate) async fn run<E: TitoEngine>(db: E, command: QueueCommand, json: bool)
         } => {
             let page =
                 inspect::queue_aside(&db, topic.as_deref(), cursor.as_deref(), limit).await?;
-            print(json, &page, || {
-                let mut out = String::new();
-                for row in &page.items {
-                    match &row.record {
-                        Some(record) => out.push_str(&format!(
-                            "{}  why={:?} row={}\n",
-                            row.key, record.why, record.row
-                        )),
-                        None => out.push_str(&format!(
-                            "{}  MALFORMED raw={:?}\n",
-                            row.key,
-                            row.raw.as_deref().unwrap_or("")
-                        )),
-                    }
-                }
-                out.push_str(&cursor_line(&page.cursor));
-                out
-            })
+            print(json, &page, || aside_text(&page))
         }
     }
+}
+
+/// `queue stats` as text: the totals, then one line per partition.
+fn stats_text(o: &inspect::QueueOverview) -> String {
+    let now_s = o.now_ms / 1000;
+    let mut out = format!(
+        "queue {}: {} due now, {} due later, {} completed kept",
+        o.info.label, o.due_now, o.future, o.completed
+    );
+    if let Some(due) = o.oldest_due.filter(|_| o.due_now.value > 0) {
+        out.push_str(&format!(
+            "; the oldest due is {} s late",
+            now_s.saturating_sub(due)
+        ));
+    }
+    let minutes: Vec<String> = o
+        .completed_per_minute
+        .iter()
+        .map(|c| c.to_string())
+        .collect();
+    out.push_str(&format!(
+        "\ncompleted per minute (this minute first): {}",
+        minutes.join(" ")
+    ));
+    if let Some(c) = &o.coordinator {
+        out.push_str(&format!(
+            "\ncoordinator {c}, members {}",
+            o.members.join(",")
+        ));
+    }
+    out.push_str(&format!(
+        "\n{:>9} {:>10} {:>10} {:>8}  {}",
+        "PARTITION", "DUE NOW", "LATER", "LATE S", "LEASE"
+    ));
+    for p in &o.partitions {
+        let lease = p
+            .lease
+            .as_ref()
+            .map_or("free".to_string(), |l| l.holder.clone());
+        out.push_str(&format!(
+            "\n{:>9} {:>10} {:>10} {:>8}  {lease}",
+            p.partition,
+            p.due_now.to_string(),
+            p.future.to_string(),
+            if p.due_now.value > 0 {
+                p.oldest_late_s
+            } else {
+                0
+            },
+        ));
+    }
+    out
+}
+
+/// `queue peek` as text: one line per row, undecodable and malformed rows marked.
+fn peek_text(page: &tito::model::TitoPage<inspect::QueueRow>) -> String {
+    let mut out = String::new();
+    for row in &page.items {
+        if let Some(note) = &row.undecodable {
+            out.push_str(&format!(
+                "{}  UNDECODABLE as {}: {} (tito queue set-aside moves it aside)\n",
+                row.key, note.type_name, note.error
+            ));
+        }
+        match (&row.event, &row.malformed) {
+            (Some(e), None) => out.push_str(&format!(
+                "{}  id={} key={} due={} payload={}\n",
+                row.key, e.id, e.key, e.timestamp, e.payload
+            )),
+            _ => out.push_str(&format!(
+                "{}  MALFORMED: {} raw={:?}\n",
+                row.key,
+                row.malformed.as_deref().unwrap_or(""),
+                row.raw.as_deref().unwrap_or("")
+            )),
+        }
+    }
+    out.push_str(&cursor_line(&page.cursor));
+    out
+}
+
+/// `queue aside` as text: one line per row set aside.
+fn aside_text(page: &tito::model::TitoPage<inspect::AsideRow>) -> String {
+    let mut out = String::new();
+    for row in &page.items {
+        match &row.record {
+            Some(record) => out.push_str(&format!(
+                "{}  why={:?} row={}\n",
+                row.key, record.why, record.row
+            )),
+            None => out.push_str(&format!(
+                "{}  MALFORMED raw={:?}\n",
+                row.key,
+                row.raw.as_deref().unwrap_or("")
+            )),
+        }
+    }
+    out.push_str(&cursor_line(&page.cursor));
+    out
 }

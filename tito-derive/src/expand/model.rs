@@ -19,92 +19,13 @@ pub(super) fn expand(model: &Model, id: usize, errors: &mut Errors) -> TokenStre
         <#id_ty as ::tito::__private::IdField>::to_id(&self.#id_ident)
     };
 
-    let mut plain = Vec::new();
-    let mut unique = Vec::new();
-    let mut conditions = Vec::new();
-    let mut key_only = Vec::new();
-    for index in &model.attrs.indexes {
-        let name = &index.name;
-        if index.key_only {
-            key_only.push(quote!(::std::string::String::from(#name)));
-        }
-        if let Some(lit) = &index.condition {
-            let method = lit.value();
-            let version = index
-                .condition_version
-                .as_ref()
-                .and_then(|v| v.base10_parse::<u32>().ok())
-                .unwrap_or(1);
-            conditions.push(quote! {
-                ::tito::model::TitoCondition {
-                    index: ::std::string::String::from(#name),
-                    name: ::std::string::String::from(#method),
-                    version: #version,
-                }
-            });
-        }
-        let condition = match &index.condition {
-            None => quote!(true),
-            Some(lit) => match lit_ident(lit, errors, "method") {
-                Some(method) => quote_spanned! {lit.span()=>
-                    ::tito::__private::condition(self, Self::#method)
-                },
-                None => quote!(true),
-            },
-        };
-        let fields = index.fields.iter().map(|field_name| {
-            let field = model.field(field_name).expect("checked");
-            let ty = &field.ty;
-            let json_name = &field.json_name;
-            let kind = index_block_type(ty);
-            quote! {
-                ::tito::model::TitoIndexField {
-                    name: ::std::string::String::from(#json_name),
-                    r#type: #kind,
-                }
-            }
-        });
-        let config = quote! {
-            ::tito::model::TitoIndexConfig {
-                condition: #condition,
-                name: ::std::string::String::from(#name),
-                fields: ::std::vec![#(#fields),*],
-            }
-        };
-        if index.unique {
-            unique.push(config);
-        } else {
-            plain.push(config);
-        }
-    }
-
-    let events = model.attrs.events.iter().map(|event| {
-        let name = event.lit.value();
-        let timestamp = match &event.at {
-            None => quote!(::tito::__private::now()),
-            Some(at) => match model.field(at.value().trim()) {
-                Some(field) => {
-                    let field_ident = &field.ident;
-                    let ty = &field.ty;
-                    quote_spanned! {ty.span()=>
-                        <#ty as ::tito::__private::EventTime>::event_timestamp(&self.#field_ident)
-                    }
-                }
-                None => match lit_ident(at, errors, "field or method") {
-                    Some(method) => quote_spanned! {at.span()=>
-                        ::tito::__private::event_at(self, Self::#method)
-                    },
-                    None => quote!(0),
-                },
-            },
-        };
-        quote! {
-            ::tito::model::TitoEventConfig {
-                name: ::std::string::String::from(#name),
-                timestamp: #timestamp,
-            }
-        }
-    });
+    let Indexes {
+        plain,
+        unique,
+        mut conditions,
+        key_only,
+    } = indexes(model, errors);
+    let events = events(model, errors);
 
     let queries = super::queries::queries(model);
     let (claim_index, inbox_impl) = super::inbox::inbox(model, &table);
@@ -176,4 +97,111 @@ pub(super) fn expand(model: &Model, id: usize, errors: &mut Errors) -> TokenStre
 
         #queries
     }
+}
+
+/// The index configs of a model, by kind: plain, unique, their conditions, the key-only ones.
+struct Indexes {
+    plain: Vec<TokenStream>,
+    unique: Vec<TokenStream>,
+    conditions: Vec<TokenStream>,
+    key_only: Vec<TokenStream>,
+}
+
+/// The `TitoIndexConfig`s (and conditions) of every `index` / `unique_index` attribute.
+fn indexes(model: &Model, errors: &mut Errors) -> Indexes {
+    let mut plain = Vec::new();
+    let mut unique = Vec::new();
+    let mut conditions = Vec::new();
+    let mut key_only = Vec::new();
+    for index in &model.attrs.indexes {
+        let name = &index.name;
+        if index.key_only {
+            key_only.push(quote!(::std::string::String::from(#name)));
+        }
+        if let Some(lit) = &index.condition {
+            let method = lit.value();
+            let version = index
+                .condition_version
+                .as_ref()
+                .and_then(|v| v.base10_parse::<u32>().ok())
+                .unwrap_or(1);
+            conditions.push(quote! {
+                ::tito::model::TitoCondition {
+                    index: ::std::string::String::from(#name),
+                    name: ::std::string::String::from(#method),
+                    version: #version,
+                }
+            });
+        }
+        let condition = match &index.condition {
+            None => quote!(true),
+            Some(lit) => match lit_ident(lit, errors, "method") {
+                Some(method) => quote_spanned! {lit.span()=>
+                    ::tito::__private::condition(self, Self::#method)
+                },
+                None => quote!(true),
+            },
+        };
+        let fields = index.fields.iter().map(|field_name| {
+            let field = model.field(field_name).expect("checked");
+            let ty = &field.ty;
+            let json_name = &field.json_name;
+            let kind = index_block_type(ty);
+            quote! {
+                ::tito::model::TitoIndexField {
+                    name: ::std::string::String::from(#json_name),
+                    r#type: #kind,
+                }
+            }
+        });
+        let config = quote! {
+            ::tito::model::TitoIndexConfig {
+                condition: #condition,
+                name: ::std::string::String::from(#name),
+                fields: ::std::vec![#(#fields),*],
+            }
+        };
+        if index.unique {
+            unique.push(config);
+        } else {
+            plain.push(config);
+        }
+    }
+    Indexes {
+        plain,
+        unique,
+        conditions,
+        key_only,
+    }
+}
+
+/// The `TitoEventConfig`s of every `event` attribute, each with its timestamp expression.
+fn events(model: &Model, errors: &mut Errors) -> Vec<TokenStream> {
+    model.attrs.events.iter().map(|event| {
+        let name = event.lit.value();
+        let timestamp = match &event.at {
+            None => quote!(::tito::__private::now()),
+            Some(at) => match model.field(at.value().trim()) {
+                Some(field) => {
+                    let field_ident = &field.ident;
+                    let ty = &field.ty;
+                    quote_spanned! {ty.span()=>
+                        <#ty as ::tito::__private::EventTime>::event_timestamp(&self.#field_ident)
+                    }
+                }
+                None => match lit_ident(at, errors, "field or method") {
+                    Some(method) => quote_spanned! {at.span()=>
+                        ::tito::__private::event_at(self, Self::#method)
+                    },
+                    None => quote!(0),
+                },
+            },
+        };
+        quote! {
+            ::tito::model::TitoEventConfig {
+                name: ::std::string::String::from(#name),
+                timestamp: #timestamp,
+            }
+        }
+    }).collect()
 }

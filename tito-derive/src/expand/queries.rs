@@ -127,50 +127,11 @@ fn index_queries(
         }
     }];
 
-    let mut methods = methods;
-    let mut bodies = bodies;
+    let (mut methods, mut bodies) = (methods, bodies);
     if index.unique {
-        // The one row a full set of values names (or none): a unique index's typed lookup.
-        let get_method = format_ident!("get_{}", method);
-        let params: Vec<TokenStream> = fields
-            .iter()
-            .map(|f| {
-                let (ident, arg) = (f.ident, index_arg(f.ty));
-                quote!(#ident: &#arg)
-            })
-            .collect();
-        let binds: Vec<TokenStream> = fields
-            .iter()
-            .map(|f| {
-                let ident = f.ident;
-                quote!(query.value(#ident);)
-            })
-            .collect();
-        let names = fields
-            .iter()
-            .map(|f| format!("`{}`", f.ident))
-            .collect::<Vec<_>>()
-            .join(", ");
-        let doc_get = format!(
-            "The row of [`{ident}`] with these values of {names}, or `None`, through unique index \
-             `{name}` (one read of the index)."
-        );
-        methods.push(quote! {
-            #[doc = #doc_get]
-            fn #get_method(&self, #(#params),*) -> impl ::std::future::Future<
-                Output = ::tito::TitoResult<::std::option::Option<#ident>>,
-            > + ::std::marker::Send;
-        });
-        bodies.push(quote! {
-            fn #get_method(&self, #(#params),*) -> impl ::std::future::Future<
-                Output = ::tito::TitoResult<::std::option::Option<#ident>>,
-            > + ::std::marker::Send {
-                let mut query = self.query_by_index(#name);
-                #(#binds)*
-                query.limit(1);
-                async move { ::std::result::Result::Ok(query.execute().await?.items.into_iter().next()) }
-            }
-        });
+        let (method, body) = unique_lookup(model, index, &fields);
+        methods.push(method);
+        bodies.push(body);
     }
 
     let mut structs = Vec::new();
@@ -234,4 +195,56 @@ fn index_queries(
         });
     }
     (methods, bodies, structs)
+}
+
+/// A unique index's typed lookup, `get_{index}(values..) -> Option<Model>`: its trait method and
+/// its body.
+fn unique_lookup(
+    model: &Model,
+    index: &IndexSpec,
+    fields: &[FieldInfo<'_>],
+) -> (TokenStream, TokenStream) {
+    let ident = &model.ident;
+    let name = &index.name;
+    let get_method = format_ident!("get_{}", name, span = index.lit.span());
+    let params: Vec<TokenStream> = fields
+        .iter()
+        .map(|f| {
+            let (ident, arg) = (f.ident, index_arg(f.ty));
+            quote!(#ident: &#arg)
+        })
+        .collect();
+    let binds: Vec<TokenStream> = fields
+        .iter()
+        .map(|f| {
+            let ident = f.ident;
+            quote!(query.value(#ident);)
+        })
+        .collect();
+    let names = fields
+        .iter()
+        .map(|f| format!("`{}`", f.ident))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let doc_get = format!(
+        "The row of [`{ident}`] with these values of {names}, or `None`, through unique index \
+         `{name}` (one read of the index)."
+    );
+    let method = quote! {
+        #[doc = #doc_get]
+        fn #get_method(&self, #(#params),*) -> impl ::std::future::Future<
+            Output = ::tito::TitoResult<::std::option::Option<#ident>>,
+        > + ::std::marker::Send;
+    };
+    let body = quote! {
+        fn #get_method(&self, #(#params),*) -> impl ::std::future::Future<
+            Output = ::tito::TitoResult<::std::option::Option<#ident>>,
+        > + ::std::marker::Send {
+            let mut query = self.query_by_index(#name);
+            #(#binds)*
+            query.limit(1);
+            async move { ::std::result::Result::Ok(query.execute().await?.items.into_iter().next()) }
+        }
+    };
+    (method, body)
 }
