@@ -10,8 +10,11 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tito::backend::{embedded::Embedded, tikv::TiKV};
 use tito::model::{TitoOperation, TitoOptions};
-use tito::queue::{ModelEvent, run_worker};
-use tito::{Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, TitoEngine, TitoError, TitoModel};
+use tito::queue::ModelEvent;
+use tito::{
+    Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, TitoEngine, TitoError, TitoModel,
+    WorkerConfig, Workers,
+};
 
 #[derive(TitoModel, Default, Clone, Debug, Serialize, Deserialize)]
 #[tito(unique_index = "by_email: email")]
@@ -68,10 +71,10 @@ async fn run<E: TitoEngine>(db: E) -> Result<(), TitoError> {
     let config = QueueConfig::new(db.partitions(), Duration::from_secs(3600)).topic("member");
     let queue = Arc::new(Queue::new(db.clone(), config));
     let (done, mut welcomed) = tokio::sync::mpsc::unbounded_channel();
-    let (stop, stop_rx) = tokio::sync::watch::channel(false);
-    let worker = tokio::spawn(run_worker(
+    let mut workers = Workers::new();
+    workers.spawn_worker(
         queue,
-        tito::WorkerConfig::new(0..db.partitions()),
+        WorkerConfig::new(0..db.partitions()),
         move |event: QueueEvent<ModelEvent<Member>>| {
             let done = done.clone();
             async move {
@@ -80,11 +83,10 @@ async fn run<E: TitoEngine>(db: E) -> Result<(), TitoError> {
                 Ok(QueueHandlerOutcome::Acknowledge)
             }
         },
-        stop_rx,
-    ));
+    );
     for _ in 0..2 {
         welcomed.recv().await;
     }
-    stop.send(true).ok();
-    worker.await.expect("the worker task")
+    // Drains the set: started handlers finish and their outcomes commit, leases are released.
+    workers.shutdown().await
 }

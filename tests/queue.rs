@@ -48,6 +48,7 @@ macro_rules! queue_suite {
                 unknown_acknowledgements_deliver_each_event_once,
                 malformed_rows_are_counted_and_left_in_place,
                 transactional_handlers_commit_with_their_outcome,
+                a_set_of_workers_shares_one_shutdown,
             ]
         );
     };
@@ -660,6 +661,106 @@ pub async fn shutdown_drains_started_handlers<E: TitoEngine>(ctx: Ctx<E>) {
     assert_eq!(lease["owner"], "", "{lease}");
     assert!(lease["generation"].as_u64().unwrap() >= 1);
     tx.rollback().await.unwrap();
+}
+
+pub async fn a_set_of_workers_shares_one_shutdown<E: TitoEngine>(ctx: Ctx<E>) {
+    let mails = Arc::new(Queue::new(
+        ctx.db.clone(),
+        QueueConfig::new(1, Duration::from_secs(3600)).topic("mails"),
+    ));
+    let bills = Arc::new(Queue::new(
+        ctx.db.clone(),
+        QueueConfig::new(1, Duration::from_secs(3600)).topic("bills"),
+    ));
+    let started = Arc::new(AtomicUsize::new(0));
+    let handler = |started: Arc<AtomicUsize>| {
+        move |_event: QueueEvent<Job>| {
+            let started = started.clone();
+            async move {
+                started.fetch_add(1, Ordering::SeqCst);
+                // Still running when the shutdown comes: the drain must wait for it.
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                Ok(QueueHandlerOutcome::Acknowledge)
+            }
+        }
+    };
+    let mut workers = tito::Workers::new();
+    workers
+        .spawn_worker(mails.clone(), fast(0..1), handler(started.clone()))
+        .spawn_worker(bills.clone(), fast(0..1), handler(started.clone()));
+    assert_eq!(workers.len(), 2);
+    mails
+        .publish(QueueEvent::new("k", Job { n: 1 }, now()))
+        .await
+        .unwrap();
+    bills
+        .publish(QueueEvent::new("k", Job { n: 2 }, now()))
+        .await
+        .unwrap();
+    let s = started.clone();
+    wait_for(
+        "both handlers to start",
+        Duration::from_secs(30),
+        move || {
+            let s = s.clone();
+            async move { s.load(Ordering::SeqCst) == 2 }
+        },
+    )
+    .await;
+    tokio::time::timeout(Duration::from_secs(30), workers.shutdown())
+        .await
+        .expect("the set drains")
+        .expect("both configurations are valid");
+    // Both handlers finished and both outcomes were applied before shutdown returned.
+    assert_eq!(mails.completed_count().await.unwrap(), 1);
+    assert_eq!(bills.completed_count().await.unwrap(), 1);
+
+    // A worker that refuses its configuration: the others still drain, then its error returns.
+    let mut workers = tito::Workers::new();
+    workers
+        .spawn_worker(mails.clone(), fast(0..1), handler(started.clone()))
+        .spawn_worker(
+            bills.clone(),
+            fast(0..1).lease_duration(Duration::ZERO),
+            handler(started.clone()),
+        );
+    let err = workers.shutdown().await.unwrap_err();
+    assert!(matches!(err, TitoError::InvalidArgument(_)), "{err}");
+
+    // Dropping the set stops its workers (without waiting): the lease is released soon after.
+    let mut workers = tito::Workers::new();
+    workers.spawn_worker(mails.clone(), fast(0..1), handler(started.clone()));
+    let db = ctx.db.clone();
+    wait_for(
+        "the worker to take its lease",
+        Duration::from_secs(30),
+        || {
+            let db = db.clone();
+            async move { lease_owner(&db, "mails").await.is_some() }
+        },
+    )
+    .await;
+    drop(workers);
+    wait_for(
+        "the dropped set's worker to release its lease",
+        Duration::from_secs(30),
+        || {
+            let db = db.clone();
+            async move { lease_owner(&db, "mails").await.is_none() }
+        },
+    )
+    .await;
+}
+
+/// The holder of partition 0's lease of queue `topic`, if any.
+async fn lease_owner<E: TitoEngine>(db: &E, topic: &str) -> Option<String> {
+    let overview = tito::inspect::queue_overview(db, Some(topic))
+        .await
+        .unwrap();
+    overview.partitions[0]
+        .lease
+        .as_ref()
+        .map(|l| l.holder.clone())
 }
 
 pub async fn handlers_run_concurrently<E: TitoEngine>(ctx: Ctx<E>) {

@@ -1,7 +1,14 @@
 //! What long-running work (queue workers, inbox subscriptions, the kv sweeper) shares and
-//! that belongs to no one of them: the signal that stops it.
+//! that belongs to no one of them: the signal that stops it, and [`Workers`], a set of them
+//! with one shutdown.
+
+use std::future::Future;
 
 use futures::future::BoxFuture;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::error::TitoResult;
 
 /// What stops a worker: once it resolves, `run_worker` starts no new pull or handler, drains the
 /// handlers that started (keeping their leases), applies their outcomes, releases its leases and
@@ -46,5 +53,112 @@ impl<T: Clone + Send + 'static> Shutdown for tokio::sync::broadcast::Receiver<T>
 impl Shutdown for BoxFuture<'static, ()> {
     fn wait(self) -> BoxFuture<'static, ()> {
         self
+    }
+}
+
+/// The shutdown signal [`Workers`] hands to what it starts: resolves when
+/// [`Workers::shutdown`] is called or the set is dropped.
+#[derive(Clone, Debug)]
+pub struct Stop(watch::Receiver<bool>);
+
+impl Shutdown for Stop {
+    fn wait(self) -> BoxFuture<'static, ()> {
+        self.0.wait()
+    }
+}
+
+/// Running workers (queue workers, inbox subscriptions, a kv sweeper) that stop together.
+///
+/// Each `spawn_*` method starts one on the current Tokio runtime with the set's shutdown;
+/// [`Workers::shutdown`] signals them all and waits until each has drained by its own rules
+/// (a queue worker finishes the handlers it started and applies their outcomes, then releases
+/// its leases). Dropping the set signals the same shutdown without waiting for it.
+///
+/// ```
+/// use std::{sync::Arc, time::Duration};
+/// use serde::{Deserialize, Serialize};
+/// use tito::prelude::*;
+///
+/// #[derive(Clone, Debug, Serialize, Deserialize)]
+/// struct Mail { to: String }
+///
+/// # #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+/// # async fn main() -> Result<(), TitoError> {
+/// let db = Embedded::temporary().await?;
+/// let queue = Arc::new(Queue::new(db.clone(), QueueConfig::new(4, Duration::from_secs(3600))));
+/// let mut workers = Workers::new();
+/// workers.spawn_worker(queue.clone(), WorkerConfig::new(0..4), |event: QueueEvent<Mail>| async move {
+///     println!("mail to {}", event.payload.to);
+///     Ok(QueueHandlerOutcome::Acknowledge)
+/// });
+/// queue.publish(QueueEvent::new("ada", Mail { to: "ada@example.com".into() }, 0)).await?;
+/// // .. the application runs ..
+/// workers.shutdown().await?; // drains every worker of the set
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug)]
+pub struct Workers {
+    stop: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<TitoResult<()>>>,
+}
+
+impl Default for Workers {
+    fn default() -> Self {
+        Workers::new()
+    }
+}
+
+impl Workers {
+    /// An empty set.
+    pub fn new() -> Self {
+        Workers {
+            stop: watch::channel(false).0,
+            tasks: Vec::new(),
+        }
+    }
+
+    /// Starts `run(stop)` on the current Tokio runtime, where `run` is any of Tito's run
+    /// functions given the set's shutdown: `workers.spawn(|stop| run_worker(queue, config,
+    /// handler, stop))`. Panics outside a Tokio runtime, as `tokio::spawn` does.
+    pub fn spawn<F, Fut>(&mut self, run: F) -> &mut Self
+    where
+        F: FnOnce(Stop) -> Fut,
+        Fut: Future<Output = TitoResult<()>> + Send + 'static,
+    {
+        let stop = Stop(self.stop.subscribe());
+        self.tasks.push(tokio::spawn(run(stop)));
+        self
+    }
+
+    /// How many workers the set started.
+    pub fn len(&self) -> usize {
+        self.tasks.len()
+    }
+
+    /// Whether the set started none.
+    pub fn is_empty(&self) -> bool {
+        self.tasks.is_empty()
+    }
+
+    /// Signals every worker of the set to stop and waits until each has drained. Returns the
+    /// first error a worker ended with (a refused configuration, a store that failed), after
+    /// waiting for all of them; a worker that panicked resumes its panic here.
+    pub async fn shutdown(self) -> TitoResult<()> {
+        let _ = self.stop.send(true);
+        let mut first = Ok(());
+        for task in self.tasks {
+            match task.await {
+                Ok(result) => {
+                    if first.is_ok() {
+                        first = result;
+                    }
+                }
+                Err(err) if err.is_panic() => std::panic::resume_unwind(err.into_panic()),
+                // Cancelled: only a runtime that is shutting down cancels a task.
+                Err(_) => {}
+            }
+        }
+        first
     }
 }

@@ -72,6 +72,26 @@ where
     Box::pin(inbox_loop(inbox, config, handler, shutdown))
 }
 
+impl crate::runtime::Workers {
+    /// Starts [`run_inbox`] in this set: one group of `inbox`, `handler` given the payload
+    /// decoded as `P`.
+    pub fn spawn_inbox<E, M, P, F, Fut>(
+        &mut self,
+        inbox: Arc<Inbox<E, M>>,
+        config: InboxConfig<E, M>,
+        handler: F,
+    ) -> &mut Self
+    where
+        E: TitoEngine,
+        M: InboxModel,
+        P: DeserializeOwned + Send + 'static,
+        F: Fn(InboxDelivery<P>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = TitoResult<InboxOutcome>> + Send + 'static,
+    {
+        self.spawn(|stop| run_inbox(inbox, config, handler, stop))
+    }
+}
+
 async fn inbox_loop<E, M, P, F, Fut, S>(
     inbox: Arc<Inbox<E, M>>,
     config: InboxConfig<E, M>,

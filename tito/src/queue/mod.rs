@@ -94,6 +94,7 @@ pub use crate::event::{
     MAX_OWNER_BYTES, MAX_QUEUE_EVENT_BYTES, ModelEvent, Published, QueueEvent, QueueHandlerOutcome,
     QueueHandlerResult, QueueOwner, TitoOperation, partition_for,
 };
+pub use crate::runtime::{Stop, Workers};
 pub use cluster::{ClusterConfig, ClusterState, MIN_TTL, cluster_state};
 pub use worker::{
     MAX_SETTING, MIN_LEASE, Shutdown, WorkerConfig, run_cluster_worker, run_transactional_worker,

@@ -298,6 +298,58 @@ where
     Box::pin(worker_loop(queue, config, leases, invoke, shutdown))
 }
 
+impl crate::runtime::Workers {
+    /// Starts [`run_worker`] in this set: `queue`'s partitions `config` names, `handler` typed by
+    /// the event.
+    pub fn spawn_worker<E, T, F, Fut>(
+        &mut self,
+        queue: Arc<Queue<E>>,
+        config: WorkerConfig,
+        handler: F,
+    ) -> &mut Self
+    where
+        E: TitoEngine,
+        T: Serialize + DeserializeOwned + Send + 'static,
+        F: Fn(QueueEvent<T>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = QueueHandlerResult<T>> + Send + 'static,
+    {
+        self.spawn(|stop| run_worker(queue, config, handler, stop))
+    }
+
+    /// Starts [`run_transactional_worker`] in this set.
+    pub fn spawn_transactional_worker<E, T, F, Fut>(
+        &mut self,
+        queue: Arc<Queue<E>>,
+        config: WorkerConfig,
+        handler: F,
+    ) -> &mut Self
+    where
+        E: TitoEngine,
+        T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
+        F: Fn(QueueEvent<T>, E::Transaction) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = QueueHandlerResult<T>> + Send + 'static,
+    {
+        self.spawn(|stop| run_transactional_worker(queue, config, handler, stop))
+    }
+
+    /// Starts [`run_cluster_worker`] in this set.
+    pub fn spawn_cluster_worker<E, T, F, Fut>(
+        &mut self,
+        queue: Arc<Queue<E>>,
+        config: WorkerConfig,
+        cluster: ClusterConfig,
+        handler: F,
+    ) -> &mut Self
+    where
+        E: TitoEngine,
+        T: Serialize + DeserializeOwned + Send + 'static,
+        F: Fn(QueueEvent<T>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = QueueHandlerResult<T>> + Send + 'static,
+    {
+        self.spawn(|stop| run_cluster_worker(queue, config, cluster, handler, stop))
+    }
+}
+
 /// Like [`run_worker`], but each handler runs inside the transaction that applies its outcome:
 /// its writes (an idempotency marker, the effect, model writes with events) and the
 /// acknowledgement or replacement commit together or not at all. The transaction is replayed
