@@ -284,6 +284,7 @@ impl TitoEngine for Memory {
                     locks: BTreeSet::new(),
                 }),
                 failed: engine::FirstFailure::default(),
+                hooks: engine::AfterCommit::default(),
             }),
         })
     }
@@ -365,6 +366,8 @@ struct TxInner {
     start_version: u64,
     state: Mutex<TxState>,
     failed: engine::FirstFailure,
+    /// Run after a successful commit.
+    hooks: engine::AfterCommit,
 }
 
 enum TxState {
@@ -609,7 +612,13 @@ impl TitoTransaction for MemoryTransaction {
             }
         };
         self.inner.close(&mut state, "committed");
+        drop(state);
+        self.inner.hooks.finish(result.is_ok());
         result
+    }
+
+    fn after_commit(&self, hook: engine::AfterCommitHook) {
+        self.inner.hooks.push(hook);
     }
 
     async fn rollback(&self) -> TitoResult<()> {

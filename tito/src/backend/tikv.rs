@@ -153,6 +153,7 @@ impl TitoEngine for TiKV {
                 start_version,
                 tx: tokio::sync::Mutex::new(Some(tx)),
                 failed: crate::engine::FirstFailure::default(),
+                hooks: crate::engine::AfterCommit::default(),
             }),
         })
     }
@@ -217,6 +218,8 @@ struct TxInner {
     start_version: u64,
     tx: tokio::sync::Mutex<Option<tikv_client::Transaction>>,
     failed: crate::engine::FirstFailure,
+    /// Run after a successful commit.
+    hooks: crate::engine::AfterCommit,
 }
 
 impl std::fmt::Debug for TiKVTransaction {
@@ -354,8 +357,12 @@ impl TitoTransaction for TiKVTransaction {
             return Err(TitoError::TransactionFinished("finished"));
         };
         match tx.commit().await {
-            Ok(_) => Ok(()),
+            Ok(_) => {
+                self.inner.hooks.finish(true);
+                Ok(())
+            }
             Err(err) => {
+                self.inner.hooks.finish(false);
                 let classified = classify_commit(err);
                 if classified.is_retryable() {
                     // Prewrite failed: clean up whatever locks it left, best effort.
@@ -366,6 +373,10 @@ impl TitoTransaction for TiKVTransaction {
                 Err(classified)
             }
         }
+    }
+
+    fn after_commit(&self, hook: crate::engine::AfterCommitHook) {
+        self.inner.hooks.push(hook);
     }
 
     async fn rollback(&self) -> TitoResult<()> {

@@ -409,6 +409,12 @@ impl<T: TitoTransaction> TitoTransaction for FaultyTransaction<T> {
         }
     }
 
+    fn after_commit(&self, hook: super::AfterCommitHook) {
+        // The inner transaction's commit runs it: an injected failure after an applied commit
+        // still wakes (the publication is there), one before it does not.
+        self.inner.after_commit(hook);
+    }
+
     async fn rollback(&self) -> TitoResult<()> {
         self.inner.rollback().await
     }

@@ -397,6 +397,12 @@ pub trait TitoTransaction: Clone + Send + Sync + 'static {
     /// after buffering a write; see [`aborting`].
     fn fail(&self, cause: &TitoError);
 
+    /// Runs `hook` once this transaction has committed, right after the commit succeeds; never
+    /// when it rolls back, its commit fails (including an unknown outcome) or it is dropped.
+    /// Tito wakes this process's workers with it, so that they poll a partition only once the
+    /// publication that woke them is visible.
+    fn after_commit(&self, hook: AfterCommitHook);
+
     /// Discards the buffered writes. Rolling back a finished transaction is an error.
     fn rollback(&self) -> impl Future<Output = TitoResult<()>> + Send;
 }
@@ -441,6 +447,37 @@ pub async fn aborting<X: TitoTransaction, R>(
         tx.fail(err);
     }
     result
+}
+
+/// What [`TitoTransaction::after_commit`] runs.
+pub type AfterCommitHook = Box<dyn FnOnce() + Send + 'static>;
+
+/// The hooks of one transaction, run after its commit succeeded (see
+/// [`TitoTransaction::after_commit`]).
+#[derive(Default)]
+pub(crate) struct AfterCommit(std::sync::Mutex<Vec<AfterCommitHook>>);
+
+impl std::fmt::Debug for AfterCommit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "AfterCommit({} hooks)", crate::util::lock(&self.0).len())
+    }
+}
+
+impl AfterCommit {
+    /// Keeps `hook` for the commit.
+    pub(crate) fn push(&self, hook: AfterCommitHook) {
+        crate::util::lock(&self.0).push(hook);
+    }
+
+    /// After a commit: runs the hooks (once) when it succeeded, drops them otherwise.
+    pub(crate) fn finish(&self, committed: bool) {
+        let hooks = std::mem::take(&mut *crate::util::lock(&self.0));
+        if committed {
+            for hook in hooks {
+                hook();
+            }
+        }
+    }
 }
 
 /// The first failure of a transaction, kept for its commit (see [`TitoTransaction::fail`]).

@@ -15,6 +15,7 @@ use serde_json::Value;
 use crate::error::{TitoError, TitoResult};
 
 pub(crate) mod publish;
+pub(crate) mod wake;
 
 /// The largest serialized invocation a queue accepts (1 MiB).
 pub const MAX_QUEUE_EVENT_BYTES: usize = 1024 * 1024;

@@ -165,15 +165,18 @@ impl PreparedEvent {
 
 /// Plans the publication of a model's event to the queue named `topic` (the model layer's
 /// hook): reads the queue's metadata and the event's id key now, adds the writes to `writes`.
+/// Returns the queue's root and the partition to wake after the commit, unless the event id
+/// already had a live invocation (nothing planned).
 pub(crate) async fn plan_model_event<X: TitoTransaction>(
     tx: &X,
     topic: &str,
     partitions: u32,
     event: PreparedEvent,
     writes: &mut engine::Writes,
-) -> TitoResult<()> {
+) -> TitoResult<Option<(String, u32)>> {
     let root = keys::queue_root(Some(topic));
     check_meta(tx, &root, partitions, writes).await?;
-    plan_pending(tx, &root, partitions, &event.stored, event.bytes, writes).await?;
-    Ok(())
+    let (published, partition) =
+        plan_pending(tx, &root, partitions, &event.stored, event.bytes, writes).await?;
+    Ok((!published.duplicate).then_some((root, partition)))
 }

@@ -670,8 +670,10 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         }
         writes.delete(keys::manifest_key(&table, id).into_bytes());
         writes.delete(keys::row_key(&table, id).into_bytes());
-        self.plan_events(tx, events, &mut writes).await?;
-        writes.apply(tx).await
+        let wakes = self.plan_events(tx, events, &mut writes).await?;
+        writes.apply(tx).await?;
+        self.wake_after_commit(tx, wakes);
+        Ok(())
     }
 
     /// The model's events for `operation`, encoded and checked before anything is written: one
@@ -709,24 +711,32 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
     }
 
     /// Plans the publication of prepared events: their queues' metadata and id keys are read
-    /// now, their writes join `writes`.
+    /// now, their writes join `writes`. Returns the (queue root, partition) pairs to wake once
+    /// the transaction commits ([`Self::wake_after_commit`], after the writes are buffered).
     async fn plan_events(
         &self,
         tx: &E::Transaction,
         events: Vec<(String, crate::event::publish::PreparedEvent)>,
         writes: &mut engine::Writes,
-    ) -> TitoResult<()> {
+    ) -> TitoResult<Vec<(String, u32)>> {
+        let mut wakes = Vec::new();
         for (topic, event) in events {
-            crate::event::publish::plan_model_event(
-                tx,
-                &topic,
-                self.db.partitions(),
-                event,
-                writes,
-            )
-            .await?;
+            let partitions = self.db.partitions();
+            if let Some(wake) =
+                crate::event::publish::plan_model_event(tx, &topic, partitions, event, writes)
+                    .await?
+            {
+                wakes.push(wake);
+            }
         }
-        Ok(())
+        Ok(wakes)
+    }
+
+    /// Wakes this process's workers of each (queue root, partition) once `tx` commits.
+    fn wake_after_commit(&self, tx: &E::Transaction, wakes: Vec<(String, u32)>) {
+        for (root, partition) in wakes {
+            crate::event::wake::wakeups(&self.db, &root).wake_after_commit(tx, partition);
+        }
     }
 
     async fn in_own_transaction(&self, model: T, mode: Mode) -> TitoResult<T> {

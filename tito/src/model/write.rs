@@ -124,11 +124,13 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
             .plan_claims(tx, &step, &new_entries, &mut prefetched, &mut writes)
             .await?;
         plan_row(&step, new_entries, claims, row_key, &row, &mut writes)?;
+        let mut wakes = Vec::new();
         if let Some(operation) = options.events {
             let events = self.prepare_events(operation, &stored_model, &stored_model)?;
-            self.plan_events(tx, events, &mut writes).await?;
+            wakes = self.plan_events(tx, events, &mut writes).await?;
         }
         writes.apply(tx).await?;
+        self.wake_after_commit(tx, wakes);
         Ok(stored_model)
     }
 

@@ -80,9 +80,8 @@ pub(crate) mod lease;
 mod pull;
 mod worker;
 
-use std::collections::HashSet;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde::de::DeserializeOwned;
@@ -168,24 +167,6 @@ crate::counters::counters! {
     }
 }
 
-/// Partitions with fresh publications from this process, for workers to poll at once.
-#[derive(Default)]
-pub(crate) struct Wakeups {
-    partitions: Mutex<HashSet<u32>>,
-    notify: tokio::sync::Notify,
-}
-
-impl Wakeups {
-    fn wake(&self, partition: u32) {
-        crate::util::lock(&self.partitions).insert(partition);
-        self.notify.notify_waiters();
-    }
-
-    pub(crate) fn take(&self) -> HashSet<u32> {
-        std::mem::take(&mut *crate::util::lock(&self.partitions))
-    }
-}
-
 /// A queue on an engine. Share it as `Arc<Queue<E>>` between publishers and workers.
 pub struct Queue<E> {
     db: E,
@@ -195,7 +176,8 @@ pub struct Queue<E> {
     label: String,
     stats: Arc<QueueCounters>,
     meta_known: AtomicBool,
-    pub(crate) wakeups: Arc<Wakeups>,
+    /// This queue's wake-ups on this store, shared with every handle of the queue.
+    pub(crate) wakeups: Arc<crate::event::wake::Wakeups>,
 }
 
 impl<E> std::fmt::Debug for Queue<E> {
@@ -213,22 +195,21 @@ impl<E: TitoEngine> Queue<E> {
         let root = keys::queue_root(config.topic.as_deref());
         Queue {
             label: crate::telemetry::queue_label(config.topic.as_deref()),
+            wakeups: crate::event::wake::wakeups(&db, &root),
             db,
             config,
             root,
             stats: Arc::default(),
             meta_known: AtomicBool::new(false),
-            wakeups: Arc::default(),
         }
     }
 
-    /// Counts a publication and wakes this process's workers of its partition.
-    fn published(&self, published: &Published, partition: u32) {
+    /// Counts a publication (its transaction woke the partition's workers on commit).
+    fn published(&self, published: &Published) {
         if published.duplicate {
             self.count(&self.stats.duplicates, names::QUEUE_DUPLICATES, 1);
         } else {
             metrics::counter!(names::QUEUE_PUBLISHED, "queue" => self.label.clone()).increment(1);
-            self.wakeups.wake(partition);
         }
     }
 
@@ -309,12 +290,14 @@ impl<E: TitoEngine> Queue<E> {
         let root = self.root.clone();
         let partitions = self.config.partitions;
         let known = self.meta_known.load(Ordering::Relaxed);
+        let wakeups = self.wakeups.clone();
         // The closure owns what it uses (no borrow of `self`), so the future stays `Send` for
         // callers with a concrete engine.
-        let (published, partition) = self
+        let (published, _) = self
             .db
             .transaction(|tx| {
                 let (root, stored, bytes) = (root.clone(), stored.clone(), bytes.clone());
+                let wakeups = wakeups.clone();
                 async move {
                     let mut writes = engine::Writes::default();
                     if !known {
@@ -323,12 +306,15 @@ impl<E: TitoEngine> Queue<E> {
                     let planned =
                         plan_pending(&tx, &root, partitions, &stored, bytes, &mut writes).await?;
                     writes.apply(&tx).await?;
+                    if !planned.0.duplicate {
+                        wakeups.wake_after_commit(&tx, planned.1);
+                    }
                     Ok::<_, TitoError>(planned)
                 }
             })
             .await?;
         self.meta_known.store(true, Ordering::Relaxed);
-        self.published(&published, partition);
+        self.published(&published);
         Ok(published)
     }
 
@@ -355,7 +341,12 @@ impl<E: TitoEngine> Queue<E> {
         )
         .await?;
         writes.apply(tx).await?;
-        self.published(&published, partition);
+        if !published.duplicate {
+            // After the caller's commit, never before: a worker woken earlier would poll for a
+            // row it cannot see yet and back off.
+            self.wakeups.wake_after_commit(tx, partition);
+        }
+        self.published(&published);
         Ok(published)
     }
 

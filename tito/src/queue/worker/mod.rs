@@ -518,7 +518,7 @@ where
         {
             wake_at = wake_at.min(poll);
         }
-        let wakeups = queue.wakeups.clone();
+        let (wakeups, seen) = (queue.wakeups.clone(), pulling.seen());
         // Biased: a shutdown signal wins over every other wake-up.
         tokio::select! {
             biased;
@@ -530,7 +530,8 @@ where
                 }
             }
             _ = tokio::time::sleep_until(wake_at) => {}
-            _ = wakeups.notify.notified(), if !stopping => {}
+            // A commit in this process published to the queue: `start` reads which partitions.
+            _ = wakeups.changed_since(seen), if !stopping => {}
         }
     }
     // Gone before the worker returns: a maintenance task still alive when the program's runtime

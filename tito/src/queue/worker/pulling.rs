@@ -38,6 +38,8 @@ pub(super) struct Pulling {
     /// Pending rows that do not decode as this worker's event type: a row never changes, so
     /// each costs this worker one attempt, then is stepped over (see [`MAX_UNDECODABLE_KEPT`]).
     undecodable: std::collections::HashSet<String>,
+    /// The last wake-up generation of the queue this worker acted on.
+    seen: u64,
 }
 
 /// How many undecodable rows a worker remembers; past it, more are paused like failed
@@ -45,6 +47,11 @@ pub(super) struct Pulling {
 pub const MAX_UNDECODABLE_KEPT: usize = 10_000;
 
 impl Pulling {
+    /// The last wake-up generation of the queue this worker acted on.
+    pub fn seen(&self) -> u64 {
+        self.seen
+    }
+
     pub fn new(max_idle_backoff: Duration, page_size: usize, concurrency: usize) -> Self {
         Pulling {
             partitions: HashMap::new(),
@@ -53,6 +60,7 @@ impl Pulling {
             concurrency,
             cooling: Cooling::default(),
             undecodable: std::collections::HashSet::new(),
+            seen: 0,
         }
     }
 
@@ -96,7 +104,9 @@ impl Pulling {
         E: TitoEngine,
         T: Serialize + DeserializeOwned + Send + 'static,
     {
-        for partition in queue.wakeups.take() {
+        let (now, woken) = queue.wakeups.woken_since(self.seen);
+        self.seen = now;
+        for partition in woken {
             if let Some(state) = self.partitions.get_mut(&partition) {
                 state.next_poll = Instant::now();
                 state.backoff = MIN_IDLE_BACKOFF;

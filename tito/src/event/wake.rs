@@ -1,0 +1,185 @@
+//! Waking this process's workers after a commit published to their queue.
+//!
+//! Each store keeps one [`Wakeups`] per queue (on its handle's extensions), shared by every
+//! `Queue` handle of that queue and every publication path: a publication registers a wake-up
+//! of its partition on its transaction ([`TitoTransaction::after_commit`]), which runs only once
+//! the commit succeeded, so a worker never polls for a row it cannot see yet. Workers watch a
+//! generation counter and read which partitions were woken since the generation they saw: no
+//! wake-up is lost between two waits, and two workers of different partitions never take each
+//! other's.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::Notify;
+
+use crate::engine::{TitoEngine, TitoTransaction};
+
+/// The wake-ups of one queue on one store.
+#[derive(Debug, Default)]
+pub(crate) struct Wakeups {
+    /// The latest generation, and the generation of each partition's latest wake-up.
+    state: Mutex<(u64, HashMap<u32, u64>)>,
+    /// Wakes the workers waiting in [`Wakeups::changed_since`], in the order they began to
+    /// wait (a `watch` channel would wake them in a random order, and the simulation's runs
+    /// must repeat exactly).
+    notify: Notify,
+}
+
+impl Wakeups {
+    /// Wakes the workers of `partition` (this process's, of this queue on this store).
+    pub(crate) fn wake(&self, partition: u32) {
+        {
+            let mut state = crate::util::lock(&self.state);
+            state.0 += 1;
+            let generation = state.0;
+            state.1.insert(partition, generation);
+        }
+        self.notify.notify_waiters();
+    }
+
+    /// The latest generation.
+    pub(crate) fn generation(&self) -> u64 {
+        crate::util::lock(&self.state).0
+    }
+
+    /// Resolves once a wake-up came after generation `seen` (at once if one has).
+    pub(crate) async fn changed_since(&self, seen: u64) {
+        loop {
+            let notified = self.notify.notified();
+            tokio::pin!(notified);
+            // Registered before the check: a wake-up between the two is not lost.
+            notified.as_mut().enable();
+            if self.generation() != seen {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    /// The latest generation, and the partitions woken after generation `seen`.
+    pub(crate) fn woken_since(&self, seen: u64) -> (u64, Vec<u32>) {
+        let state = crate::util::lock(&self.state);
+        let mut partitions: Vec<u32> = state
+            .1
+            .iter()
+            .filter(|(_, generation)| **generation > seen)
+            .map(|(partition, _)| *partition)
+            .collect();
+        partitions.sort_unstable();
+        (state.0, partitions)
+    }
+
+    /// Wakes `partition` once `tx` has committed.
+    pub(crate) fn wake_after_commit<X: TitoTransaction>(self: &Arc<Self>, tx: &X, partition: u32) {
+        let wakeups = self.clone();
+        tx.after_commit(Box::new(move || wakeups.wake(partition)));
+    }
+}
+
+/// Every queue's wake-ups on one store.
+#[derive(Default)]
+struct StoreWakeups(Mutex<HashMap<String, Arc<Wakeups>>>);
+
+/// The wake-ups of the queue at `root` on store `db`.
+pub(crate) fn wakeups<E: TitoEngine>(db: &E, root: &str) -> Arc<Wakeups> {
+    let all = db.extensions().get::<StoreWakeups>();
+    crate::util::lock(&all.0)
+        .entry(root.to_string())
+        .or_default()
+        .clone()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::backend::memory::Memory;
+    use crate::model::{TitoEventConfig, TitoModelTrait, TitoOperation, TitoOptions};
+    use crate::queue::{Queue, QueueConfig};
+    use crate::{QueueEvent, TitoError};
+
+    #[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+    struct Note {
+        id: String,
+    }
+
+    impl TitoModelTrait for Note {
+        fn id(&self) -> String {
+            self.id.clone()
+        }
+        fn table(&self) -> String {
+            "note".into()
+        }
+        fn events(&self) -> Vec<TitoEventConfig> {
+            vec![TitoEventConfig {
+                name: "notes".into(),
+                timestamp: 0,
+            }]
+        }
+    }
+
+    fn woken(wakeups: &Wakeups) -> Vec<u32> {
+        let mut partitions = wakeups.woken_since(0).1;
+        partitions.sort_unstable();
+        partitions
+    }
+
+    #[tokio::test]
+    async fn publications_wake_after_their_commit_and_never_otherwise() -> Result<(), TitoError> {
+        let db = Memory::new();
+        let queue = Queue::new(db.clone(), QueueConfig::new(1, Duration::from_secs(60)));
+        let wakeups = queue.wakeups.clone();
+        // Another handle of the same queue shares the wake-ups; another queue does not.
+        let twin = Queue::new(db.clone(), QueueConfig::new(1, Duration::from_secs(60)));
+        assert!(Arc::ptr_eq(&wakeups, &twin.wakeups));
+        let notes = super::wakeups(&db, &crate::keys::queue_root(Some("notes")));
+        assert!(!Arc::ptr_eq(&wakeups, &notes));
+
+        // In a caller's transaction: nothing before the commit, the partition after it.
+        let tx = db.begin().await?;
+        queue
+            .publish_in_tx(&QueueEvent::new("k", 1u32, 0), &tx)
+            .await?;
+        assert!(woken(&wakeups).is_empty(), "woken before the commit");
+        tx.commit().await?;
+        assert_eq!(woken(&wakeups), [0]);
+
+        // Rolled back, or refused at commit: no wake-up.
+        let (before, _) = wakeups.woken_since(0);
+        let tx = db.begin().await?;
+        queue
+            .publish_in_tx(&QueueEvent::new("k", 2u32, 0), &tx)
+            .await?;
+        tx.rollback().await?;
+        let tx = db.begin().await?;
+        queue
+            .publish_in_tx(&QueueEvent::new("k", 3u32, 0), &tx)
+            .await?;
+        tx.fail(&TitoError::invalid_argument("the caller gave up"));
+        assert!(tx.commit().await.is_err());
+        assert_eq!(
+            wakeups.woken_since(0).0,
+            before,
+            "no wake-up without a commit"
+        );
+
+        // In its own transaction, and a model write with events: woken by their commits.
+        queue.publish(QueueEvent::new("k", 4u32, 0)).await?;
+        assert!(wakeups.woken_since(before).0 > before);
+        let model = crate::model::TitoModel::<_, Note>::new(db.clone());
+        let tx = db.begin().await?;
+        model
+            .build_with_options(
+                Note { id: "n1".into() },
+                TitoOptions::with_events(TitoOperation::Insert),
+                &tx,
+            )
+            .await?;
+        assert!(woken(&notes).is_empty(), "woken before the commit");
+        tx.commit().await?;
+        assert_eq!(woken(&notes), [0]);
+        Ok(())
+    }
+}
