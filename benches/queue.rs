@@ -3,13 +3,18 @@
 //! - throughput: publish N events (one transaction each), then run one worker until every
 //!   event is completed; events per second for each phase and for both together;
 //! - lateness: events due over the next seconds, time from due time to handler start (p50/p99);
-//! - idle cost: storage scans per second of a worker holding 1024 empty partitions.
+//! - idle cost: storage scans per second of a worker holding 1024 empty partitions;
+//! - commit to handler: from the end of a commit that published an event (a model write's, or a
+//!   `publish`) to the start of its handler in an idle worker of the same process, idle and
+//!   beside a steady load of other events; on the embedded (buffered) and memory engines.
 //!
 //! The peer is the job table applications hand-roll on SQLite through rusqlite (due index,
 //! claim-and-complete in one transaction, polled by one task); apalis' SQLite backend pulls in
 //! sqlx's own libsqlite3-sys, which cannot link beside rusqlite's in one build.
 //!
-//! `cargo bench --bench queue` (`TITO_BENCH_EVENTS` sets N, default 4000).
+//! `cargo bench --bench queue` (`TITO_BENCH_EVENTS` sets N, default 4000;
+//! `TITO_BENCH_ONLY=latency` runs the commit-to-handler table alone,
+//! `TITO_BENCH_LATENCY_SAMPLES` its events per cell, default 40).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -17,9 +22,12 @@ use std::time::{Duration, Instant};
 use rusqlite::{Connection, params};
 use serde::{Deserialize, Serialize};
 use tito::backend::embedded::{Durability, Embedded, EmbeddedOptions};
+use tito::model::{TitoOperation, TitoOptions};
+use tito::queue::ModelEvent;
 use tito::queue::run_worker;
 use tito::{
-    Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, TitoEngine, TitoTransaction, WorkerConfig,
+    Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, TitoEngine, TitoModel, TitoTransaction,
+    WorkerConfig,
 };
 use tokio::sync::{Mutex, watch};
 
@@ -27,6 +35,13 @@ use tokio::sync::{Mutex, watch};
 struct Job {
     n: u64,
     body: String,
+}
+
+/// A row whose writes publish an event to queue `pings`.
+#[derive(TitoModel, Default, Clone, Debug, Serialize, Deserialize)]
+#[tito(event = "pings")]
+struct Ping {
+    id: String,
 }
 
 fn events() -> u64 {
@@ -186,6 +201,134 @@ async fn tito_idle_scans(db: &Embedded) -> f64 {
     scans as f64 / window.as_secs_f64()
 }
 
+/// What publishes the measured events.
+#[derive(Clone, Copy, PartialEq)]
+enum Source {
+    ModelWrite,
+    Publish,
+}
+
+/// Commit-to-handler-start latency (ms) of `samples` events, each published after the worker
+/// went idle for 250 ms; with `load`, another task publishes 200 events/s to the same queue
+/// meanwhile. Returns the sorted latencies in microseconds.
+async fn commit_to_handler<E: TitoEngine>(
+    db: &E,
+    source: Source,
+    load: bool,
+    samples: usize,
+) -> Vec<i64> {
+    let topic = if source == Source::ModelWrite {
+        "pings"
+    } else {
+        "published"
+    };
+    let queue = Arc::new(Queue::new(
+        db.clone(),
+        QueueConfig::new(4, Duration::from_secs(3600)).topic(topic),
+    ));
+    let started: Arc<std::sync::Mutex<Vec<(String, Instant)>>> = Arc::default();
+    let log = started.clone();
+    let (stop, rx) = watch::channel(false);
+    let worker = if source == Source::ModelWrite {
+        tokio::spawn(run_worker(
+            queue.clone(),
+            WorkerConfig::new(0..4),
+            move |event: QueueEvent<ModelEvent<Ping>>| {
+                let log = log.clone();
+                async move {
+                    log.lock().unwrap().push((event.payload.id, Instant::now()));
+                    Ok(QueueHandlerOutcome::Acknowledge)
+                }
+            },
+            rx,
+        ))
+    } else {
+        tokio::spawn(run_worker(
+            queue.clone(),
+            WorkerConfig::new(0..4),
+            move |event: QueueEvent<Ping>| {
+                let log = log.clone();
+                async move {
+                    log.lock().unwrap().push((event.payload.id, Instant::now()));
+                    Ok(QueueHandlerOutcome::Acknowledge)
+                }
+            },
+            rx,
+        ))
+    };
+    let (load_stop, load_rx) = watch::channel(false);
+    let loader = load.then(|| {
+        let (db, queue) = (db.clone(), queue.clone());
+        tokio::spawn(async move {
+            let mut n = 0u64;
+            while !*load_rx.borrow() {
+                let id = format!("load-{n}");
+                publish(&db, &queue, source, id).await;
+                n += 1;
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+    });
+    // The worker takes its leases and goes idle first.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut latencies = Vec::with_capacity(samples);
+    for i in 0..samples {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let id = format!("measured-{i}");
+        publish(db, &queue, source, id.clone()).await;
+        let committed = Instant::now();
+        let start = loop {
+            let found = started
+                .lock()
+                .unwrap()
+                .iter()
+                .find(|(s, _)| *s == id)
+                .map(|(_, at)| *at);
+            if let Some(at) = found {
+                break at;
+            }
+            tokio::time::sleep(Duration::from_micros(200)).await;
+        };
+        // A handler that started before the publishing task resumed counts as 0.
+        latencies.push(start.saturating_duration_since(committed).as_micros() as i64);
+    }
+    load_stop.send(true).ok();
+    if let Some(loader) = loader {
+        loader.await.unwrap();
+    }
+    stop.send(true).unwrap();
+    worker.await.unwrap().unwrap();
+    latencies.sort_unstable();
+    latencies
+}
+
+async fn publish<E: TitoEngine>(db: &E, queue: &Queue<E>, source: Source, id: String) {
+    match source {
+        Source::ModelWrite => {
+            let pings = db.clone().model::<Ping>();
+            db.transaction(|tx| {
+                let (pings, id) = (pings.clone(), id.clone());
+                async move {
+                    let options = TitoOptions::with_events(TitoOperation::Insert);
+                    pings.build_with_options(Ping { id }, options, &tx).await
+                }
+            })
+            .await
+            .unwrap();
+        }
+        Source::Publish => {
+            queue
+                .publish(QueueEvent::new(id.clone(), Ping { id }, 0))
+                .await
+                .unwrap();
+        }
+    }
+}
+
+fn ms(micros: i64) -> String {
+    format!("{:.2}", micros as f64 / 1000.0)
+}
+
 fn sqlite(dir: &std::path::Path, durable: bool) -> Connection {
     let conn = Connection::open(dir.join("jobs.sqlite")).unwrap();
     conn.pragma_update(None, "journal_mode", "WAL").unwrap();
@@ -276,6 +419,14 @@ fn sqlite_lateness(dir: &std::path::Path) -> (i64, i64) {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
+    // `TITO_BENCH_ONLY=latency` runs only the commit-to-handler section.
+    if std::env::var("TITO_BENCH_ONLY").as_deref() != Ok("latency") {
+        throughput_lateness_idle().await;
+    }
+    commit_to_handler_table().await;
+}
+
+async fn throughput_lateness_idle() {
     let n = events();
     println!("queue: {n} events, one worker (4 partitions, 64 handlers in flight), no-op handler");
     println!(
@@ -325,4 +476,50 @@ async fn main() {
         "idle cost: 1024 empty partitions, {scans:.0} scans/s (limit: 1024 partitions at the 2 s idle backoff = 512/s; sqlite's poller: 20 queries/s)"
     );
     db.close().await.unwrap();
+}
+
+async fn commit_to_handler_table() {
+    let samples: usize = std::env::var("TITO_BENCH_LATENCY_SAMPLES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(40);
+    println!(
+        "commit to handler start (ms), an idle worker in the same process, {samples} events each (goal: p99 within 10 ms):"
+    );
+    println!(
+        "  {:<9} {:<12} {:<6} {:>8} {:>8} {:>8}",
+        "engine", "published by", "load", "p50", "p99", "max"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let embedded = open(dir.path(), Durability::Buffered).await;
+    let memory = tito::backend::memory::Memory::new();
+    for (source, name) in [
+        (Source::ModelWrite, "model write"),
+        (Source::Publish, "publish"),
+    ] {
+        for load in [false, true] {
+            let load_name = if load { "200/s" } else { "none" };
+            let l = commit_to_handler(&embedded, source, load, samples).await;
+            println!(
+                "  {:<9} {:<12} {:<6} {:>8} {:>8} {:>8}",
+                "embedded",
+                name,
+                load_name,
+                ms(percentile(&l, 0.5)),
+                ms(percentile(&l, 0.99)),
+                ms(*l.last().unwrap())
+            );
+            let l = commit_to_handler(&memory, source, load, samples).await;
+            println!(
+                "  {:<9} {:<12} {:<6} {:>8} {:>8} {:>8}",
+                "memory",
+                name,
+                load_name,
+                ms(percentile(&l, 0.5)),
+                ms(percentile(&l, 0.99)),
+                ms(*l.last().unwrap())
+            );
+        }
+    }
+    embedded.close().await.unwrap();
 }
