@@ -224,7 +224,8 @@ async fn commit_to_handler<E: TitoEngine>(
     };
     let queue = Arc::new(Queue::new(
         db.clone(),
-        QueueConfig::new(4, Duration::from_secs(3600)).topic(topic),
+        // Model events go to a queue with the store's partition count.
+        QueueConfig::new(db.partitions(), Duration::from_secs(3600)).topic(topic),
     ));
     let started: Arc<std::sync::Mutex<Vec<(String, Instant)>>> = Arc::default();
     let log = started.clone();
@@ -232,7 +233,7 @@ async fn commit_to_handler<E: TitoEngine>(
     let worker = if source == Source::ModelWrite {
         tokio::spawn(run_worker(
             queue.clone(),
-            WorkerConfig::new(0..4),
+            WorkerConfig::new(0..db.partitions()),
             move |event: QueueEvent<ModelEvent<Ping>>| {
                 let log = log.clone();
                 async move {
@@ -245,7 +246,7 @@ async fn commit_to_handler<E: TitoEngine>(
     } else {
         tokio::spawn(run_worker(
             queue.clone(),
-            WorkerConfig::new(0..4),
+            WorkerConfig::new(0..db.partitions()),
             move |event: QueueEvent<Ping>| {
                 let log = log.clone();
                 async move {

@@ -346,3 +346,128 @@ async fn crash_loop_loses_no_acknowledged_commit() {
     );
     assert_eq!(lost, 0);
 }
+
+// ---------------------------------------------------------------------------------------------
+// A worker killed with SIGKILL: the restarted process takes its partitions back at once.
+// ---------------------------------------------------------------------------------------------
+
+const LEASE_DIR_VAR: &str = "TITO_CRASH_LEASE_DIR";
+
+/// The lease the killed worker holds: far longer than the test waits for the restart.
+const LONG_LEASE: Duration = Duration::from_secs(600);
+
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+struct Wake {
+    n: u32,
+}
+
+fn lease_queue(db: &Embedded) -> std::sync::Arc<tito::Queue<Embedded>> {
+    std::sync::Arc::new(tito::Queue::new(
+        db.clone(),
+        tito::QueueConfig::new(2, Duration::from_secs(3600)).topic("restart"),
+    ))
+}
+
+/// The child: a worker holding both partitions under a ten-minute lease, reporting when it
+/// holds them; killed by the test.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "started as a child process by a_restarted_worker_takes_its_partitions_back_at_once"]
+async fn lease_holder_child() {
+    let Ok(dir) = std::env::var(LEASE_DIR_VAR) else {
+        return;
+    };
+    let db = Embedded::open(&dir).await.unwrap();
+    let queue = lease_queue(&db);
+    let mut workers = tito::Workers::new();
+    workers.spawn_worker(
+        queue,
+        tito::WorkerConfig::new(0..2).lease_duration(LONG_LEASE),
+        |_event: tito::QueueEvent<Wake>| async { Ok(tito::QueueHandlerOutcome::Acknowledge) },
+    );
+    loop {
+        let overview = tito::inspect::queue_overview(&db, Some("restart"))
+            .await
+            .unwrap();
+        let held = overview
+            .partitions
+            .iter()
+            .filter(|p| p.lease.is_some())
+            .count();
+        if held == 2 {
+            println!("\nholding its partitions");
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    std::future::pending::<()>().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_worker_takes_its_partitions_back_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "crash::lease_holder_child",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(LEASE_DIR_VAR, dir.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let holding = BufReader::new(stdout)
+        .lines()
+        .any(|line| line.is_ok_and(|l| l == "holding its partitions"));
+    assert!(holding, "the child took its leases");
+    child.kill().unwrap(); // SIGKILL: its leases stay in the store for ten minutes
+    child.wait().unwrap();
+
+    let db = Embedded::open(dir.path()).await.unwrap();
+    let queue = lease_queue(&db);
+    let before = tito::inspect::queue_overview(&db, Some("restart"))
+        .await
+        .unwrap();
+    let now_ms = before.now_ms;
+    for partition in &before.partitions {
+        let lease = partition
+            .lease
+            .as_ref()
+            .expect("the killed worker's lease is still there");
+        assert!(lease.expires_ms > now_ms + 60_000, "{lease:?}");
+    }
+    for n in 0..4 {
+        queue
+            .publish(tito::QueueEvent::new(format!("k{n}"), Wake { n }, 0))
+            .await
+            .unwrap();
+    }
+    let handled = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = handled.clone();
+    let mut workers = tito::Workers::new();
+    workers.spawn_worker(
+        queue.clone(),
+        tito::WorkerConfig::new(0..2),
+        move |_event: tito::QueueEvent<Wake>| {
+            let counted = counted.clone();
+            async move {
+                counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                Ok(tito::QueueHandlerOutcome::Acknowledge)
+            }
+        },
+    );
+    // Bounded far below the killed lease's ten minutes: waiting for it would fail here.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while handled.load(std::sync::atomic::Ordering::SeqCst) < 4 {
+        assert!(
+            Instant::now() < deadline,
+            "the restarted worker did not take the killed worker's partitions"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    workers.shutdown().await.unwrap();
+    db.close().await.unwrap();
+}

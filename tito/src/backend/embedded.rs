@@ -483,6 +483,12 @@ impl Embedded {
             path,
             _temp: temp,
         };
+        // The store's lock is held: no other process has it, so leases its workers left under
+        // an earlier open belong to a process that is gone (see `queue::lease`).
+        inner
+            .extensions
+            .get::<engine::ExclusiveOpen>()
+            .set(engine::random::random_u64());
         Ok(Embedded {
             inner: Arc::new(inner),
             retry: options.retry,

@@ -122,7 +122,7 @@ use crate::error::{TitoError, TitoResult};
 #[cfg(any(test, feature = "test-util"))]
 mod fault;
 mod outcome;
-mod random;
+pub(crate) mod random;
 mod retry;
 
 #[cfg(any(test, feature = "test-util"))]
@@ -148,6 +148,24 @@ pub struct Extensions(
         >,
     >,
 );
+
+/// On an engine whose open proves that no other process has the store (the embedded engine's
+/// lock), an identity of this open of the store, shared by its handle's clones: a record a
+/// worker left under another open was left by a process that is gone. Unset elsewhere.
+#[derive(Debug, Default)]
+pub(crate) struct ExclusiveOpen(std::sync::OnceLock<u64>);
+
+impl ExclusiveOpen {
+    /// Records this open's identity (the backend's open does, once).
+    pub(crate) fn set(&self, open: u64) {
+        let _ = self.0.set(open);
+    }
+
+    /// This open's identity, on an engine that proves exclusivity.
+    pub(crate) fn get(&self) -> Option<u64> {
+        self.0.get().copied()
+    }
+}
 
 impl Extensions {
     /// A new, empty set (for a backend's open or connect).

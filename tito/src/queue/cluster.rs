@@ -559,6 +559,7 @@ impl Node {
                         generation,
                         expires: u64::MAX,
                         epoch: Some(epoch),
+                        open: None,
                     };
                     tx.put(key, serde_json::to_vec(&lease)?).await?;
                     held.insert(*partition, lease);

@@ -39,6 +39,11 @@ pub(crate) struct Lease {
     /// record is alive with this epoch.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub epoch: Option<u64>,
+    /// Standalone leases on an engine that proves one process per store (embedded): the
+    /// store open of the holder's process. A lease of another open was left by a process
+    /// that is gone and is taken at once, without waiting for its expiry.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub open: Option<u64>,
 }
 
 impl Lease {
@@ -101,6 +106,7 @@ pub(crate) async fn acquire<E: TitoEngine>(
         .map(|p| keys::lease_expiry_key(root, *p).into_bytes())
         .collect();
     let owner = owner.to_string();
+    let open = db.extensions().get::<engine::ExclusiveOpen>().get();
     db.transaction(|tx| {
         let (holder_keys, expiry_keys, owner) =
             (holder_keys.clone(), expiry_keys.clone(), owner.clone());
@@ -131,6 +137,11 @@ pub(crate) async fn acquire<E: TitoEngine>(
                         held.insert(*partition, lease.clone());
                         continue;
                     }
+                    // Held by a worker of an earlier open of this store: that process is gone
+                    // (the store's lock proves it), so its lease is taken at once.
+                    Some(lease) if take && open.is_some() && lease.open != open => {
+                        lease.generation + 1
+                    }
                     Some(lease) if !lease.released() && expiry > now => continue,
                     _ if !take => continue,
                     Some(lease) => lease.generation + 1,
@@ -141,6 +152,7 @@ pub(crate) async fn acquire<E: TitoEngine>(
                     generation,
                     expires,
                     epoch: None,
+                    open,
                 };
                 tx.put(holder_keys[i].clone(), serde_json::to_vec(&lease)?)
                     .await?;
@@ -347,6 +359,7 @@ mod tests {
             generation: 7,
             expires: 0,
             epoch: None,
+            open: None,
         };
         assert!(lease.released());
         let bytes = serde_json::to_vec(&lease).unwrap();
