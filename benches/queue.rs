@@ -257,13 +257,16 @@ async fn commit_to_handler<E: TitoEngine>(
             rx,
         ))
     };
+    // Ids unique across the cells that share a store.
+    static CELL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let cell = CELL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let (load_stop, load_rx) = watch::channel(false);
     let loader = load.then(|| {
         let (db, queue) = (db.clone(), queue.clone());
         tokio::spawn(async move {
             let mut n = 0u64;
             while !*load_rx.borrow() {
-                let id = format!("load-{n}");
+                let id = format!("{cell}-load-{n}");
                 publish(&db, &queue, source, id).await;
                 n += 1;
                 tokio::time::sleep(Duration::from_millis(5)).await;
@@ -275,7 +278,7 @@ async fn commit_to_handler<E: TitoEngine>(
     let mut latencies = Vec::with_capacity(samples);
     for i in 0..samples {
         tokio::time::sleep(Duration::from_millis(250)).await;
-        let id = format!("measured-{i}");
+        let id = format!("{cell}-measured-{i}");
         publish(db, &queue, source, id.clone()).await;
         let committed = Instant::now();
         let start = loop {
