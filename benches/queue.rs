@@ -329,6 +329,16 @@ async fn publish<E: TitoEngine>(db: &E, queue: &Queue<E>, source: Source, id: St
     }
 }
 
+/// One row of the commit-to-handler table: p50, p99 and max of sorted latencies (µs) in ms.
+fn latency_row(engine: &str, source: &str, load: &str, sorted: &[i64]) {
+    println!(
+        "  {engine:<9} {source:<12} {load:<6} {:>8} {:>8} {:>8}",
+        ms(percentile(sorted, 0.5)),
+        ms(percentile(sorted, 0.99)),
+        ms(sorted.last().copied().unwrap_or(0))
+    );
+}
+
 fn ms(micros: i64) -> String {
     format!("{:.2}", micros as f64 / 1000.0)
 }
@@ -504,25 +514,9 @@ async fn commit_to_handler_table() {
         for load in [false, true] {
             let load_name = if load { "200/s" } else { "none" };
             let l = commit_to_handler(&embedded, source, load, samples).await;
-            println!(
-                "  {:<9} {:<12} {:<6} {:>8} {:>8} {:>8}",
-                "embedded",
-                name,
-                load_name,
-                ms(percentile(&l, 0.5)),
-                ms(percentile(&l, 0.99)),
-                ms(*l.last().unwrap())
-            );
+            latency_row("embedded", name, load_name, &l);
             let l = commit_to_handler(&memory, source, load, samples).await;
-            println!(
-                "  {:<9} {:<12} {:<6} {:>8} {:>8} {:>8}",
-                "memory",
-                name,
-                load_name,
-                ms(percentile(&l, 0.5)),
-                ms(percentile(&l, 0.99)),
-                ms(*l.last().unwrap())
-            );
+            latency_row("memory", name, load_name, &l);
         }
     }
     embedded.close().await.unwrap();
