@@ -60,13 +60,12 @@ impl Wakeups {
     /// The latest generation, and the partitions woken after generation `seen`.
     pub(crate) fn woken_since(&self, seen: u64) -> (u64, Vec<u32>) {
         let state = crate::util::lock(&self.state);
-        let mut partitions: Vec<u32> = state
+        let partitions = state
             .1
             .iter()
             .filter(|(_, generation)| **generation > seen)
             .map(|(partition, _)| *partition)
             .collect();
-        partitions.sort_unstable();
         (state.0, partitions)
     }
 

@@ -132,7 +132,6 @@ pub fn set_write_grace<E: TitoEngine>(db: &E, grace: Duration) -> TitoResult<()>
     state
         .write_grace_ms
         .store(crate::util::millis(grace), Ordering::Relaxed);
-    state.grace_set.store(1, Ordering::Relaxed);
     Ok(())
 }
 
@@ -391,7 +390,6 @@ struct CachedCatalog {
 
 /// What the model layer keeps per store in this process about catalogs, on the store's handle
 /// ([`TitoEngine::extensions`]): never shared between two stores.
-#[derive(Default)]
 struct SchemaState {
     /// Each (table, model type)'s handle, reconciled on first use.
     handles: Mutex<HashMap<(String, TypeId), Arc<TableHandle>>>,
@@ -401,17 +399,24 @@ struct SchemaState {
     /// queue maintenance builds ([`used_tables`]). Every model type of a table gets a turn, so
     /// a conditional index is built by the code that declares it.
     used: Mutex<Vec<Arc<TableHandle>>>,
-    /// The [`write_grace`] in milliseconds, when `grace_set` is 1.
+    /// The [`write_grace`] in milliseconds.
     write_grace_ms: AtomicU64,
-    grace_set: AtomicU64,
+}
+
+impl Default for SchemaState {
+    fn default() -> Self {
+        SchemaState {
+            handles: Mutex::default(),
+            catalogs: Mutex::default(),
+            used: Mutex::default(),
+            write_grace_ms: AtomicU64::new(crate::util::millis(DEFAULT_WRITE_GRACE)),
+        }
+    }
 }
 
 impl SchemaState {
     fn grace_ms(&self) -> u64 {
-        match self.grace_set.load(Ordering::Relaxed) {
-            0 => crate::util::millis(DEFAULT_WRITE_GRACE),
-            _ => self.write_grace_ms.load(Ordering::Relaxed),
-        }
+        self.write_grace_ms.load(Ordering::Relaxed)
     }
 }
 
@@ -449,10 +454,7 @@ impl TableHandle {
                 }
             }
         };
-        if !handle.is_reconciled() {
-            let catalog = reconcile(db, handle.clone()).await?;
-            handle.reconciled(db, catalog);
-        }
+        handle.clone().ensure_reconciled(db).await?;
         Ok(handle)
     }
 
@@ -467,12 +469,15 @@ impl TableHandle {
         }
     }
 
-    /// Reconciles the catalog with this handle's code again when the catalog vanished under a
-    /// running process (a store reset), as a first use does.
-    pub(crate) async fn reconcile_again<E: TitoEngine>(self: Arc<Self>, db: E) -> TitoResult<()> {
+    /// Reconciles the catalog with this handle's code unless that was done: on the first use,
+    /// and again when the catalog vanished under a running process (a store reset).
+    pub(crate) async fn ensure_reconciled<E: TitoEngine>(
+        self: Arc<Self>,
+        db: &E,
+    ) -> TitoResult<()> {
         if !self.is_reconciled() {
-            let catalog = reconcile(&db, self.clone()).await?;
-            self.reconciled(&db, catalog);
+            let catalog = reconcile(db, self.clone()).await?;
+            self.reconciled(db, catalog);
         }
         Ok(())
     }

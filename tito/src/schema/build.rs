@@ -103,7 +103,7 @@ pub(super) async fn step<E: TitoEngine>(
     batch: usize,
 ) -> TitoResult<Step> {
     check_batch(batch)?;
-    handle.clone().reconcile_again(db.clone()).await?;
+    handle.clone().ensure_reconciled(db).await?;
     let shared = handle.clone();
     let outcome = db
         .transaction_with(batch_policy(db), |tx| async move {
