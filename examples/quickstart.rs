@@ -1,25 +1,22 @@
 //! Quickstart: a derived model with a unique and a composite index, typed index queries, and an
-//! event published in the same transaction as the write, handled by a worker typed by the event.
+//! event that every write publishes in its own transaction, handled by a worker typed by the
+//! event.
 //!
 //! `cargo run --example quickstart` runs on an embedded store; with `TITO_PD_ENDPOINTS` set
 //! (e.g. `127.0.0.1:2379`), the same program runs on TiKV.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use tito::backend::{embedded::Embedded, tikv::TiKV};
-use tito::model::{TitoOperation, TitoOptions};
-use tito::queue::ModelEvent;
 use tito::{
-    Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, TitoEngine, TitoError, TitoModel,
-    WorkerConfig, Workers,
+    QueueConfig, QueueHandlerOutcome, TitoEngine, TitoError, TitoModel, WorkerConfig, Workers,
 };
 
 #[derive(TitoModel, Default, Clone, Debug, Serialize, Deserialize)]
 #[tito(unique_index = "by_email: email")]
 #[tito(index = "by_team_created: team, created_at")]
-#[tito(event = "member")] // every write with events publishes a ModelEvent<Member> to queue "member"
+#[tito(event = "member")] // every write publishes a ModelEvent<Member> to queue "member"
 struct Member {
     id: String,
     email: String,
@@ -38,19 +35,14 @@ async fn main() -> Result<(), TitoError> {
 async fn run<E: TitoEngine>(db: E) -> Result<(), TitoError> {
     let members = db.clone().model::<Member>();
     for (id, email) in [("1", "ada@example.com"), ("2", "grace@example.com")] {
-        let (members, team) = (members.clone(), "core".to_string());
         let member = Member {
             id: id.into(),
             email: email.into(),
-            team,
+            team: "core".into(),
             created_at: 0,
         };
         // The row, its index entries and its event commit together, or not at all.
-        db.transaction(|tx| async move {
-            let events = TitoOptions::with_events(TitoOperation::Upsert);
-            members.upsert_with_options(member, events, &tx).await
-        })
-        .await?;
+        members.upsert(member).await?;
     }
 
     // Typed queries, one method per index: wrong types do not compile.
@@ -67,23 +59,20 @@ async fn run<E: TitoEngine>(db: E) -> Result<(), TitoError> {
         newest.items.iter().map(|u| &u.email).collect::<Vec<_>>()
     );
 
-    // A worker whose closure is typed by the event.
-    let config = QueueConfig::new(db.partitions(), Duration::from_secs(3600)).topic("member");
-    let queue = Arc::new(Queue::new(db.clone(), config));
+    // A worker on the event's queue: the derive's `Member::MEMBER_EVENT` names the queue and
+    // types the handler (a `QueueEvent<ModelEvent<Member>>`; any other type does not compile).
+    let config = QueueConfig::new(db.partitions(), Duration::from_secs(3600));
+    let queue = Member::MEMBER_EVENT.queue(db.clone(), config)?;
     let (done, mut welcomed) = tokio::sync::mpsc::unbounded_channel();
     let mut workers = Workers::new();
-    workers.spawn_worker(
-        queue,
-        WorkerConfig::new(0..db.partitions()),
-        move |event: QueueEvent<ModelEvent<Member>>| {
-            let done = done.clone();
-            async move {
-                println!("welcome mail to {}", event.payload.row.email);
-                done.send(()).ok();
-                Ok(QueueHandlerOutcome::Acknowledge)
-            }
-        },
-    );
+    workers.spawn_worker(queue, WorkerConfig::new(0..db.partitions()), move |event| {
+        let done = done.clone();
+        async move {
+            println!("welcome mail to {}", event.payload.row.email);
+            done.send(()).ok();
+            Ok(QueueHandlerOutcome::Acknowledge)
+        }
+    });
     for _ in 0..2 {
         welcomed.recv().await;
     }

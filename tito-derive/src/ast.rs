@@ -193,3 +193,24 @@ mod tests {
         assert_eq!(apply_rename_rule("kebab-case", "team_id"), "team-id");
     }
 }
+
+/// The associated constant naming an event's topic: the name in upper snake case, ASCII letters
+/// and digits kept, anything else an underscore, with `_EVENT` after it (`user_created` →
+/// `USER_CREATED_EVENT`).
+pub fn event_const(name: &str) -> String {
+    let mut out: String = name
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_uppercase()
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    if out.starts_with(|c: char| c.is_ascii_digit()) {
+        out.insert(0, '_');
+    }
+    out.push_str("_EVENT");
+    out
+}

@@ -3,7 +3,7 @@
 //! On the struct: `table = ".."`, `index = "name: field, field"` (optionally with
 //! `condition = "method"`, `condition_version = N` and `entries = "keys"` in the same
 //! attribute), `unique_index = ".."` (same form), `event =
-//! ".."` (optionally with `at = "field_or_method"`), `inbox`, `manual_timestamps`. On a field:
+//! ".."` (optionally with `at = "field_or_method"` and `on = "insert, delete"`), `inbox`, `manual_timestamps`. On a field:
 //! `id`.
 
 use syn::spanned::Spanned;
@@ -19,6 +19,14 @@ const CONDITION_VERSION: &str = "condition_version";
 const ENTRIES: &str = "entries";
 const EVENT: &str = "event";
 const AT: &str = "at";
+const ON: &str = "on";
+
+/// The operations `on = ".."` may name, as written and as `TitoOperation` variants.
+pub const OPERATIONS: &[(&str, &str)] = &[
+    ("insert", "Insert"),
+    ("update", "Update"),
+    ("delete", "Delete"),
+];
 const ID: &str = "id";
 const INBOX: &str = "inbox";
 const MANUAL_TIMESTAMPS: &str = "manual_timestamps";
@@ -56,6 +64,9 @@ pub struct IndexSpec {
 pub struct EventSpec {
     pub lit: LitStr,
     pub at: Option<LitStr>,
+    /// `on = "insert, delete"`: the operations that publish the event (every one when absent),
+    /// as `TitoOperation` variant names.
+    pub on: Option<(LitStr, Vec<&'static str>)>,
 }
 
 /// Everything the struct's attributes say.
@@ -188,7 +199,11 @@ pub fn container(attrs: &[Attribute], errors: &mut Errors) -> ContainerAttrs {
                     if lit.value().is_empty() {
                         errors.push(syn::Error::new(lit.span(), "the event name is empty"));
                     }
-                    out.events.push(EventSpec { lit, at: None });
+                    out.events.push(EventSpec {
+                        lit,
+                        at: None,
+                        on: None,
+                    });
                     last = Last::Event;
                 }
                 AT => {
@@ -199,6 +214,24 @@ pub fn container(attrs: &[Attribute], errors: &mut Errors) -> ContainerAttrs {
                             return Err(syn::Error::new(
                                 lit.span(),
                                 "`at` belongs to an `event` in the same attribute",
+                            ));
+                        }
+                    }
+                }
+                ON => {
+                    let lit: LitStr = meta.value()?.parse()?;
+                    match (&last, out.events.last_mut()) {
+                        (Last::Event, Some(event)) => {
+                            if event.on.is_some() {
+                                errors.push(syn::Error::new(lit.span(), "duplicate `on`"));
+                            }
+                            let operations = parse_operations(&lit, errors);
+                            event.on = Some((lit, operations));
+                        }
+                        _ => {
+                            return Err(syn::Error::new(
+                                lit.span(),
+                                "`on` belongs to an `event` in the same attribute",
                             ));
                         }
                     }
@@ -216,7 +249,7 @@ pub fn container(attrs: &[Attribute], errors: &mut Errors) -> ContainerAttrs {
                 }
                 _ => {
                     return Err(meta.error(format!(
-                        "unknown tito attribute `{}`; expected `table`, `index`, `unique_index`, `condition`, `condition_version`, `entries`, `event`, `at`, `inbox` or `manual_timestamps`",
+                        "unknown tito attribute `{}`; expected `table`, `index`, `unique_index`, `condition`, `condition_version`, `entries`, `event`, `at`, `on`, `inbox` or `manual_timestamps`",
                         path_text(&meta.path)
                     )));
                 }
@@ -225,6 +258,44 @@ pub fn container(attrs: &[Attribute], errors: &mut Errors) -> ContainerAttrs {
         });
         if let Err(err) = result {
             errors.push(err);
+        }
+    }
+    out
+}
+
+/// The operations of `on = "insert, delete"`: a comma-separated, non-empty list of distinct
+/// operation names.
+fn parse_operations(lit: &LitStr, errors: &mut Errors) -> Vec<&'static str> {
+    let mut out = Vec::new();
+    let text = lit.value();
+    for word in text.split(',').map(str::trim) {
+        match OPERATIONS.iter().find(|(name, _)| *name == word) {
+            Some((_, variant)) if out.contains(variant) => {
+                errors.push(syn::Error::new(
+                    lit.span(),
+                    format!("`on` names `{word}` twice"),
+                ));
+            }
+            Some((_, variant)) => out.push(*variant),
+            None if word == "upsert" => errors.push(syn::Error::new(
+                lit.span(),
+                "an upsert publishes as `insert` or `update`, as its row was absent or present; \
+                 list those in `on`",
+            )),
+            None if word.is_empty() => {
+                errors.push(syn::Error::new(
+                    lit.span(),
+                    "`on` lists the operations that publish the event, separated by commas, e.g. \
+                     `on = \"insert, delete\"`; an empty name is not one",
+                ));
+                return out;
+            }
+            None => errors.push(syn::Error::new(
+                lit.span(),
+                format!(
+                    "unknown operation `{word}` in `on`; expected `insert`, `update` or `delete`"
+                ),
+            )),
         }
     }
     out

@@ -113,6 +113,7 @@ fn check_condition_versions(model: &Model, errors: &mut Errors) {
 /// Event names are unique (empty ones were refused while parsing); `at` names something.
 fn check_event_names(model: &Model, errors: &mut Errors) {
     let mut seen = HashSet::new();
+    let mut consts: Vec<(String, String)> = Vec::new();
     for event in &model.attrs.events {
         let name = event.lit.value();
         if !name.is_empty() && !seen.insert(name.clone()) {
@@ -120,6 +121,19 @@ fn check_event_names(model: &Model, errors: &mut Errors) {
                 event.lit.span(),
                 format!("duplicate event `{name}`"),
             ));
+        } else if !name.is_empty() {
+            let constant = crate::ast::event_const(&name);
+            if let Some((other, _)) = consts.iter().find(|(_, c)| *c == constant) {
+                errors.push(syn::Error::new(
+                    event.lit.span(),
+                    format!(
+                        "events `{other}` and `{name}` would both be named `{}::{constant}`; \
+                         rename one",
+                        model.ident
+                    ),
+                ));
+            }
+            consts.push((name.clone(), constant));
         }
         if let Some(at) = &event.at
             && at.value().trim().is_empty()

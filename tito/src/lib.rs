@@ -80,7 +80,7 @@ pub use model::{
 };
 pub use queue::{
     Published, Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, QueueHandlerResult, QueueOwner,
-    QueueStats, WorkerConfig, Workers,
+    QueueStats, Topic, TopicQueue, WorkerConfig, Workers,
 };
 /// Derives [`TitoModelTrait`] and typed index queries from `#[tito(...)]` attributes; see
 /// [`model`].
@@ -122,8 +122,8 @@ pub mod prelude {
     pub use crate::kv::Kv;
     pub use crate::model::{TitoModelTrait, TitoOperation, TitoOptions, TitoPage};
     pub use crate::queue::{
-        ModelEvent, Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, WorkerConfig, Workers,
-        run_transactional_worker, run_worker,
+        ModelEvent, Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, Topic, TopicQueue,
+        WorkerConfig, Workers, run_transactional_worker, run_worker,
     };
     pub use crate::{TitoEngine, TitoError, TitoModel, TitoResult, TitoTransaction};
 }

@@ -26,6 +26,8 @@ pub(super) fn expand(model: &Model, id: usize, errors: &mut Errors) -> TokenStre
         key_only,
     } = indexes(model, errors);
     let events = events(model, errors);
+    let publishes_on = publishes_on(model);
+    let topics = topics(model);
 
     let queries = super::queries::queries(model);
     let (claim_index, inbox_impl) = super::inbox::inbox(model, &table);
@@ -59,6 +61,8 @@ pub(super) fn expand(model: &Model, id: usize, errors: &mut Errors) -> TokenStre
     };
 
     quote! {
+        #topics
+
         #[automatically_derived]
         impl ::tito::model::TitoModelTrait for #ident {
             fn id(&self) -> ::std::string::String {
@@ -83,6 +87,8 @@ pub(super) fn expand(model: &Model, id: usize, errors: &mut Errors) -> TokenStre
             fn events(&self) -> ::std::vec::Vec<::tito::model::TitoEventConfig> {
                 ::std::vec![#(#events),*]
             }
+
+            #publishes_on
 
             fn conditions(&self) -> ::std::vec::Vec<::tito::model::TitoCondition> {
                 ::std::vec![#(#conditions),*]
@@ -172,6 +178,76 @@ fn indexes(model: &Model, errors: &mut Errors) -> Indexes {
         unique,
         conditions,
         key_only,
+    }
+}
+
+/// One associated constant per event: its topic, `Topic<ModelEvent<Model>>`, named by
+/// [`crate::ast::event_const`].
+fn topics(model: &Model) -> TokenStream {
+    let ident = &model.ident;
+    let vis = &model.vis;
+    let consts: Vec<TokenStream> = model
+        .attrs
+        .events
+        .iter()
+        .filter(|event| !event.lit.value().is_empty())
+        .map(|event| {
+            let name = event.lit.value();
+            let constant = syn::Ident::new(&crate::ast::event_const(&name), event.lit.span());
+            let doc = format!(
+                "The `{name}` event's topic: the queue it is published to and its payload type, \
+                 [`ModelEvent<{ident}>`](::tito::queue::ModelEvent). Open its queue with \
+                 `{ident}::{constant}.queue(db, config)` and start workers on that; a handler \
+                 of another payload type does not compile."
+            );
+            quote! {
+                #[doc = #doc]
+                #vis const #constant: ::tito::queue::Topic<::tito::queue::ModelEvent<#ident>> =
+                    ::tito::queue::Topic::new(#name);
+            }
+        })
+        .collect();
+    if consts.is_empty() {
+        return TokenStream::new();
+    }
+    quote! {
+        #[automatically_derived]
+        impl #ident {
+            #(#consts)*
+        }
+    }
+}
+
+/// `publishes_on`, when an event limits its operations with `on = ".."`: an upsert stated as
+/// `Upsert` publishes where an insert or an update would.
+fn publishes_on(model: &Model) -> TokenStream {
+    let arms: Vec<TokenStream> = model
+        .attrs
+        .events
+        .iter()
+        .filter_map(|event| {
+            let (_, operations) = event.on.as_ref().filter(|(_, ops)| !ops.is_empty())?;
+            let name = event.lit.value();
+            let variants = operations
+                .iter()
+                .map(|v| syn::Ident::new(v, proc_macro2::Span::call_site()));
+            let upsert = operations.iter().any(|v| *v == "Insert" || *v == "Update");
+            Some(quote! {
+                #name => ::std::matches!(operation, #(::tito::model::TitoOperation::#variants)|*)
+                    || (#upsert && operation == ::tito::model::TitoOperation::Upsert),
+            })
+        })
+        .collect();
+    if arms.is_empty() {
+        return TokenStream::new();
+    }
+    quote! {
+        fn publishes_on(&self, name: &str, operation: ::tito::model::TitoOperation) -> bool {
+            match name {
+                #(#arms)*
+                _ => true,
+            }
+        }
     }
 }
 

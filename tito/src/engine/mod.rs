@@ -131,7 +131,7 @@ pub use outcome::{
     COMMIT_MARKER_RETENTION, COMMIT_MARKER_SWEEP_BATCH, DEFAULT_RESOLUTION_BOUND,
     MAX_RESOLUTION_BOUND, resolve_commit, sweep_commit_markers,
 };
-pub use retry::RetryPolicy;
+pub use retry::{RetryPolicy, write_version};
 
 /// A key and its value, as returned by scans.
 pub type KvPair = (Vec<u8>, Vec<u8>);
@@ -529,6 +529,15 @@ impl Writes {
 
     pub(crate) fn delete(&mut self, key: impl Into<Vec<u8>>) {
         self.0.push((key.into(), None));
+    }
+
+    /// Whether the plan's last write of `key` puts a value.
+    pub(crate) fn has(&self, key: &[u8]) -> bool {
+        self.0
+            .iter()
+            .rev()
+            .find(|(k, _)| k == key)
+            .is_some_and(|(_, value)| value.is_some())
     }
 
     /// Checks every write against the limits; nothing is buffered.

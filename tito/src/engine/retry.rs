@@ -176,6 +176,23 @@ impl RetryPolicy {
     }
 }
 
+tokio::task_local! {
+    /// While the runner's closure runs: (this attempt's start version, the first attempt's).
+    static ATTEMPT: (u64, u64);
+}
+
+/// The version a write in `tx` names itself by: the start version of the first attempt when `tx`
+/// is a replay of [`TitoEngine::transaction`]'s closure (so every replay of one call answers the
+/// same), otherwise `tx`'s own start version. Unique to one call of the runner, since start
+/// versions are unique to a transaction and a replay runs only after its earlier attempts are
+/// known not to have committed. Model events take their ids from it.
+pub fn write_version<X: TitoTransaction>(tx: &X) -> u64 {
+    let own = tx.start_version();
+    ATTEMPT
+        .try_with(|&(current, first)| if current == own { first } else { own })
+        .unwrap_or(own)
+}
+
 pub(crate) async fn run<D, F, Fut, T, E>(db: &D, policy: RetryPolicy, f: F) -> Result<T, E>
 where
     D: TitoEngine,
@@ -186,12 +203,13 @@ where
 {
     policy.check()?;
     let mut attempt: u32 = 0;
+    let mut first_version = None;
     loop {
         attempt += 1;
         let span =
             tracing::debug_span!("tito.transaction", attempt, outcome = tracing::field::Empty);
         metrics::counter!(names::TRANSACTIONS_BEGUN).increment(1);
-        let step = one_attempt(db, &policy, f.clone(), attempt, &span)
+        let step = one_attempt(db, &policy, f.clone(), attempt, &mut first_version, &span)
             .instrument(span.clone())
             .await;
         let err = match step {
@@ -227,6 +245,7 @@ async fn one_attempt<D, F, Fut, T, E>(
     policy: &RetryPolicy,
     f: F,
     attempt: u32,
+    first_version: &mut Option<u64>,
     span: &tracing::Span,
 ) -> Attempt<T, E>
 where
@@ -247,7 +266,11 @@ where
             return Attempt::Done(Err(E::from(err)));
         }
     };
-    let value = match f(tx.clone()).await {
+    let first = *first_version.get_or_insert(tx.start_version());
+    let value = match ATTEMPT
+        .scope((tx.start_version(), first), f(tx.clone()))
+        .await
+    {
         Ok(value) => value,
         Err(err) => {
             outcome_is("closure_error");

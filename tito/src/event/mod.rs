@@ -240,6 +240,52 @@ pub struct ModelEvent<T> {
     pub row: T,
 }
 
+/// A queue's name and the type of its events' payloads, in one value: a queue opened from it
+/// ([`Topic::queue`](crate::queue::Topic::queue)) publishes only `QueueEvent<T>` and its workers
+/// take only handlers of `QueueEvent<T>`, so the name, the publisher and the handler cannot
+/// disagree.
+///
+/// `#[derive(TitoModel)]` generates one per declared event, as an associated constant named
+/// after the event: `#[tito(event = "user_created")]` on `User` gives
+/// `User::USER_CREATED_EVENT: Topic<ModelEvent<User>>`. For events published by hand, declare
+/// one: `const EMAILS: Topic<Email> = Topic::new("emails");`.
+pub struct Topic<T> {
+    name: &'static str,
+    payload: std::marker::PhantomData<fn() -> T>,
+}
+
+impl<T> Topic<T> {
+    /// The queue named `name`, carrying payloads of type `T`.
+    pub const fn new(name: &'static str) -> Self {
+        Topic {
+            name,
+            payload: std::marker::PhantomData,
+        }
+    }
+
+    /// The queue's name.
+    pub const fn name(&self) -> &'static str {
+        self.name
+    }
+}
+
+impl<T> Clone for Topic<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for Topic<T> {}
+
+impl<T> std::fmt::Debug for Topic<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Topic")
+            .field("name", &self.name)
+            .field("payload", &std::any::type_name::<T>())
+            .finish()
+    }
+}
+
 /// What a publication did.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]

@@ -165,18 +165,37 @@ impl PreparedEvent {
 
 /// Plans the publication of a model's event to the queue named `topic` (the model layer's
 /// hook): reads the queue's metadata and the event's id key now, adds the writes to `writes`.
-/// Returns the queue's root and the partition to wake after the commit, unless the event id
-/// already had a live invocation (nothing planned).
+/// Returns the queue's root and the partition to wake after the commit.
+///
+/// A model event's id is made from its row and its write's version, which no other transaction
+/// shares; an id already live in the queue was published by an earlier write of the same row in
+/// this transaction, so this one takes the next free `{id}.{n}` (the same sequence on a replay).
 pub(crate) async fn plan_model_event<X: TitoTransaction>(
     tx: &X,
     topic: &str,
     partitions: u32,
-    event: PreparedEvent,
+    mut event: PreparedEvent,
     writes: &mut engine::Writes,
-) -> TitoResult<Option<(String, u32)>> {
+) -> TitoResult<(String, u32)> {
     let root = keys::queue_root(Some(topic));
     check_meta(tx, &root, partitions, writes).await?;
-    let (published, partition) =
-        plan_pending(tx, &root, partitions, &event.stored, event.bytes, writes).await?;
-    Ok((!published.duplicate).then_some((root, partition)))
+    let base = event.stored.id.clone();
+    for n in 1u32.. {
+        let id_key = keys::event_id_key(&root, &event.stored.id);
+        if tx.get(id_key.as_bytes()).await?.is_none() && !writes.has(id_key.as_bytes()) {
+            break;
+        }
+        event.stored.id = format!("{base}.{n}");
+        event.bytes = event.stored.to_bytes()?;
+    }
+    let partition = partition_for(&event.stored.key, partitions);
+    plan_insert(
+        tx.start_version(),
+        &root,
+        partitions,
+        &event.stored,
+        event.bytes,
+        writes,
+    );
+    Ok((root, partition))
 }

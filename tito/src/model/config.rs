@@ -97,9 +97,20 @@ pub trait TitoModelTrait:
         Vec::new()
     }
 
-    /// The events a write of this row publishes when its options ask for events.
+    /// The events a write of this row publishes, in the write's transaction: every write
+    /// (insert, update, upsert, delete) publishes each of them for which
+    /// [`publishes_on`](Self::publishes_on) holds, unless its options switch events off
+    /// ([`TitoOptions::without_events`]).
     fn events(&self) -> Vec<TitoEventConfig> {
         Vec::new()
+    }
+
+    /// Whether the event `name` is published by a write reporting `operation` (every operation,
+    /// unless this says otherwise; the derive's `#[tito(event = "..", on = "insert, delete")]`
+    /// limits it).
+    fn publishes_on(&self, name: &str, operation: TitoOperation) -> bool {
+        let _ = (name, operation);
+        true
     }
 
     /// Whether Tito sets the row's `created_at` (on insert) and `updated_at` (on every write)
@@ -173,22 +184,35 @@ pub struct TitoEventConfig {
 }
 
 /// Options of one write.
+///
+/// By default a write publishes the model's declared events ([`TitoModelTrait::events`]) in its
+/// transaction, reporting the operation it performed: [`TitoOperation::Insert`] for `build`,
+/// `Update` for `update`, `Delete` for `delete_by_id`, and for `upsert` `Insert` or `Update` as
+/// the row was absent or present.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct TitoOptions {
-    /// Publish the model's events for this operation in the same transaction.
+    /// The operation the caller states its events report ([`TitoOptions::with_events`]). A
+    /// statement that contradicts the write is refused with
+    /// [`TitoError::InvalidArgument`](crate::TitoError::InvalidArgument) before anything is
+    /// written; `None` reports what the write did.
     pub events: Option<TitoOperation>,
+    /// Publish nothing for this write ([`TitoOptions::without_events`]): bulk imports, repairs.
+    pub skip_events: bool,
     /// Store `created_at` / `updated_at` as the model holds them, instead of the transaction's
     /// time (importing or migrating rows with their original times).
     pub keep_timestamps: bool,
 }
 
 impl TitoOptions {
-    /// Publishes the model's events, reporting `operation`.
+    /// Publishes the model's events, stating that the write is `operation`: `Insert` for
+    /// `build`, `Update` for `update`, `Delete` for a delete, and for an upsert `Upsert` (then
+    /// the events report `Upsert`) or the operation the upsert turns out to be. Any other
+    /// statement is refused before anything is written.
     pub fn with_events(operation: TitoOperation) -> Self {
         TitoOptions {
             events: Some(operation),
-            keep_timestamps: false,
+            ..TitoOptions::default()
         }
     }
 
@@ -198,8 +222,11 @@ impl TitoOptions {
         self
     }
 
-    /// No events.
+    /// Publishes none of the model's events for this write.
     pub fn without_events() -> Self {
-        TitoOptions::default()
+        TitoOptions {
+            skip_events: true,
+            ..TitoOptions::default()
+        }
     }
 }

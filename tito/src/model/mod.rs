@@ -334,12 +334,57 @@ fn planned_entries_reusing(
     Ok(out)
 }
 
-/// Checks the event configs a write with `options` would publish, before anything is written:
-/// a queue name that no `Queue` can open, or a negative time, is refused.
-fn check_events<T: TitoModelTrait>(model: &T, options: &TitoOptions) -> TitoResult<()> {
-    if options.events.is_none() {
-        return Ok(());
+/// The operation a write's events report: what the write did (`did`), or what the caller stated
+/// in its options when that does not contradict it (an upsert may also be stated as `Upsert`).
+/// `None` when the options switch events off.
+fn reported_operation(
+    options: &TitoOptions,
+    did: TitoOperation,
+    upsert: bool,
+    table: &str,
+    id: &str,
+) -> TitoResult<Option<TitoOperation>> {
+    if options.skip_events {
+        return match options.events {
+            Some(stated) => Err(TitoError::invalid_argument(format!(
+                "the options of a write of row {id:?} of table {table:?} both state its events \
+                 report {stated:?} and switch events off"
+            ))),
+            None => Ok(None),
+        };
     }
+    match options.events {
+        None => Ok(Some(did)),
+        Some(stated) if stated == did || (upsert && stated == TitoOperation::Upsert) => {
+            Ok(Some(stated))
+        }
+        Some(stated) => {
+            let what = match (upsert, did) {
+                (true, TitoOperation::Insert) => "is an upsert that inserts",
+                (true, _) => "is an upsert that updates",
+                (false, TitoOperation::Insert) => "is an insert",
+                (false, TitoOperation::Update) => "is an update",
+                (false, _) => "is a delete",
+            };
+            Err(TitoError::invalid_argument(format!(
+                "the write of row {id:?} of table {table:?} {what}, but its options state its \
+                 events report {stated:?}; state {did:?}, or no operation \
+                 (TitoOptions::default() reports what the write does)"
+            )))
+        }
+    }
+}
+
+/// The event configs a write reporting `operation` publishes, checked before anything is
+/// written: a queue name that no `Queue` can open, or a negative time, is refused.
+fn declared_events<T: TitoModelTrait>(
+    model: &T,
+    operation: Option<TitoOperation>,
+) -> TitoResult<Vec<TitoEventConfig>> {
+    let Some(operation) = operation else {
+        return Ok(Vec::new());
+    };
+    let mut out = Vec::new();
     for config in model.events() {
         if config.name.is_empty() {
             return Err(TitoError::invalid_argument(format!(
@@ -355,8 +400,23 @@ fn check_events<T: TitoModelTrait>(model: &T, options: &TitoOptions) -> TitoResu
                 config.timestamp
             )));
         }
+        if model.publishes_on(&config.name, operation) {
+            out.push(config);
+        }
     }
-    Ok(())
+    Ok(out)
+}
+
+/// The logical id of a model event: `{table}:{id}:{version}`, with the version of the write
+/// ([`engine::write_version`]: the same across the transaction's replays). A table and id over
+/// 512 bytes together are named by the id's FNV-1a hash instead (`{table}:#{hash}:{version}`),
+/// keeping the queue's keys short.
+pub(crate) fn model_event_id(table: &str, id: &str, version: u64) -> String {
+    if table.len() + id.len() <= 512 {
+        format!("{table}:{id}:{version}")
+    } else {
+        format!("{table}:#{:016x}:{version}", keys::fnv1a(id.as_bytes()))
+    }
 }
 
 /// A manifest's schema version and keys. Manifests written before catalogs are a plain JSON
@@ -644,7 +704,8 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         let handle = self.schema_handle().await?;
         let (stored, _, _) = load(tx, &table, id, &handle, &[]).await?;
         let stored = stored.ok_or_else(|| TitoError::NotFound(no_row(&table, id)))?;
-        let events = match options.events {
+        let operation = reported_operation(&options, TitoOperation::Delete, false, &table, id)?;
+        let events = match operation {
             Some(operation) => {
                 let model: T = serde_json::from_value(stored.row.clone()).map_err(|err| {
                     integrity(format!(
@@ -652,8 +713,8 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
                         keys::row_key(&table, id)
                     ))
                 })?;
-                check_events(&model, &options)?;
-                self.prepare_events(operation, &model, &stored.row)?
+                let configs = declared_events(&model, Some(operation))?;
+                self.prepare_events(tx, operation, configs, &model, &stored.row)?
             }
             None => Vec::new(),
         };
@@ -678,18 +739,20 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
 
     /// The model's events for `operation`, encoded and checked before anything is written: one
     /// [`ModelEvent`] per event config, to the queue named like the config, keyed
-    /// `{table}:{id}`.
+    /// `{table}:{id}`, with the id [`model_event_id`] gives.
     ///
     /// [`ModelEvent`]: crate::event::ModelEvent
     fn prepare_events<R: serde::Serialize>(
         &self,
+        tx: &E::Transaction,
         operation: TitoOperation,
+        configs: Vec<TitoEventConfig>,
         model: &T,
         row: &R,
     ) -> TitoResult<Vec<(String, crate::event::publish::PreparedEvent)>> {
         let (table, id) = (model.table(), model.id());
-        model
-            .events()
+        let event_id = model_event_id(&table, &id, engine::write_version(tx));
+        configs
             .into_iter()
             .map(|config| {
                 let event = crate::event::QueueEvent::new(
@@ -701,7 +764,8 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
                         row,
                     },
                     config.timestamp,
-                );
+                )
+                .with_id(event_id.clone());
                 Ok((
                     config.name,
                     crate::event::publish::PreparedEvent::new(&event)?,
@@ -722,12 +786,10 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         let mut wakes = Vec::new();
         for (topic, event) in events {
             let partitions = self.db.partitions();
-            if let Some(wake) =
+            wakes.push(
                 crate::event::publish::plan_model_event(tx, &topic, partitions, event, writes)
-                    .await?
-            {
-                wakes.push(wake);
-            }
+                    .await?,
+            );
         }
         Ok(wakes)
     }

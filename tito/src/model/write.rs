@@ -9,8 +9,9 @@ use serde_json::Value;
 use super::catalog::{IndexState, WritePlan};
 use super::index::{self, Entry};
 use super::{
-    Mode, Stored, TitoModel, TitoModelTrait, TitoOptions, check_events, code_entries,
-    encode_manifest, index_configs, load, no_row, planned_entries, planned_entries_reusing, stamp,
+    Mode, Stored, TitoModel, TitoModelTrait, TitoOperation, TitoOptions, code_entries,
+    declared_events, encode_manifest, index_configs, load, no_row, planned_entries,
+    planned_entries_reusing, stamp,
 };
 use crate::engine::{self, TitoEngine, TitoTransaction};
 use crate::error::{TitoError, TitoResult};
@@ -51,7 +52,6 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
                 "a row of table {table:?} has an empty id"
             )));
         }
-        check_events(&model, options)?;
         let row_key = keys::row_key(&table, &id);
         let handle = self.schema_handle().await?;
         let mut row = serde_json::to_value(&model)?;
@@ -83,6 +83,11 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
             }
             _ => {}
         }
+        let did = match stored {
+            Some(_) => TitoOperation::Update,
+            None => TitoOperation::Insert,
+        };
+        let operation = super::reported_operation(options, did, mode == Mode::Upsert, &table, &id)?;
 
         let stamped = model.managed_timestamps()
             && !options.keep_timestamps
@@ -125,8 +130,10 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
             .await?;
         plan_row(&step, new_entries, claims, row_key, &row, &mut writes)?;
         let mut wakes = Vec::new();
-        if let Some(operation) = options.events {
-            let events = self.prepare_events(operation, &stored_model, &stored_model)?;
+        if let Some(operation) = operation {
+            let configs = declared_events(&stored_model, Some(operation))?;
+            let events =
+                self.prepare_events(tx, operation, configs, &stored_model, &stored_model)?;
             wakes = self.plan_events(tx, events, &mut writes).await?;
         }
         writes.apply(tx).await?;

@@ -78,6 +78,7 @@ pub mod cluster;
 mod cluster;
 pub(crate) mod lease;
 mod pull;
+mod topic;
 mod worker;
 
 use std::sync::Arc;
@@ -91,10 +92,11 @@ use serde_json::Value;
 use crate::event::publish::{check_meta, forget_event_id, plan_pending};
 pub use crate::event::{
     MAX_OWNER_BYTES, MAX_QUEUE_EVENT_BYTES, ModelEvent, Published, QueueEvent, QueueHandlerOutcome,
-    QueueHandlerResult, QueueOwner, TitoOperation, partition_for,
+    QueueHandlerResult, QueueOwner, TitoOperation, Topic, partition_for,
 };
 pub use crate::runtime::{Stop, Workers};
 pub use cluster::{ClusterConfig, ClusterState, MIN_TTL, cluster_state};
+pub use topic::{TopicQueue, WorkerQueue};
 pub use worker::{
     MAX_SETTING, MIN_LEASE, Shutdown, WorkerConfig, run_cluster_worker, run_transactional_worker,
     run_worker,

@@ -300,10 +300,11 @@ where
 
 impl crate::runtime::Workers {
     /// Starts [`run_worker`] in this set: `queue`'s partitions `config` names, `handler` typed by
-    /// the event.
+    /// the event. `queue` is a queue handle (`Arc<Queue<E>>`; the handler names its payload
+    /// type) or a [`TopicQueue`](super::TopicQueue) (the handler must take its payload type).
     pub fn spawn_worker<E, T, F, Fut>(
         &mut self,
-        queue: Arc<Queue<E>>,
+        queue: impl super::WorkerQueue<E, T>,
         config: WorkerConfig,
         handler: F,
     ) -> &mut Self
@@ -313,13 +314,15 @@ impl crate::runtime::Workers {
         F: Fn(QueueEvent<T>) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = QueueHandlerResult<T>> + Send + 'static,
     {
+        let queue = queue.into_queue();
         self.spawn(|stop| run_worker(queue, config, handler, stop))
     }
 
-    /// Starts [`run_transactional_worker`] in this set.
+    /// Starts [`run_transactional_worker`] in this set (`queue` as for
+    /// [`spawn_worker`](Self::spawn_worker)).
     pub fn spawn_transactional_worker<E, T, F, Fut>(
         &mut self,
-        queue: Arc<Queue<E>>,
+        queue: impl super::WorkerQueue<E, T>,
         config: WorkerConfig,
         handler: F,
     ) -> &mut Self
@@ -329,13 +332,15 @@ impl crate::runtime::Workers {
         F: Fn(QueueEvent<T>, E::Transaction) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = QueueHandlerResult<T>> + Send + 'static,
     {
+        let queue = queue.into_queue();
         self.spawn(|stop| run_transactional_worker(queue, config, handler, stop))
     }
 
-    /// Starts [`run_cluster_worker`] in this set.
+    /// Starts [`run_cluster_worker`] in this set (`queue` as for
+    /// [`spawn_worker`](Self::spawn_worker)).
     pub fn spawn_cluster_worker<E, T, F, Fut>(
         &mut self,
-        queue: Arc<Queue<E>>,
+        queue: impl super::WorkerQueue<E, T>,
         config: WorkerConfig,
         cluster: ClusterConfig,
         handler: F,
@@ -346,6 +351,7 @@ impl crate::runtime::Workers {
         F: Fn(QueueEvent<T>) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = QueueHandlerResult<T>> + Send + 'static,
     {
+        let queue = queue.into_queue();
         self.spawn(|stop| run_cluster_worker(queue, config, cluster, handler, stop))
     }
 }
