@@ -23,6 +23,8 @@ use tito::{TitoEngine, TitoModel};
 #[tito(event = "reminder", at = "remind_at")]
 #[tito(event = "followup", at = "followup_at")]
 #[tito(event = "maybe", at = "maybe_at")]
+#[tito(event = "user.removed", on = "delete")]
+#[tito(event = "changed", at = "remind_at", on = "insert, update")]
 pub struct User {
     /// Id.
     #[tito(id)]
@@ -99,6 +101,18 @@ async fn main() {
     );
     // `entries = "keys"`: the index's entries hold only keys.
     assert_eq!(User::default().key_only_indexes(), ["by_nickname"]);
+    // Each event has a typed topic, named after it; `on` limits the operations that publish.
+    use tito::model::TitoOperation;
+    let topic: tito::queue::Topic<tito::queue::ModelEvent<User>> = User::USER_REMOVED_EVENT;
+    assert_eq!(topic.name(), "user.removed");
+    assert_eq!(User::CHANGED_EVENT.name(), "changed");
+    assert_eq!(User::USER_EVENT.name(), "user");
+    let user = User::default();
+    assert!(user.publishes_on("user.removed", TitoOperation::Delete));
+    assert!(!user.publishes_on("user.removed", TitoOperation::Insert));
+    assert!(user.publishes_on("changed", TitoOperation::Upsert));
+    assert!(!user.publishes_on("changed", TitoOperation::Delete));
+    assert!(user.publishes_on("user", TitoOperation::Delete));
     let db = Embedded::temporary().await.unwrap();
     let users = db.model::<User>();
     let joined = DateTime::<Utc>::from_timestamp(0, 0).unwrap();
