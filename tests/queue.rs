@@ -14,7 +14,7 @@ use tito::model::{TitoEventConfig, TitoModelTrait, TitoOperation, TitoOptions};
 use tito::queue::{ModelEvent, run_transactional_worker, run_worker};
 use tito::{
     Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, QueueHandlerResult, QueueOwner,
-    TitoEngine, TitoError, TitoTransaction, WorkerConfig,
+    TitoEngine, TitoError, TitoModel, TitoTransaction, WorkerConfig,
 };
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -32,6 +32,8 @@ macro_rules! queue_suite {
                 the_seed_sample_works,
                 publication_joins_the_callers_transaction,
                 model_writes_publish_their_events,
+                declared_events_follow_the_write,
+                typed_topics_carry_their_payload_type,
                 bad_events_are_refused_before_writing,
                 a_partition_count_mismatch_is_refused,
                 reschedule_replaces_the_row_atomically,
@@ -227,12 +229,49 @@ impl TitoModelTrait for Account {
     }
 }
 
+/// A derived model whose events limit the operations that publish them.
+#[derive(TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(table = "ledger")]
+#[tito(event = "ledger_all")]
+#[tito(event = "ledger_gone", on = "delete")]
+#[tito(event = "ledger_written", on = "insert, update")]
+struct Ledger {
+    id: String,
+    amount: i64,
+}
+
+/// Every pending invocation of the queue named `topic`, as (event id, payload), in key order.
+async fn pending_of<E: TitoEngine>(db: &E, topic: &str) -> Vec<(String, serde_json::Value)> {
+    let root = tito::keys::queue_root(Some(topic));
+    let prefix = format!("{root}:pending:");
+    let tx = db.begin().await.unwrap();
+    let rows = tx
+        .scan(
+            prefix.as_bytes(),
+            &tito::prefix_end_bytes(prefix.as_bytes()),
+            1000,
+        )
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    rows.into_iter()
+        .map(|(_, value)| {
+            let row: serde_json::Value = serde_json::from_slice(&value).unwrap();
+            (
+                row["id"].as_str().unwrap().to_string(),
+                row["payload"].clone(),
+            )
+        })
+        .collect()
+}
+
 pub async fn model_writes_publish_their_events<E: TitoEngine>(ctx: Ctx<E>) {
     let accounts = ctx.db.clone().model::<Account>();
     let account = Account {
         id: "a1".into(),
         email: "a@x".into(),
     };
+    // The seed's form: the operation stated, in a caller's transaction.
     let a = accounts.clone();
     let row = account.clone();
     ctx.db
@@ -242,10 +281,21 @@ pub async fn model_writes_publish_their_events<E: TitoEngine>(ctx: Ctx<E>) {
         })
         .await
         .unwrap();
-    accounts
-        .build(Account {
-            id: "a2".into(),
-            email: "b@x".into(),
+    // A plain write publishes too; one with events switched off does not.
+    let second = Account {
+        id: "a2".into(),
+        email: "b@x".into(),
+    };
+    accounts.build(second.clone()).await.unwrap();
+    let a = accounts.clone();
+    ctx.db
+        .transaction(|tx| async move {
+            let third = Account {
+                id: "a3".into(),
+                email: "c@x".into(),
+            };
+            a.build_with_options(third, TitoOptions::without_events(), &tx)
+                .await
         })
         .await
         .unwrap();
@@ -258,7 +308,7 @@ pub async fn model_writes_publish_their_events<E: TitoEngine>(ctx: Ctx<E>) {
         ctx.db.clone(),
         QueueConfig::new(ctx.db.partitions(), Duration::from_secs(60)).topic("account_later"),
     );
-    let seen: Arc<Mutex<Vec<ModelEvent<Account>>>> = Arc::default();
+    let seen: Arc<Mutex<Vec<QueueEvent<ModelEvent<Account>>>>> = Arc::default();
     let log = seen.clone();
     let (stop, rx) = watch::channel(false);
     let worker = tokio::spawn(run_worker(
@@ -267,38 +317,79 @@ pub async fn model_writes_publish_their_events<E: TitoEngine>(ctx: Ctx<E>) {
         move |event: QueueEvent<ModelEvent<Account>>| {
             let log = log.clone();
             async move {
-                log.lock().unwrap().push(event.payload);
+                log.lock().unwrap().push(event);
                 Ok(QueueHandlerOutcome::Acknowledge)
             }
         },
         rx,
     ));
     let s = seen.clone();
-    wait_for("the model event", Duration::from_secs(30), move || {
+    wait_for("the model events", Duration::from_secs(30), move || {
         let s = s.clone();
-        async move { !s.lock().unwrap().is_empty() }
+        async move { s.lock().unwrap().len() >= 2 }
     })
     .await;
     stop.send(true).unwrap();
     worker.await.unwrap().unwrap();
-    let events = seen.lock().unwrap().clone();
-    // Only the write with events published; the future event waits in its own queue.
+    let mut events = seen.lock().unwrap().clone();
+    events.sort_by(|a, b| a.payload.id.cmp(&b.payload.id));
+    let payloads: Vec<_> = events.iter().map(|e| e.payload.clone()).collect();
     assert_eq!(
-        events,
-        vec![ModelEvent {
-            operation: TitoOperation::Insert,
-            table: "account".into(),
-            id: "a1".into(),
-            row: account
-        }]
+        payloads,
+        vec![
+            ModelEvent {
+                operation: TitoOperation::Insert,
+                table: "account".into(),
+                id: "a1".into(),
+                row: account
+            },
+            ModelEvent {
+                operation: TitoOperation::Insert,
+                table: "account".into(),
+                id: "a2".into(),
+                row: second
+            }
+        ]
     );
+    // The id names the row and the write: `{table}:{id}:{write version}`.
+    for event in &events {
+        let prefix = format!("account:{}:", event.payload.id);
+        let version = event
+            .id
+            .strip_prefix(&prefix)
+            .unwrap_or_else(|| panic!("{}", event.id));
+        assert!(version.parse::<u64>().is_ok(), "{}", event.id);
+        assert_eq!(event.key, format!("account:{}", event.payload.id));
+    }
+    // The future event waits in its own queue: one per published write.
     let mut later_pending = 0;
     for p in 0..ctx.db.partitions() {
         later_pending += later.pending_count(p).await.unwrap();
     }
-    assert_eq!(later_pending, 1);
+    assert_eq!(later_pending, 2);
 
-    // A delete with events publishes the row as it was.
+    // A stated operation that contradicts the write is refused, and nothing is written.
+    let a = accounts.clone();
+    let refused = ctx
+        .db
+        .transaction(|tx| async move {
+            let row = Account {
+                id: "a1".into(),
+                email: "new@x".into(),
+            };
+            a.update_with_options(row, TitoOptions::with_events(TitoOperation::Delete), &tx)
+                .await
+        })
+        .await;
+    match refused {
+        Err(TitoError::InvalidArgument(message)) => {
+            assert!(message.contains("is an update"), "{message}");
+            assert!(message.contains("Delete"), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(accounts.get("a1").await.unwrap().unwrap().email, "a@x");
+    // A delete publishes the row as it was.
     let a = accounts.clone();
     ctx.db
         .transaction(|tx| async move {
@@ -307,11 +398,184 @@ pub async fn model_writes_publish_their_events<E: TitoEngine>(ctx: Ctx<E>) {
         })
         .await
         .unwrap();
-    let mut pending = 0;
-    for p in 0..ctx.db.partitions() {
-        pending += topic.pending_count(p).await.unwrap();
-    }
-    assert_eq!(pending, 1);
+    let pending = pending_of(&ctx.db, "account").await;
+    assert_eq!(pending.len(), 1, "{pending:?}");
+    assert_eq!(pending[0].1["operation"], "Delete");
+    assert_eq!(pending[0].1["row"]["email"], "a@x");
+}
+
+/// Upserts report what they did; `on` limits the operations of an event; two writes of one row
+/// in one transaction publish two events; ids are the same across a transaction's replays.
+pub async fn declared_events_follow_the_write<E: TitoEngine>(ctx: Ctx<E>) {
+    let ledgers = ctx.db.clone().model::<Ledger>();
+    let row = |amount| Ledger {
+        id: "l1".into(),
+        amount,
+    };
+    ledgers.upsert(row(1)).await.unwrap(); // insert
+    ledgers.upsert(row(2)).await.unwrap(); // update
+    // Stated as `Upsert`, the events report `Upsert`; stated as what the upsert does, that.
+    let l = ledgers.clone();
+    ctx.db
+        .transaction(|tx| async move {
+            l.upsert_with_options(row(3), TitoOptions::with_events(TitoOperation::Upsert), &tx)
+                .await?;
+            l.upsert_with_options(row(4), TitoOptions::with_events(TitoOperation::Update), &tx)
+                .await
+        })
+        .await
+        .unwrap();
+    // An upsert stated as an insert of a present row is refused.
+    let l = ledgers.clone();
+    let refused = ctx
+        .db
+        .transaction(|tx| async move {
+            l.upsert_with_options(row(5), TitoOptions::with_events(TitoOperation::Insert), &tx)
+                .await
+        })
+        .await;
+    assert!(
+        matches!(&refused, Err(TitoError::InvalidArgument(m)) if m.contains("upsert that updates")),
+        "{refused:?}"
+    );
+    ledgers.delete_by_id("l1").await.unwrap();
+
+    let operations = |events: Vec<(String, serde_json::Value)>| -> Vec<String> {
+        events
+            .iter()
+            .map(|(_, payload)| payload["operation"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let mut all = pending_of(&ctx.db, "ledger_all").await;
+    // Pending keys order by due time (the same second here, or later) and version; sort by
+    // version, which orders these one-after-another writes.
+    all.sort_by_key(|(id, _)| {
+        let rest = id.strip_prefix("ledger:l1:").unwrap();
+        let (version, n) = rest.split_once('.').unwrap_or((rest, "0"));
+        (version.parse::<u64>().unwrap(), n.parse::<u32>().unwrap())
+    });
+    assert_eq!(
+        operations(all.clone()),
+        ["Insert", "Update", "Upsert", "Update", "Delete"]
+    );
+    // The two writes of one transaction: `{id}` and `{id}.1`.
+    let (third, fourth) = (&all[2].0, &all[3].0);
+    assert_eq!(fourth, &format!("{third}.1"));
+    let amounts: Vec<i64> = all
+        .iter()
+        .map(|(_, p)| p["row"]["amount"].as_i64().unwrap())
+        .collect();
+    assert_eq!(amounts, [1, 2, 3, 4, 4]);
+    // `on = "delete"` and `on = "insert, update"` (an upsert stated as `Upsert` counts).
+    assert_eq!(
+        operations(pending_of(&ctx.db, "ledger_gone").await),
+        ["Delete"]
+    );
+    let mut written = operations(pending_of(&ctx.db, "ledger_written").await);
+    written.sort();
+    assert_eq!(written, ["Insert", "Update", "Update", "Upsert"]);
+
+    // A conflict replays the transaction; its event keeps the id of the first attempt.
+    ledgers.build(row(10)).await.unwrap();
+    let attempts = Arc::new(AtomicUsize::new(0));
+    let (l, db, counted) = (ledgers.clone(), ctx.db.clone(), attempts.clone());
+    ctx.db
+        .transaction(|tx| async move {
+            let attempt = counted.fetch_add(1, Ordering::SeqCst);
+            l.update_with_options(row(11), TitoOptions::default(), &tx)
+                .await?;
+            if attempt == 0 {
+                // Another writer commits the row first: this attempt conflicts.
+                db.clone().model::<Ledger>().update(row(12)).await?;
+            }
+            Ok::<_, TitoError>(())
+        })
+        .await
+        .unwrap();
+    assert_eq!(attempts.load(Ordering::SeqCst), 2);
+    let ids: Vec<String> = pending_of(&ctx.db, "ledger_all")
+        .await
+        .into_iter()
+        .filter(|(_, p)| p["row"]["amount"] == 11)
+        .map(|(id, _)| id)
+        .collect();
+    assert_eq!(ids.len(), 1, "{ids:?}");
+    // The first attempt's version: below the interloper's, whose write started inside it.
+    let interloper: Vec<String> = pending_of(&ctx.db, "ledger_all")
+        .await
+        .into_iter()
+        .filter(|(_, p)| p["row"]["amount"] == 12)
+        .map(|(id, _)| id)
+        .collect();
+    let version = |id: &str| id.rsplit(':').next().unwrap().parse::<u64>().unwrap();
+    assert!(
+        version(&ids[0]) < version(&interloper[0]),
+        "{ids:?} {interloper:?}"
+    );
+}
+
+/// A model event's topic (the derive's constant) and a hand-declared topic: each opens a typed
+/// queue whose worker and publications take its payload type; a config naming another topic is
+/// refused.
+pub async fn typed_topics_carry_their_payload_type<E: TitoEngine>(ctx: Ctx<E>) {
+    const JOBS: tito::Topic<Job> = tito::Topic::new("typed_jobs");
+    let config = || QueueConfig::new(ctx.db.partitions(), Duration::from_secs(60));
+    let refused = JOBS.queue(ctx.db.clone(), config().topic("other"));
+    assert!(
+        matches!(&refused, Err(TitoError::InvalidArgument(m)) if m.contains("\"other\"")),
+        "{refused:?}"
+    );
+    let jobs = JOBS.queue(ctx.db.clone(), config()).unwrap();
+    assert_eq!(jobs.queue().config().topic.as_deref(), Some("typed_jobs"));
+    jobs.publish(QueueEvent::new("k", Job { n: 7 }, now()))
+        .await
+        .unwrap();
+    let ledgers = Ledger::LEDGER_ALL_EVENT
+        .queue(ctx.db.clone(), config())
+        .unwrap();
+    ctx.db
+        .clone()
+        .model::<Ledger>()
+        .build(Ledger {
+            id: "t1".into(),
+            amount: 5,
+        })
+        .await
+        .unwrap();
+
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut workers = tito::Workers::new();
+    let jobs_seen = tx.clone();
+    // Neither handler names its type: the topic gives it.
+    workers.spawn_worker(&jobs, fast(0..ctx.db.partitions()), move |event| {
+        let seen = jobs_seen.clone();
+        async move {
+            seen.send(format!("job {}", event.payload.n)).unwrap();
+            Ok(QueueHandlerOutcome::Acknowledge)
+        }
+    });
+    workers.spawn_worker(ledgers, fast(0..ctx.db.partitions()), move |event| {
+        let seen = tx.clone();
+        async move {
+            let ledger: Ledger = event.payload.row;
+            seen.send(format!("ledger {} {}", ledger.id, ledger.amount))
+                .unwrap();
+            Ok(QueueHandlerOutcome::Acknowledge)
+        }
+    });
+    let mut got = vec![
+        tokio::time::timeout(Duration::from_secs(30), rx.recv())
+            .await
+            .unwrap()
+            .unwrap(),
+        tokio::time::timeout(Duration::from_secs(30), rx.recv())
+            .await
+            .unwrap()
+            .unwrap(),
+    ];
+    got.sort();
+    assert_eq!(got, ["job 7", "ledger t1 5"]);
+    workers.shutdown().await.unwrap();
 }
 
 pub async fn bad_events_are_refused_before_writing<E: TitoEngine>(ctx: Ctx<E>) {

@@ -29,7 +29,14 @@ use tito::backend::memory::{Memory, MemoryClock, MemoryOptions};
 use tito::engine::{Fault, FaultPoint, FaultRule, FaultyEngine};
 use tito::inbox::{Inbox, InboxClaim, InboxClock, InboxConfig, InboxOutcome};
 use tito::kv::Kv;
-use tito::model::TitoOptions;
+use tito::model::{TitoOperation, TitoOptions};
+
+const OPERATIONS: [TitoOperation; 4] = [
+    TitoOperation::Insert,
+    TitoOperation::Update,
+    TitoOperation::Upsert,
+    TitoOperation::Delete,
+];
 use tito::queue::{ClusterConfig, cluster_state, run_cluster_worker, run_worker};
 use tito::{
     Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, QueueOwner, RetryPolicy, TitoEngine,
@@ -111,9 +118,11 @@ struct Account {
 
 /// A model with two unique indexes and an index of copies, written in callers' transactions
 /// that catch the write's error (a value taken, a missing or existing row, an injected storage
-/// error) and commit their other writes anyway.
+/// error, an operation stated wrongly) and commit their other writes anyway. Every write
+/// publishes its event (no worker takes them: the queue is the writes' history).
 #[derive(TitoModel, Default, Clone, Debug, Serialize, Deserialize)]
 #[tito(table = "sim_profile")]
+#[tito(event = "sim_profile")]
 #[tito(unique_index = "by_email: email")]
 #[tito(unique_index = "by_nick: nick")]
 #[tito(index = "by_team: team")]
@@ -375,6 +384,8 @@ struct Sim {
     /// The versions of successful compare-and-sets, in order.
     cas_versions: Vec<u64>,
     cas_unknown: usize,
+    /// Profile writes with events switched off (the profiles' history skips them).
+    silent_profile_writes: usize,
     tasks: u32,
     held: Vec<Held>,
     /// Rows whose `Drop` outcome applied (deleted).
@@ -707,14 +718,24 @@ impl Sim {
             team: format!("t{}", self.rng.below(3)),
         };
         let mode = self.rng.below(4);
+        // Mostly the default (events report what the write did); sometimes an operation stated,
+        // right or wrong, or events switched off.
+        let options = match self.rng.below(10) {
+            0 => TitoOptions::with_events(OPERATIONS[self.rng.below(4) as usize]),
+            1 => TitoOptions::without_events(),
+            _ => TitoOptions::default(),
+        };
+        if options.skip_events {
+            self.silent_profile_writes += 1;
+        }
         let result = self
             .db
             .transaction(|tx| {
-                let (profiles, profile) = (profiles.clone(), profile.clone());
+                let (profiles, profile, options) =
+                    (profiles.clone(), profile.clone(), options.clone());
                 async move {
                     tx.put(b"sim:caught".to_vec(), step.to_string().into_bytes())
                         .await?;
-                    let options = TitoOptions::default();
                     let written = match mode {
                         0 => profiles.build_with_options(profile, options, &tx).await,
                         1 => profiles.update_with_options(profile, options, &tx).await,
@@ -730,7 +751,10 @@ impl Sim {
             })
             .await;
         match result {
-            Ok(caught) => format!("caught-write {mode} {} {caught:?}", profile.id),
+            Ok(caught) => format!(
+                "caught-write {mode} {} {:?}/{} {caught:?}",
+                profile.id, options.events, options.skip_events
+            ),
             Err(err) => format!(
                 "caught-write {mode} {} commit {}",
                 profile.id,
@@ -1045,6 +1069,7 @@ impl Sim {
                 format!("profile {id} is missing from its team's index: {team:?}")
             });
         }
+        self.check_profile_history(&tx).await;
         let claims = scan_all(&tx, b"unique:sim_profile:").await;
         self.check(claims.len() == profile_keys.len(), || {
             format!(
@@ -1069,6 +1094,78 @@ impl Sim {
             format!("cas value {cas} after {ok} successful and {unknown} unknown compare-and-sets")
         });
         tx.rollback().await.unwrap();
+    }
+
+    /// No profile write without its event, no event without its write: replayed in the order of
+    /// their transactions, each profile's events are a valid history (an insert of an absent
+    /// row, an update or delete of a present one, a delete carrying the row it removed) that
+    /// ends in the stored row. Checked while no write switched events off.
+    async fn check_profile_history(&mut self, tx: &<Db as TitoEngine>::Transaction) {
+        let root = tito::keys::queue_root(Some("sim_profile"));
+        let mut histories: BTreeMap<String, Vec<((u64, u32), serde_json::Value)>> = BTreeMap::new();
+        let mut ids = BTreeSet::new();
+        for (key, value) in scan_all(tx, format!("{root}:pending:").as_bytes()).await {
+            let key = String::from_utf8(key).unwrap();
+            let parsed = tito::keys::parse_pending_key(&root, &key).unwrap();
+            let event: serde_json::Value = serde_json::from_slice(&value).unwrap();
+            let row_id = event["payload"]["id"].as_str().unwrap().to_string();
+            // `sim_profile:{id}:{write version}`, `.{n}` after it for a row's later writes in
+            // one transaction.
+            let id = parsed.event_id.clone();
+            let rest = id.strip_prefix(&format!("sim_profile:{row_id}:"));
+            let sequence = rest.and_then(|rest| match rest.split_once('.') {
+                Some((version, n)) => Some((version.parse::<u64>().ok()?, n.parse::<u32>().ok()?)),
+                None => Some((rest.parse::<u64>().ok()?, 0)),
+            });
+            self.check(sequence.is_some(), || {
+                format!("model event id {id:?} of row {row_id}")
+            });
+            self.check(ids.insert(id.clone()), || {
+                format!("model event id {id:?} twice")
+            });
+            let n = sequence.map_or(0, |(_, n)| n);
+            histories
+                .entry(row_id)
+                .or_default()
+                .push(((parsed.version, n), event["payload"].clone()));
+        }
+        if self.silent_profile_writes > 0 {
+            return;
+        }
+        for n in 0..8 {
+            let id = format!("p{n}");
+            let mut events = histories.remove(&id).unwrap_or_default();
+            events.sort_by_key(|(order, _)| *order);
+            let mut state: Option<serde_json::Value> = None;
+            for (_, event) in &events {
+                let operation = event["operation"].as_str().unwrap_or_default();
+                let row = event["row"].clone();
+                let valid = match operation {
+                    "Insert" => state.is_none(),
+                    "Update" => state.is_some(),
+                    "Upsert" => true,
+                    "Delete" => state.as_ref() == Some(&row),
+                    _ => false,
+                };
+                self.check(valid, || {
+                    format!(
+                        "profile {id}: {operation} of {row} after {state:?}; history {events:?}"
+                    )
+                });
+                state = (operation != "Delete").then_some(row);
+            }
+            let stored = tx
+                .get(format!("table:sim_profile:{id}").as_bytes())
+                .await
+                .unwrap()
+                .map(|bytes| serde_json::from_slice::<serde_json::Value>(&bytes).unwrap());
+            self.check(stored == state, || {
+                format!("profile {id} is {stored:?}; its events end in {state:?}: {events:?}")
+            });
+        }
+        self.check(histories.is_empty(), || {
+            format!("events of unknown profiles: {histories:?}")
+        });
     }
 
     /// Every inbox row ends acknowledged, dead-lettered, ready (its lease over) or, after a
@@ -1172,6 +1269,7 @@ async fn simulate(seed: u64, steps: u32) -> Report {
         increments: (0, 0),
         cas_versions: Vec::new(),
         cas_unknown: 0,
+        silent_profile_writes: 0,
         tasks: 0,
         held: Vec::new(),
         dropped: BTreeSet::new(),
