@@ -1155,7 +1155,7 @@ impl Sim {
                 state = (operation != "Delete").then_some(row);
             }
             let stored = tx
-                .get(format!("table:sim_profile:{id}").as_bytes())
+                .get(tito::keys::row_key("sim_profile", &id).as_bytes())
                 .await
                 .unwrap()
                 .map(|bytes| serde_json::from_slice::<serde_json::Value>(&bytes).unwrap());
