@@ -1102,7 +1102,9 @@ impl Sim {
     /// ends in the stored row. Checked while no write switched events off.
     async fn check_profile_history(&mut self, tx: &<Db as TitoEngine>::Transaction) {
         let root = tito::keys::queue_root(Some("sim_profile"));
-        let mut histories: BTreeMap<String, Vec<((u64, u32), serde_json::Value)>> = BTreeMap::new();
+        // Per profile: ((transaction version, n), event payload).
+        type History = Vec<((u64, u32), serde_json::Value)>;
+        let mut histories: BTreeMap<String, History> = BTreeMap::new();
         let mut ids = BTreeSet::new();
         for (key, value) in scan_all(tx, format!("{root}:pending:").as_bytes()).await {
             let key = String::from_utf8(key).unwrap();

@@ -180,20 +180,6 @@ pub fn parse(input: &DeriveInput, errors: &mut Errors) -> Option<Model> {
     })
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn cases() {
-        assert_eq!(snake_case("UserProfile"), "user_profile");
-        assert_eq!(snake_case("User"), "user");
-        assert_eq!(pascal_case("by_team_created"), "ByTeamCreated");
-        assert_eq!(apply_rename_rule("camelCase", "team_id"), "teamId");
-        assert_eq!(apply_rename_rule("kebab-case", "team_id"), "team-id");
-    }
-}
-
 /// The associated constant naming an event's topic: the name in upper snake case, ASCII letters
 /// and digits kept, anything else an underscore, with `_EVENT` after it (`user_created` →
 /// `USER_CREATED_EVENT`).
@@ -213,4 +199,18 @@ pub fn event_const(name: &str) -> String {
     }
     out.push_str("_EVENT");
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cases() {
+        assert_eq!(snake_case("UserProfile"), "user_profile");
+        assert_eq!(snake_case("User"), "user");
+        assert_eq!(pascal_case("by_team_created"), "ByTeamCreated");
+        assert_eq!(apply_rename_rule("camelCase", "team_id"), "teamId");
+        assert_eq!(apply_rename_rule("kebab-case", "team_id"), "team-id");
+    }
 }

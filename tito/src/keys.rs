@@ -305,7 +305,8 @@ impl KeyValue {
 
 /// Builds a key segment by segment.
 ///
-/// ```
+#[cfg_attr(feature = "test-util", doc = "```")]
+#[cfg_attr(not(feature = "test-util"), doc = "```ignore")]
 /// use tito::keys::KeyBuilder;
 ///
 /// let key = KeyBuilder::new().raw("table").raw("user").string("a:b").finish();

@@ -86,8 +86,9 @@
 //! | `#[tito(index = "..", condition = "method")]` | only rows where `fn method(&self) -> bool` holds |
 //! | `#[tito(index = "..", condition = "method", condition_version = 2)]` | the condition's identity for the schema catalog: bump it when the method's meaning changes (default 1; see [`crate::schema`]) |
 //! | `#[tito(unique_index = "name: field")]` | a unique index (same forms) |
-//! | `#[tito(event = "name")]` | an event runnable at the time of the write |
+//! | `#[tito(event = "name")]` | every write publishes a [`ModelEvent`](crate::queue::ModelEvent) to queue `name`, runnable at the time of the write; the constant `Struct::NAME_EVENT` is its typed [`Topic`](crate::queue::Topic) |
 //! | `#[tito(event = "name", at = "x")]` | runnable at field `x` (`i64` seconds, `DateTime<Utc>`, `Option` of those) or method `fn x(&self) -> i64` |
+//! | `#[tito(event = "name", on = "insert, delete")]` | published only by those operations (`insert`, `update`, `delete`; an upsert is one of the first two) |
 //! | `#[tito(id)]` on a field | the id (`String` or an integer); default: the field named `id` |
 //! | `#[tito(manual_timestamps)]` | Tito never sets `created_at` / `updated_at` (see [`TitoModelTrait::managed_timestamps`]) |
 //!
