@@ -38,6 +38,7 @@ macro_rules! queue_suite {
                 a_partition_count_mismatch_is_refused,
                 reschedule_replaces_the_row_atomically,
                 failures_leave_the_invocation_pending,
+                a_failure_policy_counts_attempts_and_buries_the_last,
                 future_events_wait_for_their_time,
                 same_time_work_never_starves_later_buckets,
                 scans_read_at_most_sixteen_rows,
@@ -693,6 +694,8 @@ pub async fn failures_leave_the_invocation_pending<E: TitoEngine>(ctx: Ctx<E>) {
     let worker = start(&queue, config, move |event: QueueEvent<Job>| {
         let log = log.clone();
         async move {
+            // Without a failure policy a failure changes nothing: every delivery is attempt 1.
+            assert_eq!(event.attempt, 1);
             let attempt = {
                 let mut map = log.lock().unwrap();
                 let count = map.entry(event.payload.n).or_default();
@@ -714,6 +717,144 @@ pub async fn failures_leave_the_invocation_pending<E: TitoEngine>(ctx: Ctx<E>) {
     let attempts = attempts.lock().unwrap().clone();
     assert_eq!(attempts, HashMap::from([(0, 2), (1, 2), (2, 2)]));
     assert_eq!(queue.stats().failed, 3);
+}
+
+/// Under a failure policy: attempts rise by one on each delivery, a failure waits out its
+/// backoff, the last failure (or a fatal panic) moves the invocation to the dead state with its
+/// error; dead invocations hold their id, and are retried (attempt 1 again) or discarded.
+pub async fn a_failure_policy_counts_attempts_and_buries_the_last<E: TitoEngine>(ctx: Ctx<E>) {
+    let queue = queue(&ctx.db, 2);
+    let owner = QueueOwner::new("account", "7");
+    // n = 0 always fails, 1 fails once, 2 always panics, 3 succeeds once allowed to.
+    for n in 0..3 {
+        let mut event = QueueEvent::new(format!("k{n}"), Job { n }, now()).with_id(format!("e{n}"));
+        if n == 0 {
+            event = event.with_owner(owner.clone());
+        }
+        queue.publish(event).await.unwrap();
+    }
+    let attempts: Arc<Mutex<Vec<(u32, u32)>>> = Arc::default();
+    let healed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (log, cured) = (attempts.clone(), healed.clone());
+    let policy = tito::queue::FailurePolicy::new(3)
+        .backoff(Duration::from_millis(1), Duration::from_millis(1));
+    let config = fast(0..2).failure_policy(policy);
+    let worker = start(&queue, config, move |event: QueueEvent<Job>| {
+        let (log, cured) = (log.clone(), cured.clone());
+        async move {
+            log.lock().unwrap().push((event.payload.n, event.attempt));
+            match event.payload.n {
+                0 if !cured.load(Ordering::SeqCst) => {
+                    Err(TitoError::invalid_argument("n = 0 fails"))
+                }
+                1 if event.attempt == 1 => Err(TitoError::invalid_argument("n = 1 fails once")),
+                2 => panic!("n = 2 panics"),
+                _ => Ok(QueueHandlerOutcome::Acknowledge),
+            }
+        }
+    });
+    let q = queue.clone();
+    wait_for(
+        "two dead, one acknowledged",
+        Duration::from_secs(30),
+        move || {
+            let q = q.clone();
+            async move { q.stats().dead == 2 && q.stats().acknowledged == 1 }
+        },
+    )
+    .await;
+    let mut seen = attempts.lock().unwrap().clone();
+    seen.sort();
+    assert_eq!(
+        seen,
+        [
+            (0, 1),
+            (0, 2),
+            (0, 3),
+            (1, 1),
+            (1, 2),
+            (2, 1),
+            (2, 2),
+            (2, 3)
+        ]
+    );
+    let stats = queue.stats();
+    assert_eq!((stats.failed, stats.retried, stats.dead), (7, 5, 2));
+    assert_eq!(pending_total(&queue).await, 0);
+    let dead = queue.dead(None, 10).await.unwrap();
+    let summary: Vec<(String, u32)> = dead.iter().map(|d| (d.id.clone(), d.attempts)).collect();
+    assert_eq!(summary, [("e0".to_string(), 3), ("e2".to_string(), 3)]);
+    assert!(dead[0].error.contains("n = 0 fails"), "{}", dead[0].error);
+    assert!(dead[1].error.contains("n = 2 panics"), "{}", dead[1].error);
+    assert_eq!(dead[0].owner.as_ref(), Some(&owner));
+    assert_eq!(dead[0].payload["n"], 0);
+    assert!(dead[0].dead_at_ms > 0);
+    // Paging by id.
+    let rest = queue.dead(Some("e0"), 10).await.unwrap();
+    assert_eq!(rest.len(), 1);
+    assert_eq!(rest[0].id, "e2");
+    assert!(matches!(
+        queue.dead(None, 0).await,
+        Err(TitoError::InvalidArgument(_))
+    ));
+    // A dead invocation holds its id.
+    let again = queue
+        .publish(QueueEvent::new("k0", Job { n: 0 }, now()).with_id("e0"))
+        .await
+        .unwrap();
+    assert!(again.duplicate);
+    // Discarded: gone, its id free.
+    assert!(queue.discard_dead("e2").await.unwrap());
+    assert!(!queue.discard_dead("e2").await.unwrap());
+    assert!(!queue.retry_dead("missing").await.unwrap());
+    // Retried: pending again at attempt 1, and this time it succeeds.
+    healed.store(true, Ordering::SeqCst);
+    assert!(queue.retry_dead("e0").await.unwrap());
+    let q = queue.clone();
+    wait_for(
+        "the retried invocation",
+        Duration::from_secs(30),
+        move || {
+            let q = q.clone();
+            async move { q.stats().acknowledged == 2 }
+        },
+    )
+    .await;
+    worker.stop().await;
+    assert_eq!(attempts.lock().unwrap().last(), Some(&(0, 1)));
+    assert!(queue.dead(None, 10).await.unwrap().is_empty());
+    let fresh = queue
+        .publish(QueueEvent::new("k2", Job { n: 3 }, now()).with_id("e2"))
+        .await
+        .unwrap();
+    assert!(!fresh.duplicate);
+    // The owner's keys followed the row: pending, dead, pending again, completed.
+    let erased = ctx
+        .db
+        .transaction(|tx| {
+            let (queue, owner) = (queue.clone(), owner.clone());
+            async move {
+                queue
+                    .delete_by_owner_matching_in_tx(&owner, |_: &QueueEvent<Job>| true, &tx)
+                    .await
+            }
+        })
+        .await
+        .unwrap();
+    assert_eq!(erased, 1);
+
+    // A refused policy refuses the worker before it starts.
+    let refused = run_worker(
+        queue.clone(),
+        fast(0..2).failure_policy(tito::queue::FailurePolicy::new(0)),
+        |_: QueueEvent<Job>| async { Ok(QueueHandlerOutcome::Acknowledge) },
+        futures::future::ready(()).boxed(),
+    )
+    .await;
+    assert!(
+        matches!(&refused, Err(TitoError::InvalidArgument(m)) if m.contains("max_attempts")),
+        "{refused:?}"
+    );
 }
 
 pub async fn future_events_wait_for_their_time<E: TitoEngine>(ctx: Ctx<E>) {

@@ -722,6 +722,21 @@ pub fn completed_before(root: &str, processed_at: u64) -> String {
 pub const OWNER_PENDING: &str = "pending";
 /// The state segment of an owner key.
 pub const OWNER_COMPLETED: &str = "completed";
+/// The owner-key state of a dead invocation.
+pub const OWNER_DEAD: &str = "dead";
+
+/// The key of a dead invocation: `{queue}:dead:{event id}` (one per id: the event-id key points
+/// at it while it is dead).
+pub fn dead_key(root: &str, event_id: &str) -> String {
+    let mut key = dead_prefix(root);
+    encode_str(event_id, &mut key);
+    key
+}
+
+/// `{queue}:dead:`, the prefix of every dead invocation.
+pub fn dead_prefix(root: &str) -> String {
+    format!("{root}:dead:")
+}
 
 /// `{queue}:owner:{b64url(kind)}:{b64url(id)}:`, every key of one owner.
 pub fn owner_prefix(root: &str, kind: &str, id: &str) -> String {

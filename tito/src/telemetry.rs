@@ -23,6 +23,8 @@
 //! | `tito_queue_acknowledged_total` | counter | `queue` | invocations completed without a replacement |
 //! | `tito_queue_rescheduled_total` | counter | `queue` | invocations completed with a replacement |
 //! | `tito_queue_failed_total` | counter | `queue` | handler errors, panics and timeouts |
+//! | `tito_queue_retried_total` | counter | `queue` | failed attempts a failure policy scheduled again |
+//! | `tito_queue_dead_total` | counter | `queue` | invocations a failure policy moved to the dead state |
 //! | `tito_queue_outcome_failures_total` | counter | `queue` | outcomes whose transaction did not apply |
 //! | `tito_queue_malformed_total` | counter | `queue` | pending rows that do not decode (left in place) |
 //! | `tito_queue_expired_total` | counter | `queue` | completed rows deleted by retention |
@@ -83,6 +85,10 @@ pub mod names {
     pub const QUEUE_RESCHEDULED: &str = "tito_queue_rescheduled_total";
     /// See the table in [`crate::telemetry`].
     pub const QUEUE_FAILED: &str = "tito_queue_failed_total";
+    /// Failed attempts a failure policy scheduled again.
+    pub const QUEUE_RETRIED: &str = "tito_queue_retried_total";
+    /// Invocations a failure policy moved to the dead state.
+    pub const QUEUE_DEAD: &str = "tito_queue_dead_total";
     /// See the table in [`crate::telemetry`].
     pub const QUEUE_OUTCOME_FAILURES: &str = "tito_queue_outcome_failures_total";
     /// See the table in [`crate::telemetry`].
@@ -128,6 +134,8 @@ pub mod names {
         QUEUE_ACKNOWLEDGED,
         QUEUE_RESCHEDULED,
         QUEUE_FAILED,
+        QUEUE_RETRIED,
+        QUEUE_DEAD,
         QUEUE_OUTCOME_FAILURES,
         QUEUE_MALFORMED,
         QUEUE_EXPIRED,
@@ -166,6 +174,11 @@ pub fn describe() {
     describe_counter!(QUEUE_ACKNOWLEDGED, "Queue invocations acknowledged");
     describe_counter!(QUEUE_RESCHEDULED, "Queue invocations rescheduled");
     describe_counter!(QUEUE_FAILED, "Queue handler failures");
+    describe_counter!(
+        QUEUE_RETRIED,
+        "Queue failed attempts scheduled again by a failure policy"
+    );
+    describe_counter!(QUEUE_DEAD, "Queue invocations moved to the dead state");
     describe_counter!(QUEUE_OUTCOME_FAILURES, "Queue outcomes not applied");
     describe_counter!(QUEUE_MALFORMED, "Pending rows that do not decode");
     describe_counter!(QUEUE_EXPIRED, "Completed rows deleted by retention");

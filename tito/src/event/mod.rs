@@ -69,6 +69,17 @@ pub struct QueueEvent<T> {
     pub timestamp: i64,
     /// Who the event belongs to, if anyone.
     pub owner: Option<QueueOwner>,
+    /// Which attempt this delivery is, from 1. A worker with a
+    /// [`FailurePolicy`](crate::queue::FailurePolicy) counts failed attempts beside the row
+    /// (never in the payload) and delivers the next one with this raised by one; without a
+    /// policy a failure changes nothing, so every delivery is attempt 1. Ignored when
+    /// publishing: an invocation starts at attempt 1.
+    #[serde(default = "first_attempt")]
+    pub attempt: u32,
+}
+
+fn first_attempt() -> u32 {
+    1
 }
 
 static ID_COUNTER: AtomicU64 = AtomicU64::new(0);
@@ -95,6 +106,7 @@ impl<T> QueueEvent<T> {
             payload,
             timestamp,
             owner: None,
+            attempt: 1,
         }
     }
 
@@ -156,6 +168,19 @@ pub(crate) struct StoredEvent {
     /// Set on completed rows: the version of the completing transaction.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub processed_at: Option<u64>,
+    /// Failed attempts so far, counted by workers with a failure policy.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub failures: u32,
+    /// The last failure's error, under a failure policy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
+    /// Set on dead rows: the version of the transaction that moved it there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dead_at: Option<u64>,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 impl StoredEvent {
@@ -180,6 +205,9 @@ impl StoredEvent {
             owner: event.owner.clone(),
             payload: serde_json::to_value(&event.payload)?,
             processed_at: None,
+            failures: 0,
+            last_error: None,
+            dead_at: None,
         })
     }
 
@@ -209,6 +237,7 @@ impl StoredEvent {
             payload: serde_json::from_value(self.payload.clone())?,
             timestamp: self.timestamp,
             owner: self.owner.clone(),
+            attempt: self.failures.saturating_add(1),
         })
     }
 }

@@ -15,8 +15,6 @@ struct QueueMeta {
     partitions: u32,
 }
 
-/// Checks (and on first use records) the partition count of the queue at `root`. Returns whether
-/// it was already recorded.
 /// Checks the stored partition count of a queue; plans its metadata when the queue has none
 /// yet. Returns whether the metadata was there.
 pub(crate) async fn check_meta<X: TitoTransaction>(
@@ -25,24 +23,35 @@ pub(crate) async fn check_meta<X: TitoTransaction>(
     partitions: u32,
     writes: &mut engine::Writes,
 ) -> TitoResult<bool> {
+    match stored_partitions(tx, root).await? {
+        Some(stored) if stored != partitions => Err(TitoError::invalid_argument(format!(
+            "queue {root:?} has {stored} partitions; this handle was configured with {partitions}"
+        ))),
+        Some(_) => Ok(true),
+        None => {
+            writes.put(
+                keys::queue_meta_key(root),
+                serde_json::to_vec(&QueueMeta { partitions })?,
+            );
+            Ok(false)
+        }
+    }
+}
+
+/// The partition count stored for the queue at `root`, if it has metadata.
+pub(crate) async fn stored_partitions<X: TitoTransaction>(
+    tx: &X,
+    root: &str,
+) -> TitoResult<Option<u32>> {
     let key = keys::queue_meta_key(root);
     match tx.get(key.as_bytes()).await? {
         Some(bytes) => {
             let meta: QueueMeta = serde_json::from_slice(&bytes).map_err(|err| {
                 TitoError::Integrity(format!("queue metadata {key:?} is malformed: {err}"))
             })?;
-            if meta.partitions != partitions {
-                return Err(TitoError::invalid_argument(format!(
-                    "queue {root:?} has {} partitions; this handle was configured with {partitions}",
-                    meta.partitions
-                )));
-            }
-            Ok(true)
+            Ok(Some(meta.partitions))
         }
-        None => {
-            writes.put(key, serde_json::to_vec(&QueueMeta { partitions })?);
-            Ok(false)
-        }
+        None => Ok(None),
     }
 }
 

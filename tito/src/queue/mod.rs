@@ -76,6 +76,7 @@
 pub mod cluster;
 #[cfg(not(feature = "test-util"))]
 mod cluster;
+mod dead;
 pub(crate) mod lease;
 mod pull;
 mod topic;
@@ -96,10 +97,11 @@ pub use crate::event::{
 };
 pub use crate::runtime::{Stop, Workers};
 pub use cluster::{ClusterConfig, ClusterState, MIN_TTL, cluster_state};
+pub use dead::{DeadInvocation, dead, discard_dead, retry_dead};
 pub use topic::{TopicQueue, WorkerQueue};
 pub use worker::{
-    MAX_SETTING, MIN_LEASE, Shutdown, WorkerConfig, run_cluster_worker, run_transactional_worker,
-    run_worker,
+    FailurePolicy, MAX_ATTEMPTS, MAX_SETTING, MIN_LEASE, Shutdown, WorkerConfig,
+    run_cluster_worker, run_transactional_worker, run_worker,
 };
 
 use crate::engine::{self, TitoEngine, TitoTransaction};
@@ -151,8 +153,13 @@ crate::counters::counters! {
         acknowledged,
         /// Invocations completed with a replacement.
         rescheduled,
-        /// Handler errors, panics and timeouts (the invocation stayed pending).
+        /// Handler errors, panics and timeouts (the invocation stayed pending, or a failure
+        /// policy retried it or moved it to the dead state).
         failed,
+        /// Failed attempts a failure policy scheduled again.
+        retried,
+        /// Invocations a failure policy moved to the dead state.
+        dead,
         /// Outcome transactions that did not commit (the invocations stayed pending or their
         /// outcome is unknown).
         outcome_failures,

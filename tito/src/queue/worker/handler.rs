@@ -25,8 +25,29 @@ pub(super) enum Report<T> {
     Done(QueueHandlerOutcome<T>),
     /// A transactional handler's outcome already committed with its work.
     Applied { rescheduled: bool },
-    /// An error, panic or timeout: the invocation stays pending.
-    Failed(TitoError),
+    /// An error, panic or timeout: the invocation stays pending, or a failure policy decides.
+    Failed(Failure),
+}
+
+/// A failed attempt.
+pub(super) struct Failure {
+    pub error: TitoError,
+    /// A panic (a failure policy may make it fatal).
+    pub panicked: bool,
+    /// Whether it counts as the invocation's failed attempt: not when the worker lost the
+    /// partition's lease or the row was gone (erased by its owner, completed elsewhere).
+    pub counts: bool,
+}
+
+impl Failure {
+    pub fn of_handler(error: TitoError) -> Self {
+        let counts = !matches!(error, TitoError::LeaseLost(_) | TitoError::NotFound(_));
+        Failure {
+            error,
+            panicked: false,
+            counts,
+        }
+    }
 }
 
 /// Runs one invocation to its report.
@@ -49,7 +70,7 @@ where
             // before it returns a future is an invocation that panicked, not a lost task.
             let report = match supervise(timeout, async move { handler(event).await }).await {
                 Ok(outcome) => Report::Done(outcome),
-                Err(err) => Report::Failed(err),
+                Err(failure) => Report::Failed(failure),
             };
             (running, report)
         })
@@ -121,7 +142,7 @@ where
             });
             let report = match supervise(timeout, work).await {
                 Ok(rescheduled) => Report::Applied { rescheduled },
-                Err(err) => Report::Failed(err),
+                Err(failure) => Report::Failed(failure),
             };
             (running, report)
         })
@@ -132,12 +153,25 @@ where
 async fn supervise<R>(
     timeout: Duration,
     work: impl Future<Output = Result<R, TitoError>> + Send,
-) -> Result<R, TitoError> {
+) -> Result<R, Failure> {
     match tokio::time::timeout(timeout, AssertUnwindSafe(work).catch_unwind()).await {
-        Ok(Ok(result)) => result,
-        Ok(Err(_)) => Err(TitoError::handler("handler panicked")),
-        Err(_) => Err(TitoError::handler(format!(
+        Ok(Ok(result)) => result.map_err(Failure::of_handler),
+        Ok(Err(panic)) => {
+            let message = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned());
+            Err(Failure {
+                error: TitoError::handler(match message {
+                    Some(message) => format!("handler panicked: {message}"),
+                    None => "handler panicked".to_string(),
+                }),
+                panicked: true,
+                counts: true,
+            })
+        }
+        Err(_) => Err(Failure::of_handler(TitoError::handler(format!(
             "handler timed out after {timeout:?}"
-        ))),
+        )))),
     }
 }

@@ -17,7 +17,10 @@
 mod handler;
 mod leases;
 mod outcome;
+mod policy;
 mod pulling;
+
+pub use policy::{FailurePolicy, MAX_ATTEMPTS};
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -38,9 +41,10 @@ use crate::error::{TitoError, TitoResult};
 use crate::event::{QueueEvent, QueueHandlerOutcome, QueueHandlerResult, new_event_id};
 pub use crate::runtime::Shutdown;
 use crate::telemetry::names;
-use handler::{Invoker, Report};
+use handler::{Failure, Invoker, Report};
 use leases::{LeaseKeeper, Maintenance};
-use outcome::Outcome;
+use outcome::{Outcome, OutcomeKind};
+use policy::AfterFailure;
 use pulling::{Cooling, Pulling};
 use tracing::Instrument;
 
@@ -87,6 +91,9 @@ pub struct WorkerConfig {
     pub worker_id: Option<String>,
     /// Also prune expired [`crate::kv`] keys during maintenance.
     pub sweep_kv: bool,
+    /// What a failed attempt leads to; `None` (the default) leaves the invocation pending,
+    /// unchanged, to run again.
+    pub failure_policy: Option<FailurePolicy>,
 }
 
 impl WorkerConfig {
@@ -105,6 +112,7 @@ impl WorkerConfig {
             outcome_batch: 64,
             worker_id: None,
             sweep_kv: false,
+            failure_policy: None,
         }
     }
 
@@ -163,6 +171,12 @@ impl WorkerConfig {
         self
     }
 
+    /// Gives the worker a failure policy: attempts counted, backoff, a dead state.
+    pub fn failure_policy(mut self, policy: FailurePolicy) -> Self {
+        self.failure_policy = Some(policy);
+        self
+    }
+
     /// Checks the settings against each other and against the queue's partition count; the
     /// `run_*` functions call it before they take a lease or start anything.
     ///
@@ -218,6 +232,9 @@ impl WorkerConfig {
         }
         if self.worker_id.as_deref() == Some("") {
             return bad("WorkerConfig::worker_id is empty".into());
+        }
+        if let Some(policy) = &self.failure_policy {
+            policy.check()?;
         }
         Ok(())
     }
@@ -578,27 +595,42 @@ fn collect<E: TitoEngine, T: Serialize>(
             in_flight.remove(&running.pulled.key);
             return;
         }
-        Report::Failed(err) => Err(err),
-        Report::Done(QueueHandlerOutcome::Acknowledge) => Ok(None),
+        Report::Failed(failure) => Err(failure),
+        Report::Done(QueueHandlerOutcome::Acknowledge) => Ok(OutcomeKind::Acknowledge),
         Report::Done(QueueHandlerOutcome::Reschedule(next)) => {
             outcome::replacement(&running.pulled.stored, &next)
-                .map(Some)
-                .map_err(TitoError::InvalidArgument)
+                .map(OutcomeKind::Reschedule)
+                .map_err(|why| Failure::of_handler(TitoError::InvalidArgument(why)))
         }
     };
     match outcome {
-        Ok(replacement) => {
+        Ok(kind) => {
             cooling.settled(&running.pulled.key);
-            ready.push(Outcome {
-                running,
-                replacement,
-            })
+            ready.push(Outcome { running, kind })
         }
-        Err(err) => {
+        Err(failure) => {
             queue.count(&counters.failed, names::QUEUE_FAILED, 1);
-            cooling.failed(&running.pulled.key, config.max_idle_backoff);
-            tracing::warn!(key = %running.pulled.key, error = %err, "handler failed; invocation left pending");
-            in_flight.remove(&running.pulled.key);
+            let attempt = running.pulled.stored.failures.saturating_add(1);
+            let policy = config.failure_policy.as_ref().filter(|_| failure.counts);
+            match policy.map(|p| p.after_failure(attempt, failure.panicked)) {
+                // The policy's outcome commits like any other; until it does the row stays
+                // in flight here.
+                Some(after) => {
+                    tracing::warn!(key = %running.pulled.key, attempt, error = %failure.error, ?after, "handler failed");
+                    let error = failure.error.to_string();
+                    let kind = match after {
+                        AfterFailure::Retry(backoff) => OutcomeKind::Retry { backoff, error },
+                        AfterFailure::Dead => OutcomeKind::Dead { error },
+                    };
+                    cooling.settled(&running.pulled.key);
+                    ready.push(Outcome { running, kind });
+                }
+                None => {
+                    cooling.failed(&running.pulled.key, config.max_idle_backoff);
+                    tracing::warn!(key = %running.pulled.key, error = %failure.error, "handler failed; invocation left pending");
+                    in_flight.remove(&running.pulled.key);
+                }
+            }
         }
     }
 }

@@ -2,6 +2,7 @@
 //! that re-checks (and locks) the partition leases it applies under.
 
 use std::collections::{HashMap, HashSet};
+use std::time::Duration;
 
 use serde::Serialize;
 
@@ -19,7 +20,20 @@ use crate::telemetry::names;
 /// An outcome ready to commit.
 pub(super) struct Outcome {
     pub running: Running,
-    pub replacement: Option<StoredEvent>,
+    pub kind: OutcomeKind,
+}
+
+/// What an outcome does to its invocation.
+pub(super) enum OutcomeKind {
+    /// Completed.
+    Acknowledge,
+    /// Completed, and the checked replacement inserted.
+    Reschedule(StoredEvent),
+    /// A failed attempt under a failure policy: replaced by the same invocation due after
+    /// `backoff`, its failure counted.
+    Retry { backoff: Duration, error: String },
+    /// The last failed attempt under a failure policy: moved to the dead state.
+    Dead { error: String },
 }
 
 /// Applies outcomes in batches of at most `batch_size`; whatever does not commit stays pending
@@ -58,9 +72,19 @@ pub(super) async fn commit<E: TitoEngine>(
                     if !applied.contains(&outcome.running.pulled.key) {
                         continue;
                     }
-                    match outcome.replacement {
-                        Some(_) => queue.count(&counters.rescheduled, names::QUEUE_RESCHEDULED, 1),
-                        None => queue.count(&counters.acknowledged, names::QUEUE_ACKNOWLEDGED, 1),
+                    match outcome.kind {
+                        OutcomeKind::Acknowledge => {
+                            queue.count(&counters.acknowledged, names::QUEUE_ACKNOWLEDGED, 1)
+                        }
+                        OutcomeKind::Reschedule(_) => {
+                            queue.count(&counters.rescheduled, names::QUEUE_RESCHEDULED, 1)
+                        }
+                        OutcomeKind::Retry { .. } => {
+                            queue.count(&counters.retried, names::QUEUE_RETRIED, 1)
+                        }
+                        OutcomeKind::Dead { .. } => {
+                            queue.count(&counters.dead, names::QUEUE_DEAD, 1)
+                        }
                     }
                 }
                 let skipped = batch.len() - applied.len();
@@ -139,7 +163,18 @@ async fn apply<E: TitoEngine>(
                 if row.is_none() {
                     continue;
                 }
-                complete(&tx, root, partitions, pulled, outcome.replacement.as_ref()).await?;
+                match &outcome.kind {
+                    OutcomeKind::Acknowledge => {
+                        complete(&tx, root, partitions, pulled, None).await?
+                    }
+                    OutcomeKind::Reschedule(next) => {
+                        complete(&tx, root, partitions, pulled, Some(next)).await?
+                    }
+                    OutcomeKind::Retry { backoff, error } => {
+                        retry(&tx, root, partitions, pulled, *backoff, error).await?
+                    }
+                    OutcomeKind::Dead { error } => bury(&tx, root, pulled, error).await?,
+                }
                 applied.insert(pulled.key.clone());
             }
             Ok::<_, TitoError>(applied)
@@ -201,6 +236,90 @@ pub(super) async fn complete<X: TitoTransaction>(
         }
     }
     Ok(())
+}
+
+/// Deletes a pending row and its pending owner key inside `tx`.
+async fn remove_pending<X: TitoTransaction>(tx: &X, root: &str, pulled: &Pulled) -> TitoResult<()> {
+    tx.delete(pulled.key.clone().into_bytes()).await?;
+    if let Some(owner) = &pulled.stored.owner {
+        let pending_owner = keys::owner_key(
+            root,
+            &owner.kind,
+            &owner.id,
+            keys::OWNER_PENDING,
+            &pulled.key,
+        );
+        tx.delete(pending_owner.into_bytes()).await?;
+    }
+    Ok(())
+}
+
+/// A failed attempt under a failure policy, inside `tx`: the pending row is replaced by the same
+/// invocation (id, key, owner, payload) with one more failure and the error, due at the first
+/// whole second at or after `backoff` from the transaction's time (never before its own due
+/// time). The replacement takes the event id over.
+pub(super) async fn retry<X: TitoTransaction>(
+    tx: &X,
+    root: &str,
+    partitions: u32,
+    pulled: &Pulled,
+    backoff: Duration,
+    error: &str,
+) -> TitoResult<()> {
+    remove_pending(tx, root, pulled).await?;
+    let now_ms = crate::engine::version_millis(tx.start_version());
+    let due_ms = now_ms.saturating_add(crate::util::millis(backoff));
+    let due = i64::try_from(due_ms.div_ceil(1000)).unwrap_or(i64::MAX);
+    let mut next = pulled.stored.clone();
+    next.timestamp = next.timestamp.max(due);
+    next.failures = next.failures.saturating_add(1);
+    next.last_error = Some(bounded_error(error));
+    insert_pending(tx, root, partitions, &next, next.to_bytes()?).await?;
+    Ok(())
+}
+
+/// The last failed attempt under a failure policy, inside `tx`: the pending row moves to the
+/// queue's dead state (`{queue}:dead:{event id}`) with its failure count and error; the owner
+/// key and the event-id key follow it, so the id stays taken while it is dead.
+pub(super) async fn bury<X: TitoTransaction>(
+    tx: &X,
+    root: &str,
+    pulled: &Pulled,
+    error: &str,
+) -> TitoResult<()> {
+    remove_pending(tx, root, pulled).await?;
+    let mut dead = pulled.stored.clone();
+    dead.failures = dead.failures.saturating_add(1);
+    dead.last_error = Some(bounded_error(error));
+    dead.dead_at = Some(tx.start_version());
+    let dead_key = keys::dead_key(root, &dead.id);
+    tx.put(dead_key.clone().into_bytes(), serde_json::to_vec(&dead)?)
+        .await?;
+    if let Some(owner) = &dead.owner {
+        let owner_key = keys::owner_key(root, &owner.kind, &owner.id, keys::OWNER_DEAD, &dead_key);
+        tx.put(owner_key.into_bytes(), Vec::new()).await?;
+    }
+    tx.put(
+        keys::event_id_key(root, &dead.id).into_bytes(),
+        dead_key.into_bytes(),
+    )
+    .await?;
+    Ok(())
+}
+
+/// The longest error text kept beside a row.
+const MAX_ERROR_BYTES: usize = 2048;
+
+/// An error's text, cut at a character boundary to at most [`MAX_ERROR_BYTES`].
+fn bounded_error(error: &str) -> String {
+    if error.len() <= MAX_ERROR_BYTES {
+        return error.to_string();
+    }
+    let mut end = MAX_ERROR_BYTES;
+    while !error.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &error[..end])
 }
 
 /// Checks a `Reschedule` replacement against the invocation it replaces: same id, key, owner
