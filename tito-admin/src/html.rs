@@ -348,6 +348,7 @@ pub(crate) fn queue(data: &QueueData, started: Instant) -> String {
         "late",
     ));
     b.push_str(&card("completed (kept)", &count(&o.completed), "completed"));
+    b.push_str(&card("dead", &count(&o.dead), "dead"));
     b.push_str(&card(
         "coordinator",
         o.coordinator.as_deref().unwrap_or("—"),
@@ -430,6 +431,14 @@ pub(crate) fn queue(data: &QueueData, started: Instant) -> String {
             "<div class=\"pager\"><a href=\"queue?{tq}partition={}&completed_cursor={}\">older →</a></div>",
             data.partition,
             q(cursor)
+        );
+    }
+    b.push_str(&dead_table(&data.dead, topic));
+    if let Some(last) = data.dead.last().filter(|_| data.dead.len() == crate::PAGE) {
+        let _ = write!(
+            b,
+            "<div class=\"pager\"><a href=\"queue?{tq}dead_after={}\">more dead →</a></div>",
+            q(&last.id)
         );
     }
     let _ = write!(
@@ -695,6 +704,45 @@ fn actions_table(actions: &[ActionRecord]) -> String {
             esc(&a.action),
             esc(&a.target),
             esc(&a.result)
+        );
+    }
+    b.push_str("</table>");
+    b
+}
+
+/// The dead invocations of a queue, each with its retry and discard forms.
+fn dead_table(dead: &[tito::queue::DeadInvocation], topic: Option<&str>) -> String {
+    let mut b = String::from("<h2 id=\"dead\">Dead</h2>");
+    if dead.is_empty() {
+        b.push_str("<p class=\"muted\">none</p>");
+        return b;
+    }
+    b.push_str("<table id=\"dead-rows\"><tr><th>event id</th><th>key</th><th class=\"num\">attempts</th><th>last error</th><th>died</th><th>payload</th><th></th></tr>");
+    let hidden = |id: &str| {
+        format!(
+            "<input type=\"hidden\" name=\"topic\" value=\"{}\"><input type=\"hidden\" name=\"id\" value=\"{}\">",
+            esc(topic.unwrap_or("")),
+            esc(id)
+        )
+    };
+    for d in dead {
+        let payload = d.payload.to_string();
+        let _ = write!(
+            b,
+            "<tr data-dead=\"{id}\"><td><code>{id}</code></td><td><code>{}</code></td><td class=\"num\">{}</td><td class=\"error\">{}</td><td>{}</td><td><code>{}</code></td>\
+             <td><form method=\"post\" action=\"dead-retry\">{h}<button type=\"submit\">Retry…</button></form> \
+             <form method=\"post\" action=\"dead-discard\">{h}<button class=\"danger\" type=\"submit\">Discard…</button></form></td></tr>",
+            esc(&d.key),
+            d.attempts,
+            esc(&d.error),
+            if d.dead_at_ms == 0 {
+                "—".into()
+            } else {
+                utc_ms(d.dead_at_ms)
+            },
+            esc(&payload),
+            id = esc(&d.id),
+            h = hidden(&d.id),
         );
     }
     b.push_str("</table>");

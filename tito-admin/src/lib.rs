@@ -6,7 +6,7 @@
 //! | page | JSON | shows |
 //! |---|---|---|
 //! | `/` | `/api/overview` | queues (pending due now and later, how late the oldest is), inboxes, tables (row counts), kv namespaces, recent actions |
-//! | `/queue?topic=T` | `/api/queue?topic=T` | per partition: due now, later, oldest due and lateness, lease holder and expiry; completed in the retention window and per minute; cluster members and coordinator; a page of one partition's pending rows (`partition`, `cursor`) and of the newest completed ones |
+//! | `/queue?topic=T` | `/api/queue?topic=T` | per partition: due now, later, oldest due and lateness, lease holder and expiry; completed in the retention window and per minute; cluster members and coordinator; a page of one partition's pending rows (`partition`, `cursor`), of the newest completed ones, and of dead invocations (`dead_after`) with retry and discard actions |
 //! | `/inbox?table=T&group=G` | `/api/inbox?...` | ready, delayed, leased, processed, bad rows; a page of rows (`state`, `cursor`) |
 //! | `/table?name=T` | `/api/table?name=T` | row count, indexes with state and build progress, the last audit, a page of rows (`cursor`) |
 //! | `/kv?namespace=N` | `/api/kv?namespace=N` | key count and a page of keys (`cursor`) |
@@ -18,7 +18,8 @@
 //!
 //! # Actions
 //!
-//! `POST /erase-owner` (one owner's invocations, pending and completed), `POST /requeue` (an
+//! `POST /erase-owner` (one owner's invocations, pending and completed), `POST /dead-retry` and
+//! `POST /dead-discard` (a dead invocation back to pending, or deleted), `POST /requeue` (an
 //! inbox row back into a group as a fresh job) and `POST /audit` (for
 //! tables whose model was registered with [`Admin::model`]). Each first answers with a
 //! confirmation form; it runs only when posted with `confirm=yes`. Every action is logged
@@ -225,6 +226,8 @@ impl<E: TitoEngine> Admin<E> {
             .route("/api/actions", get(actions_json::<E>))
             .route("/erase-owner", post(erase_owner::<E>))
             .route("/requeue", post(requeue::<E>))
+            .route("/dead-retry", post(dead_retry::<E>))
+            .route("/dead-discard", post(dead_discard::<E>))
             .route("/audit", post(audit::<E>))
             .layer(middleware::from_fn_with_state(state.clone(), guard::<E>))
             .with_state(state)
@@ -445,6 +448,7 @@ struct QueueParams {
     partition: Option<u32>,
     cursor: Option<String>,
     completed_cursor: Option<String>,
+    dead_after: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -453,6 +457,8 @@ struct QueueData {
     partition: u32,
     pending: tito::TitoPage<inspect::QueueRow>,
     completed: tito::TitoPage<inspect::QueueRow>,
+    /// The first dead invocations in event-id order (`dead_after` continues).
+    dead: Vec<tito::queue::DeadInvocation>,
 }
 
 async fn load_queue<E: TitoEngine>(
@@ -503,11 +509,14 @@ async fn load_queue<E: TitoEngine>(
         PAGE,
     )
     .await?;
+    let dead_after = params.dead_after.as_deref().filter(|a| !a.is_empty());
+    let dead = tito::queue::dead(&state.db, topic, dead_after, PAGE).await?;
     Ok(QueueData {
         overview,
         partition,
         pending,
         completed,
+        dead,
     })
 }
 
@@ -863,6 +872,86 @@ async fn requeue<E: TitoEngine>(
     Ok(Html(html::done(
         "Row requeued",
         &format!("{target}: moved."),
+    )))
+}
+
+#[derive(Deserialize)]
+struct DeadForm {
+    topic: Option<String>,
+    id: String,
+    confirm: Option<String>,
+}
+
+impl DeadForm {
+    fn topic(&self) -> Option<&str> {
+        self.topic.as_deref().filter(|t| !t.is_empty())
+    }
+
+    fn target(&self) -> String {
+        format!(
+            "queue {:?}, dead invocation {:?}",
+            self.topic().unwrap_or("default"),
+            self.id
+        )
+    }
+
+    fn fields(&self) -> [(&'static str, String); 2] {
+        [
+            ("topic", self.topic().unwrap_or_default().to_string()),
+            ("id", self.id.clone()),
+        ]
+    }
+}
+
+async fn dead_retry<E: TitoEngine>(
+    State(state): State<Arc<Inner<E>>>,
+    Extension(Peer(peer)): Extension<Peer>,
+    Form(form): Form<DeadForm>,
+) -> Page {
+    if form.id.is_empty() {
+        return Err(TitoError::invalid_argument("a retry needs an event id").into());
+    }
+    let target = form.target();
+    if !confirmed(&form.confirm) {
+        return Ok(Html(html::confirm(
+            "Retry a dead invocation",
+            &format!("Move {target} back to pending (attempt 1, due now)?"),
+            "dead-retry",
+            &form.fields(),
+        )));
+    }
+    let moved = tito::queue::retry_dead(&state.db, form.topic(), &form.id).await?;
+    let result = if moved { "pending again" } else { "not dead" };
+    state.record(peer, "dead-retry", target.clone(), result.into());
+    Ok(Html(html::done(
+        "Dead invocation retried",
+        &format!("{target}: {result}."),
+    )))
+}
+
+async fn dead_discard<E: TitoEngine>(
+    State(state): State<Arc<Inner<E>>>,
+    Extension(Peer(peer)): Extension<Peer>,
+    Form(form): Form<DeadForm>,
+) -> Page {
+    if form.id.is_empty() {
+        return Err(TitoError::invalid_argument("a discard needs an event id").into());
+    }
+    let target = form.target();
+    if !confirmed(&form.confirm) {
+        return Ok(Html(html::confirm(
+            "Discard a dead invocation",
+            &format!("Delete {target} for good (its event id may be published again)?"),
+            "dead-discard",
+            &form.fields(),
+        )));
+    }
+    let deleted = tito::queue::discard_dead(&state.db, form.topic(), &form.id).await?;
+    let result = if deleted { "discarded" } else { "not dead" };
+    state.record(peer, "dead-discard", target.clone(), result.into());
+    Ok(Html(html::done(
+        "Dead invocation discarded",
+        &format!("{target}: {result}."),
     )))
 }
 

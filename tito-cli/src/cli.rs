@@ -114,6 +114,34 @@ pub(crate) enum QueueCommand {
         #[arg(long, default_value = "set aside by an operator")]
         why: String,
     },
+    /// A page of a queue's dead invocations (a worker's failure policy gave up on them), in
+    /// event-id order: attempts, last error, when, payload.
+    Dead {
+        #[arg(long)]
+        topic: Option<String>,
+        #[arg(long, default_value_t = 20)]
+        limit: usize,
+        /// Continue after this event id (the last one a previous page printed).
+        #[arg(long)]
+        after: Option<String>,
+    },
+    /// Moves a dead invocation back to pending: attempt 1, due now. Prints whether it was dead.
+    RetryDead {
+        #[arg(long)]
+        topic: Option<String>,
+        /// The event id, as `queue dead` prints it.
+        id: String,
+    },
+    /// Deletes a dead invocation (its event id may be published again). Asks for `--yes`.
+    DiscardDead {
+        #[arg(long)]
+        topic: Option<String>,
+        /// The event id, as `queue dead` prints it.
+        id: String,
+        /// Confirms the deletion.
+        #[arg(long)]
+        yes: bool,
+    },
     /// A page of the rows a queue moved aside.
     Aside {
         #[arg(long)]

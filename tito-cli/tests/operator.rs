@@ -135,6 +135,36 @@ async fn seed<E: TitoEngine>(db: &E) {
     stop.send(true).unwrap();
     worker.await.unwrap().unwrap();
 
+    // The `flaky` queue: two events whose only attempt failed, now dead.
+    let flaky = Arc::new(Queue::new(
+        db.clone(),
+        QueueConfig::new(2, Duration::from_secs(3600)).topic("flaky"),
+    ));
+    for i in 0..2 {
+        flaky
+            .publish(QueueEvent::new(format!("f{i}"), i, now - 5).with_id(format!("flaky-{i}")))
+            .await
+            .unwrap();
+    }
+    let (stop, shutdown) = tokio::sync::watch::channel(false);
+    let worker = tokio::spawn(run_worker(
+        flaky.clone(),
+        WorkerConfig::new(0..2)
+            .max_idle_backoff(Duration::from_millis(20))
+            .failure_policy(tito::queue::FailurePolicy::new(1)),
+        |_event: QueueEvent<i64>| async {
+            Err(tito::TitoError::handler("the mail server said no"))
+        },
+        shutdown,
+    ));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while flaky.dead(None, 10).await.unwrap().len() < 2 {
+        assert!(Instant::now() < deadline, "the flaky worker did not finish");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    stop.send(true).unwrap();
+    worker.await.unwrap().unwrap();
+
     // The inbox: 3 ready and 1 delayed in `mail`, 1 out of attempts in `mail-dead`.
     let jobs = db.clone().model::<Job>();
     let host_ms = chrono::Utc::now().timestamp_millis();
@@ -229,6 +259,57 @@ async fn the_cli_reads_a_seeded_store() {
         BTreeMap::from([("job".into(), 5), ("user".into(), USERS as u64)])
     );
 
+    // Dead invocations: listed; a discard asks for --yes; a retry moves one back.
+    let dead = stdout_json(&at(&["queue", "dead", "--topic", "flaky", "--json"]));
+    let ids: Vec<&str> = dead
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["flaky-0", "flaky-1"]);
+    let text =
+        String::from_utf8_lossy(&at(&["queue", "dead", "--topic", "flaky"]).stdout).into_owned();
+    assert!(text.contains("1 attempts"), "{text}");
+    assert!(text.contains("the mail server said no"), "{text}");
+    let refused = at(&["queue", "discard-dead", "--topic", "flaky", "flaky-1"]);
+    assert_eq!(refused.status.code(), Some(1));
+    assert!(stderr(&refused).contains("--yes"), "{}", stderr(&refused));
+    let discarded = stdout_json(&at(&[
+        "queue",
+        "discard-dead",
+        "--topic",
+        "flaky",
+        "flaky-1",
+        "--yes",
+        "--json",
+    ]));
+    assert_eq!(discarded["discarded"], true);
+    let retried = stdout_json(&at(&[
+        "queue",
+        "retry-dead",
+        "--topic",
+        "flaky",
+        "flaky-0",
+        "--json",
+    ]));
+    assert_eq!(retried["retried"], true);
+    let again = stdout_json(&at(&[
+        "queue",
+        "retry-dead",
+        "--topic",
+        "flaky",
+        "flaky-0",
+        "--json",
+    ]));
+    assert_eq!(again["retried"], false);
+    let stats =
+        String::from_utf8_lossy(&at(&["queue", "stats", "--topic", "flaky"]).stdout).into_owned();
+    assert!(
+        stats.contains("1 due now") && stats.contains("0 dead"),
+        "{stats}"
+    );
+
     let row = stdout_json(&at(&["table", "get", "user", "u03", "--json"]));
     assert_eq!(row["value"]["team"], "red");
     let missing = at(&["table", "get", "user", "nobody"]);
@@ -273,7 +354,7 @@ async fn the_cli_reads_a_seeded_store() {
         .iter()
         .map(|q| q["label"].as_str().unwrap())
         .collect();
-    assert_eq!(labels, ["default", "mail"]);
+    assert_eq!(labels, ["default", "flaky", "mail"]);
 
     let stats = stdout_json(&at(&["queue", "stats", "--json"]));
     // The seeded backlog plus the malformed row (a pending key like the others).
@@ -811,6 +892,61 @@ async fn the_dashboard_guards_access_and_confirms_and_logs_actions() {
     let (status, _) = send(&router, post("/audit", "table=job&confirm=yes"), local).await;
     assert_eq!(status, StatusCode::NOT_FOUND);
 
+    // Dead invocations: counted, listed with their error, retried and discarded after a
+    // confirmation each.
+    let (_, body) = send(&router, get("/api/queue?topic=flaky"), local).await;
+    let flaky: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(flaky["overview"]["dead"]["value"], 2);
+    assert_eq!(flaky["dead"][0]["id"], "flaky-0");
+    assert_eq!(flaky["dead"][0]["attempts"], 1);
+    assert!(
+        flaky["dead"][0]["error"]
+            .as_str()
+            .unwrap()
+            .contains("the mail server said no"),
+        "{flaky}"
+    );
+    let (status, page) = send(&router, get("/queue?topic=flaky"), local).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(page.contains("data-dead=\"flaky-1\""), "{page}");
+    assert!(page.contains("action=\"dead-retry\""), "{page}");
+    let (status, body) = send(
+        &router,
+        post("/dead-retry", "topic=flaky&id=flaky-0"),
+        local,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(body.contains("name=\"confirm\" value=\"yes\""), "{body}");
+    let (status, body) = send(
+        &router,
+        post("/dead-retry", "topic=flaky&id=flaky-0&confirm=yes"),
+        local,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert!(body.contains("pending again"), "{body}");
+    let (status, body) = send(
+        &router,
+        post("/dead-discard", "topic=flaky&id=flaky-1&confirm=yes"),
+        local,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert!(body.contains("discarded"), "{body}");
+    let (status, body) = send(
+        &router,
+        post("/dead-discard", "topic=flaky&id=flaky-1&confirm=yes"),
+        local,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert!(body.contains("not dead"), "{body}");
+    let (_, body) = send(&router, get("/api/queue?topic=flaky"), local).await;
+    let flaky: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(flaky["overview"]["dead"]["value"], 0);
+    assert_eq!(flaky["overview"]["due_now"]["value"], 1);
+
     // Every action that ran is logged, newest first, with its peer.
     let (_, body) = send(&router, get("/api/actions"), local).await;
     let actions: Value = serde_json::from_str(&body).unwrap();
@@ -820,7 +956,17 @@ async fn the_dashboard_guards_access_and_confirms_and_logs_actions() {
         .iter()
         .map(|a| a["action"].as_str().unwrap())
         .collect();
-    assert_eq!(names, ["audit", "requeue", "erase-owner"]);
+    assert_eq!(
+        names,
+        [
+            "dead-discard",
+            "dead-discard",
+            "dead-retry",
+            "audit",
+            "requeue",
+            "erase-owner"
+        ]
+    );
     assert_eq!(actions[0]["peer"], "127.0.0.1:50000");
 }
 

@@ -249,6 +249,9 @@ pub struct QueueOverview {
     pub oldest_due: Option<u64>,
     /// Completed invocations kept (within the retention).
     pub completed: Count,
+    /// Invocations in the dead state (a failure policy gave up on them; see
+    /// [`crate::Queue::dead`]).
+    pub dead: Count,
     /// Invocations completed in each of the last [`THROUGHPUT_MINUTES`] minutes, the current
     /// (partial) minute first.
     pub completed_per_minute: Vec<Count>,
@@ -321,6 +324,9 @@ pub async fn queue_overview<E: TitoEngine>(
             COUNT_BOUND,
         )
         .await?;
+        let dead_prefix = keys::dead_prefix(&root);
+        let dead_end = keys::prefix_end(dead_prefix.clone());
+        let dead = count_in(tx, dead_prefix.as_bytes(), dead_end.as_bytes(), COUNT_BOUND).await?;
         let minute_start = now_s - now_s % 60;
         let mut completed_per_minute = Vec::new();
         for minute in 0..THROUGHPUT_MINUTES {
@@ -343,6 +349,7 @@ pub async fn queue_overview<E: TitoEngine>(
             future,
             oldest_due,
             completed,
+            dead,
             completed_per_minute,
             members: Vec::new(),
             coordinator: None,

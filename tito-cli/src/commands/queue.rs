@@ -60,6 +60,47 @@ pub(crate) async fn run<E: TitoEngine>(db: E, command: QueueCommand, json: bool)
                 },
             )
         }
+        QueueCommand::Dead {
+            topic,
+            limit,
+            after,
+        } => {
+            let dead = tito::queue::dead(&db, topic.as_deref(), after.as_deref(), limit).await?;
+            print(json, &dead, || dead_text(&dead, limit))
+        }
+        QueueCommand::RetryDead { topic, id } => {
+            let moved = tito::queue::retry_dead(&db, topic.as_deref(), &id).await?;
+            print(
+                json,
+                &serde_json::json!({ "id": id, "retried": moved }),
+                || {
+                    if moved {
+                        format!("{id}: pending again (attempt 1, due now)")
+                    } else {
+                        format!("{id}: not dead (nothing moved)")
+                    }
+                },
+            )
+        }
+        QueueCommand::DiscardDead { topic, id, yes } => {
+            if !yes {
+                return Err(Failure(format!(
+                    "discarding dead invocation {id:?} deletes it for good; run again with --yes"
+                )));
+            }
+            let deleted = tito::queue::discard_dead(&db, topic.as_deref(), &id).await?;
+            print(
+                json,
+                &serde_json::json!({ "id": id, "discarded": deleted }),
+                || {
+                    if deleted {
+                        format!("{id}: discarded")
+                    } else {
+                        format!("{id}: not dead (nothing deleted)")
+                    }
+                },
+            )
+        }
         QueueCommand::Aside {
             topic,
             limit,
@@ -76,8 +117,8 @@ pub(crate) async fn run<E: TitoEngine>(db: E, command: QueueCommand, json: bool)
 fn stats_text(o: &inspect::QueueOverview) -> String {
     let now_s = o.now_ms / 1000;
     let mut out = format!(
-        "queue {}: {} due now, {} due later, {} completed kept",
-        o.info.label, o.due_now, o.future, o.completed
+        "queue {}: {} due now, {} due later, {} completed kept, {} dead",
+        o.info.label, o.due_now, o.future, o.completed, o.dead
     );
     if let Some(due) = o.oldest_due.filter(|_| o.due_now.value > 0) {
         out.push_str(&format!(
@@ -148,6 +189,41 @@ fn peek_text(page: &tito::model::TitoPage<inspect::QueueRow>) -> String {
         }
     }
     out.push_str(&cursor_line(&page.cursor));
+    out
+}
+
+/// `queue dead` as text: one block per dead invocation, then how to continue.
+fn dead_text(dead: &[tito::queue::DeadInvocation], limit: usize) -> String {
+    if dead.is_empty() {
+        return "no dead invocations".into();
+    }
+    let mut out = String::new();
+    for d in dead {
+        out.push_str(&format!(
+            "{}  key {}  {} attempts  died {}
+  error: {}
+  payload: {}
+",
+            d.id,
+            d.key,
+            d.attempts,
+            chrono::DateTime::<chrono::Utc>::from_timestamp_millis(d.dead_at_ms as i64)
+                .map_or("?".into(), |t| t
+                    .to_rfc3339_opts(chrono::SecondsFormat::Secs, true)),
+            d.error,
+            d.payload
+        ));
+    }
+    if dead.len() == limit
+        && let Some(last) = dead.last()
+    {
+        out.push_str(&format!(
+            "next page: --after {}
+",
+            last.id
+        ));
+    }
+    out.push_str("retry: tito queue retry-dead ID; discard: tito queue discard-dead ID --yes");
     out
 }
 
