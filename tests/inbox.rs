@@ -26,6 +26,7 @@ macro_rules! inbox_suite {
                 claims_follow_priority_then_retry_after_then_id,
                 outcomes_do_what_they_say,
                 attempts_run_out_into_a_dead_letter_group,
+                failed_deliveries_are_released_to_their_retry_time,
                 dead_letters_can_go_to_another_model,
                 concurrent_claimers_never_share_a_row,
                 a_lost_lease_applies_no_outcome,
@@ -357,6 +358,93 @@ pub async fn attempts_run_out_into_a_dead_letter_group<E: TitoEngine>(ctx: Ctx<E
         "three claims, then the dead letter"
     );
     assert_eq!(inbox.stats().dead_lettered, 1);
+}
+
+/// A handler's `Err` releases the row to a retry time after the policy's backoff (not the rest
+/// of a long lease); attempts rise by one; the last failure dead-letters it, and a fatal panic
+/// at once.
+pub async fn failed_deliveries_are_released_to_their_retry_time<E: TitoEngine>(ctx: Ctx<E>) {
+    let jobs = ctx.db.clone().model::<EmailJob>();
+    jobs.build(job("fails", 0, 0)).await.unwrap();
+    jobs.build(job("panics", 1, 0)).await.unwrap();
+    let inbox = Arc::new(Inbox::<E, EmailJob>::new(ctx.db.clone()).unwrap());
+    let seen: Arc<Mutex<Vec<(String, u64, std::time::Instant)>>> = Arc::default();
+    let log = seen.clone();
+    let policy = tito::queue::FailurePolicy::new(3)
+        .backoff(Duration::from_millis(100), Duration::from_millis(100))
+        .panics_are_fatal();
+    // A lease of a minute: a failure that held the row for its lease would stall the test.
+    let config = InboxConfig::new("mail")
+        .lease(Duration::from_secs(60))
+        .failure_policy(policy)
+        .dead_letter(DeadLetter::Group("mail-dead".into()))
+        .max_idle(Duration::from_millis(20));
+    assert_eq!(config.max_attempts, 3);
+    let (stop, rx) = watch::channel(false);
+    let task = tokio::spawn(run_inbox(
+        inbox.clone(),
+        config,
+        move |delivery: InboxDelivery<Email>| {
+            let log = log.clone();
+            async move {
+                log.lock().unwrap().push((
+                    delivery.id.clone(),
+                    delivery.attempt,
+                    std::time::Instant::now(),
+                ));
+                if delivery.id == "panics" {
+                    panic!("a fatal panic");
+                }
+                Err(TitoError::handler("the mail server said no"))
+            }
+        },
+        rx,
+    ));
+    let j = jobs.clone();
+    wait_for("both dead letters", Duration::from_secs(30), move || {
+        let j = j.clone();
+        async move {
+            let fails = j.find_by_id("fails", vec![]).await.unwrap();
+            let panics = j.find_by_id("panics", vec![]).await.unwrap();
+            fails.queue == "mail-dead" && panics.queue == "mail-dead"
+        }
+    })
+    .await;
+    let running = Running { stop, task };
+    running.stop().await;
+    let seen = seen.lock().unwrap().clone();
+    let attempts = |id: &str| -> Vec<u64> {
+        seen.iter()
+            .filter(|(i, _, _)| i == id)
+            .map(|(_, a, _)| *a)
+            .collect()
+    };
+    assert_eq!(attempts("fails"), [1, 2, 3]);
+    assert_eq!(
+        attempts("panics"),
+        [1],
+        "a fatal panic dead-letters at once"
+    );
+    // Released to its retry time: the next claim came after the backoff, long before the lease.
+    let times: Vec<std::time::Instant> = seen
+        .iter()
+        .filter(|(i, _, _)| i == "fails")
+        .map(|(_, _, t)| *t)
+        .collect();
+    for pair in times.windows(2) {
+        let gap = pair[1] - pair[0];
+        assert!(
+            gap >= Duration::from_millis(50),
+            "{gap:?}: before the backoff"
+        );
+        assert!(gap < Duration::from_secs(30), "{gap:?}: held for the lease");
+    }
+    assert_eq!(inbox.stats().dead_lettered, 2);
+    assert_eq!(inbox.stats().failed, 4);
+    // A refused policy refuses the subscription before it claims.
+    let bad =
+        InboxConfig::<E, EmailJob>::new("mail").failure_policy(tito::queue::FailurePolicy::new(0));
+    assert!(matches!(bad.check(), Err(TitoError::InvalidArgument(_))));
 }
 
 pub async fn dead_letters_can_go_to_another_model<E: TitoEngine>(ctx: Ctx<E>) {

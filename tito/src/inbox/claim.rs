@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use serde::de::DeserializeOwned;
 use serde_json::Value;
@@ -252,7 +253,7 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
         };
         let model: M = serde_json::from_value(row.clone())?;
         self.models
-            .update_with_options(model, TitoOptions::default(), tx)
+            .update_with_options(model, TitoOptions::without_events(), tx)
             .await?;
         let claim = InboxClaim {
             id: id.clone(),
@@ -291,7 +292,7 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
                 self.set_lease(tx, id, &mut row, None).await?;
                 let model: M = serde_json::from_value(row)?;
                 self.models
-                    .update_with_options(model, TitoOptions::default(), tx)
+                    .update_with_options(model, TitoOptions::without_events(), tx)
                     .await?;
             }
             Some(DeadLetter::Model(write)) => {
@@ -299,7 +300,7 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
                 write(model, tx.clone()).await?;
                 self.set_lease(tx, id, &mut Value::Null, None).await?;
                 self.models
-                    .delete_by_id_with_options(id, TitoOptions::default(), tx)
+                    .delete_by_id_with_options(id, TitoOptions::without_events(), tx)
                     .await?;
             }
         }
@@ -350,7 +351,7 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
                 if self.spec.locked_until.is_some() {
                     let model: M = serde_json::from_value(row)?;
                     self.models
-                        .update_with_options(model, TitoOptions::default(), &tx)
+                        .update_with_options(model, TitoOptions::without_events(), &tx)
                         .await?;
                 }
                 Ok(Some(InboxClaim {
@@ -358,6 +359,37 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
                     ..claim.clone()
                 }))
             })
+            .await
+    }
+
+    /// Releases a row whose delivery failed (attempt `attempt`), if the claim still holds it:
+    /// dead-lettered when `dead` (a fatal panic) or out of attempts and a dead letter is
+    /// configured, otherwise ready again after `backoff` (with a `retry_after` role; without
+    /// one the lease is kept until it ends, the only delay such a row can carry). Returns
+    /// whether the row was released.
+    pub(super) async fn release_failed(
+        &self,
+        config: &InboxConfig<E, M>,
+        claim: &InboxClaim,
+        backoff: Duration,
+        dead: bool,
+    ) -> TitoResult<bool> {
+        if dead && config.dead_letter.is_some() {
+            return self
+                .db
+                .transaction_with(self.db.retry_policy().resolving(), |tx| async move {
+                    let Some(row) = self.held(&tx, claim).await? else {
+                        return Ok(false);
+                    };
+                    self.dead_letter(&tx, config, row, &claim.id).await?;
+                    Ok(true)
+                })
+                .await;
+        }
+        if self.spec.retry_after.is_none() {
+            return Ok(false);
+        }
+        self.complete(config, claim, InboxOutcome::RetryAfter(backoff))
             .await
     }
 
@@ -407,7 +439,11 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
                     InboxOutcome::Ack | InboxOutcome::Drop => {
                         self.set_lease(&tx, &claim.id, &mut row, None).await?;
                         self.models
-                            .delete_by_id_with_options(&claim.id, TitoOptions::default(), &tx)
+                            .delete_by_id_with_options(
+                                &claim.id,
+                                TitoOptions::without_events(),
+                                &tx,
+                            )
                             .await?;
                         return Ok(true);
                     }
@@ -435,7 +471,7 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
                 }
                 let model: M = serde_json::from_value(row)?;
                 self.models
-                    .update_with_options(model, TitoOptions::default(), &tx)
+                    .update_with_options(model, TitoOptions::without_events(), &tx)
                     .await?;
                 Ok(true)
             })

@@ -68,6 +68,10 @@ pub struct InboxConfig<E: TitoEngine, M> {
     pub clock: InboxClock,
     /// The longest pause between claims when nothing is ready.
     pub max_idle: Duration,
+    /// How a failed delivery (the handler's `Err`, a panic) is retried: its backoff, and
+    /// whether a panic dead-letters the row at once. Set with [`InboxConfig::failure_policy`],
+    /// which also sets `max_attempts`; `None` backs off from 1 s, doubling up to the lease.
+    pub failure_policy: Option<crate::queue::FailurePolicy>,
 }
 
 impl<E: TitoEngine, M> InboxConfig<E, M> {
@@ -81,7 +85,27 @@ impl<E: TitoEngine, M> InboxConfig<E, M> {
             dead_letter: None,
             clock: InboxClock::Host,
             max_idle: Duration::from_secs(1),
+            failure_policy: None,
         }
+    }
+
+    /// Retries failed deliveries as `policy` says: the row is released to a retry time after
+    /// the policy's backoff (needs a `retry_after` role), dead-lettered after the policy's
+    /// attempts (sets `max_attempts`), and at the first panic when panics are fatal.
+    pub fn failure_policy(mut self, policy: crate::queue::FailurePolicy) -> Self {
+        self.max_attempts = u64::from(policy.max_attempts());
+        self.failure_policy = Some(policy);
+        self
+    }
+
+    /// The policy failed deliveries follow: the one given, or the default (this config's
+    /// attempts, backing off from 1 s up to the lease).
+    pub(super) fn failures(&self) -> crate::queue::FailurePolicy {
+        self.failure_policy.clone().unwrap_or_else(|| {
+            let attempts = u32::try_from(self.max_attempts).unwrap_or(u32::MAX);
+            crate::queue::FailurePolicy::new(attempts.clamp(1, crate::queue::MAX_ATTEMPTS))
+                .backoff(Duration::from_secs(1).min(self.lease), self.lease)
+        })
     }
 
     /// Handlers in flight at once.
@@ -148,6 +172,9 @@ impl<E: TitoEngine, M> InboxConfig<E, M> {
         }
         if self.max_idle.is_zero() {
             return bad("InboxConfig::max_idle is zero".into());
+        }
+        if let Some(policy) = &self.failure_policy {
+            policy.check()?;
         }
         Ok(())
     }

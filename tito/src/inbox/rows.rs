@@ -243,7 +243,7 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
                     self.set_lease(&tx, &id, &mut row, None).await?;
                     let model: M = serde_json::from_value(row)?;
                     self.models
-                        .update_with_options(model, TitoOptions::default(), &tx)
+                        .update_with_options(model, TitoOptions::without_events(), &tx)
                         .await?;
                     tracing::info!(table = %self.table, id, "inbox row requeued");
                     Ok(())

@@ -196,6 +196,7 @@ async fn handle<E, M, P, F, Fut>(
     F: Fn(InboxDelivery<P>) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = TitoResult<InboxOutcome>> + Send + 'static,
 {
+    let attempt = u32::try_from(delivery.attempt.max(1)).unwrap_or(u32::MAX);
     // The call that builds the future is supervised with it (a handler that panics before it
     // returns a future fails like one whose future panics).
     let mut work = std::panic::AssertUnwindSafe(async move { handler(delivery).await })
@@ -220,21 +221,42 @@ async fn handle<E, M, P, F, Fut>(
             }
         }
     };
-    let outcome = match result {
-        Ok(Ok(outcome)) => outcome,
-        Ok(Err(err)) => {
-            inbox.stats.failed.fetch_add(1, Ordering::Relaxed);
-            inbox.record(names::INBOX_OUTCOMES, &config.group, Some("failed"));
-            tracing::warn!(id = %claim.id, error = %err, "inbox handler failed; the row is claimable when its lease ends");
-            return;
-        }
-        Err(_) => {
-            inbox.stats.failed.fetch_add(1, Ordering::Relaxed);
-            inbox.record(names::INBOX_OUTCOMES, &config.group, Some("failed"));
-            tracing::warn!(id = %claim.id, "inbox handler panicked");
-            return;
-        }
+    let (error, panicked) = match result {
+        Ok(Ok(outcome)) => return apply(&inbox, &config, &claim, outcome).await,
+        Ok(Err(err)) => (err.to_string(), false),
+        Err(_) => ("the handler panicked".to_string(), true),
     };
+    inbox.stats.failed.fetch_add(1, Ordering::Relaxed);
+    inbox.record(names::INBOX_OUTCOMES, &config.group, Some("failed"));
+    // The failure releases the row to its retry time (or dead-letters it), instead of holding
+    // it for the rest of the lease.
+    let policy = config.failures();
+    let (backoff, dead) = match policy.after_failure(attempt, panicked) {
+        crate::queue::AfterFailure::Retry(backoff) => (backoff, false),
+        // Out of attempts: the retry below dead-letters it (the claim's attempt count is at
+        // the limit); a fatal panic dead-letters it whatever the count.
+        crate::queue::AfterFailure::Dead => (Duration::ZERO, panicked && policy.panics_fatal()),
+    };
+    match inbox.release_failed(&config, &claim, backoff, dead).await {
+        Ok(true) => {
+            tracing::warn!(id = %claim.id, attempt, error = %error, ?backoff, "inbox handler failed; the row is released to its retry time")
+        }
+        Ok(false) => {
+            tracing::warn!(id = %claim.id, attempt, error = %error, "inbox handler failed; the row is claimable when its lease ends")
+        }
+        Err(err) => {
+            tracing::warn!(id = %claim.id, attempt, error = %error, release_error = %err, "inbox handler failed and releasing the row failed; it is claimable when its lease ends")
+        }
+    }
+}
+
+/// Applies a handler's outcome and counts it.
+async fn apply<E: TitoEngine, M: InboxModel>(
+    inbox: &Inbox<E, M>,
+    config: &InboxConfig<E, M>,
+    claim: &InboxClaim,
+    outcome: InboxOutcome,
+) {
     match inbox.complete(&config, &claim, outcome).await {
         Ok(true) => {
             inbox.stats.completed.fetch_add(1, Ordering::Relaxed);

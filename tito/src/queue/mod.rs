@@ -99,6 +99,7 @@ pub use crate::runtime::{Stop, Workers};
 pub use cluster::{ClusterConfig, ClusterState, MIN_TTL, cluster_state};
 pub use dead::{DeadInvocation, dead, discard_dead, retry_dead};
 pub use topic::{TopicQueue, WorkerQueue};
+pub(crate) use worker::AfterFailure;
 pub use worker::{
     FailurePolicy, MAX_ATTEMPTS, MAX_SETTING, MIN_LEASE, Shutdown, WorkerConfig,
     run_cluster_worker, run_transactional_worker, run_worker,

@@ -20,6 +20,7 @@ mod outcome;
 mod policy;
 mod pulling;
 
+pub(crate) use policy::AfterFailure;
 pub use policy::{FailurePolicy, MAX_ATTEMPTS};
 
 use std::collections::{HashMap, HashSet};
@@ -44,7 +45,6 @@ use crate::telemetry::names;
 use handler::{Failure, Invoker, Report};
 use leases::{LeaseKeeper, Maintenance};
 use outcome::{Outcome, OutcomeKind};
-use policy::AfterFailure;
 use pulling::{Cooling, Pulling};
 use tracing::Instrument;
 

@@ -112,7 +112,7 @@ impl FailurePolicy {
     }
 
     /// What failed attempt number `attempt` (from 1) leads to.
-    pub(super) fn after_failure(&self, attempt: u32, panicked: bool) -> AfterFailure {
+    pub(crate) fn after_failure(&self, attempt: u32, panicked: bool) -> AfterFailure {
         if attempt >= self.max_attempts || (panicked && self.panics_are_fatal) {
             return AfterFailure::Dead;
         }
@@ -137,7 +137,7 @@ impl FailurePolicy {
 
 /// What one failure leads to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum AfterFailure {
+pub(crate) enum AfterFailure {
     Retry(Duration),
     Dead,
 }
