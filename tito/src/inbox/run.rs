@@ -257,7 +257,7 @@ async fn apply<E: TitoEngine, M: InboxModel>(
     claim: &InboxClaim,
     outcome: InboxOutcome,
 ) {
-    match inbox.complete(&config, &claim, outcome).await {
+    match inbox.complete(config, claim, outcome).await {
         Ok(true) => {
             inbox.stats.completed.fetch_add(1, Ordering::Relaxed);
             let label = match outcome {
