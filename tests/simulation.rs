@@ -10,9 +10,10 @@
 //! The workload: publishers (alone, with owners, in a model write's transaction, due later, the
 //! same event id twice), standalone workers starting, stopping cleanly, crashing (task aborted,
 //! nothing released) and restarting over overlapping partitions, handlers that succeed, fail,
-//! panic, time out, reschedule or run longer than their lease; kv increments; model writes
-//! racing on a unique index; model writes in callers' transactions that catch the write's error
-//! and commit anyway; faults from `FaultyEngine` (conflicts, unknown commit outcomes
+//! panic, time out, reschedule, always fail (cluster nodes run a failure policy: attempts,
+//! backoff, a dead state) or run longer than their lease; kv increments; model writes
+//! racing on a unique index; model writes (which publish their declared events) in callers'
+//! transactions that catch the write's error and commit anyway; faults from `FaultyEngine` (conflicts, unknown commit outcomes
 //! applied or not, storage errors, delays); time moving in jumps.
 //!
 //! Determinism: the seed is the only source of randomness (the engine's clock is the runtime's,
@@ -87,6 +88,18 @@ enum Behaviour {
     SlowerThanLease,
     TimeOutOnce,
     RescheduleOnce,
+    /// Fails every attempt (published to the cluster queue only, whose nodes have a failure
+    /// policy): dead after exactly [`MAX_ATTEMPTS`] attempts.
+    AlwaysFail,
+}
+
+/// The cluster nodes' failure policy: attempts before the dead state.
+const MAX_ATTEMPTS: u32 = 3;
+
+fn failure_policy() -> tito::queue::FailurePolicy {
+    tito::queue::FailurePolicy::new(MAX_ATTEMPTS)
+        .backoff(Duration::from_millis(100), Duration::from_millis(400))
+        .jitter_seed(0x5eed)
 }
 
 const BEHAVIOURS: [Behaviour; 6] = [
@@ -157,6 +170,8 @@ struct SimTask {
 struct Tracker {
     /// Handler starts per event.
     runs: BTreeMap<u32, u32>,
+    /// The attempt number each start of an event was given (`QueueEvent::attempt`).
+    attempts: BTreeMap<u32, Vec<u32>>,
     /// Runs in progress per event.
     running: BTreeMap<u32, u32>,
     /// Times a run started while another run of the same event was in progress.
@@ -227,6 +242,7 @@ fn handler(
             let n = event.payload.n;
             let attempt = {
                 let mut t = tracker.lock().unwrap();
+                t.attempts.entry(n).or_default().push(event.attempt);
                 let runs = t.runs.entry(n).or_default();
                 *runs += 1;
                 let attempt = *runs;
@@ -260,6 +276,9 @@ fn handler(
             };
             let _live = Live(tracker.clone(), n, who.clone());
             match event.payload.behaviour {
+                Behaviour::AlwaysFail => {
+                    return Err(TitoError::handler("fails at every attempt"));
+                }
                 Behaviour::FailOnce if attempt == 1 => {
                     return Err(TitoError::handler("fails at its first attempt"));
                 }
@@ -292,7 +311,8 @@ fn start_node(queue: &Arc<Queue<Db>>, tracker: &Arc<Mutex<Tracker>>, id: String)
     let config = WorkerConfig::new(0..PARTITIONS)
         .handler_timeout(HANDLER_TIMEOUT)
         .max_idle_backoff(Duration::from_millis(50))
-        .concurrency(4);
+        .concurrency(4)
+        .failure_policy(failure_policy());
     let cluster = ClusterConfig::new()
         .node_id(id.clone())
         .node_ttl(NODE_TTL)
@@ -344,6 +364,8 @@ pub struct Report {
     pub faults: u64,
     pub published: usize,
     pub handler_runs: u32,
+    /// Invocations a failure policy moved to the dead state.
+    pub dead: usize,
     pub violations: Vec<String>,
     pub trace: Vec<String>,
     pub log: Vec<String>,
@@ -386,6 +408,8 @@ struct Sim {
     cas_unknown: usize,
     /// Profile writes with events switched off (the profiles' history skips them).
     silent_profile_writes: usize,
+    /// Dead invocations found by the final checks.
+    dead: usize,
     tasks: u32,
     held: Vec<Held>,
     /// Rows whose `Drop` outcome applied (deleted).
@@ -431,9 +455,15 @@ impl Sim {
                 } else {
                     0
                 };
+                let pick = BEHAVIOURS[self.rng.below(BEHAVIOURS.len() as u64) as usize];
+                let always_fail = which == 1 && self.rng.chance(10);
                 Job {
                     n,
-                    behaviour: BEHAVIOURS[self.rng.below(BEHAVIOURS.len() as u64) as usize],
+                    behaviour: if always_fail {
+                        Behaviour::AlwaysFail
+                    } else {
+                        pick
+                    },
                     first_due: self.now_secs().await + later,
                 }
             }
@@ -923,8 +953,61 @@ impl Sim {
                 )
             });
         }
+        // Dead invocations (the cluster queue's failure policy): only those that always fail,
+        // each after exactly its maximum attempts, with its id key pointing at it.
+        let mut dead: BTreeSet<String> = BTreeSet::new();
+        for (key, value) in scan_all(&tx, format!("{root}:dead:").as_bytes()).await {
+            let row: serde_json::Value = serde_json::from_slice(&value).unwrap();
+            let id = row["id"].as_str().unwrap_or_default().to_string();
+            let behaviour = self.queues[which]
+                .events
+                .get(&id)
+                .map(|(job, _)| job.behaviour);
+            let failures = row["failures"].as_u64().unwrap_or(0);
+            self.check(
+                which == 1
+                    && behaviour == Some(Behaviour::AlwaysFail)
+                    && failures == u64::from(MAX_ATTEMPTS),
+                || format!("q{which}: {id} ({behaviour:?}) dead after {failures} failures"),
+            );
+            let named = tx
+                .get(tito::keys::event_id_key(&root, &id).as_bytes())
+                .await
+                .unwrap();
+            self.check(named.as_deref() == Some(key.as_slice()), || {
+                format!("dead {id}: its id key is {named:?}")
+            });
+            self.check(dead.insert(id.clone()), || format!("{id} dead twice"));
+        }
+        self.dead += dead.len();
+        // Attempt numbers start at 1 and rise by at most one from one start to the next (a
+        // start whose outcome never committed is delivered again with the same number); a
+        // replacement starts again at 1.
+        let attempts = self.queues[which].tracker.lock().unwrap().attempts.clone();
+        for (n, seen) in &attempts {
+            let rising = seen.first() == Some(&1)
+                && seen
+                    .windows(2)
+                    .all(|w| w[1] == w[0] || w[1] == w[0] + 1 || w[1] == 1);
+            let bounded = seen.iter().all(|a| *a <= MAX_ATTEMPTS);
+            let policy = which == 1 || seen.iter().all(|a| *a == 1);
+            self.check(rising && bounded && policy, || {
+                format!("q{which}: event {n} was given attempts {seen:?}")
+            });
+        }
         let events = self.queues[which].events.clone();
         for (id, (job, publication)) in &events {
+            if job.behaviour == Behaviour::AlwaysFail {
+                let died = dead.contains(id);
+                let fine = (died || *publication == Publication::Maybe) && !done.contains_key(id);
+                self.check(fine, || {
+                    format!(
+                        "q{which}: {id} always fails; dead {died}, completed {:?}",
+                        done.get(id)
+                    )
+                });
+                continue;
+            }
             let expected = if job.behaviour == Behaviour::RescheduleOnce {
                 2
             } else {
@@ -1272,6 +1355,7 @@ async fn simulate(seed: u64, steps: u32) -> Report {
         cas_versions: Vec::new(),
         cas_unknown: 0,
         silent_profile_writes: 0,
+        dead: 0,
         tasks: 0,
         held: Vec::new(),
         dropped: BTreeSet::new(),
@@ -1298,6 +1382,7 @@ async fn simulate(seed: u64, steps: u32) -> Report {
         faults: sim.db.faults().injected(),
         published: sim.queues.iter().map(|q| q.events.len()).sum(),
         handler_runs: runs,
+        dead: sim.dead,
         violations: sim.violations,
         trace: sim.trace,
         log: sim.queues[1].tracker.lock().unwrap().log.clone(),
@@ -1336,7 +1421,7 @@ fn assert_clean(report: &Report) {
 /// A range of seeds, as CI runs them; prints the totals.
 fn campaign(seeds: std::ops::Range<u64>) {
     let started = std::time::Instant::now();
-    let (mut checks, mut faults, mut runs, mut published) = (0, 0, 0u64, 0);
+    let (mut checks, mut faults, mut runs, mut published, mut dead) = (0, 0, 0u64, 0, 0);
     let count = seeds.end - seeds.start;
     for seed in seeds {
         let report = run(seed, steps());
@@ -1345,11 +1430,13 @@ fn campaign(seeds: std::ops::Range<u64>) {
         faults += report.faults;
         runs += u64::from(report.handler_runs);
         published += report.published;
+        dead += report.dead;
     }
     let secs = started.elapsed().as_secs_f64();
     println!(
         "simulation: {count} seeds in {secs:.1} s ({:.1} seeds/s), {checks} invariant checks, \
-         {faults} faults injected, {published} events published, {runs} handler runs",
+         {faults} faults injected, {published} events published, {runs} handler runs, \
+         {dead} dead after their last attempt",
         count as f64 / secs
     );
 }
