@@ -22,7 +22,6 @@ use std::time::{Duration, Instant};
 use rusqlite::{Connection, params};
 use serde::{Deserialize, Serialize};
 use tito::backend::embedded::{Durability, Embedded, EmbeddedOptions};
-use tito::model::{TitoOperation, TitoOptions};
 use tito::queue::ModelEvent;
 use tito::queue::run_worker;
 use tito::{
@@ -204,8 +203,12 @@ async fn tito_idle_scans(db: &Embedded) -> f64 {
 /// What publishes the measured events.
 #[derive(Clone, Copy, PartialEq)]
 enum Source {
+    /// `build(row)`: the model's declared event, published by the write.
     ModelWrite,
+    /// `Queue::publish`, in a transaction of its own.
     Publish,
+    /// `Queue::publish_in_tx` in a caller's transaction that also writes a key.
+    PublishInTx,
 }
 
 /// Commit-to-handler-start latency (ms) of `samples` events, each published after the worker
@@ -309,12 +312,17 @@ async fn commit_to_handler<E: TitoEngine>(
 async fn publish<E: TitoEngine>(db: &E, queue: &Queue<E>, source: Source, id: String) {
     match source {
         Source::ModelWrite => {
-            let pings = db.clone().model::<Ping>();
+            db.clone().model::<Ping>().build(Ping { id }).await.unwrap();
+        }
+        Source::PublishInTx => {
             db.transaction(|tx| {
-                let (pings, id) = (pings.clone(), id.clone());
+                let id = id.clone();
                 async move {
-                    let options = TitoOptions::with_events(TitoOperation::Insert);
-                    pings.build_with_options(Ping { id }, options, &tx).await
+                    tx.put(format!("bench:{id}").into_bytes(), b"1".to_vec())
+                        .await?;
+                    queue
+                        .publish_in_tx(&QueueEvent::new(id.clone(), Ping { id }, 0), &tx)
+                        .await
                 }
             })
             .await
@@ -332,7 +340,7 @@ async fn publish<E: TitoEngine>(db: &E, queue: &Queue<E>, source: Source, id: St
 /// One row of the commit-to-handler table: p50, p99 and max of sorted latencies (µs) in ms.
 fn latency_row(engine: &str, source: &str, load: &str, sorted: &[i64]) {
     println!(
-        "  {engine:<9} {source:<12} {load:<6} {:>8} {:>8} {:>8}",
+        "  {engine:<9} {source:<13} {load:<6} {:>8} {:>8} {:>8}",
         ms(percentile(sorted, 0.5)),
         ms(percentile(sorted, 0.99)),
         ms(sorted.last().copied().unwrap_or(0))
@@ -501,7 +509,7 @@ async fn commit_to_handler_table() {
         "commit to handler start (ms), an idle worker in the same process, {samples} events each (goal: p99 within 10 ms):"
     );
     println!(
-        "  {:<9} {:<12} {:<6} {:>8} {:>8} {:>8}",
+        "  {:<9} {:<13} {:<6} {:>8} {:>8} {:>8}",
         "engine", "published by", "load", "p50", "p99", "max"
     );
     let dir = tempfile::tempdir().unwrap();
@@ -510,6 +518,7 @@ async fn commit_to_handler_table() {
     for (source, name) in [
         (Source::ModelWrite, "model write"),
         (Source::Publish, "publish"),
+        (Source::PublishInTx, "publish_in_tx"),
     ] {
         for load in [false, true] {
             let load_name = if load { "200/s" } else { "none" };
