@@ -127,7 +127,19 @@ impl Workers {
         Fut: Future<Output = TitoResult<()>> + Send + 'static,
     {
         let stop = Stop(self.stop.subscribe());
-        self.tasks.push(tokio::spawn(run(stop)));
+        let signal = self.stop.subscribe();
+        let work = run(stop);
+        self.tasks.push(tokio::spawn(async move {
+            let result = work.await;
+            // A worker that ends with an error before the set's shutdown (a refused
+            // configuration, a store that failed) is said at once, not only by `shutdown`.
+            if let Err(err) = &result
+                && !*signal.borrow()
+            {
+                tracing::error!(error = %err, "a worker of a Workers set stopped with an error; Workers::shutdown returns it");
+            }
+            result
+        }));
         self
     }
 

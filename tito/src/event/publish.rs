@@ -25,7 +25,9 @@ pub(crate) async fn check_meta<X: TitoTransaction>(
 ) -> TitoResult<bool> {
     match stored_partitions(tx, root).await? {
         Some(stored) if stored != partitions => Err(TitoError::invalid_argument(format!(
-            "queue {root:?} has {stored} partitions; this handle was configured with {partitions}"
+            "queue {root:?} has {stored} partitions; this handle was configured with {partitions} \
+             (open it with QueueConfig::new({stored}, ..); a model's events use the store's \
+             partition count, db.partitions())"
         ))),
         Some(_) => Ok(true),
         None => {

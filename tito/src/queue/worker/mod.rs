@@ -473,6 +473,12 @@ where
         // Asked to stop before it started: take nothing, start nothing.
         return Ok(());
     }
+    // A partition count that contradicts the queue's stored one is a mistake in the program,
+    // not a passing failure: the worker ends with it before it takes a lease. (An unreachable
+    // store is passing: the lease ticks retry.)
+    if let Err(err @ TitoError::InvalidArgument(_)) = check_partitions(&queue).await {
+        return Err(err);
+    }
     let maintenance = spawn_maintenance(&queue, &config, leases.maintenance());
     let mut pulling = Pulling::new(
         config.max_idle_backoff,
@@ -563,6 +569,15 @@ where
     let _ = maintenance.await;
     leases.release_all().await;
     Ok(())
+}
+
+/// Checks (and on first use records) the queue's partition count in a transaction of its own.
+async fn check_partitions<E: TitoEngine>(queue: &Queue<E>) -> TitoResult<()> {
+    let queue_ref = queue;
+    queue
+        .engine()
+        .transaction(|tx| async move { queue_ref.ensure_meta(&tx).await })
+        .await
 }
 
 /// Files one finished handler: an outcome to commit, or a failure (the invocation stays
