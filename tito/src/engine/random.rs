@@ -18,3 +18,26 @@ pub(crate) fn random_u64() -> u64 {
     hasher.write_u64(0x9e37_79b9_7f4a_7c15);
     hasher.finish()
 }
+
+/// Exponential backoff with jitter: after failure number `attempt` (from 1), a delay drawn
+/// uniformly from the upper half of `min(max, initial * 2^(attempt-1))`, from `seed`'s fixed
+/// sequence when given (runs under simulated time), else from the process's randomness.
+pub(crate) fn jittered_backoff(
+    initial: std::time::Duration,
+    max: std::time::Duration,
+    attempt: u32,
+    seed: Option<u64>,
+) -> std::time::Duration {
+    let exp = attempt.saturating_sub(1).min(30);
+    let ceiling = initial.saturating_mul(1 << exp).min(max);
+    let nanos = u64::try_from(ceiling.as_nanos()).unwrap_or(u64::MAX);
+    if nanos == 0 {
+        return std::time::Duration::ZERO;
+    }
+    let half = nanos / 2;
+    let random = match seed {
+        Some(seed) => splitmix(seed ^ u64::from(attempt)),
+        None => random_u64(),
+    };
+    std::time::Duration::from_nanos(half + random % (nanos - half).max(1))
+}

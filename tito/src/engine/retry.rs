@@ -6,7 +6,6 @@ use std::future::Future;
 use std::time::Duration;
 
 use super::outcome::{self, Resolution};
-use super::random::{random_u64, splitmix};
 use super::{TitoEngine, TitoTransaction};
 use crate::error::{TitoError, TitoResult};
 use crate::telemetry::names;
@@ -158,21 +157,12 @@ impl RetryPolicy {
 
     /// The delay after failed attempt number `attempt` (1-based).
     pub(crate) fn backoff(&self, attempt: u32) -> Duration {
-        let exp = attempt.saturating_sub(1).min(30);
-        let ceiling = self
-            .initial_backoff
-            .saturating_mul(1 << exp)
-            .min(self.max_backoff);
-        let nanos = u64::try_from(ceiling.as_nanos()).unwrap_or(u64::MAX);
-        if nanos == 0 {
-            return Duration::ZERO;
-        }
-        let half = nanos / 2;
-        let random = match self.jitter_seed {
-            Some(seed) => splitmix(seed ^ u64::from(attempt)),
-            None => random_u64(),
-        };
-        Duration::from_nanos(half + random % (nanos - half).max(1))
+        super::random::jittered_backoff(
+            self.initial_backoff,
+            self.max_backoff,
+            attempt,
+            self.jitter_seed,
+        )
     }
 }
 

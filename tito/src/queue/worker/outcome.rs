@@ -192,7 +192,7 @@ pub(super) async fn complete<X: TitoTransaction>(
     pulled: &Pulled,
     replacement: Option<&StoredEvent>,
 ) -> TitoResult<()> {
-    tx.delete(pulled.key.clone().into_bytes()).await?;
+    remove_pending(tx, root, pulled).await?;
     let processed_at = tx.start_version();
     let mut completed = pulled.stored.clone();
     completed.processed_at = Some(processed_at);
@@ -204,14 +204,6 @@ pub(super) async fn complete<X: TitoTransaction>(
     )
     .await?;
     if let Some(owner) = &completed.owner {
-        let pending_owner = keys::owner_key(
-            root,
-            &owner.kind,
-            &owner.id,
-            keys::OWNER_PENDING,
-            &pulled.key,
-        );
-        tx.delete(pending_owner.into_bytes()).await?;
         let completed_owner = keys::owner_key(
             root,
             &owner.kind,

@@ -3,7 +3,6 @@
 use std::time::Duration;
 
 use super::MAX_SETTING;
-use crate::engine::random::{random_u64, splitmix};
 use crate::error::{TitoError, TitoResult};
 
 /// The most attempts a [`FailurePolicy`] accepts.
@@ -120,18 +119,12 @@ impl FailurePolicy {
     }
 
     fn backoff_after(&self, attempt: u32) -> Duration {
-        let exp = attempt.saturating_sub(1).min(30);
-        let ceiling = self
-            .initial_backoff
-            .saturating_mul(1 << exp)
-            .min(self.max_backoff);
-        let nanos = u64::try_from(ceiling.as_nanos()).unwrap_or(u64::MAX);
-        let half = nanos / 2;
-        let random = match self.jitter_seed {
-            Some(seed) => splitmix(seed ^ u64::from(attempt)),
-            None => random_u64(),
-        };
-        Duration::from_nanos(half + random % (nanos - half).max(1))
+        crate::engine::random::jittered_backoff(
+            self.initial_backoff,
+            self.max_backoff,
+            attempt,
+            self.jitter_seed,
+        )
     }
 }
 
