@@ -475,7 +475,9 @@ async fn a_restarted_worker_takes_its_partitions_back_at_once() {
     println!(
         "restart after SIGKILL: first event {:.1} ms, all four {:.1} ms after the worker started \
          (the killed worker's leases had ten minutes to run)",
-        first.get().map_or(0.0, |at| (*at - started).as_secs_f64() * 1000.0),
+        first
+            .get()
+            .map_or(0.0, |at| (*at - started).as_secs_f64() * 1000.0),
         started.elapsed().as_secs_f64() * 1000.0
     );
     workers.shutdown().await.unwrap();

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 use tito::backend::tikv::TiKV;
-use tito::{TitoEngine, TitoModel};
+use tito::{TitoEngine, TitoModel, TitoTransaction};
 use tito_tikv_test_server::TestCluster;
 
 #[derive(TitoModel, Default, Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -130,6 +130,28 @@ async fn tikv_model_operations_cost_the_counted_requests() {
         users.update(user(100, "edge")).await.unwrap()
     );
     let delete = count!("delete by id", users.delete_by_id("u100").await.unwrap());
+    // Plain transactions of one key and of four keys in four regions: what a commit costs,
+    // the read of its primary at the commit's version included (see `backend::tikv`).
+    let one_key = count!("transaction of 1 key", {
+        db.transaction(|tx| async move { tx.put(b"table:one".to_vec(), b"1".to_vec()).await })
+            .await
+            .unwrap()
+    });
+    let four_keys = count!("transaction of 4 keys in 4 regions", {
+        db.transaction(|tx| async move {
+            for key in [
+                "index:four",
+                "reverse-index:four",
+                "table:four",
+                "unique:four",
+            ] {
+                tx.put(key.as_bytes().to_vec(), b"4".to_vec()).await?;
+            }
+            Ok::<_, tito::TitoError>(())
+        })
+        .await
+        .unwrap()
+    });
 
     // The same query over entries that hold only keys: the entries, then the rows in one
     // batched read (one more round trip).
@@ -162,24 +184,50 @@ async fn tikv_model_operations_cost_the_counted_requests() {
         println!("{name:<45} {counted:?}");
     }
     assert_eq!(keyed_query, calls(&[("KvBatchGet", 1), ("KvScan", 1)]));
+    // Every committed write transaction reads its primary key back at the commit's version
+    // (`KvGet`, one per transaction): before that check, the one-key transaction cost
+    // {KvCommit: 1, KvPrewrite: 1} and the four-key one {KvCommit: 4, KvPrewrite: 4}.
+    assert_eq!(
+        one_key,
+        calls(&[("KvCommit", 1), ("KvGet", 1), ("KvPrewrite", 1)])
+    );
+    assert_eq!(
+        four_keys,
+        calls(&[("KvCommit", 4), ("KvGet", 1), ("KvPrewrite", 4)])
+    );
     // A write reads the row, manifest, catalog and the claims it expects to take in one
     // request (one call per region, in parallel), prewrites each region it writes, commits the
     // primary's region, then the secondaries' after the reply (the client groups them by region,
     // the primary's region again included when it holds other keys).
     assert_eq!(
         insert,
-        calls(&[("KvBatchGet", 4), ("KvCommit", 4), ("KvPrewrite", 4)])
+        calls(&[
+            ("KvBatchGet", 4),
+            ("KvCommit", 4),
+            ("KvGet", 1),
+            ("KvPrewrite", 4)
+        ])
     );
     assert_eq!(get, calls(&[("KvGet", 1)]));
     assert_eq!(query, calls(&[("KvScan", 1)]));
     // An update or a delete also checks the keys the manifest lists (entries and the claim).
     assert_eq!(
         update,
-        calls(&[("KvBatchGet", 5), ("KvCommit", 4), ("KvPrewrite", 3)])
+        calls(&[
+            ("KvBatchGet", 5),
+            ("KvCommit", 4),
+            ("KvGet", 1),
+            ("KvPrewrite", 3)
+        ])
     );
     assert_eq!(
         delete,
-        calls(&[("KvBatchGet", 5), ("KvCommit", 5), ("KvPrewrite", 4)])
+        calls(&[
+            ("KvBatchGet", 5),
+            ("KvCommit", 5),
+            ("KvGet", 1),
+            ("KvPrewrite", 4)
+        ])
     );
 }
 
@@ -362,7 +410,8 @@ async fn tikv_queue_outcomes_cost_the_counted_requests() {
         },
     ];
     // A publication, with no worker running: the event-id check, then the pending row and the
-    // event-id key (the queue's partition count was checked by an earlier publication).
+    // event-id key (the queue's partition count was checked by an earlier publication), then
+    // the read of the commit's primary.
     let queue = tito::queue::Queue::new(
         db.clone(),
         tito::queue::QueueConfig::new(2, std::time::Duration::from_secs(3600)),
@@ -381,7 +430,7 @@ async fn tikv_queue_outcomes_cost_the_counted_requests() {
     println!("{:<45} {publish:?}", "publish 1");
     assert_eq!(
         publish,
-        calls(&[("KvCommit", 2), ("KvGet", 1), ("KvPrewrite", 2)])
+        calls(&[("KvCommit", 2), ("KvGet", 2), ("KvPrewrite", 2)])
     );
 
     let mut counted = Vec::new();
@@ -392,23 +441,47 @@ async fn tikv_queue_outcomes_cost_the_counted_requests() {
     // the lease's holder record and expiry, and each invocation's pending row. It then
     // prewrites every region it writes (the pending rows deleted and the replacement, the
     // completed rows, the event-id keys, the owner keys, the holder key it locks, its commit
-    // marker) and commits them, the primary's first.
-    let one = calls(&[("KvBatchGet", 3), ("KvCommit", 5), ("KvPrewrite", 5)]);
+    // marker) and commits them, the primary's first (its first written key: the holder key's
+    // lock is handed to the client at the commit, so a written key leads), and reads the
+    // primary back at the commit's version.
+    let one = calls(&[
+        ("KvBatchGet", 3),
+        ("KvCommit", 5),
+        ("KvGet", 1),
+        ("KvPrewrite", 5),
+    ]);
+    // When the primary's region holds other keys, it is committed again with them.
+    let one_more = calls(&[
+        ("KvBatchGet", 3),
+        ("KvCommit", 6),
+        ("KvGet", 1),
+        ("KvPrewrite", 5),
+    ]);
     assert_eq!(counted[0], one, "{}", cases[0].name);
-    assert_eq!(counted[1], one, "{}", cases[1].name);
+    assert_eq!(counted[1], one_more, "{}", cases[1].name);
     assert_eq!(
         counted[2],
-        calls(&[("KvBatchGet", 3), ("KvCommit", 6), ("KvPrewrite", 6)]),
+        calls(&[
+            ("KvBatchGet", 3),
+            ("KvCommit", 6),
+            ("KvGet", 1),
+            ("KvPrewrite", 6)
+        ]),
         "{}",
         cases[2].name
     );
-    // Four outcomes cost what one does: one transaction, the same regions.
-    assert_eq!(counted[3], one, "{}", cases[3].name);
+    // Four outcomes cost one transaction, the same regions.
+    assert_eq!(counted[3], one_more, "{}", cases[3].name);
     // Two partitions: one more pending-row region to read and write, and the commit of the
     // primary's region again for its other keys.
     assert_eq!(
         counted[4],
-        calls(&[("KvBatchGet", 4), ("KvCommit", 7), ("KvPrewrite", 6)]),
+        calls(&[
+            ("KvBatchGet", 4),
+            ("KvCommit", 7),
+            ("KvGet", 1),
+            ("KvPrewrite", 6)
+        ]),
         "{}",
         cases[4].name
     );

@@ -14,18 +14,37 @@
 //!   [Unknown outcomes](crate::engine#unknown-outcomes) for why a fenced commit marker proves,
 //!   through TiKV's lock resolution and rollback records, that a lost commit can never apply.
 //!
-//! # Known defect of `tikv-client` 0.4.0
+//! # Known defect of `tikv-client` 0.4.0, and what Tito does about it
 //!
 //! When the client splits a prewrite or a commit into per-region requests, a failed region
 //! lookup is dropped instead of returned (`stream::iter(Err(e))` in its `Shardable` impls of
-//! `PrewriteRequest` and `CommitRequest` yields no item). A commit of the primary key that
-//! fails in transport is retried after the region cache is invalidated; if PD cannot be reached
-//! at that moment the retry has no region to send to, and the commit is reported as applied
-//! although it never reached TiKV (its locks are rolled back later, so the writes are lost).
-//! The same path can drop the prewrite of keys in a region whose lookup failed. It needs the
-//! client to lose PD and TiKV at once in the middle of a commit; the repository's
-//! `tests/unknown_outcomes.rs` reproduces it against the test server (an ignored test that fails
-//! until the client is fixed). Tito cannot see it from outside the client: no error reaches it.
+//! `PrewriteRequest` and `CommitRequest` yields no item). Two consequences:
+//!
+//! - **(a) A false success.** A commit of the primary key that fails in transport is retried
+//!   after the region cache is invalidated; if PD cannot be reached at that moment the retry has
+//!   no region to send to, and the client reports the commit applied although it never reached
+//!   TiKV (its locks are rolled back later: the writes are lost).
+//! - **(b) A partial prewrite.** The same path can drop the prewrite of the keys of a region
+//!   whose lookup failed; the commit then succeeds without them.
+//!
+//! Tito checks every commit the client reports applied before it reports it: the primary key
+//! (the transaction's first put or delete; `lock_keys` are handed to the client at the commit so
+//! that a written key leads) is read back at the commit's version (`KvGet`, one per committed
+//! write transaction, counted in `tests/rpc_counts.rs`). A commit that reached the primary left
+//! the written value there; one that did not left this transaction's lock, which the read meets
+//! (its TTL has not run out this soon). Anything but the written value, or a read that cannot be
+//! made (the cluster unreachable, after four more tries in half a second), makes the commit
+//! [`TitoError::CommitOutcomeUnknown`], which the retry policy resolves through the commit
+//! marker or returns, never replays as a conflict. This closes (a): `tests/unknown_outcomes.rs`
+//! cuts a commit off with the cluster and finds an unknown outcome, where the client alone
+//! reports success with both keys still locked.
+//!
+//! What it does not close: (b) leaves the primary committed, so the check passes; detecting it
+//! would take reading every key back, and repairing it is impossible after the fact. And a
+//! primary rewritten with the value it already held cannot be told apart from one whose lock was
+//! already rolled back, which needs the commit call itself to outlast the lock's TTL (3 s).
+//! Read-only transactions and transactions that only lock keys write nothing to lose and are
+//! not checked.
 //!
 //! ```no_run
 //! use tito::backend::tikv::TiKV;
@@ -151,6 +170,9 @@ impl TitoEngine for TiKV {
         Ok(TiKVTransaction {
             inner: Arc::new(TxInner {
                 start_version,
+                client: self.client.clone(),
+                primary: std::sync::Mutex::new(None),
+                deferred_locks: std::sync::Mutex::new(Vec::new()),
                 tx: tokio::sync::Mutex::new(Some(tx)),
                 failed: crate::engine::FirstFailure::default(),
                 hooks: crate::engine::AfterCommit::default(),
@@ -216,10 +238,85 @@ pub struct TiKVTransaction {
 
 struct TxInner {
     start_version: u64,
+    client: Arc<TransactionClient>,
+    /// The first key this transaction put or deleted (the client's primary key: `lock_keys` are
+    /// deferred to the commit so that a write leads) and the value it will hold once committed
+    /// (`None`: deleted). Read back at the commit's version to check the client's report.
+    primary: std::sync::Mutex<Option<(Vec<u8>, Option<Vec<u8>>)>>,
+    /// Keys given to `lock_keys`, handed to the client just before the commit (an optimistic
+    /// transaction only buffers them, so deferring changes nothing but the primary's choice).
+    deferred_locks: std::sync::Mutex<Vec<Vec<u8>>>,
     tx: tokio::sync::Mutex<Option<tikv_client::Transaction>>,
     failed: crate::engine::FirstFailure,
     /// Run after a successful commit.
     hooks: crate::engine::AfterCommit,
+}
+
+impl TxInner {
+    /// Notes a put (`Some`) or delete (`None`) of `key`: the first one names the primary, and a
+    /// later write of the primary changes the value it must hold.
+    fn track(&self, key: &[u8], value: Option<&[u8]>) {
+        let mut primary = crate::util::lock(&self.primary);
+        match primary.as_mut() {
+            None => *primary = Some((key.to_vec(), value.map(<[u8]>::to_vec))),
+            Some((primary_key, expected)) if primary_key.as_slice() == key => {
+                *expected = value.map(<[u8]>::to_vec);
+            }
+            Some(_) => {}
+        }
+    }
+
+    /// Checks a commit the client reported applied: the primary key, read at the commit's
+    /// version, holds what this transaction wrote. tikv-client 0.4.0 can report a commit of
+    /// the primary that never reached TiKV (see the module docs): then the primary still holds
+    /// this transaction's lock (its TTL has not run out this soon), the read meets it and fails,
+    /// and the commit is [`TitoError::CommitOutcomeUnknown`]; a read that cannot be made (the
+    /// cluster unreachable) is the same. One `KvGet` per committed write transaction.
+    async fn verify(
+        &self,
+        commit_ts: Timestamp,
+        key: Vec<u8>,
+        expected: Option<Vec<u8>>,
+    ) -> TitoResult<()> {
+        let version = commit_ts.version();
+        let mut snapshot = self
+            .client
+            .snapshot(commit_ts, TransactionOptions::new_optimistic().read_only());
+        let unknown = |why: String| TitoError::CommitOutcomeUnknown {
+            message: format!(
+                "TiKV reported the commit of transaction {} applied at version {version}, but {why}",
+                self.start_version
+            ),
+            source: None,
+        };
+        // A passing failure of the read (a timeout, a region moving) is read again, a few times
+        // in half a second; this transaction's own lock is not waited for: it means the commit
+        // did not reach the primary.
+        let mut pause = Duration::from_millis(25);
+        let mut tries = 0;
+        let read = loop {
+            tries += 1;
+            match snapshot.get(key.clone()).await {
+                Err(err) if tries < 5 && !is_lock_wait(&err) => {
+                    tracing::debug!(error = %err, "reading a commit's primary back failed; again");
+                    tokio::time::sleep(pause).await;
+                    pause *= 2;
+                }
+                read => break read,
+            }
+        };
+        match read {
+            Ok(found) if found == expected => Ok(()),
+            Ok(_) => Err(unknown(format!(
+                "its primary key {} does not hold the written value at that version",
+                crate::keys::display_key(&key)
+            ))),
+            Err(err) => Err(unknown(format!(
+                "reading its primary key {} back at that version failed: {err}",
+                crate::keys::display_key(&key)
+            ))),
+        }
+    }
 }
 
 impl std::fmt::Debug for TiKVTransaction {
@@ -324,6 +421,7 @@ impl TitoTransaction for TiKVTransaction {
     async fn put(&self, key: Vec<u8>, value: Vec<u8>) -> TitoResult<()> {
         crate::engine::check_write(&key, &value)?;
         active!(self, tx);
+        self.inner.track(&key, Some(&value));
         tx.put(key, value)
             .await
             .map_err(|err| classify_read(err, "put"))
@@ -331,16 +429,17 @@ impl TitoTransaction for TiKVTransaction {
 
     async fn delete(&self, key: Vec<u8>) -> TitoResult<()> {
         active!(self, tx);
+        self.inner.track(&key, None);
         tx.delete(key)
             .await
             .map_err(|err| classify_read(err, "delete"))
     }
 
     async fn lock_keys(&self, keys: &[Vec<u8>]) -> TitoResult<()> {
-        active!(self, tx);
-        tx.lock_keys(keys.to_vec())
-            .await
-            .map_err(|err| classify_read(err, "lock_keys"))
+        // Refused after the end like every other call; buffered until the commit.
+        active!(self, _tx);
+        crate::util::lock(&self.inner.deferred_locks).extend(keys.iter().cloned());
+        Ok(())
     }
 
     fn fail(&self, cause: &TitoError) {
@@ -356,8 +455,23 @@ impl TitoTransaction for TiKVTransaction {
         let Some(mut tx) = guard.take() else {
             return Err(TitoError::TransactionFinished("finished"));
         };
+        let locks = std::mem::take(&mut *crate::util::lock(&self.inner.deferred_locks));
+        if !locks.is_empty()
+            && let Err(err) = tx.lock_keys(locks).await
+        {
+            let _ = tx.rollback().await;
+            self.inner.hooks.finish(false);
+            return Err(classify_read(err, "lock_keys"));
+        }
         match tx.commit().await {
-            Ok(_) => {
+            Ok(commit_ts) => {
+                let primary = crate::util::lock(&self.inner.primary).take();
+                if let (Some(commit_ts), Some((key, expected))) = (commit_ts, primary)
+                    && let Err(err) = self.inner.verify(commit_ts, key, expected).await
+                {
+                    self.inner.hooks.finish(false);
+                    return Err(err);
+                }
                 self.inner.hooks.finish(true);
                 Ok(())
             }
