@@ -242,7 +242,7 @@ struct TxInner {
     /// The first key this transaction put or deleted (the client's primary key: `lock_keys` are
     /// deferred to the commit so that a write leads) and the value it will hold once committed
     /// (`None`: deleted). Read back at the commit's version to check the client's report.
-    primary: std::sync::Mutex<Option<(Vec<u8>, Option<Vec<u8>>)>>,
+    primary: std::sync::Mutex<Option<Primary>>,
     /// Keys given to `lock_keys`, handed to the client just before the commit (an optimistic
     /// transaction only buffers them, so deferring changes nothing but the primary's choice).
     deferred_locks: std::sync::Mutex<Vec<Vec<u8>>>,
@@ -251,6 +251,9 @@ struct TxInner {
     /// Run after a successful commit.
     hooks: crate::engine::AfterCommit,
 }
+
+/// A primary key and the value it holds once committed (`None`: deleted).
+type Primary = (Vec<u8>, Option<Vec<u8>>);
 
 impl TxInner {
     /// Notes a put (`Some`) or delete (`None`) of `key`: the first one names the primary, and a
