@@ -41,8 +41,10 @@
 //!
 //! What it does not close: (b) leaves the primary committed, so the check passes; detecting it
 //! would take reading every key back, and repairing it is impossible after the fact. And a
-//! primary rewritten with the value it already held cannot be told apart from one whose lock was
-//! already rolled back, which needs the commit call itself to outlast the lock's TTL (3 s).
+//! primary rewritten with the value it already held proves nothing: TiKV may let the read pass
+//! a live lock (by pushing the lock's commit past the read) or the lock may be gone, and the
+//! read then finds the same value either way. Tito's own writes rarely lead with such a key (a
+//! model write puts only what changed, an outcome first deletes a pending row, markers are new).
 //! Read-only transactions and transactions that only lock keys write nothing to lose and are
 //! not checked.
 //!
@@ -272,9 +274,10 @@ impl TxInner {
     /// Checks a commit the client reported applied: the primary key, read at the commit's
     /// version, holds what this transaction wrote. tikv-client 0.4.0 can report a commit of
     /// the primary that never reached TiKV (see the module docs): then the primary still holds
-    /// this transaction's lock (its TTL has not run out this soon), the read meets it and fails,
-    /// and the commit is [`TitoError::CommitOutcomeUnknown`]; a read that cannot be made (the
-    /// cluster unreachable) is the same. One `KvGet` per committed write transaction.
+    /// this transaction's lock (its TTL has not run out this soon), and the read either meets it
+    /// and fails or passes it and finds the old value; both, and a read that cannot be made (the
+    /// cluster unreachable), make the commit [`TitoError::CommitOutcomeUnknown`]. One `KvGet`
+    /// per committed write transaction.
     async fn verify(
         &self,
         commit_ts: Timestamp,
