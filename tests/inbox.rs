@@ -729,3 +729,47 @@ fn an_inbox_claim_index_of_keys_is_refused() {
         Ok(_) => panic!("an inbox whose claim index holds keys was accepted"),
     }
 }
+
+/// A row inserted in this process wakes an idle subscription of its table after the commit:
+/// under paused time, with the subscription's idle pause grown to an hour, the row is handled
+/// before a minute of (virtual) time passes. Without the wake-up, time would jump to the idle
+/// pause's end, past the minute.
+#[tokio::test(start_paused = true)]
+async fn a_new_row_wakes_an_idle_subscription() {
+    use tito::backend::memory::{Memory, MemoryClock, MemoryOptions};
+    let db = Memory::with_options(MemoryOptions::new().clock(MemoryClock::Runtime {
+        epoch_ms: 1_700_000_000_000,
+    }))
+    .unwrap();
+    let jobs = db.clone().model::<EmailJob>();
+    let inbox = Arc::new(Inbox::<Memory, EmailJob>::new(db.clone()).unwrap());
+    let (handled, mut seen) = tokio::sync::mpsc::unbounded_channel();
+    let (stop, rx) = watch::channel(false);
+    let config = InboxConfig::new("mail")
+        .max_idle(Duration::from_secs(3600))
+        .clock(InboxClock::Engine);
+    let task = tokio::spawn(run_inbox(
+        inbox.clone(),
+        config,
+        move |delivery: InboxDelivery<Email>| {
+            let handled = handled.clone();
+            async move {
+                handled.send(delivery.id).unwrap();
+                Ok(InboxOutcome::Ack)
+            }
+        },
+        rx,
+    ));
+    // Idle long enough for the pause between claims to reach its hour.
+    tokio::time::sleep(Duration::from_secs(4 * 3600)).await;
+    let started = tokio::time::Instant::now();
+    jobs.build(job("woken", 0, 0)).await.unwrap();
+    let id = tokio::time::timeout(Duration::from_secs(60), seen.recv())
+        .await
+        .expect("the new row was handled before its subscription's next idle claim")
+        .unwrap();
+    assert_eq!(id, "woken");
+    assert!(started.elapsed() < Duration::from_secs(60));
+    stop.send(true).unwrap();
+    task.await.unwrap().unwrap();
+}

@@ -89,6 +89,18 @@ pub(crate) fn wakeups<E: TitoEngine>(db: &E, root: &str) -> Arc<Wakeups> {
         .clone()
 }
 
+/// The wake-ups of the queue at `root` on store `db`, only if something asked for them already
+/// (a writer with nobody to wake allocates nothing).
+pub(crate) fn existing_wakeups<E: TitoEngine>(db: &E, root: &str) -> Option<Arc<Wakeups>> {
+    let all = db.extensions().get::<StoreWakeups>();
+    crate::util::lock(&all.0).get(root).cloned()
+}
+
+/// The wake-ups key of a table whose new rows an inbox subscription waits for.
+pub(crate) fn table_rows(table: &str) -> String {
+    format!("rows of {table}")
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;

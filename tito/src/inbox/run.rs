@@ -121,7 +121,13 @@ where
     let mut running: JoinSet<()> = JoinSet::new();
     let mut idle = Duration::from_millis(5);
     let mut stopping = false;
+    // New rows of the table written in this process wake the subscription after their commit
+    // (rows written elsewhere are found by the next claim, within `max_idle`).
+    let new_rows =
+        crate::event::wake::wakeups(&inbox.db, &crate::event::wake::table_rows(&inbox.table));
     loop {
+        // Read before the claim: a row committed between the claim and the wait is not missed.
+        let seen = new_rows.generation();
         while running.try_join_next().is_some() {}
         // Shutdown is looked at before every claim (and wins the select below).
         if !stopping && shutdown.as_mut().now_or_never().is_some() {
@@ -179,6 +185,7 @@ where
             _ = &mut shutdown => stopping = true,
             _ = running.join_next(), if full => {}
             _ = tokio::time::sleep(pause) => {}
+            _ = new_rows.changed_since(seen), if !full => idle = Duration::from_millis(5),
         }
     }
 }

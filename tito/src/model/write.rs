@@ -138,6 +138,15 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         }
         writes.apply(tx).await?;
         self.wake_after_commit(tx, wakes);
+        // A new row wakes this process's inbox subscriptions of the table after the commit.
+        if matches!(mode, Mode::Insert | Mode::Upsert)
+            && let Some(rows) = crate::event::wake::existing_wakeups(
+                &self.db,
+                &crate::event::wake::table_rows(&table),
+            )
+        {
+            rows.wake_after_commit(tx, 0);
+        }
         Ok(stored_model)
     }
 
