@@ -162,12 +162,18 @@ async fn retry_dead_under<E: TitoEngine>(db: &E, root: &str, id: &str) -> TitoRe
     db.transaction(|tx| {
         let (root, id, wakeups) = (root.clone(), id.clone(), wakeups.clone());
         async move {
-            let partitions = crate::event::publish::stored_partitions(&tx, &root)
-                .await?
-                .ok_or_else(|| TitoError::NotFound(format!("queue {root:?} has no metadata")))?;
             let Some((_, mut stored)) = remove_dead(&tx, &root, &id).await? else {
                 return Ok(false);
             };
+            // An error from here on rolls the removal back with the rest.
+            let partitions = crate::event::publish::stored_partitions(&tx, &root)
+                .await?
+                .ok_or_else(|| {
+                    TitoError::Integrity(format!(
+                        "dead invocation {id:?} of queue {root:?}, whose partition count is not \
+                         recorded"
+                    ))
+                })?;
             let now_s = engine::version_millis(tx.start_version()) / 1000;
             stored.timestamp = i64::try_from(now_s).unwrap_or(i64::MAX);
             stored.failures = 0;
