@@ -807,6 +807,23 @@ pub async fn a_failure_policy_counts_attempts_and_buries_the_last<E: TitoEngine>
     assert!(queue.discard_dead("e2").await.unwrap());
     assert!(!queue.discard_dead("e2").await.unwrap());
     assert!(!queue.retry_dead("missing").await.unwrap());
+    // On a queue nothing ever used: not dead, whatever the store holds.
+    assert!(
+        !tito::queue::retry_dead(&ctx.db, Some("never-used"), "e0")
+            .await
+            .unwrap()
+    );
+    assert!(
+        !tito::queue::discard_dead(&ctx.db, Some("never-used"), "e0")
+            .await
+            .unwrap()
+    );
+    assert!(
+        tito::queue::dead(&ctx.db, Some("never-used"), None, 10)
+            .await
+            .unwrap()
+            .is_empty()
+    );
     // Retried: pending again at attempt 1, and this time it succeeds.
     healed.store(true, Ordering::SeqCst);
     assert!(queue.retry_dead("e0").await.unwrap());
