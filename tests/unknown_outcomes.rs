@@ -662,3 +662,117 @@ async fn tikv_a_marker_rides_in_the_same_requests() {
     assert_eq!(cost[1].0, cost[0].0);
     assert_eq!(cost[1].1, cost[0].1 + 10);
 }
+
+// ---------------------------------------------------------------------------------------------
+// How each error at or after the primary's commit is classified (the table in `backend::tikv`).
+// ---------------------------------------------------------------------------------------------
+
+/// One plain commit of two keys (`a`, the primary, and `z`, a secondary in another region)
+/// with `rule` armed; the commit's result.
+async fn commit_two_keys(ctx: &Ctx<tito::TiKV>, rule: ServerRule) -> Result<(), TitoError> {
+    ctx.cluster.as_ref().unwrap().add_fault(rule);
+    let tx = ctx.db.begin().await.unwrap();
+    tx.put(ctx.key("a"), b"p".to_vec()).await.unwrap();
+    tx.put(ctx.key("z"), b"s".to_vec()).await.unwrap();
+    tx.commit().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tikv_outcomes_at_the_primary_commit_are_classified() {
+    use tito_tikv_test_server::RegionFault;
+    // NotLeader / EpochNotMatch once: the client reloads the region and commits: applied.
+    for fault in [RegionFault::NotLeader, RegionFault::EpochNotMatch] {
+        let ctx = test_server_ctx().await;
+        let rule = ServerRule::new("KvCommit", ServerFault::Region(fault))
+            .when_key_starts_with(ctx.key("a"));
+        commit_two_keys(&ctx, rule).await.unwrap();
+        assert_eq!(
+            read(&ctx.db, &ctx.key("a")).await.as_deref(),
+            Some(&b"p"[..]),
+            "{fault:?}"
+        );
+        assert_eq!(
+            read(&ctx.db, &ctx.key("z")).await.as_deref(),
+            Some(&b"s"[..]),
+            "{fault:?}"
+        );
+    }
+    // A region error on every try (ServerIsBusy): the commit was never applied, but Tito cannot
+    // tell that from the client's error alone: unknown, never a conflict to replay blindly.
+    let ctx = test_server_ctx().await;
+    let cluster = ctx.cluster.clone().unwrap();
+    let rule = ServerRule::new("KvCommit", ServerFault::Region(RegionFault::ServerIsBusy))
+        .when_key_starts_with(ctx.key("a"))
+        .always();
+    let err = commit_two_keys(&ctx, rule).await.unwrap_err();
+    assert!(
+        matches!(err, TitoError::CommitOutcomeUnknown { .. }),
+        "{err:?}"
+    );
+    cluster.clear_faults();
+    // Not applied: once its locks are rolled back (TTL), the keys are as they were.
+    assert_eq!(read(&ctx.db, &ctx.key("a")).await, None);
+    assert_eq!(read(&ctx.db, &ctx.key("z")).await, None);
+    // Under a resolving policy the same fault is decided (fenced: not committed) and the
+    // closure replayed once, after which it applies.
+    let runs = Arc::new(AtomicU32::new(0));
+    let counted = Arc::clone(&runs);
+    let server = cluster.clone();
+    cluster.add_fault(
+        ServerRule::new("KvCommit", ServerFault::Region(RegionFault::ServerIsBusy))
+            .when_key_starts_with(ctx.key("b"))
+            .always(),
+    );
+    let (b, y) = (ctx.key("b"), ctx.key("y"));
+    ctx.db
+        .transaction_with(resolving(), |tx| async move {
+            if counted.fetch_add(1, Ordering::SeqCst) == 1 {
+                server.clear_faults();
+            }
+            tx.put(b, b"p".to_vec()).await?;
+            tx.put(y, b"s".to_vec()).await
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        2,
+        "replayed once, once decided"
+    );
+    assert_eq!(
+        read(&ctx.db, &ctx.key("y")).await.as_deref(),
+        Some(&b"s"[..])
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tikv_failures_after_the_primary_commit_leave_it_applied() {
+    use tito_tikv_test_server::RegionFault;
+    // A secondary's commit fails (a region error on every try, or the store unreachable): the
+    // primary committed, so the transaction did; readers roll the secondary forward.
+    for fault in [
+        ServerFault::Region(RegionFault::ServerIsBusy),
+        ServerFault::Unavailable,
+    ] {
+        let ctx = test_server_ctx().await;
+        let cluster = ctx.cluster.clone().unwrap();
+        let rule = ServerRule::new("KvCommit", fault.clone())
+            .when_key_starts_with(ctx.key("z"))
+            .always();
+        commit_two_keys(&ctx, rule).await.unwrap();
+        // Let the client's background commit of the secondary fail, then read it.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        cluster.clear_faults();
+        assert_eq!(
+            read(&ctx.db, &ctx.key("z")).await.as_deref(),
+            Some(&b"s"[..]),
+            "{fault:?}"
+        );
+        assert_eq!(
+            read(&ctx.db, &ctx.key("a")).await.as_deref(),
+            Some(&b"p"[..]),
+            "{fault:?}"
+        );
+        assert_eq!(cluster.lock_count(), 0, "{fault:?}");
+    }
+}

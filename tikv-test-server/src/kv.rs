@@ -228,6 +228,7 @@ where
     Req: Call,
     Resp: Reply,
 {
+    let mut region_fault = None;
     let lose = match shared.on_call(method, &request.keys()) {
         None => false,
         Some(Fault::Unavailable) => {
@@ -238,10 +239,14 @@ where
             tokio::time::sleep(delay).await;
             false
         }
+        Some(Fault::Region(fault)) => {
+            region_fault = Some(fault);
+            false
+        }
     };
     let response = {
         let mut state = shared.state();
-        if let Some(fault) = shared.take_region_fault(method) {
+        if let Some(fault) = region_fault.or_else(|| shared.take_region_fault(method)) {
             return Ok(Resp::with_region_error(injected(
                 fault,
                 &state,

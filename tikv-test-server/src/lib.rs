@@ -81,6 +81,8 @@ pub enum Fault {
     LoseResponse,
     /// Wait this long before serving the call.
     Delay(Duration),
+    /// Answer with this region error instead of serving the call (nothing is applied).
+    Region(RegionFault),
 }
 
 /// A fault injected into calls of one gRPC method (its name without the service, such as

@@ -77,6 +77,10 @@ async fn before(shared: &Shared, method: &str) -> Result<bool, Status> {
             tokio::time::sleep(delay).await;
             Ok(false)
         }
+        // PD has no region errors: a region fault on a PD method fails the call.
+        Some(Fault::Region(fault)) => Err(Status::unavailable(format!(
+            "injected fault on {method} ({fault:?})"
+        ))),
     }
 }
 

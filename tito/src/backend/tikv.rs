@@ -14,6 +14,24 @@
 //!   [Unknown outcomes](crate::engine#unknown-outcomes) for why a fenced commit marker proves,
 //!   through TiKV's lock resolution and rollback records, that a lost commit can never apply.
 //!
+//! # How a commit's errors are classified
+//!
+//! A Percolator transaction is committed exactly when its primary key's commit is; every error
+//! `commit` can meet is one of three kinds. Tito replays only what is proven not applied, and
+//! reports everything that may have applied as [`TitoError::CommitOutcomeUnknown`] (resolved
+//! through the commit marker under [`RetryPolicy::resolve_unknown_outcomes`], otherwise
+//! returned).
+//!
+//! | error from the client | where | kind | Tito reports | why; tested by |
+//! |---|---|---|---|---|
+//! | a key error with `conflict`, `retryable`, `locked` or `txn_not_found`; `ResolveLockError`; `TxnNotFound` | prewrite | not applied | [`TitoError::Conflict`] (replayed) | this transaction's prewrite did not go through; the conformance and transaction suites |
+//! | other key errors only (a key that must not exist, a primary lock already rolled back) | prewrite, primary commit | not applied | [`TitoError::Storage`] "commit rejected" | TiKV refused the keys before anything committed; `classify_commit`'s unit tests |
+//! | `UndeterminedError` (a gRPC error at the primary commit) | primary commit | undetermined | `CommitOutcomeUnknown` | the commit may have applied and its reply been lost; `tikv_a_lost_commit_reply_resolves_as_committed`, `tikv_a_commit_that_never_arrived_is_replayed_exactly_once`, `tikv_a_killed_server_leaves_the_outcome_unknown_within_the_bound` |
+//! | a region error the client gives up on (`ServerIsBusy` on every try), a timestamp or transport error | prewrite or primary commit | not applied, but the error does not say which phase failed | `CommitOutcomeUnknown` | the safe side: resolution proves it (fences the marker) and the closure is replayed once; `tikv_outcomes_at_the_primary_commit_are_classified` |
+//! | `NotLeader`, `EpochNotMatch` | primary commit | retried by the client | the retry's outcome | the client reloads the region; same test |
+//! | any error of a secondary key's commit (region error, store unreachable) | after the primary's commit | applied | success | the client logs it; readers roll the secondary forward from the committed primary; `tikv_failures_after_the_primary_commit_leave_it_applied` |
+//! | none (`Ok`), but the primary read back at the commit's version does not hold the written value, or cannot be read | Tito's check after the commit | undetermined | `CommitOutcomeUnknown` | the client defect below; `tikv_a_commit_cut_off_with_the_cluster_is_never_reported_as_applied` |
+//!
 //! # Known defect of `tikv-client` 0.4.0, and what Tito does about it
 //!
 //! When the client splits a prewrite or a commit into per-region requests, a failed region
