@@ -27,5 +27,6 @@ mod simulation;
 mod suites;
 mod telemetry;
 mod tikv_server;
+mod tls;
 mod transactions;
 mod unknown_outcomes;

@@ -30,8 +30,12 @@ pub(crate) struct Server {
 }
 
 impl Server {
-    /// Binds a loopback port of the system's choosing and serves HTTP/2 gRPC with `router`.
-    pub async fn start(router: Router) -> std::io::Result<Server> {
+    /// Binds a loopback port of the system's choosing and serves HTTP/2 gRPC with `router`,
+    /// over TLS when `tls` is given.
+    pub async fn start(
+        router: Router,
+        tls: Option<tokio_rustls::TlsAcceptor>,
+    ) -> std::io::Result<Server> {
         let listener = TcpListener::bind(("127.0.0.1", 0)).await?;
         let addr = listener.local_addr()?;
         let tasks: Arc<Mutex<Vec<AbortHandle>>> = Arc::default();
@@ -47,11 +51,21 @@ impl Server {
                     let router = router.clone();
                     async move { Ok::<_, Infallible>(router(request).await) }
                 });
-                let connection = hyper::server::conn::Http::new()
-                    .http2_only(true)
-                    .serve_connection(stream, service);
+                let tls = tls.clone();
                 let task = tokio::spawn(async move {
-                    let _ = connection.await;
+                    let http = hyper::server::conn::Http::new().http2_only(true).clone();
+                    match tls {
+                        None => {
+                            let _ = http.serve_connection(stream, service).await;
+                        }
+                        // A handshake that fails (a plain-text client, an unknown CA) closes
+                        // the connection; the client sees the error.
+                        Some(acceptor) => {
+                            if let Ok(stream) = acceptor.accept(stream).await {
+                                let _ = http.serve_connection(stream, service).await;
+                            }
+                        }
+                    }
                 });
                 let mut tasks = conn_tasks.lock().expect("connection list");
                 tasks.retain(|task| !task.is_finished());
@@ -149,4 +163,48 @@ pub(crate) fn unimplemented(path: &str) -> HttpResponse {
         "{path} is not implemented by Tito's TiKV test server"
     ))
     .to_http()
+}
+
+/// A TLS acceptor for a server certificate chain and key (PEM), speaking HTTP/2; with
+/// `client_ca` (PEM), clients must present a certificate it signed.
+pub(crate) fn tls_acceptor(
+    cert_pem: &[u8],
+    key_pem: &[u8],
+    client_ca: Option<&[u8]>,
+) -> std::io::Result<tokio_rustls::TlsAcceptor> {
+    use tokio_rustls::rustls;
+    let invalid = |what: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, what);
+    let certs: Vec<rustls::Certificate> = rustls_pemfile::certs(&mut &cert_pem[..])?
+        .into_iter()
+        .map(rustls::Certificate)
+        .collect();
+    let key = rustls_pemfile::read_all(&mut &key_pem[..])?
+        .into_iter()
+        .find_map(|item| match item {
+            rustls_pemfile::Item::PKCS8Key(key)
+            | rustls_pemfile::Item::RSAKey(key)
+            | rustls_pemfile::Item::ECKey(key) => Some(rustls::PrivateKey(key)),
+            _ => None,
+        })
+        .ok_or_else(|| invalid("no private key in the PEM".into()))?;
+    let builder = rustls::ServerConfig::builder().with_safe_defaults();
+    let builder = match client_ca {
+        None => builder.with_no_client_auth(),
+        Some(ca) => {
+            let mut roots = rustls::RootCertStore::empty();
+            for cert in rustls_pemfile::certs(&mut &ca[..])? {
+                roots
+                    .add(&rustls::Certificate(cert))
+                    .map_err(|e| invalid(format!("client CA: {e}")))?;
+            }
+            builder.with_client_cert_verifier(Arc::new(
+                rustls::server::AllowAnyAuthenticatedClient::new(roots),
+            ))
+        }
+    };
+    let mut config = builder
+        .with_single_cert(certs, key)
+        .map_err(|e| invalid(format!("server certificate: {e}")))?;
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    Ok(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
 }

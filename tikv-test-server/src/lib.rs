@@ -134,6 +134,18 @@ impl FaultRule {
     }
 }
 
+/// What a TLS test cluster presents: its certificate chain and key (PEM), and optionally the CA
+/// (PEM) whose certificates clients must present.
+#[derive(Clone, Debug)]
+pub struct TlsIdentity {
+    /// The server's certificate chain (valid for 127.0.0.1), PEM.
+    pub cert_pem: Vec<u8>,
+    /// The server's private key, PEM.
+    pub key_pem: Vec<u8>,
+    /// Clients must present a certificate this CA signed, when set.
+    pub client_ca_pem: Option<Vec<u8>>,
+}
+
 /// A region error to answer a TiKV call with instead of serving it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RegionFault {
@@ -313,6 +325,17 @@ impl TestCluster {
     /// Starts PD and TiKV on ports the system picks, with one region covering every key. Must
     /// run inside a Tokio runtime, which serves the connections.
     pub async fn start() -> std::io::Result<TestCluster> {
+        Self::start_with(None).await
+    }
+
+    /// [`TestCluster::start`], both servers speaking TLS with `tls`'s certificate.
+    pub async fn start_tls(tls: &TlsIdentity) -> std::io::Result<TestCluster> {
+        let acceptor =
+            grpc::tls_acceptor(&tls.cert_pem, &tls.key_pem, tls.client_ca_pem.as_deref())?;
+        Self::start_with(Some(acceptor)).await
+    }
+
+    async fn start_with(tls: Option<tokio_rustls::TlsAcceptor>) -> std::io::Result<TestCluster> {
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 mvcc: mvcc::Mvcc::default(),
@@ -333,12 +356,12 @@ impl TestCluster {
             tikv_address: Mutex::default(),
             pd_address: Mutex::default(),
         });
-        let tikv = grpc::Server::start(kv::router(shared.clone())).await?;
+        let tikv = grpc::Server::start(kv::router(shared.clone()), tls.clone()).await?;
         *shared
             .tikv_address
             .lock()
             .unwrap_or_else(|e| e.into_inner()) = tikv.addr.to_string();
-        let pd = grpc::Server::start(pd::router(shared.clone())).await?;
+        let pd = grpc::Server::start(pd::router(shared.clone()), tls).await?;
         *shared.pd_address.lock().unwrap_or_else(|e| e.into_inner()) = pd.addr.to_string();
         Ok(TestCluster { shared, pd, tikv })
     }

@@ -92,6 +92,109 @@ use crate::error::{TitoError, TitoResult};
 /// The gRPC decoding budget of both clients.
 pub const GRPC_MAX_DECODING_BYTES: usize = 32 * 1024 * 1024;
 
+/// How [`TiKV::connect_with`] connects.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct TiKVOptions {
+    /// The partition count of this handle's queues and model events.
+    pub partitions: u32,
+    /// How long one request may take.
+    pub request_timeout: Duration,
+    /// How long connecting to PD may take before it is an error.
+    pub connect_timeout: Duration,
+    /// TLS for every connection (PD and TiKV), or plain text.
+    pub tls: Option<TlsFiles>,
+}
+
+impl Default for TiKVOptions {
+    /// [`engine::DEFAULT_PARTITIONS`], 2 s requests, a 10 s connect, plain text.
+    fn default() -> Self {
+        TiKVOptions {
+            partitions: engine::DEFAULT_PARTITIONS,
+            request_timeout: Duration::from_secs(2),
+            connect_timeout: Duration::from_secs(10),
+            tls: None,
+        }
+    }
+}
+
+impl TiKVOptions {
+    /// The partition count.
+    pub fn partitions(mut self, partitions: u32) -> Self {
+        self.partitions = partitions;
+        self
+    }
+
+    /// The per-request timeout.
+    pub fn request_timeout(mut self, timeout: Duration) -> Self {
+        self.request_timeout = timeout;
+        self
+    }
+
+    /// The connect timeout.
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// Connects over TLS with these files.
+    pub fn tls(mut self, files: TlsFiles) -> Self {
+        self.tls = Some(files);
+        self
+    }
+}
+
+/// The PEM files of a TLS connection to a cluster: the CA that signed the cluster's
+/// certificates, and this client's certificate and private key (TiKV and PD ask clients for a
+/// certificate when their `security` section sets one).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TlsFiles {
+    /// The CA's certificate.
+    pub ca: std::path::PathBuf,
+    /// This client's certificate.
+    pub cert: std::path::PathBuf,
+    /// This client's private key.
+    pub key: std::path::PathBuf,
+}
+
+impl TlsFiles {
+    /// The three files.
+    pub fn new(
+        ca: impl Into<std::path::PathBuf>,
+        cert: impl Into<std::path::PathBuf>,
+        key: impl Into<std::path::PathBuf>,
+    ) -> Self {
+        TlsFiles {
+            ca: ca.into(),
+            cert: cert.into(),
+            key: key.into(),
+        }
+    }
+
+    /// Each file can be read and holds a PEM block; the error names the first that does not.
+    fn check(&self) -> TitoResult<()> {
+        for (what, path) in [
+            ("CA certificate", &self.ca),
+            ("client certificate", &self.cert),
+            ("client key", &self.key),
+        ] {
+            let text = std::fs::read(path).map_err(|err| {
+                TitoError::invalid_argument(format!(
+                    "TLS {what} {}: cannot read it: {err}",
+                    path.display()
+                ))
+            })?;
+            if !text.windows(11).any(|w| w == b"-----BEGIN ") {
+                return Err(TitoError::invalid_argument(format!(
+                    "TLS {what} {}: not a PEM file (no \"-----BEGIN \" line)",
+                    path.display()
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// A handle to a TiKV cluster. Cheap to clone.
 #[derive(Clone)]
 pub struct TiKV {
@@ -131,20 +234,97 @@ impl TiKV {
         partitions: u32,
         request_timeout: Duration,
     ) -> TitoResult<Self> {
-        let partitions = engine::check_partitions(partitions)?;
+        let options = TiKVOptions::default()
+            .partitions(partitions)
+            .request_timeout(request_timeout);
+        Self::connect_with(pd_endpoints, options).await
+    }
+
+    /// Connects with [`TiKVOptions`]: partitions, timeouts, TLS.
+    ///
+    /// ```no_run
+    /// use tito::backend::tikv::{TiKV, TiKVOptions, TlsFiles};
+    ///
+    /// # async fn run() -> Result<(), tito::TitoError> {
+    /// let tls = TlsFiles::new("/etc/tikv/ca.pem", "/etc/tikv/client.pem", "/etc/tikv/client-key.pem");
+    /// let db = TiKV::connect_with(vec!["pd-0.pd:2379"], TiKVOptions::default().tls(tls)).await?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// Refused before any connection: no endpoint, a bad partition count, a TLS file that
+    /// cannot be read or holds no PEM block (the error names the file). A connection that does
+    /// not complete within [`TiKVOptions::connect_timeout`] (a server that accepts the
+    /// connection but never answers) is an error, never a hang; a TLS handshake that fails (a
+    /// CA that did not sign the server's certificate, an expired certificate, a plain-text
+    /// server) fails the connect with the client's error.
+    pub async fn connect_with<S: Into<String>>(
+        pd_endpoints: Vec<S>,
+        options: TiKVOptions,
+    ) -> TitoResult<Self> {
+        let partitions = engine::check_partitions(options.partitions)?;
         let endpoints: Vec<String> = pd_endpoints.into_iter().map(Into::into).collect();
         if endpoints.is_empty() {
             return Err(TitoError::invalid_argument(
                 "at least one PD endpoint is needed",
             ));
         }
-        let mut config = tikv_client::Config::default().with_timeout(request_timeout);
+        if options.connect_timeout.is_zero() || options.request_timeout.is_zero() {
+            return Err(TitoError::invalid_argument(
+                "TiKVOptions: the connect and request timeouts must be over zero",
+            ));
+        }
+        let mut config = tikv_client::Config::default().with_timeout(options.request_timeout);
         config.grpc_max_decoding_message_size = GRPC_MAX_DECODING_BYTES;
+        if let Some(tls) = &options.tls {
+            tls.check()?;
+            config = config.with_security(&tls.ca, &tls.cert, &tls.key);
+        }
         let mut sorted = endpoints.clone();
         sorted.sort();
-        let client = TransactionClient::new_with_config(endpoints, config)
-            .await
-            .map_err(|err| TitoError::storage("cannot connect to PD", err))?;
+        let scheme = if options.tls.is_some() {
+            "TLS"
+        } else {
+            "plain text"
+        };
+        let client = match tokio::time::timeout(
+            options.connect_timeout,
+            TransactionClient::new_with_config(endpoints, config),
+        )
+        .await
+        {
+            Ok(Ok(client)) => client,
+            Ok(Err(err)) => {
+                // The client's error ("PD cluster failed to respond") hides why: ask the first
+                // endpoint ourselves.
+                let why = probe(&sorted[0], options.tls.as_ref()).await;
+                return Err(TitoError::storage(
+                    format!(
+                        "cannot connect to PD at {} over {scheme}: {}{}",
+                        sorted.join(","),
+                        connect_error_text(&err),
+                        why.map(|why| format!("; {}: {why}", sorted[0]))
+                            .unwrap_or_default()
+                    ),
+                    err,
+                ));
+            }
+            Err(_) => {
+                let why = format!(
+                    "no answer within {:?} (TiKVOptions::connect_timeout): a server that accepts \
+                     connections but does not answer, or one that speaks the other of TLS and \
+                     plain text",
+                    options.connect_timeout
+                );
+                return Err(TitoError::storage(
+                    format!(
+                        "cannot connect to PD at {} over {scheme}: {why}",
+                        sorted.join(",")
+                    ),
+                    std::io::Error::new(std::io::ErrorKind::TimedOut, why),
+                ));
+            }
+        };
         Ok(TiKV {
             client: Arc::new(client),
             partitions,
@@ -166,6 +346,117 @@ impl TiKV {
     pub fn client(&self) -> &TransactionClient {
         &self.client
     }
+}
+
+/// Why a connect to `endpoint` fails, found by a handshake of our own (within 2 s): over TLS
+/// with `tls`'s files, what the handshake says (a CA that did not sign the server's
+/// certificate, an expired one, a server that does not speak TLS); in plain text, whether the
+/// server answers in TLS. `None` when nothing more is learned.
+async fn probe(endpoint: &str, tls: Option<&TlsFiles>) -> Option<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio_rustls::rustls;
+    let address = endpoint
+        .trim()
+        .trim_start_matches("https://")
+        .trim_start_matches("http://")
+        .to_string();
+    let work = async move {
+        let mut stream = tokio::net::TcpStream::connect(&address)
+            .await
+            .map_err(|err| format!("cannot open a connection: {err}"))?;
+        let Some(tls) = tls else {
+            // An HTTP/2 preface; a TLS server answers with a TLS record (alert or handshake).
+            stream
+                .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+                .await
+                .map_err(|err| err.to_string())?;
+            let mut first = [0u8; 1];
+            return match stream.read(&mut first).await {
+                Ok(1) if first[0] == 0x15 || first[0] == 0x16 => {
+                    Err("the server speaks TLS: connect with TiKVOptions::tls".to_string())
+                }
+                _ => Ok(()),
+            };
+        };
+        let read = |path: &std::path::Path| std::fs::read(path).map_err(|err| err.to_string());
+        let mut roots = rustls::RootCertStore::empty();
+        for cert in rustls_pemfile::certs(&mut &read(&tls.ca)?[..]).map_err(|e| e.to_string())? {
+            roots
+                .add(&rustls::Certificate(cert))
+                .map_err(|err| format!("CA certificate: {err}"))?;
+        }
+        let certs: Vec<rustls::Certificate> = rustls_pemfile::certs(&mut &read(&tls.cert)?[..])
+            .map_err(|e| e.to_string())?
+            .into_iter()
+            .map(rustls::Certificate)
+            .collect();
+        let key = rustls_pemfile::read_all(&mut &read(&tls.key)?[..])
+            .map_err(|e| e.to_string())?
+            .into_iter()
+            .find_map(|item| match item {
+                rustls_pemfile::Item::PKCS8Key(key)
+                | rustls_pemfile::Item::RSAKey(key)
+                | rustls_pemfile::Item::ECKey(key) => Some(rustls::PrivateKey(key)),
+                _ => None,
+            })
+            .ok_or_else(|| format!("no private key in {}", tls.key.display()))?;
+        let mut config = rustls::ClientConfig::builder()
+            .with_safe_defaults()
+            .with_root_certificates(roots)
+            .with_client_auth_cert(certs, key)
+            .map_err(|err| format!("client certificate: {err}"))?;
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        let host = address
+            .rsplit_once(':')
+            .map_or(address.as_str(), |(h, _)| h);
+        let name = rustls::ServerName::try_from(host.trim_matches(|c| c == '[' || c == ']'))
+            .map_err(|err| format!("{host} is not a server name: {err}"))?;
+        tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
+            .connect(name, stream)
+            .await
+            .map(|_| ())
+            .map_err(|err| {
+                let text = err.to_string();
+                if text.contains("UnknownIssuer") || text.contains("BadSignature") {
+                    format!(
+                        "the server's certificate is not signed by the CA in {} ({text})",
+                        tls.ca.display()
+                    )
+                } else if text.contains("Expired") || text.contains("NotValidYet") {
+                    format!("the server's certificate has expired or is not valid yet ({text})")
+                } else if text.contains("corrupt message") || text.contains("InvalidContentType") {
+                    format!("the server does not speak TLS: a plain-text endpoint? ({text})")
+                } else {
+                    format!("the TLS handshake failed: {text}")
+                }
+            })
+    };
+    match tokio::time::timeout(Duration::from_secs(2), work).await {
+        Ok(Err(why)) => Some(why),
+        Ok(Ok(())) | Err(_) => None,
+    }
+}
+
+/// A connect error with its causes, one after another (tonic's transport error says
+/// "transport error" and keeps the TLS reason in its sources).
+fn connect_error_text(err: &tikv_client::Error) -> String {
+    let mut text = err.to_string();
+    // The client's internal errors lead with the source file and line it raised them at.
+    if text.starts_with('[')
+        && let Some((_, rest)) = text.split_once("]: ")
+    {
+        text = rest.to_string();
+    }
+    let mut source = std::error::Error::source(err);
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
 }
 
 fn range(start: &[u8], end: &[u8]) -> tikv_client::BoundRange {

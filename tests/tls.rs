@@ -1,0 +1,218 @@
+//! TiKV over TLS, against the test server serving TLS with certificates made here: a
+//! transaction, the queue and the model layer over TLS, and the mistakes (a wrong CA, an
+//! expired certificate, a plain-text server, a missing file) refused with clear errors within
+//! the connect timeout.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair, SanType};
+use tito::backend::tikv::{TiKV, TiKVOptions, TlsFiles};
+use tito::{TitoEngine, TitoError, TitoTransaction};
+use tito_tikv_test_server::{TestCluster, TlsIdentity};
+
+/// A CA, and certificates it signed for the server (127.0.0.1) and a client, as PEM.
+struct Pki {
+    ca_pem: String,
+    server_pem: String,
+    server_key: String,
+    client_pem: String,
+    client_key: String,
+}
+
+fn ca() -> (rcgen::Certificate, KeyPair) {
+    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let key = KeyPair::generate().unwrap();
+    let cert = params.self_signed(&key).unwrap();
+    (cert, key)
+}
+
+/// Certificates signed by a fresh CA; `expired`: the server's ran out in 2001.
+fn make_pki(expired: bool) -> Pki {
+    let (ca, ca_key) = ca();
+    let mut server = CertificateParams::new(vec!["localhost".to_string()]).unwrap();
+    server
+        .subject_alt_names
+        .push(SanType::IpAddress("127.0.0.1".parse().unwrap()));
+    if expired {
+        server.not_before = rcgen::date_time_ymd(2000, 1, 1);
+        server.not_after = rcgen::date_time_ymd(2001, 1, 1);
+    }
+    let server_key = KeyPair::generate().unwrap();
+    let server_cert = server.signed_by(&server_key, &ca, &ca_key).unwrap();
+    let client = CertificateParams::new(vec!["tito-client".to_string()]).unwrap();
+    let client_key = KeyPair::generate().unwrap();
+    let client_cert = client.signed_by(&client_key, &ca, &ca_key).unwrap();
+    Pki {
+        ca_pem: ca.pem(),
+        server_pem: server_cert.pem(),
+        server_key: server_key.serialize_pem(),
+        client_pem: client_cert.pem(),
+        client_key: client_key.serialize_pem(),
+    }
+}
+
+impl Pki {
+    fn identity(&self) -> TlsIdentity {
+        TlsIdentity {
+            cert_pem: self.server_pem.clone().into_bytes(),
+            key_pem: self.server_key.clone().into_bytes(),
+            client_ca_pem: Some(self.ca_pem.clone().into_bytes()),
+        }
+    }
+
+    /// The client's files in `dir`.
+    fn files(&self, dir: &Path) -> TlsFiles {
+        let write = |name: &str, text: &str| -> PathBuf {
+            let path = dir.join(name);
+            std::fs::write(&path, text).unwrap();
+            path
+        };
+        TlsFiles::new(
+            write("ca.pem", &self.ca_pem),
+            write("client.pem", &self.client_pem),
+            write("client-key.pem", &self.client_key),
+        )
+    }
+}
+
+fn options(files: TlsFiles) -> TiKVOptions {
+    TiKVOptions::default()
+        .tls(files)
+        .connect_timeout(Duration::from_secs(5))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tikv_over_tls_commits_and_runs_a_queue() {
+    let pki = make_pki(false);
+    let cluster = TestCluster::start_tls(&pki.identity()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let db = TiKV::connect_with(cluster.pd_endpoints(), options(pki.files(dir.path())))
+        .await
+        .unwrap();
+    db.transaction(|tx| async move { tx.put(b"t:tls".to_vec(), b"1".to_vec()).await })
+        .await
+        .unwrap();
+    let tx = db.begin().await.unwrap();
+    assert_eq!(tx.get(b"t:tls").await.unwrap().as_deref(), Some(&b"1"[..]));
+    tx.rollback().await.unwrap();
+    // A queue end to end over TLS.
+    let queue = std::sync::Arc::new(tito::Queue::new(
+        db.clone(),
+        tito::QueueConfig::new(2, Duration::from_secs(60)),
+    ));
+    queue
+        .publish(tito::QueueEvent::new("k", 7u32, 0))
+        .await
+        .unwrap();
+    let (seen, mut got) = tokio::sync::mpsc::unbounded_channel();
+    let mut workers = tito::Workers::new();
+    workers.spawn_worker(
+        queue.clone(),
+        tito::WorkerConfig::new(0..2),
+        move |event: tito::QueueEvent<u32>| {
+            let seen = seen.clone();
+            async move {
+                seen.send(event.payload).unwrap();
+                Ok(tito::QueueHandlerOutcome::Acknowledge)
+            }
+        },
+    );
+    let payload = tokio::time::timeout(Duration::from_secs(30), got.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(payload, 7);
+    workers.shutdown().await.unwrap();
+}
+
+/// The connect's error within its timeout (never a hang), as text.
+async fn refused(endpoints: Vec<String>, options: TiKVOptions) -> String {
+    let started = Instant::now();
+    let bound = options.connect_timeout + Duration::from_secs(5);
+    let result = tokio::time::timeout(bound, TiKV::connect_with(endpoints, options))
+        .await
+        .expect("the connect returned within its timeout");
+    let err = match result {
+        Ok(_) => panic!("connected"),
+        Err(err) => err,
+    };
+    println!("refused in {:?}: {err}", started.elapsed());
+    err.to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tikv_tls_mistakes_are_clear_errors_never_hangs() {
+    let pki = make_pki(false);
+    let cluster = TestCluster::start_tls(&pki.identity()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let good = pki.files(dir.path());
+
+    // A CA that did not sign the server's certificate.
+    let other = make_pki(false);
+    let other_dir = tempfile::tempdir().unwrap();
+    let mut wrong_ca = good.clone();
+    wrong_ca.ca = other.files(other_dir.path()).ca;
+    let err = refused(cluster.pd_endpoints(), options(wrong_ca)).await;
+    assert!(err.contains("over TLS"), "{err}");
+    assert!(err.contains("not signed by the CA in"), "{err}");
+
+    // An expired server certificate.
+    let expired = make_pki(true);
+    let old = TestCluster::start_tls(&expired.identity()).await.unwrap();
+    let expired_dir = tempfile::tempdir().unwrap();
+    let err = refused(
+        old.pd_endpoints(),
+        options(expired.files(expired_dir.path())),
+    )
+    .await;
+    assert!(err.contains("has expired"), "{err}");
+
+    // TLS to a plain-text server, and plain text to a TLS server.
+    let plain = TestCluster::start().await.unwrap();
+    let err = refused(plain.pd_endpoints(), options(good.clone())).await;
+    assert!(err.contains("does not speak TLS"), "{err}");
+    let err = refused(
+        cluster.pd_endpoints(),
+        TiKVOptions::default().connect_timeout(Duration::from_secs(5)),
+    )
+    .await;
+    assert!(err.contains("over plain text"), "{err}");
+    assert!(
+        err.contains("the server speaks TLS: connect with TiKVOptions::tls"),
+        "{err}"
+    );
+
+    // A server that accepts connections and never answers: an error at the connect timeout.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let silent_address = silent.local_addr().unwrap().to_string();
+    let holder = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((stream, _)) = silent.accept().await {
+            held.push(stream);
+        }
+    });
+    let started = Instant::now();
+    let quick = TiKVOptions::default().connect_timeout(Duration::from_secs(1));
+    let err = refused(vec![silent_address], quick).await;
+    assert!(err.contains("no answer within 1s"), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(6));
+    holder.abort();
+
+    // Files: missing, or not PEM: refused before any connection, naming the file.
+    let mut missing = good.clone();
+    missing.key = dir.path().join("nope.pem");
+    match TiKV::connect_with(cluster.pd_endpoints(), options(missing)).await {
+        Err(TitoError::InvalidArgument(m)) => assert!(m.contains("nope.pem"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    let not_pem = dir.path().join("ca.txt");
+    std::fs::write(&not_pem, "hello").unwrap();
+    let mut garbled = good.clone();
+    garbled.ca = not_pem;
+    match TiKV::connect_with(cluster.pd_endpoints(), options(garbled)).await {
+        Err(TitoError::InvalidArgument(m)) => assert!(m.contains("not a PEM file"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+}
