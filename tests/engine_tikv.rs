@@ -1,3 +1,8 @@
 //! The storage contract on TiKV: the test server by default, a real cluster with `TITO_PD_ENDPOINTS`.
 
 crate::conformance_suite!(crate::support::TikvBackend);
+
+/// The storage contract once more over TLS.
+mod tls {
+    crate::conformance_suite!(crate::support::TikvTlsBackend);
+}

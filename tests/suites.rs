@@ -55,6 +55,16 @@ mod tikv {
     }
 }
 
+/// The queue and model suites once more over TLS (the storage contract too: `engine_tikv`).
+mod tikv_tls {
+    mod models {
+        crate::models_suite!(crate::support::TikvTlsBackend);
+    }
+    mod queue {
+        crate::queue_suite!(crate::support::TikvTlsBackend);
+    }
+}
+
 mod memory {
     mod models {
         crate::models_suite!(crate::support::MemoryBackend);

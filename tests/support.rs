@@ -114,6 +114,119 @@ pub async fn test_server_ctx() -> Ctx<TiKV> {
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// TLS: certificates made here, a test server serving TLS.
+// ---------------------------------------------------------------------------------------------
+
+use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair, SanType};
+use std::path::{Path, PathBuf};
+use tito::backend::tikv::{TiKVOptions, TlsFiles};
+use tito_tikv_test_server::TlsIdentity;
+
+/// A CA, and certificates it signed for the server (127.0.0.1) and a client, as PEM.
+pub struct Pki {
+    ca_pem: String,
+    server_pem: String,
+    server_key: String,
+    client_pem: String,
+    client_key: String,
+}
+
+fn ca() -> (rcgen::Certificate, KeyPair) {
+    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let key = KeyPair::generate().unwrap();
+    let cert = params.self_signed(&key).unwrap();
+    (cert, key)
+}
+
+/// Certificates signed by a fresh CA; `expired`: the server's ran out in 2001.
+pub fn make_pki(expired: bool) -> Pki {
+    let (ca, ca_key) = ca();
+    let mut server = CertificateParams::new(vec!["localhost".to_string()]).unwrap();
+    server
+        .subject_alt_names
+        .push(SanType::IpAddress("127.0.0.1".parse().unwrap()));
+    if expired {
+        server.not_before = rcgen::date_time_ymd(2000, 1, 1);
+        server.not_after = rcgen::date_time_ymd(2001, 1, 1);
+    }
+    let server_key = KeyPair::generate().unwrap();
+    let server_cert = server.signed_by(&server_key, &ca, &ca_key).unwrap();
+    let client = CertificateParams::new(vec!["tito-client".to_string()]).unwrap();
+    let client_key = KeyPair::generate().unwrap();
+    let client_cert = client.signed_by(&client_key, &ca, &ca_key).unwrap();
+    Pki {
+        ca_pem: ca.pem(),
+        server_pem: server_cert.pem(),
+        server_key: server_key.serialize_pem(),
+        client_pem: client_cert.pem(),
+        client_key: client_key.serialize_pem(),
+    }
+}
+
+impl Pki {
+    pub fn identity(&self) -> TlsIdentity {
+        TlsIdentity {
+            cert_pem: self.server_pem.clone().into_bytes(),
+            key_pem: self.server_key.clone().into_bytes(),
+            client_ca_pem: Some(self.ca_pem.clone().into_bytes()),
+        }
+    }
+
+    /// The client's files in `dir`.
+    pub fn files(&self, dir: &Path) -> TlsFiles {
+        let write = |name: &str, text: &str| -> PathBuf {
+            let path = dir.join(name);
+            std::fs::write(&path, text).unwrap();
+            path
+        };
+        TlsFiles::new(
+            write("ca.pem", &self.ca_pem),
+            write("client.pem", &self.client_pem),
+            write("client-key.pem", &self.client_key),
+        )
+    }
+}
+
+/// TiKV over TLS on a fresh test server serving TLS, split like [`test_server_ctx`]'s. One CA
+/// and pair of certificates per process, their files under the tests' temporary directory
+/// (the client reads its key again for each new connection, so they stay in place).
+pub struct TikvTlsBackend;
+
+impl Backend for TikvTlsBackend {
+    type Engine = TiKV;
+    async fn make() -> Option<Ctx<TiKV>> {
+        static PKI: std::sync::OnceLock<(Pki, TlsFiles)> = std::sync::OnceLock::new();
+        let (pki, files) = PKI.get_or_init(|| {
+            let pki = make_pki(false);
+            let dir =
+                Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("tls-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).expect("a directory for the TLS files");
+            let files = pki.files(&dir);
+            (pki, files)
+        });
+        let cluster = TestCluster::start_tls(&pki.identity())
+            .await
+            .expect("start the TLS test server");
+        let ns = "t:".to_string();
+        for split in TEST_SPLITS {
+            cluster.split(format!("{ns}{split}"));
+        }
+        let db = TiKV::connect_with(
+            cluster.pd_endpoints(),
+            TiKVOptions::default().tls(files.clone()),
+        )
+        .await
+        .expect("connect to the TLS test server");
+        Some(Ctx {
+            db,
+            ns,
+            cluster: Some(Arc::new(cluster)),
+        })
+    }
+}
+
 /// Reads one key in a transaction of its own.
 pub async fn read<E: TitoEngine>(db: &E, key: &[u8]) -> Option<Vec<u8>> {
     let tx = db.begin().await.expect("begin");

@@ -3,79 +3,13 @@
 //! expired certificate, a plain-text server, a missing file) refused with clear errors within
 //! the connect timeout.
 
-use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair, SanType};
 use tito::backend::tikv::{TiKV, TiKVOptions, TlsFiles};
 use tito::{TitoEngine, TitoError, TitoTransaction};
-use tito_tikv_test_server::{TestCluster, TlsIdentity};
+use tito_tikv_test_server::TestCluster;
 
-/// A CA, and certificates it signed for the server (127.0.0.1) and a client, as PEM.
-struct Pki {
-    ca_pem: String,
-    server_pem: String,
-    server_key: String,
-    client_pem: String,
-    client_key: String,
-}
-
-fn ca() -> (rcgen::Certificate, KeyPair) {
-    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    let key = KeyPair::generate().unwrap();
-    let cert = params.self_signed(&key).unwrap();
-    (cert, key)
-}
-
-/// Certificates signed by a fresh CA; `expired`: the server's ran out in 2001.
-fn make_pki(expired: bool) -> Pki {
-    let (ca, ca_key) = ca();
-    let mut server = CertificateParams::new(vec!["localhost".to_string()]).unwrap();
-    server
-        .subject_alt_names
-        .push(SanType::IpAddress("127.0.0.1".parse().unwrap()));
-    if expired {
-        server.not_before = rcgen::date_time_ymd(2000, 1, 1);
-        server.not_after = rcgen::date_time_ymd(2001, 1, 1);
-    }
-    let server_key = KeyPair::generate().unwrap();
-    let server_cert = server.signed_by(&server_key, &ca, &ca_key).unwrap();
-    let client = CertificateParams::new(vec!["tito-client".to_string()]).unwrap();
-    let client_key = KeyPair::generate().unwrap();
-    let client_cert = client.signed_by(&client_key, &ca, &ca_key).unwrap();
-    Pki {
-        ca_pem: ca.pem(),
-        server_pem: server_cert.pem(),
-        server_key: server_key.serialize_pem(),
-        client_pem: client_cert.pem(),
-        client_key: client_key.serialize_pem(),
-    }
-}
-
-impl Pki {
-    fn identity(&self) -> TlsIdentity {
-        TlsIdentity {
-            cert_pem: self.server_pem.clone().into_bytes(),
-            key_pem: self.server_key.clone().into_bytes(),
-            client_ca_pem: Some(self.ca_pem.clone().into_bytes()),
-        }
-    }
-
-    /// The client's files in `dir`.
-    fn files(&self, dir: &Path) -> TlsFiles {
-        let write = |name: &str, text: &str| -> PathBuf {
-            let path = dir.join(name);
-            std::fs::write(&path, text).unwrap();
-            path
-        };
-        TlsFiles::new(
-            write("ca.pem", &self.ca_pem),
-            write("client.pem", &self.client_pem),
-            write("client-key.pem", &self.client_key),
-        )
-    }
-}
+use crate::support::make_pki;
 
 fn options(files: TlsFiles) -> TiKVOptions {
     TiKVOptions::default()

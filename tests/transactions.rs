@@ -39,6 +39,10 @@ mod tikv {
     crate::transactions_suite!(crate::support::TikvBackend);
 }
 
+mod tikv_tls {
+    crate::transactions_suite!(crate::support::TikvTlsBackend);
+}
+
 fn faulty<E: TitoEngine>(ctx: &Ctx<E>) -> FaultyEngine<E> {
     FaultyEngine::new(ctx.db.clone())
 }

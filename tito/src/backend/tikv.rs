@@ -146,7 +146,9 @@ impl TiKVOptions {
 
 /// The PEM files of a TLS connection to a cluster: the CA that signed the cluster's
 /// certificates, and this client's certificate and private key (TiKV and PD ask clients for a
-/// certificate when their `security` section sets one).
+/// certificate when their `security` section sets one). The client reads the key again for
+/// every new connection (to each TiKV store it meets), so the files must stay in place while
+/// the handle lives.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TlsFiles {
     /// The CA's certificate.
