@@ -908,25 +908,7 @@ async fn dead_retry<E: TitoEngine>(
     Extension(Peer(peer)): Extension<Peer>,
     Form(form): Form<DeadForm>,
 ) -> Page {
-    if form.id.is_empty() {
-        return Err(TitoError::invalid_argument("a retry needs an event id").into());
-    }
-    let target = form.target();
-    if !confirmed(&form.confirm) {
-        return Ok(Html(html::confirm(
-            "Retry a dead invocation",
-            &format!("Move {target} back to pending (attempt 1, due now)?"),
-            "dead-retry",
-            &form.fields(),
-        )));
-    }
-    let moved = tito::queue::retry_dead(&state.db, form.topic(), &form.id).await?;
-    let result = if moved { "pending again" } else { "not dead" };
-    state.record(peer, "dead-retry", target.clone(), result.into());
-    Ok(Html(html::done(
-        "Dead invocation retried",
-        &format!("{target}: {result}."),
-    )))
+    dead_action(&state, peer, form, DeadAction::Retry).await
 }
 
 async fn dead_discard<E: TitoEngine>(
@@ -934,23 +916,68 @@ async fn dead_discard<E: TitoEngine>(
     Extension(Peer(peer)): Extension<Peer>,
     Form(form): Form<DeadForm>,
 ) -> Page {
+    dead_action(&state, peer, form, DeadAction::Discard).await
+}
+
+/// What an operator does to a dead invocation.
+#[derive(Clone, Copy)]
+enum DeadAction {
+    Retry,
+    Discard,
+}
+
+/// A dead invocation retried or discarded: a confirmation form first, then the action, logged.
+async fn dead_action<E: TitoEngine>(
+    state: &Inner<E>,
+    peer: Option<SocketAddr>,
+    form: DeadForm,
+    action: DeadAction,
+) -> Page {
+    let (name, verb, title, question, done_title) = match action {
+        DeadAction::Retry => (
+            "dead-retry",
+            "a retry",
+            "Retry a dead invocation",
+            "Move {target} back to pending (attempt 1, due now)?",
+            "Dead invocation retried",
+        ),
+        DeadAction::Discard => (
+            "dead-discard",
+            "a discard",
+            "Discard a dead invocation",
+            "Delete {target} for good (its event id may be published again)?",
+            "Dead invocation discarded",
+        ),
+    };
     if form.id.is_empty() {
-        return Err(TitoError::invalid_argument("a discard needs an event id").into());
+        return Err(TitoError::invalid_argument(format!("{verb} needs an event id")).into());
     }
     let target = form.target();
     if !confirmed(&form.confirm) {
         return Ok(Html(html::confirm(
-            "Discard a dead invocation",
-            &format!("Delete {target} for good (its event id may be published again)?"),
-            "dead-discard",
+            title,
+            &question.replace("{target}", &target),
+            name,
             &form.fields(),
         )));
     }
-    let deleted = tito::queue::discard_dead(&state.db, form.topic(), &form.id).await?;
-    let result = if deleted { "discarded" } else { "not dead" };
-    state.record(peer, "dead-discard", target.clone(), result.into());
+    let result = match action {
+        DeadAction::Retry => {
+            match tito::queue::retry_dead(&state.db, form.topic(), &form.id).await? {
+                true => "pending again",
+                false => "not dead",
+            }
+        }
+        DeadAction::Discard => {
+            match tito::queue::discard_dead(&state.db, form.topic(), &form.id).await? {
+                true => "discarded",
+                false => "not dead",
+            }
+        }
+    };
+    state.record(peer, name, target.clone(), result.into());
     Ok(Html(html::done(
-        "Dead invocation discarded",
+        done_title,
         &format!("{target}: {result}."),
     )))
 }

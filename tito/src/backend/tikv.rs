@@ -284,11 +284,15 @@ impl TiKV {
         }
         let mut sorted = endpoints.clone();
         sorted.sort();
-        let scheme = if options.tls.is_some() {
-            "TLS"
-        } else {
-            "plain text"
-        };
+        let joined = sorted.join(",");
+        let failed = format!(
+            "cannot connect to PD at {joined} over {}",
+            if options.tls.is_some() {
+                "TLS"
+            } else {
+                "plain text"
+            }
+        );
         let client = match tokio::time::timeout(
             options.connect_timeout,
             TransactionClient::new_with_config(endpoints, config),
@@ -302,8 +306,7 @@ impl TiKV {
                 let why = probe(&sorted[0], options.tls.as_ref()).await;
                 return Err(TitoError::storage(
                     format!(
-                        "cannot connect to PD at {} over {scheme}: {}{}",
-                        sorted.join(","),
+                        "{failed}: {}{}",
                         connect_error_text(&err),
                         why.map(|why| format!("; {}: {why}", sorted[0]))
                             .unwrap_or_default()
@@ -319,10 +322,7 @@ impl TiKV {
                     options.connect_timeout
                 );
                 return Err(TitoError::storage(
-                    format!(
-                        "cannot connect to PD at {} over {scheme}: {why}",
-                        sorted.join(",")
-                    ),
+                    format!("{failed}: {why}"),
                     std::io::Error::new(std::io::ErrorKind::TimedOut, why),
                 ));
             }
@@ -331,7 +331,7 @@ impl TiKV {
             client: Arc::new(client),
             partitions,
             retry: RetryPolicy::default(),
-            endpoints: sorted.join(",").into(),
+            endpoints: joined.into(),
             extensions: Arc::new(engine::Extensions::new()),
         })
     }

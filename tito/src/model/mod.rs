@@ -380,11 +380,8 @@ fn reported_operation(
 /// written: a queue name that no `Queue` can open, or a negative time, is refused.
 fn declared_events<T: TitoModelTrait>(
     model: &T,
-    operation: Option<TitoOperation>,
+    operation: TitoOperation,
 ) -> TitoResult<Vec<TitoEventConfig>> {
-    let Some(operation) = operation else {
-        return Ok(Vec::new());
-    };
     let mut out = Vec::new();
     for config in model.events() {
         if config.name.is_empty() {
@@ -714,8 +711,7 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
                         keys::row_key(&table, id)
                     ))
                 })?;
-                let configs = declared_events(&model, Some(operation))?;
-                self.prepare_events(tx, operation, configs, &model, &stored.row)?
+                self.prepare_events(tx, operation, &model, &stored.row)?
             }
             None => Vec::new(),
         };
@@ -738,19 +734,19 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         Ok(())
     }
 
-    /// The model's events for `operation`, encoded and checked before anything is written: one
-    /// [`ModelEvent`] per event config, to the queue named like the config, keyed
-    /// `{table}:{id}`, with the id [`model_event_id`] gives.
+    /// The model's events for `operation` ([`declared_events`]), encoded and checked before
+    /// anything is written: one [`ModelEvent`] per event config, to the queue named like the
+    /// config, keyed `{table}:{id}`, with the id [`model_event_id`] gives.
     ///
     /// [`ModelEvent`]: crate::event::ModelEvent
     fn prepare_events<R: serde::Serialize>(
         &self,
         tx: &E::Transaction,
         operation: TitoOperation,
-        configs: Vec<TitoEventConfig>,
         model: &T,
         row: &R,
     ) -> TitoResult<Vec<(String, crate::event::publish::PreparedEvent)>> {
+        let configs = declared_events(model, operation)?;
         let (table, id) = (model.table(), model.id());
         let event_id = model_event_id(&table, &id, engine::write_version(tx));
         configs

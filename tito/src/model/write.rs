@@ -10,8 +10,7 @@ use super::catalog::{IndexState, WritePlan};
 use super::index::{self, Entry};
 use super::{
     Mode, Stored, TitoModel, TitoModelTrait, TitoOperation, TitoOptions, code_entries,
-    declared_events, encode_manifest, index_configs, load, no_row, planned_entries,
-    planned_entries_reusing, stamp,
+    encode_manifest, index_configs, load, no_row, planned_entries, planned_entries_reusing, stamp,
 };
 use crate::engine::{self, TitoEngine, TitoTransaction};
 use crate::error::{TitoError, TitoResult};
@@ -131,9 +130,7 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         plan_row(&step, new_entries, claims, row_key, &row, &mut writes)?;
         let mut wakes = Vec::new();
         if let Some(operation) = operation {
-            let configs = declared_events(&stored_model, Some(operation))?;
-            let events =
-                self.prepare_events(tx, operation, configs, &stored_model, &stored_model)?;
+            let events = self.prepare_events(tx, operation, &stored_model, &stored_model)?;
             wakes = self.plan_events(tx, events, &mut writes).await?;
         }
         writes.apply(tx).await?;

@@ -8,7 +8,7 @@ use super::{Queue, QueueOwner};
 use crate::engine::{self, TitoEngine, TitoTransaction};
 use crate::error::{TitoError, TitoResult};
 use crate::event::StoredEvent;
-use crate::event::publish::insert_pending;
+use crate::event::publish::{forget_event_id, insert_pending};
 use crate::keys;
 
 /// An invocation in a queue's dead state.
@@ -124,36 +124,27 @@ async fn list_dead_under<E: TitoEngine>(
         .collect()
 }
 
-/// Deletes a dead row's keys inside `tx`: the row, its owner key, and its event-id key when it
-/// still points at the row. Returns the row, or `None` when `id` is not dead.
+/// Deletes a dead row's keys inside `tx` (a transaction of its own, rolled back on error): the
+/// row, its owner key, and its event-id key when it still points at the row. Returns the row, or
+/// `None` when `id` is not dead.
 async fn remove_dead<X: TitoTransaction>(
     tx: &X,
     root: &str,
     id: &str,
-) -> TitoResult<Option<(String, StoredEvent)>> {
+) -> TitoResult<Option<StoredEvent>> {
     let dead_key = keys::dead_key(root, id);
     let Some(value) = tx.get(dead_key.as_bytes()).await? else {
         return Ok(None);
     };
     let stored = StoredEvent::parse(&value)
         .map_err(|err| TitoError::Integrity(format!("dead row {dead_key:?}: {err}")))?;
-    let mut writes = engine::Writes::default();
-    writes.delete(dead_key.clone());
+    forget_event_id(tx, root, id, &dead_key).await?;
     if let Some(owner) = &stored.owner {
-        writes.delete(keys::owner_key(
-            root,
-            &owner.kind,
-            &owner.id,
-            keys::OWNER_DEAD,
-            &dead_key,
-        ));
+        let owner_key = keys::owner_key(root, &owner.kind, &owner.id, keys::OWNER_DEAD, &dead_key);
+        tx.delete(owner_key.into_bytes()).await?;
     }
-    let id_key = keys::event_id_key(root, id);
-    if tx.get(id_key.as_bytes()).await?.as_deref() == Some(dead_key.as_bytes()) {
-        writes.delete(id_key);
-    }
-    writes.apply(tx).await?;
-    Ok(Some((dead_key, stored)))
+    tx.delete(dead_key.into_bytes()).await?;
+    Ok(Some(stored))
 }
 
 async fn retry_dead_under<E: TitoEngine>(db: &E, root: &str, id: &str) -> TitoResult<bool> {
@@ -162,7 +153,7 @@ async fn retry_dead_under<E: TitoEngine>(db: &E, root: &str, id: &str) -> TitoRe
     db.transaction(|tx| {
         let (root, id, wakeups) = (root.clone(), id.clone(), wakeups.clone());
         async move {
-            let Some((_, mut stored)) = remove_dead(&tx, &root, &id).await? else {
+            let Some(mut stored) = remove_dead(&tx, &root, &id).await? else {
                 return Ok(false);
             };
             // An error from here on rolls the removal back with the rest.

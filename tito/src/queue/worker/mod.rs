@@ -573,10 +573,9 @@ where
 
 /// Checks (and on first use records) the queue's partition count in a transaction of its own.
 async fn check_partitions<E: TitoEngine>(queue: &Queue<E>) -> TitoResult<()> {
-    let queue_ref = queue;
     queue
         .engine()
-        .transaction(|tx| async move { queue_ref.ensure_meta(&tx).await })
+        .transaction(|tx| async move { queue.ensure_meta(&tx).await })
         .await
 }
 
