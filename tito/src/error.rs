@@ -54,6 +54,22 @@ pub enum TitoError {
         source: Option<BoxError>,
     },
 
+    /// The commit applied, but not every key it wrote holds the write (or not every key could
+    /// be read back to check). Only the TiKV engine reports it: `tikv-client` 0.4.0 can leave
+    /// the keys of one region out of a commit's prewrite when that region's lookup fails (PD
+    /// unreachable after a region or transport error), and then commit the rest; Tito reads
+    /// every written key back after the client reports a commit, and reports this instead of
+    /// success. The transaction is committed (its primary key holds the write): it is never
+    /// replayed or resolved. Compare [`PartialCommit::keys`](TitoError::PartialCommit) with
+    /// what the transaction meant to write and repair them; the error is logged at error level.
+    #[error("the commit applied in part: {message}")]
+    PartialCommit {
+        /// Which transaction, at which version, and which keys.
+        message: String,
+        /// The keys that do not hold the write, then those that could not be checked.
+        keys: Vec<Vec<u8>>,
+    },
+
     /// A query used an index that is not ready: it is being built (older rows are not in it
     /// yet), being dropped, or unknown to the stored catalog. The message carries the build's
     /// progress.

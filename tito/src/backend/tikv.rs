@@ -484,7 +484,7 @@ impl TitoEngine for TiKV {
             inner: Arc::new(TxInner {
                 start_version,
                 client: self.client.clone(),
-                primary: std::sync::Mutex::new(None),
+                written: std::sync::Mutex::new(Written::default()),
                 deferred_locks: std::sync::Mutex::new(Vec::new()),
                 tx: tokio::sync::Mutex::new(Some(tx)),
                 failed: crate::engine::FirstFailure::default(),
@@ -552,10 +552,10 @@ pub struct TiKVTransaction {
 struct TxInner {
     start_version: u64,
     client: Arc<TransactionClient>,
-    /// The first key this transaction put or deleted (the client's primary key: `lock_keys` are
-    /// deferred to the commit so that a write leads) and the value it will hold once committed
-    /// (`None`: deleted). Read back at the commit's version to check the client's report.
-    primary: std::sync::Mutex<Option<Primary>>,
+    /// Every key this transaction put or deleted and what it holds once committed, the first
+    /// being the client's primary key (`lock_keys` are deferred to the commit so that a write
+    /// leads). Read back at the commit's version to check the client's report.
+    written: std::sync::Mutex<Written>,
     /// Keys given to `lock_keys`, handed to the client just before the commit (an optimistic
     /// transaction only buffers them, so deferring changes nothing but the primary's choice).
     deferred_locks: std::sync::Mutex<Vec<Vec<u8>>>,
@@ -565,74 +565,280 @@ struct TxInner {
     hooks: crate::engine::AfterCommit,
 }
 
-/// A primary key and the value it holds once committed (`None`: deleted).
-type Primary = (Vec<u8>, Option<Vec<u8>>);
+/// What a key holds once its transaction commits: the length and FNV-1a digest of the value
+/// written, or `None` for a delete.
+type Expected = Option<(usize, u64)>;
+
+fn expected(value: Option<&[u8]>) -> Expected {
+    value.map(|value| (value.len(), crate::keys::fnv1a(value)))
+}
+
+/// The keys a transaction wrote, in the order first written (the first is the primary).
+#[derive(Default)]
+struct Written {
+    order: Vec<Vec<u8>>,
+    holds: std::collections::HashMap<Vec<u8>, Expected>,
+}
+
+/// Up to this many keys besides the primary are read back one `KvGet` each (concurrently); a
+/// larger write set is read in `KvBatchGet`s of [`VERIFY_BATCH`] keys.
+const VERIFY_ONE_BY_ONE: usize = 16;
+/// The keys of one batched read-back.
+const VERIFY_BATCH: usize = 256;
+/// How long reading a key back may keep failing in passing (a region moving, a timeout, PD
+/// unreachable) before the key counts as unchecked.
+const VERIFY_PATIENCE: Duration = Duration::from_secs(2);
+
+/// A key read back at the commit's version.
+enum ReadBack {
+    /// It holds what the transaction wrote.
+    Holds,
+    /// It holds something else: the transaction's write is not there.
+    Differs,
+    /// A lock at or below the commit's version: this transaction's own (`true`: it was
+    /// prewritten, its commit not yet applied) or another's (`false`: this transaction's write
+    /// cannot be there, or that transaction could not have locked it).
+    Locked(bool),
+    /// It could not be read within [`VERIFY_PATIENCE`].
+    Unreadable(String),
+}
 
 impl TxInner {
     /// Notes a put (`Some`) or delete (`None`) of `key`: the first one names the primary, and a
-    /// later write of the primary changes the value it must hold.
+    /// later write of a key changes what it must hold.
     fn track(&self, key: &[u8], value: Option<&[u8]>) {
-        let mut primary = crate::util::lock(&self.primary);
-        match primary.as_mut() {
-            None => *primary = Some((key.to_vec(), value.map(<[u8]>::to_vec))),
-            Some((primary_key, expected)) if primary_key.as_slice() == key => {
-                *expected = value.map(<[u8]>::to_vec);
-            }
-            Some(_) => {}
+        let mut written = crate::util::lock(&self.written);
+        if written
+            .holds
+            .insert(key.to_vec(), expected(value))
+            .is_none()
+        {
+            written.order.push(key.to_vec());
         }
     }
 
-    /// Checks a commit the client reported applied: the primary key, read at the commit's
-    /// version, holds what this transaction wrote. tikv-client 0.4.0 can report a commit of
-    /// the primary that never reached TiKV (see the module docs): then the primary still holds
-    /// this transaction's lock (its TTL has not run out this soon), and the read either meets it
-    /// and fails or passes it and finds the old value; both, and a read that cannot be made (the
-    /// cluster unreachable), make the commit [`TitoError::CommitOutcomeUnknown`]. One `KvGet`
-    /// per committed write transaction.
-    async fn verify(
-        &self,
-        commit_ts: Timestamp,
-        key: Vec<u8>,
-        expected: Option<Vec<u8>>,
-    ) -> TitoResult<()> {
-        let version = commit_ts.version();
-        let mut snapshot = self
-            .client
-            .snapshot(commit_ts, TransactionOptions::new_optimistic().read_only());
-        let unknown = |why: String| TitoError::CommitOutcomeUnknown {
-            message: format!(
-                "TiKV reported the commit of transaction {} applied at version {version}, but {why}",
-                self.start_version
-            ),
-            source: None,
-        };
-        // A passing failure of the read (a timeout, a region moving) is read again, a few times
-        // in half a second; this transaction's own lock is not waited for: it means the commit
-        // did not reach the primary.
+    /// A snapshot at `ts` whose reads report locks instead of resolving them.
+    fn checking_snapshot(&self, ts: &Timestamp) -> tikv_client::Snapshot {
+        self.client.snapshot(
+            ts.clone(),
+            TransactionOptions::new_optimistic()
+                .read_only()
+                .no_resolve_locks(),
+        )
+    }
+
+    /// Reads `key` at `ts` and compares it with `expected`, reading again after passing
+    /// failures for up to [`VERIFY_PATIENCE`].
+    async fn read_back(&self, ts: &Timestamp, key: &[u8], expected: Expected) -> ReadBack {
+        let started = std::time::Instant::now();
         let mut pause = Duration::from_millis(25);
-        let mut tries = 0;
-        let read = loop {
-            tries += 1;
-            match snapshot.get(key.clone()).await {
-                Err(err) if tries < 5 && !is_lock_wait(&err) => {
-                    tracing::debug!(error = %err, "reading a commit's primary back failed; again");
+        loop {
+            match self.checking_snapshot(ts).get(key.to_vec()).await {
+                Ok(found) => return compare(found.as_deref(), expected),
+                Err(err) => {
+                    if let Some(ours) = lock_owner(&err, self.start_version) {
+                        return ReadBack::Locked(ours);
+                    }
+                    if started.elapsed() + pause > VERIFY_PATIENCE {
+                        return ReadBack::Unreadable(err.to_string());
+                    }
+                    tracing::debug!(error = %err, "reading a committed key back failed; again");
                     tokio::time::sleep(pause).await;
-                    pause *= 2;
+                    pause = (pause * 2).min(Duration::from_millis(400));
                 }
-                read => break read,
             }
-        };
-        match read {
-            Ok(found) if found == expected => Ok(()),
-            Ok(_) => Err(unknown(format!(
-                "its primary key {} does not hold the written value at that version",
-                crate::keys::display_key(&key)
-            ))),
-            Err(err) => Err(unknown(format!(
-                "reading its primary key {} back at that version failed: {err}",
-                crate::keys::display_key(&key)
-            ))),
         }
+    }
+
+    /// Reads `keys` back at `ts`: in one `KvBatchGet` per region, and one by one for the keys
+    /// of a batch that met a lock (the batch's other answers are lost with the error) or failed.
+    async fn read_back_batch(
+        &self,
+        ts: &Timestamp,
+        keys: &[(Vec<u8>, Expected)],
+    ) -> Vec<(Vec<u8>, ReadBack)> {
+        let batch = self
+            .checking_snapshot(ts)
+            .batch_get(keys.iter().map(|(key, _)| key.clone()).collect::<Vec<_>>())
+            .await;
+        match batch {
+            Ok(pairs) => {
+                let found: std::collections::HashMap<Vec<u8>, Vec<u8>> = pairs
+                    .map(|pair| {
+                        let (key, value): (Key, Vec<u8>) = pair.into();
+                        (Vec::from(key), value)
+                    })
+                    .collect();
+                keys.iter()
+                    .map(|(key, expected)| {
+                        let read = compare(found.get(key).map(Vec::as_slice), *expected);
+                        (key.clone(), read)
+                    })
+                    .collect()
+            }
+            Err(_) => {
+                futures::future::join_all(keys.iter().map(|(key, expected)| async move {
+                    (key.clone(), self.read_back(ts, key, *expected).await)
+                }))
+                .await
+            }
+        }
+    }
+
+    /// Checks a commit the client reported applied by reading every written key back at the
+    /// commit's version (see the module docs for why, and what each answer proves).
+    ///
+    /// The primary first: a commit that never reached it leaves this transaction's lock there
+    /// (its TTL has not run out this soon), another value, or no answer, and the commit is
+    /// [`TitoError::CommitOutcomeUnknown`]. Then every other key: each must hold what was
+    /// written or this transaction's lock (prewritten; the client commits secondaries after
+    /// its reply); a key that holds something else, or another transaction's lock, was left out
+    /// of the prewrite and the commit is [`TitoError::PartialCommit`], as it is when a key
+    /// cannot be read within [`VERIFY_PATIENCE`].
+    async fn verify(&self, commit_ts: Timestamp, written: Written) -> TitoResult<()> {
+        let version = commit_ts.version();
+        let Some(primary) = written.order.first() else {
+            return Ok(());
+        };
+        let shown = crate::keys::display_key(primary);
+        // The primary decides the transaction. When it does not hold the write, the commit
+        // never reached it (its lock is rolled back once its TTL runs out), yet the client
+        // commits the other keys after its reply: any key may end up holding the write.
+        let primary_failed = match self
+            .read_back(&commit_ts, primary, written.holds[primary])
+            .await
+        {
+            ReadBack::Holds => None,
+            ReadBack::Differs => Some("does not hold the write at that version".to_string()),
+            ReadBack::Locked(ours) => Some(format!(
+                "is still locked at that version by {}",
+                if ours {
+                    "this transaction"
+                } else {
+                    "another transaction"
+                }
+            )),
+            ReadBack::Unreadable(err) => Some(format!("could not be read back to check ({err})")),
+        };
+        if let Some(why) = primary_failed {
+            let message = format!(
+                "TiKV reported the commit of transaction {} applied at version {version}, but its \
+                 primary key {shown} {why}; the client commits the other keys after reporting, \
+                 so any of the {} keys may or may not hold the write",
+                self.start_version,
+                written.order.len()
+            );
+            tracing::error!(
+                start_version = self.start_version,
+                commit_version = version,
+                "{message}"
+            );
+            return Err(TitoError::PartialCommit {
+                message,
+                keys: written.order,
+            });
+        }
+        let others: Vec<(Vec<u8>, Expected)> = written.order[1..]
+            .iter()
+            .map(|key| (key.clone(), written.holds[key]))
+            .collect();
+        let reads: Vec<(Vec<u8>, ReadBack)> = if others.len() <= VERIFY_ONE_BY_ONE {
+            futures::future::join_all(others.iter().map(|(key, expected)| async {
+                (
+                    key.clone(),
+                    self.read_back(&commit_ts, key, *expected).await,
+                )
+            }))
+            .await
+        } else {
+            let mut reads = Vec::with_capacity(others.len());
+            for chunk in others.chunks(VERIFY_BATCH) {
+                reads.extend(self.read_back_batch(&commit_ts, chunk).await);
+            }
+            reads
+        };
+        let mut missing = Vec::new();
+        let mut unchecked = Vec::new();
+        for (key, read) in reads {
+            match read {
+                ReadBack::Holds | ReadBack::Locked(true) => {}
+                ReadBack::Differs | ReadBack::Locked(false) => missing.push(key),
+                ReadBack::Unreadable(err) => unchecked.push((key, err)),
+            }
+        }
+        if missing.is_empty() && unchecked.is_empty() {
+            return Ok(());
+        }
+        let total = written.order.len() - 1;
+        let list = |keys: &[Vec<u8>]| {
+            keys.iter()
+                .take(10)
+                .map(|key| crate::keys::display_key(key))
+                .collect::<Vec<_>>()
+                .join(", ")
+                + if keys.len() > 10 { ", ..." } else { "" }
+        };
+        let mut why = Vec::new();
+        if !missing.is_empty() {
+            why.push(format!(
+                "{} of its {total} other keys do not hold the write at that version ({})",
+                missing.len(),
+                list(&missing)
+            ));
+        }
+        if !unchecked.is_empty() {
+            let keys: Vec<Vec<u8>> = unchecked.iter().map(|(key, _)| key.clone()).collect();
+            why.push(format!(
+                "{} of its {total} other keys could not be read back to check ({}: {})",
+                unchecked.len(),
+                list(&keys),
+                unchecked[0].1
+            ));
+        }
+        let message = format!(
+            "the commit of transaction {} applied at version {version} (its primary key {shown} \
+             holds the write), but {}",
+            self.start_version,
+            why.join("; ")
+        );
+        tracing::error!(
+            start_version = self.start_version,
+            commit_version = version,
+            "{message}"
+        );
+        let keys = missing
+            .into_iter()
+            .chain(unchecked.into_iter().map(|(key, _)| key))
+            .collect();
+        Err(TitoError::PartialCommit { message, keys })
+    }
+}
+
+/// Compares a value read back with what the transaction wrote.
+fn compare(found: Option<&[u8]>, wanted: Expected) -> ReadBack {
+    if expected(found) == wanted {
+        ReadBack::Holds
+    } else {
+        ReadBack::Differs
+    }
+}
+
+/// When `err` reports a lock met by a read that does not resolve locks: whether it is the
+/// transaction `start_version`'s own.
+fn lock_owner(err: &tikv_client::Error, start_version: u64) -> Option<bool> {
+    use tikv_client::Error as E;
+    match err {
+        E::ResolveLockError(locks) if !locks.is_empty() => {
+            Some(locks.iter().all(|lock| lock.lock_version == start_version))
+        }
+        E::KeyError(key_error) => key_error
+            .locked
+            .as_ref()
+            .map(|lock| lock.lock_version == start_version),
+        E::ExtractedErrors(errors) | E::MultipleKeyErrors(errors) => {
+            errors.iter().find_map(|err| lock_owner(err, start_version))
+        }
+        _ => None,
     }
 }
 
@@ -782,11 +988,14 @@ impl TitoTransaction for TiKVTransaction {
         }
         match tx.commit().await {
             Ok(commit_ts) => {
-                let primary = crate::util::lock(&self.inner.primary).take();
-                if let (Some(commit_ts), Some((key, expected))) = (commit_ts, primary)
-                    && let Err(err) = self.inner.verify(commit_ts, key, expected).await
+                let written = std::mem::take(&mut *crate::util::lock(&self.inner.written));
+                if let Some(commit_ts) = commit_ts
+                    && let Err(err) = self.inner.verify(commit_ts, written).await
                 {
-                    self.inner.hooks.finish(false);
+                    // A partial commit did commit (its primary holds the write): what it
+                    // wrote and published is there in part, and after-commit work may find it.
+                    let applied = matches!(err, TitoError::PartialCommit { .. });
+                    self.inner.hooks.finish(applied);
                     return Err(err);
                 }
                 self.inner.hooks.finish(true);
