@@ -184,27 +184,29 @@ async fn tikv_model_operations_cost_the_counted_requests() {
         println!("{name:<45} {counted:?}");
     }
     assert_eq!(keyed_query, calls(&[("KvBatchGet", 1), ("KvScan", 1)]));
-    // Every committed write transaction reads its primary key back at the commit's version
-    // (`KvGet`, one per transaction): before that check, the one-key transaction cost
-    // {KvCommit: 1, KvPrewrite: 1} and the four-key one {KvCommit: 4, KvPrewrite: 4}.
+    // Every committed write transaction reads each key it wrote back at the commit's version
+    // (`KvGet`, one per key, in parallel; see `backend::tikv`). Without any check the one-key
+    // transaction cost {KvCommit: 1, KvPrewrite: 1} and the four-key one {KvCommit: 4,
+    // KvPrewrite: 4}; reading the primary alone added one `KvGet` to each.
     assert_eq!(
         one_key,
         calls(&[("KvCommit", 1), ("KvGet", 1), ("KvPrewrite", 1)])
     );
     assert_eq!(
         four_keys,
-        calls(&[("KvCommit", 4), ("KvGet", 1), ("KvPrewrite", 4)])
+        calls(&[("KvCommit", 4), ("KvGet", 4), ("KvPrewrite", 4)])
     );
     // A write reads the row, manifest, catalog and the claims it expects to take in one
     // request (one call per region, in parallel), prewrites each region it writes, commits the
     // primary's region, then the secondaries' after the reply (the client groups them by region,
-    // the primary's region again included when it holds other keys).
+    // the primary's region again included when it holds other keys), and reads its five keys
+    // back (the row, its manifest, the email's claim, the index entry, the catalog's count).
     assert_eq!(
         insert,
         calls(&[
             ("KvBatchGet", 4),
             ("KvCommit", 4),
-            ("KvGet", 1),
+            ("KvGet", 5),
             ("KvPrewrite", 4)
         ])
     );
@@ -216,7 +218,7 @@ async fn tikv_model_operations_cost_the_counted_requests() {
         calls(&[
             ("KvBatchGet", 5),
             ("KvCommit", 4),
-            ("KvGet", 1),
+            ("KvGet", 5),
             ("KvPrewrite", 3)
         ])
     );
@@ -225,7 +227,7 @@ async fn tikv_model_operations_cost_the_counted_requests() {
         calls(&[
             ("KvBatchGet", 5),
             ("KvCommit", 5),
-            ("KvGet", 1),
+            ("KvGet", 5),
             ("KvPrewrite", 4)
         ])
     );
@@ -411,7 +413,7 @@ async fn tikv_queue_outcomes_cost_the_counted_requests() {
     ];
     // A publication, with no worker running: the event-id check, then the pending row and the
     // event-id key (the queue's partition count was checked by an earlier publication), then
-    // the read of the commit's primary.
+    // the read of both back at the commit's version.
     let queue = tito::queue::Queue::new(
         db.clone(),
         tito::queue::QueueConfig::new(2, std::time::Duration::from_secs(3600)),
@@ -430,7 +432,7 @@ async fn tikv_queue_outcomes_cost_the_counted_requests() {
     println!("{:<45} {publish:?}", "publish 1");
     assert_eq!(
         publish,
-        calls(&[("KvCommit", 2), ("KvGet", 2), ("KvPrewrite", 2)])
+        calls(&[("KvCommit", 2), ("KvGet", 3), ("KvPrewrite", 2)])
     );
 
     let mut counted = Vec::new();
@@ -442,48 +444,27 @@ async fn tikv_queue_outcomes_cost_the_counted_requests() {
     // prewrites every region it writes (the pending rows deleted and the replacement, the
     // completed rows, the event-id keys, the owner keys, the holder key it locks, its commit
     // marker) and commits them, the primary's first (its first written key: the holder key's
-    // lock is handed to the client at the commit, so a written key leads), and reads the
-    // primary back at the commit's version.
-    let one = calls(&[
-        ("KvBatchGet", 3),
-        ("KvCommit", 5),
-        ("KvGet", 1),
-        ("KvPrewrite", 5),
-    ]);
-    // When the primary's region holds other keys, it is committed again with them.
-    let one_more = calls(&[
-        ("KvBatchGet", 3),
-        ("KvCommit", 6),
-        ("KvGet", 1),
-        ("KvPrewrite", 5),
-    ]);
-    assert_eq!(counted[0], one, "{}", cases[0].name);
-    assert_eq!(counted[1], one_more, "{}", cases[1].name);
-    assert_eq!(
-        counted[2],
+    // lock is handed to the client at the commit, so a written key leads), and reads every
+    // key it wrote back at the commit's version (one `KvGet` each).
+    let kv = |batch_get: u64, commit: u64, get: u64, prewrite: u64| {
         calls(&[
-            ("KvBatchGet", 3),
-            ("KvCommit", 6),
-            ("KvGet", 1),
-            ("KvPrewrite", 6)
-        ]),
-        "{}",
-        cases[2].name
-    );
-    // Four outcomes cost one transaction, the same regions.
-    assert_eq!(counted[3], one_more, "{}", cases[3].name);
+            ("KvBatchGet", batch_get),
+            ("KvCommit", commit),
+            ("KvGet", get),
+            ("KvPrewrite", prewrite),
+        ])
+    };
+    // One acknowledgement writes four keys (pending row deleted, completed row, event id,
+    // marker). When the primary's region holds other keys, it is committed again with them.
+    assert_eq!(counted[0], kv(3, 5, 4, 5), "{}", cases[0].name);
+    // A replacement writes one key more (its pending row, due later).
+    assert_eq!(counted[1], kv(3, 6, 5, 5), "{}", cases[1].name);
+    // The owner key moves with it.
+    assert_eq!(counted[2], kv(3, 6, 6, 6), "{}", cases[2].name);
+    // Four outcomes cost one transaction, the same regions: three keys each and one marker.
+    assert_eq!(counted[3], kv(3, 6, 13, 5), "{}", cases[3].name);
     // Two partitions: one more pending-row region to read and write, and the commit of the
     // primary's region again for its other keys.
-    assert_eq!(
-        counted[4],
-        calls(&[
-            ("KvBatchGet", 4),
-            ("KvCommit", 7),
-            ("KvGet", 1),
-            ("KvPrewrite", 6)
-        ]),
-        "{}",
-        cases[4].name
-    );
-    assert_eq!(counted[5], one, "{}", cases[5].name);
+    assert_eq!(counted[4], kv(4, 7, 13, 6), "{}", cases[4].name);
+    assert_eq!(counted[5], kv(3, 5, 4, 5), "{}", cases[5].name);
 }
