@@ -30,41 +30,60 @@
 //! | a region error the client gives up on (`ServerIsBusy` on every try), a timestamp or transport error | prewrite or primary commit | not applied, but the error does not say which phase failed | `CommitOutcomeUnknown` | the safe side: resolution proves it (fences the marker) and the closure is replayed once; `tikv_outcomes_at_the_primary_commit_are_classified` |
 //! | `NotLeader`, `EpochNotMatch` | primary commit | retried by the client | the retry's outcome | the client reloads the region; same test |
 //! | any error of a secondary key's commit (region error, store unreachable) | after the primary's commit | applied | success | the client logs it; readers roll the secondary forward from the committed primary; `tikv_failures_after_the_primary_commit_leave_it_applied` |
-//! | none (`Ok`), but the primary read back at the commit's version does not hold the written value, or cannot be read | Tito's check after the commit | undetermined | `CommitOutcomeUnknown` | the client defect below; `tikv_a_commit_cut_off_with_the_cluster_is_never_reported_as_applied` |
+//! | none (`Ok`), but a key read back at the commit's version does not hold the written value, holds a lock that is not this transaction's pending one, or cannot be read | Tito's check after the commit | applied in part, or possibly | [`TitoError::PartialCommit`] naming the keys (never replayed or resolved) | the client defects below; `tikv_a_commit_cut_off_with_the_cluster_is_never_reported_as_applied`, `tikv_a_secondary_left_out_of_the_prewrite_is_never_reported_as_applied`, and the seeded fault mix `tikv_commits_under_a_fault_mix_report_what_is_stored` |
 //!
 //! # Known defect of `tikv-client` 0.4.0, and what Tito does about it
 //!
 //! When the client splits a prewrite or a commit into per-region requests, a failed region
 //! lookup is dropped instead of returned (`stream::iter(Err(e))` in its `Shardable` impls of
-//! `PrewriteRequest` and `CommitRequest` yields no item). Two consequences:
+//! `PrewriteRequest` and `CommitRequest` yields no item, and the lookup stream ends at its first
+//! error). A lookup goes to PD after a region or transport error has dropped the region from
+//! the client's cache; when PD cannot be reached at that moment:
 //!
-//! - **(a) A false success.** A commit of the primary key that fails in transport is retried
-//!   after the region cache is invalidated; if PD cannot be reached at that moment the retry has
-//!   no region to send to, and the client reports the commit applied although it never reached
-//!   TiKV (its locks are rolled back later: the writes are lost).
-//! - **(b) A partial prewrite.** The same path can drop the prewrite of the keys of a region
-//!   whose lookup failed; the commit then succeeds without them.
+//! - **(a) A false success at the primary.** A commit of the primary key that failed in
+//!   transport is retried, the retry has no region to send to, and the client reports the
+//!   commit applied. It then commits the secondaries (their regions are cached), while the
+//!   primary keeps its lock until a reader rolls it back when its TTL runs out: the
+//!   transaction ends applied without its primary key's write.
+//! - **(b) A secondary left out of the prewrite.** A secondary region's prewrite that failed in
+//!   transport is retried the same way and dropped; the prewrite "succeeds" without those
+//!   keys, the primary commits, and the transaction is applied without them.
 //!
-//! Tito checks every commit the client reports applied before it reports it: the primary key
-//! (the transaction's first put or delete; `lock_keys` are handed to the client at the commit so
-//! that a written key leads) is read back at the commit's version (`KvGet`, one per committed
-//! write transaction, counted in `tests/rpc_counts.rs`). A commit that reached the primary left
-//! the written value there; one that did not left this transaction's lock, which the read meets
-//! (its TTL has not run out this soon). Anything but the written value, or a read that cannot be
-//! made (the cluster unreachable, after four more tries in half a second), makes the commit
-//! [`TitoError::CommitOutcomeUnknown`], which the retry policy resolves through the commit
-//! marker or returns, never replays as a conflict. This closes (a): `tests/unknown_outcomes.rs`
-//! cuts a commit off with the cluster and finds an unknown outcome, where the client alone
-//! reports success with both keys still locked.
+//! Tito checks every commit the client reports applied before it reports it: each key the
+//! transaction put or deleted is read back at the commit's version, through a snapshot that
+//! reports locks instead of resolving them (`lock_keys` are handed to the client at the commit
+//! so that a written key is the primary). The primary first: anything but the written value
+//! (this transaction's lock: the commit never reached it; another value; no answer within
+//! 2 s) means the transaction may be applied in any part, since the client commits the
+//! secondaries regardless. Then the others, in parallel: each must hold the written value or
+//! this transaction's lock (prewritten, committed by the client after its reply); another
+//! value, or another transaction's lock below the commit's version (which could not be there
+//! had this transaction's prewrite reached the key), means the key was left out. Either way
+//! the commit is [`TitoError::PartialCommit`] naming the keys to repair, logged at error level.
+//! It is never replayed (the committed part would apply twice) or resolved through the commit
+//! marker (the marker is one key of many: it could be committed while the primary is not).
 //!
-//! What it does not close: (b) leaves the primary committed, so the check passes; detecting it
-//! would take reading every key back, and repairing it is impossible after the fact. And a
-//! primary rewritten with the value it already held proves nothing: TiKV may let the read pass
-//! a live lock (by pushing the lock's commit past the read) or the lock may be gone, and the
-//! read then finds the same value either way. Tito's own writes rarely lead with such a key (a
-//! model write puts only what changed, an outcome first deletes a pending row, markers are new).
-//! Read-only transactions and transactions that only lock keys write nothing to lose and are
-//! not checked.
+//! Why detection and not prevention: a prewrite left incomplete, or a primary never committed,
+//! is decided inside `Transaction::commit`; the public lower-level request API cannot be driven
+//! instead (`request::PlanBuilder` and `transaction_lowering` are public in 0.4.0, but a plan
+//! needs a `PdClient`, whose trait and implementation live in the private `pd` module, as do
+//! the generated protocol types), and resolving regions before the prewrite cannot help (the
+//! lookup that fails is the one after a region or transport error during the prewrite).
+//! Repairing the keys afterwards is not safe either: another transaction may have written them
+//! since, and the client exposes no commit versions to tell.
+//!
+//! Cost: one `KvGet` per written key, issued at once (a transaction of more than 17 keys reads
+//! them in `KvBatchGet`s of 256 keys, one request per region, and key by key for a batch that
+//! met a lock). `tests/rpc_counts.rs` counts it per operation: a one-key transaction costs
+//! {prewrite 1, commit 1, get 1} (2 requests without the check), four keys in four regions
+//! {prewrite 4, commit 4, get 4}. What the check cannot see: a key rewritten with the value it
+//! already held (reads find that value either way, and the state is right), and keys only
+//! locked with `lock_keys` (a lock leaves no value; a dropped one only weakens conflict
+//! detection for that transaction). Read-only transactions write nothing and are not checked.
+//! A commit error the client returns (`UndeterminedError` and the rest of the table above) is
+//! not checked: there is no commit version to read at, and the error already says the outcome
+//! is not known; in the rare case of both defects' conditions with a lost reply, such an
+//! outcome can still end applied in part.
 //!
 //! ```no_run
 //! use tito::backend::tikv::TiKV;
