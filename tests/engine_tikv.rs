@@ -6,3 +6,8 @@ crate::conformance_suite!(crate::support::TikvBackend);
 mod tls {
     crate::conformance_suite!(crate::support::TikvTlsBackend);
 }
+
+/// The storage contract on two keyspaces of one cluster at once.
+mod keyspaces {
+    crate::conformance_suite!(crate::support::TikvKeyspacesBackend);
+}

@@ -17,6 +17,7 @@ mod engine_memory;
 mod engine_tikv;
 mod inbox;
 mod inspect;
+mod keyspaces;
 mod kv;
 mod layers;
 mod models;

@@ -65,6 +65,16 @@ mod tikv_tls {
     }
 }
 
+/// The queue and model suites on two keyspaces of one cluster at once.
+mod tikv_keyspaces {
+    mod models {
+        crate::models_suite!(crate::support::TikvKeyspacesBackend);
+    }
+    mod queue {
+        crate::queue_suite!(crate::support::TikvKeyspacesBackend);
+    }
+}
+
 mod memory {
     mod models {
         crate::models_suite!(crate::support::MemoryBackend);

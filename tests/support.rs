@@ -31,6 +31,11 @@ pub trait Backend {
     type Engine: TitoEngine;
     /// `None` when the backend is not available here (the reason is printed).
     fn make() -> impl Future<Output = Option<Ctx<Self::Engine>>> + Send;
+    /// Two stores to run a suite's case on at once, for a backend whose point is that they do
+    /// not see each other (keyspaces of one cluster); `None` for the others.
+    fn make_pair() -> impl Future<Output = Option<(Ctx<Self::Engine>, Ctx<Self::Engine>)>> + Send {
+        async { None }
+    }
 }
 
 pub struct EmbeddedBackend;
@@ -92,6 +97,47 @@ impl Backend for TikvBackend {
             ns: format!("tito-test:{version:020}:"),
             cluster: None,
         })
+    }
+}
+
+/// TiKV on two API v2 keyspaces of one fresh test server, each split at [`TEST_SPLITS`]
+/// inside it: a suite's case runs on both at once, with the same keys, so that anything one
+/// handle saw of the other's would fail it.
+pub struct TikvKeyspacesBackend;
+
+impl Backend for TikvKeyspacesBackend {
+    type Engine = TiKV;
+    async fn make() -> Option<Ctx<TiKV>> {
+        Self::make_pair().await.map(|(one, _)| one)
+    }
+    async fn make_pair() -> Option<(Ctx<TiKV>, Ctx<TiKV>)> {
+        let cluster = Arc::new(
+            TestCluster::start()
+                .await
+                .expect("start the TiKV test server"),
+        );
+        let ns = "t:".to_string();
+        let mut pair = Vec::new();
+        for name in ["one", "two"] {
+            let prefix = tito_tikv_test_server::keyspace_prefix(cluster.create_keyspace(name));
+            for split in TEST_SPLITS {
+                cluster.split([&prefix[..], format!("{ns}{split}").as_bytes()].concat());
+            }
+            let db = TiKV::connect_with(
+                cluster.pd_endpoints(),
+                TiKVOptions::default().keyspace(name),
+            )
+            .await
+            .expect("connect to a keyspace of the TiKV test server");
+            pair.push(Ctx {
+                db,
+                ns: ns.clone(),
+                cluster: Some(cluster.clone()),
+            });
+        }
+        let two = pair.pop()?;
+        let one = pair.pop()?;
+        Some((one, two))
     }
 }
 
@@ -288,6 +334,10 @@ macro_rules! engine_suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $case() {
                 use $crate::support::Backend as _;
+                if let Some((one, two)) = <$backend>::make_pair().await {
+                    tokio::join!($crate::$suite::$case(one), $crate::$suite::$case(two));
+                    return;
+                }
                 let Some(ctx) = <$backend>::make().await else { return };
                 $crate::$suite::$case(ctx).await;
             }

@@ -43,6 +43,10 @@ mod tikv_tls {
     crate::transactions_suite!(crate::support::TikvTlsBackend);
 }
 
+mod tikv_keyspaces {
+    crate::transactions_suite!(crate::support::TikvKeyspacesBackend);
+}
+
 fn faulty<E: TitoEngine>(ctx: &Ctx<E>) -> FaultyEngine<E> {
     FaultyEngine::new(ctx.db.clone())
 }

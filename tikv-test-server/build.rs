@@ -23,6 +23,7 @@ fn main() {
         "pdpb.proto",
         "metapb.proto",
         "errorpb.proto",
+        "keyspacepb.proto",
     ]
     .iter()
     .map(|p| proto_dir.join(p))

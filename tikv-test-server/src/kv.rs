@@ -246,6 +246,7 @@ where
     };
     let response = {
         let mut state = shared.state();
+        check_api_version(&state, method, &request)?;
         if let Some(fault) = region_fault.or_else(|| shared.take_region_fault(method)) {
             return Ok(Resp::with_region_error(injected(
                 fault,
@@ -274,6 +275,27 @@ where
         )));
     }
     Ok(response)
+}
+
+/// An API v2 request carries only keys of a keyspace, an API v1 request none (TiKV refuses a
+/// request of the other API version than its storage's; this server holds both).
+fn check_api_version(state: &State, method: &str, request: &impl Call) -> Result<(), Status> {
+    let v2 = request
+        .context()
+        .is_some_and(|c| c.api_version == kvrpcpb::ApiVersion::V2 as i32);
+    for key in request.keys() {
+        if key.is_empty() || (v2 && state.is_a_keyspace_end(key)) {
+            continue;
+        }
+        if state.in_a_keyspace(key) != v2 {
+            return Err(Status::invalid_argument(format!(
+                "{method}: an API {} request with the key {key:?}, {} a keyspace",
+                if v2 { "v2" } else { "v1" },
+                if v2 { "outside" } else { "inside" }
+            )));
+        }
+    }
+    Ok(())
 }
 
 fn resolved(context: Option<&kvrpcpb::Context>) -> Vec<u64> {

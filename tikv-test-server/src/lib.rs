@@ -10,7 +10,8 @@
 //!
 //! - PD: `GetMembers`, `Tso` (bidirectional stream, TiKV's timestamp layout: milliseconds shifted
 //!   by 18 logical bits), `GetRegion`, `GetRegionByID`, `GetStore`, `GetAllStores`,
-//!   `GetGCSafePoint`, `UpdateGCSafePoint` (forward only).
+//!   `GetGCSafePoint`, `UpdateGCSafePoint` (forward only); `LoadKeyspace` for API v2 keyspaces
+//!   made with [`TestCluster::create_keyspace`].
 //! - TiKV: `KvGet`, `KvBatchGet`, `KvScan` (forward and reverse), `KvPrewrite`, `KvCommit`,
 //!   `KvBatchRollback`, `KvCleanup`, `KvCheckTxnStatus`, `KvCheckSecondaryLocks`,
 //!   `KvResolveLock`, `KvScanLock`, `KvTxnHeartBeat`, `KvGC`, `KvDeleteRange`,
@@ -42,6 +43,10 @@
 //!   commit, which the client accepts), no pessimistic transactions, no raw API.
 //! - A rollback record of another transaction does not count as a write conflict.
 //! - Reads below the GC safe point are served from what GC left instead of being refused.
+//! - API v1 and API v2 requests are served side by side (a real store runs one API version):
+//!   an API v2 request must carry only keys of an existing keyspace, and an API v1 request
+//!   none; anything else is refused with `INVALID_ARGUMENT`. The GC safe point stays cluster
+//!   wide (`UpdateGCSafePoint`): there is no keyspace-level GC.
 
 #![warn(missing_docs)]
 
@@ -69,6 +74,16 @@ pub const CLUSTER_ID: u64 = 0x7469_746f_7465_7374;
 
 /// The id of the one store.
 const STORE_ID: u64 = 1;
+
+/// The length of an API v2 transactional key's keyspace prefix.
+pub const KEYSPACE_PREFIX_LEN: usize = 4;
+
+/// The prefix API v2 puts before every transactional key of keyspace `id`: `x` and the id's
+/// three low bytes, big-endian.
+pub fn keyspace_prefix(id: u32) -> [u8; KEYSPACE_PREFIX_LEN] {
+    let [_, a, b, c] = id.to_be_bytes();
+    [b'x', a, b, c]
+}
 
 /// What a [`FaultRule`] does to a matching call.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -176,6 +191,8 @@ pub(crate) struct State {
     pub regions: Vec<RegionInfo>,
     next_id: u64,
     pub safe_point: u64,
+    /// API v2 keyspaces by name (`DEFAULT` is id 0).
+    pub keyspaces: std::collections::BTreeMap<String, u32>,
     tso_physical: u64,
     tso_logical: u64,
 }
@@ -197,6 +214,24 @@ impl State {
         }
         self.tso_logical += u64::from(count);
         (self.tso_physical, self.tso_logical)
+    }
+
+    /// Whether `key` lies in a keyspace's transactional key space (`x` and its 3-byte id).
+    pub fn in_a_keyspace(&self, key: &[u8]) -> bool {
+        key.len() >= KEYSPACE_PREFIX_LEN
+            && key[0] == b'x'
+            && self
+                .keyspaces
+                .values()
+                .any(|id| key.starts_with(&keyspace_prefix(*id)))
+    }
+
+    /// Whether `key` is the exclusive end of a keyspace's key space (the next id's prefix),
+    /// which API v2 sends as the upper bound of a scan to the end of a keyspace.
+    pub fn is_a_keyspace_end(&self, key: &[u8]) -> bool {
+        self.keyspaces
+            .values()
+            .any(|id| key == keyspace_prefix(id + 1).as_slice())
     }
 
     pub fn region_by_id(&self, id: u64) -> Option<&RegionInfo> {
@@ -347,6 +382,7 @@ impl TestCluster {
                 }],
                 next_id: 3,
                 safe_point: 0,
+                keyspaces: [("DEFAULT".to_string(), 0)].into_iter().collect(),
                 tso_physical: 0,
                 tso_logical: 0,
             }),
@@ -386,6 +422,27 @@ impl TestCluster {
     /// `EpochNotMatch` on their next request to it, as with a real split.
     pub fn split(&self, key: impl AsRef<[u8]>) -> bool {
         self.shared.state().split(key.as_ref())
+    }
+
+    /// Creates an API v2 keyspace named `name` (PD's `LoadKeyspace` then finds it) and returns
+    /// its id; a name already taken returns the existing id. Like PD, it splits regions at the
+    /// keyspace's boundaries, so that no region holds keys of two keyspaces.
+    pub fn create_keyspace(&self, name: &str) -> u32 {
+        let mut state = self.shared.state();
+        if let Some(id) = state.keyspaces.get(name) {
+            return *id;
+        }
+        let id = state.keyspaces.values().max().map_or(0, |id| id + 1);
+        state.keyspaces.insert(name.to_string(), id);
+        state.split(&keyspace_prefix(id));
+        state.split(&keyspace_prefix(id + 1));
+        id
+    }
+
+    /// Every key that holds a lock or a write record, in order (with a keyspace's prefix, for
+    /// keys written through one).
+    pub fn stored_keys(&self) -> Vec<Vec<u8>> {
+        self.shared.state().mvcc.keys()
     }
 
     /// The regions, in key order.

@@ -702,6 +702,11 @@ impl Mvcc {
         removed
     }
 
+    /// Every key with a lock or a write record, in order, for tests.
+    pub fn keys(&self) -> Vec<Vec<u8>> {
+        self.keys.keys().cloned().collect()
+    }
+
     /// The number of locks held, for tests.
     pub fn lock_count(&self) -> usize {
         self.keys.values().filter(|s| s.lock.is_some()).count()

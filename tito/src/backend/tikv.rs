@@ -123,16 +123,19 @@ pub struct TiKVOptions {
     pub connect_timeout: Duration,
     /// TLS for every connection (PD and TiKV), or plain text.
     pub tls: Option<TlsFiles>,
+    /// The API v2 keyspace to work in, or none (API v1: the cluster's whole key space).
+    pub keyspace: Option<String>,
 }
 
 impl Default for TiKVOptions {
-    /// [`engine::DEFAULT_PARTITIONS`], 2 s requests, a 10 s connect, plain text.
+    /// [`engine::DEFAULT_PARTITIONS`], 2 s requests, a 10 s connect, plain text, no keyspace.
     fn default() -> Self {
         TiKVOptions {
             partitions: engine::DEFAULT_PARTITIONS,
             request_timeout: Duration::from_secs(2),
             connect_timeout: Duration::from_secs(10),
             tls: None,
+            keyspace: None,
         }
     }
 }
@@ -160,6 +163,33 @@ impl TiKVOptions {
     pub fn tls(mut self, files: TlsFiles) -> Self {
         self.tls = Some(files);
         self
+    }
+
+    /// Works in the API v2 keyspace `name` (the cluster runs `storage.api-version = 2` and the
+    /// keyspace exists: `pd-ctl keyspace create NAME`). Every key Tito reads or writes, its
+    /// catalogs, queues, kv values and commit markers included, is then inside that keyspace,
+    /// and handles on other keyspaces of the cluster see none of it. See
+    /// [Keyspaces](self#keyspaces) for what differs (garbage collection).
+    pub fn keyspace(mut self, name: impl Into<String>) -> Self {
+        self.keyspace = Some(name.into());
+        self
+    }
+}
+
+/// PD's rule for keyspace names: 1 to 64 ASCII letters, digits, `_` and `-`.
+fn check_keyspace(name: &str) -> TitoResult<()> {
+    let valid = !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    if valid {
+        Ok(())
+    } else {
+        Err(TitoError::invalid_argument(format!(
+            "TiKVOptions::keyspace: {name:?} is not a keyspace name (1 to 64 ASCII letters, \
+             digits, '_' and '-', as PD requires)"
+        )))
     }
 }
 
@@ -223,6 +253,7 @@ pub struct TiKV {
     partitions: u32,
     retry: RetryPolicy,
     endpoints: Arc<str>,
+    keyspace: Option<Arc<str>>,
     extensions: Arc<engine::Extensions>,
 }
 
@@ -230,6 +261,7 @@ impl std::fmt::Debug for TiKV {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TiKV")
             .field("endpoints", &self.endpoints)
+            .field("keyspace", &self.keyspace)
             .field("partitions", &self.partitions)
             .finish()
     }
@@ -301,6 +333,10 @@ impl TiKV {
             tls.check()?;
             config = config.with_security(&tls.ca, &tls.cert, &tls.key);
         }
+        if let Some(name) = &options.keyspace {
+            check_keyspace(name)?;
+            config = config.with_keyspace(name);
+        }
         let mut sorted = endpoints.clone();
         sorted.sort();
         let joined = sorted.join(",");
@@ -319,6 +355,13 @@ impl TiKV {
         .await
         {
             Ok(Ok(client)) => client,
+            Ok(Err(tikv_client::Error::KeyspaceNotFound(name))) => {
+                return Err(TitoError::invalid_argument(format!(
+                    "{failed}: the cluster has no keyspace {name:?} (create it with \
+                     `pd-ctl keyspace create {name}` on a cluster running \
+                     storage.api-version = 2)"
+                )));
+            }
             Ok(Err(err)) => {
                 // The client's error ("PD cluster failed to respond") hides why: ask the first
                 // endpoint ourselves.
@@ -351,6 +394,7 @@ impl TiKV {
             partitions,
             retry: RetryPolicy::default(),
             endpoints: joined.into(),
+            keyspace: options.keyspace.map(Into::into),
             extensions: Arc::new(engine::Extensions::new()),
         })
     }
@@ -366,6 +410,11 @@ impl TiKV {
     /// The underlying `tikv-client` client, for what Tito does not cover.
     pub fn client(&self) -> &TransactionClient {
         &self.client
+    }
+
+    /// The API v2 keyspace this handle works in, if any.
+    pub fn keyspace(&self) -> Option<&str> {
+        self.keyspace.as_deref()
     }
 }
 
@@ -529,6 +578,20 @@ impl TitoEngine for TiKV {
             return Ok(0);
         }
         let safe_point = Timestamp::from_version(safe_ms << LOGICAL_BITS);
+        if self.keyspace.is_some() {
+            // The safe point is the cluster's, shared by every keyspace: resolve this
+            // keyspace's abandoned locks only, and leave the safe point to the cluster's GC
+            // owner (see "Keyspaces" in the module docs).
+            let options = tikv_client::transaction::ResolveLocksOptions {
+                batch_size: 1024,
+                ..Default::default()
+            };
+            self.client
+                .cleanup_locks(.., &safe_point, options)
+                .await
+                .map_err(|err| TitoError::storage("resolving the keyspace's old locks", err))?;
+            return Ok(safe_ms << LOGICAL_BITS);
+        }
         // `false` means PD already holds a newer safe point: still a success.
         let applied = self
             .client
