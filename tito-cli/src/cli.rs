@@ -24,14 +24,25 @@ pub(crate) struct Cli {
 }
 
 #[derive(Args)]
-#[group(multiple = false)]
 pub(crate) struct StoreArgs {
     /// An embedded store's directory (no other process may hold it open).
-    #[arg(long, global = true)]
+    #[arg(long, global = true, conflicts_with_all = ["pd", "keyspace", "tls_ca", "tls_cert", "tls_key"])]
     pub(crate) path: Option<std::path::PathBuf>,
     /// TiKV: PD endpoints, comma-separated (host:port).
     #[arg(long, global = true, value_delimiter = ',')]
     pub(crate) pd: Option<Vec<String>>,
+    /// TiKV: the API v2 keyspace to work in.
+    #[arg(long, global = true, value_name = "NAME")]
+    pub(crate) keyspace: Option<String>,
+    /// TiKV over TLS: the CA certificate (PEM); give --tls-cert and --tls-key with it.
+    #[arg(long, global = true, value_name = "FILE")]
+    pub(crate) tls_ca: Option<std::path::PathBuf>,
+    /// TiKV over TLS: this client's certificate (PEM).
+    #[arg(long, global = true, value_name = "FILE")]
+    pub(crate) tls_cert: Option<std::path::PathBuf>,
+    /// TiKV over TLS: this client's private key (PEM).
+    #[arg(long, global = true, value_name = "FILE")]
+    pub(crate) tls_key: Option<std::path::PathBuf>,
 }
 
 #[derive(Subcommand)]

@@ -32,7 +32,8 @@
 //!
 //! # Features
 //!
-//! `tikv` (default): `--pd` opens TiKV stores. Without it (`default-features = false`) the tool
+//! `tikv` (default): `--pd` opens TiKV stores (`--keyspace NAME` for an API v2 keyspace,
+//! `--tls-ca`, `--tls-cert` and `--tls-key` together for TLS). Without it (`default-features = false`) the tool
 //! opens embedded stores only and the TiKV client is not built.
 
 #![forbid(unsafe_code)]
@@ -234,7 +235,12 @@ impl Tool {
 
     #[cfg(feature = "tikv")]
     async fn run_tikv(self, endpoints: Vec<String>, cli: Cli) -> Outcome {
-        let db = connect_tikv(&endpoints, Duration::from_secs(cli.timeout.max(1))).await?;
+        let db = connect_tikv(
+            &endpoints,
+            &cli.store,
+            Duration::from_secs(cli.timeout.max(1)),
+        )
+        .await?;
         if let Some(grace) = self.write_grace {
             tito::schema::set_write_grace(&db, grace)?;
         }
@@ -304,8 +310,31 @@ fn chain(err: &dyn std::error::Error) -> String {
 }
 
 #[cfg(feature = "tikv")]
-async fn connect_tikv(endpoints: &[String], timeout: Duration) -> Result<TiKV, Failure> {
-    let connect = TiKV::connect_with_config(endpoints.to_vec(), 16, timeout);
+async fn connect_tikv(
+    endpoints: &[String],
+    store: &cli::StoreArgs,
+    timeout: Duration,
+) -> Result<TiKV, Failure> {
+    use tito::backend::tikv::{TiKVOptions, TlsFiles};
+    let mut options = TiKVOptions::default()
+        .partitions(16)
+        .request_timeout(timeout)
+        .connect_timeout(timeout);
+    match (&store.tls_ca, &store.tls_cert, &store.tls_key) {
+        (None, None, None) => {}
+        (Some(ca), Some(cert), Some(key)) => {
+            options = options.tls(TlsFiles::new(ca, cert, key));
+        }
+        _ => {
+            return Err(Failure(
+                "TLS takes three files: give --tls-ca, --tls-cert and --tls-key together".into(),
+            ));
+        }
+    }
+    if let Some(keyspace) = &store.keyspace {
+        options = options.keyspace(keyspace.clone());
+    }
+    let connect = TiKV::connect_with(endpoints.to_vec(), options);
     let db = match tokio::time::timeout(timeout, connect).await {
         Ok(Ok(db)) => db,
         Ok(Err(err)) => {

@@ -450,6 +450,55 @@ async fn the_cli_reads_a_tikv_cluster() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_reads_one_keyspace_and_refuses_half_a_tls_setup() {
+    use tito::backend::tikv::{TiKV, TiKVOptions};
+    let cluster = tito_tikv_test_server::TestCluster::start().await.unwrap();
+    cluster.create_keyspace("alpha");
+    cluster.create_keyspace("beta");
+    let endpoint = cluster.pd_endpoints()[0].clone();
+    let alpha = TiKV::connect_with(
+        vec![endpoint.clone()],
+        TiKVOptions::default().keyspace("alpha"),
+    )
+    .await
+    .unwrap();
+    seed(&alpha).await;
+    let at = move |args: &[&str]| {
+        let mut all = vec!["--pd".to_string(), endpoint.clone()];
+        all.extend(args.iter().map(|a| a.to_string()));
+        tokio::task::spawn_blocking(move || tito().args(&all).output().unwrap())
+    };
+    let tables = stdout_json(
+        &at(&["--keyspace", "alpha", "table", "ls", "--json"])
+            .await
+            .unwrap(),
+    );
+    assert_eq!(tables.as_array().unwrap().len(), 2, "{tables}");
+    let empty = stdout_json(
+        &at(&["--keyspace", "beta", "table", "ls", "--json"])
+            .await
+            .unwrap(),
+    );
+    assert_eq!(empty.as_array().unwrap().len(), 0, "{empty}");
+    let missing = at(&["--keyspace", "gamma", "table", "ls"]).await.unwrap();
+    assert_eq!(missing.status.code(), Some(1));
+    assert!(
+        stderr(&missing).contains("no keyspace \"gamma\""),
+        "{}",
+        stderr(&missing)
+    );
+    let half = at(&["--tls-ca", "ca.pem", "table", "ls"]).await.unwrap();
+    assert_eq!(half.status.code(), Some(1));
+    assert!(
+        stderr(&half).contains("--tls-ca, --tls-cert and --tls-key together"),
+        "{}",
+        stderr(&half)
+    );
+    let embedded = run(&["--path", "x", "--keyspace", "alpha", "table", "ls"]);
+    assert_eq!(embedded.status.code(), Some(2), "a keyspace is TiKV's");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cli_explains_a_held_store_an_absent_one_and_a_silent_cluster() {
     let dir = tempfile::tempdir().unwrap();
     let db = Embedded::open(dir.path()).await.unwrap();

@@ -85,6 +85,20 @@
 //! is not known; in the rare case of both defects' conditions with a lost reply, such an
 //! outcome can still end applied in part.
 //!
+//! # Keyspaces
+//!
+//! [`TiKVOptions::keyspace`] connects to an API v2 keyspace: the client puts the keyspace's
+//! prefix (`x` and its 3-byte id) before every key and bounds every range to the keyspace, so
+//! rows, schema catalogs, queues, kv values, inbox leases and commit markers of two handles on
+//! two keyspaces never meet, and the same table names and queue names can be used in both.
+//! What differs: the GC safe point is the cluster's, shared by every keyspace, and
+//! `tikv-client` 0.4.0 can only move that one. On a keyspace handle,
+//! [`TitoEngine::garbage_collect`] therefore resolves the keyspace's abandoned locks older than
+//! the retention and leaves the safe point to the cluster's GC owner; it returns the version
+//! up to which it resolved locks, not the cluster's safe point. `tests/keyspaces.rs` checks the
+//! isolation, and the conformance, transaction, model and queue suites run on two keyspaces of
+//! one test server at once, with the same keys.
+//!
 //! ```no_run
 //! use tito::backend::tikv::TiKV;
 //!
