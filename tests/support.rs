@@ -27,13 +27,16 @@ impl<E: TitoEngine> Ctx<E> {
 }
 
 /// Makes a fresh, empty store of one backend.
+/// Two stores of one backend.
+pub type Pair<E> = (Ctx<E>, Ctx<E>);
+
 pub trait Backend {
     type Engine: TitoEngine;
     /// `None` when the backend is not available here (the reason is printed).
     fn make() -> impl Future<Output = Option<Ctx<Self::Engine>>> + Send;
     /// Two stores to run a suite's case on at once, for a backend whose point is that they do
     /// not see each other (keyspaces of one cluster); `None` for the others.
-    fn make_pair() -> impl Future<Output = Option<(Ctx<Self::Engine>, Ctx<Self::Engine>)>> + Send {
+    fn make_pair() -> impl Future<Output = Option<Pair<Self::Engine>>> + Send {
         async { None }
     }
 }
@@ -110,7 +113,7 @@ impl Backend for TikvKeyspacesBackend {
     async fn make() -> Option<Ctx<TiKV>> {
         Self::make_pair().await.map(|(one, _)| one)
     }
-    async fn make_pair() -> Option<(Ctx<TiKV>, Ctx<TiKV>)> {
+    async fn make_pair() -> Option<Pair<TiKV>> {
         let cluster = Arc::new(
             TestCluster::start()
                 .await
