@@ -52,6 +52,7 @@ macro_rules! queue_suite {
                 malformed_rows_are_counted_and_left_in_place,
                 transactional_handlers_commit_with_their_outcome,
                 a_set_of_workers_shares_one_shutdown,
+                a_paused_queue_starts_nothing_until_resumed,
             ]
         );
     };
@@ -1544,4 +1545,99 @@ pub async fn transactional_handlers_commit_with_their_outcome<E: TitoEngine>(ctx
     let end = tito::keys::prefix_end_bytes(&start);
     assert_eq!(tx.scan(&start, &end, 10).await.unwrap().len(), 3);
     tx.rollback().await.unwrap();
+}
+
+/// Keys whose events land in partition `p` of 2.
+fn key_in(p: u32, tag: &str) -> String {
+    (0..)
+        .map(|i| format!("{tag}{i}"))
+        .find(|k| tito::queue::partition_for(k, 2) == p)
+        .unwrap()
+}
+
+pub async fn a_paused_queue_starts_nothing_until_resumed<E: TitoEngine>(ctx: Ctx<E>) {
+    use tito::queue::PAUSE_CHECK;
+    let queue = queue(&ctx.db, 2);
+    // Nothing published yet: no queue to pause.
+    let err = queue.pause(None, "early").await.unwrap_err();
+    assert!(matches!(err, TitoError::NotFound(_)), "{err:?}");
+    queue
+        .publish(QueueEvent::new(key_in(0, "a"), Job { n: 0 }, now()))
+        .await
+        .unwrap();
+    // A handler held at a gate, running when the pause commits: it finishes, its outcome
+    // applies.
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let log = Seen::default();
+    let (held, record) = (gate.clone(), log.clone());
+    let worker = start(
+        &queue,
+        fast(0..2).concurrency(4),
+        move |event: QueueEvent<Job>| {
+            let (held, record) = (held.clone(), record.clone());
+            async move {
+                if event.payload.n == 0 {
+                    held.acquire().await.unwrap().forget();
+                }
+                record.lock().unwrap().push(event);
+                Ok(QueueHandlerOutcome::Acknowledge)
+            }
+        },
+    );
+    let q = queue.clone();
+    wait_for(
+        "the first handler to start",
+        Duration::from_secs(10),
+        move || {
+            let q = q.clone();
+            async move { q.stats().delivered == 1 }
+        },
+    )
+    .await;
+    assert!(queue.pause(None, "deploy in progress").await.unwrap());
+    assert!(!queue.pause(None, "again").await.unwrap(), "already paused");
+    let paused = queue.paused().await.unwrap();
+    assert_eq!(paused.queue.as_ref().unwrap().why, "deploy in progress");
+    gate.add_permits(1);
+    drained(&queue, 1).await;
+    // Seen by the worker within PAUSE_CHECK: nothing published after that starts.
+    tokio::time::sleep(PAUSE_CHECK + Duration::from_millis(100)).await;
+    for (n, p) in [(1, 0), (2, 1), (3, 1)] {
+        queue
+            .publish(QueueEvent::new(
+                key_in(p, &format!("k{n}-")),
+                Job { n },
+                now(),
+            ))
+            .await
+            .unwrap();
+    }
+    tokio::time::sleep(PAUSE_CHECK * 3).await;
+    assert_eq!(log.lock().unwrap().len(), 1, "nothing starts while paused");
+    assert_eq!(queue.stats().delivered, 1);
+    let overview = tito::inspect::queue_overview(&ctx.db, None).await.unwrap();
+    assert_eq!(overview.paused, paused);
+    // Partition 1 paused on its own, then the queue resumed: partition 0's event runs,
+    // partition 1's two wait.
+    assert!(queue.pause(Some(1), "partition 1 only").await.unwrap());
+    assert!(queue.resume(None).await.unwrap());
+    assert!(!queue.resume(None).await.unwrap(), "not paused any more");
+    let l = log.clone();
+    wait_for("partition 0's event", Duration::from_secs(10), move || {
+        let l = l.clone();
+        async move { l.lock().unwrap().len() == 2 }
+    })
+    .await;
+    tokio::time::sleep(PAUSE_CHECK * 2).await;
+    assert_eq!(log.lock().unwrap().len(), 2, "partition 1 still paused");
+    assert!(queue.resume(Some(1)).await.unwrap());
+    drained(&queue, 4).await;
+    assert!(queue.paused().await.unwrap().is_empty());
+    // Mistakes: a partition the queue does not have, a reason too long.
+    let err = queue.pause(Some(2), "no such").await.unwrap_err();
+    assert!(matches!(err, TitoError::InvalidArgument(_)), "{err:?}");
+    let err = queue.pause(None, &"x".repeat(1025)).await.unwrap_err();
+    assert!(matches!(err, TitoError::InvalidArgument(_)), "{err:?}");
+    assert!(queue.paused().await.unwrap().is_empty(), "nothing written");
+    worker.stop().await;
 }

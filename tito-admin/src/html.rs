@@ -349,6 +349,19 @@ pub(crate) fn queue(data: &QueueData, started: Instant) -> String {
     ));
     b.push_str(&card("completed (kept)", &count(&o.completed), "completed"));
     b.push_str(&card("dead", &count(&o.dead), "dead"));
+    let paused = match (&o.paused.queue, o.paused.partitions.len()) {
+        (Some(pause), _) => format!("yes: {}", pause.why),
+        (None, 0) => "no".to_string(),
+        (None, n) => {
+            let list: Vec<String> = o.paused.partitions.keys().map(u32::to_string).collect();
+            format!(
+                "{n} partition{} ({})",
+                if n == 1 { "" } else { "s" },
+                list.join(", ")
+            )
+        }
+    };
+    b.push_str(&card("paused", &paused, "paused"));
     b.push_str(&card(
         "coordinator",
         o.coordinator.as_deref().unwrap_or("—"),

@@ -153,6 +153,25 @@ pub(crate) enum QueueCommand {
         #[arg(long)]
         yes: bool,
     },
+    /// Pauses a queue (or one partition): every worker stops starting its invocations within
+    /// half a second; running handlers finish. Prints whether it was running.
+    Pause {
+        #[arg(long)]
+        topic: Option<String>,
+        /// Only this partition.
+        #[arg(long)]
+        partition: Option<u32>,
+        /// Why, kept with the pause and shown by `queue stats`.
+        #[arg(long, default_value = "paused by an operator")]
+        why: String,
+    },
+    /// Resumes a paused queue (or partition: give the same --partition as the pause).
+    Resume {
+        #[arg(long)]
+        topic: Option<String>,
+        #[arg(long)]
+        partition: Option<u32>,
+    },
     /// A page of the rows a queue moved aside.
     Aside {
         #[arg(long)]

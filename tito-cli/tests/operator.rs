@@ -310,6 +310,42 @@ async fn the_cli_reads_a_seeded_store() {
         "{stats}"
     );
 
+    // Pause and resume: stored, shown by stats; a mistyped topic or partition is refused.
+    let paused = stdout_json(&at(&[
+        "queue",
+        "pause",
+        "--topic",
+        "flaky",
+        "--why",
+        "mail server down",
+        "--json",
+    ]));
+    assert_eq!(paused["paused"], true);
+    let stats =
+        String::from_utf8_lossy(&at(&["queue", "stats", "--topic", "flaky"]).stdout).into_owned();
+    assert!(stats.contains("PAUSED: mail server down"), "{stats}");
+    let json = stdout_json(&at(&["queue", "stats", "--topic", "flaky", "--json"]));
+    assert_eq!(json["paused"]["queue"]["why"], "mail server down");
+    let typo = at(&["queue", "pause", "--topic", "flakey"]);
+    assert_eq!(typo.status.code(), Some(1));
+    assert!(
+        stderr(&typo).contains("nothing was ever published"),
+        "{}",
+        stderr(&typo)
+    );
+    let beyond = at(&["queue", "pause", "--topic", "flaky", "--partition", "999"]);
+    assert_eq!(beyond.status.code(), Some(1));
+    assert!(
+        stderr(&beyond).contains("partitions 0 to"),
+        "{}",
+        stderr(&beyond)
+    );
+    let resumed = stdout_json(&at(&["queue", "resume", "--topic", "flaky", "--json"]));
+    assert_eq!(resumed["resumed"], true);
+    let text =
+        String::from_utf8_lossy(&at(&["queue", "resume", "--topic", "flaky"]).stdout).into_owned();
+    assert!(text.contains("was not paused"), "{text}");
+
     let row = stdout_json(&at(&["table", "get", "user", "u03", "--json"]));
     assert_eq!(row["value"]["team"], "red");
     let missing = at(&["table", "get", "user", "nobody"]);
@@ -726,6 +762,10 @@ async fn the_dashboard_shows_the_seeded_figures_in_a_browser() {
     assert_eq!(
         figure_after(&queue, "<main>", "data-figure=\"due-later\""),
         "5"
+    );
+    assert_eq!(
+        figure_after(&queue, "<main>", "data-figure=\"paused\""),
+        "no"
     );
     let late = figure_after(&queue, "<main>", "data-figure=\"late\"");
     assert!(

@@ -196,12 +196,7 @@ pub async fn queues<E: TitoEngine>(db: &E, limit: usize) -> TitoResult<Vec<Queue
 }
 
 async fn partitions_of<X: TitoTransaction>(tx: &X, root: &str) -> TitoResult<Option<u32>> {
-    Ok(tx
-        .get(keys::queue_meta_key(root).as_bytes())
-        .await?
-        .and_then(|bytes| serde_json::from_slice::<Value>(&bytes).ok())
-        .and_then(|meta| meta.get("partitions")?.as_u64())
-        .map(|p| p as u32))
+    crate::queue::stored_partition_count(tx, root).await
 }
 
 /// A partition lease as stored.
@@ -252,6 +247,8 @@ pub struct QueueOverview {
     /// Invocations in the dead state (a failure policy gave up on them; see
     /// [`crate::Queue::dead`]).
     pub dead: Count,
+    /// What is paused ([`crate::Queue::pause`]).
+    pub paused: crate::queue::Paused,
     /// Invocations completed in each of the last [`THROUGHPUT_MINUTES`] minutes, the current
     /// (partial) minute first.
     pub completed_per_minute: Vec<Count>,
@@ -327,6 +324,7 @@ pub async fn queue_overview<E: TitoEngine>(
         let dead_prefix = keys::dead_prefix(&root);
         let dead_end = keys::prefix_end(dead_prefix.clone());
         let dead = count_in(tx, dead_prefix.as_bytes(), dead_end.as_bytes(), COUNT_BOUND).await?;
+        let paused = crate::queue::read_paused(tx, &root).await?;
         let minute_start = now_s - now_s % 60;
         let mut completed_per_minute = Vec::new();
         for minute in 0..THROUGHPUT_MINUTES {
@@ -350,6 +348,7 @@ pub async fn queue_overview<E: TitoEngine>(
             oldest_due,
             completed,
             dead,
+            paused,
             completed_per_minute,
             members: Vec::new(),
             coordinator: None,

@@ -855,6 +855,35 @@ pub fn aside_key(root: &str, pending_key: &str) -> TitoResult<String> {
     pending_twin(root, "aside", pending_key)
 }
 
+/// `{queue}:paused:all` (the whole queue) or `{queue}:paused:{partition:04}`: a pause record.
+pub fn paused_key(root: &str, partition: Option<u32>) -> String {
+    match partition {
+        None => format!("{root}:paused:all"),
+        Some(partition) => format!("{root}:paused:{partition:04}"),
+    }
+}
+
+/// `{queue}:paused:`, every pause record of a queue.
+pub fn paused_prefix(root: &str) -> String {
+    format!("{root}:paused:")
+}
+
+/// The partition a pause record names (`None`: the whole queue).
+pub fn parse_paused_key(root: &str, key: &[u8]) -> TitoResult<Option<u32>> {
+    let bad = || TitoError::Integrity(format!("{} is not a pause record's key", display_key(key)));
+    let rest = key_str(key)
+        .ok()
+        .and_then(|text| text.strip_prefix(&paused_prefix(root)))
+        .ok_or_else(bad)?;
+    if rest == "all" {
+        return Ok(None);
+    }
+    if rest.len() != 4 || !rest.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(bad());
+    }
+    rest.parse().map(Some).map_err(|_| bad())
+}
+
 /// `{queue}:aside:`, every row a queue moved aside.
 pub fn aside_prefix(root: &str) -> String {
     format!("{root}:aside:")

@@ -101,6 +101,40 @@ pub(crate) async fn run<E: TitoEngine>(db: E, command: QueueCommand, json: bool)
                 },
             )
         }
+        QueueCommand::Pause {
+            topic,
+            partition,
+            why,
+        } => {
+            let paused = tito::queue::pause(&db, topic.as_deref(), partition, &why).await?;
+            let what = scope(partition);
+            print(
+                json,
+                &serde_json::json!({ "partition": partition, "paused": paused }),
+                || {
+                    if paused {
+                        format!("{what} paused: workers start nothing there within 0.5 s")
+                    } else {
+                        format!("{what} was already paused (its first reason is kept)")
+                    }
+                },
+            )
+        }
+        QueueCommand::Resume { topic, partition } => {
+            let resumed = tito::queue::resume(&db, topic.as_deref(), partition).await?;
+            let what = scope(partition);
+            print(
+                json,
+                &serde_json::json!({ "partition": partition, "resumed": resumed }),
+                || {
+                    if resumed {
+                        format!("{what} resumed")
+                    } else {
+                        format!("{what} was not paused (nothing changed)")
+                    }
+                },
+            )
+        }
         QueueCommand::Aside {
             topic,
             limit,
@@ -114,6 +148,10 @@ pub(crate) async fn run<E: TitoEngine>(db: E, command: QueueCommand, json: bool)
 }
 
 /// `queue stats` as text: the totals, then one line per partition.
+fn scope(partition: Option<u32>) -> String {
+    partition.map_or("the queue".to_string(), |p| format!("partition {p}"))
+}
+
 fn stats_text(o: &inspect::QueueOverview) -> String {
     let now_s = o.now_ms / 1000;
     let mut out = format!(
@@ -125,6 +163,12 @@ fn stats_text(o: &inspect::QueueOverview) -> String {
             "; the oldest due is {} s late",
             now_s.saturating_sub(due)
         ));
+    }
+    if let Some(pause) = &o.paused.queue {
+        out.push_str(&format!("\nPAUSED: {}", pause.why));
+    }
+    for (partition, pause) in &o.paused.partitions {
+        out.push_str(&format!("\npartition {partition} PAUSED: {}", pause.why));
     }
     let minutes: Vec<String> = o
         .completed_per_minute

@@ -78,6 +78,7 @@ pub mod cluster;
 mod cluster;
 mod dead;
 pub(crate) mod lease;
+mod pause;
 mod pull;
 mod topic;
 mod worker;
@@ -98,6 +99,8 @@ pub use crate::event::{
 pub use crate::runtime::{Stop, Workers};
 pub use cluster::{ClusterConfig, ClusterState, MIN_TTL, cluster_state};
 pub use dead::{DeadInvocation, dead, discard_dead, retry_dead};
+pub(crate) use pause::read_paused;
+pub use pause::{PAUSE_CHECK, PauseRecord, Paused, pause, paused, resume};
 pub use topic::{TopicQueue, WorkerQueue};
 pub(crate) use worker::AfterFailure;
 pub use worker::{
@@ -591,6 +594,19 @@ pub async fn set_aside<E: TitoEngine>(
     why: &str,
 ) -> TitoResult<bool> {
     set_aside_under(db, &keys::queue_root(topic), key, why).await
+}
+
+/// The partition count stored for the queue under `root` (`None`: nothing published yet).
+pub(crate) async fn stored_partition_count<X: TitoTransaction>(
+    tx: &X,
+    root: &str,
+) -> TitoResult<Option<u32>> {
+    Ok(tx
+        .get(keys::queue_meta_key(root).as_bytes())
+        .await?
+        .and_then(|bytes| serde_json::from_slice::<Value>(&bytes).ok())
+        .and_then(|meta| meta.get("partitions")?.as_u64())
+        .map(|p| p as u32))
 }
 
 async fn set_aside_under<E: TitoEngine>(

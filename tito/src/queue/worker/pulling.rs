@@ -13,8 +13,8 @@ use super::Running;
 use super::Stop;
 use super::handler::{Invoker, Report};
 use crate::engine::{TitoEngine, TitoTransaction};
-use crate::queue::Queue;
 use crate::queue::pull::Cursor;
+use crate::queue::{PAUSE_CHECK, Paused, Queue, read_paused};
 use crate::telemetry::names;
 use tracing::Instrument;
 
@@ -40,6 +40,9 @@ pub(super) struct Pulling {
     undecodable: std::collections::HashSet<String>,
     /// The last wake-up generation of the queue this worker acted on.
     seen: u64,
+    /// The queue's pause records as last read, and when (read again [`PAUSE_CHECK`] later).
+    paused: Paused,
+    paused_read: Option<Instant>,
 }
 
 /// How many undecodable rows a worker remembers; past it, more are paused like failed
@@ -61,6 +64,8 @@ impl Pulling {
             cooling: Cooling::default(),
             undecodable: std::collections::HashSet::new(),
             seen: 0,
+            paused: Paused::default(),
+            paused_read: None,
         }
     }
 
@@ -119,6 +124,9 @@ impl Pulling {
             .map(|(p, _)| *p)
             .collect();
         due.sort_unstable();
+        if !due.is_empty() {
+            self.read_pauses(queue).await;
+        }
         let counters = queue.counters();
         self.cooling.prune(self.max_idle_backoff);
         for partition in due {
@@ -128,6 +136,11 @@ impl Pulling {
             }
             let want = free.min(self.page_size);
             let state = self.partitions.get_mut(&partition).expect("due partition");
+            if self.paused.holds(partition) {
+                // Paused: nothing starts; look again when the pause records are read again.
+                state.next_poll = Instant::now() + PAUSE_CHECK;
+                continue;
+            }
             let (cooling, undecodable) = (&self.cooling, &self.undecodable);
             let pulled = async {
                 let tx = queue.engine().begin().await?;
@@ -225,6 +238,43 @@ impl Pulling {
                     }
                     .instrument(span),
                 );
+            }
+        }
+    }
+}
+
+impl Pulling {
+    /// Reads the queue's pause records when the last reading is [`PAUSE_CHECK`] old (one
+    /// scan). A failed read keeps the last view, logged, and is tried again at the next check.
+    async fn read_pauses<E: TitoEngine>(&mut self, queue: &Queue<E>) {
+        if self
+            .paused_read
+            .is_some_and(|read| read.elapsed() < PAUSE_CHECK)
+        {
+            return;
+        }
+        self.paused_read = Some(Instant::now());
+        let read = async {
+            let tx = queue.engine().begin().await?;
+            let paused = read_paused(&tx, queue.root()).await;
+            let _ = tx.rollback().await;
+            paused
+        }
+        .await;
+        match read {
+            Ok(paused) => {
+                if paused != self.paused {
+                    tracing::info!(
+                        queue = %queue.label(),
+                        queue_paused = paused.queue.is_some(),
+                        partitions_paused = ?paused.partitions.keys().collect::<Vec<_>>(),
+                        "the queue's pauses changed"
+                    );
+                }
+                self.paused = paused;
+            }
+            Err(err) => {
+                tracing::warn!(error = %err, "reading the queue's pause records failed");
             }
         }
     }
