@@ -188,6 +188,11 @@ struct Tracker {
     log: Vec<String>,
     /// When the simulation started.
     start: Option<tokio::time::Instant>,
+    /// Pauses in force (`None`: the queue; a partition) and the simulated time their commit
+    /// was known; a pause whose commit's outcome was not known is not counted.
+    paused: BTreeMap<Option<u32>, u128>,
+    /// Starts in a partition paused for longer than `PAUSE_CHECK`.
+    pause_violations: Vec<String>,
 }
 
 impl Tracker {
@@ -200,6 +205,14 @@ impl Tracker {
 
     fn now(&self) -> u128 {
         self.start.map_or(0, sim_ms)
+    }
+}
+
+/// A result, shortly, for the trace.
+fn short<T: std::fmt::Debug>(result: &Result<T, TitoError>) -> String {
+    match result {
+        Ok(value) => format!("{value:?}"),
+        Err(err) => error_kind(err).to_string(),
     }
 }
 
@@ -256,6 +269,22 @@ fn handler(
                 );
                 t.log.push(line);
                 let (last_jump, now) = (t.last_jump, t.now());
+                let partition = tito::queue::partition_for(&event.key, PARTITIONS);
+                let check_ms = tito::queue::PAUSE_CHECK.as_millis();
+                let late: Vec<String> = t
+                    .paused
+                    .iter()
+                    .filter(|(scope, since)| {
+                        scope.is_none_or(|p| p == partition) && now > *since + check_ms
+                    })
+                    .map(|(scope, since)| {
+                        format!(
+                            "event {n} started on {who} at {now} in partition {partition}, \
+                             paused ({scope:?}) since {since}"
+                        )
+                    })
+                    .collect();
+                t.pause_violations.extend(late);
                 let holders = t.holders.entry(n).or_default();
                 let excused = holders
                     .iter()
@@ -858,6 +887,7 @@ impl Sim {
                 "jump 2s".into()
             }
             78..=81 => self.caught_write(step).await,
+            82..=83 => self.pause_or_resume().await,
             _ => {
                 let pause = 1 + self.rng.below(400);
                 tokio::time::sleep(Duration::from_millis(pause)).await;
@@ -867,10 +897,54 @@ impl Sim {
         self.trace.push(format!("{step} {line} @{started}"));
     }
 
+    /// Pauses a queue or one of its partitions, or resumes it when it is paused.
+    async fn pause_or_resume(&mut self) -> String {
+        let which = self.rng.below(2) as usize;
+        let scope = if self.rng.chance(50) {
+            None
+        } else {
+            Some(self.rng.below(u64::from(PARTITIONS)) as u32)
+        };
+        let q = &self.queues[which];
+        let paused = q.tracker.lock().unwrap().paused.contains_key(&scope);
+        if paused {
+            let result = q.queue.resume(scope).await;
+            // Even an unknown outcome may have resumed it: no longer counted.
+            q.tracker.lock().unwrap().paused.remove(&scope);
+            format!("resume q{which} {scope:?}: {}", short(&result))
+        } else {
+            let result = q.queue.pause(scope, "simulated").await;
+            let mut tracker = q.tracker.lock().unwrap();
+            // In force once known (`false`: already paused by an attempt whose outcome was
+            // unknown): counted from now, which is no earlier than its commit.
+            if result.is_ok() {
+                let now = tracker.now();
+                tracker.paused.insert(scope, now);
+            }
+            format!("pause q{which} {scope:?}: {}", short(&result))
+        }
+    }
+
+    /// Lifts every pause (the drain runs everything).
+    async fn resume_all(&mut self) {
+        for q in &self.queues {
+            for scope in std::iter::once(None).chain((0..PARTITIONS).map(Some)) {
+                let resumed = q.queue.resume(scope).await;
+                self.checks += 1;
+                if let Err(err) = resumed {
+                    self.violations
+                        .push(format!("resume without faults failed: {err}"));
+                }
+            }
+            q.tracker.lock().unwrap().paused.clear();
+        }
+    }
+
     /// Stops everything, lets one clean worker and two clean nodes drain the queues, and checks
     /// the end state.
     async fn finish(&mut self) {
         self.db.faults().clear();
+        self.resume_all().await;
         for slot in 0..WORKER_SLOTS {
             self.stop_worker(slot, false).await;
         }
@@ -1048,6 +1122,15 @@ impl Sim {
             }
         }
         tx.rollback().await.unwrap();
+        let pause_violations = self.queues[which]
+            .tracker
+            .lock()
+            .unwrap()
+            .pause_violations
+            .clone();
+        self.check(pause_violations.is_empty(), || {
+            format!("q{which}: started while paused: {pause_violations:?}")
+        });
         let (overlaps, details) = {
             let tracker = self.queues[which].tracker.lock().unwrap();
             (tracker.overlaps, tracker.details.clone())

@@ -124,8 +124,16 @@ impl Pulling {
             .map(|(p, _)| *p)
             .collect();
         due.sort_unstable();
-        if !due.is_empty() {
-            self.read_pauses(queue).await;
+        if !due.is_empty() && !self.read_pauses(queue).await {
+            // The pauses could not be read: start nothing this round rather than run what
+            // may be paused; try again after a short pause.
+            for partition in due {
+                if let Some(state) = self.partitions.get_mut(&partition) {
+                    state.next_poll = Instant::now() + state.backoff;
+                    state.backoff = (state.backoff * 2).min(self.max_idle_backoff);
+                }
+            }
+            return;
         }
         let counters = queue.counters();
         self.cooling.prune(self.max_idle_backoff);
@@ -245,15 +253,15 @@ impl Pulling {
 
 impl Pulling {
     /// Reads the queue's pause records when the last reading is [`PAUSE_CHECK`] old (one
-    /// scan). A failed read keeps the last view, logged, and is tried again at the next check.
-    async fn read_pauses<E: TitoEngine>(&mut self, queue: &Queue<E>) {
+    /// scan). `false` when they could not be read (logged; read again at the next round).
+    async fn read_pauses<E: TitoEngine>(&mut self, queue: &Queue<E>) -> bool {
         if self
             .paused_read
             .is_some_and(|read| read.elapsed() < PAUSE_CHECK)
         {
-            return;
+            return true;
         }
-        self.paused_read = Some(Instant::now());
+        let started = Instant::now();
         let read = async {
             let tx = queue.engine().begin().await?;
             let paused = read_paused(&tx, queue.root()).await;
@@ -272,9 +280,13 @@ impl Pulling {
                     );
                 }
                 self.paused = paused;
+                // Fresh from the moment the read began.
+                self.paused_read = Some(started);
+                true
             }
             Err(err) => {
                 tracing::warn!(error = %err, "reading the queue's pause records failed");
+                false
             }
         }
     }
