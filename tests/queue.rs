@@ -53,6 +53,7 @@ macro_rules! queue_suite {
                 transactional_handlers_commit_with_their_outcome,
                 a_set_of_workers_shares_one_shutdown,
                 a_paused_queue_starts_nothing_until_resumed,
+                advance_keeps_each_step_and_runs_the_next,
             ]
         );
     };
@@ -1640,4 +1641,113 @@ pub async fn a_paused_queue_starts_nothing_until_resumed<E: TitoEngine>(ctx: Ctx
     assert!(matches!(err, TitoError::InvalidArgument(_)), "{err:?}");
     assert!(queue.paused().await.unwrap().is_empty(), "nothing written");
     worker.stop().await;
+}
+
+pub async fn advance_keeps_each_step_and_runs_the_next<E: TitoEngine>(ctx: Ctx<E>) {
+    use tito::inspect::{QueueState, queue_scan};
+    let queue = queue(&ctx.db, 1);
+    let owner = QueueOwner::new("user", "u1");
+    let first = QueueEvent::new("job-1", Job { n: 1 }, now()).with_owner(owner.clone());
+    let id = first.id.clone();
+    queue.publish(first).await.unwrap();
+    // Steps 1 -> 2 -> 3 by a plain worker; a step that changes the key is refused.
+    let log = Seen::default();
+    let record = log.clone();
+    let worker = start(&queue, fast(0..1), move |event: QueueEvent<Job>| {
+        let record = record.clone();
+        async move {
+            record.lock().unwrap().push(event.clone());
+            let n = event.payload.n;
+            Ok(match n {
+                1 | 2 => {
+                    let due = event.timestamp;
+                    QueueHandlerOutcome::Advance(event.advanced(Job { n: n + 1 }, due))
+                }
+                _ => QueueHandlerOutcome::Acknowledge,
+            })
+        }
+    });
+    drained(&queue, 3).await;
+    worker.stop().await;
+    let steps: Vec<(String, String, u32, u32, Option<QueueOwner>)> = log
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            (
+                e.id.clone(),
+                e.key.clone(),
+                e.payload.n,
+                e.attempt,
+                e.owner.clone(),
+            )
+        })
+        .collect();
+    let expected: Vec<_> = (1..=3)
+        .map(|n| (id.clone(), "job-1".to_string(), n, 1, Some(owner.clone())))
+        .collect();
+    assert_eq!(
+        steps, expected,
+        "one id, key and owner; new payloads; attempt 1 each"
+    );
+    // Each step kept as completed history, newest first.
+    let history = queue_scan(&ctx.db, None, QueueState::Completed, None, 10)
+        .await
+        .unwrap();
+    let payloads: Vec<serde_json::Value> = history
+        .items
+        .iter()
+        .map(|r| r.event.as_ref().unwrap().payload["n"].clone())
+        .collect();
+    assert_eq!(payloads, [3, 2, 1].map(serde_json::Value::from));
+    assert_eq!(
+        queue.stats().rescheduled,
+        2,
+        "steps count as completed with a successor"
+    );
+
+    // A step that changes the key: refused, the invocation stays pending (a failed handler).
+    queue
+        .publish(QueueEvent::new("job-2", Job { n: 10 }, now()))
+        .await
+        .unwrap();
+    let tries = Arc::new(AtomicUsize::new(0));
+    let counted = tries.clone();
+    let worker = start(&queue, fast(0..1), move |event: QueueEvent<Job>| {
+        let counted = counted.clone();
+        async move {
+            counted.fetch_add(1, Ordering::SeqCst);
+            let mut next = event.clone().advanced(Job { n: 11 }, event.timestamp);
+            next.key = "elsewhere".into();
+            Ok(QueueHandlerOutcome::Advance(next))
+        }
+    });
+    let t = tries.clone();
+    wait_for("the refused step", Duration::from_secs(10), move || {
+        let t = t.clone();
+        async move { t.load(Ordering::SeqCst) >= 2 }
+    })
+    .await;
+    worker.stop().await;
+    assert!(queue.stats().failed >= 1);
+    assert_eq!(pending_total(&queue).await, 1, "still pending");
+
+    // The transactional worker advances in the handler's transaction.
+    let (stop, rx) = watch::channel(false);
+    let worker = tokio::spawn(run_transactional_worker(
+        queue.clone(),
+        fast(0..1),
+        move |event: QueueEvent<Job>, _tx: E::Transaction| async move {
+            Ok(if event.payload.n == 10 {
+                let due = event.timestamp;
+                QueueHandlerOutcome::Advance(event.advanced(Job { n: 11 }, due))
+            } else {
+                QueueHandlerOutcome::Acknowledge
+            })
+        },
+        rx,
+    ));
+    drained(&queue, 5).await;
+    stop.send(true).unwrap();
+    worker.await.unwrap().unwrap();
 }

@@ -88,6 +88,8 @@ enum Behaviour {
     SlowerThanLease,
     TimeOutOnce,
     RescheduleOnce,
+    /// Advances to a second step (a new payload whose behaviour is `Succeed`) at its first run.
+    AdvanceOnce,
     /// Fails every attempt (published to the cluster queue only, whose nodes have a failure
     /// policy): dead after exactly [`MAX_ATTEMPTS`] attempts.
     AlwaysFail,
@@ -102,13 +104,14 @@ fn failure_policy() -> tito::queue::FailurePolicy {
         .jitter_seed(0x5eed)
 }
 
-const BEHAVIOURS: [Behaviour; 6] = [
+const BEHAVIOURS: [Behaviour; 7] = [
     Behaviour::Succeed,
     Behaviour::FailOnce,
     Behaviour::PanicOnce,
     Behaviour::SlowerThanLease,
     Behaviour::TimeOutOnce,
     Behaviour::RescheduleOnce,
+    Behaviour::AdvanceOnce,
 ];
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -318,6 +321,14 @@ fn handler(
                 Behaviour::SlowerThanLease => tokio::time::sleep(LEASE * 2 + LEASE / 3).await,
                 Behaviour::TimeOutOnce if attempt == 1 => {
                     tokio::time::sleep(HANDLER_TIMEOUT * 2).await
+                }
+                Behaviour::AdvanceOnce => {
+                    let due = event.timestamp;
+                    let step = Job {
+                        behaviour: Behaviour::Succeed,
+                        ..event.payload.clone()
+                    };
+                    return Ok(QueueHandlerOutcome::Advance(event.advanced(step, due)));
                 }
                 Behaviour::RescheduleOnce if event.timestamp == event.payload.first_due => {
                     let at = event.timestamp + 1;
@@ -1082,7 +1093,10 @@ impl Sim {
                 });
                 continue;
             }
-            let expected = if job.behaviour == Behaviour::RescheduleOnce {
+            let expected = if matches!(
+                job.behaviour,
+                Behaviour::RescheduleOnce | Behaviour::AdvanceOnce
+            ) {
                 2
             } else {
                 1

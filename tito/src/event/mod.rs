@@ -128,6 +128,29 @@ impl<T> QueueEvent<T> {
         QueueEvent { timestamp, ..self }
     }
 
+    /// The next step of this event for `Advance`: the same id, key and owner, with `payload`,
+    /// runnable at `timestamp`.
+    ///
+    /// ```
+    /// use tito::{QueueEvent, QueueHandlerOutcome};
+    ///
+    /// #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+    /// enum Signup { SendWelcome, SendTips { day: u32 } }
+    ///
+    /// let event = QueueEvent::new("user-1", Signup::SendWelcome, 1_700_000_000);
+    /// let next = event.clone().advanced(Signup::SendTips { day: 1 }, event.timestamp + 86_400);
+    /// assert_eq!((next.id.as_str(), next.key.as_str()), (event.id.as_str(), "user-1"));
+    /// let outcome = QueueHandlerOutcome::Advance(next);
+    /// # let _ = outcome;
+    /// ```
+    pub fn advanced(self, payload: T, timestamp: i64) -> Self {
+        QueueEvent {
+            payload,
+            timestamp,
+            ..self
+        }
+    }
+
     /// The replacement of this event, runnable after `backoff` (a helper for applications that
     /// want retries; Tito itself never reschedules).
     pub fn retried_after(self, backoff: std::time::Duration) -> Self {
@@ -139,12 +162,18 @@ impl<T> QueueEvent<T> {
 
 /// What a handler decided about one invocation.
 #[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
 pub enum QueueHandlerOutcome<T> {
     /// Done: the invocation moves to completed.
     Acknowledge,
     /// Done, and the replacement (same id, key, owner and payload; see
     /// [`QueueEvent::rescheduled`]) is inserted in the same transaction.
     Reschedule(QueueEvent<T>),
+    /// Done with this step: the invocation moves to completed (its history), and the next step
+    /// of the same logical event is inserted in the same transaction: the same id, key and
+    /// owner, a new payload and due time (see [`QueueEvent::advanced`]), starting again at
+    /// attempt 1. For multi-step jobs: each step's payload says where the job is.
+    Advance(QueueEvent<T>),
 }
 
 /// What a handler returns. An `Err` leaves the invocation pending, unchanged.

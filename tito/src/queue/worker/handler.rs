@@ -13,7 +13,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::Running;
-use super::outcome::{complete, replacement};
+use super::outcome::{complete, successor};
 use crate::engine::{TitoEngine, TitoTransaction};
 use crate::error::TitoError;
 use crate::event::{QueueEvent, QueueHandlerOutcome, QueueHandlerResult};
@@ -113,13 +113,8 @@ where
                 );
                 async move {
                     let outcome = handler(event, tx.clone()).await?;
-                    let next = match outcome {
-                        QueueHandlerOutcome::Acknowledge => None,
-                        QueueHandlerOutcome::Reschedule(next) => Some(
-                            replacement(&pulled.stored, &next)
-                                .map_err(TitoError::InvalidArgument)?,
-                        ),
-                    };
+                    let next =
+                        successor(&pulled.stored, &outcome).map_err(TitoError::InvalidArgument)?;
                     // The lease and the pending row, read in one batch.
                     let partition = pulled.parsed.partition;
                     let check = HeldCheck::new(&root, partition, &owner, false);

@@ -39,7 +39,7 @@ use super::Queue;
 use super::cluster::{ClusterConfig, Node};
 use crate::engine::TitoEngine;
 use crate::error::{TitoError, TitoResult};
-use crate::event::{QueueEvent, QueueHandlerOutcome, QueueHandlerResult, new_event_id};
+use crate::event::{QueueEvent, QueueHandlerResult, new_event_id};
 pub use crate::runtime::Shutdown;
 use crate::telemetry::names;
 use handler::{Failure, Invoker, Report};
@@ -610,12 +610,11 @@ fn collect<E: TitoEngine, T: Serialize>(
             return;
         }
         Report::Failed(failure) => Err(failure),
-        Report::Done(QueueHandlerOutcome::Acknowledge) => Ok(OutcomeKind::Acknowledge),
-        Report::Done(QueueHandlerOutcome::Reschedule(next)) => {
-            outcome::replacement(&running.pulled.stored, &next)
-                .map(OutcomeKind::Reschedule)
-                .map_err(|why| Failure::of_handler(TitoError::InvalidArgument(why)))
-        }
+        Report::Done(handled) => match outcome::successor(&running.pulled.stored, &handled) {
+            Ok(Some(next)) => Ok(OutcomeKind::Reschedule(next)),
+            Ok(None) => Ok(OutcomeKind::Acknowledge),
+            Err(why) => Err(Failure::of_handler(TitoError::InvalidArgument(why))),
+        },
     };
     match outcome {
         Ok(kind) => {

@@ -10,7 +10,7 @@ use super::Running;
 use crate::engine::{TitoEngine, TitoTransaction};
 use crate::error::{TitoError, TitoResult};
 use crate::event::publish::insert_pending;
-use crate::event::{QueueEvent, StoredEvent};
+use crate::event::{QueueHandlerOutcome, StoredEvent};
 use crate::keys;
 use crate::queue::Queue;
 use crate::queue::lease::HeldCheck;
@@ -314,23 +314,34 @@ fn bounded_error(error: &str) -> String {
     format!("{}…", &error[..end])
 }
 
-/// Checks a `Reschedule` replacement against the invocation it replaces: same id, key, owner
-/// and payload; only the timestamp may change.
-pub(super) fn replacement<T: Serialize>(
+/// Checks the event a handler's outcome inserts after the invocation it completes: a
+/// `Reschedule` replacement keeps the id, key, owner and payload (only the timestamp may
+/// change); an `Advance` step keeps the id, key and owner. `None` for `Acknowledge`.
+pub(super) fn successor<T: Serialize>(
     current: &StoredEvent,
-    next: &QueueEvent<T>,
-) -> Result<StoredEvent, String> {
+    outcome: &QueueHandlerOutcome<T>,
+) -> Result<Option<StoredEvent>, String> {
+    let (next, keeps_payload, how) = match outcome {
+        QueueHandlerOutcome::Reschedule(next) => (
+            next,
+            true,
+            "a Reschedule replacement must keep the event's id, key, owner and payload (use QueueEvent::rescheduled)",
+        ),
+        QueueHandlerOutcome::Advance(next) => (
+            next,
+            false,
+            "an Advance step must keep the event's id, key and owner (use QueueEvent::advanced)",
+        ),
+        _ => return Ok(None),
+    };
     let next = StoredEvent::from_event(next).map_err(|err| err.to_string())?;
     next.to_bytes().map_err(|err| err.to_string())?;
     if next.id != current.id
         || next.key != current.key
         || next.owner != current.owner
-        || next.payload != current.payload
+        || (keeps_payload && next.payload != current.payload)
     {
-        return Err(
-            "a Reschedule replacement must keep the event's id, key, owner and payload (use QueueEvent::rescheduled)"
-                .into(),
-        );
+        return Err(how.into());
     }
-    Ok(next)
+    Ok(Some(next))
 }
