@@ -54,6 +54,7 @@ macro_rules! queue_suite {
                 a_set_of_workers_shares_one_shutdown,
                 a_paused_queue_starts_nothing_until_resumed,
                 advance_keeps_each_step_and_runs_the_next,
+                cancellation_stops_pending_work_and_tells_running_handlers,
             ]
         );
     };
@@ -1750,4 +1751,151 @@ pub async fn advance_keeps_each_step_and_runs_the_next<E: TitoEngine>(ctx: Ctx<E
     drained(&queue, 5).await;
     stop.send(true).unwrap();
     worker.await.unwrap().unwrap();
+}
+
+pub async fn cancellation_stops_pending_work_and_tells_running_handlers<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    use tito::inspect::{QueueState, queue_scan};
+    let queue = queue(&ctx.db, 1);
+    let later = now() + 3600;
+    let owner = QueueOwner::new("account", "a1");
+    let e1 = QueueEvent::new("k1", Job { n: 1 }, later);
+    let id1 = e1.id.clone();
+    queue.publish(e1.clone()).await.unwrap();
+    for n in [2, 3] {
+        queue
+            .publish(QueueEvent::new(format!("k{n}"), Job { n }, later).with_owner(owner.clone()))
+            .await
+            .unwrap();
+    }
+    // By id: completed as cancelled, the id held (publishing it again is a duplicate).
+    assert!(queue.cancel(&id1, "published by mistake").await.unwrap());
+    assert!(
+        !queue.cancel(&id1, "again").await.unwrap(),
+        "no longer pending"
+    );
+    assert!(!queue.cancel("no-such-id", "typo").await.unwrap());
+    assert!(queue.publish(e1).await.unwrap().duplicate);
+    let history = queue_scan(&ctx.db, None, QueueState::Completed, None, 10)
+        .await
+        .unwrap();
+    let view = history.items[0].event.as_ref().unwrap();
+    assert_eq!(
+        (view.id.as_str(), view.cancelled.as_deref()),
+        (id1.as_str(), Some("published by mistake"))
+    );
+    // By owner, through the owner index.
+    assert_eq!(
+        queue.cancel_owner(&owner, "account closed").await.unwrap(),
+        2
+    );
+    assert_eq!(
+        queue.cancel_owner(&owner, "account closed").await.unwrap(),
+        0
+    );
+    assert_eq!(pending_total(&queue).await, 0);
+    // Mistakes.
+    let err = queue.cancel(&id1, &"x".repeat(1025)).await.unwrap_err();
+    assert!(matches!(err, TitoError::InvalidArgument(_)), "{err:?}");
+    let err = queue.cancel("", "empty").await.unwrap_err();
+    assert!(matches!(err, TitoError::InvalidArgument(_)), "{err:?}");
+
+    // A running handler is told, and its outcome is not applied; a transactional handler's
+    // writes roll back.
+    for transactional in [false, true] {
+        let n = if transactional { 5 } else { 4 };
+        let event = QueueEvent::new(format!("run{n}"), Job { n }, now());
+        let id = event.id.clone();
+        queue.publish(event).await.unwrap();
+        let told = Arc::new(AtomicUsize::new(0));
+        let effect = ctx.key(&format!("effect:{n}"));
+        let (stop, rx) = watch::channel(false);
+        let t = told.clone();
+        let wait_to_be_told = move || {
+            let t = t.clone();
+            async move {
+                let cancel = tito::queue::cancellation();
+                let heard = tokio::time::timeout(Duration::from_secs(20), cancel.cancelled()).await;
+                if heard.is_ok() && cancel.is_cancelled() {
+                    t.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        };
+        // Read before the worker starts: it may deliver at once.
+        let delivered = queue.stats().delivered;
+        let worker = if transactional {
+            let effect = effect.clone();
+            tokio::spawn(run_transactional_worker(
+                queue.clone(),
+                fast(0..1),
+                move |_event: QueueEvent<Job>, tx: E::Transaction| {
+                    let (wait, effect) = (wait_to_be_told.clone(), effect.clone());
+                    async move {
+                        tx.put(effect, b"done".to_vec()).await?;
+                        wait().await;
+                        Ok(QueueHandlerOutcome::Acknowledge)
+                    }
+                },
+                rx,
+            ))
+        } else {
+            tokio::spawn(run_worker(
+                queue.clone(),
+                fast(0..1),
+                move |_event: QueueEvent<Job>| {
+                    let wait = wait_to_be_told.clone();
+                    async move {
+                        wait().await;
+                        Ok(QueueHandlerOutcome::Acknowledge)
+                    }
+                },
+                rx,
+            ))
+        };
+        let q = queue.clone();
+        wait_for("the handler to start", Duration::from_secs(10), move || {
+            let q = q.clone();
+            async move { q.stats().delivered > delivered }
+        })
+        .await;
+        let acknowledged = queue.stats().acknowledged;
+        assert!(queue.cancel(&id, "operator").await.unwrap());
+        let t = told.clone();
+        wait_for(
+            "the handler to be told",
+            Duration::from_secs(10),
+            move || {
+                let t = t.clone();
+                async move { t.load(Ordering::SeqCst) >= 1 }
+            },
+        )
+        .await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        stop.send(true).unwrap();
+        worker.await.unwrap().unwrap();
+        assert_eq!(
+            queue.stats().acknowledged,
+            acknowledged,
+            "no outcome applied"
+        );
+        let tx = ctx.db.begin().await.unwrap();
+        assert_eq!(
+            tx.get(&effect).await.unwrap(),
+            None,
+            "the handler's writes rolled back"
+        );
+        tx.rollback().await.unwrap();
+        let rows = queue_scan(&ctx.db, None, QueueState::Completed, None, 20)
+            .await
+            .unwrap();
+        let of_it: Vec<_> = rows
+            .items
+            .iter()
+            .filter_map(|r| r.event.as_ref())
+            .filter(|e| e.id == id)
+            .collect();
+        assert_eq!(of_it.len(), 1, "one completed row: the cancelled one");
+        assert_eq!(of_it[0].cancelled.as_deref(), Some("operator"));
+    }
 }

@@ -419,6 +419,8 @@ pub struct EventView {
     pub owner: Option<QueueOwner>,
     /// Its payload.
     pub payload: Value,
+    /// Why it was cancelled, for a completed row of a cancelled invocation.
+    pub cancelled: Option<String>,
 }
 
 /// One row of a queue scan.
@@ -559,6 +561,7 @@ fn queue_row(root: &str, state: QueueState, key: &[u8], value: &[u8]) -> QueueRo
             timestamp: stored.timestamp,
             owner: stored.owner,
             payload: stored.payload,
+            cancelled: stored.cancelled,
         }),
         Err(err) => {
             problems.push(err.to_string());

@@ -206,6 +206,9 @@ pub(crate) struct StoredEvent {
     /// Set on dead rows: the version of the transaction that moved it there.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dead_at: Option<u64>,
+    /// Set on completed rows of cancelled invocations: why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cancelled: Option<String>,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -237,6 +240,7 @@ impl StoredEvent {
             failures: 0,
             last_error: None,
             dead_at: None,
+            cancelled: None,
         })
     }
 

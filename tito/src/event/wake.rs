@@ -24,9 +24,30 @@ pub(crate) struct Wakeups {
     /// wait (a `watch` channel would wake them in a random order, and the simulation's runs
     /// must repeat exactly).
     notify: Notify,
+    /// Counts cancellations committed in this process (see [`Wakeups::cancelled`]).
+    cancels: std::sync::atomic::AtomicU64,
 }
 
 impl Wakeups {
+    /// How many cancellations of this queue committed in this process: a worker whose count
+    /// is behind checks its running invocations at once.
+    pub(crate) fn cancels(&self) -> u64 {
+        self.cancels.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Once `tx` has committed: counts a cancellation and wakes the workers (no partition is
+    /// polled for it).
+    pub(crate) fn cancelled_after_commit<X: TitoTransaction>(self: &Arc<Self>, tx: &X) {
+        let wakeups = self.clone();
+        tx.after_commit(Box::new(move || {
+            wakeups
+                .cancels
+                .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+            crate::util::lock(&wakeups.state).0 += 1;
+            wakeups.notify.notify_waiters();
+        }));
+    }
+
     /// Wakes the workers of `partition` (this process's, of this queue on this store).
     pub(crate) fn wake(&self, partition: u32) {
         {

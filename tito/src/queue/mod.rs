@@ -72,6 +72,7 @@
 //! # }
 //! ```
 
+mod cancel;
 #[cfg(feature = "test-util")]
 pub mod cluster;
 #[cfg(not(feature = "test-util"))]
@@ -97,6 +98,8 @@ pub use crate::event::{
     QueueHandlerResult, QueueOwner, TitoOperation, Topic, partition_for,
 };
 pub use crate::runtime::{Stop, Workers};
+pub(crate) use cancel::with_cancellation;
+pub use cancel::{Cancellation, MAX_CANCEL_REASON, cancel, cancel_owner, cancellation};
 pub use cluster::{ClusterConfig, ClusterState, MIN_TTL, cluster_state};
 pub use dead::{DeadInvocation, dead, discard_dead, retry_dead};
 pub(crate) use pause::read_paused;

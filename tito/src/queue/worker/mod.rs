@@ -20,6 +20,7 @@ mod outcome;
 mod policy;
 mod pulling;
 
+pub(in crate::queue) use outcome::complete;
 pub(crate) use policy::AfterFailure;
 pub use policy::{FailurePolicy, MAX_ATTEMPTS};
 
@@ -484,6 +485,7 @@ where
         config.max_idle_backoff,
         config.page_size,
         config.concurrency,
+        config.lease_duration / 3,
     );
     // Invocations handed to handlers and not yet settled (running, or outcome not committed),
     // with their partitions: the partitions that cannot be released yet.
@@ -510,6 +512,7 @@ where
                 )
                 .await;
         }
+        pulling.check_cancelled(&queue, &in_flight).await;
         // Collect every finished handler, then commit their outcomes together.
         while let Some(Some(joined)) = handlers.join_next().now_or_never() {
             collect(
@@ -539,6 +542,9 @@ where
             break;
         }
         let mut wake_at = leases.next_at();
+        if let Some(check) = pulling.next_cancel_check() {
+            wake_at = wake_at.min(check);
+        }
         // Stale leases start nothing: wait for the next renewal instead of polling.
         let fresh = tokio::time::Instant::now() < leases.fresh_until();
         if !stopping

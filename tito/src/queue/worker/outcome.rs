@@ -185,7 +185,7 @@ async fn apply<E: TitoEngine>(
 /// Completes one invocation inside `tx`, whose pending row the caller read and found: deletes
 /// the pending row, writes the completed row, moves the owner key and the event-id key, and
 /// inserts the replacement.
-pub(super) async fn complete<X: TitoTransaction>(
+pub(in crate::queue) async fn complete<X: TitoTransaction>(
     tx: &X,
     root: &str,
     partitions: u32,

@@ -14,7 +14,7 @@ use super::Stop;
 use super::handler::{Invoker, Report};
 use crate::engine::{TitoEngine, TitoTransaction};
 use crate::queue::pull::Cursor;
-use crate::queue::{PAUSE_CHECK, Paused, Queue, read_paused};
+use crate::queue::{Cancellation, PAUSE_CHECK, Paused, Queue, read_paused, with_cancellation};
 use crate::telemetry::names;
 use tracing::Instrument;
 
@@ -43,6 +43,12 @@ pub(super) struct Pulling {
     /// The queue's pause records as last read, and when (read again [`PAUSE_CHECK`] later).
     paused: Paused,
     paused_read: Option<Instant>,
+    /// The cancellation of each started invocation, when their rows were last checked, how
+    /// often they are checked, and the in-process cancellations already acted on.
+    tokens: HashMap<String, Cancellation>,
+    tokens_checked: Instant,
+    cancel_check: Duration,
+    cancels_seen: u64,
 }
 
 /// How many undecodable rows a worker remembers; past it, more are paused like failed
@@ -55,7 +61,12 @@ impl Pulling {
         self.seen
     }
 
-    pub fn new(max_idle_backoff: Duration, page_size: usize, concurrency: usize) -> Self {
+    pub fn new(
+        max_idle_backoff: Duration,
+        page_size: usize,
+        concurrency: usize,
+        cancel_check: Duration,
+    ) -> Self {
         Pulling {
             partitions: HashMap::new(),
             max_idle_backoff,
@@ -66,6 +77,10 @@ impl Pulling {
             seen: 0,
             paused: Paused::default(),
             paused_read: None,
+            tokens: HashMap::new(),
+            tokens_checked: Instant::now(),
+            cancel_check,
+            cancels_seen: 0,
         }
     }
 
@@ -235,7 +250,10 @@ impl Pulling {
                     pulled: item,
                     generation: state.generation,
                 };
-                let work = invoke(running, event);
+                let token = Cancellation::default();
+                self.tokens
+                    .insert(running.pulled.key.clone(), token.clone());
+                let work = with_cancellation(token, invoke(running, event));
                 handlers.spawn(
                     async move {
                         let started = std::time::Instant::now();
@@ -252,6 +270,65 @@ impl Pulling {
 }
 
 impl Pulling {
+    /// When the rows of running handlers are to be checked next (`None`: nothing runs).
+    pub fn next_cancel_check(&self) -> Option<Instant> {
+        (!self.tokens.is_empty()).then_some(self.tokens_checked + self.cancel_check)
+    }
+
+    /// While handlers run, after a cancellation committed in this process and otherwise every
+    /// `cancel_check` (a third of the lease): reads their pending rows (one batched read) and
+    /// fires the cancellation of each whose row is gone (cancelled, erased by its owner, moved
+    /// aside). Forgets the tokens of invocations no longer in flight.
+    pub async fn check_cancelled<E: TitoEngine>(
+        &mut self,
+        queue: &Queue<E>,
+        in_flight: &HashMap<String, u32>,
+    ) {
+        self.tokens.retain(|key, _| in_flight.contains_key(key));
+        let cancels = queue.wakeups.cancels();
+        let told = cancels != self.cancels_seen;
+        self.cancels_seen = cancels;
+        if self.tokens.is_empty() || (!told && self.tokens_checked.elapsed() < self.cancel_check) {
+            return;
+        }
+        self.tokens_checked = Instant::now();
+        let keys: Vec<Vec<u8>> = self
+            .tokens
+            .iter()
+            .filter(|(_, token)| !token.is_cancelled())
+            .map(|(key, _)| key.clone().into_bytes())
+            .collect();
+        if keys.is_empty() {
+            return;
+        }
+        let read = async {
+            let tx = queue.engine().begin().await?;
+            let rows = tx.batch_get(&keys).await;
+            let _ = tx.rollback().await;
+            rows
+        }
+        .await;
+        match read {
+            Ok(rows) => {
+                for (key, row) in keys.iter().zip(rows) {
+                    if row.is_none()
+                        && let Ok(key) = std::str::from_utf8(key)
+                        && let Some(token) = self.tokens.get(key)
+                    {
+                        tracing::info!(
+                            key,
+                            "a running invocation left the pending state (cancelled?): its handler is told"
+                        );
+                        token.cancel();
+                    }
+                }
+            }
+            Err(err) => {
+                tracing::debug!(error = %err, "checking running invocations for cancellation failed");
+            }
+        }
+    }
+
     /// Reads the queue's pause records when the last reading is [`PAUSE_CHECK`] old (one
     /// scan). `false` when they could not be read (logged; read again at the next round).
     async fn read_pauses<E: TitoEngine>(&mut self, queue: &Queue<E>) -> bool {

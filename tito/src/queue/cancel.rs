@@ -1,0 +1,251 @@
+//! Cancelling invocations: a pending invocation is completed as cancelled (it never runs; its
+//! completed row records why and keeps the event id until retention deletes it). One that a
+//! handler is running loses its pending row the same way: the worker's outcome finds the row
+//! gone and applies nothing (a transactional handler's writes roll back), and the handler's
+//! [`Cancellation`] fires: at once in this process, within a third of the worker's lease
+//! duration in another (its periodic check of its running invocations' rows).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use super::Queue;
+use super::pull::Pulled;
+use crate::engine::{TitoEngine, TitoTransaction};
+use crate::error::{TitoError, TitoResult};
+use crate::event::{QueueOwner, StoredEvent};
+use crate::keys;
+
+/// The longest reason kept with a cancellation.
+pub const MAX_CANCEL_REASON: usize = 1024;
+
+/// How many invocations of one owner one transaction of [`Queue::cancel_owner`] cancels.
+const OWNER_BATCH: usize = 256;
+
+impl<E: TitoEngine> Queue<E> {
+    /// Cancels the pending invocation `id`: it is completed as cancelled with `why` (it never
+    /// starts again; publishing the id again is a duplicate until retention deletes the
+    /// completed row). A handler running it when the cancel commits is told through its
+    /// [`Cancellation`], and its outcome is not applied. `false` when `id` is not pending
+    /// (unknown, completed, dead).
+    pub async fn cancel(&self, id: &str, why: &str) -> TitoResult<bool> {
+        cancel_under(&self.db, &self.root, id, why).await
+    }
+
+    /// Cancels every pending invocation of `owner` (through the owner index, in transactions
+    /// of at most 256); returns how many.
+    pub async fn cancel_owner(&self, owner: &QueueOwner, why: &str) -> TitoResult<usize> {
+        cancel_owner_under(&self.db, &self.root, owner, why).await
+    }
+}
+
+/// [`Queue::cancel`] on the queue named `topic` (`None`: the default queue), for tools.
+pub async fn cancel<E: TitoEngine>(
+    db: &E,
+    topic: Option<&str>,
+    id: &str,
+    why: &str,
+) -> TitoResult<bool> {
+    cancel_under(db, &keys::queue_root(topic), id, why).await
+}
+
+/// [`Queue::cancel_owner`] on the queue named `topic`, for tools.
+pub async fn cancel_owner<E: TitoEngine>(
+    db: &E,
+    topic: Option<&str>,
+    owner: &QueueOwner,
+    why: &str,
+) -> TitoResult<usize> {
+    cancel_owner_under(db, &keys::queue_root(topic), owner, why).await
+}
+
+fn check_reason(why: &str) -> TitoResult<()> {
+    if why.len() > MAX_CANCEL_REASON {
+        return Err(TitoError::invalid_argument(format!(
+            "a cancellation's reason holds at most {MAX_CANCEL_REASON} bytes; {} given",
+            why.len()
+        )));
+    }
+    Ok(())
+}
+
+/// Completes the pending row `key` as cancelled inside `tx`; `false` when it is not there.
+async fn cancel_row<X: TitoTransaction>(
+    tx: &X,
+    root: &str,
+    key: &str,
+    why: &str,
+) -> TitoResult<bool> {
+    let Ok(parsed) = keys::parse_pending_key(root, key) else {
+        return Ok(false);
+    };
+    let Some(row) = tx.get(key.as_bytes()).await? else {
+        return Ok(false);
+    };
+    let mut stored = StoredEvent::parse(&row)?;
+    stored.cancelled = Some(why.to_string());
+    let partitions = super::stored_partition_count(tx, root).await?.unwrap_or(1);
+    let pulled = Pulled {
+        key: key.to_string(),
+        parsed,
+        stored,
+    };
+    super::worker::complete(tx, root, partitions, &pulled, None).await?;
+    Ok(true)
+}
+
+async fn cancel_under<E: TitoEngine>(db: &E, root: &str, id: &str, why: &str) -> TitoResult<bool> {
+    check_reason(why)?;
+    if id.is_empty() {
+        return Err(TitoError::invalid_argument("an event id is empty"));
+    }
+    let id_key = keys::event_id_key(root, id);
+    let wakeups = crate::event::wake::wakeups(db, root);
+    let (root, why) = (root.to_string(), why.to_string());
+    let cancelled = db
+        .transaction(|tx| {
+            let (root, why, id_key) = (root.clone(), why.clone(), id_key.clone());
+            let wakeups = wakeups.clone();
+            async move {
+                let Some(target) = tx.get(id_key.as_bytes()).await? else {
+                    return Ok::<_, TitoError>(false);
+                };
+                let target = keys::key_str(&target)?.to_string();
+                let cancelled = cancel_row(&tx, &root, &target, &why).await?;
+                if cancelled {
+                    wakeups.cancelled_after_commit(&tx);
+                }
+                Ok(cancelled)
+            }
+        })
+        .await?;
+    if cancelled {
+        tracing::info!(queue = root, id, why, "queue invocation cancelled");
+    }
+    Ok(cancelled)
+}
+
+async fn cancel_owner_under<E: TitoEngine>(
+    db: &E,
+    root: &str,
+    owner: &QueueOwner,
+    why: &str,
+) -> TitoResult<usize> {
+    check_reason(why)?;
+    owner.check()?;
+    let prefix = format!(
+        "{}{}:",
+        keys::owner_prefix(root, &owner.kind, &owner.id),
+        keys::OWNER_PENDING
+    );
+    let end = keys::prefix_end(prefix.clone());
+    let wakeups = crate::event::wake::wakeups(db, root);
+    let mut total = 0;
+    loop {
+        let (root, why, prefix, end) = (
+            root.to_string(),
+            why.to_string(),
+            prefix.clone(),
+            end.clone(),
+        );
+        let batch = db
+            .transaction(|tx| {
+                let (root, why, prefix, end) =
+                    (root.clone(), why.clone(), prefix.clone(), end.clone());
+                let wakeups = wakeups.clone();
+                async move {
+                    let rows = tx
+                        .scan(prefix.as_bytes(), end.as_bytes(), OWNER_BATCH)
+                        .await?;
+                    let mut cancelled = 0;
+                    for (owner_key, _) in &rows {
+                        let target = keys::owner_key_target(keys::key_str(owner_key)?)?;
+                        if cancel_row(&tx, &root, &target, &why).await? {
+                            cancelled += 1;
+                        } else {
+                            // A dangling owner key: remove it so the scan moves on.
+                            tx.delete(owner_key.clone()).await?;
+                        }
+                    }
+                    if cancelled > 0 {
+                        wakeups.cancelled_after_commit(&tx);
+                    }
+                    Ok::<_, TitoError>((cancelled, rows.len()))
+                }
+            })
+            .await?;
+        total += batch.0;
+        if batch.1 < OWNER_BATCH {
+            break;
+        }
+    }
+    if total > 0 {
+        tracing::info!(queue = root, owner = ?owner, total, why, "queue invocations cancelled");
+    }
+    Ok(total)
+}
+
+/// Tells a running handler that its invocation was cancelled (or otherwise left the pending
+/// state: erased by its owner, moved aside). Get it with [`cancellation`] inside the handler.
+#[derive(Clone, Debug, Default)]
+pub struct Cancellation {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    cancelled: AtomicBool,
+    notify: tokio::sync::Notify,
+}
+
+impl Cancellation {
+    /// Whether the invocation was cancelled.
+    pub fn is_cancelled(&self) -> bool {
+        self.inner.cancelled.load(Ordering::Acquire)
+    }
+
+    /// Waits until the invocation is cancelled (forever for one that is not).
+    pub async fn cancelled(&self) {
+        loop {
+            let notified = self.inner.notify.notified();
+            if self.is_cancelled() {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    pub(crate) fn cancel(&self) {
+        self.inner.cancelled.store(true, Ordering::Release);
+        self.inner.notify.notify_waiters();
+    }
+}
+
+tokio::task_local! {
+    static CURRENT: Cancellation;
+}
+
+/// The running handler's [`Cancellation`]; outside a queue handler, one that never fires.
+///
+/// ```no_run
+/// # use tito::{QueueEvent, QueueHandlerOutcome, TitoError};
+/// # async fn work(_: &u32) {}
+/// async fn handle(event: QueueEvent<u32>) -> Result<QueueHandlerOutcome<u32>, TitoError> {
+///     let cancel = tito::queue::cancellation();
+///     tokio::select! {
+///         _ = work(&event.payload) => Ok(QueueHandlerOutcome::Acknowledge),
+///         // Cancelled meanwhile: its outcome would not be applied anyway.
+///         _ = cancel.cancelled() => Err(TitoError::handler("cancelled")),
+///     }
+/// }
+/// ```
+pub fn cancellation() -> Cancellation {
+    CURRENT.try_with(Cancellation::clone).unwrap_or_default()
+}
+
+/// Runs `work` with `token` as its [`cancellation`].
+pub(crate) async fn with_cancellation<F: std::future::Future>(
+    token: Cancellation,
+    work: F,
+) -> F::Output {
+    CURRENT.scope(token, work).await
+}
