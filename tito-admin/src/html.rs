@@ -308,6 +308,14 @@ fn row_table(rows: &[QueueRow], completed: bool) -> String {
                 } else {
                     " class=\"bad\""
                 };
+                // Completed because it was cancelled: say so, and why.
+                let undecodable = match &event.cancelled {
+                    Some(why) => format!(
+                        "{undecodable}<div class=\"muted\" data-cancelled=\"1\">cancelled: {}</div>",
+                        esc(why)
+                    ),
+                    None => undecodable,
+                };
                 let _ = write!(
                     b,
                     "<tr{class} data-event=\"{id}\"><td><code>{id}</code></td><td>{key}</td><td>{when}</td><td>{owner}</td><td>{}{undecodable}</td></tr>",

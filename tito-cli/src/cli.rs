@@ -153,6 +153,28 @@ pub(crate) enum QueueCommand {
         #[arg(long)]
         yes: bool,
     },
+    /// Cancels a pending invocation by event id: it is completed as cancelled and never runs (a
+    /// handler running it is told, and its outcome is not applied). Prints whether it was pending.
+    Cancel {
+        #[arg(long)]
+        topic: Option<String>,
+        /// The event id.
+        id: String,
+        /// Why, kept with the completed row.
+        #[arg(long, default_value = "cancelled by an operator")]
+        why: String,
+    },
+    /// Cancels every pending invocation of one owner. Prints how many.
+    CancelOwner {
+        #[arg(long)]
+        topic: Option<String>,
+        /// The owner's kind, such as `user`.
+        kind: String,
+        /// The owner's id.
+        owner: String,
+        #[arg(long, default_value = "cancelled by an operator")]
+        why: String,
+    },
     /// Pauses a queue (or one partition): every worker stops starting its invocations within
     /// half a second; running handlers finish. Prints whether it was running.
     Pause {

@@ -454,6 +454,32 @@ async fn the_cli_reads_a_seeded_store() {
     assert_eq!(gc["queue mail"], 2, "{gc}");
     let again = stdout_json(&at(&["queue", "stats", "--topic", "mail", "--json"]));
     assert_eq!(again["completed"]["value"], 0);
+
+    // Cancel by id and by owner; the completed rows say so.
+    let one = stdout_json(&at(&[
+        "queue", "cancel", "later-0", "--why", "typo", "--json",
+    ]));
+    assert_eq!(one["cancelled"], true);
+    let text = String::from_utf8_lossy(&at(&["queue", "cancel", "later-0"]).stdout).into_owned();
+    assert!(text.contains("not pending"), "{text}");
+    let owner = stdout_json(&at(&[
+        "queue",
+        "cancel-owner",
+        "tenant",
+        "acme",
+        "--why",
+        "account closed",
+        "--json",
+    ]));
+    assert_eq!(owner["cancelled"], 3);
+    let history =
+        String::from_utf8_lossy(&at(&["queue", "peek", "--completed"]).stdout).into_owned();
+    assert!(history.contains("CANCELLED: typo"), "{history}");
+    assert_eq!(
+        history.matches("CANCELLED: account closed").count(),
+        3,
+        "{history}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -101,6 +101,39 @@ pub(crate) async fn run<E: TitoEngine>(db: E, command: QueueCommand, json: bool)
                 },
             )
         }
+        QueueCommand::Cancel { topic, id, why } => {
+            let cancelled = tito::queue::cancel(&db, topic.as_deref(), &id, &why).await?;
+            print(
+                json,
+                &serde_json::json!({ "id": id, "cancelled": cancelled }),
+                || {
+                    if cancelled {
+                        format!("{id}: cancelled")
+                    } else {
+                        format!("{id}: not pending (nothing cancelled)")
+                    }
+                },
+            )
+        }
+        QueueCommand::CancelOwner {
+            topic,
+            kind,
+            owner,
+            why,
+        } => {
+            let who = tito::QueueOwner::new(kind, owner);
+            let cancelled = tito::queue::cancel_owner(&db, topic.as_deref(), &who, &why).await?;
+            print(
+                json,
+                &serde_json::json!({ "owner": who, "cancelled": cancelled }),
+                || {
+                    format!(
+                        "{cancelled} pending invocations of {}/{} cancelled",
+                        who.kind, who.id
+                    )
+                },
+            )
+        }
         QueueCommand::Pause {
             topic,
             partition,
@@ -221,8 +254,15 @@ fn peek_text(page: &tito::model::TitoPage<inspect::QueueRow>) -> String {
         }
         match (&row.event, &row.malformed) {
             (Some(e), None) => out.push_str(&format!(
-                "{}  id={} key={} due={} payload={}\n",
-                row.key, e.id, e.key, e.timestamp, e.payload
+                "{}  id={} key={} due={} payload={}{}\n",
+                row.key,
+                e.id,
+                e.key,
+                e.timestamp,
+                e.payload,
+                e.cancelled
+                    .as_ref()
+                    .map_or(String::new(), |why| format!("  CANCELLED: {why}"))
             )),
             _ => out.push_str(&format!(
                 "{}  MALFORMED: {} raw={:?}\n",
