@@ -196,6 +196,8 @@ struct Tracker {
     paused: BTreeMap<Option<u32>, u128>,
     /// Starts in a partition paused for longer than `PAUSE_CHECK`.
     pause_violations: Vec<String>,
+    /// Events whose cancel committed, with the simulated time it was known.
+    cancelled: BTreeMap<u32, u128>,
 }
 
 impl Tracker {
@@ -288,6 +290,10 @@ fn handler(
                     })
                     .collect();
                 t.pause_violations.extend(late);
+                if let Some(since) = t.cancelled.get(&n).filter(|since| now > **since) {
+                    let line = format!("event {n} started on {who} at {now}, cancelled at {since}");
+                    t.pause_violations.push(line);
+                }
                 let holders = t.holders.entry(n).or_default();
                 let excused = holders
                     .iter()
@@ -417,6 +423,8 @@ struct SimQueue {
     tracker: Arc<Mutex<Tracker>>,
     /// Event id -> (its job, what is known of its publication).
     events: BTreeMap<String, (Job, Publication)>,
+    /// Event id -> whether its cancel is known to have committed (`false`: unknown outcome).
+    cancels: BTreeMap<String, bool>,
 }
 
 /// A claim an inbox claimer holds, with a lower bound of its lease's end (engine ms).
@@ -899,6 +907,7 @@ impl Sim {
             }
             78..=81 => self.caught_write(step).await,
             82..=83 => self.pause_or_resume().await,
+            84..=85 => self.cancel_one().await,
             _ => {
                 let pause = 1 + self.rng.below(400);
                 tokio::time::sleep(Duration::from_millis(pause)).await;
@@ -934,6 +943,35 @@ impl Sim {
             }
             format!("pause q{which} {scope:?}: {}", short(&result))
         }
+    }
+
+    /// Cancels one published event, pending or not.
+    async fn cancel_one(&mut self) -> String {
+        let which = self.rng.below(2) as usize;
+        let count = self.queues[which].events.len() as u64;
+        if count == 0 {
+            return "cancel none".into();
+        }
+        let pick = self.rng.below(count) as usize;
+        let (id, n) = {
+            let (id, (job, _)) = self.queues[which].events.iter().nth(pick).unwrap();
+            (id.clone(), job.n)
+        };
+        let q = &mut self.queues[which];
+        let result = q.queue.cancel(&id, "simulated").await;
+        match &result {
+            Ok(true) => {
+                q.cancels.insert(id.clone(), true);
+                let mut tracker = q.tracker.lock().unwrap();
+                let now = tracker.now();
+                tracker.cancelled.insert(n, now);
+            }
+            Ok(false) => {}
+            Err(_) => {
+                q.cancels.entry(id.clone()).or_insert(false);
+            }
+        }
+        format!("cancel q{which} {id}: {}", short(&result))
     }
 
     /// Lifts every pause (the drain runs everything).
@@ -1081,7 +1119,34 @@ impl Sim {
             });
         }
         let events = self.queues[which].events.clone();
+        let cancels = self.queues[which].cancels.clone();
         for (id, (job, publication)) in &events {
+            if let Some(certain) = cancels.get(id) {
+                // Cancelled while pending: completed as cancelled (once more than the runs
+                // before it), never dead; an unknown cancel may have done either.
+                let got = done.get(id).copied().unwrap_or(0);
+                let most = if matches!(
+                    job.behaviour,
+                    Behaviour::RescheduleOnce | Behaviour::AdvanceOnce
+                ) {
+                    2
+                } else {
+                    1
+                };
+                let fine = if *certain {
+                    (1..=most).contains(&got) && !dead.contains(id)
+                } else {
+                    got <= most
+                };
+                self.check(fine, || {
+                    format!(
+                        "q{which}: {id} ({:?}) cancelled ({certain}): completed {got}, dead {}",
+                        job.behaviour,
+                        dead.contains(id)
+                    )
+                });
+                continue;
+            }
             if job.behaviour == Behaviour::AlwaysFail {
                 let died = dead.contains(id);
                 let fine = (died || *publication == Publication::Maybe) && !done.contains_key(id);
@@ -1432,6 +1497,7 @@ async fn simulate(seed: u64, steps: u32) -> Report {
             queue: Arc::new(Queue::new(db.clone(), config)),
             tracker: Tracker::new(start),
             events: BTreeMap::new(),
+            cancels: BTreeMap::new(),
         }
     };
     let mut sim = Sim {
