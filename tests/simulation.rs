@@ -1208,7 +1208,7 @@ impl Sim {
             .pause_violations
             .clone();
         self.check(pause_violations.is_empty(), || {
-            format!("q{which}: started while paused: {pause_violations:?}")
+            format!("q{which}: started while paused or after a cancel: {pause_violations:?}")
         });
         let (overlaps, details) = {
             let tracker = self.queues[which].tracker.lock().unwrap();
