@@ -55,6 +55,7 @@ macro_rules! queue_suite {
                 a_paused_queue_starts_nothing_until_resumed,
                 advance_keeps_each_step_and_runs_the_next,
                 cancellation_stops_pending_work_and_tells_running_handlers,
+                periodic_ticks_are_published_once_however_many_run,
             ]
         );
     };
@@ -1898,4 +1899,85 @@ pub async fn cancellation_stops_pending_work_and_tells_running_handlers<E: TitoE
         assert_eq!(of_it.len(), 1, "one completed row: the cancelled one");
         assert_eq!(of_it[0].cancelled.as_deref(), Some("operator"));
     }
+}
+
+/// The ticks of `schedule` pending in `queue`, in order.
+async fn ticks<E: TitoEngine>(queue: &Arc<Queue<E>>, schedule: &str) -> Vec<i64> {
+    use tito::inspect::{QueueState, queue_scan};
+    let mut ticks = Vec::new();
+    for p in 0..queue.config().partitions {
+        let page = queue_scan(queue.engine(), None, QueueState::Pending(p), None, 100)
+            .await
+            .unwrap();
+        for row in page.items {
+            let event = row.event.unwrap();
+            let prefix = format!("periodic:{schedule}:");
+            if let Some(tick) = event.id.strip_prefix(&prefix) {
+                assert_eq!(event.key, schedule);
+                assert_eq!(event.timestamp.to_string(), tick, "due at its tick");
+                ticks.push(tick.parse().unwrap());
+            }
+        }
+    }
+    ticks.sort_unstable();
+    ticks
+}
+
+pub async fn periodic_ticks_are_published_once_however_many_run<E: TitoEngine>(ctx: Ctx<E>) {
+    use tito::queue::{PeriodicJob, Schedule, run_periodic};
+    let queue = queue(&ctx.db, 2);
+    // The queue exists once anything was published to it.
+    queue
+        .publish(QueueEvent::new("seed", Job { n: 0 }, now() + 3600))
+        .await
+        .unwrap();
+    let job = || {
+        vec![PeriodicJob::new(
+            Schedule::every("beat", Duration::from_secs(1)).unwrap(),
+            Job { n: 7 },
+        )]
+    };
+    // Three runners at once (three processes would do the same): each second's tick once,
+    // none skipped while they run.
+    let (stop, rx) = watch::channel(false);
+    let runners: Vec<_> = (0..3)
+        .map(|_| tokio::spawn(run_periodic(queue.clone(), job(), rx.clone())))
+        .collect();
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    stop.send(true).unwrap();
+    for runner in runners {
+        runner.await.unwrap().unwrap();
+    }
+    let seen = ticks(&queue, "beat").await;
+    assert!(seen.len() >= 2, "{seen:?}");
+    assert!(
+        seen.windows(2).all(|w| w[1] == w[0] + 1),
+        "one tick per second, each once: {seen:?}"
+    );
+    // Down for three seconds: on restart only the latest missed tick is published.
+    let last = *seen.last().unwrap();
+    tokio::time::sleep(Duration::from_millis(3200)).await;
+    let restarted = now();
+    let (stop, rx) = watch::channel(false);
+    let runner = tokio::spawn(run_periodic(queue.clone(), job(), rx));
+    let (q, before) = (queue.clone(), seen.len());
+    wait_for("the catch-up tick", Duration::from_secs(10), move || {
+        let q = q.clone();
+        async move { ticks(&q, "beat").await.len() > before }
+    })
+    .await;
+    stop.send(true).unwrap();
+    runner.await.unwrap().unwrap();
+    let after = ticks(&queue, "beat").await;
+    let new: Vec<i64> = after.iter().copied().filter(|t| *t > last).collect();
+    assert!(
+        new[0] >= restarted - 1,
+        "the latest tick, not the first missed: {new:?} (restarted at {restarted}, last {last})"
+    );
+    assert!(new[0] >= last + 3, "{new:?} after {last}");
+    // Mistakes: two jobs of one name.
+    let (_stop, rx) = watch::channel(false);
+    let twice = [job(), job()].concat();
+    let err = run_periodic(queue.clone(), twice, rx).await.unwrap_err();
+    assert!(matches!(err, TitoError::InvalidArgument(_)), "{err:?}");
 }

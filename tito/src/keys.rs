@@ -863,6 +863,13 @@ pub fn paused_key(root: &str, partition: Option<u32>) -> String {
     }
 }
 
+/// `{queue}:periodic:{name}`: a periodic schedule's cursor (the last tick published).
+pub fn periodic_key(root: &str, schedule: &str) -> String {
+    let mut key = format!("{root}:periodic:");
+    encode_str(schedule, &mut key);
+    key
+}
+
 /// `{queue}:paused:`, every pause record of a queue.
 pub fn paused_prefix(root: &str) -> String {
     format!("{root}:paused:")

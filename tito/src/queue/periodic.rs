@@ -1,0 +1,409 @@
+//! Periodic jobs: a schedule (a fixed interval, or a cron expression in a time zone) that
+//! publishes one event per tick to a queue.
+//!
+//! Any number of processes may run the same schedules ([`run_periodic`],
+//! [`Workers::spawn_periodic`](crate::Workers::spawn_periodic)): each tick is published in a
+//! transaction that also moves the schedule's stored cursor (`{queue}:periodic:{name}`) past it,
+//! so a tick is published exactly once however many run, across restarts and crashes, and its
+//! event id (`periodic:{name}:{tick}`) makes a second publication a duplicate anyway. Time is
+//! the engine's (PD's timestamps on TiKV), so skewed host clocks do not publish early.
+//!
+//! Missed ticks (no runner was up, or the store was unreachable): only the latest tick that is
+//! due is published, once, when a runner next looks; the earlier ones are skipped and counted
+//! in the log. A schedule seen for the first time starts at its next tick (nothing from before
+//! it existed is published).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{TimeZone, Utc};
+use serde::{Deserialize, Serialize};
+
+use super::Queue;
+use crate::engine::{self, TitoEngine, TitoTransaction};
+use crate::error::{TitoError, TitoResult};
+use crate::event::QueueEvent;
+use crate::keys;
+use crate::runtime::Shutdown;
+
+/// How long one tick's transaction may take before the runner gives up on it (and tries again):
+/// a stalled store never stalls the schedule for good.
+pub const TICK_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The longest a runner sleeps without looking at its schedules again.
+const MAX_SLEEP: Duration = Duration::from_secs(60);
+
+/// When a schedule fires.
+#[derive(Clone)]
+pub struct Schedule {
+    name: String,
+    when: When,
+}
+
+#[derive(Clone)]
+enum When {
+    Every(u64),
+    Cron(Arc<dyn CronIn>),
+}
+
+impl std::fmt::Debug for Schedule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let when = match &self.when {
+            When::Every(secs) => format!("every {secs} s"),
+            When::Cron(cron) => cron.describe(),
+        };
+        f.debug_struct("Schedule")
+            .field("name", &self.name)
+            .field("when", &when)
+            .finish()
+    }
+}
+
+/// A cron expression evaluated in a time zone.
+trait CronIn: Send + Sync {
+    /// The latest tick at or before `at` (Unix s).
+    fn latest(&self, at: i64) -> Option<i64>;
+    /// The first tick after `after` (Unix s).
+    fn next(&self, after: i64) -> Option<i64>;
+    fn describe(&self) -> String;
+}
+
+struct CronTz<Tz: TimeZone> {
+    expression: String,
+    cron: croner::Cron,
+    tz: Tz,
+}
+
+impl<Tz> CronIn for CronTz<Tz>
+where
+    Tz: TimeZone + Send + Sync + std::fmt::Debug,
+    Tz::Offset: Send + Sync,
+{
+    fn latest(&self, at: i64) -> Option<i64> {
+        let at = self.tz.timestamp_opt(at, 0).single()?;
+        let found = self.cron.find_previous_occurrence(&at, true).ok()?;
+        Some(found.timestamp())
+    }
+
+    fn next(&self, after: i64) -> Option<i64> {
+        let after = self.tz.timestamp_opt(after, 0).single()?;
+        let found = self.cron.find_next_occurrence(&after, false).ok()?;
+        Some(found.timestamp())
+    }
+
+    fn describe(&self) -> String {
+        format!("cron {:?} in {:?}", self.expression, self.tz)
+    }
+}
+
+fn check_name(name: &str) -> TitoResult<()> {
+    if name.is_empty() || name.len() > 256 {
+        return Err(TitoError::invalid_argument(format!(
+            "a schedule's name holds 1 to 256 bytes; {} given",
+            name.len()
+        )));
+    }
+    Ok(())
+}
+
+impl Schedule {
+    /// Every `interval` (whole seconds, at least one), at multiples of it since the Unix epoch
+    /// (`every(name, 1 hour)` fires on the hour, UTC).
+    pub fn every(name: impl Into<String>, interval: Duration) -> TitoResult<Schedule> {
+        let name = name.into();
+        check_name(&name)?;
+        if interval.as_secs() == 0 || interval.subsec_nanos() != 0 {
+            return Err(TitoError::invalid_argument(format!(
+                "schedule {name:?}: an interval is a whole number of seconds, at least one; \
+                 {interval:?} given"
+            )));
+        }
+        Ok(Schedule {
+            name,
+            when: When::Every(interval.as_secs()),
+        })
+    }
+
+    /// On a cron expression in UTC: five fields (minute, hour, day of month, month, day of
+    /// week) or six with seconds first, as `croner` reads them (`"0 9 * * MON-FRI"`).
+    pub fn cron(name: impl Into<String>, expression: &str) -> TitoResult<Schedule> {
+        Self::cron_in(name, expression, Utc)
+    }
+
+    /// On a cron expression in the time zone `tz` (any chrono time zone: `chrono::FixedOffset`,
+    /// or `chrono_tz::Tz` for named zones with daylight saving).
+    pub fn cron_in<Tz>(name: impl Into<String>, expression: &str, tz: Tz) -> TitoResult<Schedule>
+    where
+        Tz: TimeZone + Send + Sync + std::fmt::Debug + 'static,
+        Tz::Offset: Send + Sync,
+    {
+        let name = name.into();
+        check_name(&name)?;
+        let cron: croner::Cron = expression.parse().map_err(|err| {
+            TitoError::invalid_argument(format!(
+                "schedule {name:?}: {expression:?} is not a cron expression: {err}"
+            ))
+        })?;
+        Ok(Schedule {
+            name,
+            when: When::Cron(Arc::new(CronTz {
+                expression: expression.to_string(),
+                cron,
+                tz,
+            })),
+        })
+    }
+
+    /// The schedule's name (part of its tick's event id and of its cursor's key).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The latest tick at or before `at` (Unix s).
+    fn latest(&self, at: i64) -> Option<i64> {
+        match &self.when {
+            When::Every(secs) => {
+                let secs = *secs as i64;
+                Some(at - at.rem_euclid(secs))
+            }
+            When::Cron(cron) => cron.latest(at),
+        }
+    }
+
+    /// The first tick after `after` (Unix s).
+    fn next(&self, after: i64) -> Option<i64> {
+        match &self.when {
+            When::Every(secs) => {
+                let secs = *secs as i64;
+                Some(after - after.rem_euclid(secs) + secs)
+            }
+            When::Cron(cron) => cron.next(after),
+        }
+    }
+}
+
+/// A schedule and what each of its ticks publishes: an event whose key is the schedule's name,
+/// whose payload is a clone of `payload`, due at the tick, with the id `periodic:{name}:{tick}`.
+#[derive(Clone, Debug)]
+pub struct PeriodicJob<T> {
+    schedule: Schedule,
+    payload: T,
+}
+
+impl<T> PeriodicJob<T> {
+    /// Publishes `payload` at every tick of `schedule`.
+    pub fn new(schedule: Schedule, payload: T) -> Self {
+        PeriodicJob { schedule, payload }
+    }
+}
+
+/// The event id of `schedule`'s tick at `tick` (Unix s).
+pub fn tick_id(schedule: &str, tick: i64) -> String {
+    format!("periodic:{schedule}:{tick}")
+}
+
+/// A schedule's stored cursor: the last tick published.
+#[derive(Serialize, Deserialize)]
+struct Cursor {
+    last: i64,
+}
+
+/// What one look at a schedule did.
+enum Looked {
+    /// Published the tick (and skipped this many earlier ones).
+    Published(i64, u64),
+    /// Nothing due (or another runner published it).
+    Nothing,
+}
+
+/// Publishes every due tick of `jobs` to `queue` until `shutdown` resolves (see the module
+/// docs). Refuses at once two jobs with one name, and a queue handle whose configuration is
+/// bad.
+pub async fn run_periodic<E, T>(
+    queue: Arc<Queue<E>>,
+    jobs: Vec<PeriodicJob<T>>,
+    shutdown: impl Shutdown,
+) -> TitoResult<()>
+where
+    E: TitoEngine,
+    T: Serialize + Clone + Send + Sync + 'static,
+{
+    let mut names = std::collections::BTreeSet::new();
+    for job in &jobs {
+        if !names.insert(job.schedule.name.clone()) {
+            return Err(TitoError::invalid_argument(format!(
+                "two periodic jobs are named {:?}",
+                job.schedule.name
+            )));
+        }
+    }
+    queue.check_config()?;
+    let stop = shutdown.wait();
+    tokio::pin!(stop);
+    loop {
+        let mut sleep = MAX_SLEEP;
+        for job in &jobs {
+            match tokio::time::timeout(TICK_TIMEOUT, look(&queue, job)).await {
+                Ok(Ok((Looked::Published(tick, skipped), next))) => {
+                    if skipped > 0 {
+                        tracing::warn!(schedule = %job.schedule.name, tick, skipped, "periodic job: missed ticks skipped; published the latest");
+                    } else {
+                        tracing::debug!(schedule = %job.schedule.name, tick, "periodic job published");
+                    }
+                    sleep = sleep.min(next);
+                }
+                Ok(Ok((Looked::Nothing, next))) => sleep = sleep.min(next),
+                Ok(Err(err)) => {
+                    tracing::warn!(schedule = %job.schedule.name, error = %err, "periodic job: publishing a tick failed; trying again");
+                    sleep = sleep.min(Duration::from_secs(1));
+                }
+                Err(_) => {
+                    tracing::warn!(schedule = %job.schedule.name, timeout = ?TICK_TIMEOUT, "periodic job: publishing a tick stalled; trying again");
+                    sleep = sleep.min(Duration::from_secs(1));
+                }
+            }
+        }
+        tokio::select! {
+            biased;
+            _ = &mut stop => return Ok(()),
+            _ = tokio::time::sleep(sleep) => {}
+        }
+    }
+}
+
+/// Looks at one job in one transaction: publishes its latest due tick if the cursor has not
+/// passed it. Returns what it did and how long until its next tick.
+async fn look<E, T>(queue: &Queue<E>, job: &PeriodicJob<T>) -> TitoResult<(Looked, Duration)>
+where
+    E: TitoEngine,
+    T: Serialize + Clone + Send + Sync + 'static,
+{
+    let schedule = &job.schedule;
+    let cursor_key = keys::periodic_key(queue.root(), &schedule.name);
+    let (looked, now_ms) = queue
+        .engine()
+        .transaction(|tx| {
+            let cursor_key = cursor_key.clone();
+            async move {
+                let now_ms = engine::version_millis(tx.start_version());
+                let now = (now_ms / 1000) as i64;
+                let Some(latest) = schedule.latest(now) else {
+                    return Ok((Looked::Nothing, now_ms));
+                };
+                let cursor = match tx.get(cursor_key.as_bytes()).await? {
+                    Some(bytes) => Some(
+                        serde_json::from_slice::<Cursor>(&bytes)
+                            .map_err(|err| {
+                                TitoError::Integrity(format!("periodic cursor {cursor_key}: {err}"))
+                            })?
+                            .last,
+                    ),
+                    None => None,
+                };
+                let Some(last) = cursor else {
+                    // First seen: start from now (the next tick is the first published).
+                    tx.put(
+                        cursor_key.into_bytes(),
+                        serde_json::to_vec(&Cursor { last: latest })?,
+                    )
+                    .await?;
+                    return Ok((Looked::Nothing, now_ms));
+                };
+                if latest <= last {
+                    return Ok((Looked::Nothing, now_ms));
+                }
+                let skipped = skipped_between(schedule, last, latest);
+                let mut event = QueueEvent::new(schedule.name.clone(), job.payload.clone(), latest);
+                event.id = tick_id(&schedule.name, latest);
+                queue.publish_in_tx(&event, &tx).await?;
+                tx.put(
+                    cursor_key.into_bytes(),
+                    serde_json::to_vec(&Cursor { last: latest })?,
+                )
+                .await?;
+                Ok::<_, TitoError>((Looked::Published(latest, skipped), now_ms))
+            }
+        })
+        .await?;
+    let now = (now_ms / 1000) as i64;
+    let next = schedule
+        .next(now)
+        .unwrap_or(now + MAX_SLEEP.as_secs() as i64);
+    // A moment past the tick's second, by the engine's clock.
+    let wait_ms = (next.saturating_mul(1000) as u64)
+        .saturating_sub(now_ms)
+        .saturating_add(5);
+    Ok((looked, Duration::from_millis(wait_ms).min(MAX_SLEEP)))
+}
+
+/// How many ticks lie strictly between `last` and `latest` (counted up to 10,000).
+fn skipped_between(schedule: &Schedule, last: i64, latest: i64) -> u64 {
+    let mut skipped = 0;
+    let mut at = last;
+    while skipped < 10_000 {
+        match schedule.next(at) {
+            Some(next) if next < latest => {
+                skipped += 1;
+                at = next;
+            }
+            _ => break,
+        }
+    }
+    skipped
+}
+
+impl crate::Workers {
+    /// Starts [`run_periodic`] in this set.
+    pub fn spawn_periodic<E, T>(
+        &mut self,
+        queue: Arc<Queue<E>>,
+        jobs: Vec<PeriodicJob<T>>,
+    ) -> &mut Self
+    where
+        E: TitoEngine,
+        T: Serialize + Clone + Send + Sync + 'static,
+    {
+        self.spawn(|stop| run_periodic(queue, jobs, stop))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn intervals_tick_at_multiples_of_themselves() {
+        let hourly = Schedule::every("h", Duration::from_secs(3600)).unwrap();
+        assert_eq!(hourly.latest(7_200), Some(7_200));
+        assert_eq!(hourly.latest(7_199), Some(3_600));
+        assert_eq!(hourly.next(7_200), Some(10_800));
+        assert_eq!(hourly.next(7_199), Some(7_200));
+        assert_eq!(skipped_between(&hourly, 0, 36_000), 9);
+    }
+
+    #[test]
+    fn cron_ticks_follow_the_time_zone() {
+        // 09:00 at UTC+2 is 07:00 UTC.
+        let tz = chrono::FixedOffset::east_opt(2 * 3600).unwrap();
+        let nine = Schedule::cron_in("nine", "0 9 * * *", tz).unwrap();
+        let day = 86_400;
+        let at = 20 * day + 8 * 3600; // 08:00 UTC on day 20
+        assert_eq!(nine.latest(at), Some(20 * day + 7 * 3600));
+        assert_eq!(nine.next(at), Some(21 * day + 7 * 3600));
+        let utc = Schedule::cron("nine-utc", "0 9 * * *").unwrap();
+        assert_eq!(utc.latest(at), Some(19 * day + 9 * 3600));
+    }
+
+    #[test]
+    fn bad_schedules_are_refused() {
+        for bad in [
+            Schedule::every("a", Duration::ZERO),
+            Schedule::every("a", Duration::from_millis(1500)),
+            Schedule::every("", Duration::from_secs(1)),
+            Schedule::cron("a", "not cron"),
+            Schedule::cron("a", "61 * * * *"),
+        ] {
+            assert!(matches!(bad, Err(TitoError::InvalidArgument(_))), "{bad:?}");
+        }
+    }
+}
