@@ -1975,6 +1975,12 @@ pub async fn periodic_ticks_are_published_once_however_many_run<E: TitoEngine>(c
         "the latest tick, not the first missed: {new:?} (restarted at {restarted}, last {last})"
     );
     assert!(new[0] >= last + 3, "{new:?} after {last}");
+    let stored = tito::queue::schedules(&ctx.db, None).await.unwrap();
+    assert_eq!(stored.len(), 1);
+    assert_eq!(
+        (stored[0].name.as_str(), stored[0].last_tick),
+        ("beat", *after.last().unwrap())
+    );
     // Mistakes: two jobs of one name.
     let (_stop, rx) = watch::channel(false);
     let twice = [job(), job()].concat();

@@ -175,6 +175,11 @@ pub(crate) enum QueueCommand {
         #[arg(long, default_value = "cancelled by an operator")]
         why: String,
     },
+    /// The periodic schedules that have run on a queue, with the last tick each published.
+    Schedules {
+        #[arg(long)]
+        topic: Option<String>,
+    },
     /// Pauses a queue (or one partition): every worker stops starting its invocations within
     /// half a second; running handlers finish. Prints whether it was running.
     Pause {

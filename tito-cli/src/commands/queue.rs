@@ -134,6 +134,23 @@ pub(crate) async fn run<E: TitoEngine>(db: E, command: QueueCommand, json: bool)
                 },
             )
         }
+        QueueCommand::Schedules { topic } => {
+            let schedules = tito::queue::schedules(&db, topic.as_deref()).await?;
+            print(json, &schedules, || {
+                if schedules.is_empty() {
+                    return "no periodic schedule has run on this queue".into();
+                }
+                schedules
+                    .iter()
+                    .map(|s| {
+                        let at = chrono::DateTime::from_timestamp(s.last_tick, 0)
+                            .map_or(s.last_tick.to_string(), |t| t.to_rfc3339());
+                        format!("{}  last tick {at}", s.name)
+                    })
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            })
+        }
         QueueCommand::Pause {
             topic,
             partition,

@@ -105,7 +105,9 @@ pub use cluster::{ClusterConfig, ClusterState, MIN_TTL, cluster_state};
 pub use dead::{DeadInvocation, dead, discard_dead, retry_dead};
 pub(crate) use pause::read_paused;
 pub use pause::{PAUSE_CHECK, PauseRecord, Paused, pause, paused, resume};
-pub use periodic::{PeriodicJob, Schedule, TICK_TIMEOUT, run_periodic, tick_id};
+pub use periodic::{
+    PeriodicJob, Schedule, ScheduleView, TICK_TIMEOUT, run_periodic, schedules, tick_id,
+};
 pub use topic::{TopicQueue, WorkerQueue};
 pub(crate) use worker::AfterFailure;
 pub use worker::{

@@ -352,6 +352,42 @@ fn skipped_between(schedule: &Schedule, last: i64, latest: i64) -> u64 {
     skipped
 }
 
+/// A schedule as stored: its name and the last tick published (Unix s).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ScheduleView {
+    /// The schedule's name.
+    pub name: String,
+    /// The last tick published (or, for a schedule never fired yet, the tick it started after).
+    pub last_tick: i64,
+}
+
+/// The schedules that have run on the queue named `topic`, by name (their stored cursors; a
+/// schedule's definition lives in the code that runs it).
+pub async fn schedules<E: TitoEngine>(
+    db: &E,
+    topic: Option<&str>,
+) -> TitoResult<Vec<ScheduleView>> {
+    let root = keys::queue_root(topic);
+    let prefix = format!("{root}:periodic:");
+    let end = keys::prefix_end(prefix.clone());
+    let rows = engine::read_only(db, async |tx| {
+        tx.scan(prefix.as_bytes(), end.as_bytes(), 10_000).await
+    })
+    .await?;
+    rows.into_iter()
+        .map(|(key, value)| {
+            let text = keys::key_str(&key)?;
+            let name = keys::decode_str(&text[prefix.len()..])?;
+            let cursor: Cursor = serde_json::from_slice(&value)
+                .map_err(|err| TitoError::Integrity(format!("periodic cursor {text}: {err}")))?;
+            Ok(ScheduleView {
+                name,
+                last_tick: cursor.last,
+            })
+        })
+        .collect()
+}
+
 impl crate::Workers {
     /// Starts [`run_periodic`] in this set.
     pub fn spawn_periodic<E, T>(
