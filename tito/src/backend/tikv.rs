@@ -54,7 +54,7 @@
 //! reports locks instead of resolving them (`lock_keys` are handed to the client at the commit
 //! so that a written key is the primary). The primary first: anything but the written value
 //! (this transaction's lock: the commit never reached it; another value; no answer within
-//! 2 s) means the transaction may be applied in any part, since the client commits the
+//! 5 s) means the transaction may be applied in any part, since the client commits the
 //! secondaries regardless. Then the others, in parallel: each must hold the written value or
 //! this transaction's lock (prewritten, committed by the client after its reply); another
 //! value, or another transaction's lock below the commit's version (which could not be there
@@ -683,7 +683,7 @@ const VERIFY_ONE_BY_ONE: usize = 16;
 const VERIFY_BATCH: usize = 256;
 /// How long reading a key back may keep failing in passing (a region moving, a timeout, PD
 /// unreachable) before the key counts as unchecked.
-const VERIFY_PATIENCE: Duration = Duration::from_secs(2);
+const VERIFY_PATIENCE: Duration = Duration::from_secs(5);
 
 /// A key read back at the commit's version.
 enum ReadBack {

@@ -3,7 +3,10 @@
 //! handler is running loses its pending row the same way: the worker's outcome finds the row
 //! gone and applies nothing (a transactional handler's writes roll back), and the handler's
 //! [`Cancellation`] fires: at once in this process, within a third of the worker's lease
-//! duration in another (its periodic check of its running invocations' rows).
+//! duration in another (its periodic check of its running invocations' rows). A worker of this
+//! process re-reads what a pull found when a cancel committed during the pull, so nothing it
+//! starts was cancelled before; one in another process whose pull read the row just before the
+//! cancel may start it, and is then told as above.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

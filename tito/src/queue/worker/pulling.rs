@@ -165,6 +165,9 @@ impl Pulling {
                 continue;
             }
             let (cooling, undecodable) = (&self.cooling, &self.undecodable);
+            // Cancellations this process committed while the pull ran are checked before
+            // anything it found starts (its snapshot may predate them).
+            let cancels_before = queue.wakeups.cancels();
             let pulled = async {
                 let tx = queue.engine().begin().await?;
                 let now = Instant::now();
@@ -182,6 +185,13 @@ impl Pulling {
                 result
             }
             .await;
+            let pulled = match pulled {
+                Ok(pulled) if queue.wakeups.cancels() != cancels_before => {
+                    still_pending(queue, pulled).await
+                }
+                Ok(pulled) => Ok(pulled),
+                Err(err) => Err(err),
+            };
             let pulled = match pulled {
                 Ok(pulled) => pulled,
                 Err(err) => {
@@ -267,6 +277,29 @@ impl Pulling {
             }
         }
     }
+}
+
+/// What a pull found, less the rows that left the pending state since (read again in one
+/// batch: a cancel committed in this process during the pull).
+async fn still_pending<E: TitoEngine>(
+    queue: &Queue<E>,
+    mut pulled: crate::queue::pull::PullResult,
+) -> crate::error::TitoResult<crate::queue::pull::PullResult> {
+    if pulled.items.is_empty() {
+        return Ok(pulled);
+    }
+    let keys: Vec<Vec<u8>> = pulled
+        .items
+        .iter()
+        .map(|item| item.key.clone().into_bytes())
+        .collect();
+    let tx = queue.engine().begin().await?;
+    let rows = tx.batch_get(&keys).await;
+    let _ = tx.rollback().await;
+    let rows = rows?;
+    let mut present = rows.iter().map(Option::is_some);
+    pulled.items.retain(|_| present.next().unwrap_or(false));
+    Ok(pulled)
 }
 
 impl Pulling {
