@@ -219,6 +219,17 @@ impl Pulling {
                 state.backoff = MIN_IDLE_BACKOFF;
                 state.next_poll = Instant::now();
             }
+            // A slow pull may outlive the pause view it began with: look again (a no-op while
+            // it is fresh) before starting anything, and start nothing in a paused partition
+            // (the pass starts over, so what it found is found again after the resume).
+            if !pulled.items.is_empty()
+                && (!fresh_pauses(&mut self.paused, &mut self.paused_read, queue).await
+                    || self.paused.holds(partition))
+            {
+                state.cursor = Cursor::new(partition);
+                state.next_poll = Instant::now() + PAUSE_CHECK;
+                continue;
+            }
             // Shutdown asked for, or the leases went stale, during the pull: what it found stays
             // pending, unstarted.
             if stop.requested() || Instant::now() >= fresh_until {
@@ -362,42 +373,48 @@ impl Pulling {
         }
     }
 
-    /// Reads the queue's pause records when the last reading is [`PAUSE_CHECK`] old (one
-    /// scan). `false` when they could not be read (logged; read again at the next round).
+    /// Reads the queue's pause records when the last reading is stale; see [`fresh_pauses`].
     async fn read_pauses<E: TitoEngine>(&mut self, queue: &Queue<E>) -> bool {
-        if self
-            .paused_read
-            .is_some_and(|read| read.elapsed() < PAUSE_CHECK)
-        {
-            return true;
-        }
-        let started = Instant::now();
-        let read = async {
-            let tx = queue.engine().begin().await?;
-            let paused = read_paused(&tx, queue.root()).await;
-            let _ = tx.rollback().await;
-            paused
-        }
-        .await;
-        match read {
-            Ok(paused) => {
-                if paused != self.paused {
-                    tracing::info!(
-                        queue = %queue.label(),
-                        queue_paused = paused.queue.is_some(),
-                        partitions_paused = ?paused.partitions.keys().collect::<Vec<_>>(),
-                        "the queue's pauses changed"
-                    );
-                }
-                self.paused = paused;
-                // Fresh from the moment the read began.
-                self.paused_read = Some(started);
-                true
+        fresh_pauses(&mut self.paused, &mut self.paused_read, queue).await
+    }
+}
+
+/// Reads the queue's pause records into `paused` when the last reading began [`PAUSE_CHECK`]
+/// ago or more (one scan). `false` when they could not be read (logged; read again next time).
+async fn fresh_pauses<E: TitoEngine>(
+    paused: &mut Paused,
+    paused_read: &mut Option<Instant>,
+    queue: &Queue<E>,
+) -> bool {
+    if paused_read.is_some_and(|read| read.elapsed() < PAUSE_CHECK) {
+        return true;
+    }
+    let started = Instant::now();
+    let read = async {
+        let tx = queue.engine().begin().await?;
+        let found = read_paused(&tx, queue.root()).await;
+        let _ = tx.rollback().await;
+        found
+    }
+    .await;
+    match read {
+        Ok(found) => {
+            if found != *paused {
+                tracing::info!(
+                    queue = %queue.label(),
+                    queue_paused = found.queue.is_some(),
+                    partitions_paused = ?found.partitions.keys().collect::<Vec<_>>(),
+                    "the queue's pauses changed"
+                );
             }
-            Err(err) => {
-                tracing::warn!(error = %err, "reading the queue's pause records failed");
-                false
-            }
+            *paused = found;
+            // Fresh from the moment the read began.
+            *paused_read = Some(started);
+            true
+        }
+        Err(err) => {
+            tracing::warn!(error = %err, "reading the queue's pause records failed");
+            false
         }
     }
 }
