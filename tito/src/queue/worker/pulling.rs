@@ -12,7 +12,7 @@ use tokio::time::Instant;
 use super::Running;
 use super::Stop;
 use super::handler::{Invoker, Report};
-use crate::engine::{TitoEngine, TitoTransaction};
+use crate::engine::{TitoEngine, TitoTransaction, read_only};
 use crate::queue::pull::Cursor;
 use crate::queue::{Cancellation, PAUSE_CHECK, Paused, Queue, read_paused, with_cancellation};
 use crate::telemetry::names;
@@ -139,7 +139,7 @@ impl Pulling {
             .map(|(p, _)| *p)
             .collect();
         due.sort_unstable();
-        if !due.is_empty() && !self.read_pauses(queue).await {
+        if !due.is_empty() && !fresh_pauses(&mut self.paused, &mut self.paused_read, queue).await {
             // The pauses could not be read: start nothing this round rather than run what
             // may be paused; try again after a short pause.
             for partition in due {
@@ -304,10 +304,7 @@ async fn still_pending<E: TitoEngine>(
         .iter()
         .map(|item| item.key.clone().into_bytes())
         .collect();
-    let tx = queue.engine().begin().await?;
-    let rows = tx.batch_get(&keys).await;
-    let _ = tx.rollback().await;
-    let rows = rows?;
+    let rows = read_only(queue.engine(), async |tx| tx.batch_get(&keys).await).await?;
     let mut present = rows.iter().map(Option::is_some);
     pulled.items.retain(|_| present.next().unwrap_or(false));
     Ok(pulled)
@@ -345,13 +342,7 @@ impl Pulling {
         if keys.is_empty() {
             return;
         }
-        let read = async {
-            let tx = queue.engine().begin().await?;
-            let rows = tx.batch_get(&keys).await;
-            let _ = tx.rollback().await;
-            rows
-        }
-        .await;
+        let read = read_only(queue.engine(), async |tx| tx.batch_get(&keys).await).await;
         match read {
             Ok(rows) => {
                 for (key, row) in keys.iter().zip(rows) {
@@ -372,11 +363,6 @@ impl Pulling {
             }
         }
     }
-
-    /// Reads the queue's pause records when the last reading is stale; see [`fresh_pauses`].
-    async fn read_pauses<E: TitoEngine>(&mut self, queue: &Queue<E>) -> bool {
-        fresh_pauses(&mut self.paused, &mut self.paused_read, queue).await
-    }
 }
 
 /// Reads the queue's pause records into `paused` when the last reading began [`PAUSE_CHECK`]
@@ -390,12 +376,9 @@ async fn fresh_pauses<E: TitoEngine>(
         return true;
     }
     let started = Instant::now();
-    let read = async {
-        let tx = queue.engine().begin().await?;
-        let found = read_paused(&tx, queue.root()).await;
-        let _ = tx.rollback().await;
-        found
-    }
+    let read = read_only(queue.engine(), async |tx| {
+        read_paused(tx, queue.root()).await
+    })
     .await;
     match read {
         Ok(found) => {
