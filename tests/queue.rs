@@ -56,6 +56,10 @@ macro_rules! queue_suite {
                 advance_keeps_each_step_and_runs_the_next,
                 cancellation_stops_pending_work_and_tells_running_handlers,
                 periodic_ticks_are_published_once_however_many_run,
+                concurrency_limits_hold_over_every_worker,
+                a_crashed_workers_slots_free_by_the_lease_rule,
+                rate_limits_space_starts_and_move_what_waits,
+                limits_are_checked_and_stored,
             ]
         );
     };
@@ -1986,4 +1990,192 @@ pub async fn periodic_ticks_are_published_once_however_many_run<E: TitoEngine>(c
     let twice = [job(), job()].concat();
     let err = run_periodic(queue.clone(), twice, rx).await.unwrap_err();
     assert!(matches!(err, TitoError::InvalidArgument(_)), "{err:?}");
+}
+
+/// Running handlers, in all and per business key, with the most seen at once.
+#[derive(Default)]
+struct Occupancy {
+    now: HashMap<String, usize>,
+    total: usize,
+    most_total: usize,
+    most_per_key: usize,
+}
+
+impl Occupancy {
+    fn enter(this: &Mutex<Occupancy>, key: &str) {
+        let mut o = this.lock().unwrap();
+        o.total += 1;
+        o.most_total = o.most_total.max(o.total);
+        let n = o.now.entry(key.to_string()).or_default();
+        *n += 1;
+        let n = *n;
+        o.most_per_key = o.most_per_key.max(n);
+    }
+
+    fn leave(this: &Mutex<Occupancy>, key: &str) {
+        let mut o = this.lock().unwrap();
+        o.total -= 1;
+        *o.now.get_mut(key).unwrap() -= 1;
+    }
+}
+
+pub async fn concurrency_limits_hold_over_every_worker<E: TitoEngine>(ctx: Ctx<E>) {
+    use tito::queue::Limits;
+    let queue = queue(&ctx.db, 4);
+    for n in 0..12u32 {
+        let key = format!("customer-{}", n % 4);
+        queue
+            .publish(QueueEvent::new(key, Job { n }, now()))
+            .await
+            .unwrap();
+    }
+    queue
+        .set_limits(Limits::none().concurrency(3).key_concurrency(1))
+        .await
+        .unwrap();
+    let occupancy = Arc::new(Mutex::new(Occupancy::default()));
+    let handler = {
+        let occupancy = occupancy.clone();
+        move |event: QueueEvent<Job>| {
+            let occupancy = occupancy.clone();
+            async move {
+                Occupancy::enter(&occupancy, &event.key);
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                Occupancy::leave(&occupancy, &event.key);
+                Ok(QueueHandlerOutcome::Acknowledge)
+            }
+        }
+    };
+    // Two workers over every partition, each allowed 8 handlers: the stored limits bind.
+    let a = start(&queue, fast(0..4).concurrency(8), handler.clone());
+    let b = start(&queue, fast(0..4).concurrency(8), handler);
+    drained(&queue, 12).await;
+    a.stop().await;
+    b.stop().await;
+    let o = occupancy.lock().unwrap();
+    assert!(o.most_total <= 3, "at most 3 at once; saw {}", o.most_total);
+    assert_eq!(o.most_per_key, 1, "one per customer at a time");
+    assert!(o.most_total >= 2, "the limit is not a lock: {}", o.most_total);
+    assert!(queue.stats().limited > 0, "some waited for a slot");
+    let usage = queue.limit_usage().await.unwrap();
+    assert_eq!((usage.running, usage.running_by_key.len()), (0, 0), "every slot released");
+    assert_eq!(usage.limits.concurrency, Some(3));
+}
+
+pub async fn a_crashed_workers_slots_free_by_the_lease_rule<E: TitoEngine>(ctx: Ctx<E>) {
+    use tito::queue::Limits;
+    let queue = queue(&ctx.db, 1);
+    for n in 0..2u32 {
+        queue
+            .publish(QueueEvent::new("k", Job { n }, now()))
+            .await
+            .unwrap();
+    }
+    queue
+        .set_limits(Limits::none().concurrency(1))
+        .await
+        .unwrap();
+    // A worker whose first handler never returns, then is gone without a word (its task is
+    // dropped mid-handler, as in a crash): its slot stays held until its heartbeat expires.
+    let lease = Duration::from_millis(600);
+    let hung = start(
+        &queue,
+        fast(0..1).lease_duration(lease),
+        |_event: QueueEvent<Job>| async move {
+            futures::future::pending::<()>().await;
+            Ok(QueueHandlerOutcome::Acknowledge)
+        },
+    );
+    let q = queue.clone();
+    wait_for("the first handler", Duration::from_secs(10), move || {
+        let q = q.clone();
+        async move { q.stats().delivered == 1 }
+    })
+    .await;
+    assert_eq!(queue.limit_usage().await.unwrap().running, 1);
+    hung.task.abort();
+    let _ = hung.task.await;
+    let (seen, handler) = recorder();
+    let next = start(&queue, fast(0..1).lease_duration(lease), handler);
+    drained(&queue, 2).await;
+    next.stop().await;
+    assert_eq!(seen.lock().unwrap().len(), 2, "both ran once the slot was free");
+    assert_eq!(queue.limit_usage().await.unwrap().running, 0);
+}
+
+pub async fn rate_limits_space_starts_and_move_what_waits<E: TitoEngine>(ctx: Ctx<E>) {
+    use tito::queue::{Limits, Rate};
+    let queue = queue(&ctx.db, 2);
+    for n in 0..5u32 {
+        queue
+            .publish(QueueEvent::new(format!("k{n}"), Job { n }, now()))
+            .await
+            .unwrap();
+    }
+    let per = Duration::from_secs(1);
+    queue
+        .set_limits(Limits::none().rate(Rate::new(2, per)))
+        .await
+        .unwrap();
+    let starts = Arc::new(Mutex::new(Vec::new()));
+    let record = starts.clone();
+    let worker = start(
+        &queue,
+        fast(0..2).concurrency(8),
+        move |_event: QueueEvent<Job>| {
+            record.lock().unwrap().push(std::time::Instant::now());
+            async move { Ok(QueueHandlerOutcome::Acknowledge) }
+        },
+    );
+    drained(&queue, 5).await;
+    worker.stop().await;
+    let mut starts = starts.lock().unwrap().clone();
+    starts.sort();
+    assert_eq!(starts.len(), 5);
+    // Any three starts span at least the interval (less a margin: the handler sees its start
+    // a little after the gate admitted it).
+    for three in starts.windows(3) {
+        let span = three[2] - three[0];
+        assert!(span >= per - Duration::from_millis(150), "3 starts in {span:?}");
+    }
+    assert!(queue.stats().rate_limited > 0, "what waited was moved");
+    let usage = queue.limit_usage().await.unwrap();
+    assert!(usage.recent_starts <= 2, "{usage:?}");
+}
+
+pub async fn limits_are_checked_and_stored<E: TitoEngine>(ctx: Ctx<E>) {
+    use tito::queue::{Limits, Rate};
+    let queue = queue(&ctx.db, 1);
+    // Nothing published: a mistyped queue has no limits to set.
+    let err = queue
+        .set_limits(Limits::none().concurrency(1))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, TitoError::NotFound(_)), "{err:?}");
+    queue
+        .publish(QueueEvent::new("k", Job { n: 0 }, now()))
+        .await
+        .unwrap();
+    let secs = Duration::from_secs;
+    for bad in [
+        Limits::none().concurrency(0),
+        Limits::none().key_concurrency(1025),
+        Limits::none().rate(Rate::new(0, secs(1))),
+        Limits::none().rate(Rate::new(1001, secs(1))),
+        Limits::none().key_rate(Rate::new(1, Duration::from_millis(999))),
+        Limits::none().key_rate(Rate::new(1, secs(86_401))),
+    ] {
+        let err = queue.set_limits(bad.clone()).await.unwrap_err();
+        assert!(matches!(err, TitoError::InvalidArgument(_)), "{bad:?}: {err:?}");
+    }
+    assert!(queue.limits().await.unwrap().is_none(), "nothing stored");
+    let set = Limits::none()
+        .concurrency(1024)
+        .key_rate(Rate::new(1000, secs(86_400)));
+    queue.set_limits(set.clone()).await.unwrap();
+    assert_eq!(queue.limits().await.unwrap(), set);
+    let topic = tito::queue::limits(&ctx.db, None).await.unwrap();
+    assert_eq!(topic, set, "the tool functions read the same record");
+    queue.set_limits(Limits::none()).await.unwrap();
+    assert!(queue.limits().await.unwrap().is_none());
 }

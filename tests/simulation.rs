@@ -198,6 +198,18 @@ struct Tracker {
     pause_violations: Vec<String>,
     /// Events whose cancel committed, with the simulated time it was known.
     cancelled: BTreeMap<u32, u128>,
+    /// The limits set on the queue, and the simulated time every worker has seen them by
+    /// (their commit known, plus `PAUSE_CHECK`).
+    limits: Option<(tito::queue::Limits, u128)>,
+    /// Runs started under the limits and still running: (event, key, start, who).
+    limited: Vec<(u32, String, u128, String)>,
+    /// Start times of runs under the limits, per key and in all (for the rates).
+    limited_starts: Vec<(u128, String)>,
+    /// Starts past a limit (more running, or more starts in an interval, than it allows).
+    limit_violations: Vec<String>,
+    /// Starts past a limit while a run that began before the last clock jump was running
+    /// (its worker's heartbeat expired in the jump: allowed, counted).
+    limit_excused: u32,
 }
 
 impl Tracker {
@@ -232,6 +244,8 @@ struct Live(Arc<Mutex<Tracker>>, u32, String);
 impl Drop for Live {
     fn drop(&mut self) {
         let mut tracker = self.0.lock().unwrap();
+        let (n, who) = (self.1, self.2.clone());
+        tracker.limited.retain(|(e, _, _, w)| !(*e == n && *w == who));
         if let Some(live) = tracker.running.get_mut(&self.1) {
             *live -= 1;
         }
@@ -246,6 +260,55 @@ impl Drop for Live {
 }
 
 type Db = FaultyEngine<Memory>;
+
+/// A start under the limits: counted, and checked against them (concurrency at this instant;
+/// rates over the interval before it, less a 50 ms margin for the time between the gate's
+/// admission and the handler's start).
+fn limit_check(
+    t: &mut Tracker,
+    limits: &tito::queue::Limits,
+    since: u128,
+    n: u32,
+    key: &str,
+    who: &str,
+) {
+    let now = t.now();
+    t.limited.push((n, key.to_string(), now, who.to_string()));
+    t.limited_starts.push((now, key.to_string()));
+    let total = t.limited.len() as u32;
+    let of_key = t.limited.iter().filter(|(_, k, _, _)| k == key).count() as u32;
+    let mut past = Vec::new();
+    if let Some(limit) = limits.concurrency.filter(|limit| total > *limit) {
+        past.push(format!("{total} running, queue limit {limit}"));
+    }
+    if let Some(limit) = limits.key_concurrency.filter(|limit| of_key > *limit) {
+        past.push(format!("{of_key} running for {key}, key limit {limit}"));
+    }
+    for (rate, per_key) in [(limits.rate, false), (limits.key_rate, true)] {
+        let Some(rate) = rate else { continue };
+        let window = rate.per.as_millis().saturating_sub(50);
+        let count = t
+            .limited_starts
+            .iter()
+            .filter(|(at, k)| *at + window > now && *at >= since && (!per_key || k == key))
+            .count() as u32;
+        if count > rate.starts {
+            past.push(format!("{count} starts within {window} ms, rate {rate:?} (per key: {per_key})"));
+        }
+    }
+    if past.is_empty() {
+        return;
+    }
+    let jumped = t
+        .last_jump
+        .is_some_and(|jump| t.limited.iter().any(|(_, _, started, _)| *started < jump));
+    if jumped {
+        t.limit_excused += 1;
+    } else {
+        let line = format!("event {n} started on {who} at {now}: {}", past.join("; "));
+        t.limit_violations.push(line);
+    }
+}
 
 fn handler(
     tracker: Arc<Mutex<Tracker>>,
@@ -290,6 +353,9 @@ fn handler(
                     })
                     .collect();
                 t.pause_violations.extend(late);
+                if let Some((limits, since)) = t.limits.clone().filter(|(_, since)| now > *since) {
+                    limit_check(&mut t, &limits, since, n, &event.key, &who);
+                }
                 if let Some(since) = t.cancelled.get(&n).filter(|since| now > **since) {
                     let line = format!("event {n} started on {who} at {now}, cancelled at {since}");
                     t.pause_violations.push(line);
@@ -908,6 +974,7 @@ impl Sim {
             78..=81 => self.caught_write(step).await,
             82..=83 => self.pause_or_resume().await,
             84..=85 => self.cancel_one().await,
+            86 => self.set_limits().await,
             _ => {
                 let pause = 1 + self.rng.below(400);
                 tokio::time::sleep(Duration::from_millis(pause)).await;
@@ -943,6 +1010,40 @@ impl Sim {
             }
             format!("pause q{which} {scope:?}: {}", short(&result))
         }
+    }
+
+    /// Sets limits on a queue, once per queue per run (a limit lowered under running
+    /// handlers would make the running ones count against it).
+    async fn set_limits(&mut self) -> String {
+        use tito::queue::{Limits, Rate};
+        let which = self.rng.below(2) as usize;
+        if self.queues[which].tracker.lock().unwrap().limits.is_some() {
+            return format!("limits q{which} already set");
+        }
+        let mut limits = Limits::none();
+        if self.rng.chance(60) {
+            limits = limits.concurrency(1 + self.rng.below(3) as u32);
+        }
+        if self.rng.chance(60) {
+            limits = limits.key_concurrency(1 + self.rng.below(2) as u32);
+        }
+        if self.rng.chance(25) {
+            limits = limits.rate(Rate::new(4 + self.rng.below(5) as u32, Duration::from_secs(1)));
+        }
+        if self.rng.chance(25) {
+            limits = limits.key_rate(Rate::new(2 + self.rng.below(3) as u32, Duration::from_secs(1)));
+        }
+        if limits.is_none() {
+            limits = limits.key_concurrency(1);
+        }
+        let q = &self.queues[which];
+        let result = q.queue.set_limits(limits.clone()).await;
+        if result.is_ok() {
+            let mut tracker = q.tracker.lock().unwrap();
+            let since = tracker.now() + tito::queue::PAUSE_CHECK.as_millis();
+            tracker.limits = Some((limits.clone(), since));
+        }
+        format!("limits q{which} {limits:?}: {}", short(&result))
     }
 
     /// Cancels one published event, pending or not.
@@ -1209,6 +1310,15 @@ impl Sim {
             .clone();
         self.check(pause_violations.is_empty(), || {
             format!("q{which}: started while paused or after a cancel: {pause_violations:?}")
+        });
+        let limit_violations = self.queues[which]
+            .tracker
+            .lock()
+            .unwrap()
+            .limit_violations
+            .clone();
+        self.check(limit_violations.is_empty(), || {
+            format!("q{which}: started past a limit: {limit_violations:?}")
         });
         let (overlaps, details) = {
             let tracker = self.queues[which].tracker.lock().unwrap();

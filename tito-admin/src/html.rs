@@ -339,6 +339,34 @@ fn row_table(rows: &[QueueRow], completed: bool) -> String {
     b
 }
 
+/// A queue's limits and how close it is to each, on one line ("—" without limits).
+fn limits_summary(usage: &tito::queue::LimitUsage) -> String {
+    let l = &usage.limits;
+    let mut parts = Vec::new();
+    if let Some(n) = l.concurrency {
+        parts.push(format!("{} of {n} running", usage.running));
+    }
+    if let Some(n) = l.key_concurrency {
+        let busiest = usage.running_by_key.values().max().copied().unwrap_or(0);
+        parts.push(format!("{n} per key (busiest {busiest})"));
+    }
+    if let Some(r) = &l.rate {
+        parts.push(format!(
+            "{} of {} starts per {} s",
+            usage.recent_starts,
+            r.starts,
+            r.per.as_secs()
+        ));
+    }
+    if let Some(r) = &l.key_rate {
+        parts.push(format!("{} starts per key per {} s", r.starts, r.per.as_secs()));
+    }
+    if parts.is_empty() {
+        return "—".into();
+    }
+    parts.join("; ")
+}
+
 pub(crate) fn queue(data: &QueueData, started: Instant) -> String {
     let o = &data.overview;
     let topic = o.info.topic.as_deref();
@@ -370,6 +398,7 @@ pub(crate) fn queue(data: &QueueData, started: Instant) -> String {
         }
     };
     b.push_str(&card("paused", &paused, "paused"));
+    b.push_str(&card("limits", &limits_summary(&o.limits), "limits"));
     b.push_str(&card(
         "coordinator",
         o.coordinator.as_deref().unwrap_or("—"),

@@ -192,6 +192,29 @@ pub(crate) enum QueueCommand {
         #[arg(long, default_value = "paused by an operator")]
         why: String,
     },
+    /// Sets a queue's limits, enforced over every worker within half a second (each option
+    /// replaces the stored one; `--none` lifts them all). Without options, prints them and
+    /// how close the queue is to them.
+    Limits {
+        #[arg(long)]
+        topic: Option<String>,
+        /// At most this many invocations of the queue running at once.
+        #[arg(long)]
+        concurrency: Option<u32>,
+        /// At most this many running per business key.
+        #[arg(long)]
+        key_concurrency: Option<u32>,
+        /// At most so many starts of the queue per interval, as `STARTS/INTERVAL` (`100/1m`;
+        /// the interval in s, m, h or d).
+        #[arg(long)]
+        rate: Option<String>,
+        /// At most so many starts per business key per interval (as --rate).
+        #[arg(long)]
+        key_rate: Option<String>,
+        /// Lifts every limit.
+        #[arg(long, conflicts_with_all = ["concurrency", "key_concurrency", "rate", "key_rate"])]
+        none: bool,
+    },
     /// Resumes a paused queue (or partition: give the same --partition as the pause).
     Resume {
         #[arg(long)]

@@ -249,6 +249,8 @@ pub struct QueueOverview {
     pub dead: Count,
     /// What is paused ([`crate::Queue::pause`]).
     pub paused: crate::queue::Paused,
+    /// The queue's limits and how close it is to them ([`crate::Queue::set_limits`]).
+    pub limits: crate::queue::LimitUsage,
     /// Invocations completed in each of the last [`THROUGHPUT_MINUTES`] minutes, the current
     /// (partial) minute first.
     pub completed_per_minute: Vec<Count>,
@@ -349,6 +351,7 @@ pub async fn queue_overview<E: TitoEngine>(
             completed,
             dead,
             paused,
+            limits: crate::queue::LimitUsage::default(),
             completed_per_minute,
             members: Vec::new(),
             coordinator: None,
@@ -362,6 +365,7 @@ pub async fn queue_overview<E: TitoEngine>(
         let state = crate::queue::cluster_state(&crate::Queue::new(db.clone(), config)).await?;
         overview.members = state.members;
         overview.coordinator = state.coordinator;
+        overview.limits = crate::queue::limit_usage(db, topic).await?;
     }
     Ok(overview)
 }

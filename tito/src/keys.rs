@@ -870,6 +870,49 @@ pub fn periodic_key(root: &str, schedule: &str) -> String {
     key
 }
 
+/// `{queue}:limits`: the queue's stored limits (JSON).
+pub fn limits_key(root: &str) -> String {
+    format!("{root}:limits")
+}
+
+/// `{queue}:running:all:{slot:04}`: one of the queue-wide concurrency slots.
+pub fn queue_slot_key(root: &str, slot: u32) -> String {
+    format!("{root}:running:all:{slot:04}")
+}
+
+/// `{queue}:running:key:{key}:{slot:04}`: one of a business key's concurrency slots.
+pub fn key_slot_key(root: &str, key: &str, slot: u32) -> String {
+    let mut out = format!("{root}:running:key:");
+    encode_str(key, &mut out);
+    out.push_str(&format!(":{slot:04}"));
+    out
+}
+
+/// `{queue}:running:`, every concurrency slot of a queue.
+pub fn slots_prefix(root: &str) -> String {
+    format!("{root}:running:")
+}
+
+/// `{queue}:rate:all`: the queue-wide rate limit's log of recent starts.
+pub fn queue_rate_key(root: &str) -> String {
+    format!("{root}:rate:all")
+}
+
+/// `{queue}:rate:key:{key}`: a business key's log of recent starts.
+pub fn key_rate_key(root: &str, key: &str) -> String {
+    let mut out = format!("{root}:rate:key:");
+    encode_str(key, &mut out);
+    out
+}
+
+/// `{queue}:worker:{id}`: a standalone worker's heartbeat (the version it expires at), which
+/// keeps the concurrency slots it holds.
+pub fn worker_heartbeat_key(root: &str, worker: &str) -> String {
+    let mut out = format!("{root}:worker:");
+    encode_str(worker, &mut out);
+    out
+}
+
 /// `{queue}:paused:`, every pause record of a queue.
 pub fn paused_prefix(root: &str) -> String {
     format!("{root}:paused:")

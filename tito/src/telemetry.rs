@@ -25,6 +25,8 @@
 //! | `tito_queue_failed_total` | counter | `queue` | handler errors, panics and timeouts |
 //! | `tito_queue_retried_total` | counter | `queue` | failed attempts a failure policy scheduled again |
 //! | `tito_queue_dead_total` | counter | `queue` | invocations a failure policy moved to the dead state |
+//! | `tito_queue_limited_total` | counter | `queue` | runnable invocations that waited for a concurrency slot |
+//! | `tito_queue_rate_limited_total` | counter | `queue` | invocations a rate limit moved to a later due time |
 //! | `tito_queue_outcome_failures_total` | counter | `queue` | outcomes whose transaction did not apply |
 //! | `tito_queue_malformed_total` | counter | `queue` | pending rows that do not decode (left in place) |
 //! | `tito_queue_expired_total` | counter | `queue` | completed rows deleted by retention |
@@ -89,6 +91,10 @@ pub mod names {
     pub const QUEUE_RETRIED: &str = "tito_queue_retried_total";
     /// Invocations a failure policy moved to the dead state.
     pub const QUEUE_DEAD: &str = "tito_queue_dead_total";
+    /// Runnable invocations that waited for a concurrency slot.
+    pub const QUEUE_LIMITED: &str = "tito_queue_limited_total";
+    /// Invocations a rate limit moved to a later due time.
+    pub const QUEUE_RATE_LIMITED: &str = "tito_queue_rate_limited_total";
     /// See the table in [`crate::telemetry`].
     pub const QUEUE_OUTCOME_FAILURES: &str = "tito_queue_outcome_failures_total";
     /// See the table in [`crate::telemetry`].
@@ -136,6 +142,8 @@ pub mod names {
         QUEUE_FAILED,
         QUEUE_RETRIED,
         QUEUE_DEAD,
+        QUEUE_LIMITED,
+        QUEUE_RATE_LIMITED,
         QUEUE_OUTCOME_FAILURES,
         QUEUE_MALFORMED,
         QUEUE_EXPIRED,
@@ -170,6 +178,8 @@ pub fn describe() {
     describe_histogram!(COMMIT_SECONDS, Unit::Seconds, "Commit call time");
     describe_counter!(QUEUE_PUBLISHED, "Queue invocations published");
     describe_counter!(QUEUE_DUPLICATES, "Publications of a live event id");
+    describe_counter!(QUEUE_LIMITED, "Runnable invocations that waited for a concurrency slot");
+    describe_counter!(QUEUE_RATE_LIMITED, "Invocations a rate limit moved later");
     describe_counter!(QUEUE_DELIVERED, "Queue invocations handed to handlers");
     describe_counter!(QUEUE_ACKNOWLEDGED, "Queue invocations acknowledged");
     describe_counter!(QUEUE_RESCHEDULED, "Queue invocations rescheduled");

@@ -170,6 +170,30 @@ pub(crate) async fn run<E: TitoEngine>(db: E, command: QueueCommand, json: bool)
                 },
             )
         }
+        QueueCommand::Limits {
+            topic,
+            concurrency,
+            key_concurrency,
+            rate,
+            key_rate,
+            none,
+        } => {
+            let setting = none
+                || concurrency.is_some()
+                || key_concurrency.is_some()
+                || rate.is_some()
+                || key_rate.is_some();
+            if setting {
+                let mut limits = tito::queue::Limits::none();
+                limits.concurrency = concurrency;
+                limits.key_concurrency = key_concurrency;
+                limits.rate = rate.as_deref().map(parse_rate).transpose()?;
+                limits.key_rate = key_rate.as_deref().map(parse_rate).transpose()?;
+                tito::queue::set_limits(&db, topic.as_deref(), limits).await?;
+            }
+            let usage = tito::queue::limit_usage(&db, topic.as_deref()).await?;
+            print(json, &usage, || limits_text(&usage))
+        }
         QueueCommand::Resume { topic, partition } => {
             let resumed = tito::queue::resume(&db, topic.as_deref(), partition).await?;
             let what = scope(partition);
@@ -197,6 +221,64 @@ pub(crate) async fn run<E: TitoEngine>(db: E, command: QueueCommand, json: bool)
     }
 }
 
+/// `STARTS/INTERVAL`, the interval a number with `s`, `m`, `h` or `d`: `100/1m`.
+fn parse_rate(text: &str) -> Result<tito::queue::Rate, Failure> {
+    let bad = || {
+        Failure(format!(
+            "{text:?} is not a rate: write STARTS/INTERVAL, such as 100/1m or 5/1s (s, m, h or d)"
+        ))
+    };
+    let (starts, per) = text.split_once('/').ok_or_else(bad)?;
+    let starts: u32 = starts.trim().parse().map_err(|_| bad())?;
+    let per = per.trim();
+    let unit = per.chars().last().ok_or_else(bad)?;
+    let amount: u64 = per[..per.len() - unit.len_utf8()]
+        .parse()
+        .map_err(|_| bad())?;
+    let seconds = match unit {
+        's' => amount,
+        'm' => amount.checked_mul(60).ok_or_else(bad)?,
+        'h' => amount.checked_mul(3600).ok_or_else(bad)?,
+        'd' => amount.checked_mul(86_400).ok_or_else(bad)?,
+        _ => return Err(bad()),
+    };
+    Ok(tito::queue::Rate::new(
+        starts,
+        std::time::Duration::from_secs(seconds),
+    ))
+}
+
+/// A queue's limits and how close it is to them, as text.
+pub(crate) fn limits_text(usage: &tito::queue::LimitUsage) -> String {
+    let l = &usage.limits;
+    if l.is_none() {
+        return "no limits".into();
+    }
+    let rate = |r: &tito::queue::Rate| format!("{} starts per {:?}", r.starts, r.per);
+    let mut lines = Vec::new();
+    if let Some(n) = l.concurrency {
+        lines.push(format!("concurrency {n}: {} running", usage.running));
+    }
+    if let Some(n) = l.key_concurrency {
+        let busiest = usage.running_by_key.values().max().copied().unwrap_or(0);
+        lines.push(format!(
+            "per key {n}: {} keys running, the busiest with {busiest}",
+            usage.running_by_key.len()
+        ));
+    }
+    if let Some(r) = &l.rate {
+        lines.push(format!(
+            "rate {}: {} in the current interval",
+            rate(r),
+            usage.recent_starts
+        ));
+    }
+    if let Some(r) = &l.key_rate {
+        lines.push(format!("per-key rate {}", rate(r)));
+    }
+    lines.join("\n")
+}
+
 /// `queue stats` as text: the totals, then one line per partition.
 fn scope(partition: Option<u32>) -> String {
     partition.map_or("the queue".to_string(), |p| format!("partition {p}"))
@@ -219,6 +301,9 @@ fn stats_text(o: &inspect::QueueOverview) -> String {
     }
     for (partition, pause) in &o.paused.partitions {
         out.push_str(&format!("\npartition {partition} PAUSED: {}", pause.why));
+    }
+    if !o.limits.limits.is_none() {
+        out.push_str(&format!("\nLIMITS: {}", limits_text(&o.limits).replace('\n', "; ")));
     }
     let minutes: Vec<String> = o
         .completed_per_minute

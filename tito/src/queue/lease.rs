@@ -117,6 +117,13 @@ pub(crate) async fn acquire<E: TitoEngine>(
             wanted.extend(expiry_keys.iter().cloned());
             let mut current = tx.batch_get(&wanted).await?;
             let expiries = current.split_off(partitions.len());
+            // The worker's heartbeat: the concurrency slots it holds stay held while it lives,
+            // whatever happens to its leases (see `queue::limits`).
+            tx.put(
+                keys::worker_heartbeat_key(root, &owner).into_bytes(),
+                expires.to_string().into_bytes(),
+            )
+            .await?;
             let mut held = HashMap::new();
             for (i, partition) in partitions.iter().enumerate() {
                 let key = keys::display_key(&holder_keys[i]);

@@ -79,6 +79,7 @@ pub mod cluster;
 mod cluster;
 mod dead;
 pub(crate) mod lease;
+mod limits;
 mod pause;
 mod periodic;
 mod pull;
@@ -103,6 +104,13 @@ pub(crate) use cancel::with_cancellation;
 pub use cancel::{Cancellation, MAX_CANCEL_REASON, cancel, cancel_owner, cancellation};
 pub use cluster::{ClusterConfig, ClusterState, MIN_TTL, cluster_state};
 pub use dead::{DeadInvocation, dead, discard_dead, retry_dead};
+pub(crate) use limits::{
+    Gate, Holder, admit, read_limits, release_slots, store_open, sweep_orphan_slots,
+};
+pub use limits::{
+    LimitUsage, Limits, MAX_CONCURRENCY_LIMIT, MAX_RATE_INTERVAL, MAX_RATE_STARTS,
+    MIN_RATE_INTERVAL, Rate, limit_usage, limits, set_limits,
+};
 pub(crate) use pause::read_paused;
 pub use pause::{PAUSE_CHECK, PauseRecord, Paused, pause, paused, resume};
 pub use periodic::{
@@ -184,6 +192,10 @@ crate::counters::counters! {
         leases_lost,
         /// Publications of an event id that already had a live invocation (nothing written).
         duplicates,
+        /// Invocations found runnable that waited for a concurrency slot (left pending).
+        limited,
+        /// Invocations a rate limit moved to a later due time.
+        rate_limited,
     }
 }
 

@@ -134,6 +134,18 @@ impl<E: TitoEngine> LeaseKeeper<E> {
         &self.id
     }
 
+    /// The worker as its concurrency slots name it.
+    pub fn holder(&self) -> crate::queue::Holder {
+        crate::queue::Holder {
+            id: self.id.clone(),
+            epoch: match &self.mode {
+                Mode::Cluster(node) => Some(node.epoch),
+                Mode::Standalone { .. } => None,
+            },
+            open: crate::queue::store_open(self.queue.engine()),
+        }
+    }
+
     /// Whether the worker is a cluster node (its leases live as long as its node record).
     pub fn is_cluster(&self) -> bool {
         matches!(self.mode, Mode::Cluster(_))
@@ -305,6 +317,19 @@ impl<E: TitoEngine> LeaseKeeper<E> {
         self.held.clear();
         self.report_held();
         self.draining.clear();
+        if let Mode::Standalone { .. } = &self.mode {
+            // Gone: the slots it may still hold are free at once.
+            let key = keys::worker_heartbeat_key(root, &self.id).into_bytes();
+            let result = db
+                .transaction(|tx| {
+                    let key = key.clone();
+                    async move { crate::engine::TitoTransaction::delete(&tx, key).await }
+                })
+                .await;
+            if let Err(err) = result {
+                tracing::debug!(error = %err, "removing the worker heartbeat failed; it expires on its own");
+            }
+        }
         if let Mode::Cluster(node) = &self.mode {
             // Leaving: the coordinator drops this node at its next tick.
             let key = keys::node_key(root, &node.id).into_bytes();

@@ -486,6 +486,7 @@ where
         config.page_size,
         config.concurrency,
         config.lease_duration / 3,
+        leases.holder(),
     );
     // Invocations handed to handlers and not yet settled (running, or outcome not committed),
     // with their partitions: the partitions that cannot be released yet.
@@ -495,6 +496,7 @@ where
     let mut stopping = false;
 
     loop {
+        pulling.release_settled(&queue, &in_flight).await;
         stopping = stopping || stop.requested();
         let busy: HashSet<u32> = in_flight.values().copied().collect();
         leases.tick(&busy, stopping).await;
@@ -539,6 +541,7 @@ where
             continue;
         }
         if stopping && handlers.is_empty() {
+            pulling.release_settled(&queue, &in_flight).await;
             break;
         }
         let mut wake_at = leases.next_at();

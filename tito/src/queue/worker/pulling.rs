@@ -14,7 +14,10 @@ use super::Stop;
 use super::handler::{Invoker, Report};
 use crate::engine::{TitoEngine, TitoTransaction, read_only};
 use crate::queue::pull::Cursor;
-use crate::queue::{Cancellation, PAUSE_CHECK, Paused, Queue, read_paused, with_cancellation};
+use crate::queue::{
+    Cancellation, Gate, Holder, PAUSE_CHECK, Paused, Queue, admit, read_limits, read_paused,
+    release_slots, sweep_orphan_slots, with_cancellation,
+};
 use crate::telemetry::names;
 use tracing::Instrument;
 
@@ -49,6 +52,16 @@ pub(super) struct Pulling {
     tokens_checked: Instant,
     cancel_check: Duration,
     cancels_seen: u64,
+    /// The queue's limits as last read (with the pauses).
+    gate: Gate,
+    /// This worker as its concurrency slots name it.
+    holder: Holder,
+    /// The slots each started invocation holds (its business key, the slot keys), until
+    /// released after it settles.
+    slots: HashMap<String, (String, Vec<Vec<u8>>)>,
+    /// A gate transaction failed with an outcome not known: slots it may have written are
+    /// looked for and deleted before the next start.
+    orphans: bool,
 }
 
 /// How many undecodable rows a worker remembers; past it, more are paused like failed
@@ -66,6 +79,7 @@ impl Pulling {
         page_size: usize,
         concurrency: usize,
         cancel_check: Duration,
+        holder: Holder,
     ) -> Self {
         Pulling {
             partitions: HashMap::new(),
@@ -81,6 +95,10 @@ impl Pulling {
             tokens_checked: Instant::now(),
             cancel_check,
             cancels_seen: 0,
+            gate: Gate::default(),
+            holder,
+            slots: HashMap::new(),
+            orphans: false,
         }
     }
 
@@ -139,7 +157,7 @@ impl Pulling {
             .map(|(p, _)| *p)
             .collect();
         due.sort_unstable();
-        if !due.is_empty() && !fresh_pauses(&mut self.paused, &mut self.paused_read, queue).await {
+        if !due.is_empty() && !fresh_pauses(&mut self.paused, &mut self.gate, &mut self.paused_read, queue).await {
             // The pauses could not be read: start nothing this round rather than run what
             // may be paused; try again after a short pause.
             for partition in due {
@@ -157,8 +175,17 @@ impl Pulling {
             if free == 0 || stop.requested() || Instant::now() >= fresh_until {
                 return;
             }
-            let want = free.min(self.page_size);
+            let mut want = free.min(self.page_size);
             let state = self.partitions.get_mut(&partition).expect("due partition");
+            if let Some(limit) = self.gate.limits().concurrency {
+                // This worker's own slots count against the queue's limit: pull no more than
+                // could start, and nothing while they fill it (a release wakes the partitions).
+                want = want.min((limit as usize).saturating_sub(self.slots.len()));
+                if want == 0 {
+                    state.next_poll = Instant::now() + self.max_idle_backoff;
+                    continue;
+                }
+            }
             if self.paused.holds(partition) {
                 // Paused: nothing starts; look again when the pause records are read again.
                 state.next_poll = Instant::now() + PAUSE_CHECK;
@@ -201,6 +228,49 @@ impl Pulling {
                     continue;
                 }
             };
+            let mut pulled = pulled;
+            if self.gate.active() && !pulled.items.is_empty() {
+                // Limits: take slots and rate-log entries for what was found, in one
+                // transaction; what they do not allow waits (or, over a rate, moves later).
+                let mut items = std::mem::take(&mut pulled.items);
+                if let Some(limit) = self.gate.limits().key_concurrency {
+                    let mut running: HashMap<&str, usize> = HashMap::new();
+                    for (key, _) in self.slots.values() {
+                        *running.entry(key.as_str()).or_default() += 1;
+                    }
+                    let before = items.len();
+                    items.retain(|item| {
+                        running.get(item.stored.key.as_str()).copied().unwrap_or(0)
+                            < limit as usize
+                    });
+                    let waiting = (before - items.len()) as u64;
+                    queue.count(&counters.limited, names::QUEUE_LIMITED, waiting);
+                }
+                match admit(queue, &self.holder, &self.gate, items).await {
+                    Ok(admitted) => {
+                        queue.count(&counters.limited, names::QUEUE_LIMITED, admitted.waiting as u64);
+                        let moved = admitted.moved as u64;
+                        queue.count(&counters.rate_limited, names::QUEUE_RATE_LIMITED, moved);
+                        for (item, slot_keys) in admitted.start {
+                            if !slot_keys.is_empty() {
+                                let business = item.stored.key.clone();
+                                self.slots.insert(item.key.clone(), (business, slot_keys));
+                            }
+                            pulled.items.push(item);
+                        }
+                    }
+                    Err(err) => {
+                        self.orphans = true;
+                        tracing::warn!(partition, error = %err, "taking concurrency slots failed; nothing started");
+                    }
+                }
+                if pulled.items.is_empty() {
+                    // Nothing may start: wait like an idle partition (a release in this
+                    // process wakes it sooner).
+                    pulled.exhausted = true;
+                    pulled.next_due = None;
+                }
+            }
             if pulled.exhausted && pulled.items.is_empty() {
                 state.backoff = (state.backoff * 2).min(self.max_idle_backoff);
                 let mut next = Instant::now() + state.backoff;
@@ -223,7 +293,7 @@ impl Pulling {
             // it is fresh) before starting anything, and start nothing in a paused partition
             // (the pass starts over, so what it found is found again after the resume).
             if !pulled.items.is_empty()
-                && (!fresh_pauses(&mut self.paused, &mut self.paused_read, queue).await
+                && (!fresh_pauses(&mut self.paused, &mut self.gate, &mut self.paused_read, queue).await
                     || self.paused.holds(partition))
             {
                 state.cursor = Cursor::new(partition);
@@ -311,6 +381,50 @@ async fn still_pending<E: TitoEngine>(
 }
 
 impl Pulling {
+    /// Releases the concurrency slots of invocations no longer in flight (one transaction);
+    /// wakes every partition when it did, so what waited for a slot is pulled again at once.
+    /// Slots whose release fails are tried again next time (and are free anyway once this
+    /// worker is gone).
+    pub async fn release_settled<E: TitoEngine>(
+        &mut self,
+        queue: &Queue<E>,
+        in_flight: &HashMap<String, u32>,
+    ) {
+        if self.orphans {
+            let keep: std::collections::HashSet<String> = self.slots.keys().cloned().collect();
+            match sweep_orphan_slots(queue, &self.holder, &keep).await {
+                Ok(deleted) => {
+                    self.orphans = false;
+                    if deleted > 0 {
+                        tracing::info!(deleted, "deleted concurrency slots a failed transaction left");
+                    }
+                }
+                Err(err) => tracing::debug!(error = %err, "looking for slots a failed transaction left failed"),
+            }
+        }
+        let settled: Vec<(String, Vec<u8>)> = self
+            .slots
+            .iter()
+            .filter(|(key, _)| !in_flight.contains_key(*key))
+            .flat_map(|(key, (_, slots))| slots.iter().map(|slot| (key.clone(), slot.clone())))
+            .collect();
+        if settled.is_empty() {
+            return;
+        }
+        match release_slots(queue, &self.holder, &settled).await {
+            Ok(()) => {
+                self.slots.retain(|key, _| in_flight.contains_key(key));
+                for state in self.partitions.values_mut() {
+                    state.next_poll = Instant::now();
+                    state.backoff = MIN_IDLE_BACKOFF;
+                }
+            }
+            Err(err) => {
+                tracing::warn!(error = %err, slots = settled.len(), "releasing concurrency slots failed; tried again later");
+            }
+        }
+    }
+
     /// When the rows of running handlers are to be checked next (`None`: nothing runs).
     pub fn next_cancel_check(&self) -> Option<Instant> {
         (!self.tokens.is_empty()).then_some(self.tokens_checked + self.cancel_check)
@@ -369,6 +483,7 @@ impl Pulling {
 /// ago or more (one scan). `false` when they could not be read (logged; read again next time).
 async fn fresh_pauses<E: TitoEngine>(
     paused: &mut Paused,
+    gate: &mut Gate,
     paused_read: &mut Option<Instant>,
     queue: &Queue<E>,
 ) -> bool {
@@ -377,11 +492,18 @@ async fn fresh_pauses<E: TitoEngine>(
     }
     let started = Instant::now();
     let read = read_only(queue.engine(), async |tx| {
-        read_paused(tx, queue.root()).await
+        let paused = read_paused(tx, queue.root()).await?;
+        let limits = read_limits(tx, queue.root()).await?;
+        Ok((paused, limits))
     })
     .await;
     match read {
-        Ok(found) => {
+        Ok((found, limits)) => {
+            let limits = Gate::new(limits);
+            if limits != *gate {
+                tracing::info!(queue = %queue.label(), limits = ?limits.limits(), "the queue's limits changed");
+                *gate = limits;
+            }
             if found != *paused {
                 tracing::info!(
                     queue = %queue.label(),

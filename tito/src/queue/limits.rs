@@ -1,0 +1,893 @@
+//! Concurrency and rate limits, stored with the queue and enforced in the store, so they hold
+//! over every worker of every process.
+//!
+//! - **Concurrency**: at most N invocations of the queue (and at most M of one business key,
+//!   the event's `key`) running at once. A worker takes a *slot* in the store before it starts a
+//!   handler, in one transaction for everything a pull found: `{queue}:running:all:{i}` for
+//!   `i < N`, `{queue}:running:key:{key}:{i}` for `i < M`. Two workers taking one slot both
+//!   write its key, so one of them conflicts, replays and sees it taken. A slot names its
+//!   holder and is free again when the holder releases it (after the invocation's outcome
+//!   commits or fails), or when the holder is gone: a standalone worker's heartbeat
+//!   (`{queue}:worker:{id}`, renewed with its leases) expired, a cluster node's record expired
+//!   or changed epoch, or (on the embedded engine) the store was opened again since. A worker
+//!   that lost its partition lease but is alive keeps its slots while its handlers run, so a
+//!   takeover never runs more than the limit.
+//! - **Rate**: at most S starts per interval for the queue (and per business key). Each limit
+//!   keeps a log of its last S start times (engine time) under `{queue}:rate:all` and
+//!   `{queue}:rate:key:{key}`; a start is admitted when fewer than S of them fall in the last
+//!   interval, and written to the log in the same transaction. An invocation over the limit is
+//!   moved, in that transaction, to the second its turn is expected (its row's due time
+//!   changes; no worker polls for it meanwhile). If others take that turn first it moves again.
+//!
+//! An invocation waiting for a concurrency slot stays where it is and is pulled again at its
+//! partition's next poll (at once after a slot of this process is released; within the idle
+//! backoff for slots released elsewhere). Limits are read by workers with the pause records, at
+//! most [`PAUSE_CHECK`](super::PAUSE_CHECK) apart.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::Queue;
+use super::pull::Pulled;
+use crate::engine::{self, TitoEngine, TitoTransaction};
+use crate::error::{TitoError, TitoResult};
+use crate::event::publish::insert_pending;
+use crate::keys;
+
+/// The largest concurrency limit accepted (slots are read one key each).
+pub const MAX_CONCURRENCY_LIMIT: u32 = 1024;
+/// The largest number of starts a rate limit counts (its log keeps one time per start).
+pub const MAX_RATE_STARTS: u32 = 1000;
+/// The shortest interval of a rate limit (due times are whole seconds).
+pub const MIN_RATE_INTERVAL: Duration = Duration::from_secs(1);
+/// The longest interval of a rate limit.
+pub const MAX_RATE_INTERVAL: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// "At most `starts` starts per `per`".
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Rate {
+    /// Starts allowed in any interval of length `per` (1..=[`MAX_RATE_STARTS`]).
+    pub starts: u32,
+    /// The interval ([`MIN_RATE_INTERVAL`]..=[`MAX_RATE_INTERVAL`]).
+    #[serde(with = "millis")]
+    pub per: Duration,
+}
+
+impl Rate {
+    /// `starts` per `per`.
+    pub fn new(starts: u32, per: Duration) -> Self {
+        Rate { starts, per }
+    }
+
+    fn check(&self, name: &str) -> TitoResult<()> {
+        if self.starts == 0 || self.starts > MAX_RATE_STARTS {
+            return Err(TitoError::invalid_argument(format!(
+                "Limits::{name} allows {} starts; it must allow 1 to {MAX_RATE_STARTS}",
+                self.starts
+            )));
+        }
+        if self.per < MIN_RATE_INTERVAL || self.per > MAX_RATE_INTERVAL {
+            return Err(TitoError::invalid_argument(format!(
+                "Limits::{name} counts starts over {:?}; the interval must be from \
+                 {MIN_RATE_INTERVAL:?} to {MAX_RATE_INTERVAL:?}",
+                self.per
+            )));
+        }
+        Ok(())
+    }
+
+    fn per_ms(&self) -> u64 {
+        crate::util::millis(self.per)
+    }
+}
+
+mod millis {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use std::time::Duration;
+
+    pub fn serialize<S: Serializer>(value: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(crate::util::millis(*value))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        Ok(Duration::from_millis(u64::deserialize(d)?))
+    }
+}
+
+/// A queue's limits; `None` is unlimited. Set with [`Queue::set_limits`].
+///
+/// ```
+/// use std::time::Duration;
+/// use tito::queue::{Limits, Rate};
+///
+/// // At most 8 handlers of the queue at once over every worker, one per customer key, and
+/// // at most 100 starts a minute per customer.
+/// let limits = Limits::none()
+///     .concurrency(8)
+///     .key_concurrency(1)
+///     .key_rate(Rate::new(100, Duration::from_secs(60)));
+/// assert_eq!(limits.key_concurrency, Some(1));
+/// ```
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct Limits {
+    /// At most this many invocations of the queue running at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub concurrency: Option<u32>,
+    /// At most this many invocations of one business key (the event's `key`) running at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_concurrency: Option<u32>,
+    /// At most so many starts of the queue per interval.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate: Option<Rate>,
+    /// At most so many starts of one business key per interval.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_rate: Option<Rate>,
+}
+
+impl Limits {
+    /// No limit.
+    pub fn none() -> Self {
+        Limits::default()
+    }
+
+    /// At most `n` running in the queue.
+    pub fn concurrency(mut self, n: u32) -> Self {
+        self.concurrency = Some(n);
+        self
+    }
+
+    /// At most `n` running per business key.
+    pub fn key_concurrency(mut self, n: u32) -> Self {
+        self.key_concurrency = Some(n);
+        self
+    }
+
+    /// At most `rate` starts in the queue.
+    pub fn rate(mut self, rate: Rate) -> Self {
+        self.rate = Some(rate);
+        self
+    }
+
+    /// At most `rate` starts per business key.
+    pub fn key_rate(mut self, rate: Rate) -> Self {
+        self.key_rate = Some(rate);
+        self
+    }
+
+    /// Whether nothing is limited.
+    pub fn is_none(&self) -> bool {
+        *self == Limits::default()
+    }
+
+    /// Refuses zero and oversized limits, naming the setting.
+    pub fn check(&self) -> TitoResult<()> {
+        for (name, value) in [
+            ("concurrency", self.concurrency),
+            ("key_concurrency", self.key_concurrency),
+        ] {
+            if let Some(n) = value
+                && (n == 0 || n > MAX_CONCURRENCY_LIMIT)
+            {
+                return Err(TitoError::invalid_argument(format!(
+                    "Limits::{name} is {n}; it must be from 1 to {MAX_CONCURRENCY_LIMIT} (to \
+                     stop a queue, pause it)"
+                )));
+            }
+        }
+        if let Some(rate) = &self.rate {
+            rate.check("rate")?;
+        }
+        if let Some(rate) = &self.key_rate {
+            rate.check("key_rate")?;
+        }
+        Ok(())
+    }
+}
+
+/// The limits as stored under `{queue}:limits`, with the highest slot counts ever set (a lowered
+/// limit still counts the slots above it until their holders release them).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct LimitsRecord {
+    #[serde(flatten)]
+    pub limits: Limits,
+    #[serde(default)]
+    pub queue_slots_seen: u32,
+    #[serde(default)]
+    pub key_slots_seen: u32,
+}
+
+impl LimitsRecord {
+    fn active(&self) -> bool {
+        !self.limits.is_none()
+    }
+}
+
+/// Reads the stored limits (absent: none).
+pub(crate) async fn read_limits<X: TitoTransaction>(
+    tx: &X,
+    root: &str,
+) -> TitoResult<LimitsRecord> {
+    match tx.get(keys::limits_key(root).as_bytes()).await? {
+        None => Ok(LimitsRecord::default()),
+        Some(bytes) => serde_json::from_slice(&bytes).map_err(|err| {
+            TitoError::Integrity(format!("the limits of queue {root:?} do not decode: {err}"))
+        }),
+    }
+}
+
+impl<E: TitoEngine> Queue<E> {
+    /// Stores the queue's limits (replacing the ones before): every worker of the queue, in
+    /// every process, applies them within [`PAUSE_CHECK`](super::PAUSE_CHECK). `Limits::none()`
+    /// lifts them. Refused with `InvalidArgument` when a limit is zero or too large, and with
+    /// `NotFound` for a queue nothing was ever published to.
+    pub async fn set_limits(&self, limits: Limits) -> TitoResult<()> {
+        set_limits_under(&self.db, &self.root, limits).await
+    }
+
+    /// The queue's stored limits.
+    pub async fn limits(&self) -> TitoResult<Limits> {
+        limits_under(&self.db, &self.root).await
+    }
+
+    /// How close the queue is to its limits now (see [`LimitUsage`]).
+    pub async fn limit_usage(&self) -> TitoResult<LimitUsage> {
+        usage_under(&self.db, &self.root).await
+    }
+}
+
+/// [`Queue::set_limits`] on the queue named `topic` (`None`: the default queue), for tools.
+pub async fn set_limits<E: TitoEngine>(
+    db: &E,
+    topic: Option<&str>,
+    limits: Limits,
+) -> TitoResult<()> {
+    set_limits_under(db, &keys::queue_root(topic), limits).await
+}
+
+/// [`Queue::limits`] on the queue named `topic`, for tools.
+pub async fn limits<E: TitoEngine>(db: &E, topic: Option<&str>) -> TitoResult<Limits> {
+    limits_under(db, &keys::queue_root(topic)).await
+}
+
+/// [`Queue::limit_usage`] on the queue named `topic`, for tools.
+pub async fn limit_usage<E: TitoEngine>(db: &E, topic: Option<&str>) -> TitoResult<LimitUsage> {
+    usage_under(db, &keys::queue_root(topic)).await
+}
+
+async fn set_limits_under<E: TitoEngine>(db: &E, root: &str, limits: Limits) -> TitoResult<()> {
+    limits.check()?;
+    let root = root.to_string();
+    db.transaction(|tx| {
+        let (root, limits) = (root.clone(), limits.clone());
+        async move {
+            if super::stored_partition_count(&tx, &root).await?.is_none() {
+                return Err(TitoError::NotFound(format!(
+                    "no queue under {root:?} (nothing was ever published to it)"
+                )));
+            }
+            let before = read_limits(&tx, &root).await.unwrap_or_default();
+            let record = LimitsRecord {
+                queue_slots_seen: before
+                    .queue_slots_seen
+                    .max(limits.concurrency.unwrap_or(0)),
+                key_slots_seen: before
+                    .key_slots_seen
+                    .max(limits.key_concurrency.unwrap_or(0)),
+                limits,
+            };
+            tx.put(
+                keys::limits_key(&root).into_bytes(),
+                serde_json::to_vec(&record)?,
+            )
+            .await?;
+            Ok::<_, TitoError>(())
+        }
+    })
+    .await?;
+    tracing::info!(queue = %root, ?limits, "queue limits set");
+    Ok(())
+}
+
+async fn limits_under<E: TitoEngine>(db: &E, root: &str) -> TitoResult<Limits> {
+    let root = root.to_string();
+    engine::read_only(db, async |tx| Ok(read_limits(tx, &root).await?.limits)).await
+}
+
+/// How close a queue is to its limits at one moment.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct LimitUsage {
+    /// The limits.
+    pub limits: Limits,
+    /// Queue-wide concurrency slots held by live workers.
+    pub running: u32,
+    /// Business keys with at least one slot held, and how many each.
+    pub running_by_key: BTreeMap<String, u32>,
+    /// Starts counted by the queue-wide rate limit in its current interval.
+    pub recent_starts: u32,
+}
+
+async fn usage_under<E: TitoEngine>(db: &E, root: &str) -> TitoResult<LimitUsage> {
+    let root = root.to_string();
+    let open = store_open(db);
+    engine::read_only(db, async |tx| {
+        let record = read_limits(tx, &root).await?;
+        let prefix = keys::slots_prefix(&root);
+        let end = keys::prefix_end(prefix.clone());
+        let mut usage = LimitUsage {
+            limits: record.limits.clone(),
+            ..LimitUsage::default()
+        };
+        let mut from = prefix.clone().into_bytes();
+        let mut slots = Vec::new();
+        loop {
+            let page = tx.scan(&from, end.as_bytes(), 1024).await?;
+            let full = page.len() == 1024;
+            if let Some((last, _)) = page.last() {
+                from = keys::key_after_bytes(last);
+            }
+            slots.extend(page);
+            if !full {
+                break;
+            }
+        }
+        let records: Vec<(Vec<u8>, Option<Slot>)> = slots
+            .into_iter()
+            .map(|(key, value)| (key, serde_json::from_slice(&value).ok()))
+            .collect();
+        let occupied: Vec<Slot> = records.iter().filter_map(|r| r.1.clone()).collect();
+        let alive = Liveness::read(tx, &root, open, None, &occupied).await?;
+        let all_prefix = format!("{prefix}all:");
+        for (key, slot) in &records {
+            let Some(slot) = slot else { continue };
+            if !alive.holds(slot) {
+                continue;
+            }
+            let text = keys::key_str(key).unwrap_or_default();
+            if text.starts_with(&all_prefix) {
+                usage.running += 1;
+            } else if let Some(key) = &slot.key {
+                *usage.running_by_key.entry(key.clone()).or_default() += 1;
+            }
+        }
+        if let Some(rate) = &record.limits.rate {
+            let now = engine::version_millis(tx.start_version());
+            let log = read_log(tx, &keys::queue_rate_key(&root)).await?;
+            usage.recent_starts = log.in_window(now, rate).len() as u32;
+        }
+        Ok(usage)
+    })
+    .await
+}
+
+/// A concurrency slot as stored: who holds it, for which invocation.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Slot {
+    /// The holder: a standalone worker's id or a cluster node's id.
+    pub holder: String,
+    /// A cluster node's epoch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epoch: Option<u64>,
+    /// The store open of the holder's process (embedded engine).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub open: Option<u64>,
+    /// The pending key of the invocation it runs.
+    pub invocation: String,
+    /// The business key (per-key slots).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
+    /// When it was taken (engine time, Unix ms).
+    pub at_ms: u64,
+}
+
+/// Who takes slots: a worker, as its slots name it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Holder {
+    pub id: String,
+    pub epoch: Option<u64>,
+    pub open: Option<u64>,
+}
+
+impl Holder {
+    fn is(&self, slot: &Slot) -> bool {
+        slot.holder == self.id && slot.epoch == self.epoch && slot.open == self.open
+    }
+}
+
+/// Which holders of some slots are alive, read in one batch at a transaction's start.
+struct Liveness {
+    open: Option<u64>,
+    alive: HashSet<(String, Option<u64>)>,
+    me: Option<Holder>,
+}
+
+impl Liveness {
+    async fn read<X: TitoTransaction>(
+        tx: &X,
+        root: &str,
+        open: Option<u64>,
+        me: Option<&Holder>,
+        slots: &[Slot],
+    ) -> TitoResult<Liveness> {
+        let mut wanted: Vec<(String, Option<u64>)> = Vec::new();
+        for slot in slots {
+            if me.is_some_and(|me| me.is(slot)) {
+                continue;
+            }
+            if open.is_some() && slot.open.is_some() && slot.open != open {
+                continue;
+            }
+            let who = (slot.holder.clone(), slot.epoch);
+            if !wanted.contains(&who) {
+                wanted.push(who);
+            }
+        }
+        let reads: Vec<Vec<u8>> = wanted
+            .iter()
+            .map(|(holder, epoch)| match epoch {
+                Some(_) => keys::node_key(root, holder).into_bytes(),
+                None => keys::worker_heartbeat_key(root, holder).into_bytes(),
+            })
+            .collect();
+        let values = if reads.is_empty() {
+            Vec::new()
+        } else {
+            tx.batch_get(&reads).await?
+        };
+        let now = tx.start_version();
+        let mut alive = HashSet::new();
+        for ((holder, epoch), value) in wanted.into_iter().zip(values) {
+            let Some(value) = value else { continue };
+            let lives = match epoch {
+                Some(epoch) => serde_json::from_slice::<super::lease::NodeRecord>(&value)
+                    .is_ok_and(|node| node.epoch == epoch && node.expires > now),
+                None => std::str::from_utf8(&value)
+                    .ok()
+                    .and_then(|text| text.parse::<u64>().ok())
+                    .is_some_and(|expires| expires > now),
+            };
+            if lives {
+                alive.insert((holder, epoch));
+            }
+        }
+        Ok(Liveness {
+            open,
+            alive,
+            me: me.cloned(),
+        })
+    }
+
+    fn holds(&self, slot: &Slot) -> bool {
+        if self.me.as_ref().is_some_and(|me| me.is(slot)) {
+            return true;
+        }
+        if self.open.is_some() && slot.open.is_some() && slot.open != self.open {
+            return false;
+        }
+        self.alive.contains(&(slot.holder.clone(), slot.epoch))
+    }
+}
+
+/// This process's open of the store, when the engine proves one process per store (embedded).
+pub(crate) fn store_open<E: TitoEngine>(db: &E) -> Option<u64> {
+    db.extensions().get::<engine::ExclusiveOpen>().get()
+}
+
+/// A rate limit's log: the engine times (Unix ms) of its most recent starts, oldest first.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+struct RateLog {
+    starts: Vec<u64>,
+}
+
+impl RateLog {
+    fn in_window(&self, now: u64, rate: &Rate) -> Vec<u64> {
+        let from = now.saturating_sub(rate.per_ms());
+        self.starts.iter().copied().filter(|t| *t > from).collect()
+    }
+
+    /// Whether one more start at `now` stays within `rate`.
+    fn admits(&self, now: u64, rate: &Rate) -> bool {
+        (self.in_window(now, rate).len() as u64) < u64::from(rate.starts)
+    }
+
+    /// When the `nth` (from 0) start refused now is expected to be admitted.
+    fn turn(&self, now: u64, rate: &Rate, nth: u64) -> u64 {
+        let window = self.in_window(now, rate);
+        let starts = u64::from(rate.starts);
+        if window.is_empty() {
+            return now;
+        }
+        // The k-th start refused now waits for the (k mod S)-th start of the window to leave
+        // it, k / S intervals later.
+        let index = (nth % starts).min(window.len() as u64 - 1) as usize;
+        window[index]
+            .saturating_add(rate.per_ms().saturating_mul(1 + nth / starts))
+            .max(now)
+    }
+
+    fn record(&mut self, now: u64, rate: &Rate) {
+        self.starts = self.in_window(now, rate);
+        self.starts.push(now);
+        let keep = rate.starts as usize;
+        if self.starts.len() > keep {
+            self.starts.drain(..self.starts.len() - keep);
+        }
+    }
+}
+
+async fn read_log<X: TitoTransaction>(tx: &X, key: &str) -> TitoResult<RateLog> {
+    Ok(tx
+        .get(key.as_bytes())
+        .await?
+        .and_then(|bytes| serde_json::from_slice(&bytes).ok())
+        .unwrap_or_default())
+}
+
+/// What the limits let a worker do with what a pull found.
+#[derive(Debug, Default)]
+pub(crate) struct Admitted {
+    /// Invocations to start, with the slot keys they hold.
+    pub start: Vec<(Pulled, Vec<Vec<u8>>)>,
+    /// Invocations left waiting for a concurrency slot.
+    pub waiting: usize,
+    /// Invocations moved to a later due time by a rate limit.
+    pub moved: usize,
+}
+
+/// The limits as a worker applies them: the record, and whether anything is limited.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Gate {
+    record: LimitsRecord,
+}
+
+impl Gate {
+    pub fn new(record: LimitsRecord) -> Self {
+        Gate { record }
+    }
+
+    /// Whether starts go through [`admit`].
+    pub fn active(&self) -> bool {
+        self.record.active()
+    }
+
+    pub fn limits(&self) -> &Limits {
+        &self.record.limits
+    }
+}
+
+/// In one transaction: takes concurrency slots and rate-log entries for what `pulled` holds, in
+/// order, as far as the limits allow; moves what a rate limit refuses to its expected turn.
+/// Rows that left the pending state since the pull are dropped.
+pub(crate) async fn admit<E: TitoEngine>(
+    queue: &Queue<E>,
+    me: &Holder,
+    gate: &Gate,
+    pulled: Vec<Pulled>,
+) -> TitoResult<Admitted> {
+    if pulled.is_empty() {
+        return Ok(Admitted::default());
+    }
+    let root = queue.root();
+    let partitions = queue.config().partitions;
+    let open = store_open(queue.engine());
+    let record = &gate.record;
+    let limits = &record.limits;
+    let mut business: Vec<&str> = pulled.iter().map(|p| p.stored.key.as_str()).collect();
+    business.sort_unstable();
+    business.dedup();
+    // Slot keys read: the queue's, then each key's, then the rate logs, then the rows.
+    let queue_slots: Vec<Vec<u8>> = match limits.concurrency {
+        Some(n) => (0..n.max(record.queue_slots_seen))
+            .map(|i| keys::queue_slot_key(root, i).into_bytes())
+            .collect(),
+        None => Vec::new(),
+    };
+    let key_slots: Vec<(&str, Vec<Vec<u8>>)> = match limits.key_concurrency {
+        Some(n) => business
+            .iter()
+            .map(|key| {
+                let slots = (0..n.max(record.key_slots_seen))
+                    .map(|i| keys::key_slot_key(root, key, i).into_bytes())
+                    .collect();
+                (*key, slots)
+            })
+            .collect(),
+        None => Vec::new(),
+    };
+    let rate_keys: Vec<(Option<&str>, Vec<u8>)> = limits
+        .rate
+        .iter()
+        .map(|_| (None, keys::queue_rate_key(root).into_bytes()))
+        .chain(limits.key_rate.iter().flat_map(|_| {
+            business
+                .iter()
+                .map(|key| (Some(*key), keys::key_rate_key(root, key).into_bytes()))
+        }))
+        .collect();
+    let mut reads: Vec<Vec<u8>> = queue_slots.clone();
+    for (_, slots) in &key_slots {
+        reads.extend(slots.iter().cloned());
+    }
+    reads.extend(rate_keys.iter().map(|(_, key)| key.clone()));
+    reads.extend(pulled.iter().map(|p| p.key.clone().into_bytes()));
+    let (reads, queue_slots, key_slots, rate_keys, pulled) =
+        (&reads, &queue_slots, &key_slots, &rate_keys, &pulled);
+    // A commit whose outcome is unknown is resolved, not guessed: slots written and never
+    // used would stay held while this worker lives.
+    let policy = queue.engine().retry_policy().resolving();
+    queue
+        .engine()
+        .transaction_with(policy, |tx| async move {
+            let now = engine::version_millis(tx.start_version());
+            let values = tx.batch_get(reads).await?;
+            let (mut queue_held, mut key_held, mut logs, rows) =
+                split_reads(values, queue_slots.len(), key_slots, rate_keys.len());
+            let mut occupied: Vec<Slot> = Vec::new();
+            for slot in queue_held.iter().chain(key_held.iter().flatten()).flatten() {
+                occupied.push(slot.clone());
+            }
+            let alive = Liveness::read(&tx, root, open, Some(me), &occupied).await?;
+            let mut admitted = Admitted::default();
+            let mut refused_by_log: HashMap<usize, u64> = HashMap::new();
+            for (item, present) in pulled.iter().zip(rows) {
+                if !present {
+                    continue;
+                }
+                let key = item.stored.key.as_str();
+                let key_index = key_slots.iter().position(|(k, _)| *k == key);
+                let queue_slot = match limits.concurrency {
+                    Some(n) => match free_slot(&alive, &queue_held, n) {
+                        Some(i) => Some(i),
+                        None => {
+                            admitted.waiting += 1;
+                            continue;
+                        }
+                    },
+                    None => None,
+                };
+                let key_slot = match (limits.key_concurrency, key_index) {
+                    (Some(n), Some(k)) => match free_slot(&alive, &key_held[k], n) {
+                        Some(i) => Some((k, i)),
+                        None => {
+                            admitted.waiting += 1;
+                            continue;
+                        }
+                    },
+                    _ => None,
+                };
+                // The rate logs this item counts in.
+                let item_logs: Vec<(usize, Rate)> = rate_keys
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, (k, _))| k.is_none() || *k == Some(key))
+                    .map(|(i, (k, _))| {
+                        let rate = if k.is_none() { limits.rate } else { limits.key_rate };
+                        (i, rate.expect("a rate log is read only for a set rate"))
+                    })
+                    .collect();
+                let over: Vec<(usize, Rate)> = item_logs
+                    .iter()
+                    .copied()
+                    .filter(|(i, rate)| !logs[*i].admits(now, rate))
+                    .collect();
+                if !over.is_empty() {
+                    let turn = over
+                        .iter()
+                        .map(|(i, rate)| {
+                            let nth = refused_by_log.entry(*i).or_default();
+                            let at = logs[*i].turn(now, rate, *nth);
+                            *nth += 1;
+                            at
+                        })
+                        .max()
+                        .unwrap_or(now);
+                    postpone(&tx, root, partitions, item, turn).await?;
+                    admitted.moved += 1;
+                    continue;
+                }
+                for (i, rate) in &item_logs {
+                    logs[*i].record(now, rate);
+                }
+                let mut held_keys = Vec::new();
+                if let Some(i) = queue_slot {
+                    let record = new_slot(me, &item.key, None, now);
+                    tx.put(queue_slots[i].clone(), serde_json::to_vec(&record)?)
+                        .await?;
+                    queue_held[i] = Some(record);
+                    held_keys.push(queue_slots[i].clone());
+                }
+                if let Some((k, i)) = key_slot {
+                    let record = new_slot(me, &item.key, Some(key), now);
+                    let slot_key = key_slots[k].1[i].clone();
+                    tx.put(slot_key.clone(), serde_json::to_vec(&record)?)
+                        .await?;
+                    key_held[k][i] = Some(record);
+                    held_keys.push(slot_key);
+                }
+                admitted.start.push((item.clone(), held_keys));
+            }
+            for (i, (_, key)) in rate_keys.iter().enumerate() {
+                if item_touched(&admitted, rate_keys, i) {
+                    tx.put(key.clone(), serde_json::to_vec(&logs[i])?).await?;
+                }
+            }
+            Ok::<_, TitoError>(admitted)
+        })
+        .await
+}
+
+type SplitReads = (
+    Vec<Option<Slot>>,
+    Vec<Vec<Option<Slot>>>,
+    Vec<RateLog>,
+    Vec<bool>,
+);
+
+/// The gate's batched read, split: the queue's slots, each key's slots, the rate logs, and
+/// whether each pulled row is still pending.
+fn split_reads(
+    values: Vec<Option<Vec<u8>>>,
+    queue_slots: usize,
+    key_slots: &[(&str, Vec<Vec<u8>>)],
+    rate_logs: usize,
+) -> SplitReads {
+    let mut values = values.into_iter();
+    let mut decode = |n: usize| -> Vec<Option<Slot>> {
+        let mut out = Vec::with_capacity(n);
+        for value in values.by_ref().take(n) {
+            out.push(value.and_then(|bytes| serde_json::from_slice(&bytes).ok()));
+        }
+        out
+    };
+    let queue_held = decode(queue_slots);
+    let mut key_held = Vec::with_capacity(key_slots.len());
+    for (_, slots) in key_slots {
+        key_held.push(decode(slots.len()));
+    }
+    let mut logs = Vec::with_capacity(rate_logs);
+    for value in values.by_ref().take(rate_logs) {
+        logs.push(
+            value
+                .and_then(|bytes| serde_json::from_slice(&bytes).ok())
+                .unwrap_or_default(),
+        );
+    }
+    let rows = values.map(|v| v.is_some()).collect();
+    (queue_held, key_held, logs, rows)
+}
+
+/// The first free slot under `limit` (empty, or its holder gone), unless `limit` live slots
+/// are held (a lowered limit counts the slots above it too).
+fn free_slot(alive: &Liveness, slots: &[Option<Slot>], limit: u32) -> Option<usize> {
+    let mut held = 0usize;
+    for slot in slots.iter().flatten() {
+        if alive.holds(slot) {
+            held += 1;
+        }
+    }
+    if held >= limit as usize {
+        return None;
+    }
+    (0..(limit as usize).min(slots.len()))
+        .find(|&i| !matches!(&slots[i], Some(slot) if alive.holds(slot)))
+}
+
+fn new_slot(me: &Holder, invocation: &str, key: Option<&str>, now: u64) -> Slot {
+    Slot {
+        holder: me.id.clone(),
+        epoch: me.epoch,
+        open: me.open,
+        invocation: invocation.to_string(),
+        key: key.map(str::to_string),
+        at_ms: now,
+    }
+}
+
+/// Whether an admitted start counts in rate log `i` (its log is then written).
+fn item_touched(admitted: &Admitted, rate_keys: &[(Option<&str>, Vec<u8>)], i: usize) -> bool {
+    match rate_keys[i].0 {
+        None => !admitted.start.is_empty(),
+        Some(key) => admitted.start.iter().any(|(p, _)| p.stored.key == key),
+    }
+}
+
+/// Moves a pending invocation to the whole second at or after `turn_ms` (never earlier than
+/// its own due time): the row is replaced by the same invocation under its new due time, which
+/// takes the event id over.
+async fn postpone<X: TitoTransaction>(
+    tx: &X,
+    root: &str,
+    partitions: u32,
+    item: &Pulled,
+    turn_ms: u64,
+) -> TitoResult<()> {
+    tx.delete(item.key.clone().into_bytes()).await?;
+    if let Some(owner) = &item.stored.owner {
+        let pending_owner = keys::owner_key(
+            root,
+            &owner.kind,
+            &owner.id,
+            keys::OWNER_PENDING,
+            &item.key,
+        );
+        tx.delete(pending_owner.into_bytes()).await?;
+    }
+    let due = i64::try_from(turn_ms.div_ceil(1000)).unwrap_or(i64::MAX);
+    let mut next = item.stored.clone();
+    next.timestamp = next.timestamp.max(due);
+    insert_pending(tx, root, partitions, &next, next.to_bytes()?).await?;
+    Ok(())
+}
+
+/// Releases slots `me` holds: each `(invocation, slot key)` is deleted if it still names `me`
+/// and that invocation (one transaction). Returns what was settled (released, or no longer
+/// ours).
+pub(crate) async fn release_slots<E: TitoEngine>(
+    queue: &Queue<E>,
+    me: &Holder,
+    slots: &[(String, Vec<u8>)],
+) -> TitoResult<()> {
+    if slots.is_empty() {
+        return Ok(());
+    }
+    let reads: Vec<Vec<u8>> = slots.iter().map(|(_, key)| key.clone()).collect();
+    let (reads, slots) = (&reads, slots);
+    queue
+        .engine()
+        .transaction(|tx| async move {
+            let values = tx.batch_get(reads).await?;
+            for ((invocation, key), value) in slots.iter().zip(values) {
+                let Some(slot) = value.and_then(|b| serde_json::from_slice::<Slot>(&b).ok())
+                else {
+                    continue;
+                };
+                if me.is(&slot) && slot.invocation == *invocation {
+                    tx.delete(key.clone()).await?;
+                }
+            }
+            Ok::<_, TitoError>(())
+        })
+        .await
+}
+
+/// Deletes every slot naming `me` whose invocation is not in `keep` (slots a failed gate
+/// transaction may have written). Reads the queue's slots in pages of 1024.
+pub(crate) async fn sweep_orphan_slots<E: TitoEngine>(
+    queue: &Queue<E>,
+    me: &Holder,
+    keep: &HashSet<String>,
+) -> TitoResult<usize> {
+    let prefix = keys::slots_prefix(queue.root());
+    let end = keys::prefix_end(prefix.clone());
+    let (prefix, end) = (&prefix, &end);
+    queue
+        .engine()
+        .transaction(|tx| async move {
+            let mut from = prefix.clone().into_bytes();
+            let mut deleted = 0;
+            loop {
+                let page = tx.scan(&from, end.as_bytes(), 1024).await?;
+                let full = page.len() == 1024;
+                if let Some((last, _)) = page.last() {
+                    from = keys::key_after_bytes(last);
+                }
+                for (key, value) in page {
+                    let Ok(slot) = serde_json::from_slice::<Slot>(&value) else {
+                        continue;
+                    };
+                    if me.is(&slot) && !keep.contains(&slot.invocation) {
+                        tx.delete(key).await?;
+                        deleted += 1;
+                    }
+                }
+                if !full {
+                    break;
+                }
+            }
+            Ok::<_, TitoError>(deleted)
+        })
+        .await
+}
