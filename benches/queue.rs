@@ -13,7 +13,8 @@
 //! sqlx's own libsqlite3-sys, which cannot link beside rusqlite's in one build.
 //!
 //! `cargo bench --bench queue` (`TITO_BENCH_EVENTS` sets N, default 4000;
-//! `TITO_BENCH_ONLY=latency` runs the commit-to-handler table alone,
+//! `TITO_BENCH_ONLY=latency` runs the commit-to-handler table alone, `TITO_BENCH_ONLY=limits`
+//! the limits table alone,
 //! `TITO_BENCH_LATENCY_SAMPLES` its events per cell, default 40).
 
 use std::sync::Arc;
@@ -23,7 +24,7 @@ use rusqlite::{Connection, params};
 use serde::{Deserialize, Serialize};
 use tito::backend::embedded::{Durability, Embedded, EmbeddedOptions};
 use tito::queue::ModelEvent;
-use tito::queue::run_worker;
+use tito::queue::{Limits, run_worker};
 use tito::{
     Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, TitoEngine, TitoModel, TitoTransaction,
     WorkerConfig,
@@ -441,11 +442,83 @@ fn sqlite_lateness(dir: &std::path::Path) -> (i64, i64) {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
-    // `TITO_BENCH_ONLY=latency` runs only the commit-to-handler section.
-    if std::env::var("TITO_BENCH_ONLY").as_deref() != Ok("latency") {
-        throughput_lateness_idle().await;
+    match std::env::var("TITO_BENCH_ONLY").as_deref() {
+        Ok("latency") => commit_to_handler_table().await,
+        Ok("limits") => limits_table().await,
+        _ => {
+            throughput_lateness_idle().await;
+            limits_table().await;
+            commit_to_handler_table().await;
+        }
     }
-    commit_to_handler_table().await;
+}
+
+/// Drain rate of `n` events over 1,000 business keys under `limits` (embedded, buffered; one
+/// worker, 4 partitions, 64 handlers in flight; the handler sleeps 1 ms so that limits bind).
+async fn limited_drain(db: &Embedded, topic: &str, n: u64, limits: Limits) -> (f64, u64) {
+    let queue = Arc::new(Queue::new(
+        db.clone(),
+        QueueConfig::new(4, Duration::from_secs(3600)).topic(topic),
+    ));
+    let due = chrono::Utc::now().timestamp();
+    for i in 0..n {
+        queue
+            .publish(QueueEvent::new(format!("customer:{}", i % 1000), job(i), due))
+            .await
+            .unwrap();
+    }
+    if !limits.is_none() {
+        queue.set_limits(limits).await.unwrap();
+    }
+    let (stop, rx) = watch::channel(false);
+    let start = Instant::now();
+    let worker = tokio::spawn(run_worker(
+        queue.clone(),
+        WorkerConfig::new(0..4)
+            .concurrency(64)
+            .page_size(64)
+            .max_idle_backoff(Duration::from_millis(50)),
+        |_event: QueueEvent<Job>| async {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            Ok(QueueHandlerOutcome::Acknowledge)
+        },
+        rx,
+    ));
+    while queue.stats().acknowledged < n {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let rate = n as f64 / start.elapsed().as_secs_f64();
+    stop.send(true).unwrap();
+    worker.await.unwrap().unwrap();
+    (rate, queue.stats().limited)
+}
+
+async fn limits_table() {
+    let n = events();
+    println!(
+        "limits: {n} events over 1,000 keys, one worker (4 partitions, 64 in flight), 1 ms handler, embedded buffered"
+    );
+    println!("{:<34} {:>12} {:>10} {:>14}", "limits", "events/s", "vs plain", "waits (slots)");
+    let dir = tempfile::tempdir().unwrap();
+    let db = open(dir.path(), Durability::Buffered).await;
+    let mut plain = 0.0;
+    for (i, (name, limits)) in [
+        ("none", Limits::none()),
+        ("1 per key", Limits::none().key_concurrency(1)),
+        ("4 per key", Limits::none().key_concurrency(4)),
+        ("16 in the queue", Limits::none().concurrency(16)),
+        ("16 in the queue, 1 per key", Limits::none().concurrency(16).key_concurrency(1)),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let (rate, waits) = limited_drain(&db, &format!("limits-{i}"), n, limits).await;
+        if i == 0 {
+            plain = rate;
+        }
+        println!("{name:<34} {rate:>12.0} {:>10.2} {waits:>14}", rate / plain);
+    }
+    db.close().await.unwrap();
 }
 
 async fn throughput_lateness_idle() {
