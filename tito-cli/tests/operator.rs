@@ -346,6 +346,49 @@ async fn the_cli_reads_a_seeded_store() {
         String::from_utf8_lossy(&at(&["queue", "resume", "--topic", "flaky"]).stdout).into_owned();
     assert!(text.contains("was not paused"), "{text}");
 
+    // Limits: set, shown by `limits` and `stats`, lifted; bad rates and zero refused.
+    let none = String::from_utf8_lossy(&at(&["queue", "limits", "--topic", "flaky"]).stdout)
+        .into_owned();
+    assert!(none.contains("no limits"), "{none}");
+    let set = stdout_json(&at(&[
+        "queue",
+        "limits",
+        "--topic",
+        "flaky",
+        "--key-concurrency",
+        "1",
+        "--rate",
+        "100/1m",
+        "--json",
+    ]));
+    assert_eq!(set["limits"]["key_concurrency"], 1);
+    assert_eq!(set["limits"]["rate"]["starts"], 100);
+    assert_eq!(set["limits"]["rate"]["per"], 60_000);
+    let stats =
+        String::from_utf8_lossy(&at(&["queue", "stats", "--topic", "flaky"]).stdout).into_owned();
+    assert!(
+        stats.contains("LIMITS: per key 1") && stats.contains("100 starts per 60s"),
+        "{stats}"
+    );
+    for (bad, says) in [
+        ("100", "is not a rate"),
+        ("100/1w", "is not a rate"),
+        ("x/1s", "is not a rate"),
+        ("0/1s", "must allow 1 to 1000"),
+        ("5/0s", "the interval must be"),
+    ] {
+        let out = at(&["queue", "limits", "--topic", "flaky", "--rate", bad]);
+        assert_eq!(out.status.code(), Some(1), "{bad}");
+        assert!(stderr(&out).contains(says), "{bad}: {}", stderr(&out));
+    }
+    let zero = at(&["queue", "limits", "--topic", "flaky", "--concurrency", "0"]);
+    assert!(stderr(&zero).contains("pause it"), "{}", stderr(&zero));
+    let lifted = String::from_utf8_lossy(
+        &at(&["queue", "limits", "--topic", "flaky", "--none"]).stdout,
+    )
+    .into_owned();
+    assert!(lifted.contains("no limits"), "{lifted}");
+
     let row = stdout_json(&at(&["table", "get", "user", "u03", "--json"]));
     assert_eq!(row["value"]["team"], "red");
     let missing = at(&["table", "get", "user", "nobody"]);
