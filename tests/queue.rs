@@ -60,6 +60,7 @@ macro_rules! queue_suite {
                 a_crashed_workers_slots_free_by_the_lease_rule,
                 rate_limits_space_starts_and_move_what_waits,
                 limits_are_checked_and_stored,
+                unique_keys_hold_for_their_period_in_the_states_covered,
             ]
         );
     };
@@ -2178,4 +2179,131 @@ pub async fn limits_are_checked_and_stored<E: TitoEngine>(ctx: Ctx<E>) {
     assert_eq!(topic, set, "the tool functions read the same record");
     queue.set_limits(Limits::none()).await.unwrap();
     assert!(queue.limits().await.unwrap().is_none());
+}
+
+pub async fn unique_keys_hold_for_their_period_in_the_states_covered<E: TitoEngine>(ctx: Ctx<E>) {
+    use tito::queue::{Unique, UniqueStates};
+    let queue = queue(&ctx.db, 2);
+    let hour = Duration::from_secs(3600);
+    // By an explicit key: the second publication collides and names the first.
+    let first = QueueEvent::new("u1", Job { n: 1 }, now());
+    let by_user = Unique::key("reminder:u1", hour);
+    let published = queue.publish_unique(first.clone(), &by_user).await.unwrap();
+    assert!(!published.duplicate);
+    let again = queue
+        .publish_unique(QueueEvent::new("u1", Job { n: 2 }, now()), &by_user)
+        .await
+        .unwrap();
+    assert!(again.duplicate);
+    assert_eq!(again.key, published.key, "the invocation it collided with");
+    assert_eq!(again.collided_id.as_deref(), Some(first.id.as_str()));
+    // The same id again is a duplicate by id (nothing collided by key).
+    let same_id = queue.publish_unique(first.clone(), &by_user).await.unwrap();
+    assert!(same_id.duplicate && same_id.collided_id.is_none());
+    // By payload fields: equal `n`, same job; another `n`, another job.
+    let by_n = Unique::fields(["n"], hour);
+    let five = queue
+        .publish_unique(QueueEvent::new("a", Job { n: 5 }, now()), &by_n)
+        .await
+        .unwrap();
+    assert!(!five.duplicate);
+    let five_again = queue
+        .publish_unique(QueueEvent::new("b", Job { n: 5 }, now()), &by_n)
+        .await
+        .unwrap();
+    assert_eq!((five_again.duplicate, five_again.key), (true, five.key));
+    let six = queue
+        .publish_unique(QueueEvent::new("a", Job { n: 6 }, now()), &by_n)
+        .await
+        .unwrap();
+    assert!(!six.duplicate);
+    // Racing publications of one key: exactly one is written.
+    let racing = Unique::key("race", hour);
+    let results = futures::future::join_all((0..6).map(|n| {
+        let (queue, racing) = (queue.clone(), racing.clone());
+        async move {
+            queue
+                .publish_unique(QueueEvent::new(format!("r{n}"), Job { n: 100 + n }, now()), &racing)
+                .await
+                .unwrap()
+        }
+    }))
+    .await;
+    assert_eq!(results.iter().filter(|p| !p.duplicate).count(), 1, "{results:?}");
+    // Run everything: `Pending` frees the key once its holder completed, `Any` does not.
+    let pending_only = Unique::key("p", hour);
+    let any = Unique::key("a", hour).covering(UniqueStates::Any);
+    for rule in [&pending_only, &any] {
+        let p = queue
+            .publish_unique(QueueEvent::new("x", Job { n: 50 }, now()), rule)
+            .await
+            .unwrap();
+        assert!(!p.duplicate);
+    }
+    let (_seen, handler) = recorder();
+    let worker = start(&queue, fast(0..2), handler);
+    // u1, n=5, n=6, the race's one, p and a.
+    drained(&queue, 6).await;
+    worker.stop().await;
+    let after = queue
+        .publish_unique(QueueEvent::new("x", Job { n: 51 }, now()), &pending_only)
+        .await
+        .unwrap();
+    assert!(!after.duplicate, "a completed holder frees a Pending key");
+    let after = queue
+        .publish_unique(QueueEvent::new("x", Job { n: 52 }, now()), &any)
+        .await
+        .unwrap();
+    assert!(after.duplicate, "an Any key holds past completion");
+    assert!(after.key.contains(":completed:"), "{}", after.key);
+    // A short period ends: the key is free again though its holder is still pending, and
+    // maintenance deletes the expired record.
+    let short = Unique::key("short", Duration::from_secs(1));
+    let held = queue
+        .publish_unique(QueueEvent::new("s", Job { n: 60 }, now() + 3600), &short)
+        .await
+        .unwrap();
+    assert!(!held.duplicate);
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let free = queue
+        .publish_unique(QueueEvent::new("s", Job { n: 61 }, now() + 3600), &short)
+        .await
+        .unwrap();
+    assert!(!free.duplicate, "the period ended");
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    // The second took the key over (the first's expiry entry went with it): one record to
+    // delete, and it is gone.
+    assert_eq!(queue.sweep_unique().await.unwrap(), 1);
+    assert_eq!(queue.sweep_unique().await.unwrap(), 0);
+    let tx = ctx.db.begin().await.unwrap();
+    let record = tito::keys::unique_key("queue", "short");
+    assert_eq!(tx.get(record.as_bytes()).await.unwrap(), None);
+    let kept = tito::keys::unique_key("queue", "reminder:u1");
+    assert!(tx.get(kept.as_bytes()).await.unwrap().is_some(), "an hour's key stays");
+    tx.rollback().await.unwrap();
+    // Mistakes, refused before anything is written.
+    let bad = [
+        Unique::fields(["missing"], hour),
+        Unique::fields(Vec::<String>::new(), hour),
+        Unique::key("", hour),
+        Unique::key("k".repeat(1025), hour),
+        Unique::key("k", Duration::ZERO),
+        Unique::key("k", Duration::from_secs(31 * 24 * 3600)),
+    ];
+    for rule in &bad {
+        let err = queue
+            .publish_unique(QueueEvent::new("m", Job { n: 70 }, now()), rule)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, TitoError::InvalidArgument(_)), "{rule:?}: {err:?}");
+    }
+    let scalar = tito::Queue::new(
+        ctx.db.clone(),
+        QueueConfig::new(2, Duration::from_secs(3600)),
+    );
+    let err = scalar
+        .publish_unique(QueueEvent::new("m", 7u32, now()), &Unique::fields(["n"], hour))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("JSON object"), "{err}");
 }

@@ -913,6 +913,35 @@ pub fn worker_heartbeat_key(root: &str, worker: &str) -> String {
     out
 }
 
+/// `{queue}:unique:{key}`: the publication that holds a unique key (JSON: id, until).
+pub fn unique_key(root: &str, key: &str) -> String {
+    let mut out = format!("{root}:unique:");
+    encode_str(key, &mut out);
+    out
+}
+
+/// `{queue}:unique-exp:`, the expiry index of a queue's unique keys.
+pub fn unique_exp_prefix(root: &str) -> String {
+    format!("{root}:unique-exp:")
+}
+
+/// `{queue}:unique-exp:{until_ms:020}:{key}`: a unique key's record expires at `until_ms`.
+pub fn unique_exp_key(root: &str, until_ms: u64, key: &str) -> String {
+    let mut out = format!("{root}:unique-exp:{until_ms:020}:");
+    encode_str(key, &mut out);
+    out
+}
+
+/// The expiry and the unique key of an expiry index key (`None`: not one).
+pub fn parse_unique_exp_key(root: &str, key: &str) -> Option<(u64, String)> {
+    let rest = key.strip_prefix(&unique_exp_prefix(root))?;
+    let (until, key) = rest.split_once(':')?;
+    if until.len() != 20 {
+        return None;
+    }
+    Some((until.parse().ok()?, decode_str(key).ok()?))
+}
+
 /// `{queue}:paused:`, every pause record of a queue.
 pub fn paused_prefix(root: &str) -> String {
     format!("{root}:paused:")

@@ -25,6 +25,8 @@ pub(crate) async fn gc<E: TitoEngine>(db: &E, retention: Duration, json: bool) -
         let full = tito::queue::RETENTION_BATCH;
         let deleted = until_short(full, async || queue.expire_completed().await).await?;
         report.insert(format!("queue {}", info.label), deleted.into());
+        let unique = until_short(full, async || queue.sweep_unique().await).await?;
+        report.insert(format!("queue {} unique keys", info.label), unique.into());
     }
     let kv = tito::kv::Kv::new(db.clone());
     let full = tito::kv::SWEEP_BATCH;

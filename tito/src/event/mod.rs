@@ -355,8 +355,31 @@ pub struct Published {
     /// The storage key of the event's invocation: the new pending row, or, for a duplicate,
     /// the live invocation (pending or completed) that already holds the event id.
     pub key: String,
-    /// Whether the event id already had a live invocation, so nothing was written.
+    /// Whether the event id already had a live invocation, or (for
+    /// [`Queue::publish_unique`](crate::Queue::publish_unique)) its unique key was held, so
+    /// nothing was written.
     pub duplicate: bool,
+    /// For a duplicate by unique key: the id of the event that holds the key (`key` is its
+    /// invocation).
+    pub collided_id: Option<String>,
+}
+
+impl Published {
+    pub(crate) fn new(key: String) -> Self {
+        Published {
+            key,
+            duplicate: false,
+            collided_id: None,
+        }
+    }
+
+    pub(crate) fn duplicate_of(key: String) -> Self {
+        Published {
+            key,
+            duplicate: true,
+            collided_id: None,
+        }
+    }
 }
 
 #[cfg(test)]

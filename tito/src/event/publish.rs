@@ -74,22 +74,10 @@ pub(crate) async fn plan_pending<X: TitoTransaction>(
         let key = String::from_utf8(live).map_err(|_| {
             TitoError::Integrity(format!("event id key {id_key:?} does not hold a key"))
         })?;
-        return Ok((
-            Published {
-                key,
-                duplicate: true,
-            },
-            partition,
-        ));
+        return Ok((Published::duplicate_of(key), partition));
     }
     let key = plan_insert(tx.start_version(), root, partitions, stored, bytes, writes);
-    Ok((
-        Published {
-            key,
-            duplicate: false,
-        },
-        partition,
-    ))
+    Ok((Published::new(key), partition))
 }
 
 /// Plans a pending row, its owner key and its event-id key (pointing at the row), with no

@@ -84,6 +84,7 @@ mod pause;
 mod periodic;
 mod pull;
 mod topic;
+mod unique;
 mod worker;
 
 use std::sync::Arc;
@@ -117,6 +118,7 @@ pub use periodic::{
     PeriodicJob, Schedule, ScheduleView, TICK_TIMEOUT, run_periodic, schedules, tick_id,
 };
 pub use topic::{TopicQueue, WorkerQueue};
+pub use unique::{MAX_UNIQUE_KEY_BYTES, MAX_UNIQUE_PERIOD, Unique, UniqueStates};
 pub(crate) use worker::AfterFailure;
 pub use worker::{
     FailurePolicy, MAX_ATTEMPTS, MAX_SETTING, MIN_LEASE, Shutdown, WorkerConfig,

@@ -94,6 +94,25 @@ impl<E: TitoEngine, T: Serialize> TopicQueue<E, T> {
         self.queue.publish(event).await
     }
 
+    /// [`Queue::publish_unique`], typed.
+    pub async fn publish_unique(
+        &self,
+        event: QueueEvent<T>,
+        unique: &super::Unique,
+    ) -> TitoResult<Published> {
+        self.queue.publish_unique(event, unique).await
+    }
+
+    /// [`Queue::publish_unique_in_tx`], typed.
+    pub async fn publish_unique_in_tx(
+        &self,
+        event: &QueueEvent<T>,
+        unique: &super::Unique,
+        tx: &E::Transaction,
+    ) -> TitoResult<Published> {
+        self.queue.publish_unique_in_tx(event, unique, tx).await
+    }
+
     /// [`Queue::publish_in_tx`], typed.
     pub async fn publish_in_tx(
         &self,

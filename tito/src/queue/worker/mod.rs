@@ -701,6 +701,10 @@ async fn maintenance_pass<E: TitoEngine>(queue: &Queue<E>, sweep_kv: bool) -> bo
         Ok(deleted) => full |= deleted == super::RETENTION_BATCH,
         Err(err) => tracing::warn!(error = %err, "sweeping undecodable notes failed"),
     }
+    match queue.sweep_unique().await {
+        Ok(deleted) => full |= deleted == super::RETENTION_BATCH,
+        Err(err) => tracing::warn!(error = %err, "sweeping expired unique keys failed"),
+    }
     if sweep_kv {
         match crate::kv::sweep_expired(queue.engine(), crate::kv::SWEEP_BATCH).await {
             Ok(deleted) => full |= deleted == crate::kv::SWEEP_BATCH,

@@ -1,0 +1,318 @@
+//! Unique jobs with a window: at most one publication per *unique key* (an explicit key, or
+//! fields of the payload) per period, beyond the one-live-invocation-per-id rule.
+//!
+//! A publication under [`Unique`] reads `{queue}:unique:{key}`, the last publication that took
+//! the key (its event id and until when it holds the key). While that holds, and the id's
+//! invocation is in a state the rule covers ([`UniqueStates`]), nothing is written and the
+//! answer is a duplicate naming the invocation it collided with. Otherwise the event is
+//! published as usual and takes the key for the period. Two racing publications of one key
+//! both write its record, so one of them conflicts, replays and finds the other.
+//! `{queue}:unique-exp:{until_ms}:{key}` indexes the records by expiry; maintenance deletes the
+//! expired ones.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::{Queue, RETENTION_BATCH};
+use crate::engine::{self, TitoEngine, TitoTransaction};
+use crate::error::{TitoError, TitoResult};
+use crate::event::publish::plan_pending;
+use crate::event::{Published, QueueEvent, StoredEvent};
+use crate::keys;
+
+/// The longest unique key accepted (bytes, as built).
+pub const MAX_UNIQUE_KEY_BYTES: usize = 1024;
+/// The longest period a unique key is held.
+pub const MAX_UNIQUE_PERIOD: Duration = Duration::from_secs(30 * 24 * 60 * 60);
+
+/// Which states of the earlier invocation make a publication a duplicate.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum UniqueStates {
+    /// Only while it is pending (waiting or running): once it completed, the key is free
+    /// again within the period. "Not two at once."
+    #[default]
+    Pending,
+    /// Pending, completed (cancelled included) or dead, for the whole period, as long as the
+    /// queue keeps its row (completed rows are kept for the queue's retention). "At most one
+    /// per period."
+    Any,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum UniqueBy {
+    Key(String),
+    Fields(Vec<String>),
+}
+
+/// A publication's uniqueness rule: what makes two publications the same job, for how long,
+/// and in which states of the first the second is refused.
+///
+/// ```
+/// use std::time::Duration;
+/// use tito::queue::{Unique, UniqueStates};
+///
+/// // One reminder per user per hour, counting those already sent in that hour.
+/// let rule = Unique::fields(["user_id"], Duration::from_secs(3600)).covering(UniqueStates::Any);
+/// # let _ = rule;
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Unique {
+    by: UniqueBy,
+    period: Duration,
+    states: UniqueStates,
+}
+
+impl Unique {
+    /// Unique by an explicit key, for `period`.
+    pub fn key(key: impl Into<String>, period: Duration) -> Self {
+        Unique {
+            by: UniqueBy::Key(key.into()),
+            period,
+            states: UniqueStates::default(),
+        }
+    }
+
+    /// Unique by these fields of the payload (a JSON object once serialized), for `period`:
+    /// two payloads with equal values in every named field are the same job.
+    pub fn fields<S: Into<String>>(fields: impl IntoIterator<Item = S>, period: Duration) -> Self {
+        Unique {
+            by: UniqueBy::Fields(fields.into_iter().map(Into::into).collect()),
+            period,
+            states: UniqueStates::default(),
+        }
+    }
+
+    /// The states of the earlier invocation that make a publication a duplicate (default
+    /// [`UniqueStates::Pending`]).
+    pub fn covering(mut self, states: UniqueStates) -> Self {
+        self.states = states;
+        self
+    }
+
+    /// The unique key of a payload, checked: refused with `InvalidArgument` when the period is
+    /// zero or over [`MAX_UNIQUE_PERIOD`], the field list is empty or names a field the payload
+    /// does not have, or the key is empty or over [`MAX_UNIQUE_KEY_BYTES`].
+    fn key_of(&self, payload: &Value) -> TitoResult<String> {
+        if self.period.is_zero() || self.period > MAX_UNIQUE_PERIOD {
+            return Err(TitoError::invalid_argument(format!(
+                "a unique period of {:?}; it must be more than zero and at most \
+                 {MAX_UNIQUE_PERIOD:?}",
+                self.period
+            )));
+        }
+        let key = match &self.by {
+            UniqueBy::Key(key) => key.clone(),
+            UniqueBy::Fields(fields) => {
+                if fields.is_empty() {
+                    return Err(TitoError::invalid_argument(
+                        "Unique::fields names no field",
+                    ));
+                }
+                let Value::Object(object) = payload else {
+                    return Err(TitoError::invalid_argument(
+                        "Unique::fields needs a payload that serializes as a JSON object",
+                    ));
+                };
+                let mut values = Vec::with_capacity(fields.len());
+                for field in fields {
+                    let value = object.get(field).ok_or_else(|| {
+                        TitoError::invalid_argument(format!(
+                            "Unique::fields names {field:?}, which the payload does not have"
+                        ))
+                    })?;
+                    values.push(value.clone());
+                }
+                // Field names and values, as JSON: equal values give equal keys.
+                serde_json::to_string(&(fields, values))?
+            }
+        };
+        if key.is_empty() || key.len() > MAX_UNIQUE_KEY_BYTES {
+            return Err(TitoError::invalid_argument(format!(
+                "a unique key of {} bytes; it must hold 1 to {MAX_UNIQUE_KEY_BYTES}",
+                key.len()
+            )));
+        }
+        Ok(key)
+    }
+}
+
+/// A unique key's record.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct UniqueRecord {
+    id: String,
+    until_ms: u64,
+}
+
+impl<E: TitoEngine> Queue<E> {
+    /// Publishes `event` unless a publication with the same unique key holds it (see
+    /// [`Unique`]): then nothing is written, and the answer is a duplicate whose `key` is the
+    /// storage key of the invocation it collided with and whose `collided_id` is that event's
+    /// id. Idempotent per event id as well, like [`Queue::publish`].
+    pub async fn publish_unique<T: Serialize>(
+        &self,
+        event: QueueEvent<T>,
+        unique: &Unique,
+    ) -> TitoResult<Published> {
+        let stored = StoredEvent::from_event(&event)?;
+        let bytes = stored.to_bytes()?;
+        let unique_key = unique.key_of(&stored.payload)?;
+        self.check_config()?;
+        let root = self.root.clone();
+        let partitions = self.config.partitions;
+        let wakeups = self.wakeups.clone();
+        let (published, _) = self
+            .db
+            .transaction(|tx| {
+                let (root, stored, bytes) = (root.clone(), stored.clone(), bytes.clone());
+                let (wakeups, unique_key) = (wakeups.clone(), unique_key.clone());
+                async move {
+                    let mut writes = engine::Writes::default();
+                    super::check_meta(&tx, &root, partitions, &mut writes).await?;
+                    let planned = plan_unique(
+                        &tx,
+                        &root,
+                        partitions,
+                        &stored,
+                        bytes,
+                        &unique_key,
+                        unique,
+                        &mut writes,
+                    )
+                    .await?;
+                    writes.apply(&tx).await?;
+                    if !planned.0.duplicate {
+                        wakeups.wake_after_commit(&tx, planned.1);
+                    }
+                    Ok::<_, TitoError>(planned)
+                }
+            })
+            .await?;
+        self.published(&published);
+        Ok(published)
+    }
+
+    /// [`Queue::publish_unique`] inside `tx`, atomically with the rest of it.
+    pub async fn publish_unique_in_tx<T: Serialize>(
+        &self,
+        event: &QueueEvent<T>,
+        unique: &Unique,
+        tx: &E::Transaction,
+    ) -> TitoResult<Published> {
+        let stored = StoredEvent::from_event(event)?;
+        let bytes = stored.to_bytes()?;
+        let unique_key = unique.key_of(&stored.payload)?;
+        let mut writes = engine::Writes::default();
+        self.plan_meta(tx, &mut writes).await?;
+        let (published, partition) = plan_unique(
+            tx,
+            &self.root,
+            self.config.partitions,
+            &stored,
+            bytes,
+            &unique_key,
+            unique,
+            &mut writes,
+        )
+        .await?;
+        writes.apply(tx).await?;
+        if !published.duplicate {
+            self.wakeups.wake_after_commit(tx, partition);
+        }
+        self.published(&published);
+        Ok(published)
+    }
+
+    /// One maintenance step: deletes up to [`RETENTION_BATCH`] unique-key records whose period
+    /// ended. Returns how many.
+    pub async fn sweep_unique(&self) -> TitoResult<usize> {
+        let root = self.root.clone();
+        self.db
+            .transaction(|tx| {
+                let root = root.clone();
+                async move {
+                    let now = engine::version_millis(tx.start_version());
+                    let prefix = keys::unique_exp_prefix(&root);
+                    let end = keys::unique_exp_key(&root, now, "");
+                    let rows = tx
+                        .scan(prefix.as_bytes(), end.as_bytes(), RETENTION_BATCH)
+                        .await?;
+                    let mut deleted = 0;
+                    for (key, _) in &rows {
+                        tx.delete(key.clone()).await?;
+                        let Some((until, unique_key)) = keys::key_str(key)
+                            .ok()
+                            .and_then(|k| keys::parse_unique_exp_key(&root, k))
+                        else {
+                            continue;
+                        };
+                        let record_key = keys::unique_key(&root, &unique_key).into_bytes();
+                        let record = tx.get(&record_key).await?;
+                        let same = record
+                            .and_then(|b| serde_json::from_slice::<UniqueRecord>(&b).ok())
+                            .is_some_and(|r| r.until_ms == until);
+                        if same {
+                            tx.delete(record_key).await?;
+                        }
+                        deleted += 1;
+                    }
+                    Ok::<_, TitoError>(deleted)
+                }
+            })
+            .await
+    }
+}
+
+/// Plans a unique publication: a duplicate when the key is held in a covered state, else the
+/// event's pending row (unless its id is a duplicate) and the key's new record.
+#[allow(clippy::too_many_arguments)]
+async fn plan_unique<X: TitoTransaction>(
+    tx: &X,
+    root: &str,
+    partitions: u32,
+    stored: &StoredEvent,
+    bytes: Vec<u8>,
+    unique_key: &str,
+    unique: &Unique,
+    writes: &mut engine::Writes,
+) -> TitoResult<(Published, u32)> {
+    let now = engine::version_millis(tx.start_version());
+    let record_key = keys::unique_key(root, unique_key);
+    let record = tx
+        .get(record_key.as_bytes())
+        .await?
+        .and_then(|bytes| serde_json::from_slice::<UniqueRecord>(&bytes).ok());
+    if let Some(record) = &record
+        && now < record.until_ms
+        && record.id != stored.id
+        && let Some(live) = tx
+            .get(keys::event_id_key(root, &record.id).as_bytes())
+            .await?
+        && let Ok(live) = String::from_utf8(live)
+    {
+        let pending = live.starts_with(&format!("{root}:pending:"));
+        if pending || unique.states == UniqueStates::Any {
+            let partition = crate::event::partition_for(&stored.key, partitions);
+            let mut published = Published::duplicate_of(live);
+            published.collided_id = Some(record.id.clone());
+            return Ok((published, partition));
+        }
+    }
+    let planned = plan_pending(tx, root, partitions, stored, bytes, writes).await?;
+    if planned.0.duplicate {
+        return Ok(planned);
+    }
+    if let Some(old) = &record {
+        writes.delete(keys::unique_exp_key(root, old.until_ms, unique_key));
+    }
+    let until_ms = now.saturating_add(crate::util::millis(unique.period));
+    let fresh = UniqueRecord {
+        id: stored.id.clone(),
+        until_ms,
+    };
+    writes.put(record_key, serde_json::to_vec(&fresh)?);
+    writes.put(keys::unique_exp_key(root, until_ms, unique_key), Vec::new());
+    Ok(planned)
+}
