@@ -61,6 +61,7 @@ macro_rules! queue_suite {
                 rate_limits_space_starts_and_move_what_waits,
                 limits_are_checked_and_stored,
                 unique_keys_hold_for_their_period_in_the_states_covered,
+                priorities_run_first_and_lower_ones_age,
             ]
         );
     };
@@ -2306,4 +2307,50 @@ pub async fn unique_keys_hold_for_their_period_in_the_states_covered<E: TitoEngi
         .await
         .unwrap_err();
     assert!(err.to_string().contains("JSON object"), "{err}");
+}
+
+pub async fn priorities_run_first_and_lower_ones_age<E: TitoEngine>(ctx: Ctx<E>) {
+    let queue = queue(&ctx.db, 1);
+    let t = now();
+    // Published in this order; run (one at a time) in priority order, except that a priority
+    // counts as a minute of waiting per step: the low one due ten minutes ago goes first.
+    let plan = [
+        (1, 0, t - 30),   // low, due 30 s ago
+        (2, 9, t),        // high, due now
+        (3, 0, t - 30),   // low
+        (4, 9, t),        // high
+        (5, 0, t - 600),  // low, waited longer than nine minutes
+        (6, 9, t + 2),    // high, not due yet: never runs early
+        (7, 4, t),        // middle
+    ];
+    for (n, priority, due) in plan {
+        queue
+            .publish(QueueEvent::new("k", Job { n }, due).with_priority(priority))
+            .await
+            .unwrap();
+    }
+    let err = queue
+        .publish(QueueEvent::new("k", Job { n: 99 }, t).with_priority(10))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, TitoError::InvalidArgument(_)), "{err:?}");
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let record = order.clone();
+    let worker = start(
+        &queue,
+        fast(0..1).concurrency(1).page_size(1),
+        move |event: QueueEvent<Job>| {
+            let at = chrono::Utc::now().timestamp_millis();
+            record.lock().unwrap().push((event.payload.n, event.priority, at, event.timestamp));
+            async move { Ok(QueueHandlerOutcome::Acknowledge) }
+        },
+    );
+    drained(&queue, 7).await;
+    worker.stop().await;
+    let order = order.lock().unwrap().clone();
+    let ran: Vec<u32> = order.iter().map(|(n, ..)| *n).collect();
+    assert_eq!(&ran[..6], &[5, 2, 4, 7, 1, 3], "{order:?}");
+    let (n, priority, at, due) = order[6];
+    assert_eq!((n, priority), (6, 9), "the future one last, its priority kept");
+    assert!(at >= due * 1000 - 100, "started at {at} ms, due at {due} s");
 }

@@ -355,6 +355,16 @@ fn handler(
                     })
                     .collect();
                 t.pause_violations.extend(late);
+                // Never before its due time, whatever its priority (the engine's clock is the
+                // runtime's, from EPOCH_MS; one second of margin for where it is anchored).
+                let engine_ms = u128::from(EPOCH_MS) + now;
+                if engine_ms + 1000 < event.timestamp as u128 * 1000 {
+                    let line = format!(
+                        "event {n} (priority {}) started on {who} at {engine_ms} ms, due at {} s",
+                        event.priority, event.timestamp
+                    );
+                    t.limit_violations.push(line);
+                }
                 if let Some((limits, since)) = t.limits.clone().filter(|(_, since)| now > *since) {
                     limit_check(&mut t, &limits, since, n, &event.key, &who);
                 }
@@ -588,6 +598,9 @@ impl Sim {
             .with_id(id.clone());
         if self.rng.chance(25) {
             event = event.with_owner(QueueOwner::new("account", format!("a{}", n % 5)));
+        }
+        if self.rng.chance(30) {
+            event = event.with_priority(self.rng.below(10) as u8);
         }
         let with_model = self.rng.chance(30);
         let result = if with_model {
@@ -1330,7 +1343,7 @@ impl Sim {
             .limit_violations
             .clone();
         self.check(limit_violations.is_empty(), || {
-            format!("q{which}: started past a limit: {limit_violations:?}")
+            format!("q{which}: started past a limit or before its due time: {limit_violations:?}")
         });
         let (overlaps, details) = {
             let tracker = self.queues[which].tracker.lock().unwrap();

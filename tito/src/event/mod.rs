@@ -76,7 +76,19 @@ pub struct QueueEvent<T> {
     /// publishing: an invocation starts at attempt 1.
     #[serde(default = "first_attempt")]
     pub attempt: u32,
+    /// From 0 (the default) to [`MAX_PRIORITY`]: among due invocations of a partition, a
+    /// higher priority runs first; each step of priority counts as [`PRIORITY_STEP`] of
+    /// waiting, so a lower one that waited longer than the difference is not passed over
+    /// (see [`QueueEvent::with_priority`]). Kept by replacements, retries and steps.
+    #[serde(default)]
+    pub priority: u8,
 }
+
+/// The highest priority.
+pub const MAX_PRIORITY: u8 = 9;
+
+/// How much waiting one step of priority is worth.
+pub const PRIORITY_STEP: std::time::Duration = std::time::Duration::from_secs(60);
 
 fn first_attempt() -> u32 {
     1
@@ -107,12 +119,27 @@ impl<T> QueueEvent<T> {
             timestamp,
             owner: None,
             attempt: 1,
+            priority: 0,
         }
     }
 
     /// The same event with this logical id (for idempotent publication).
     pub fn with_id(mut self, id: impl Into<String>) -> Self {
         self.id = id.into();
+        self
+    }
+
+    /// The same event with a priority, from 0 (the default) to [`MAX_PRIORITY`] (a higher one
+    /// is refused at publication).
+    ///
+    /// The rule: pending rows are ordered by their due time less `priority` ×
+    /// [`PRIORITY_STEP`] (one minute), so among due invocations of a partition a priority-9
+    /// one runs before a priority-0 one that became due up to nine minutes earlier, and after
+    /// one that has waited longer. A lower priority therefore never waits more than
+    /// [`MAX_PRIORITY`] minutes behind higher ones that keep arriving (ageing). An invocation
+    /// never runs before its own due time, whatever its priority.
+    pub fn with_priority(mut self, priority: u8) -> Self {
+        self.priority = priority;
         self
     }
 
@@ -209,6 +236,13 @@ pub(crate) struct StoredEvent {
     /// Set on completed rows of cancelled invocations: why.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cancelled: Option<String>,
+    /// The priority (0 by default).
+    #[serde(default, skip_serializing_if = "is_zero_u8")]
+    pub priority: u8,
+}
+
+fn is_zero_u8(n: &u8) -> bool {
+    *n == 0
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -230,6 +264,12 @@ impl StoredEvent {
         if let Some(owner) = &event.owner {
             owner.check()?;
         }
+        if event.priority > MAX_PRIORITY {
+            return Err(TitoError::invalid_argument(format!(
+                "event {:?} has priority {}; priorities go from 0 to {MAX_PRIORITY}",
+                event.id, event.priority
+            )));
+        }
         Ok(StoredEvent {
             id: event.id.clone(),
             key: event.key.clone(),
@@ -241,7 +281,15 @@ impl StoredEvent {
             last_error: None,
             dead_at: None,
             cancelled: None,
+            priority: event.priority,
         })
+    }
+
+    /// The due time the row is ordered by: its own, less [`PRIORITY_STEP`] per step of
+    /// priority (never below zero).
+    pub fn ordered_at(&self) -> u64 {
+        let boost = u64::from(self.priority) * PRIORITY_STEP.as_secs();
+        (self.timestamp.max(0) as u64).saturating_sub(boost)
     }
 
     /// The bytes of the row, refused when over [`MAX_QUEUE_EVENT_BYTES`].
@@ -271,6 +319,7 @@ impl StoredEvent {
             timestamp: self.timestamp,
             owner: self.owner.clone(),
             attempt: self.failures.saturating_add(1),
+            priority: self.priority,
         })
     }
 }

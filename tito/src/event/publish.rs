@@ -91,13 +91,8 @@ fn plan_insert(
     writes: &mut engine::Writes,
 ) -> String {
     let partition = partition_for(&stored.key, partitions);
-    let key = keys::pending_key(
-        root,
-        partition,
-        stored.timestamp as u64,
-        start_version,
-        &stored.id,
-    );
+    // Ordered by the due time less the priority's boost; the row keeps its own due time.
+    let key = keys::pending_key(root, partition, stored.ordered_at(), start_version, &stored.id);
     writes.put(key.clone(), bytes);
     writes.put(
         keys::event_id_key(root, &stored.id),

@@ -97,8 +97,9 @@ use serde_json::Value;
 
 use crate::event::publish::{check_meta, forget_event_id, plan_pending};
 pub use crate::event::{
-    MAX_OWNER_BYTES, MAX_QUEUE_EVENT_BYTES, ModelEvent, Published, QueueEvent, QueueHandlerOutcome,
-    QueueHandlerResult, QueueOwner, TitoOperation, Topic, partition_for,
+    MAX_OWNER_BYTES, MAX_PRIORITY, MAX_QUEUE_EVENT_BYTES, ModelEvent, PRIORITY_STEP, Published,
+    QueueEvent, QueueHandlerOutcome, QueueHandlerResult, QueueOwner, TitoOperation, Topic,
+    partition_for,
 };
 pub use crate::runtime::{Stop, Workers};
 pub(crate) use cancel::with_cancellation;

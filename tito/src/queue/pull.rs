@@ -2,7 +2,9 @@
 //!
 //! A pass starts by freezing two things: the runnable boundary (the engine's current time in
 //! seconds: rows due at or before it are runnable) and the version horizon (the engine's current
-//! version). The pass then walks rows in key order (due time, then enqueue version) in scans of
+//! version). Rows are keyed by their due time less their priority's boost
+//! ([`crate::queue::PRIORITY_STEP`] per step); a row whose own due time is still past the
+//! boundary is stepped over, and its due time bounds the wait before the next pass. The pass then walks rows in key order (due time, then enqueue version) in scans of
 //! at most [`SCAN_ROWS`] rows. A row enqueued at or after the horizon (for example one a handler
 //! just created for "now") makes the cursor jump past its whole due-time bucket, so newly created
 //! same-time work can never keep later buckets waiting. Malformed rows are counted, logged, left
@@ -32,6 +34,9 @@ struct Pass {
     boundary: u64,
     horizon: u64,
     next: Vec<u8>,
+    /// The earliest own due time of rows the pass stepped over because a priority orders them
+    /// before it.
+    early: Option<u64>,
 }
 
 /// A partition's cursor; executor state only, never stored.
@@ -80,14 +85,20 @@ impl Cursor {
                 boundary: engine::version_millis(tx.start_version()) / 1000,
                 horizon: tx.start_version(),
                 next: partition_prefix.clone().into_bytes(),
+                early: None,
             });
             let end = keys::pending_bucket_prefix(root, self.partition, pass.boundary + 1);
             let rows = tx.scan(&pass.next, end.as_bytes(), SCAN_ROWS).await?;
             QueueCounters::bump(&stats.scans, 1);
             if rows.is_empty() {
+                let early = pass.early;
                 self.pass = None;
                 result.exhausted = true;
-                result.next_due = next_due(tx, root, self.partition, &end).await?;
+                let after = next_due(tx, root, self.partition, &end).await?;
+                result.next_due = match (after, early) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                };
                 break;
             }
             for (key, value) in rows {
@@ -120,6 +131,12 @@ impl Cursor {
                         continue;
                     }
                 };
+                // A priority orders a row before its own due time: it is not runnable yet.
+                let due = stored.timestamp.max(0) as u64;
+                if due > pass.boundary {
+                    pass.early = Some(pass.early.map_or(due, |e| e.min(due)));
+                    continue;
+                }
                 result.items.push(Pulled {
                     key: text.to_string(),
                     parsed,
