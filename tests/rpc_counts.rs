@@ -468,3 +468,63 @@ async fn tikv_queue_outcomes_cost_the_counted_requests() {
     assert_eq!(counted[4], kv(4, 7, 13, 6), "{}", cases[4].name);
     assert_eq!(counted[5], kv(3, 5, 4, 5), "{}", cases[5].name);
 }
+
+/// The writes a concurrency limit adds to one started event on TiKV: a worker's whole run over
+/// one event (lease, start, outcome), with and without a per-key limit, counting the two-phase
+/// commits (prewrite and commit requests; reads of the pause and limit records go on while the
+/// worker idles, so reads are printed, not asserted).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tikv_a_limited_start_costs_one_gate_and_one_release_commit() {
+    use std::sync::Arc;
+    use std::time::Duration;
+    use tito::queue::{Limits, Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, WorkerConfig};
+
+    let cluster = TestCluster::start().await.unwrap();
+    let db = TiKV::connect(cluster.pd_endpoints()).await.unwrap();
+    let mut counted = Vec::new();
+    for (topic, limits) in [
+        ("plain", Limits::none()),
+        ("limited", Limits::none().key_concurrency(1)),
+        ("both", Limits::none().concurrency(4).key_concurrency(1)),
+    ] {
+        let queue = Arc::new(Queue::new(
+            db.clone(),
+            QueueConfig::new(1, Duration::from_secs(3600)).topic(topic),
+        ));
+        let now = chrono::Utc::now().timestamp() - 1;
+        queue.publish(QueueEvent::new("k", 1u32, now)).await.unwrap();
+        if !limits.is_none() {
+            queue.set_limits(limits).await.unwrap();
+        }
+        let reads = ["KvScan", "KvGet", "KvBatchGet"];
+        let before = quiet_except(&cluster, &reads).await;
+        let all_before = cluster.all_calls();
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let worker = tokio::spawn(tito::queue::run_worker(
+            queue.clone(),
+            WorkerConfig::new(0..1)
+                .lease_duration(Duration::from_secs(600))
+                .maintenance_interval(Duration::from_secs(600)),
+            |_event: QueueEvent<u32>| async { Ok(QueueHandlerOutcome::Acknowledge) },
+            stopped,
+        ));
+        while queue.stats().acknowledged < 1 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let writes = delta(&before, &quiet_except(&cluster, &reads).await);
+        let all = delta(&all_before, &cluster.all_calls());
+        stop.send(true).unwrap();
+        worker.await.unwrap().unwrap();
+        println!("{topic:<8} commits {writes:?}; all calls (reads include idle polls) {all:?}");
+        counted.push(writes);
+    }
+    let commits = |c: &BTreeMap<String, u64>| (c.get("KvPrewrite").copied(), c.get("KvCommit").copied());
+    let (plain, limited, both) = (commits(&counted[0]), commits(&counted[1]), commits(&counted[2]));
+    // Plain: two transactions that write, the lease (with the worker's heartbeat) and the
+    // outcome. A limit adds two, the gate's and the release's, whatever the number of limits
+    // (the gate resolves an unknown outcome, so it writes a commit marker beside its slots:
+    // one more commit request for the secondaries).
+    assert_eq!(plain, (Some(2), Some(4)), "{counted:?}");
+    assert_eq!(limited, (Some(4), Some(7)), "{counted:?}");
+    assert_eq!(both.0, Some(4), "{counted:?}");
+}
