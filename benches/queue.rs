@@ -463,7 +463,11 @@ async fn limited_drain(db: &Embedded, topic: &str, n: u64, limits: Limits) -> (f
     let due = chrono::Utc::now().timestamp();
     for i in 0..n {
         queue
-            .publish(QueueEvent::new(format!("customer:{}", i % 1000), job(i), due))
+            .publish(QueueEvent::new(
+                format!("customer:{}", i % 1000),
+                job(i),
+                due,
+            ))
             .await
             .unwrap();
     }
@@ -498,7 +502,10 @@ async fn limits_table() {
     println!(
         "limits: {n} events over 1,000 keys, one worker (4 partitions, 64 in flight), 1 ms handler, embedded buffered"
     );
-    println!("{:<34} {:>12} {:>10} {:>14}", "limits", "events/s", "vs plain", "waits (slots)");
+    println!(
+        "{:<34} {:>12} {:>10} {:>14}",
+        "limits", "events/s", "vs plain", "waits (slots)"
+    );
     let dir = tempfile::tempdir().unwrap();
     let db = open(dir.path(), Durability::Buffered).await;
     let mut plain = 0.0;
@@ -507,7 +514,10 @@ async fn limits_table() {
         ("1 per key", Limits::none().key_concurrency(1)),
         ("4 per key", Limits::none().key_concurrency(4)),
         ("16 in the queue", Limits::none().concurrency(16)),
-        ("16 in the queue, 1 per key", Limits::none().concurrency(16).key_concurrency(1)),
+        (
+            "16 in the queue, 1 per key",
+            Limits::none().concurrency(16).key_concurrency(1),
+        ),
     ]
     .into_iter()
     .enumerate()

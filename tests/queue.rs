@@ -2054,13 +2054,20 @@ pub async fn concurrency_limits_hold_over_every_worker<E: TitoEngine>(ctx: Ctx<E
     drained(&queue, 12).await;
     a.stop().await;
     b.stop().await;
-    let o = occupancy.lock().unwrap();
-    assert!(o.most_total <= 3, "at most 3 at once; saw {}", o.most_total);
-    assert_eq!(o.most_per_key, 1, "one per customer at a time");
-    assert!(o.most_total >= 2, "the limit is not a lock: {}", o.most_total);
+    let (most_total, most_per_key) = {
+        let o = occupancy.lock().unwrap();
+        (o.most_total, o.most_per_key)
+    };
+    assert!(most_total <= 3, "at most 3 at once; saw {most_total}");
+    assert_eq!(most_per_key, 1, "one per customer at a time");
+    assert!(most_total >= 2, "the limit is not a lock: {most_total}");
     assert!(queue.stats().limited > 0, "some waited for a slot");
     let usage = queue.limit_usage().await.unwrap();
-    assert_eq!((usage.running, usage.running_by_key.len()), (0, 0), "every slot released");
+    assert_eq!(
+        (usage.running, usage.running_by_key.len()),
+        (0, 0),
+        "every slot released"
+    );
     assert_eq!(usage.limits.concurrency, Some(3));
 }
 
@@ -2101,7 +2108,11 @@ pub async fn a_crashed_workers_slots_free_by_the_lease_rule<E: TitoEngine>(ctx: 
     let next = start(&queue, fast(0..1).lease_duration(lease), handler);
     drained(&queue, 2).await;
     next.stop().await;
-    assert_eq!(seen.lock().unwrap().len(), 2, "both ran once the slot was free");
+    assert_eq!(
+        seen.lock().unwrap().len(),
+        2,
+        "both ran once the slot was free"
+    );
     assert_eq!(queue.limit_usage().await.unwrap().running, 0);
 }
 
@@ -2138,7 +2149,10 @@ pub async fn rate_limits_space_starts_and_move_what_waits<E: TitoEngine>(ctx: Ct
     // a little after the gate admitted it).
     for three in starts.windows(3) {
         let span = three[2] - three[0];
-        assert!(span >= per - Duration::from_millis(150), "3 starts in {span:?}");
+        assert!(
+            span >= per - Duration::from_millis(150),
+            "3 starts in {span:?}"
+        );
     }
     assert!(queue.stats().rate_limited > 0, "what waited was moved");
     let usage = queue.limit_usage().await.unwrap();
@@ -2168,7 +2182,10 @@ pub async fn limits_are_checked_and_stored<E: TitoEngine>(ctx: Ctx<E>) {
         Limits::none().key_rate(Rate::new(1, secs(86_401))),
     ] {
         let err = queue.set_limits(bad.clone()).await.unwrap_err();
-        assert!(matches!(err, TitoError::InvalidArgument(_)), "{bad:?}: {err:?}");
+        assert!(
+            matches!(err, TitoError::InvalidArgument(_)),
+            "{bad:?}: {err:?}"
+        );
     }
     assert!(queue.limits().await.unwrap().is_none(), "nothing stored");
     let set = Limits::none()
@@ -2224,13 +2241,20 @@ pub async fn unique_keys_hold_for_their_period_in_the_states_covered<E: TitoEngi
         let (queue, racing) = (queue.clone(), racing.clone());
         async move {
             queue
-                .publish_unique(QueueEvent::new(format!("r{n}"), Job { n: 100 + n }, now()), &racing)
+                .publish_unique(
+                    QueueEvent::new(format!("r{n}"), Job { n: 100 + n }, now()),
+                    &racing,
+                )
                 .await
                 .unwrap()
         }
     }))
     .await;
-    assert_eq!(results.iter().filter(|p| !p.duplicate).count(), 1, "{results:?}");
+    assert_eq!(
+        results.iter().filter(|p| !p.duplicate).count(),
+        1,
+        "{results:?}"
+    );
     // Run everything: `Pending` frees the key once its holder completed, `Any` does not.
     let pending_only = Unique::key("p", hour);
     let any = Unique::key("a", hour).covering(UniqueStates::Any);
@@ -2280,7 +2304,10 @@ pub async fn unique_keys_hold_for_their_period_in_the_states_covered<E: TitoEngi
     let record = tito::keys::unique_key("queue", "short");
     assert_eq!(tx.get(record.as_bytes()).await.unwrap(), None);
     let kept = tito::keys::unique_key("queue", "reminder:u1");
-    assert!(tx.get(kept.as_bytes()).await.unwrap().is_some(), "an hour's key stays");
+    assert!(
+        tx.get(kept.as_bytes()).await.unwrap().is_some(),
+        "an hour's key stays"
+    );
     tx.rollback().await.unwrap();
     // Mistakes, refused before anything is written.
     let bad = [
@@ -2296,14 +2323,20 @@ pub async fn unique_keys_hold_for_their_period_in_the_states_covered<E: TitoEngi
             .publish_unique(QueueEvent::new("m", Job { n: 70 }, now()), rule)
             .await
             .unwrap_err();
-        assert!(matches!(err, TitoError::InvalidArgument(_)), "{rule:?}: {err:?}");
+        assert!(
+            matches!(err, TitoError::InvalidArgument(_)),
+            "{rule:?}: {err:?}"
+        );
     }
     let scalar = tito::Queue::new(
         ctx.db.clone(),
         QueueConfig::new(2, Duration::from_secs(3600)),
     );
     let err = scalar
-        .publish_unique(QueueEvent::new("m", 7u32, now()), &Unique::fields(["n"], hour))
+        .publish_unique(
+            QueueEvent::new("m", 7u32, now()),
+            &Unique::fields(["n"], hour),
+        )
         .await
         .unwrap_err();
     assert!(err.to_string().contains("JSON object"), "{err}");
@@ -2315,13 +2348,13 @@ pub async fn priorities_run_first_and_lower_ones_age<E: TitoEngine>(ctx: Ctx<E>)
     // Published in this order; run (one at a time) in priority order, except that a priority
     // counts as a minute of waiting per step: the low one due ten minutes ago goes first.
     let plan = [
-        (1, 0, t - 30),   // low, due 30 s ago
-        (2, 9, t),        // high, due now
-        (3, 0, t - 30),   // low
-        (4, 9, t),        // high
-        (5, 0, t - 600),  // low, waited longer than nine minutes
-        (6, 9, t + 2),    // high, not due yet: never runs early
-        (7, 4, t),        // middle
+        (1, 0, t - 30),  // low, due 30 s ago
+        (2, 9, t),       // high, due now
+        (3, 0, t - 30),  // low
+        (4, 9, t),       // high
+        (5, 0, t - 600), // low, waited longer than nine minutes
+        (6, 9, t + 2),   // high, not due yet: never runs early
+        (7, 4, t),       // middle
     ];
     for (n, priority, due) in plan {
         queue
@@ -2341,7 +2374,10 @@ pub async fn priorities_run_first_and_lower_ones_age<E: TitoEngine>(ctx: Ctx<E>)
         fast(0..1).concurrency(1).page_size(1),
         move |event: QueueEvent<Job>| {
             let at = chrono::Utc::now().timestamp_millis();
-            record.lock().unwrap().push((event.payload.n, event.priority, at, event.timestamp));
+            record
+                .lock()
+                .unwrap()
+                .push((event.payload.n, event.priority, at, event.timestamp));
             async move { Ok(QueueHandlerOutcome::Acknowledge) }
         },
     );
@@ -2351,6 +2387,10 @@ pub async fn priorities_run_first_and_lower_ones_age<E: TitoEngine>(ctx: Ctx<E>)
     let ran: Vec<u32> = order.iter().map(|(n, ..)| *n).collect();
     assert_eq!(&ran[..6], &[5, 2, 4, 7, 1, 3], "{order:?}");
     let (n, priority, at, due) = order[6];
-    assert_eq!((n, priority), (6, 9), "the future one last, its priority kept");
+    assert_eq!(
+        (n, priority),
+        (6, 9),
+        "the future one last, its priority kept"
+    );
     assert!(at >= due * 1000 - 100, "started at {at} ms, due at {due} s");
 }

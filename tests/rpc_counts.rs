@@ -492,7 +492,10 @@ async fn tikv_a_limited_start_costs_one_gate_and_one_release_commit() {
             QueueConfig::new(1, Duration::from_secs(3600)).topic(topic),
         ));
         let now = chrono::Utc::now().timestamp() - 1;
-        queue.publish(QueueEvent::new("k", 1u32, now)).await.unwrap();
+        queue
+            .publish(QueueEvent::new("k", 1u32, now))
+            .await
+            .unwrap();
         if !limits.is_none() {
             queue.set_limits(limits).await.unwrap();
         }
@@ -518,8 +521,13 @@ async fn tikv_a_limited_start_costs_one_gate_and_one_release_commit() {
         println!("{topic:<8} commits {writes:?}; all calls (reads include idle polls) {all:?}");
         counted.push(writes);
     }
-    let commits = |c: &BTreeMap<String, u64>| (c.get("KvPrewrite").copied(), c.get("KvCommit").copied());
-    let (plain, limited, both) = (commits(&counted[0]), commits(&counted[1]), commits(&counted[2]));
+    let commits =
+        |c: &BTreeMap<String, u64>| (c.get("KvPrewrite").copied(), c.get("KvCommit").copied());
+    let (plain, limited, both) = (
+        commits(&counted[0]),
+        commits(&counted[1]),
+        commits(&counted[2]),
+    );
     // Plain: two transactions that write, the lease (with the worker's heartbeat) and the
     // outcome. A limit adds two, the gate's and the release's, whatever the number of limits
     // (the gate resolves an unknown outcome, so it writes a commit marker beside its slots:

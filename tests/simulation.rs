@@ -247,7 +247,9 @@ impl Drop for Live {
     fn drop(&mut self) {
         let mut tracker = self.0.lock().unwrap();
         let (n, who) = (self.1, self.2.clone());
-        tracker.limited.retain(|(e, _, _, w)| !(*e == n && *w == who));
+        tracker
+            .limited
+            .retain(|(e, _, _, w)| !(*e == n && *w == who));
         if let Some(live) = tracker.running.get_mut(&self.1) {
             *live -= 1;
         }
@@ -295,7 +297,9 @@ fn limit_check(
             .filter(|(at, k)| *at + window > now && *at >= since && (!per_key || k == key))
             .count() as u32;
         if count > rate.starts {
-            past.push(format!("{count} starts within {window} ms, rate {rate:?} (per key: {per_key})"));
+            past.push(format!(
+                "{count} starts within {window} ms, rate {rate:?} (per key: {per_key})"
+            ));
         }
     }
     if past.is_empty() {
@@ -1043,10 +1047,16 @@ impl Sim {
             limits = limits.key_concurrency(1 + self.rng.below(2) as u32);
         }
         if self.rng.chance(25) {
-            limits = limits.rate(Rate::new(4 + self.rng.below(5) as u32, Duration::from_secs(1)));
+            limits = limits.rate(Rate::new(
+                4 + self.rng.below(5) as u32,
+                Duration::from_secs(1),
+            ));
         }
         if self.rng.chance(25) {
-            limits = limits.key_rate(Rate::new(2 + self.rng.below(3) as u32, Duration::from_secs(1)));
+            limits = limits.key_rate(Rate::new(
+                2 + self.rng.below(3) as u32,
+                Duration::from_secs(1),
+            ));
         }
         if limits.is_none() {
             limits = limits.key_concurrency(1);
@@ -1237,11 +1247,7 @@ impl Sim {
         }
         let events = self.queues[which].events.clone();
         let cancels = self.queues[which].cancels.clone();
-        let rated = self.queues[which]
-            .tracker
-            .lock()
-            .unwrap()
-            .rated;
+        let rated = self.queues[which].tracker.lock().unwrap().rated;
         for (id, (job, publication)) in &events {
             if let Some(certain) = cancels.get(id) {
                 // Cancelled while pending: completed as cancelled (once more than the runs
@@ -1292,8 +1298,7 @@ impl Sim {
             // A rate limit may move a row before it runs: a `RescheduleOnce` moved before its
             // first run no longer sees its first due time and acknowledges at once.
             let moved = job.behaviour == Behaviour::RescheduleOnce && rated && got == 1;
-            let fine =
-                got == expected || moved || (*publication == Publication::Maybe && got == 0);
+            let fine = got == expected || moved || (*publication == Publication::Maybe && got == 0);
             self.check(fine, || {
                 format!(
                     "q{which}: {id} ({:?}, {publication:?}) completed {got} times, expected {expected}",

@@ -359,7 +359,11 @@ fn limits_summary(usage: &tito::queue::LimitUsage) -> String {
         ));
     }
     if let Some(r) = &l.key_rate {
-        parts.push(format!("{} starts per key per {} s", r.starts, r.per.as_secs()));
+        parts.push(format!(
+            "{} starts per key per {} s",
+            r.starts,
+            r.per.as_secs()
+        ));
     }
     if parts.is_empty() {
         return "—".into();

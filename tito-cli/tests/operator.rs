@@ -347,8 +347,8 @@ async fn the_cli_reads_a_seeded_store() {
     assert!(text.contains("was not paused"), "{text}");
 
     // Limits: set, shown by `limits` and `stats`, lifted; bad rates and zero refused.
-    let none = String::from_utf8_lossy(&at(&["queue", "limits", "--topic", "flaky"]).stdout)
-        .into_owned();
+    let none =
+        String::from_utf8_lossy(&at(&["queue", "limits", "--topic", "flaky"]).stdout).into_owned();
     assert!(none.contains("no limits"), "{none}");
     let set = stdout_json(&at(&[
         "queue",
@@ -383,10 +383,9 @@ async fn the_cli_reads_a_seeded_store() {
     }
     let zero = at(&["queue", "limits", "--topic", "flaky", "--concurrency", "0"]);
     assert!(stderr(&zero).contains("pause it"), "{}", stderr(&zero));
-    let lifted = String::from_utf8_lossy(
-        &at(&["queue", "limits", "--topic", "flaky", "--none"]).stdout,
-    )
-    .into_owned();
+    let lifted =
+        String::from_utf8_lossy(&at(&["queue", "limits", "--topic", "flaky", "--none"]).stdout)
+            .into_owned();
     assert!(lifted.contains("no limits"), "{lifted}");
 
     let row = stdout_json(&at(&["table", "get", "user", "u03", "--json"]));

@@ -178,7 +178,10 @@ pub fn describe() {
     describe_histogram!(COMMIT_SECONDS, Unit::Seconds, "Commit call time");
     describe_counter!(QUEUE_PUBLISHED, "Queue invocations published");
     describe_counter!(QUEUE_DUPLICATES, "Publications of a live event id");
-    describe_counter!(QUEUE_LIMITED, "Runnable invocations that waited for a concurrency slot");
+    describe_counter!(
+        QUEUE_LIMITED,
+        "Runnable invocations that waited for a concurrency slot"
+    );
     describe_counter!(QUEUE_RATE_LIMITED, "Invocations a rate limit moved later");
     describe_counter!(QUEUE_DELIVERED, "Queue invocations handed to handlers");
     describe_counter!(QUEUE_ACKNOWLEDGED, "Queue invocations acknowledged");

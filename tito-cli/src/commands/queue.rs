@@ -303,7 +303,10 @@ fn stats_text(o: &inspect::QueueOverview) -> String {
         out.push_str(&format!("\npartition {partition} PAUSED: {}", pause.why));
     }
     if !o.limits.limits.is_none() {
-        out.push_str(&format!("\nLIMITS: {}", limits_text(&o.limits).replace('\n', "; ")));
+        out.push_str(&format!(
+            "\nLIMITS: {}",
+            limits_text(&o.limits).replace('\n', "; ")
+        ));
     }
     let minutes: Vec<String> = o
         .completed_per_minute

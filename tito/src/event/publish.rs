@@ -92,7 +92,13 @@ fn plan_insert(
 ) -> String {
     let partition = partition_for(&stored.key, partitions);
     // Ordered by the due time less the priority's boost; the row keeps its own due time.
-    let key = keys::pending_key(root, partition, stored.ordered_at(), start_version, &stored.id);
+    let key = keys::pending_key(
+        root,
+        partition,
+        stored.ordered_at(),
+        start_version,
+        &stored.id,
+    );
     writes.put(key.clone(), bytes);
     writes.put(
         keys::event_id_key(root, &stored.id),

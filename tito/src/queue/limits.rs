@@ -270,9 +270,7 @@ async fn set_limits_under<E: TitoEngine>(db: &E, root: &str, limits: Limits) -> 
             }
             let before = read_limits(&tx, &root).await.unwrap_or_default();
             let record = LimitsRecord {
-                queue_slots_seen: before
-                    .queue_slots_seen
-                    .max(limits.concurrency.unwrap_or(0)),
+                queue_slots_seen: before.queue_slots_seen.max(limits.concurrency.unwrap_or(0)),
                 key_slots_seen: before
                     .key_slots_seen
                     .max(limits.key_concurrency.unwrap_or(0)),
@@ -664,7 +662,11 @@ pub(crate) async fn admit<E: TitoEngine>(
                     .enumerate()
                     .filter(|(_, (k, _))| k.is_none() || *k == Some(key))
                     .map(|(i, (k, _))| {
-                        let rate = if k.is_none() { limits.rate } else { limits.key_rate };
+                        let rate = if k.is_none() {
+                            limits.rate
+                        } else {
+                            limits.key_rate
+                        };
                         (i, rate.expect("a rate log is read only for a set rate"))
                     })
                     .collect();
@@ -806,13 +808,8 @@ async fn postpone<X: TitoTransaction>(
 ) -> TitoResult<()> {
     tx.delete(item.key.clone().into_bytes()).await?;
     if let Some(owner) = &item.stored.owner {
-        let pending_owner = keys::owner_key(
-            root,
-            &owner.kind,
-            &owner.id,
-            keys::OWNER_PENDING,
-            &item.key,
-        );
+        let pending_owner =
+            keys::owner_key(root, &owner.kind, &owner.id, keys::OWNER_PENDING, &item.key);
         tx.delete(pending_owner.into_bytes()).await?;
     }
     let due = i64::try_from(turn_ms.div_ceil(1000)).unwrap_or(i64::MAX);
@@ -840,8 +837,7 @@ pub(crate) async fn release_slots<E: TitoEngine>(
         .transaction(|tx| async move {
             let values = tx.batch_get(reads).await?;
             for ((invocation, key), value) in slots.iter().zip(values) {
-                let Some(slot) = value.and_then(|b| serde_json::from_slice::<Slot>(&b).ok())
-                else {
+                let Some(slot) = value.and_then(|b| serde_json::from_slice::<Slot>(&b).ok()) else {
                     continue;
                 };
                 if me.is(&slot) && slot.invocation == *invocation {

@@ -107,9 +107,7 @@ impl Unique {
             UniqueBy::Key(key) => key.clone(),
             UniqueBy::Fields(fields) => {
                 if fields.is_empty() {
-                    return Err(TitoError::invalid_argument(
-                        "Unique::fields names no field",
-                    ));
+                    return Err(TitoError::invalid_argument("Unique::fields names no field"));
                 }
                 let Value::Object(object) = payload else {
                     return Err(TitoError::invalid_argument(

@@ -196,8 +196,12 @@ pub(in crate::queue) async fn complete<X: TitoTransaction>(
     let processed_at = tx.start_version();
     let mut completed = pulled.stored.clone();
     completed.processed_at = Some(processed_at);
-    let completed_key =
-        keys::completed_key(root, processed_at, completed.timestamp.max(0) as u64, &completed.id);
+    let completed_key = keys::completed_key(
+        root,
+        processed_at,
+        completed.timestamp.max(0) as u64,
+        &completed.id,
+    );
     tx.put(
         completed_key.clone().into_bytes(),
         serde_json::to_vec(&completed)?,

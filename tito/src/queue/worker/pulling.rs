@@ -157,7 +157,15 @@ impl Pulling {
             .map(|(p, _)| *p)
             .collect();
         due.sort_unstable();
-        if !due.is_empty() && !fresh_pauses(&mut self.paused, &mut self.gate, &mut self.paused_read, queue).await {
+        if !due.is_empty()
+            && !fresh_pauses(
+                &mut self.paused,
+                &mut self.gate,
+                &mut self.paused_read,
+                queue,
+            )
+            .await
+        {
             // The pauses could not be read: start nothing this round rather than run what
             // may be paused; try again after a short pause.
             for partition in due {
@@ -240,15 +248,18 @@ impl Pulling {
                     }
                     let before = items.len();
                     items.retain(|item| {
-                        running.get(item.stored.key.as_str()).copied().unwrap_or(0)
-                            < limit as usize
+                        running.get(item.stored.key.as_str()).copied().unwrap_or(0) < limit as usize
                     });
                     let waiting = (before - items.len()) as u64;
                     queue.count(&counters.limited, names::QUEUE_LIMITED, waiting);
                 }
                 match admit(queue, &self.holder, &self.gate, items).await {
                     Ok(admitted) => {
-                        queue.count(&counters.limited, names::QUEUE_LIMITED, admitted.waiting as u64);
+                        queue.count(
+                            &counters.limited,
+                            names::QUEUE_LIMITED,
+                            admitted.waiting as u64,
+                        );
                         let moved = admitted.moved as u64;
                         queue.count(&counters.rate_limited, names::QUEUE_RATE_LIMITED, moved);
                         for (item, slot_keys) in admitted.start {
@@ -293,7 +304,13 @@ impl Pulling {
             // it is fresh) before starting anything, and start nothing in a paused partition
             // (the pass starts over, so what it found is found again after the resume).
             if !pulled.items.is_empty()
-                && (!fresh_pauses(&mut self.paused, &mut self.gate, &mut self.paused_read, queue).await
+                && (!fresh_pauses(
+                    &mut self.paused,
+                    &mut self.gate,
+                    &mut self.paused_read,
+                    queue,
+                )
+                .await
                     || self.paused.holds(partition))
             {
                 state.cursor = Cursor::new(partition);
@@ -396,10 +413,15 @@ impl Pulling {
                 Ok(deleted) => {
                     self.orphans = false;
                     if deleted > 0 {
-                        tracing::info!(deleted, "deleted concurrency slots a failed transaction left");
+                        tracing::info!(
+                            deleted,
+                            "deleted concurrency slots a failed transaction left"
+                        );
                     }
                 }
-                Err(err) => tracing::debug!(error = %err, "looking for slots a failed transaction left failed"),
+                Err(err) => {
+                    tracing::debug!(error = %err, "looking for slots a failed transaction left failed")
+                }
             }
         }
         let settled: Vec<(String, Vec<u8>)> = self
