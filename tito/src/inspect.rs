@@ -293,7 +293,12 @@ pub async fn queue_overview<E: TitoEngine>(
                 count_in(tx, prefix.as_bytes(), boundary.as_bytes(), COUNT_BOUND).await?;
             let later = count_in(tx, boundary.as_bytes(), end.as_bytes(), COUNT_BOUND).await?;
             let first = tx.scan(prefix.as_bytes(), end.as_bytes(), 1).await?;
-            let oldest = first.first().and_then(|(key, _)| {
+            // The first row is the next to run; its own due time (its key's is less a
+            // priority's boost).
+            let oldest = first.first().and_then(|(key, value)| {
+                if let Ok(stored) = StoredEvent::parse(value) {
+                    return Some(stored.timestamp.max(0) as u64);
+                }
                 let text = keys::key_str(key).ok()?;
                 keys::parse_pending_key(&root, text)
                     .ok()
@@ -425,6 +430,8 @@ pub struct EventView {
     pub payload: Value,
     /// Why it was cancelled, for a completed row of a cancelled invocation.
     pub cancelled: Option<String>,
+    /// Its priority (0 to 9).
+    pub priority: u8,
 }
 
 /// One row of a queue scan.
@@ -434,7 +441,8 @@ pub struct QueueRow {
     pub key: String,
     /// The partition (pending rows).
     pub partition: Option<u32>,
-    /// When it is due (Unix s) for pending rows, from the key.
+    /// When it is due (Unix s) for pending rows: the row's own due time (from the key when the
+    /// row does not decode).
     pub due: Option<u64>,
     /// When it completed (engine time, Unix ms) for completed rows, from the key.
     pub processed_ms: Option<u64>,
@@ -566,12 +574,18 @@ fn queue_row(root: &str, state: QueueState, key: &[u8], value: &[u8]) -> QueueRo
             owner: stored.owner,
             payload: stored.payload,
             cancelled: stored.cancelled,
+            priority: stored.priority,
         }),
         Err(err) => {
             problems.push(err.to_string());
             None
         }
     };
+    // A pending key orders the row by its due time less its priority's boost: the row's own
+    // due time is the one shown.
+    if let (Some(_), Some(event)) = (due, &event) {
+        due = Some(event.timestamp.max(0) as u64);
+    }
     let malformed = (!problems.is_empty()).then(|| problems.join("; "));
     QueueRow {
         raw: malformed
