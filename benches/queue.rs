@@ -455,7 +455,13 @@ async fn main() {
 
 /// Drain rate of `n` events over 1,000 business keys under `limits` (embedded, buffered; one
 /// worker, 4 partitions, 64 handlers in flight; the handler sleeps 1 ms so that limits bind).
-async fn limited_drain(db: &Embedded, topic: &str, n: u64, limits: Limits) -> (f64, u64) {
+async fn limited_drain(
+    db: &Embedded,
+    topic: &str,
+    n: u64,
+    limits: Limits,
+    priorities: bool,
+) -> (f64, u64) {
     let queue = Arc::new(Queue::new(
         db.clone(),
         QueueConfig::new(4, Duration::from_secs(3600)).topic(topic),
@@ -463,11 +469,10 @@ async fn limited_drain(db: &Embedded, topic: &str, n: u64, limits: Limits) -> (f
     let due = chrono::Utc::now().timestamp();
     for i in 0..n {
         queue
-            .publish(QueueEvent::new(
-                format!("customer:{}", i % 1000),
-                job(i),
-                due,
-            ))
+            .publish(
+                QueueEvent::new(format!("customer:{}", i % 1000), job(i), due)
+                    .with_priority(if priorities { (i * 7 % 10) as u8 } else { 0 }),
+            )
             .await
             .unwrap();
     }
@@ -504,7 +509,7 @@ async fn limits_table() {
     );
     println!(
         "{:<34} {:>12} {:>10} {:>14}",
-        "limits", "events/s", "vs plain", "waits (slots)"
+        "limits / priorities", "events/s", "vs plain", "waits (slots)"
     );
     let dir = tempfile::tempdir().unwrap();
     let db = open(dir.path(), Durability::Buffered).await;
@@ -518,11 +523,14 @@ async fn limits_table() {
             "16 in the queue, 1 per key",
             Limits::none().concurrency(16).key_concurrency(1),
         ),
+        ("priorities 0-9 mixed, no limit", Limits::none()),
     ]
     .into_iter()
     .enumerate()
     {
-        let (rate, waits) = limited_drain(&db, &format!("limits-{i}"), n, limits).await;
+        let priorities = name.starts_with("priorities");
+        let topic = format!("limits-{i}");
+        let (rate, waits) = limited_drain(&db, &topic, n, limits, priorities).await;
         if i == 0 {
             plain = rate;
         }

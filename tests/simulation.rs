@@ -494,6 +494,10 @@ pub struct Report {
     pub handler_runs: u32,
     /// Invocations a failure policy moved to the dead state.
     pub dead: usize,
+    /// Handler starts under limits (each checked against them), and those excused by a clock
+    /// jump.
+    pub limited_starts: usize,
+    pub limit_excused: u32,
     pub violations: Vec<String>,
     pub trace: Vec<String>,
     pub log: Vec<String>,
@@ -1685,6 +1689,16 @@ async fn simulate(seed: u64, steps: u32) -> Report {
         faults: sim.db.faults().injected(),
         published: sim.queues.iter().map(|q| q.events.len()).sum(),
         handler_runs: runs,
+        limited_starts: sim
+            .queues
+            .iter()
+            .map(|q| q.tracker.lock().unwrap().limited_starts.len())
+            .sum(),
+        limit_excused: sim
+            .queues
+            .iter()
+            .map(|q| q.tracker.lock().unwrap().limit_excused)
+            .sum(),
         dead: sim.dead,
         violations: sim.violations,
         trace: sim.trace,
@@ -1725,6 +1739,7 @@ fn assert_clean(report: &Report) {
 fn campaign(seeds: std::ops::Range<u64>) {
     let started = std::time::Instant::now();
     let (mut checks, mut faults, mut runs, mut published, mut dead) = (0, 0, 0u64, 0, 0);
+    let (mut limited, mut excused) = (0, 0);
     let count = seeds.end - seeds.start;
     for seed in seeds {
         let report = run(seed, steps());
@@ -1734,12 +1749,15 @@ fn campaign(seeds: std::ops::Range<u64>) {
         runs += u64::from(report.handler_runs);
         published += report.published;
         dead += report.dead;
+        limited += report.limited_starts;
+        excused += report.limit_excused;
     }
     let secs = started.elapsed().as_secs_f64();
     println!(
         "simulation: {count} seeds in {secs:.1} s ({:.1} seeds/s), {checks} invariant checks, \
          {faults} faults injected, {published} events published, {runs} handler runs, \
-         {dead} dead after their last attempt",
+         {dead} dead after their last attempt, {limited} starts under limits ({excused} past \
+         one after a clock jump)",
         count as f64 / secs
     );
 }

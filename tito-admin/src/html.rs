@@ -487,6 +487,19 @@ pub(crate) fn queue(data: &QueueData, started: Instant) -> String {
             q(cursor)
         );
     }
+    if !data.schedules.is_empty() {
+        b.push_str("<h2>Periodic schedules</h2><table id=\"schedules\"><tr><th>schedule</th><th>last tick</th></tr>");
+        for schedule in &data.schedules {
+            let at = utc_s(schedule.last_tick.max(0) as u64);
+            let _ = write!(
+                b,
+                "<tr data-schedule=\"{name}\"><td><code>{name}</code></td><td>{}</td></tr>",
+                esc(&at),
+                name = esc(&schedule.name)
+            );
+        }
+        b.push_str("</table>");
+    }
     b.push_str(&dead_table(&data.dead, topic));
     if let Some(last) = data.dead.last().filter(|_| data.dead.len() == crate::PAGE) {
         let _ = write!(

@@ -459,6 +459,8 @@ struct QueueData {
     completed: tito::TitoPage<inspect::QueueRow>,
     /// The first dead invocations in event-id order (`dead_after` continues).
     dead: Vec<tito::queue::DeadInvocation>,
+    /// The periodic schedules that have run on the queue.
+    schedules: Vec<tito::queue::ScheduleView>,
 }
 
 async fn load_queue<E: TitoEngine>(
@@ -511,12 +513,14 @@ async fn load_queue<E: TitoEngine>(
     .await?;
     let dead_after = params.dead_after.as_deref().filter(|a| !a.is_empty());
     let dead = tito::queue::dead(&state.db, topic, dead_after, PAGE).await?;
+    let schedules = tito::queue::schedules(&state.db, topic).await?;
     Ok(QueueData {
         overview,
         partition,
         pending,
         completed,
         dead,
+        schedules,
     })
 }
 

@@ -1066,6 +1066,21 @@ async fn the_dashboard_guards_access_and_confirms_and_logs_actions() {
     let (status, page) = send(&router, get("/queue?topic=flaky"), local).await;
     assert_eq!(status, StatusCode::OK);
     assert!(page.contains("data-dead=\"flaky-1\""), "{page}");
+    // Limits: none, then set and shown with how close the queue is.
+    assert!(page.contains("data-figure=\"limits\">—<"), "{page}");
+    let limits = tito::queue::Limits::none().key_concurrency(2);
+    tito::queue::set_limits(&db, Some("flaky"), limits)
+        .await
+        .unwrap();
+    let (_, page) = send(&router, get("/queue?topic=flaky"), local).await;
+    assert!(page.contains("2 per key (busiest 0)"), "{page}");
+    let (_, body) = send(&router, get("/api/queue?topic=flaky"), local).await;
+    let flaky: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(flaky["overview"]["limits"]["limits"]["key_concurrency"], 2);
+    assert_eq!(flaky["schedules"], serde_json::json!([]));
+    tito::queue::set_limits(&db, Some("flaky"), tito::queue::Limits::none())
+        .await
+        .unwrap();
     assert!(page.contains("action=\"dead-retry\""), "{page}");
     let (status, body) = send(
         &router,
