@@ -58,6 +58,11 @@ const NODE_SLOTS: usize = 3;
 const NODE_TTL: Duration = Duration::from_millis(600);
 /// The queue the cluster nodes run (the standalone workers run the default one).
 const CLUSTER_TOPIC: &str = "c";
+/// The queue periodic runners publish their ticks to (no worker: the ticks stay pending and
+/// are checked at the end).
+const PERIODIC_TOPIC: &str = "ticks";
+/// Periodic runners that may run at once.
+const TICKER_SLOTS: usize = 2;
 
 /// The one source of randomness: splitmix64 from the seed.
 struct Rng(u64);
@@ -498,6 +503,8 @@ pub struct Report {
     /// jump.
     pub limited_starts: usize,
     pub limit_excused: u32,
+    /// Periodic ticks published (each checked once).
+    pub ticks: usize,
     pub violations: Vec<String>,
     pub trace: Vec<String>,
     pub log: Vec<String>,
@@ -548,6 +555,13 @@ struct Sim {
     held: Vec<Held>,
     /// Rows whose `Drop` outcome applied (deleted).
     dropped: BTreeSet<String>,
+    /// The queue the periodic runners publish to, and the runners.
+    ticks: Arc<Queue<Db>>,
+    tickers: Vec<Option<Worker>>,
+    /// When the first runner started (engine seconds): no tick may be older.
+    first_ticker: Option<i64>,
+    /// Ticks found at the end.
+    periodic_ticks: usize,
 }
 
 fn inbox_config() -> InboxConfig<Db, SimTask> {
@@ -998,6 +1012,7 @@ impl Sim {
             82..=83 => self.pause_or_resume().await,
             84..=85 => self.cancel_one().await,
             86 => self.set_limits().await,
+            87 => self.toggle_ticker().await,
             _ => {
                 let pause = 1 + self.rng.below(400);
                 tokio::time::sleep(Duration::from_millis(pause)).await;
@@ -1033,6 +1048,82 @@ impl Sim {
             }
             format!("pause q{which} {scope:?}: {}", short(&result))
         }
+    }
+
+    /// Starts a periodic runner in a free slot, or stops or crashes a running one.
+    async fn toggle_ticker(&mut self) -> String {
+        let slot = self.rng.below(TICKER_SLOTS as u64) as usize;
+        match self.tickers[slot].take() {
+            Some(ticker) if self.rng.chance(50) => {
+                ticker.task.abort();
+                format!("crash ticker {slot}")
+            }
+            Some(ticker) => {
+                ticker.stop.send(true).ok();
+                let joined = tokio::time::timeout(tito::queue::TICK_TIMEOUT * 2, ticker.task).await;
+                let ok = matches!(joined, Ok(Ok(Ok(()))));
+                self.check(ok, || {
+                    format!("ticker {slot} did not stop cleanly: {joined:?}")
+                });
+                format!("stop ticker {slot} {ok}")
+            }
+            None => {
+                let now = self.now_secs().await;
+                self.first_ticker.get_or_insert(now);
+                let (stop, rx) = watch::channel(false);
+                let schedule =
+                    tito::queue::Schedule::every("tick", Duration::from_secs(1)).unwrap();
+                let job = tito::queue::PeriodicJob::new(
+                    schedule,
+                    Job {
+                        n: 0,
+                        behaviour: Behaviour::Succeed,
+                        first_due: 0,
+                    },
+                );
+                let task =
+                    tokio::spawn(tito::queue::run_periodic(self.ticks.clone(), vec![job], rx));
+                self.tickers[slot] = Some(Worker { stop, task });
+                format!("start ticker {slot}")
+            }
+        }
+    }
+
+    /// The periodic queue after the run: every tick published once (one row per id, the id
+    /// naming the row's due time), none before the first runner started or after now.
+    async fn check_ticks(&mut self) {
+        for slot in 0..TICKER_SLOTS {
+            if let Some(ticker) = self.tickers[slot].take() {
+                ticker.stop.send(true).ok();
+                let joined = tokio::time::timeout(tito::queue::TICK_TIMEOUT * 2, ticker.task).await;
+                self.check(matches!(joined, Ok(Ok(Ok(())))), || {
+                    format!("ticker {slot} did not stop cleanly at the end")
+                });
+            }
+        }
+        let now = self.now_secs().await;
+        let root = tito::keys::queue_root(Some(PERIODIC_TOPIC));
+        let tx = self.db.begin().await.unwrap();
+        let rows = scan_all(&tx, format!("{root}:pending:").as_bytes()).await;
+        tx.rollback().await.unwrap();
+        let mut seen = BTreeSet::new();
+        for (key, value) in &rows {
+            let row: serde_json::Value = serde_json::from_slice(value).unwrap();
+            let id = row["id"].as_str().unwrap_or_default().to_string();
+            let due = row["timestamp"].as_i64().unwrap_or(-1);
+            let fresh = seen.insert(id.clone());
+            self.check(fresh, || format!("tick {id} published twice"));
+            let named = id == tito::queue::tick_id("tick", due);
+            let first = self.first_ticker;
+            let in_time = first.is_some_and(|first| due > first) && due <= now;
+            self.check(named && in_time, || {
+                format!(
+                    "tick row {} (id {id}, due {due}) outside ({first:?}, {now}] or misnamed",
+                    String::from_utf8_lossy(key),
+                )
+            });
+        }
+        self.periodic_ticks = rows.len();
     }
 
     /// Sets limits on a queue, once per queue per run (a limit lowered under running
@@ -1173,6 +1264,7 @@ impl Sim {
         }
         self.check_models_and_kv().await;
         self.check_inbox().await;
+        self.check_ticks().await;
     }
 
     async fn check_queue(&mut self, which: usize) {
@@ -1644,6 +1736,7 @@ async fn simulate(seed: u64, steps: u32) -> Report {
             cancels: BTreeMap::new(),
         }
     };
+    let db_for_ticks = db.clone();
     let mut sim = Sim {
         rng: Rng(seed),
         start,
@@ -1666,6 +1759,13 @@ async fn simulate(seed: u64, steps: u32) -> Report {
         tasks: 0,
         held: Vec::new(),
         dropped: BTreeSet::new(),
+        ticks: Arc::new(Queue::new(
+            db_for_ticks,
+            QueueConfig::new(PARTITIONS, Duration::from_secs(3600)).topic(PERIODIC_TOPIC),
+        )),
+        tickers: (0..TICKER_SLOTS).map(|_| None).collect(),
+        first_ticker: None,
+        periodic_ticks: 0,
     };
     for step in 0..steps {
         sim.step(step).await;
@@ -1699,6 +1799,7 @@ async fn simulate(seed: u64, steps: u32) -> Report {
             .iter()
             .map(|q| q.tracker.lock().unwrap().limit_excused)
             .sum(),
+        ticks: sim.periodic_ticks,
         dead: sim.dead,
         violations: sim.violations,
         trace: sim.trace,
@@ -1739,7 +1840,7 @@ fn assert_clean(report: &Report) {
 fn campaign(seeds: std::ops::Range<u64>) {
     let started = std::time::Instant::now();
     let (mut checks, mut faults, mut runs, mut published, mut dead) = (0, 0, 0u64, 0, 0);
-    let (mut limited, mut excused) = (0, 0);
+    let (mut limited, mut excused, mut ticks) = (0, 0, 0);
     let count = seeds.end - seeds.start;
     for seed in seeds {
         let report = run(seed, steps());
@@ -1751,13 +1852,14 @@ fn campaign(seeds: std::ops::Range<u64>) {
         dead += report.dead;
         limited += report.limited_starts;
         excused += report.limit_excused;
+        ticks += report.ticks;
     }
     let secs = started.elapsed().as_secs_f64();
     println!(
         "simulation: {count} seeds in {secs:.1} s ({:.1} seeds/s), {checks} invariant checks, \
          {faults} faults injected, {published} events published, {runs} handler runs, \
          {dead} dead after their last attempt, {limited} starts under limits ({excused} past \
-         one after a clock jump)",
+         one after a clock jump), {ticks} periodic ticks",
         count as f64 / secs
     );
 }

@@ -219,7 +219,25 @@ enum Looked {
 /// Publishes every due tick of `jobs` to `queue` until `shutdown` resolves (see the module
 /// docs). Refuses at once two jobs with one name, and a queue handle whose configuration is
 /// bad.
-pub async fn run_periodic<E, T>(
+///
+/// The returned future is `Send + 'static`: spawn it (`tokio::spawn(run_periodic(..))`), or
+/// await it in place.
+pub fn run_periodic<E, T>(
+    queue: Arc<Queue<E>>,
+    jobs: Vec<PeriodicJob<T>>,
+    shutdown: impl Shutdown,
+) -> futures::future::BoxFuture<'static, TitoResult<()>>
+where
+    E: TitoEngine,
+    T: Serialize + Clone + Send + Sync + 'static,
+{
+    // Boxed here, where the engine is generic: the compiler proves the loop `Send` once,
+    // instead of at each call site with a concrete engine (where it trips over higher-ranked
+    // lifetimes).
+    Box::pin(periodic_loop(queue, jobs, shutdown))
+}
+
+async fn periodic_loop<E, T>(
     queue: Arc<Queue<E>>,
     jobs: Vec<PeriodicJob<T>>,
     shutdown: impl Shutdown,
