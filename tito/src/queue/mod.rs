@@ -95,7 +95,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::event::publish::{check_meta, forget_event_id, plan_pending};
+use crate::event::publish::{check_meta, forget_event_id};
 pub use crate::event::{
     MAX_OWNER_BYTES, MAX_PRIORITY, MAX_QUEUE_EVENT_BYTES, ModelEvent, PRIORITY_STEP, Published,
     QueueEvent, QueueHandlerOutcome, QueueHandlerResult, QueueOwner, TitoOperation, Topic,
@@ -318,9 +318,29 @@ impl<E: TitoEngine> Queue<E> {
     /// the id is pending, or completed and not yet deleted by retention, publishing the id
     /// again writes nothing and answers [`Published::duplicate`].
     pub async fn publish<T: Serialize>(&self, event: QueueEvent<T>) -> TitoResult<Published> {
+        self.publish_under(&event, None).await
+    }
+
+    /// Publishes an event inside `tx`, atomically with the rest of it; idempotent per event id
+    /// like [`Queue::publish`].
+    pub async fn publish_in_tx<T: Serialize>(
+        &self,
+        event: &QueueEvent<T>,
+        tx: &E::Transaction,
+    ) -> TitoResult<Published> {
+        self.publish_under_in_tx(event, None, tx).await
+    }
+
+    /// [`Queue::publish`], or with a uniqueness rule [`Queue::publish_unique`].
+    async fn publish_under<T: Serialize>(
+        &self,
+        event: &QueueEvent<T>,
+        unique: Option<&unique::Unique>,
+    ) -> TitoResult<Published> {
         // Checked before any transaction, so a bad event costs nothing.
-        let stored = StoredEvent::from_event(&event)?;
+        let stored = StoredEvent::from_event(event)?;
         let bytes = stored.to_bytes()?;
+        let unique = unique::Keyed::of(unique, &stored)?;
         self.check_config()?;
         let root = self.root.clone();
         let partitions = self.config.partitions;
@@ -332,14 +352,22 @@ impl<E: TitoEngine> Queue<E> {
             .db
             .transaction(|tx| {
                 let (root, stored, bytes) = (root.clone(), stored.clone(), bytes.clone());
-                let wakeups = wakeups.clone();
+                let (wakeups, unique) = (wakeups.clone(), unique.clone());
                 async move {
                     let mut writes = engine::Writes::default();
                     if !known {
                         check_meta(&tx, &root, partitions, &mut writes).await?;
                     }
-                    let planned =
-                        plan_pending(&tx, &root, partitions, &stored, bytes, &mut writes).await?;
+                    let planned = unique::plan(
+                        &tx,
+                        &root,
+                        partitions,
+                        &stored,
+                        bytes,
+                        unique.as_ref(),
+                        &mut writes,
+                    )
+                    .await?;
                     writes.apply(&tx).await?;
                     if !planned.0.duplicate {
                         wakeups.wake_after_commit(&tx, planned.1);
@@ -353,25 +381,27 @@ impl<E: TitoEngine> Queue<E> {
         Ok(published)
     }
 
-    /// Publishes an event inside `tx`, atomically with the rest of it; idempotent per event id
-    /// like [`Queue::publish`].
-    pub async fn publish_in_tx<T: Serialize>(
+    /// [`Queue::publish_in_tx`], or with a uniqueness rule [`Queue::publish_unique_in_tx`].
+    async fn publish_under_in_tx<T: Serialize>(
         &self,
         event: &QueueEvent<T>,
+        unique: Option<&unique::Unique>,
         tx: &E::Transaction,
     ) -> TitoResult<Published> {
         let stored = StoredEvent::from_event(event)?;
         let bytes = stored.to_bytes()?;
+        let unique = unique::Keyed::of(unique, &stored)?;
         // Reads first, then every write checked and buffered together: an error leaves nothing
         // of this publication in the caller's transaction.
         let mut writes = engine::Writes::default();
         self.plan_meta(tx, &mut writes).await?;
-        let (published, partition) = plan_pending(
+        let (published, partition) = unique::plan(
             tx,
             &self.root,
             self.config.partitions,
             &stored,
             bytes,
+            unique.as_ref(),
             &mut writes,
         )
         .await?;

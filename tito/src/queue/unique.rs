@@ -154,42 +154,7 @@ impl<E: TitoEngine> Queue<E> {
         event: QueueEvent<T>,
         unique: &Unique,
     ) -> TitoResult<Published> {
-        let stored = StoredEvent::from_event(&event)?;
-        let bytes = stored.to_bytes()?;
-        let unique_key = unique.key_of(&stored.payload)?;
-        self.check_config()?;
-        let root = self.root.clone();
-        let partitions = self.config.partitions;
-        let wakeups = self.wakeups.clone();
-        let (published, _) = self
-            .db
-            .transaction(|tx| {
-                let (root, stored, bytes) = (root.clone(), stored.clone(), bytes.clone());
-                let (wakeups, unique_key) = (wakeups.clone(), unique_key.clone());
-                async move {
-                    let mut writes = engine::Writes::default();
-                    super::check_meta(&tx, &root, partitions, &mut writes).await?;
-                    let planned = plan_unique(
-                        &tx,
-                        &root,
-                        partitions,
-                        &stored,
-                        bytes,
-                        &unique_key,
-                        unique,
-                        &mut writes,
-                    )
-                    .await?;
-                    writes.apply(&tx).await?;
-                    if !planned.0.duplicate {
-                        wakeups.wake_after_commit(&tx, planned.1);
-                    }
-                    Ok::<_, TitoError>(planned)
-                }
-            })
-            .await?;
-        self.published(&published);
-        Ok(published)
+        self.publish_under(&event, Some(unique)).await
     }
 
     /// [`Queue::publish_unique`] inside `tx`, atomically with the rest of it.
@@ -199,28 +164,7 @@ impl<E: TitoEngine> Queue<E> {
         unique: &Unique,
         tx: &E::Transaction,
     ) -> TitoResult<Published> {
-        let stored = StoredEvent::from_event(event)?;
-        let bytes = stored.to_bytes()?;
-        let unique_key = unique.key_of(&stored.payload)?;
-        let mut writes = engine::Writes::default();
-        self.plan_meta(tx, &mut writes).await?;
-        let (published, partition) = plan_unique(
-            tx,
-            &self.root,
-            self.config.partitions,
-            &stored,
-            bytes,
-            &unique_key,
-            unique,
-            &mut writes,
-        )
-        .await?;
-        writes.apply(tx).await?;
-        if !published.duplicate {
-            self.wakeups.wake_after_commit(tx, partition);
-        }
-        self.published(&published);
-        Ok(published)
+        self.publish_under_in_tx(event, Some(unique), tx).await
     }
 
     /// One maintenance step: deletes up to [`RETENTION_BATCH`] unique-key records whose period
@@ -263,19 +207,44 @@ impl<E: TitoEngine> Queue<E> {
     }
 }
 
-/// Plans a unique publication: a duplicate when the key is held in a covered state, else the
-/// event's pending row (unless its id is a duplicate) and the key's new record.
-#[allow(clippy::too_many_arguments)]
-async fn plan_unique<X: TitoTransaction>(
+/// A uniqueness rule with the key it gives an event, checked before any transaction.
+#[derive(Clone, Debug)]
+pub(super) struct Keyed {
+    rule: Unique,
+    key: String,
+}
+
+impl Keyed {
+    pub(super) fn of(rule: Option<&Unique>, stored: &StoredEvent) -> TitoResult<Option<Keyed>> {
+        rule.map(|rule| {
+            Ok(Keyed {
+                key: rule.key_of(&stored.payload)?,
+                rule: rule.clone(),
+            })
+        })
+        .transpose()
+    }
+}
+
+/// Plans a publication: without a rule, the event's pending row (unless its id is a
+/// duplicate); with one, a duplicate when the key is held in a covered state, else the row and
+/// the key's new record.
+pub(super) async fn plan<X: TitoTransaction>(
     tx: &X,
     root: &str,
     partitions: u32,
     stored: &StoredEvent,
     bytes: Vec<u8>,
-    unique_key: &str,
-    unique: &Unique,
+    unique: Option<&Keyed>,
     writes: &mut engine::Writes,
 ) -> TitoResult<(Published, u32)> {
+    let Some(Keyed {
+        rule: unique,
+        key: unique_key,
+    }) = unique
+    else {
+        return plan_pending(tx, root, partitions, stored, bytes, writes).await;
+    };
     let now = engine::version_millis(tx.start_version());
     let record_key = keys::unique_key(root, unique_key);
     let record = tx

@@ -319,27 +319,14 @@ impl<E: TitoEngine> LeaseKeeper<E> {
         self.draining.clear();
         if let Mode::Standalone { .. } = &self.mode {
             // Gone: the slots it may still hold are free at once.
-            let key = keys::worker_heartbeat_key(root, &self.id).into_bytes();
-            let result = db
-                .transaction(|tx| {
-                    let key = key.clone();
-                    async move { crate::engine::TitoTransaction::delete(&tx, key).await }
-                })
-                .await;
-            if let Err(err) = result {
+            let key = keys::worker_heartbeat_key(root, &self.id);
+            if let Err(err) = delete_key(db, key).await {
                 tracing::debug!(error = %err, "removing the worker heartbeat failed; it expires on its own");
             }
         }
         if let Mode::Cluster(node) = &self.mode {
             // Leaving: the coordinator drops this node at its next tick.
-            let key = keys::node_key(root, &node.id).into_bytes();
-            let result = db
-                .transaction(|tx| {
-                    let key = key.clone();
-                    async move { crate::engine::TitoTransaction::delete(&tx, key).await }
-                })
-                .await;
-            if let Err(err) = result {
+            if let Err(err) = delete_key(db, keys::node_key(root, &node.id)).await {
                 tracing::warn!(error = %err, "removing the node record failed; it expires on its own");
             }
             if let Err(err) = node.resign(db, root).await {
@@ -347,4 +334,14 @@ impl<E: TitoEngine> LeaseKeeper<E> {
             }
         }
     }
+}
+
+/// Deletes one key in a transaction of its own.
+async fn delete_key<E: TitoEngine>(db: &E, key: String) -> Result<(), TitoError> {
+    let key = key.into_bytes();
+    db.transaction(|tx| {
+        let key = key.clone();
+        async move { crate::engine::TitoTransaction::delete(&tx, key).await }
+    })
+    .await
 }
