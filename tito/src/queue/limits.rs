@@ -314,24 +314,11 @@ async fn usage_under<E: TitoEngine>(db: &E, root: &str) -> TitoResult<LimitUsage
     engine::read_only(db, async |tx| {
         let record = read_limits(tx, &root).await?;
         let prefix = keys::slots_prefix(&root);
-        let end = keys::prefix_end(prefix.clone());
         let mut usage = LimitUsage {
             limits: record.limits.clone(),
             ..LimitUsage::default()
         };
-        let mut from = prefix.clone().into_bytes();
-        let mut slots = Vec::new();
-        loop {
-            let page = tx.scan(&from, end.as_bytes(), 1024).await?;
-            let full = page.len() == 1024;
-            if let Some((last, _)) = page.last() {
-                from = keys::key_after_bytes(last);
-            }
-            slots.extend(page);
-            if !full {
-                break;
-            }
-        }
+        let slots = super::scan_prefix(tx, &prefix).await?;
         let records: Vec<(Vec<u8>, Option<Slot>)> = slots
             .into_iter()
             .map(|(key, value)| (key, serde_json::from_slice(&value).ok()))
@@ -629,6 +616,8 @@ pub(crate) async fn admit<E: TitoEngine>(
             }
             let alive = Liveness::read(&tx, root, open, Some(me), &occupied).await?;
             let mut admitted = Admitted::default();
+            // The rate logs an admitted start was recorded in (written back at the end).
+            let mut touched = vec![false; rate_keys.len()];
             let mut refused_by_log: HashMap<usize, u64> = HashMap::new();
             for (item, present) in pulled.iter().zip(rows) {
                 if !present {
@@ -692,6 +681,7 @@ pub(crate) async fn admit<E: TitoEngine>(
                 }
                 for (i, rate) in &item_logs {
                     logs[*i].record(now, rate);
+                    touched[*i] = true;
                 }
                 let mut held_keys = Vec::new();
                 if let Some(i) = queue_slot {
@@ -712,7 +702,7 @@ pub(crate) async fn admit<E: TitoEngine>(
                 admitted.start.push((item.clone(), held_keys));
             }
             for (i, (_, key)) in rate_keys.iter().enumerate() {
-                if item_touched(&admitted, rate_keys, i) {
+                if touched[i] {
                     tx.put(key.clone(), serde_json::to_vec(&logs[i])?).await?;
                 }
             }
@@ -788,14 +778,6 @@ fn new_slot(me: &Holder, invocation: &str, key: Option<&str>, now: u64) -> Slot 
     }
 }
 
-/// Whether an admitted start counts in rate log `i` (its log is then written).
-fn item_touched(admitted: &Admitted, rate_keys: &[(Option<&str>, Vec<u8>)], i: usize) -> bool {
-    match rate_keys[i].0 {
-        None => !admitted.start.is_empty(),
-        Some(key) => admitted.start.iter().any(|(p, _)| p.stored.key == key),
-    }
-}
-
 /// Moves a pending invocation to the whole second at or after `turn_ms` (never earlier than
 /// its own due time): the row is replaced by the same invocation under its new due time, which
 /// takes the event id over.
@@ -806,12 +788,7 @@ async fn postpone<X: TitoTransaction>(
     item: &Pulled,
     turn_ms: u64,
 ) -> TitoResult<()> {
-    tx.delete(item.key.clone().into_bytes()).await?;
-    if let Some(owner) = &item.stored.owner {
-        let pending_owner =
-            keys::owner_key(root, &owner.kind, &owner.id, keys::OWNER_PENDING, &item.key);
-        tx.delete(pending_owner.into_bytes()).await?;
-    }
+    super::worker::remove_pending(tx, root, item).await?;
     let due = i64::try_from(turn_ms.div_ceil(1000)).unwrap_or(i64::MAX);
     let mut next = item.stored.clone();
     next.timestamp = next.timestamp.max(due);
@@ -856,31 +833,18 @@ pub(crate) async fn sweep_orphan_slots<E: TitoEngine>(
     me: &Holder,
     keep: &HashSet<String>,
 ) -> TitoResult<usize> {
-    let prefix = keys::slots_prefix(queue.root());
-    let end = keys::prefix_end(prefix.clone());
-    let (prefix, end) = (&prefix, &end);
+    let prefix = &keys::slots_prefix(queue.root());
     queue
         .engine()
         .transaction(|tx| async move {
-            let mut from = prefix.clone().into_bytes();
             let mut deleted = 0;
-            loop {
-                let page = tx.scan(&from, end.as_bytes(), 1024).await?;
-                let full = page.len() == 1024;
-                if let Some((last, _)) = page.last() {
-                    from = keys::key_after_bytes(last);
-                }
-                for (key, value) in page {
-                    let Ok(slot) = serde_json::from_slice::<Slot>(&value) else {
-                        continue;
-                    };
-                    if me.is(&slot) && !keep.contains(&slot.invocation) {
-                        tx.delete(key).await?;
-                        deleted += 1;
-                    }
-                }
-                if !full {
-                    break;
+            for (key, value) in super::scan_prefix(&tx, prefix).await? {
+                let Ok(slot) = serde_json::from_slice::<Slot>(&value) else {
+                    continue;
+                };
+                if me.is(&slot) && !keep.contains(&slot.invocation) {
+                    tx.delete(key).await?;
+                    deleted += 1;
                 }
             }
             Ok::<_, TitoError>(deleted)

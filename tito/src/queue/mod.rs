@@ -132,6 +132,29 @@ use crate::event::StoredEvent;
 use crate::keys;
 use crate::telemetry::names;
 
+/// Every row under `prefix`, read in scans of 1024 (one scan for the small record sets it is
+/// used for: pause records, concurrency slots).
+pub(crate) async fn scan_prefix<X: TitoTransaction>(
+    tx: &X,
+    prefix: &str,
+) -> TitoResult<Vec<(Vec<u8>, Vec<u8>)>> {
+    const PAGE: usize = 1024;
+    let end = keys::prefix_end(prefix.to_string());
+    let mut rows = Vec::new();
+    let mut from = prefix.as_bytes().to_vec();
+    loop {
+        let page = tx.scan(&from, end.as_bytes(), PAGE).await?;
+        let full = page.len() == PAGE;
+        if let Some((last, _)) = page.last() {
+            from = keys::key_after_bytes(last);
+        }
+        rows.extend(page);
+        if !full {
+            return Ok(rows);
+        }
+    }
+}
+
 /// How many completed rows one maintenance batch deletes at most.
 pub const RETENTION_BATCH: usize = 256;
 

@@ -199,24 +199,9 @@ async fn paused_under<E: TitoEngine>(db: &E, root: &str) -> TitoResult<Paused> {
 
 /// The pause records of the queue under `root`, in one scan.
 pub(crate) async fn read_paused<X: TitoTransaction>(tx: &X, root: &str) -> TitoResult<Paused> {
-    const PAGE: usize = 1024;
-    let prefix = keys::paused_prefix(root);
-    let end = keys::prefix_end(prefix.clone());
     // One scan for any ordinary queue (a handful of records); more only with over a
     // thousand partitions paused one by one.
-    let mut rows = Vec::new();
-    let mut from = prefix.into_bytes();
-    loop {
-        let page = tx.scan(&from, end.as_bytes(), PAGE).await?;
-        let full = page.len() == PAGE;
-        if let Some((last, _)) = page.last() {
-            from = keys::key_after_bytes(last);
-        }
-        rows.extend(page);
-        if !full {
-            break;
-        }
-    }
+    let rows = super::scan_prefix(tx, &keys::paused_prefix(root)).await?;
     let mut paused = Paused::default();
     for (key, value) in rows {
         let record: PauseRecord = serde_json::from_slice(&value).map_err(|err| {

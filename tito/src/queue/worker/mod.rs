@@ -20,7 +20,7 @@ mod outcome;
 mod policy;
 mod pulling;
 
-pub(in crate::queue) use outcome::complete;
+pub(in crate::queue) use outcome::{complete, remove_pending};
 pub(crate) use policy::AfterFailure;
 pub use policy::{FailurePolicy, MAX_ATTEMPTS};
 

@@ -235,7 +235,11 @@ pub(in crate::queue) async fn complete<X: TitoTransaction>(
 }
 
 /// Deletes a pending row and its pending owner key inside `tx`.
-async fn remove_pending<X: TitoTransaction>(tx: &X, root: &str, pulled: &Pulled) -> TitoResult<()> {
+pub(in crate::queue) async fn remove_pending<X: TitoTransaction>(
+    tx: &X,
+    root: &str,
+    pulled: &Pulled,
+) -> TitoResult<()> {
     tx.delete(pulled.key.clone().into_bytes()).await?;
     if let Some(owner) = &pulled.stored.owner {
         let pending_owner = keys::owner_key(
