@@ -22,6 +22,7 @@ mod kv;
 mod layers;
 mod models;
 mod queue;
+mod queue_composed;
 mod rpc_counts;
 mod schema;
 mod simulation;

@@ -217,6 +217,26 @@ struct Tracker {
     /// Starts past a limit while a run that began before the last clock jump was running
     /// (its worker's heartbeat expired in the jump: allowed, counted).
     limit_excused: u32,
+    /// When limits were last lifted (the priority check waits a while after).
+    limits_lifted: Option<u128>,
+    /// Events published (certainly) and not started yet: partition, ordering time (due time
+    /// less the priority's boost, as the queue orders rows), own due time (s), when published.
+    waiting: BTreeMap<u32, (u32, u64, i64, u128)>,
+    /// Starts of a lower-priority row while a higher-priority row of the same partition had
+    /// been due and visible for longer than a pull (with no limit or pause in force).
+    priority_violations: Vec<String>,
+    /// Starts checked against the priority order.
+    priority_checks: u64,
+}
+
+/// How long a higher-priority row may be passed over after it became due and visible: a pass
+/// starts over at least every `MAX_PASS_AGE` (1 s), plus a pull and the idle backoff.
+const PRIORITY_GRACE_MS: u128 = 1500;
+
+/// The queue's ordering time of a row: its due time less a minute per step of priority, due
+/// times in the first nine minutes after the epoch counted as the end of them.
+fn ordered_at(due: i64, priority: u8) -> u64 {
+    (due.max(0) as u64).max(540) - u64::from(priority) * 60
 }
 
 impl Tracker {
@@ -377,6 +397,44 @@ fn handler(
                 if let Some((limits, since)) = t.limits.clone().filter(|(_, since)| now > *since) {
                     limit_check(&mut t, &limits, since, n, &event.key, &who);
                 }
+                if let Some((partition, key, _, _)) = t.waiting.remove(&n) {
+                    // The first start of an event: no row of its partition that sorts before
+                    // it was due and visible for longer than a pull, unless a limit, a pause or
+                    // a clock jump was in force.
+                    let quiet = t.limits.is_none()
+                        && t.limits_lifted
+                            .is_none_or(|at| at + PRIORITY_GRACE_MS < now)
+                        && t.last_jump
+                            .is_none_or(|jump| jump + PRIORITY_GRACE_MS < now)
+                        && !t
+                            .paused
+                            .keys()
+                            .any(|scope| scope.is_none_or(|p| p == partition));
+                    if quiet {
+                        t.priority_checks += 1;
+                        let passed_over: Vec<String> = t
+                            .waiting
+                            .iter()
+                            .filter(|(_, (p, k, due, published))| {
+                                *p == partition
+                                    && *k < key
+                                    && published + PRIORITY_GRACE_MS < now
+                                    && (*due as u128) * 1000 + PRIORITY_GRACE_MS < engine_ms
+                            })
+                            .map(|(m, (_, k, due, published))| {
+                                format!("event {m} (ordered at {k}, due {due}, published at {published})")
+                            })
+                            .collect();
+                        if !passed_over.is_empty() {
+                            let line = format!(
+                                "event {n} (ordered at {key}, priority {}) started on {who} at \
+                                 {now} in partition {partition} before {passed_over:?}",
+                                event.priority
+                            );
+                            t.priority_violations.push(line);
+                        }
+                    }
+                }
                 if let Some(since) = t.cancelled.get(&n).filter(|since| now > **since) {
                     let line = format!("event {n} started on {who} at {now}, cancelled at {since}");
                     t.pause_violations.push(line);
@@ -401,6 +459,11 @@ fn handler(
             };
             let _live = Live(tracker.clone(), n, who.clone());
             match event.payload.behaviour {
+                Behaviour::AlwaysFail if attempt % 2 == 0 => {
+                    // The handler's own NotFound (the row it names is gone) counts like any
+                    // other error: still dead after exactly MAX_ATTEMPTS attempts.
+                    return Err(TitoError::NotFound("the row it names is gone".into()));
+                }
                 Behaviour::AlwaysFail => {
                     return Err(TitoError::handler("fails at every attempt"));
                 }
@@ -505,6 +568,8 @@ pub struct Report {
     pub limit_excused: u32,
     /// Periodic ticks published (each checked once).
     pub ticks: usize,
+    /// First starts checked against the priority order.
+    pub priority_checks: u64,
     pub violations: Vec<String>,
     pub trace: Vec<String>,
     pub log: Vec<String>,
@@ -562,6 +627,8 @@ struct Sim {
     first_ticker: Option<i64>,
     /// Ticks found at the end.
     periodic_ticks: usize,
+    /// Starts checked against the priority order.
+    priority_checks: u64,
 }
 
 fn inbox_config() -> InboxConfig<Db, SimTask> {
@@ -616,14 +683,25 @@ impl Sim {
                 }
             }
         };
-        let mut event = QueueEvent::new(format!("key-{}", n % 7), job.clone(), job.first_due)
-            .with_id(id.clone());
+        // Now and then a business key far longer than any derived key may be (slots, rate
+        // logs): it must run like any other.
+        let key = if self.rng.chance(5) {
+            format!("key-{}-{}", n % 7, "k".repeat(5000))
+        } else {
+            format!("key-{}", n % 7)
+        };
+        let mut event = QueueEvent::new(key, job.clone(), job.first_due).with_id(id.clone());
         if self.rng.chance(25) {
             event = event.with_owner(QueueOwner::new("account", format!("a{}", n % 5)));
         }
         if self.rng.chance(30) {
             event = event.with_priority(self.rng.below(10) as u8);
         }
+        let order = (
+            tito::queue::partition_for(&event.key, PARTITIONS),
+            ordered_at(event.timestamp, event.priority),
+            event.timestamp,
+        );
         let with_model = self.rng.chance(30);
         let result = if with_model {
             let (queue, accounts) = (
@@ -661,6 +739,13 @@ impl Sim {
                     .events
                     .insert(id.clone(), (job, Publication::Certain));
                 let duplicate = published.duplicate;
+                {
+                    let mut tracker = self.queues[which].tracker.lock().unwrap();
+                    if !duplicate && known.is_none() && !tracker.runs.contains_key(&n) {
+                        let now = tracker.now();
+                        tracker.waiting.insert(n, (order.0, order.1, order.2, now));
+                    }
+                }
                 if known == Some(Publication::Certain) {
                     self.check(duplicate, || {
                         format!("step {step}: {id} published twice while live")
@@ -1132,7 +1217,9 @@ impl Sim {
         use tito::queue::{Limits, Rate};
         let which = self.rng.below(2) as usize;
         if self.queues[which].tracker.lock().unwrap().limits.is_some() {
-            return format!("limits q{which} already set");
+            // Lifted: what the limits held or moved runs again (the drain at the end
+            // checks that nothing stays behind).
+            return self.lift_limits(which).await;
         }
         let mut limits = Limits::none();
         if self.rng.chance(60) {
@@ -1153,6 +1240,10 @@ impl Sim {
                 Duration::from_secs(1),
             ));
         }
+        if self.rng.chance(15) {
+            // A rate that moves what it refuses hours ahead: only lifting it brings them back.
+            limits = limits.rate(Rate::new(1, Duration::from_secs(3600)));
+        }
         if limits.is_none() {
             limits = limits.key_concurrency(1);
         }
@@ -1165,6 +1256,18 @@ impl Sim {
             tracker.limits = Some((limits.clone(), since));
         }
         format!("limits q{which} {limits:?}: {}", short(&result))
+    }
+
+    /// Lifts the limits of queue `which`.
+    async fn lift_limits(&mut self, which: usize) -> String {
+        let q = &self.queues[which];
+        let result = q.queue.set_limits(tito::queue::Limits::none()).await;
+        if result.is_ok() {
+            let mut tracker = q.tracker.lock().unwrap();
+            tracker.limits = None;
+            tracker.limits_lifted = Some(tracker.now());
+        }
+        format!("lift limits q{which}: {}", short(&result))
     }
 
     /// Cancels one published event, pending or not.
@@ -1180,6 +1283,8 @@ impl Sim {
             (id.clone(), job.n)
         };
         let q = &mut self.queues[which];
+        // Whatever the cancel's outcome, the event no longer takes part in the priority check.
+        q.tracker.lock().unwrap().waiting.remove(&n);
         let result = q.queue.cancel(&id, "simulated").await;
         match &result {
             Ok(true) => {
@@ -1216,6 +1321,13 @@ impl Sim {
     async fn finish(&mut self) {
         self.db.faults().clear();
         self.resume_all().await;
+        // Whatever the limits held or moved (up to hours ahead) follows their lifting.
+        for which in 0..2 {
+            let lifted = self.lift_limits(which).await;
+            self.check(lifted.ends_with("()"), || {
+                format!("lifting limits without faults failed: {lifted}")
+            });
+        }
         for slot in 0..WORKER_SLOTS {
             self.stop_worker(slot, false).await;
         }
@@ -1436,6 +1548,14 @@ impl Sim {
             .clone();
         self.check(pause_violations.is_empty(), || {
             format!("q{which}: started while paused or after a cancel: {pause_violations:?}")
+        });
+        let (priority_violations, priority_checks) = {
+            let tracker = self.queues[which].tracker.lock().unwrap();
+            (tracker.priority_violations.clone(), tracker.priority_checks)
+        };
+        self.priority_checks += priority_checks;
+        self.check(priority_violations.is_empty(), || {
+            format!("q{which}: a higher priority was passed over: {priority_violations:?}")
         });
         let limit_violations = self.queues[which]
             .tracker
@@ -1766,6 +1886,7 @@ async fn simulate(seed: u64, steps: u32) -> Report {
         tickers: (0..TICKER_SLOTS).map(|_| None).collect(),
         first_ticker: None,
         periodic_ticks: 0,
+        priority_checks: 0,
     };
     for step in 0..steps {
         sim.step(step).await;
@@ -1800,6 +1921,7 @@ async fn simulate(seed: u64, steps: u32) -> Report {
             .map(|q| q.tracker.lock().unwrap().limit_excused)
             .sum(),
         ticks: sim.periodic_ticks,
+        priority_checks: sim.priority_checks,
         dead: sim.dead,
         violations: sim.violations,
         trace: sim.trace,
@@ -1840,7 +1962,7 @@ fn assert_clean(report: &Report) {
 fn campaign(seeds: std::ops::Range<u64>) {
     let started = std::time::Instant::now();
     let (mut checks, mut faults, mut runs, mut published, mut dead) = (0, 0, 0u64, 0, 0);
-    let (mut limited, mut excused, mut ticks) = (0, 0, 0);
+    let (mut limited, mut excused, mut ticks, mut ordered) = (0, 0, 0, 0);
     let count = seeds.end - seeds.start;
     for seed in seeds {
         let report = run(seed, steps());
@@ -1853,13 +1975,15 @@ fn campaign(seeds: std::ops::Range<u64>) {
         limited += report.limited_starts;
         excused += report.limit_excused;
         ticks += report.ticks;
+        ordered += report.priority_checks;
     }
     let secs = started.elapsed().as_secs_f64();
     println!(
         "simulation: {count} seeds in {secs:.1} s ({:.1} seeds/s), {checks} invariant checks, \
          {faults} faults injected, {published} events published, {runs} handler runs, \
          {dead} dead after their last attempt, {limited} starts under limits ({excused} past \
-         one after a clock jump), {ticks} periodic ticks",
+         one after a clock jump), {ticks} periodic ticks, {ordered} first starts checked \
+         against the priority order",
         count as f64 / secs
     );
 }

@@ -11,6 +11,9 @@ mod embedded {
     mod queue {
         crate::queue_suite!(crate::support::EmbeddedBackend);
     }
+    mod queue_composed {
+        crate::queue_composed_suite!(crate::support::EmbeddedBackend);
+    }
     mod kv {
         crate::kv_suite!(crate::support::EmbeddedBackend);
     }
@@ -37,6 +40,9 @@ mod tikv {
     }
     mod queue {
         crate::queue_suite!(crate::support::TikvBackend);
+    }
+    mod queue_composed {
+        crate::queue_composed_suite!(crate::support::TikvBackend);
     }
     mod kv {
         crate::kv_suite!(crate::support::TikvBackend);
@@ -84,6 +90,9 @@ mod memory {
     }
     mod queue {
         crate::queue_suite!(crate::support::MemoryBackend);
+    }
+    mod queue_composed {
+        crate::queue_composed_suite!(crate::support::MemoryBackend);
     }
     mod kv {
         crate::kv_suite!(crate::support::MemoryBackend);

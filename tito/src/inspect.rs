@@ -22,7 +22,7 @@
 //! # async fn main() -> Result<(), TitoError> {
 //! let db = Memory::new();
 //! let queue = Queue::new(db.clone(), QueueConfig::new(4, std::time::Duration::from_secs(60)));
-//! queue.publish(QueueEvent::new("user:1", "welcome", 0)).await?;
+//! queue.publish(QueueEvent::now("user:1", "welcome")).await?;
 //!
 //! let queues = inspect::queues(&db, 10).await?;
 //! assert_eq!(queues[0].label, "default");

@@ -123,6 +123,39 @@ pub fn encode_str(value: &str, out: &mut String) {
     out.push_str(&value[run..]);
 }
 
+/// The longest raw value [`encode_bounded`] keeps whole; a longer one is hashed.
+pub const MAX_BOUNDED_SEGMENT: usize = 256;
+
+/// Appends `value` as [`encode_str`] does when it is at most [`MAX_BOUNDED_SEGMENT`] bytes;
+/// a longer one as its first 128 bytes (encoded), `;>` and the 128-bit FNV-1a hash of the
+/// whole value in hex. For keys derived from values a user gave without a length limit (a
+/// business key, a worker id): whatever was accepted, the derived key fits the engines' key
+/// limit. `;>` is an escape [`encode_str`] never writes, so a hashed segment never equals
+/// the encoding of another value (it does not decode: such keys are never parsed back).
+pub fn encode_bounded(value: &str, out: &mut String) {
+    if value.len() <= MAX_BOUNDED_SEGMENT {
+        encode_str(value, out);
+        return;
+    }
+    let mut cut = 128;
+    while !value.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    encode_str(&value[..cut], out);
+    use std::fmt::Write;
+    let _ = write!(out, ";>{:032x}", fnv1a_128(value.as_bytes()));
+}
+
+/// FNV-1a, 128-bit.
+fn fnv1a_128(bytes: &[u8]) -> u128 {
+    let mut hash: u128 = 0x6c62_272e_07bb_0142_62b8_2175_6295_c58d;
+    for byte in bytes {
+        hash ^= u128::from(*byte);
+        hash = hash.wrapping_mul(0x0000_0000_0100_0000_0000_0000_0000_013b);
+    }
+    hash
+}
+
 /// Checks that `segment` is a string segment [`decode_str`] accepts, without decoding it.
 pub fn check_str(segment: &str) -> TitoResult<()> {
     let bytes = segment.as_bytes();
@@ -807,6 +840,19 @@ pub fn event_id_key(root: &str, id: &str) -> String {
     key
 }
 
+/// `{queue}:moved:{id}`: the invocation of this event id was moved later by a rate limit (its
+/// row keeps its own due time); when the limits change, moved rows return to it.
+pub fn moved_key(root: &str, id: &str) -> String {
+    let mut key = moved_prefix(root);
+    encode_str(id, &mut key);
+    key
+}
+
+/// `{queue}:moved:`, every row a rate limit moved.
+pub fn moved_prefix(root: &str) -> String {
+    format!("{root}:moved:")
+}
+
 /// The key holding a queue's partition count.
 pub fn queue_meta_key(root: &str) -> String {
     format!("{root}:meta")
@@ -827,9 +873,29 @@ fn pending_twin(root: &str, state: &str, pending_key: &str) -> TitoResult<String
 }
 
 /// `{queue}:undecodable:{partition:04}:{timestamp:020}:{version:020}:{event_id}`: a worker's
-/// note that the pending row `pending_key` does not decode as its handler's type.
+/// note that the pending row `pending_key` does not decode as its handler's type. A pending key
+/// within a few bytes of the key limit has its note under `{queue}:undecodable:;>{hash}`
+/// instead (the note's value then names the row: see [`undecodable_target`]).
 pub fn undecodable_key(root: &str, pending_key: &str) -> TitoResult<String> {
-    pending_twin(root, "undecodable", pending_key)
+    let twin = pending_twin(root, "undecodable", pending_key)?;
+    if twin.len() <= crate::engine::MAX_KEY_BYTES {
+        return Ok(twin);
+    }
+    Ok(format!(
+        "{}{HASHED_NOTE}{:032x}",
+        undecodable_prefix(root),
+        fnv1a_128(pending_key.as_bytes())
+    ))
+}
+
+/// What stands after the prefix of an undecodable note whose key is hashed.
+const HASHED_NOTE: &str = ";>";
+
+/// Whether an undecodable note's key is hashed (its value names the row).
+pub fn undecodable_key_is_hashed(root: &str, note_key: &str) -> bool {
+    note_key
+        .strip_prefix(&undecodable_prefix(root))
+        .is_some_and(|rest| rest.starts_with(HASHED_NOTE))
 }
 
 /// `{queue}:undecodable:`, every undecodable note of a queue.
@@ -883,7 +949,7 @@ pub fn queue_slot_key(root: &str, slot: u32) -> String {
 /// `{queue}:running:key:{key}:{slot:04}`: one of a business key's concurrency slots.
 pub fn key_slot_key(root: &str, key: &str, slot: u32) -> String {
     let mut out = format!("{root}:running:key:");
-    encode_str(key, &mut out);
+    encode_bounded(key, &mut out);
     out.push_str(&format!(":{slot:04}"));
     out
 }
@@ -901,7 +967,7 @@ pub fn queue_rate_key(root: &str) -> String {
 /// `{queue}:rate:key:{key}`: a business key's log of recent starts.
 pub fn key_rate_key(root: &str, key: &str) -> String {
     let mut out = format!("{root}:rate:key:");
-    encode_str(key, &mut out);
+    encode_bounded(key, &mut out);
     out
 }
 
@@ -909,7 +975,7 @@ pub fn key_rate_key(root: &str, key: &str) -> String {
 /// keeps the concurrency slots it holds.
 pub fn worker_heartbeat_key(root: &str, worker: &str) -> String {
     let mut out = format!("{root}:worker:");
-    encode_str(worker, &mut out);
+    encode_bounded(worker, &mut out);
     out
 }
 

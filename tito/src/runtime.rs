@@ -91,7 +91,7 @@ impl Shutdown for Stop {
 ///     println!("mail to {}", event.payload.to);
 ///     Ok(QueueHandlerOutcome::Acknowledge)
 /// });
-/// queue.publish(QueueEvent::new("ada", Mail { to: "ada@example.com".into() }, 0)).await?;
+/// queue.publish(QueueEvent::now("ada", Mail { to: "ada@example.com".into() })).await?;
 /// // .. the application runs ..
 /// workers.shutdown().await?; // drains every worker of the set
 /// # Ok(())

@@ -110,7 +110,8 @@ pub(crate) fn new_event_id() -> String {
 }
 
 impl<T> QueueEvent<T> {
-    /// An event with a fresh logical id.
+    /// An event with a fresh logical id, due at `timestamp` (Unix seconds). For "now", "at" and
+    /// "in" there are [`QueueEvent::now`], [`QueueEvent::at`] and [`QueueEvent::after`].
     pub fn new(key: impl Into<String>, payload: T, timestamp: i64) -> Self {
         QueueEvent {
             id: new_event_id(),
@@ -121,6 +122,56 @@ impl<T> QueueEvent<T> {
             attempt: 1,
             priority: 0,
         }
+    }
+
+    /// An event due now (this host's clock, whole seconds), with a fresh logical id.
+    ///
+    /// ```
+    /// use tito::QueueEvent;
+    ///
+    /// let event = QueueEvent::now("user:1", "welcome");
+    /// assert!((event.timestamp - chrono::Utc::now().timestamp()).abs() <= 1);
+    /// ```
+    pub fn now(key: impl Into<String>, payload: T) -> Self {
+        QueueEvent::new(key, payload, chrono::Utc::now().timestamp())
+    }
+
+    /// An event due at `when` (its whole second: a fraction rounds up, so it never runs early).
+    ///
+    /// ```
+    /// use chrono::{TimeZone, Utc};
+    /// use tito::QueueEvent;
+    ///
+    /// let when = Utc.with_ymd_and_hms(2030, 1, 1, 9, 0, 0).unwrap();
+    /// let event = QueueEvent::at("report:2030", "yearly report", when);
+    /// assert_eq!(event.timestamp, when.timestamp());
+    /// ```
+    pub fn at(key: impl Into<String>, payload: T, when: chrono::DateTime<chrono::Utc>) -> Self {
+        let secs = when.timestamp();
+        let due = if when.timestamp_subsec_nanos() > 0 {
+            secs.saturating_add(1)
+        } else {
+            secs
+        };
+        QueueEvent::new(key, payload, due)
+    }
+
+    /// An event due `delay` from now (this host's clock; a fraction of a second rounds up).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tito::QueueEvent;
+    ///
+    /// let event = QueueEvent::after("user:1", "reminder", Duration::from_secs(3600));
+    /// assert!(event.timestamp >= chrono::Utc::now().timestamp() + 3599);
+    /// ```
+    pub fn after(key: impl Into<String>, payload: T, delay: std::time::Duration) -> Self {
+        let now_ms = chrono::Utc::now().timestamp_millis();
+        let delay_ms = i64::try_from(delay.as_millis()).unwrap_or(i64::MAX);
+        let due_ms = now_ms.saturating_add(delay_ms);
+        // Whole seconds, rounded up (never runs before the delay is over).
+        let due = due_ms.div_euclid(1000) + i64::from(due_ms.rem_euclid(1000) > 0);
+        QueueEvent::new(key, payload, due)
     }
 
     /// The same event with this logical id (for idempotent publication).
@@ -239,6 +290,10 @@ pub(crate) struct StoredEvent {
     /// The priority (0 by default).
     #[serde(default, skip_serializing_if = "is_zero_u8")]
     pub priority: u8,
+    /// Set while a rate limit has moved the row past its own due time: that due time (the row
+    /// returns to it when the limits change).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moved_from: Option<i64>,
 }
 
 fn is_zero_u8(n: &u8) -> bool {
@@ -282,14 +337,19 @@ impl StoredEvent {
             dead_at: None,
             cancelled: None,
             priority: event.priority,
+            moved_from: None,
         })
     }
 
     /// The due time the row is ordered by: its own, less [`PRIORITY_STEP`] per step of
-    /// priority (never below zero).
+    /// priority. Due times in the first [`MAX_PRIORITY`] steps after the Unix epoch (a "due long
+    /// ago" such as 0) are ordered as the end of that span, so the boost never reaches below
+    /// zero and priorities order them like any other (among themselves, such rows keep their
+    /// publication order).
     pub fn ordered_at(&self) -> u64 {
+        let span = u64::from(MAX_PRIORITY) * PRIORITY_STEP.as_secs();
         let boost = u64::from(self.priority) * PRIORITY_STEP.as_secs();
-        (self.timestamp.max(0) as u64).saturating_sub(boost)
+        (self.timestamp.max(0) as u64).max(span) - boost
     }
 
     /// The bytes of the row, refused when over [`MAX_QUEUE_EVENT_BYTES`].

@@ -260,33 +260,80 @@ pub async fn limit_usage<E: TitoEngine>(db: &E, topic: Option<&str>) -> TitoResu
 async fn set_limits_under<E: TitoEngine>(db: &E, root: &str, limits: Limits) -> TitoResult<()> {
     limits.check()?;
     let root = root.to_string();
-    db.transaction(|tx| {
-        let (root, limits) = (root.clone(), limits.clone());
-        async move {
-            if super::stored_partition_count(&tx, &root).await?.is_none() {
-                return Err(TitoError::NotFound(format!(
-                    "no queue under {root:?} (nothing was ever published to it)"
-                )));
+    let open = store_open(db);
+    let before = db
+        .transaction(|tx| {
+            let (root, limits) = (root.clone(), limits.clone());
+            async move {
+                if super::stored_partition_count(&tx, &root).await?.is_none() {
+                    return Err(TitoError::NotFound(format!(
+                        "no queue under {root:?} (nothing was ever published to it)"
+                    )));
+                }
+                let before = read_limits(&tx, &root).await.unwrap_or_default();
+                // The slots counted from now on: up to the new limit, and above it only up to
+                // the highest slot a live holder still has (so a lowered or lifted limit stops
+                // reading slots nobody holds).
+                let (queue_held, key_held) = held_slot_bounds(&tx, &root, open).await?;
+                let record = LimitsRecord {
+                    queue_slots_seen: queue_held.max(limits.concurrency.unwrap_or(0)),
+                    key_slots_seen: key_held.max(limits.key_concurrency.unwrap_or(0)),
+                    limits,
+                };
+                tx.put(
+                    keys::limits_key(&root).into_bytes(),
+                    serde_json::to_vec(&record)?,
+                )
+                .await?;
+                Ok::<_, TitoError>(before.limits)
             }
-            let before = read_limits(&tx, &root).await.unwrap_or_default();
-            let record = LimitsRecord {
-                queue_slots_seen: before.queue_slots_seen.max(limits.concurrency.unwrap_or(0)),
-                key_slots_seen: before
-                    .key_slots_seen
-                    .max(limits.key_concurrency.unwrap_or(0)),
-                limits,
-            };
-            tx.put(
-                keys::limits_key(&root).into_bytes(),
-                serde_json::to_vec(&record)?,
-            )
-            .await?;
-            Ok::<_, TitoError>(())
-        }
-    })
-    .await?;
+        })
+        .await?;
     tracing::info!(queue = %root, ?limits, "queue limits set");
+    if before.rate != limits.rate || before.key_rate != limits.key_rate {
+        // What the old rates moved follows the new ones.
+        let restored = restore_moved(db, &root).await?;
+        if restored > 0 {
+            tracing::info!(queue = %root, restored, "rows a rate limit moved returned to their due time");
+        }
+    }
     Ok(())
+}
+
+/// One past the highest queue-wide and per-key slot index a live holder has (0: none).
+async fn held_slot_bounds<X: TitoTransaction>(
+    tx: &X,
+    root: &str,
+    open: Option<u64>,
+) -> TitoResult<(u32, u32)> {
+    let prefix = keys::slots_prefix(root);
+    let all_prefix = format!("{prefix}all:");
+    let slots: Vec<(String, Slot)> = super::scan_prefix(tx, &prefix)
+        .await?
+        .into_iter()
+        .filter_map(|(key, value)| {
+            let key = String::from_utf8(key).ok()?;
+            Some((key, serde_json::from_slice::<Slot>(&value).ok()?))
+        })
+        .collect();
+    let occupied: Vec<Slot> = slots.iter().map(|(_, slot)| slot.clone()).collect();
+    let alive = Liveness::read(tx, root, open, None, &occupied).await?;
+    let (mut queue_held, mut key_held) = (0u32, 0u32);
+    for (key, slot) in &slots {
+        if !alive.holds(slot) {
+            continue;
+        }
+        // Every slot key ends with its index (`:{slot:04}`).
+        let Some(index) = key.rsplit(':').next().and_then(|i| i.parse::<u32>().ok()) else {
+            continue;
+        };
+        if key.starts_with(&all_prefix) {
+            queue_held = queue_held.max(index + 1);
+        } else {
+            key_held = key_held.max(index + 1);
+        }
+    }
+    Ok((queue_held, key_held))
 }
 
 async fn limits_under<E: TitoEngine>(db: &E, root: &str) -> TitoResult<Limits> {
@@ -520,6 +567,19 @@ pub(crate) struct Admitted {
     pub waiting: usize,
     /// Invocations moved to a later due time by a rate limit.
     pub moved: usize,
+    /// The stored limits are not the ones the worker read: nothing was admitted; read them
+    /// again before the next pull.
+    pub stale: bool,
+}
+
+impl Admitted {
+    /// Adds what another admission let through.
+    pub fn merge(&mut self, other: Admitted) {
+        self.start.extend(other.start);
+        self.waiting += other.waiting;
+        self.moved += other.moved;
+        self.stale |= other.stale;
+    }
 }
 
 /// The limits as a worker applies them: the record, and whether anything is limited.
@@ -592,14 +652,24 @@ pub(crate) async fn admit<E: TitoEngine>(
                 .map(|key| (Some(*key), keys::key_rate_key(root, key).into_bytes()))
         }))
         .collect();
-    let mut reads: Vec<Vec<u8>> = queue_slots.clone();
+    // The limits record first: the gate applies only the limits stored now (it locks the
+    // record, so limits set while it decides make it look again), never a stale reading.
+    let limits_key = keys::limits_key(root).into_bytes();
+    let mut reads: Vec<Vec<u8>> = vec![limits_key.clone()];
+    reads.extend(queue_slots.iter().cloned());
     for (_, slots) in &key_slots {
         reads.extend(slots.iter().cloned());
     }
     reads.extend(rate_keys.iter().map(|(_, key)| key.clone()));
     reads.extend(pulled.iter().map(|p| p.key.clone().into_bytes()));
-    let (reads, queue_slots, key_slots, rate_keys, pulled) =
-        (&reads, &queue_slots, &key_slots, &rate_keys, &pulled);
+    let (reads, queue_slots, key_slots, rate_keys, pulled, limits_key) = (
+        &reads,
+        &queue_slots,
+        &key_slots,
+        &rate_keys,
+        &pulled,
+        &limits_key,
+    );
     // A commit whose outcome is unknown is resolved, not guessed: slots written and never
     // used would stay held while this worker lives.
     let policy = queue.engine().retry_policy().resolving();
@@ -607,7 +677,23 @@ pub(crate) async fn admit<E: TitoEngine>(
         .engine()
         .transaction_with(policy, |tx| async move {
             let now = engine::version_millis(tx.start_version());
-            let values = tx.batch_get(reads).await?;
+            let mut values = tx.batch_get(reads).await?;
+            let stored = values.remove(0);
+            let stored: LimitsRecord = match stored {
+                None => LimitsRecord::default(),
+                Some(bytes) => serde_json::from_slice(&bytes).map_err(|err| {
+                    TitoError::Integrity(format!(
+                        "the limits of queue {root:?} do not decode: {err}"
+                    ))
+                })?,
+            };
+            if stored != *record {
+                return Ok(Admitted {
+                    stale: true,
+                    ..Admitted::default()
+                });
+            }
+            tx.lock_keys(std::slice::from_ref(limits_key)).await?;
             let (mut queue_held, mut key_held, mut logs, rows) =
                 split_reads(values, queue_slots.len(), key_slots, rate_keys.len());
             let mut occupied: Vec<Slot> = Vec::new();
@@ -615,6 +701,38 @@ pub(crate) async fn admit<E: TitoEngine>(
                 occupied.push(slot.clone());
             }
             let alive = Liveness::read(&tx, root, open, Some(me), &occupied).await?;
+            // Slots above a lowered limit (or taken above it for invocations that ran before
+            // it was set) stop being read once nobody alive holds one.
+            let queue_shrinks = limits.concurrency.filter(|n| {
+                record.queue_slots_seen > *n
+                    && queue_held
+                        .iter()
+                        .skip(*n as usize)
+                        .all(|slot| !matches!(slot, Some(slot) if alive.holds(slot)))
+            });
+            let key_shrinks = match limits.key_concurrency {
+                Some(m) if record.key_slots_seen > m => {
+                    let (_, key_top) = held_slot_bounds(&tx, root, open).await?;
+                    (key_top < record.key_slots_seen).then_some(key_top.max(m))
+                }
+                _ => None,
+            };
+            if queue_shrinks.is_some() || key_shrinks.is_some() {
+                let mut current = read_limits(&tx, root).await?;
+                if current.limits == *limits {
+                    if let Some(n) = queue_shrinks {
+                        current.queue_slots_seen = n;
+                    }
+                    if let Some(m) = key_shrinks {
+                        current.key_slots_seen = m;
+                    }
+                    tx.put(
+                        keys::limits_key(root).into_bytes(),
+                        serde_json::to_vec(&current)?,
+                    )
+                    .await?;
+                }
+            }
             let mut admitted = Admitted::default();
             // The rate logs an admitted start was recorded in (written back at the end).
             let mut touched = vec![false; rate_keys.len()];
@@ -706,6 +824,18 @@ pub(crate) async fn admit<E: TitoEngine>(
                     tx.put(key.clone(), serde_json::to_vec(&logs[i])?).await?;
                 }
             }
+            // The admission is the start's point of no return: a cancel (or an owner's
+            // erasure, or a set-aside) that commits after this transaction read the rows makes
+            // it conflict and replay, and the replay no longer finds them. So nothing whose
+            // cancel committed before the admission starts.
+            let admitted_rows: Vec<Vec<u8>> = admitted
+                .start
+                .iter()
+                .map(|(item, _)| item.key.clone().into_bytes())
+                .collect();
+            if !admitted_rows.is_empty() {
+                tx.lock_keys(&admitted_rows).await?;
+            }
             Ok::<_, TitoError>(admitted)
         })
         .await
@@ -791,9 +921,208 @@ async fn postpone<X: TitoTransaction>(
     super::worker::remove_pending(tx, root, item).await?;
     let due = i64::try_from(turn_ms.div_ceil(1000)).unwrap_or(i64::MAX);
     let mut next = item.stored.clone();
+    // Its own due time is kept, and the move recorded: when the limits change, the row
+    // returns to it ([`restore_moved`]).
+    next.moved_from = Some(item.stored.moved_from.unwrap_or(item.stored.timestamp));
     next.timestamp = next.timestamp.max(due);
     insert_pending(tx, root, partitions, &next, next.to_bytes()?).await?;
+    tx.put(keys::moved_key(root, &next.id).into_bytes(), Vec::new())
+        .await?;
     Ok(())
+}
+
+/// How many moved rows one transaction of [`restore_moved`] returns.
+const RESTORE_BATCH: usize = 256;
+
+/// Returns every row a rate limit moved to its own due time (in batches of
+/// [`RESTORE_BATCH`], each a transaction): after the limits changed, what the old limit
+/// moved follows the new one (the gate moves it again if the new limit still refuses it).
+/// Returns how many rows moved back.
+async fn restore_moved<E: TitoEngine>(db: &E, root: &str) -> TitoResult<usize> {
+    let wakeups = &crate::event::wake::wakeups(db, root);
+    let prefix = keys::moved_prefix(root);
+    let end = keys::prefix_end(prefix.clone());
+    let mut total = 0;
+    loop {
+        let (prefix, end) = (&prefix, &end);
+        let (restored, more) = db
+            .transaction(|tx| async move {
+                let partitions = super::stored_partition_count(&tx, root).await?.unwrap_or(1);
+                let marks = tx
+                    .scan(prefix.as_bytes(), end.as_bytes(), RESTORE_BATCH)
+                    .await?;
+                let mut restored = 0;
+                for (mark, _) in &marks {
+                    let id = keys::key_str(mark)
+                        .ok()
+                        .and_then(|text| text.strip_prefix(prefix.as_str()))
+                        .and_then(|encoded| keys::decode_str(encoded).ok());
+                    let id_key = id.as_deref().map(|id| keys::event_id_key(root, id));
+                    let target = match &id_key {
+                        Some(id_key) => tx.get(id_key.as_bytes()).await?,
+                        None => None,
+                    };
+                    let row = match &target {
+                        Some(target) => tx.get(target).await?.map(|row| (target.clone(), row)),
+                        None => None,
+                    };
+                    let moved = row.and_then(|(target, row)| {
+                        let key = String::from_utf8(target).ok()?;
+                        let parsed = keys::parse_pending_key(root, &key).ok()?;
+                        let stored = crate::event::StoredEvent::parse(&row).ok()?;
+                        stored.moved_from.map(|own| (key, parsed, stored, own))
+                    });
+                    let Some((key, parsed, stored, own)) = moved else {
+                        // Started, completed or cancelled since: nothing to return.
+                        tx.delete(mark.clone()).await?;
+                        continue;
+                    };
+                    let item = Pulled {
+                        key,
+                        parsed,
+                        stored,
+                    };
+                    super::worker::remove_pending(&tx, root, &item).await?;
+                    let mut back = item.stored.clone();
+                    back.timestamp = own;
+                    back.moved_from = None;
+                    insert_pending(&tx, root, partitions, &back, back.to_bytes()?).await?;
+                    wakeups.wake_after_commit(&tx, item.parsed.partition);
+                    restored += 1;
+                }
+                Ok::<_, TitoError>((restored, marks.len() == RESTORE_BATCH))
+            })
+            .await?;
+        total += restored;
+        if !more {
+            return Ok(total);
+        }
+    }
+}
+
+/// An invocation running without the slots the current limits ask for (it started before they
+/// were set): its pending key, its business key, and whether it lacks a queue-wide slot and a
+/// per-key slot.
+pub(crate) struct Unslotted {
+    pub invocation: String,
+    pub key: String,
+    pub queue: bool,
+    pub per_key: bool,
+}
+
+/// Takes slots for invocations that started before a concurrency limit was set, in one
+/// transaction, so the limit counts them: the first slots nobody alive holds, above the limit
+/// when it is full (the record then counts slots up to the highest one taken, so gates read
+/// them until they are released). Returns the slot keys taken per invocation.
+pub(crate) async fn claim_running<E: TitoEngine>(
+    queue: &Queue<E>,
+    me: &Holder,
+    running: &[Unslotted],
+) -> TitoResult<Vec<(String, String, Vec<Vec<u8>>)>> {
+    if running.is_empty() {
+        return Ok(Vec::new());
+    }
+    let root = queue.root();
+    let open = store_open(queue.engine());
+    let policy = queue.engine().retry_policy().resolving();
+    queue
+        .engine()
+        .transaction_with(policy, |tx| async move {
+            let mut record = read_limits(&tx, root).await?;
+            let seen_before = (record.queue_slots_seen, record.key_slots_seen);
+            let limits = record.limits.clone();
+            let needs_queue: Vec<&Unslotted> = running
+                .iter()
+                .filter(|r| r.queue && limits.concurrency.is_some())
+                .collect();
+            let needs_key: Vec<&Unslotted> = running
+                .iter()
+                .filter(|r| r.per_key && limits.key_concurrency.is_some())
+                .collect();
+            // Every slot that could be free for them: up to the counted ones plus one each.
+            let queue_keys: Vec<Vec<u8>> = match limits.concurrency {
+                Some(n) => (0..n.max(record.queue_slots_seen) + needs_queue.len() as u32)
+                    .map(|i| keys::queue_slot_key(root, i).into_bytes())
+                    .collect(),
+                None => Vec::new(),
+            };
+            let mut business: Vec<&str> = needs_key.iter().map(|r| r.key.as_str()).collect();
+            business.sort_unstable();
+            business.dedup();
+            let per_key_count = |key: &str| needs_key.iter().filter(|r| r.key == key).count();
+            let key_keys: Vec<(&str, Vec<Vec<u8>>)> = match limits.key_concurrency {
+                Some(m) => business
+                    .iter()
+                    .map(|key| {
+                        let top = m.max(record.key_slots_seen) + per_key_count(key) as u32;
+                        let slots = (0..top)
+                            .map(|i| keys::key_slot_key(root, key, i).into_bytes())
+                            .collect();
+                        (*key, slots)
+                    })
+                    .collect(),
+                None => Vec::new(),
+            };
+            let mut reads = queue_keys.clone();
+            for (_, slots) in &key_keys {
+                reads.extend(slots.iter().cloned());
+            }
+            let values = tx.batch_get(&reads).await?;
+            let (mut queue_held, mut key_held, _, _) =
+                split_reads(values, queue_keys.len(), &key_keys, 0);
+            let occupied: Vec<Slot> = queue_held
+                .iter()
+                .chain(key_held.iter().flatten())
+                .flatten()
+                .cloned()
+                .collect();
+            let alive = Liveness::read(&tx, root, open, Some(me), &occupied).await?;
+            let now = engine::version_millis(tx.start_version());
+            let free = |held: &[Option<Slot>]| {
+                held.iter()
+                    .position(|slot| !matches!(slot, Some(slot) if alive.holds(slot)))
+            };
+            let mut taken: Vec<(String, String, Vec<Vec<u8>>)> = Vec::new();
+            let mut take = |invocation: &str, key: &str, slot: Vec<u8>| match taken
+                .iter_mut()
+                .find(|(i, _, _)| i == invocation)
+            {
+                Some((_, _, slots)) => slots.push(slot),
+                None => taken.push((invocation.to_string(), key.to_string(), vec![slot])),
+            };
+            for item in &needs_queue {
+                let Some(i) = free(&queue_held) else { continue };
+                let slot = new_slot(me, &item.invocation, None, now);
+                tx.put(queue_keys[i].clone(), serde_json::to_vec(&slot)?)
+                    .await?;
+                queue_held[i] = Some(slot);
+                record.queue_slots_seen = record.queue_slots_seen.max(i as u32 + 1);
+                take(&item.invocation, &item.key, queue_keys[i].clone());
+            }
+            for item in &needs_key {
+                let Some(k) = key_keys.iter().position(|(key, _)| *key == item.key) else {
+                    continue;
+                };
+                let Some(i) = free(&key_held[k]) else {
+                    continue;
+                };
+                let slot = new_slot(me, &item.invocation, Some(&item.key), now);
+                let slot_key = key_keys[k].1[i].clone();
+                tx.put(slot_key.clone(), serde_json::to_vec(&slot)?).await?;
+                key_held[k][i] = Some(slot);
+                record.key_slots_seen = record.key_slots_seen.max(i as u32 + 1);
+                take(&item.invocation, &item.key, slot_key);
+            }
+            if (record.queue_slots_seen, record.key_slots_seen) != seen_before {
+                tx.put(
+                    keys::limits_key(root).into_bytes(),
+                    serde_json::to_vec(&record)?,
+                )
+                .await?;
+            }
+            Ok::<_, TitoError>(taken)
+        })
+        .await
 }
 
 /// Releases slots `me` holds: each `(invocation, slot key)` is deleted if it still names `me`

@@ -47,7 +47,7 @@
 //!     QueueConfig::new(4, Duration::from_secs(3 * 24 * 60 * 60)),
 //! ));
 //! queue
-//!     .publish(QueueEvent::new("user:123", UserCreated { id: "123".into() }, chrono::Utc::now().timestamp()))
+//!     .publish(QueueEvent::now("user:123", UserCreated { id: "123".into() }))
 //!     .await?;
 //!
 //! let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
@@ -107,7 +107,8 @@ pub use cancel::{Cancellation, MAX_CANCEL_REASON, cancel, cancel_owner, cancella
 pub use cluster::{ClusterConfig, ClusterState, MIN_TTL, cluster_state};
 pub use dead::{DeadInvocation, dead, discard_dead, retry_dead};
 pub(crate) use limits::{
-    Gate, Holder, admit, read_limits, release_slots, store_open, sweep_orphan_slots,
+    Admitted, Gate, Holder, Unslotted, admit, claim_running, read_limits, release_slots,
+    store_open, sweep_orphan_slots,
 };
 pub use limits::{
     LimitUsage, Limits, MAX_CONCURRENCY_LIMIT, MAX_RATE_INTERVAL, MAX_RATE_STARTS,
@@ -118,6 +119,7 @@ pub use pause::{PAUSE_CHECK, PauseRecord, Paused, pause, paused, resume};
 pub use periodic::{
     PeriodicJob, Schedule, ScheduleView, TICK_TIMEOUT, run_periodic, schedules, tick_id,
 };
+pub use pull::{MAX_PASS_AGE, RESTART_BUDGET, SCAN_ROWS};
 pub use topic::{TopicQueue, WorkerQueue};
 pub use unique::{MAX_UNIQUE_KEY_BYTES, MAX_UNIQUE_PERIOD, Unique, UniqueStates};
 pub(crate) use worker::AfterFailure;
@@ -469,6 +471,11 @@ impl<E: TitoEngine> Queue<E> {
     /// Deletes, inside `tx`, this owner's invocations (pending or completed) for which
     /// `predicate` returns true, with their owner keys; returns how many. Only the owner's keys
     /// are scanned. Rows whose payload does not decode as `T` are left alone.
+    ///
+    /// Everything is read first and every delete is buffered together at the end: an error
+    /// leaves nothing of the erasure in `tx`, and an error while buffering marks `tx` failed, so
+    /// it refuses to commit (never half an erasure, such as an event id released while its
+    /// invocation stays pending).
     pub async fn delete_by_owner_matching_in_tx<T, F>(
         &self,
         owner: &QueueOwner,
@@ -481,38 +488,37 @@ impl<E: TitoEngine> Queue<E> {
     {
         owner.check()?;
         let prefix = keys::owner_prefix(&self.root, &owner.kind, &owner.id);
-        let end = keys::prefix_end(prefix.clone()).into_bytes();
-        let mut start = prefix.into_bytes();
+        let mut writes = engine::Writes::default();
         let mut deleted = 0;
-        loop {
-            let rows = tx.scan(&start, &end, 256).await?;
-            let full = rows.len() == 256;
-            for (owner_key, _) in &rows {
-                let owner_key_text = keys::key_str(owner_key)?;
-                let target = keys::owner_key_target(owner_key_text)?;
-                let Some(bytes) = tx.get(target.as_bytes()).await? else {
-                    // A dangling owner key: remove it.
-                    tx.delete(owner_key.clone()).await?;
-                    continue;
-                };
-                let Ok(stored) = serde_json::from_slice::<StoredEvent>(&bytes) else {
-                    continue;
-                };
-                let Ok(event) = stored.typed::<T>() else {
-                    continue;
-                };
-                if predicate(&event) {
-                    forget_event_id(tx, &self.root, &stored.id, &target).await?;
-                    tx.delete(target.into_bytes()).await?;
-                    tx.delete(owner_key.clone()).await?;
-                    deleted += 1;
+        for (owner_key, _) in scan_prefix(tx, &prefix).await? {
+            let owner_key_text = keys::key_str(&owner_key)?;
+            let target = keys::owner_key_target(owner_key_text)?;
+            let Some(bytes) = tx.get(target.as_bytes()).await? else {
+                // A dangling owner key: remove it.
+                writes.delete(owner_key);
+                continue;
+            };
+            let Ok(stored) = serde_json::from_slice::<StoredEvent>(&bytes) else {
+                continue;
+            };
+            let Ok(event) = stored.typed::<T>() else {
+                continue;
+            };
+            if predicate(&event) {
+                // The id may be published again, unless a newer invocation holds it.
+                let id_key = keys::event_id_key(&self.root, &stored.id);
+                if tx.get(id_key.as_bytes()).await?.as_deref() == Some(target.as_bytes()) {
+                    writes.delete(id_key);
                 }
-            }
-            match rows.last() {
-                Some((key, _)) if full => start = keys::key_after_bytes(key),
-                _ => break,
+                if stored.moved_from.is_some() {
+                    writes.delete(keys::moved_key(&self.root, &stored.id));
+                }
+                writes.delete(target);
+                writes.delete(owner_key);
+                deleted += 1;
             }
         }
+        writes.apply(tx).await?;
         Ok(deleted)
     }
 
@@ -578,6 +584,7 @@ impl<E: TitoEngine> Queue<E> {
         let note = serde_json::to_vec(&UndecodableNote {
             type_name: type_name.to_string(),
             error: error.to_string(),
+            row: keys::undecodable_key_is_hashed(&self.root, &note_key).then(|| key.to_string()),
         })?;
         let key = key.to_string();
         self.db
@@ -615,13 +622,20 @@ impl<E: TitoEngine> Queue<E> {
                     let notes = tx
                         .scan(prefix.as_bytes(), end.as_bytes(), RETENTION_BATCH)
                         .await?;
+                    // The row a note is about: named by its key, or by its value when the key
+                    // is hashed. A note that names none is deleted (no row matches it).
                     let targets: Vec<Vec<u8>> = notes
                         .iter()
-                        .map(|(k, _)| {
-                            keys::key_str(k)
+                        .map(|(k, v)| {
+                            serde_json::from_slice::<UndecodableNote>(v)
                                 .ok()
-                                .and_then(|k| keys::undecodable_target(&root, k).ok())
-                                .unwrap_or_default()
+                                .and_then(|note| note.row)
+                                .or_else(|| {
+                                    keys::key_str(k)
+                                        .ok()
+                                        .and_then(|k| keys::undecodable_target(&root, k).ok())
+                                })
+                                .unwrap_or_else(|| keys::undecodable_prefix(&root))
                                 .into_bytes()
                         })
                         .collect();
@@ -648,6 +662,10 @@ pub struct UndecodableNote {
     pub type_name: String,
     /// Why the row does not decode as that type.
     pub error: String,
+    /// The pending row's key, when the note's own key cannot hold it (a row key within a few
+    /// bytes of the key limit: the note's key is then hashed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub row: Option<String>,
 }
 
 /// A row moved aside ([`Queue::set_aside`]), as stored.

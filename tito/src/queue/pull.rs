@@ -4,12 +4,29 @@
 //! seconds: rows due at or before it are runnable) and the version horizon (the engine's current
 //! version). Rows are keyed by their due time less their priority's boost
 //! ([`crate::queue::PRIORITY_STEP`] per step); a row whose own due time is still past the
-//! boundary is stepped over, and its due time bounds the wait before the next pass. The pass then walks rows in key order (due time, then enqueue version) in scans of
-//! at most [`SCAN_ROWS`] rows. A row enqueued at or after the horizon (for example one a handler
-//! just created for "now") makes the cursor jump past its whole due-time bucket, so newly created
+//! boundary is stepped over, and its due time bounds the wait before the next pass. The pass
+//! then walks rows in key order (due time, then enqueue version) in scans of at most
+//! [`SCAN_ROWS`] rows. A row enqueued at or after the horizon (for example one a handler just
+//! created for "now") makes the cursor jump past its whole due-time bucket, so newly created
 //! same-time work can never keep later buckets waiting. Malformed rows are counted, logged, left
-//! in place and stepped over. When a scan finds nothing more, the pass is over; the next pull
-//! starts a new pass from the oldest runnable row.
+//! in place and stepped over. When a scan finds nothing more, the pass is over.
+//!
+//! The cursor also goes back to the front at a pull when that is cheap: when the rows it would
+//! read again (those it passed over, and those of the partition still in flight or cooling) are
+//! at most [`RESTART_BUDGET`]. So a row that sorts before the cursor (a higher priority
+//! published meanwhile, by this process or another; a row that waited for a concurrency slot)
+//! is seen at the next pull. Going back keeps the pass (its horizon, and the buckets it
+//! returned rows of): a row created during the pass is skipped, with the rest of its bucket,
+//! only when the pass already served that bucket, so work a handler re-creates for a time
+//! already served still waits for the next pass, while new work at another time (a high
+//! priority's earlier ordering time) does not. The runnable boundary moves on to the pull's
+//! time. When the front is crowded with rows that cannot run (a backlog waiting for one key's
+//! slot, rows no worker can decode, many not yet due), the cursor goes on past them and goes
+//! back at the latest [`MAX_PASS_AGE`] after it last did.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use crate::engine::{self, TitoTransaction};
 use crate::error::TitoResult;
@@ -21,6 +38,13 @@ use crate::event::StoredEvent;
 /// At most this many rows per storage scan.
 pub const SCAN_ROWS: usize = 16;
 
+/// The cursor goes back to the front of its partition at a pull when at most this many rows
+/// before it would be read again.
+pub const RESTART_BUDGET: usize = 64;
+
+/// The longest the cursor goes on before it goes back to the front of its partition.
+pub const MAX_PASS_AGE: Duration = Duration::from_secs(1);
+
 /// One runnable invocation.
 #[derive(Clone, Debug)]
 pub(crate) struct Pulled {
@@ -31,12 +55,43 @@ pub(crate) struct Pulled {
 
 #[derive(Debug)]
 struct Pass {
+    /// Rows due at or before it (Unix s) are runnable; moved on when the cursor goes back to
+    /// the front.
     boundary: u64,
+    /// Rows enqueued at or after it were created during the pass.
     horizon: u64,
     next: Vec<u8>,
     /// The earliest own due time of rows the pass stepped over because a priority orders them
     /// before it.
     early: Option<u64>,
+    /// Rows read since the cursor last went back to the front and not started (stepped over,
+    /// malformed, refused by a limit).
+    passed_over: usize,
+    /// When the cursor last went back to the front.
+    began: Instant,
+    /// The ordering buckets (seconds) the pass returned rows of: rows created during the pass
+    /// in one of them wait for the next pass (the fairness rule); past [`MAX_VISITED`]
+    /// buckets, every bucket up to `visited_below` counts as one.
+    visited: std::collections::HashSet<u64>,
+    visited_below: Option<u64>,
+}
+
+/// The most buckets a pass remembers one by one.
+const MAX_VISITED: usize = 4096;
+
+impl Pass {
+    fn visited(&self, bucket: u64) -> bool {
+        self.visited.contains(&bucket) || self.visited_below.is_some_and(|below| bucket <= below)
+    }
+
+    fn visit(&mut self, bucket: u64) {
+        if self.visited.len() >= MAX_VISITED {
+            let top = self.visited.drain().max().unwrap_or(bucket).max(bucket);
+            self.visited_below = Some(self.visited_below.map_or(top, |b| b.max(top)));
+            return;
+        }
+        self.visited.insert(bucket);
+    }
 }
 
 /// A partition's cursor; executor state only, never stored.
@@ -66,7 +121,17 @@ impl Cursor {
         }
     }
 
-    /// Pulls up to `want` runnable invocations that are not `in_flight`.
+    /// Counts rows a pull returned that did not start (a limit refused them): the pass went
+    /// past them.
+    pub fn passed_over(&mut self, rows: usize) {
+        if let Some(pass) = &mut self.pass {
+            pass.passed_over = pass.passed_over.saturating_add(rows);
+        }
+    }
+
+    /// Pulls up to `want` runnable invocations that are not `in_flight`. `behind`: how many of
+    /// the partition's rows this worker holds back from starting now (in flight, cooling), which
+    /// a new pass would read again.
     pub async fn pull<X: TitoTransaction>(
         &mut self,
         tx: &X,
@@ -74,18 +139,37 @@ impl Cursor {
         want: usize,
         skip: &(dyn Fn(&str) -> bool + Sync),
         stats: &QueueCounters,
+        behind: usize,
     ) -> TitoResult<PullResult> {
         let mut result = PullResult {
             now_ms: engine::version_millis(tx.start_version()),
             ..PullResult::default()
         };
         let partition_prefix = keys::pending_partition_prefix(root, self.partition);
+        if let Some(pass) = &mut self.pass
+            && (pass.passed_over.saturating_add(behind) <= RESTART_BUDGET
+                || pass.began.elapsed() >= MAX_PASS_AGE)
+        {
+            // Back to the front: what sorts before the cursor now (a higher priority published
+            // meanwhile, a row that waited for a slot) is seen at this pull. The pass keeps its
+            // horizon and the buckets it visited, so work it created in them still waits.
+            pass.next = partition_prefix.clone().into_bytes();
+            pass.boundary = pass
+                .boundary
+                .max(engine::version_millis(tx.start_version()) / 1000);
+            pass.passed_over = 0;
+            pass.began = Instant::now();
+        }
         while result.items.len() < want {
             let pass = self.pass.get_or_insert_with(|| Pass {
                 boundary: engine::version_millis(tx.start_version()) / 1000,
                 horizon: tx.start_version(),
                 next: partition_prefix.clone().into_bytes(),
                 early: None,
+                passed_over: 0,
+                began: Instant::now(),
+                visited: Default::default(),
+                visited_below: None,
             });
             let end = keys::pending_bucket_prefix(root, self.partition, pass.boundary + 1);
             let rows = tx.scan(&pass.next, end.as_bytes(), SCAN_ROWS).await?;
@@ -103,6 +187,8 @@ impl Cursor {
             }
             for (key, value) in rows {
                 pass.next = keys::key_after_bytes(&key);
+                // Counted now, taken back below if the row is returned.
+                pass.passed_over += 1;
                 let Ok(text) = keys::key_str(&key) else {
                     malformed(stats, root, &key, "is not UTF-8");
                     continue;
@@ -114,8 +200,9 @@ impl Cursor {
                         continue;
                     }
                 };
-                if parsed.version >= pass.horizon {
-                    // Enqueued during this pass: skip the rest of its due-time bucket.
+                if parsed.version >= pass.horizon && pass.visited(parsed.timestamp) {
+                    // Enqueued during this pass in a bucket it already served: skip the rest
+                    // of the bucket.
                     let bucket =
                         keys::pending_bucket_prefix(root, self.partition, parsed.timestamp);
                     pass.next = keys::prefix_end(bucket).into_bytes();
@@ -137,6 +224,8 @@ impl Cursor {
                     pass.early = Some(pass.early.map_or(due, |e| e.min(due)));
                     continue;
                 }
+                pass.passed_over -= 1;
+                pass.visit(parsed.timestamp);
                 result.items.push(Pulled {
                     key: text.to_string(),
                     parsed,

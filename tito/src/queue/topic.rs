@@ -31,8 +31,8 @@ impl<T> Topic<T> {
     /// # async fn main() -> Result<(), tito::TitoError> {
     /// let db = tito::Embedded::temporary().await?;
     /// let emails = EMAILS.queue(db.clone(), QueueConfig::new(4, Duration::from_secs(60)))?;
-    /// emails.publish(QueueEvent::new("ada", Email { to: "ada@example.com".into() }, 0)).await?;
-    /// // emails.publish(QueueEvent::new("ada", "not an email", 0)) does not compile.
+    /// emails.publish(QueueEvent::now("ada", Email { to: "ada@example.com".into() })).await?;
+    /// // emails.publish(QueueEvent::now("ada", "not an email")) does not compile.
     /// assert_eq!(emails.queue().pending_count(tito::queue::partition_for("ada", 4)).await?, 1);
     /// # db.close().await
     /// # }

@@ -40,13 +40,41 @@ pub(super) struct Failure {
 }
 
 impl Failure {
+    /// An error the handler returned (or a timeout): always the invocation's failed attempt,
+    /// whatever its kind. A handler's own `NotFound` (the row it names was deleted) is the
+    /// classic poison message, and must die under a failure policy like any other error.
     pub fn of_handler(error: TitoError) -> Self {
-        let counts = !matches!(error, TitoError::LeaseLost(_) | TitoError::NotFound(_));
         Failure {
             error,
             panicked: false,
-            counts,
+            counts: true,
         }
+    }
+
+    /// The worker's own evidence that the attempt was not the invocation's: its partition lease
+    /// was lost, or its pending row is gone (erased by its owner, cancelled, completed
+    /// elsewhere). Not counted.
+    fn of_worker(error: TitoError) -> Self {
+        Failure {
+            error,
+            panicked: false,
+            counts: false,
+        }
+    }
+}
+
+/// Why a transactional handler's transaction did not commit: the worker's own evidence (its
+/// lease was lost, or the row is gone), kept apart from everything else (the handler's errors,
+/// storage errors) so that only the evidence excuses an attempt. Either rolls back.
+#[derive(Debug)]
+enum Rolled {
+    Evidence(TitoError),
+    Failed(TitoError),
+}
+
+impl From<TitoError> for Rolled {
+    fn from(error: TitoError) -> Self {
+        Rolled::Failed(error)
     }
 }
 
@@ -123,20 +151,29 @@ where
                     let values = tx.batch_get(&reads).await?;
                     let (lease, row) = values.split_at(values.len() - 1);
                     if !check.decide(&tx, generation, lease).await? {
-                        return Err(TitoError::LeaseLost(format!("partition {partition}")));
+                        return Err(Rolled::Evidence(TitoError::LeaseLost(format!(
+                            "partition {partition}"
+                        ))));
                     }
                     if row[0].is_none() {
-                        return Err(TitoError::NotFound(format!(
+                        return Err(Rolled::Evidence(TitoError::NotFound(format!(
                             "invocation {} is no longer pending",
                             pulled.key
-                        )));
+                        ))));
                     }
                     complete(&tx, &root, partitions, &pulled, next.as_ref()).await?;
-                    Ok::<_, TitoError>(next.is_some())
+                    Ok::<_, Rolled>(next.is_some())
                 }
             });
+            // The worker's evidence passes the supervisor as a value, the rest as errors.
+            let work = work.map(|result| match result {
+                Ok(rescheduled) => Ok(Ok(rescheduled)),
+                Err(Rolled::Evidence(error)) => Ok(Err(error)),
+                Err(Rolled::Failed(error)) => Err(error),
+            });
             let report = match supervise(timeout, work).await {
-                Ok(rescheduled) => Report::Applied { rescheduled },
+                Ok(Ok(rescheduled)) => Report::Applied { rescheduled },
+                Ok(Err(evidence)) => Report::Failed(Failure::of_worker(evidence)),
                 Err(failure) => Report::Failed(failure),
             };
             (running, report)

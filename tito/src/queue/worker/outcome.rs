@@ -234,13 +234,17 @@ pub(in crate::queue) async fn complete<X: TitoTransaction>(
     Ok(())
 }
 
-/// Deletes a pending row and its pending owner key inside `tx`.
+/// Deletes a pending row, its pending owner key and its rate-limit move record inside `tx`.
 pub(in crate::queue) async fn remove_pending<X: TitoTransaction>(
     tx: &X,
     root: &str,
     pulled: &Pulled,
 ) -> TitoResult<()> {
     tx.delete(pulled.key.clone().into_bytes()).await?;
+    if pulled.stored.moved_from.is_some() {
+        tx.delete(keys::moved_key(root, &pulled.stored.id).into_bytes())
+            .await?;
+    }
     if let Some(owner) = &pulled.stored.owner {
         let pending_owner = keys::owner_key(
             root,
@@ -272,6 +276,7 @@ pub(super) async fn retry<X: TitoTransaction>(
     let due = i64::try_from(due_ms.div_ceil(1000)).unwrap_or(i64::MAX);
     let mut next = pulled.stored.clone();
     next.timestamp = next.timestamp.max(due);
+    next.moved_from = None;
     next.failures = next.failures.saturating_add(1);
     next.last_error = Some(bounded_error(error));
     insert_pending(tx, root, partitions, &next, next.to_bytes()?).await?;
@@ -289,6 +294,7 @@ pub(super) async fn bury<X: TitoTransaction>(
 ) -> TitoResult<()> {
     remove_pending(tx, root, pulled).await?;
     let mut dead = pulled.stored.clone();
+    dead.moved_from = None;
     dead.failures = dead.failures.saturating_add(1);
     dead.last_error = Some(bounded_error(error));
     dead.dead_at = Some(tx.start_version());
@@ -324,7 +330,9 @@ fn bounded_error(error: &str) -> String {
 
 /// Checks the event a handler's outcome inserts after the invocation it completes: a
 /// `Reschedule` replacement keeps the id, key, owner and payload (only the timestamp may
-/// change); an `Advance` step keeps the id, key and owner. `None` for `Acknowledge`.
+/// change); an `Advance` step keeps the id, key and owner. Both keep the invocation's priority,
+/// however the event was built (its own `priority` field is not read). `None` for
+/// `Acknowledge`.
 pub(super) fn successor<T: Serialize>(
     current: &StoredEvent,
     outcome: &QueueHandlerOutcome<T>,
@@ -342,7 +350,8 @@ pub(super) fn successor<T: Serialize>(
         ),
         _ => return Ok(None),
     };
-    let next = StoredEvent::from_event(next).map_err(|err| err.to_string())?;
+    let mut next = StoredEvent::from_event(next).map_err(|err| err.to_string())?;
+    next.priority = current.priority;
     next.to_bytes().map_err(|err| err.to_string())?;
     if next.id != current.id
         || next.key != current.key

@@ -15,8 +15,8 @@ use super::handler::{Invoker, Report};
 use crate::engine::{TitoEngine, TitoTransaction, read_only};
 use crate::queue::pull::Cursor;
 use crate::queue::{
-    Cancellation, Gate, Holder, PAUSE_CHECK, Paused, Queue, admit, read_limits, read_paused,
-    release_slots, sweep_orphan_slots, with_cancellation,
+    Cancellation, Gate, Holder, PAUSE_CHECK, Paused, Queue, Unslotted, admit, claim_running,
+    read_limits, read_paused, release_slots, sweep_orphan_slots, with_cancellation,
 };
 use crate::telemetry::names;
 use tracing::Instrument;
@@ -62,6 +62,11 @@ pub(super) struct Pulling {
     /// A gate transaction failed with an outcome not known: slots it may have written are
     /// looked for and deleted before the next start.
     orphans: bool,
+    /// The business key of each started invocation (until it settles).
+    business: HashMap<String, String>,
+    /// The limits changed to ones that count running invocations: those started without
+    /// their slots take them (tried again at every pull until it succeeds).
+    claim: bool,
 }
 
 /// How many undecodable rows a worker remembers; past it, more are paused like failed
@@ -99,6 +104,8 @@ impl Pulling {
             holder,
             slots: HashMap::new(),
             orphans: false,
+            business: HashMap::new(),
+            claim: false,
         }
     }
 
@@ -157,7 +164,9 @@ impl Pulling {
             .map(|(p, _)| *p)
             .collect();
         due.sort_unstable();
-        if !due.is_empty()
+        let gate_before = self.gate.clone();
+        // Read while partitions are due, and while handlers run (new limits count them).
+        if (!due.is_empty() || !in_flight.is_empty())
             && !fresh_pauses(
                 &mut self.paused,
                 &mut self.gate,
@@ -175,6 +184,13 @@ impl Pulling {
                 }
             }
             return;
+        }
+        if self.gate != gate_before {
+            let limits = self.gate.limits();
+            self.claim = limits.concurrency.is_some() || limits.key_concurrency.is_some();
+        }
+        if self.claim {
+            self.claim_slots(queue, in_flight).await;
         }
         let counters = queue.counters();
         self.cooling.prune(self.max_idle_backoff);
@@ -203,6 +219,10 @@ impl Pulling {
             // Cancellations this process committed while the pull ran are checked before
             // anything it found starts (its snapshot may predate them).
             let cancels_before = queue.wakeups.cancels();
+            // What a new pass would read again: this partition's rows in flight, and the
+            // cooling ones (of any partition: a bound).
+            let behind =
+                in_flight.values().filter(|p| **p == partition).count() + self.cooling.len();
             let pulled = async {
                 let tx = queue.engine().begin().await?;
                 let now = Instant::now();
@@ -214,7 +234,7 @@ impl Pulling {
                 };
                 let result = state
                     .cursor
-                    .pull(&tx, queue.root(), want, &skip, counters)
+                    .pull(&tx, queue.root(), want, &skip, counters, behind)
                     .await;
                 let _ = tx.rollback().await;
                 result
@@ -237,6 +257,7 @@ impl Pulling {
                 }
             };
             let mut pulled = pulled;
+            let found = pulled.items.len();
             if self.gate.active() && !pulled.items.is_empty() {
                 // Limits: take slots and rate-log entries for what was found, in one
                 // transaction; what they do not allow waits (or, over a rate, moves later).
@@ -253,7 +274,20 @@ impl Pulling {
                     let waiting = (before - items.len()) as u64;
                     queue.count(&counters.limited, names::QUEUE_LIMITED, waiting);
                 }
-                match admit(queue, &self.holder, &self.gate, items).await {
+                let admitted = admit_each_if_refused(
+                    queue,
+                    &self.holder,
+                    &self.gate,
+                    items,
+                    &mut self.cooling,
+                    self.max_idle_backoff,
+                )
+                .await;
+                match admitted {
+                    Ok(admitted) if admitted.stale => {
+                        // The limits changed since they were read: read them again, then pull.
+                        self.paused_read = None;
+                    }
                     Ok(admitted) => {
                         queue.count(
                             &counters.limited,
@@ -275,6 +309,9 @@ impl Pulling {
                         tracing::warn!(partition, error = %err, "taking concurrency slots failed; nothing started");
                     }
                 }
+                // What waits was passed over: the pass goes on past it (rows of other keys
+                // may run), and starts over from the front, where it waits, when that is cheap.
+                state.cursor.passed_over(found - pulled.items.len());
                 if pulled.items.is_empty() {
                     // Nothing may start: wait like an idle partition (a release in this
                     // process wakes it sooner).
@@ -339,6 +376,8 @@ impl Pulling {
                     }
                 };
                 in_flight.insert(item.key.clone(), partition);
+                self.business
+                    .insert(item.key.clone(), item.stored.key.clone());
                 queue.count(&counters.delivered, names::QUEUE_DELIVERED, 1);
                 let label = queue.label().to_string();
                 let late_ms = chrono::Utc::now()
@@ -377,6 +416,47 @@ impl Pulling {
     }
 }
 
+/// [`admit`], and when the limits' gate refuses what a pull found as a whole with an error
+/// that retrying cannot cure (a derived key or value the engines refuse), each row alone: one
+/// row the gate cannot take never holds up the others. A row refused alone is kept from this
+/// worker's starts like a failed handler (paused, then tried again), and logged.
+async fn admit_each_if_refused<E: TitoEngine>(
+    queue: &Queue<E>,
+    holder: &Holder,
+    gate: &Gate,
+    items: Vec<crate::queue::pull::Pulled>,
+    cooling: &mut Cooling,
+    cap: Duration,
+) -> crate::error::TitoResult<crate::queue::Admitted> {
+    use crate::error::TitoError;
+    let refused = |err: &TitoError| {
+        matches!(
+            err,
+            TitoError::InvalidArgument(_)
+                | TitoError::Integrity(_)
+                | TitoError::Serialization { .. }
+        )
+    };
+    let all = items.clone();
+    match admit(queue, holder, gate, items).await {
+        Err(err) if refused(&err) => {
+            let mut admitted = crate::queue::Admitted::default();
+            for item in all {
+                let key = item.key.clone();
+                match admit(queue, holder, gate, vec![item]).await {
+                    Ok(one) => admitted.merge(one),
+                    Err(err) => {
+                        tracing::warn!(key = %crate::keys::display_key(key.as_bytes()), error = %err, "the limits' gate refuses this row; the others go on");
+                        cooling.failed(&key, cap);
+                    }
+                }
+            }
+            Ok(admitted)
+        }
+        other => other,
+    }
+}
+
 /// What a pull found, less the rows that left the pending state since (read again in one
 /// batch: a cancel committed in this process during the pull).
 async fn still_pending<E: TitoEngine>(
@@ -398,6 +478,66 @@ async fn still_pending<E: TitoEngine>(
 }
 
 impl Pulling {
+    /// Concurrency limits were set while handlers of this worker ran without slots: they take
+    /// slots now (above the limit when it is full), so the limit counts them and nothing more
+    /// starts until they finish. Until it succeeds, it is tried again at every pull.
+    async fn claim_slots<E: TitoEngine>(
+        &mut self,
+        queue: &Queue<E>,
+        in_flight: &HashMap<String, u32>,
+    ) {
+        let queue_slot = |slots: &[Vec<u8>]| {
+            let prefix = format!("{}all:", crate::keys::slots_prefix(queue.root()));
+            slots.iter().any(|slot| slot.starts_with(prefix.as_bytes()))
+        };
+        let limits = self.gate.limits().clone();
+        let unslotted: Vec<Unslotted> = in_flight
+            .keys()
+            .filter_map(|invocation| {
+                let key = self.business.get(invocation)?;
+                let held = self
+                    .slots
+                    .get(invocation)
+                    .map(|(_, slots)| slots.as_slice());
+                let has_queue = held.is_some_and(queue_slot);
+                let has_key = held.is_some_and(|slots| slots.len() > usize::from(has_queue));
+                let item = Unslotted {
+                    invocation: invocation.clone(),
+                    key: key.clone(),
+                    queue: limits.concurrency.is_some() && !has_queue,
+                    per_key: limits.key_concurrency.is_some() && !has_key,
+                };
+                (item.queue || item.per_key).then_some(item)
+            })
+            .collect();
+        if unslotted.is_empty() {
+            self.claim = false;
+            return;
+        }
+        match claim_running(queue, &self.holder, &unslotted).await {
+            Ok(taken) => {
+                self.claim = false;
+                tracing::info!(
+                    queue = %queue.label(),
+                    running = taken.len(),
+                    "running invocations now count against the queue's new concurrency limits"
+                );
+                for (invocation, key, slots) in taken {
+                    let entry = self
+                        .slots
+                        .entry(invocation)
+                        .or_insert_with(|| (key, Vec::new()));
+                    entry.1.extend(slots);
+                }
+            }
+            Err(err) => {
+                // Slots it may have written name this worker and invocations in flight: they
+                // are released with them.
+                tracing::warn!(error = %err, "counting running invocations against new limits failed; tried again");
+            }
+        }
+    }
+
     /// Releases the concurrency slots of invocations no longer in flight (one transaction);
     /// wakes every partition when it did, so what waited for a slot is pulled again at once.
     /// Slots whose release fails are tried again next time (and are free anyway once this
@@ -424,6 +564,7 @@ impl Pulling {
                 }
             }
         }
+        self.business.retain(|key, _| in_flight.contains_key(key));
         let settled: Vec<(String, Vec<u8>)> = self
             .slots
             .iter()
@@ -611,6 +752,11 @@ impl Cooling {
     /// Forgets `key` (its outcome was applied).
     pub fn settled(&mut self, key: &str) {
         self.keys.remove(key);
+    }
+
+    /// How many invocations are remembered.
+    pub fn len(&self) -> usize {
+        self.keys.len()
     }
 
     /// Whether `key` may not start yet.

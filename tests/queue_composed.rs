@@ -1,0 +1,669 @@
+//! The queue's features where they meet: priorities with a backlog and with limits, cancels
+//! against the limits' gate, failure policies and the handler's own errors, limits changed
+//! while work waits or runs, long keys under per-key limits, owner erasure in a caller's
+//! transaction that fails part way. Each case pins a promise of `docs/guarantees.md`. Written
+//! once, run on every backend.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::FutureExt;
+use serde::{Deserialize, Serialize};
+use tito::engine::{Fault, FaultPoint, FaultRule, FaultyEngine};
+use tito::queue::{FailurePolicy, Limits, Rate, run_transactional_worker, run_worker};
+use tito::{
+    Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, QueueHandlerResult, QueueOwner,
+    TitoEngine, TitoError, TitoTransaction, WorkerConfig,
+};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::support::{Ctx, now, pending_total, queue, wait_for};
+
+/// Runs every case of this suite on one backend.
+#[macro_export]
+macro_rules! queue_composed_suite {
+    ($backend:ty) => {
+        $crate::engine_suite!(
+            $backend,
+            queue_composed,
+            [
+                a_handlers_own_not_found_counts_as_a_failed_attempt,
+                a_transactional_handlers_own_not_found_counts_as_a_failed_attempt,
+                a_high_priority_published_into_a_backlog_runs_at_the_next_pull,
+                priorities_hold_under_queue_and_key_concurrency_limits,
+                priorities_order_due_times_near_the_epoch,
+                a_cancel_committed_during_the_gate_is_never_started,
+                lifting_a_rate_limit_releases_the_rows_it_moved,
+                raising_a_rate_limit_brings_moved_rows_back,
+                a_concurrency_limit_set_while_handlers_run_counts_them,
+                a_long_business_key_under_key_limits_runs_and_holds_up_nothing,
+                a_pending_key_near_the_key_limit_can_be_set_aside,
+                an_owner_erasure_that_fails_part_way_leaves_nothing_half_done,
+                a_reschedule_replacement_keeps_its_priority,
+                slot_reads_shrink_when_a_limit_is_lowered_or_lifted,
+            ]
+        );
+    };
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct Job {
+    n: u32,
+}
+
+fn fast(partitions: std::ops::Range<u32>) -> WorkerConfig {
+    WorkerConfig::new(partitions).max_idle_backoff(Duration::from_millis(50))
+}
+
+struct Running {
+    stop: watch::Sender<bool>,
+    task: JoinHandle<tito::TitoResult<()>>,
+}
+
+impl Running {
+    async fn stop(self) {
+        self.stop.send(true).unwrap();
+        tokio::time::timeout(Duration::from_secs(30), self.task)
+            .await
+            .expect("the worker stops")
+            .unwrap()
+            .expect("the worker's configuration is valid");
+    }
+}
+
+fn start<E, F, Fut>(queue: &Arc<Queue<E>>, config: WorkerConfig, handler: F) -> Running
+where
+    E: TitoEngine,
+    F: Fn(QueueEvent<Job>) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = QueueHandlerResult<Job>> + Send + 'static,
+{
+    let (stop, rx) = watch::channel(false);
+    let task = tokio::spawn(run_worker(queue.clone(), config, handler, rx));
+    Running { stop, task }
+}
+
+/// The order handlers started in (payload numbers).
+type Order = Arc<Mutex<Vec<u32>>>;
+
+/// A handler that records the start order, runs `ms` milliseconds and acknowledges.
+fn ordered(
+    ms: u64,
+) -> (
+    Order,
+    impl Fn(QueueEvent<Job>) -> futures::future::BoxFuture<'static, QueueHandlerResult<Job>>
+    + Send
+    + Sync
+    + 'static,
+) {
+    let order: Order = Arc::default();
+    let log = order.clone();
+    let handler = move |event: QueueEvent<Job>| {
+        log.lock().unwrap().push(event.payload.n);
+        async move {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            Ok(QueueHandlerOutcome::Acknowledge)
+        }
+        .boxed()
+    };
+    (order, handler)
+}
+
+async fn drained<E: TitoEngine>(queue: &Arc<Queue<E>>, completed: usize) {
+    let q = queue.clone();
+    wait_for("the queue to drain", Duration::from_secs(30), move || {
+        let q = q.clone();
+        async move {
+            pending_total(&q).await == 0 && q.completed_count().await.unwrap() == completed
+        }
+    })
+    .await;
+}
+
+/// Promise Q-FAIL-2: an error a handler returns is a failed attempt, whatever its kind.
+pub async fn a_handlers_own_not_found_counts_as_a_failed_attempt<E: TitoEngine>(ctx: Ctx<E>) {
+    let queue = queue(&ctx.db, 1);
+    queue
+        .publish(QueueEvent::new("k", Job { n: 1 }, now()))
+        .await
+        .unwrap();
+    let attempts = Arc::new(Mutex::new(Vec::new()));
+    let log = attempts.clone();
+    let policy = FailurePolicy::new(2).backoff(Duration::from_millis(1), Duration::from_millis(1));
+    let worker = start(
+        &queue,
+        fast(0..1).failure_policy(policy),
+        move |event: QueueEvent<Job>| {
+            log.lock().unwrap().push(event.attempt);
+            // The classic poison message: the row it names was deleted.
+            async move { Err(TitoError::NotFound("posting 7 is gone".into())) }
+        },
+    );
+    let q = queue.clone();
+    wait_for(
+        "the invocation to die",
+        Duration::from_secs(20),
+        move || {
+            let q = q.clone();
+            async move { q.dead(None, 10).await.unwrap().len() == 1 }
+        },
+    )
+    .await;
+    worker.stop().await;
+    assert_eq!(*attempts.lock().unwrap(), vec![1, 2]);
+    let dead = queue.dead(None, 10).await.unwrap();
+    assert_eq!(dead[0].attempts, 2);
+    assert!(dead[0].error.contains("posting 7 is gone"), "{dead:?}");
+}
+
+/// Promise Q-FAIL-2, for handlers that run inside the outcome's transaction.
+pub async fn a_transactional_handlers_own_not_found_counts_as_a_failed_attempt<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    let queue = queue(&ctx.db, 1);
+    queue
+        .publish(QueueEvent::new("k", Job { n: 1 }, now()))
+        .await
+        .unwrap();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let count = calls.clone();
+    let policy = FailurePolicy::new(2).backoff(Duration::from_millis(1), Duration::from_millis(1));
+    let (stop, rx) = watch::channel(false);
+    let task = tokio::spawn(run_transactional_worker(
+        queue.clone(),
+        fast(0..1).failure_policy(policy),
+        move |_event: QueueEvent<Job>, tx: E::Transaction| {
+            count.fetch_add(1, Ordering::SeqCst);
+            async move {
+                let missing = tx.get(&b"no-such-row"[..]).await?;
+                match missing {
+                    Some(_) => Ok(QueueHandlerOutcome::Acknowledge),
+                    None => Err(TitoError::NotFound("row no-such-row".into())),
+                }
+            }
+        },
+        rx,
+    ));
+    let q = queue.clone();
+    wait_for(
+        "the invocation to die",
+        Duration::from_secs(20),
+        move || {
+            let q = q.clone();
+            async move { q.dead(None, 10).await.unwrap().len() == 1 }
+        },
+    )
+    .await;
+    stop.send(true).unwrap();
+    task.await.unwrap().unwrap();
+    assert_eq!(calls.load(Ordering::SeqCst), 2, "two attempts, then dead");
+}
+
+/// Promise Q-PRIO-2: a higher priority published while a backlog runs is seen at the next pull.
+pub async fn a_high_priority_published_into_a_backlog_runs_at_the_next_pull<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    let queue = queue(&ctx.db, 1);
+    let t = now();
+    for n in 0..30 {
+        queue
+            .publish(QueueEvent::new("k", Job { n }, t))
+            .await
+            .unwrap();
+    }
+    let (order, handler) = ordered(20);
+    let worker = start(&queue, fast(0..1).concurrency(1), handler);
+    let seen = order.clone();
+    wait_for("three starts", Duration::from_secs(20), move || {
+        let seen = seen.clone();
+        async move { seen.lock().unwrap().len() >= 3 }
+    })
+    .await;
+    queue
+        .publish(QueueEvent::new("k", Job { n: 900 }, t).with_priority(9))
+        .await
+        .unwrap();
+    let started_before = order.lock().unwrap().len();
+    drained(&queue, 31).await;
+    worker.stop().await;
+    let order = order.lock().unwrap().clone();
+    let at = order.iter().position(|n| *n == 900).unwrap();
+    // The one running when it was published finishes; the next start is the priority.
+    assert!(
+        at <= started_before,
+        "published after {started_before} starts, ran {}th: {order:?}",
+        at + 1
+    );
+}
+
+/// Promise Q-PRIO-3: priorities and FIFO among equals hold under queue-wide plus per-key
+/// concurrency limits.
+pub async fn priorities_hold_under_queue_and_key_concurrency_limits<E: TitoEngine>(ctx: Ctx<E>) {
+    let queue = queue(&ctx.db, 1);
+    let t = now();
+    for n in 1..=4 {
+        queue
+            .publish(QueueEvent::new("user-1", Job { n }, t))
+            .await
+            .unwrap();
+    }
+    for n in [101, 102] {
+        queue
+            .publish(QueueEvent::new("user-1", Job { n }, t).with_priority(9))
+            .await
+            .unwrap();
+    }
+    queue
+        .set_limits(Limits::none().concurrency(4).key_concurrency(1))
+        .await
+        .unwrap();
+    let (order, handler) = ordered(30);
+    let worker = start(&queue, fast(0..1).concurrency(4), handler);
+    drained(&queue, 6).await;
+    worker.stop().await;
+    assert_eq!(*order.lock().unwrap(), vec![101, 102, 1, 2, 3, 4]);
+}
+
+/// Promise Q-PRIO-4: priorities order rows whatever their due time, also due times near the
+/// Unix epoch (a "due long ago" timestamp such as 0).
+pub async fn priorities_order_due_times_near_the_epoch<E: TitoEngine>(ctx: Ctx<E>) {
+    let queue = queue(&ctx.db, 1);
+    let plan = [(1, 0, 0), (2, 9, 0), (3, 0, 100), (4, 9, 200), (5, 5, 0)];
+    for (n, priority, due) in plan {
+        queue
+            .publish(QueueEvent::new("k", Job { n }, due).with_priority(priority))
+            .await
+            .unwrap();
+    }
+    let (order, handler) = ordered(0);
+    let worker = start(&queue, fast(0..1).concurrency(1).page_size(1), handler);
+    drained(&queue, 5).await;
+    worker.stop().await;
+    assert_eq!(*order.lock().unwrap(), vec![2, 4, 5, 1, 3]);
+}
+
+/// Promise Q-CANCEL-3: a cancel that commits while the limits' gate decides is never started.
+pub async fn a_cancel_committed_during_the_gate_is_never_started<E: TitoEngine>(ctx: Ctx<E>) {
+    let db = FaultyEngine::new(ctx.db.clone());
+    let queue = Arc::new(Queue::new(
+        db.clone(),
+        QueueConfig::new(1, Duration::from_secs(3600)),
+    ));
+    let doomed = QueueEvent::new("a", Job { n: 1 }, now());
+    let doomed_id = doomed.id.clone();
+    queue.publish(doomed).await.unwrap();
+    queue
+        .publish(QueueEvent::new("b", Job { n: 2 }, now()))
+        .await
+        .unwrap();
+    queue
+        .set_limits(Limits::none().concurrency(8))
+        .await
+        .unwrap();
+    // The gate's commit (it writes the slots) waits, long enough to cancel meanwhile.
+    db.faults().add(
+        FaultRule::new(
+            FaultPoint::Commit,
+            Fault::Delay(Duration::from_millis(1500)),
+        )
+        .when_key_starts_with(b"queue:running:".to_vec()),
+    );
+    let (order, handler) = ordered(0);
+    let worker = start(&queue, fast(0..1), handler);
+    let faults = db.clone();
+    wait_for("the gate to commit", Duration::from_secs(20), move || {
+        let injected = faults.faults().injected();
+        async move { injected >= 1 }
+    })
+    .await;
+    assert!(queue.cancel(&doomed_id, "no longer wanted").await.unwrap());
+    let seen = order.clone();
+    wait_for("the other invocation", Duration::from_secs(20), move || {
+        let seen = seen.clone();
+        async move { seen.lock().unwrap().contains(&2) }
+    })
+    .await;
+    drained(&queue, 2).await;
+    worker.stop().await;
+    assert_eq!(
+        *order.lock().unwrap(),
+        vec![2],
+        "the cancelled one never started"
+    );
+}
+
+async fn publish_three_and_let_a_rate_move_them<E: TitoEngine>(
+    queue: &Arc<Queue<E>>,
+) -> (Order, Running) {
+    for n in 1..=4 {
+        queue
+            .publish(QueueEvent::new(format!("k{n}"), Job { n }, now()))
+            .await
+            .unwrap();
+    }
+    queue
+        .set_limits(Limits::none().rate(Rate::new(1, Duration::from_secs(3600))))
+        .await
+        .unwrap();
+    let (order, handler) = ordered(0);
+    let worker = start(queue, fast(0..1), handler);
+    let q = queue.clone();
+    wait_for(
+        "one start and three moves",
+        Duration::from_secs(20),
+        move || {
+            let q = q.clone();
+            async move { q.stats().rate_limited >= 3 && q.completed_count().await.unwrap() == 1 }
+        },
+    )
+    .await;
+    (order, worker)
+}
+
+/// Promise Q-LIMIT-6: what a rate limit moved follows the limit when it is lifted.
+pub async fn lifting_a_rate_limit_releases_the_rows_it_moved<E: TitoEngine>(ctx: Ctx<E>) {
+    let queue = queue(&ctx.db, 1);
+    let (order, worker) = publish_three_and_let_a_rate_move_them(&queue).await;
+    queue.set_limits(Limits::none()).await.unwrap();
+    let q = queue.clone();
+    wait_for("the moved rows to run", Duration::from_secs(5), move || {
+        let q = q.clone();
+        async move { q.completed_count().await.unwrap() == 4 }
+    })
+    .await;
+    worker.stop().await;
+    assert_eq!(order.lock().unwrap().len(), 4);
+}
+
+/// Promise Q-LIMIT-6: what a rate limit moved follows the limit when it is raised.
+pub async fn raising_a_rate_limit_brings_moved_rows_back<E: TitoEngine>(ctx: Ctx<E>) {
+    let queue = queue(&ctx.db, 1);
+    let (order, worker) = publish_three_and_let_a_rate_move_them(&queue).await;
+    queue
+        .set_limits(Limits::none().rate(Rate::new(100, Duration::from_secs(1))))
+        .await
+        .unwrap();
+    let q = queue.clone();
+    wait_for("the moved rows to run", Duration::from_secs(5), move || {
+        let q = q.clone();
+        async move { q.completed_count().await.unwrap() == 4 }
+    })
+    .await;
+    worker.stop().await;
+    assert_eq!(order.lock().unwrap().len(), 4);
+}
+
+/// Promise Q-LIMIT-7: a concurrency limit set while handlers run counts them once workers have
+/// read it: nothing more starts until they finish.
+pub async fn a_concurrency_limit_set_while_handlers_run_counts_them<E: TitoEngine>(ctx: Ctx<E>) {
+    let queue = queue(&ctx.db, 1);
+    for n in 1..=4 {
+        queue
+            .publish(QueueEvent::new(format!("k{n}"), Job { n }, now()))
+            .await
+            .unwrap();
+    }
+    let running = Arc::new(AtomicUsize::new(0));
+    let most = Arc::new(AtomicUsize::new(0));
+    let release = Arc::new(tokio::sync::Semaphore::new(0));
+    let started = Arc::new(AtomicUsize::new(0));
+    let (r, m, gate, s) = (
+        running.clone(),
+        most.clone(),
+        release.clone(),
+        started.clone(),
+    );
+    let worker = start(&queue, fast(0..1).concurrency(16), move |_event| {
+        let (r, m, gate, s) = (r.clone(), m.clone(), gate.clone(), s.clone());
+        async move {
+            s.fetch_add(1, Ordering::SeqCst);
+            let now_running = r.fetch_add(1, Ordering::SeqCst) + 1;
+            m.fetch_max(now_running, Ordering::SeqCst);
+            gate.acquire().await.unwrap().forget();
+            r.fetch_sub(1, Ordering::SeqCst);
+            Ok(QueueHandlerOutcome::Acknowledge)
+        }
+    });
+    let r = running.clone();
+    wait_for(
+        "four handlers running",
+        Duration::from_secs(20),
+        move || {
+            let n = r.load(Ordering::SeqCst);
+            async move { n == 4 }
+        },
+    )
+    .await;
+    queue
+        .set_limits(Limits::none().concurrency(2))
+        .await
+        .unwrap();
+    let q = queue.clone();
+    wait_for(
+        "the running handlers to be counted",
+        Duration::from_secs(10),
+        move || {
+            let q = q.clone();
+            async move { q.limit_usage().await.unwrap().running >= 4 }
+        },
+    )
+    .await;
+    for n in 5..=6 {
+        queue
+            .publish(QueueEvent::new(format!("k{n}"), Job { n }, now()))
+            .await
+            .unwrap();
+    }
+    // Several pulls' worth: nothing more may start while four run under a limit of two.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(
+        started.load(Ordering::SeqCst),
+        4,
+        "nothing started over the limit"
+    );
+    release.add_permits(100);
+    drained(&queue, 6).await;
+    worker.stop().await;
+    assert_eq!(most.load(Ordering::SeqCst), 4);
+}
+
+/// Promise Q-KEYS-1: every key derived from an accepted publication fits the key limit, and a
+/// row that cannot be started holds up no other.
+pub async fn a_long_business_key_under_key_limits_runs_and_holds_up_nothing<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    let queue = queue(&ctx.db, 1);
+    let long = "k".repeat(5000);
+    queue
+        .publish(QueueEvent::new(long.clone(), Job { n: 1 }, now()))
+        .await
+        .unwrap();
+    queue
+        .publish(QueueEvent::new("short", Job { n: 2 }, now()))
+        .await
+        .unwrap();
+    queue
+        .set_limits(
+            Limits::none()
+                .key_concurrency(1)
+                .key_rate(Rate::new(10, Duration::from_secs(1))),
+        )
+        .await
+        .unwrap();
+    let (order, handler) = ordered(0);
+    let worker = start(&queue, fast(0..1), handler);
+    drained(&queue, 2).await;
+    worker.stop().await;
+    let mut order = order.lock().unwrap().clone();
+    order.sort();
+    assert_eq!(order, vec![1, 2]);
+}
+
+/// Promise Q-KEYS-1: a pending row whose key is within a few bytes of the key limit can be set
+/// aside (and noted as undecodable) like any other.
+pub async fn a_pending_key_near_the_key_limit_can_be_set_aside<E: TitoEngine>(ctx: Ctx<E>) {
+    let queue = queue(&ctx.db, 1);
+    // `queue:pending:0000:{due:020}:{version:020}:` is 61 bytes: the key is 2 bytes short of
+    // the limit.
+    let id = "i".repeat(tito::engine::MAX_KEY_BYTES - 61 - 2);
+    queue
+        .publish(QueueEvent::new("k", Job { n: 1 }, now()).with_id(id.clone()))
+        .await
+        .unwrap();
+    // A worker of another type notes it as undecodable.
+    let (stop, rx) = watch::channel(false);
+    let other = tokio::spawn(run_worker(
+        queue.clone(),
+        fast(0..1),
+        |_event: QueueEvent<String>| async { Ok(QueueHandlerOutcome::Acknowledge) },
+        rx,
+    ));
+    let q = queue.clone();
+    wait_for("the row to be noted", Duration::from_secs(20), move || {
+        let q = q.clone();
+        async move { q.stats().malformed >= 1 }
+    })
+    .await;
+    stop.send(true).unwrap();
+    other.await.unwrap().unwrap();
+    let page = tito::inspect::queue_scan(
+        queue.engine(),
+        None,
+        tito::inspect::QueueState::Pending(0),
+        None,
+        10,
+    )
+    .await
+    .unwrap();
+    let row = &page.items[0];
+    assert_eq!(row.key.len(), tito::engine::MAX_KEY_BYTES - 2);
+    assert!(row.undecodable.is_some(), "the note is kept: {row:?}");
+    assert!(queue.set_aside(&row.key, "wrong type").await.unwrap());
+    assert_eq!(pending_total(&queue).await, 0);
+    let aside = tito::inspect::queue_aside(queue.engine(), None, None, 10)
+        .await
+        .unwrap();
+    assert_eq!(aside.items.len(), 1);
+}
+
+/// Promise T-PLAN-1: an owner erasure that fails part way in a caller's transaction leaves
+/// nothing half done: the transaction refuses to commit.
+pub async fn an_owner_erasure_that_fails_part_way_leaves_nothing_half_done<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    let db = FaultyEngine::new(ctx.db.clone());
+    let queue = Arc::new(Queue::new(
+        db.clone(),
+        QueueConfig::new(1, Duration::from_secs(3600)),
+    ));
+    let owner = QueueOwner::new("user", "42");
+    let event = QueueEvent::new("k", Job { n: 1 }, now() + 3600).with_owner(owner.clone());
+    let id = event.id.clone();
+    queue.publish(event).await.unwrap();
+    // The second delete fails.
+    db.faults()
+        .add(FaultRule::new(FaultPoint::Delete, Fault::Storage).skip(1));
+    let tx = db.begin().await.unwrap();
+    let erased = queue
+        .delete_by_owner_matching_in_tx::<Job, _>(&owner, |_| true, &tx)
+        .await;
+    assert!(erased.is_err(), "{erased:?}");
+    let committed = tx.commit().await;
+    assert!(
+        committed.is_err(),
+        "a transaction with a failed erasure commits: {committed:?}"
+    );
+    db.faults().clear();
+    assert_eq!(pending_total(&queue).await, 1, "the row is still pending");
+    let again = queue
+        .publish(QueueEvent::new("k", Job { n: 1 }, now()).with_id(id))
+        .await
+        .unwrap();
+    assert!(again.duplicate, "the id still names its live invocation");
+    // Erased for real now: everything goes together.
+    let tx = db.begin().await.unwrap();
+    let erased = queue
+        .delete_by_owner_matching_in_tx::<Job, _>(&owner, |_| true, &tx)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(erased, 1);
+    assert_eq!(pending_total(&queue).await, 0);
+}
+
+/// Promise Q-PRIO-5: a `Reschedule` replacement keeps the invocation's priority, however it was
+/// built.
+pub async fn a_reschedule_replacement_keeps_its_priority<E: TitoEngine>(ctx: Ctx<E>) {
+    let queue = queue(&ctx.db, 1);
+    queue
+        .publish(QueueEvent::new("k", Job { n: 1 }, now()).with_priority(7))
+        .await
+        .unwrap();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let log = seen.clone();
+    let worker = start(&queue, fast(0..1), move |event: QueueEvent<Job>| {
+        let first = {
+            let mut seen = log.lock().unwrap();
+            seen.push(event.priority);
+            seen.len() == 1
+        };
+        async move {
+            if first {
+                // Built from scratch, not with `rescheduled`: the priority is not repeated.
+                let again = QueueEvent::new(event.key.clone(), event.payload.clone(), now())
+                    .with_id(event.id.clone());
+                Ok(QueueHandlerOutcome::Reschedule(again))
+            } else {
+                Ok(QueueHandlerOutcome::Acknowledge)
+            }
+        }
+    });
+    drained(&queue, 2).await;
+    worker.stop().await;
+    assert_eq!(*seen.lock().unwrap(), vec![7, 7]);
+}
+
+/// The stored limits record (raw JSON).
+async fn limits_record<E: TitoEngine>(db: &E) -> serde_json::Value {
+    let bytes = crate::support::read(db, b"queue:limits").await.unwrap();
+    serde_json::from_slice(&bytes).unwrap()
+}
+
+/// Promise Q-LIMIT-8: a lowered or lifted concurrency limit stops counting (and reading) the
+/// slots above it once nobody holds them.
+pub async fn slot_reads_shrink_when_a_limit_is_lowered_or_lifted<E: TitoEngine>(ctx: Ctx<E>) {
+    let queue = queue(&ctx.db, 1);
+    queue
+        .publish(QueueEvent::new("k", Job { n: 1 }, now()))
+        .await
+        .unwrap();
+    queue
+        .set_limits(Limits::none().concurrency(1024).key_concurrency(1024))
+        .await
+        .unwrap();
+    queue
+        .set_limits(Limits::none().concurrency(2).key_concurrency(1))
+        .await
+        .unwrap();
+    let record = limits_record(&ctx.db).await;
+    assert_eq!(record["queue_slots_seen"], 2, "{record}");
+    assert_eq!(record["key_slots_seen"], 1, "{record}");
+    queue
+        .set_limits(Limits::none().key_concurrency(1024))
+        .await
+        .unwrap();
+    queue.set_limits(Limits::none()).await.unwrap();
+    queue
+        .set_limits(Limits::none().key_concurrency(3))
+        .await
+        .unwrap();
+    let record = limits_record(&ctx.db).await;
+    assert_eq!(record["key_slots_seen"], 3, "{record}");
+    // The limit still works after it shrank.
+    let (order, handler) = ordered(0);
+    let worker = start(&queue, fast(0..1), handler);
+    drained(&queue, 1).await;
+    worker.stop().await;
+    assert_eq!(*order.lock().unwrap(), vec![1]);
+}
