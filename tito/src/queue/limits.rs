@@ -836,6 +836,14 @@ pub(crate) async fn admit<E: TitoEngine>(
             if !admitted_rows.is_empty() {
                 tx.lock_keys(&admitted_rows).await?;
             }
+            // A row a rate limit moved that starts now is no longer waiting for its turn: a
+            // limits change must not move it back under its running handler.
+            for (item, _) in &admitted.start {
+                if item.stored.moved_from.is_some() {
+                    tx.delete(keys::moved_key(root, &item.stored.id).into_bytes())
+                        .await?;
+                }
+            }
             Ok::<_, TitoError>(admitted)
         })
         .await
@@ -973,7 +981,8 @@ async fn restore_moved<E: TitoEngine>(db: &E, root: &str) -> TitoResult<usize> {
                         stored.moved_from.map(|own| (key, parsed, stored, own))
                     });
                     let Some((key, parsed, stored, own)) = moved else {
-                        // Started, completed or cancelled since: nothing to return.
+                        // Completed or cancelled since: nothing to return. (A row that
+                        // started lost its mark when the gate admitted it.)
                         tx.delete(mark.clone()).await?;
                         continue;
                     };
