@@ -56,6 +56,7 @@ macro_rules! queue_suite {
                 advance_keeps_each_step_and_runs_the_next,
                 cancellation_stops_pending_work_and_tells_running_handlers,
                 periodic_ticks_are_published_once_however_many_run,
+                a_periodic_runner_refuses_a_partition_count_mismatch_at_once,
                 concurrency_limits_hold_over_every_worker,
                 a_crashed_workers_slots_free_by_the_lease_rule,
                 rate_limits_space_starts_and_move_what_waits,
@@ -1999,6 +2000,36 @@ pub async fn periodic_ticks_are_published_once_however_many_run<E: TitoEngine>(c
     let twice = [job(), job()].concat();
     let err = run_periodic(queue.clone(), twice, rx).await.unwrap_err();
     assert!(matches!(err, TitoError::InvalidArgument(_)), "{err:?}");
+}
+
+/// A runner given a queue handle whose partition count contradicts the queue's stored one
+/// ends at once with `InvalidArgument`, as a worker does, and writes no cursor.
+pub async fn a_periodic_runner_refuses_a_partition_count_mismatch_at_once<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    use tito::queue::{PeriodicJob, Schedule, run_periodic};
+    let config = |partitions| QueueConfig::new(partitions, Duration::from_secs(3600)).topic("mismatch");
+    Queue::new(ctx.db.clone(), config(2))
+        .publish(QueueEvent::new("seed", Job { n: 0 }, now() + 3600))
+        .await
+        .unwrap();
+    let wrong = Arc::new(Queue::new(ctx.db.clone(), config(4)));
+    let jobs = vec![PeriodicJob::new(
+        Schedule::every("beat", Duration::from_secs(1)).unwrap(),
+        Job { n: 7 },
+    )];
+    let (_stop, rx) = watch::channel(false);
+    let ended = tokio::time::timeout(Duration::from_secs(5), run_periodic(wrong, jobs, rx))
+        .await
+        .expect("the runner ends at once instead of retrying every tick");
+    match ended {
+        Err(TitoError::InvalidArgument(message)) => {
+            assert!(message.contains('4') && message.contains('2'), "{message}")
+        }
+        other => panic!("{other:?}"),
+    }
+    let stored = tito::queue::schedules(&ctx.db, Some("mismatch")).await.unwrap();
+    assert!(stored.is_empty(), "nothing written: {stored:?}");
 }
 
 /// Running handlers, in all and per business key, with the most seen at once.

@@ -116,7 +116,8 @@ pub use limits::{
 pub(crate) use pause::read_paused;
 pub use pause::{PAUSE_CHECK, PauseRecord, Paused, pause, paused, resume};
 pub use periodic::{
-    PeriodicJob, Schedule, ScheduleView, TICK_TIMEOUT, run_periodic, schedules, tick_id,
+    CRON_HORIZON, MAX_INTERVAL, PeriodicJob, Schedule, ScheduleView, TICK_TIMEOUT, run_periodic,
+    schedules, tick_id,
 };
 pub use topic::{TopicQueue, WorkerQueue};
 pub use unique::{MAX_UNIQUE_KEY_BYTES, MAX_UNIQUE_PERIOD, Unique, UniqueStates};
