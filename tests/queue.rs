@@ -2009,7 +2009,8 @@ pub async fn a_periodic_runner_refuses_a_partition_count_mismatch_at_once<E: Tit
     ctx: Ctx<E>,
 ) {
     use tito::queue::{PeriodicJob, Schedule, run_periodic};
-    let config = |partitions| QueueConfig::new(partitions, Duration::from_secs(3600)).topic("mismatch");
+    let config =
+        |partitions| QueueConfig::new(partitions, Duration::from_secs(3600)).topic("mismatch");
     Queue::new(ctx.db.clone(), config(2))
         .publish(QueueEvent::new("seed", Job { n: 0 }, now() + 3600))
         .await
@@ -2029,7 +2030,9 @@ pub async fn a_periodic_runner_refuses_a_partition_count_mismatch_at_once<E: Tit
         }
         other => panic!("{other:?}"),
     }
-    let stored = tito::queue::schedules(&ctx.db, Some("mismatch")).await.unwrap();
+    let stored = tito::queue::schedules(&ctx.db, Some("mismatch"))
+        .await
+        .unwrap();
     assert!(stored.is_empty(), "nothing written: {stored:?}");
 }
 

@@ -33,8 +33,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::lease::{Lease, left_by_a_gone_process};
 pub use super::lease::NodeRecord;
+use super::lease::{Lease, left_by_a_gone_process};
 use super::store_open;
 use crate::engine::{self, TitoEngine, TitoTransaction};
 use crate::error::{TitoError, TitoResult};

@@ -181,7 +181,7 @@ impl Schedule {
         };
         let now = Utc::now().timestamp();
         let horizon = now.saturating_add(CRON_HORIZON.as_secs() as i64);
-        if !cron.next(now).is_some_and(|next| next <= horizon) {
+        if cron.next(now).is_none_or(|next| next > horizon) {
             return bad(format!(
                 "never fires in the next {} years (a date that does not exist?)",
                 CRON_HORIZON.as_secs() / (365 * 86_400)
@@ -537,7 +537,14 @@ mod tests {
         assert_eq!(date.format("%m-%d").to_string(), "02-29");
         refused(Schedule::cron("feb 30", "0 0 30 2 *"), "feb 30");
         refused(Schedule::cron("apr 31", "0 0 31 4 *"), "apr 31");
-        refused(Schedule::cron_in("feb 30 at +2", "0 0 30 2 *", chrono::FixedOffset::east_opt(7200).unwrap()), "feb 30 at +2");
+        refused(
+            Schedule::cron_in(
+                "feb 30 at +2",
+                "0 0 30 2 *",
+                chrono::FixedOffset::east_opt(7200).unwrap(),
+            ),
+            "feb 30 at +2",
+        );
     }
 
     #[test]

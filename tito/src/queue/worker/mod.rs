@@ -41,8 +41,8 @@ use super::cluster::{ClusterConfig, Node};
 use crate::engine::TitoEngine;
 use crate::error::{TitoError, TitoResult};
 use crate::event::{QueueEvent, QueueHandlerResult, new_event_id};
-pub use crate::runtime::Shutdown;
 use crate::runtime::OwnedTask;
+pub use crate::runtime::Shutdown;
 use crate::telemetry::names;
 use handler::{Failure, Invoker, Report};
 use leases::{LeaseKeeper, Maintenance};
@@ -484,12 +484,7 @@ where
     // Owned by this future: dropped (the worker's task aborted, its future dropped), it aborts
     // the maintenance task, which would otherwise hold the store forever.
     let (stop_maintenance, maintenance_stopped) = tokio::sync::watch::channel(false);
-    let maintenance = spawn_maintenance(
-        &queue,
-        &config,
-        leases.maintenance(),
-        maintenance_stopped,
-    );
+    let maintenance = spawn_maintenance(&queue, &config, leases.maintenance(), maintenance_stopped);
     let mut pulling = Pulling::new(
         config.max_idle_backoff,
         config.page_size,
