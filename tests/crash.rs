@@ -483,3 +483,127 @@ async fn a_restarted_worker_takes_its_partitions_back_at_once() {
     workers.shutdown().await.unwrap();
     db.close().await.unwrap();
 }
+
+// ---------------------------------------------------------------------------------------------
+// A cluster node killed with SIGKILL: on the embedded engine the store's lock proves it gone,
+// so the next node takes its partitions (and the coordinator role) without waiting for its TTL.
+// ---------------------------------------------------------------------------------------------
+
+const CLUSTER_DIR_VAR: &str = "TITO_CRASH_CLUSTER_DIR";
+
+/// The killed node's TTLs: the test fails if the next node waits for them.
+const NODE_TTL: Duration = Duration::from_secs(10);
+
+fn cluster_queue(db: &Embedded) -> std::sync::Arc<tito::Queue<Embedded>> {
+    std::sync::Arc::new(tito::Queue::new(
+        db.clone(),
+        tito::QueueConfig::new(4, Duration::from_secs(3600)).topic("cluster-restart"),
+    ))
+}
+
+fn cluster_config(node: &str) -> tito::queue::ClusterConfig {
+    tito::queue::ClusterConfig::new()
+        .node_id(node)
+        .node_ttl(NODE_TTL)
+        .coordinator_ttl(NODE_TTL)
+}
+
+/// The child: a cluster node that holds every partition and the coordinator role, reporting
+/// when it does; killed by the test.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "started as a child process by a_killed_cluster_node_is_replaced_without_waiting_for_its_ttl"]
+async fn cluster_node_child() {
+    let Ok(dir) = std::env::var(CLUSTER_DIR_VAR) else {
+        return;
+    };
+    let db = Embedded::open(&dir).await.unwrap();
+    let queue = cluster_queue(&db);
+    let mut workers = tito::Workers::new();
+    workers.spawn_cluster_worker(
+        queue.clone(),
+        tito::WorkerConfig::new(0..4),
+        cluster_config("killed"),
+        |_event: tito::QueueEvent<Wake>| async { Ok(tito::QueueHandlerOutcome::Acknowledge) },
+    );
+    loop {
+        let state = tito::queue::cluster_state(&queue).await.unwrap();
+        if state.coordinator.as_deref() == Some("killed")
+            && state.leases.len() == 4
+            && state.leases.values().all(|holder| holder == "killed")
+        {
+            println!("\nholding its partitions");
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    std::future::pending::<()>().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_cluster_node_is_replaced_without_waiting_for_its_ttl() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "crash::cluster_node_child",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CLUSTER_DIR_VAR, dir.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let holding = BufReader::new(stdout)
+        .lines()
+        .any(|line| line.is_ok_and(|l| l == "holding its partitions"));
+    assert!(holding, "the child took its partitions");
+    child.kill().unwrap(); // SIGKILL: its node record and leases stay alive for its TTL
+    child.wait().unwrap();
+
+    let db = Embedded::open(dir.path()).await.unwrap();
+    let queue = cluster_queue(&db);
+    let state = tito::queue::cluster_state(&queue).await.unwrap();
+    assert_eq!(state.leases.len(), 4, "the killed node's leases are there");
+    for n in 0..4 {
+        queue
+            .publish(tito::QueueEvent::new(format!("k{n}"), Wake { n }, 0))
+            .await
+            .unwrap();
+    }
+    let handled = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = handled.clone();
+    let mut workers = tito::Workers::new();
+    let started = Instant::now();
+    workers.spawn_cluster_worker(
+        queue.clone(),
+        tito::WorkerConfig::new(0..4).max_idle_backoff(Duration::from_millis(50)),
+        cluster_config("next"),
+        move |_event: tito::QueueEvent<Wake>| {
+            let counted = counted.clone();
+            async move {
+                counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                Ok(tito::QueueHandlerOutcome::Acknowledge)
+            }
+        },
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while handled.load(std::sync::atomic::Ordering::SeqCst) < 4 {
+        assert!(Instant::now() < deadline, "the next node never took over");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let took = started.elapsed();
+    println!(
+        "cluster node restart after SIGKILL: all four events handled {:.1} ms after the next \
+         node started (the killed node's TTL: {NODE_TTL:?})",
+        took.as_secs_f64() * 1000.0
+    );
+    assert!(
+        took < NODE_TTL / 2,
+        "the next node waited {took:?} for a node the store's lock proves gone"
+    );
+    workers.shutdown().await.unwrap();
+    db.close().await.unwrap();
+}

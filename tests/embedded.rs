@@ -325,3 +325,73 @@ async fn a_store_dropped_without_close_is_closed() {
     tx.rollback().await.unwrap();
     db.close().await.unwrap();
 }
+
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+struct Nudge {
+    n: u32,
+}
+
+/// A worker task that is aborted (standalone or a cluster node) takes every task it started
+/// with it: nothing it left behind holds the store, so a temporary store's directory is
+/// removed once the program drops its last handle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_aborted_worker_releases_its_store() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tito::queue::{ClusterConfig, run_cluster_worker, run_worker};
+    use tito::{Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, WorkerConfig};
+
+    for cluster in [false, true] {
+        let db = Embedded::temporary().await.unwrap();
+        let path = db.path().to_path_buf();
+        let queue = Arc::new(Queue::new(
+            db.clone(),
+            QueueConfig::new(2, Duration::from_secs(3600)),
+        ));
+        queue
+            .publish(QueueEvent::new("k", Nudge { n: 1 }, 0))
+            .await
+            .unwrap();
+        let handled = Arc::new(AtomicUsize::new(0));
+        let counted = handled.clone();
+        let handler = move |_event: QueueEvent<Nudge>| {
+            let counted = counted.clone();
+            async move {
+                counted.fetch_add(1, Ordering::SeqCst);
+                Ok(QueueHandlerOutcome::Acknowledge)
+            }
+        };
+        let config = WorkerConfig::new(0..2).max_idle_backoff(Duration::from_millis(50));
+        let (_stop, rx) = tokio::sync::watch::channel(false);
+        let worker = match cluster {
+            false => tokio::spawn(run_worker(queue.clone(), config, handler, rx)),
+            true => tokio::spawn(run_cluster_worker(
+                queue.clone(),
+                config,
+                ClusterConfig::new().node_id("n"),
+                handler,
+                rx,
+            )),
+        };
+        let seen = handled.clone();
+        crate::support::wait_for("the worker runs", Duration::from_secs(30), move || {
+            let seen = seen.clone();
+            async move { seen.load(Ordering::SeqCst) == 1 }
+        })
+        .await;
+        worker.abort();
+        assert!(worker.await.unwrap_err().is_cancelled());
+        drop(queue);
+        drop(db);
+        let removed = path.clone();
+        crate::support::wait_for(
+            "the temporary store's directory to be removed",
+            Duration::from_secs(10),
+            move || {
+                let removed = removed.clone();
+                async move { !removed.exists() }
+            },
+        )
+        .await;
+    }
+}

@@ -19,7 +19,7 @@ use tito::{
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::support::{Ctx, now, pending_total, queue, wait_for};
+use crate::support::{Ctx, now, pending_total, queue, read, wait_for};
 
 /// Runs every case of this suite on one backend.
 #[macro_export]
@@ -56,6 +56,8 @@ macro_rules! queue_suite {
                 advance_keeps_each_step_and_runs_the_next,
                 cancellation_stops_pending_work_and_tells_running_handlers,
                 periodic_ticks_are_published_once_however_many_run,
+                a_periodic_runner_refuses_a_partition_count_mismatch_at_once,
+                a_row_of_an_older_shape_is_deleted_and_its_event_carries_it,
                 concurrency_limits_hold_over_every_worker,
                 a_crashed_workers_slots_free_by_the_lease_rule,
                 rate_limits_space_starts_and_move_what_waits,
@@ -1999,6 +2001,112 @@ pub async fn periodic_ticks_are_published_once_however_many_run<E: TitoEngine>(c
     let twice = [job(), job()].concat();
     let err = run_periodic(queue.clone(), twice, rx).await.unwrap_err();
     assert!(matches!(err, TitoError::InvalidArgument(_)), "{err:?}");
+}
+
+/// A runner given a queue handle whose partition count contradicts the queue's stored one
+/// ends at once with `InvalidArgument`, as a worker does, and writes no cursor.
+pub async fn a_periodic_runner_refuses_a_partition_count_mismatch_at_once<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    use tito::queue::{PeriodicJob, Schedule, run_periodic};
+    let config =
+        |partitions| QueueConfig::new(partitions, Duration::from_secs(3600)).topic("mismatch");
+    Queue::new(ctx.db.clone(), config(2))
+        .publish(QueueEvent::new("seed", Job { n: 0 }, now() + 3600))
+        .await
+        .unwrap();
+    let wrong = Arc::new(Queue::new(ctx.db.clone(), config(4)));
+    let jobs = vec![PeriodicJob::new(
+        Schedule::every("beat", Duration::from_secs(1)).unwrap(),
+        Job { n: 7 },
+    )];
+    let (_stop, rx) = watch::channel(false);
+    let ended = tokio::time::timeout(Duration::from_secs(5), run_periodic(wrong, jobs, rx))
+        .await
+        .expect("the runner ends at once instead of retrying every tick");
+    match ended {
+        Err(TitoError::InvalidArgument(message)) => {
+            assert!(message.contains('4') && message.contains('2'), "{message}")
+        }
+        other => panic!("{other:?}"),
+    }
+    let stored = tito::queue::schedules(&ctx.db, Some("mismatch"))
+        .await
+        .unwrap();
+    assert!(stored.is_empty(), "nothing written: {stored:?}");
+}
+
+/// The shape a row of `shaped` was written in before its model changed: `amount` was a text.
+#[derive(TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(table = "shaped")]
+#[tito(index = "shaped_by_region: region")]
+struct ShapedBefore {
+    id: String,
+    region: String,
+    amount: String,
+}
+
+/// The model as it is now, with events.
+#[derive(TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(table = "shaped")]
+#[tito(index = "shaped_by_region: region")]
+#[tito(event = "shaped_all")]
+#[tito(event = "shaped_gone", on = "delete")]
+struct Shaped {
+    id: String,
+    region: String,
+    amount: i64,
+}
+
+/// A row written in an older shape of a model with events can still be deleted: its index
+/// entries (from its manifest) go with it, and the delete's events carry the row as stored.
+pub async fn a_row_of_an_older_shape_is_deleted_and_its_event_carries_it<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    let before = ctx.db.clone().model::<ShapedBefore>();
+    before
+        .build(ShapedBefore {
+            id: "s1".into(),
+            region: "north".into(),
+            amount: "twelve".into(),
+        })
+        .await
+        .unwrap();
+    let shaped = ctx.db.clone().model::<Shaped>();
+    assert!(matches!(
+        shaped.find_by_id("s1", vec![]).await,
+        Err(TitoError::Integrity(_))
+    ));
+    shaped
+        .delete_by_id("s1")
+        .await
+        .expect("a row that does not decode is deleted anyway");
+    let (row, manifest) = (
+        tito::keys::row_key("shaped", "s1"),
+        tito::keys::manifest_key("shaped", "s1"),
+    );
+    assert!(read(&ctx.db, row.as_bytes()).await.is_none());
+    assert!(read(&ctx.db, manifest.as_bytes()).await.is_none());
+    let found = shaped
+        .query_by_index("shaped_by_region")
+        .value("north")
+        .execute()
+        .await
+        .unwrap();
+    assert!(found.items.is_empty(), "its index entry went with it");
+    for topic in ["shaped_all", "shaped_gone"] {
+        let pending = pending_of(&ctx.db, topic).await;
+        assert_eq!(pending.len(), 1, "{topic}: {pending:?}");
+        let payload = &pending[0].1;
+        assert_eq!(payload["operation"], "Delete");
+        assert_eq!(payload["table"], "shaped");
+        assert_eq!(payload["id"], "s1");
+        assert_eq!(
+            payload["row"],
+            serde_json::json!({"id": "s1", "region": "north", "amount": "twelve"}),
+            "the row as stored"
+        );
+    }
 }
 
 /// Running handlers, in all and per business key, with the most seen at once.

@@ -1,8 +1,9 @@
 //! What long-running work (queue workers, inbox subscriptions, the kv sweeper) shares and
-//! that belongs to no one of them: the signal that stops it, and [`Workers`], a set of them
-//! with one shutdown.
+//! that belongs to no one of them: the signal that stops it, [`Workers`], a set of them with
+//! one shutdown, and the guard that ties a task one of them starts to its own lifetime.
 
 use std::future::Future;
+use std::time::Duration;
 
 use futures::future::BoxFuture;
 use tokio::sync::watch;
@@ -53,6 +54,39 @@ impl<T: Clone + Send + 'static> Shutdown for tokio::sync::broadcast::Receiver<T>
 impl Shutdown for BoxFuture<'static, ()> {
     fn wait(self) -> BoxFuture<'static, ()> {
         self
+    }
+}
+
+/// A task started on behalf of an owner (a worker's maintenance), aborted when the guard drops.
+///
+/// The owner keeps the guard in its own future, so the task ends with the owner however the
+/// owner ends: returning, or its future dropped or its task aborted. Without it a task would
+/// outlive a cancelled owner and keep what it holds (the store's handle) forever.
+pub(crate) struct OwnedTask<T> {
+    handle: JoinHandle<T>,
+}
+
+impl<T: Send + 'static> OwnedTask<T> {
+    /// Starts `task` on the current Tokio runtime.
+    pub(crate) fn spawn(task: impl Future<Output = T> + Send + 'static) -> Self {
+        OwnedTask {
+            handle: tokio::spawn(task),
+        }
+    }
+
+    /// Waits for the task to end by itself, at most `bound`; aborts it past that. `None` when
+    /// it did not end (aborted) or panicked.
+    pub(crate) async fn join_within(mut self, bound: Duration) -> Option<T> {
+        match tokio::time::timeout(bound, &mut self.handle).await {
+            Ok(Ok(value)) => Some(value),
+            _ => None,
+        }
+    }
+}
+
+impl<T> Drop for OwnedTask<T> {
+    fn drop(&mut self) {
+        self.handle.abort();
     }
 }
 

@@ -407,7 +407,11 @@ pub struct ModelEvent<T> {
     pub table: String,
     /// The row's id.
     pub id: String,
-    /// The row as written (for a delete: as it was).
+    /// The row as written (for a delete: as it was stored). A delete of a row written by an
+    /// older shape of the model, which no longer decodes as the model, carries that row as
+    /// stored too: a handler typed `ModelEvent<Model>` cannot decode it (the worker counts it
+    /// as undecodable and leaves it to operators); one typed `ModelEvent<serde_json::Value>`
+    /// reads it. Such a delete's events are due at the delete's time.
     pub row: T,
 }
 

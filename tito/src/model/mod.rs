@@ -677,7 +677,10 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
             .await
     }
 
-    /// Deletes a row inside `tx`. A missing row is [`TitoError::NotFound`].
+    /// Deletes a row inside `tx`. A missing row is [`TitoError::NotFound`]. A row that no longer
+    /// decodes as `T` (written by an older shape of the model) is deleted all the same, with
+    /// the index entries and claims its manifest lists; its events carry the row as stored
+    /// (see [`ModelEvent::row`](crate::event::ModelEvent::row)).
     pub async fn delete_by_id_with_options(
         &self,
         id: &str,
@@ -703,16 +706,26 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         let (stored, _, _) = load(tx, &table, id, &handle, &[]).await?;
         let stored = stored.ok_or_else(|| TitoError::NotFound(no_row(&table, id)))?;
         let operation = reported_operation(&options, TitoOperation::Delete, false, &table, id)?;
+        // A row that no longer decodes as `T` (written by an older shape of the model) is
+        // deleted all the same: its events carry the row as stored, as every delete's do, and
+        // are the ones `T::default()` declares, due at the delete's time (a due time read
+        // from the row cannot be read).
         let events = match operation {
-            Some(operation) => {
-                let model: T = serde_json::from_value(stored.row.clone()).map_err(|err| {
-                    integrity(format!(
-                        "row {:?} does not deserialize: {err}",
-                        keys::row_key(&table, id)
-                    ))
-                })?;
-                self.prepare_events(tx, operation, &model, &stored.row)?
-            }
+            Some(operation) => match serde_json::from_value::<T>(stored.row.clone()) {
+                Ok(model) => self.prepare_events(tx, operation, &model, &stored.row)?,
+                Err(err) => {
+                    tracing::warn!(table = %table, id, error = %err, "deleting a row that does not decode as its model");
+                    let now = (engine::version_millis(tx.start_version()) / 1000) as i64;
+                    let configs = declared_events(&T::default(), operation)?
+                        .into_iter()
+                        .map(|config| TitoEventConfig {
+                            timestamp: now,
+                            ..config
+                        })
+                        .collect();
+                    self.events_of(tx, operation, configs, &table, id, &stored.row)?
+                }
+            },
             None => Vec::new(),
         };
         // Exactly what the manifest lists: entries and claims (a condition that depends on the
@@ -747,7 +760,20 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         row: &R,
     ) -> TitoResult<Vec<(String, crate::event::publish::PreparedEvent)>> {
         let configs = declared_events(model, operation)?;
-        let (table, id) = (model.table(), model.id());
+        self.events_of(tx, operation, configs, &model.table(), &model.id(), row)
+    }
+
+    /// [`Self::prepare_events`] for the event configs `configs` of the row `table`/`id`.
+    fn events_of<R: serde::Serialize>(
+        &self,
+        tx: &E::Transaction,
+        operation: TitoOperation,
+        configs: Vec<TitoEventConfig>,
+        table: &str,
+        id: &str,
+        row: &R,
+    ) -> TitoResult<Vec<(String, crate::event::publish::PreparedEvent)>> {
+        let (table, id) = (table.to_string(), id.to_string());
         let event_id = model_event_id(&table, &id, engine::write_version(tx));
         configs
             .into_iter()

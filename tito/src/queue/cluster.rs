@@ -3,7 +3,10 @@
 //!
 //! - **Membership**: each node writes `{queue}:node:{id}` (its epoch, a fresh random number per
 //!   process run, and an expiry in engine versions) every third of `node_ttl`. A node whose record
-//!   expired is no longer a member; its record is deleted after `drop_after`.
+//!   expired is no longer a member; its record is deleted after `drop_after`. On the embedded
+//!   engine the record also names the store open of the node's process: a record (or a
+//!   coordinator role, or a lease) of an earlier open was left by a process the store's lock
+//!   proves gone, so it counts as expired at once instead of after `node_ttl`.
 //! - **Coordinator**: one node at a time holds `{queue}:coordinator` (a lease with a generation,
 //!   expiring after `coordinator_ttl`). It publishes the member list (`{queue}:members`) and runs
 //!   completed-row retention. When it stops renewing, another node takes the key on its next
@@ -30,8 +33,9 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::lease::Lease;
 pub use super::lease::NodeRecord;
+use super::lease::{Lease, left_by_a_gone_process};
+use super::store_open;
 use crate::engine::{self, TitoEngine, TitoTransaction};
 use crate::error::{TitoError, TitoResult};
 use crate::keys;
@@ -137,6 +141,17 @@ struct Coordinator {
     node: String,
     generation: u64,
     expires: u64,
+    /// The store open of the holder's process (embedded engine; see [`NodeRecord::open`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    open: Option<u64>,
+}
+
+impl Coordinator {
+    /// Whether the role is held at engine version `now`, seen from a process whose store open
+    /// is `open`.
+    fn held(&self, now: u64, open: Option<u64>) -> bool {
+        self.expires > now && !left_by_a_gone_process(self.open, open)
+    }
 }
 
 /// What the coordinator publishes: the members and, per partition, the index of its owner in
@@ -359,6 +374,7 @@ impl Node {
     /// partition lease it holds.
     pub async fn heartbeat<E: TitoEngine>(&self, db: &E, root: &str) -> TitoResult<()> {
         let (id, epoch, node_ttl) = (self.id.clone(), self.epoch, ms(self.config.node_ttl));
+        let open = store_open(db);
         let root_owned = root.to_string();
         db.transaction(|tx| {
             let (id, root) = (id.clone(), root_owned.clone());
@@ -369,6 +385,7 @@ impl Node {
                     expires: tx
                         .start_version()
                         .saturating_add(engine::version_from_millis(node_ttl)),
+                    open,
                 };
                 tx.put(
                     keys::node_key(&root, &id).into_bytes(),
@@ -384,6 +401,7 @@ impl Node {
     async fn elect<E: TitoEngine>(&self, db: &E, root: &str) -> TitoResult<bool> {
         let (id, ttl) = (self.id.clone(), ms(self.config.coordinator_ttl));
         let key = keys::coordinator_key(root);
+        let open = store_open(db);
         db.transaction(|tx| {
             let (id, key) = (id.clone(), key.clone());
             async move {
@@ -392,9 +410,11 @@ impl Node {
                     .get(key.as_bytes())
                     .await?
                     .and_then(|b| serde_json::from_slice(&b).ok());
+                // A role held under an earlier open of an embedded store was held by a process
+                // that is gone (the store's lock proves it): taken at once.
                 let generation = match &current {
-                    Some(c) if c.node == id && c.expires > now => c.generation,
-                    Some(c) if c.expires > now => return Ok(false),
+                    Some(c) if c.node == id && c.held(now, open) => c.generation,
+                    Some(c) if c.held(now, open) => return Ok(false),
                     Some(c) => c.generation + 1,
                     None => 1,
                 };
@@ -402,6 +422,7 @@ impl Node {
                     node: id,
                     generation,
                     expires: now.saturating_add(engine::version_from_millis(ttl)),
+                    open,
                 };
                 tx.put(key.into_bytes(), serde_json::to_vec(&lease)?)
                     .await?;
@@ -442,6 +463,7 @@ impl Node {
         partitions: u32,
     ) -> TitoResult<()> {
         let drop_after = ms(self.config.drop_after);
+        let open = store_open(db);
         let root = root.to_string();
         db.transaction(|tx| {
             let root = root.clone();
@@ -450,7 +472,9 @@ impl Node {
                 let nodes = scan_nodes(&tx, &root).await?;
                 let mut live: Vec<String> = Vec::new();
                 for node in &nodes {
-                    if node.expires > now {
+                    // A node of an earlier open of an embedded store is gone, whatever its
+                    // expiry (see `NodeRecord::open`).
+                    if node.alive(now, open) {
                         live.push(node.id.clone());
                     } else if node
                         .expires
@@ -505,6 +529,7 @@ impl Node {
         wanted: &[u32],
     ) -> TitoResult<HashMap<u32, Lease>> {
         let (id, epoch) = (self.id.clone(), self.epoch);
+        let open = store_open(db);
         let root = root.to_string();
         let wanted = wanted.to_vec();
         db.transaction(|tx| {
@@ -527,9 +552,12 @@ impl Node {
                             continue;
                         }
                         Some(l) if l.released() => l.generation + 1,
-                        // A standalone worker's lease: taken only once it expired.
+                        // A standalone worker's lease: taken once it expired, or at once when
+                        // its holder's process is gone (an earlier open of an embedded store).
                         Some(l) if l.epoch.is_none() => {
-                            if super::lease::expiry(&tx, &root, *partition, l).await? > now {
+                            if !left_by_a_gone_process(l.open, open)
+                                && super::lease::expiry(&tx, &root, *partition, l).await? > now
+                            {
                                 continue;
                             }
                             l.generation + 1
@@ -541,7 +569,7 @@ impl Node {
                             }
                             let alive = holders[&l.owner]
                                 .as_ref()
-                                .is_some_and(|n| Some(n.epoch) == l.epoch && n.expires > now);
+                                .is_some_and(|n| Some(n.epoch) == l.epoch && n.alive(now, open));
                             if alive {
                                 continue;
                             }
@@ -625,13 +653,14 @@ async fn read_members<E: TitoEngine>(db: &E, root: &str) -> TitoResult<Members> 
 pub async fn cluster_state<E: TitoEngine>(queue: &super::Queue<E>) -> TitoResult<ClusterState> {
     let root = queue.root();
     let partitions = queue.config().partitions;
+    let open = store_open(queue.engine());
     let tx = queue.engine().begin().await?;
     let now = tx.start_version();
     let coordinator = tx
         .get(keys::coordinator_key(root).as_bytes())
         .await?
         .and_then(|b| serde_json::from_slice::<Coordinator>(&b).ok())
-        .filter(|c| c.expires > now)
+        .filter(|c| c.held(now, open))
         .map(|c| c.node);
     let published = members_in(&tx, root).await?;
     let nodes = scan_nodes(&tx, root).await?;

@@ -318,6 +318,26 @@ pub struct NodeRecord {
     pub epoch: u64,
     /// The engine version after which the node is no longer a member.
     pub expires: u64,
+    /// On an engine that proves one process per store (embedded): the store open of the node's
+    /// process. A record of another open was left by a process that is gone: the node is no
+    /// longer a member, whatever its expiry.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub open: Option<u64>,
+}
+
+impl NodeRecord {
+    /// Whether the node is a member at engine version `now`, seen from a process whose store
+    /// open is `open` ([`crate::queue::store_open`]).
+    pub(crate) fn alive(&self, now: u64, open: Option<u64>) -> bool {
+        self.expires > now && !left_by_a_gone_process(self.open, open)
+    }
+}
+
+/// Whether a record that names the store open `written` was left by a process that is gone,
+/// seen from a process whose store open is `ours`: on an engine that proves one process per
+/// store (`ours` is set), every record of another open.
+pub(crate) fn left_by_a_gone_process(written: Option<u64>, ours: Option<u64>) -> bool {
+    ours.is_some() && written != ours
 }
 
 /// Inside an outcome transaction: whether a cluster lease's holder is alive with its epoch at

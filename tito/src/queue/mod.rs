@@ -3,18 +3,21 @@
 //!
 //! - **Publication** writes a pending row keyed by partition, due time, the publishing
 //!   transaction's version and the event id (see `docs/storage-layout.md` for the layout; named queues
-//!   live under `queue@{name}:`, the default one under the seed's `queue:`). A model written with
-//!   [`TitoOptions::with_events`](crate::model::TitoOptions::with_events) publishes one
-//!   [`ModelEvent`] per event config to the queue named like the config, in the same
-//!   transaction.
+//!   live under `queue@{name}:`, the default one under `queue:`). A model that declares events
+//!   (`#[tito(event = "..")]`, or [`TitoModelTrait::events`](crate::model::TitoModelTrait::events)
+//!   by hand) publishes one [`ModelEvent`] per declared event with every write, to the queue
+//!   named like the event, in the write's transaction;
+//!   [`TitoOptions::without_events`](crate::model::TitoOptions::without_events) switches them
+//!   off for one write.
 //! - **Partitions**: `FNV-1a-64(key) % partitions` ([`partition_for`]). The count is stored with
 //!   the queue on first use; a handle that disagrees is refused before it writes anything.
 //! - **Workers** ([`run_worker`]) lease their partitions (leases timed by engine versions), pull
 //!   due rows with a fair cursor, run handlers concurrently under a timeout, and apply outcomes
 //!   in transactions that re-check (by writing) the partition lease. `Acknowledge` completes the
 //!   row; `Reschedule` completes it and inserts the replacement atomically. Anything else (error,
-//!   panic, timeout, lost lease, failed commit) leaves the exact invocation pending. There is no
-//!   automatic retry, counter, backoff or dead-letter state.
+//!   panic, timeout, lost lease, failed commit) leaves the exact invocation pending, to run
+//!   again after a short pause. A worker given a [`FailurePolicy`] counts the failed attempts
+//!   instead, backs off between them and sets the last one aside in a dead state.
 //! - **Retention**: completed rows older than `completed_retention` are deleted by the workers'
 //!   maintenance in bounded batches.
 //! - **Idempotent publication**: each queue keeps one key per event id
@@ -117,7 +120,8 @@ pub use limits::{
 pub(crate) use pause::read_paused;
 pub use pause::{PAUSE_CHECK, PauseRecord, Paused, pause, paused, resume};
 pub use periodic::{
-    PeriodicJob, Schedule, ScheduleView, TICK_TIMEOUT, run_periodic, schedules, tick_id,
+    CRON_HORIZON, MAX_INTERVAL, PeriodicJob, Schedule, ScheduleView, TICK_TIMEOUT, run_periodic,
+    schedules, tick_id,
 };
 pub use pull::{MAX_PASS_AGE, RESTART_BUDGET, SCAN_ROWS};
 pub use topic::{TopicQueue, WorkerQueue};

@@ -106,16 +106,26 @@ fn check_name(name: &str) -> TitoResult<()> {
     Ok(())
 }
 
+/// The longest interval [`Schedule::every`] accepts: 366 days. A longer one is a mistake (use a
+/// cron expression for yearly jobs), and its ticks would overflow the schedule's arithmetic.
+pub const MAX_INTERVAL: Duration = Duration::from_secs(366 * 24 * 60 * 60);
+
+/// How far ahead a cron expression must fire at least once: eight years, so that February 29
+/// (at most eight years apart, around 2100) is accepted and February 30 is refused.
+pub const CRON_HORIZON: Duration = Duration::from_secs((8 * 366 + 1) * 24 * 60 * 60);
+
 impl Schedule {
-    /// Every `interval` (whole seconds, at least one), at multiples of it since the Unix epoch
-    /// (`every(name, 1 hour)` fires on the hour, UTC).
+    /// Every `interval`, at multiples of it since the Unix epoch (`every(name, 1 hour)` fires
+    /// on the hour, UTC). Refused with [`TitoError::InvalidArgument`] naming the schedule: an
+    /// interval that is not a whole number of seconds, zero, or over [`MAX_INTERVAL`].
     pub fn every(name: impl Into<String>, interval: Duration) -> TitoResult<Schedule> {
         let name = name.into();
         check_name(&name)?;
-        if interval.as_secs() == 0 || interval.subsec_nanos() != 0 {
+        if interval.as_secs() == 0 || interval.subsec_nanos() != 0 || interval > MAX_INTERVAL {
             return Err(TitoError::invalid_argument(format!(
-                "schedule {name:?}: an interval is a whole number of seconds, at least one; \
-                 {interval:?} given"
+                "schedule {name:?}: an interval is a whole number of seconds, from one second to \
+                 {} days (MAX_INTERVAL); {interval:?} given",
+                MAX_INTERVAL.as_secs() / 86_400
             )));
         }
         Ok(Schedule {
@@ -125,13 +135,19 @@ impl Schedule {
     }
 
     /// On a cron expression in UTC: five fields (minute, hour, day of month, month, day of
-    /// week) or six with seconds first, as `croner` reads them (`"0 9 * * MON-FRI"`).
+    /// week) or six with seconds first, as `croner` reads them (`"0 9 * * MON-FRI"`), or one of
+    /// its nicknames (`"@daily"`).
     pub fn cron(name: impl Into<String>, expression: &str) -> TitoResult<Schedule> {
         Self::cron_in(name, expression, Utc)
     }
 
     /// On a cron expression in the time zone `tz` (any chrono time zone: `chrono::FixedOffset`,
     /// or `chrono_tz::Tz` for named zones with daylight saving).
+    ///
+    /// Refused with [`TitoError::InvalidArgument`] naming the schedule: an expression that does
+    /// not parse, one with other than five or six fields (a year field is not taken), and one
+    /// that does not fire within [`CRON_HORIZON`] from now (`"0 0 30 2 *"`, February 30th, never
+    /// does; `"0 0 29 2 *"` is accepted).
     pub fn cron_in<Tz>(name: impl Into<String>, expression: &str, tz: Tz) -> TitoResult<Schedule>
     where
         Tz: TimeZone + Send + Sync + std::fmt::Debug + 'static,
@@ -139,18 +155,41 @@ impl Schedule {
     {
         let name = name.into();
         check_name(&name)?;
-        let cron: croner::Cron = expression.parse().map_err(|err| {
-            TitoError::invalid_argument(format!(
-                "schedule {name:?}: {expression:?} is not a cron expression: {err}"
-            ))
-        })?;
+        let bad = |why: String| {
+            Err(TitoError::invalid_argument(format!(
+                "schedule {name:?}: {expression:?} {why}"
+            )))
+        };
+        let fields = expression.split_whitespace().count();
+        if !expression.trim_start().starts_with('@') && !(5..=6).contains(&fields) {
+            return bad(format!(
+                "has {fields} fields; a cron expression has five (minute, hour, day of month, \
+                 month, day of week) or six (seconds first)"
+            ));
+        }
+        let parser = croner::parser::CronParser::builder()
+            .year(croner::parser::Year::Disallowed)
+            .build();
+        let cron = match parser.parse(expression) {
+            Ok(cron) => cron,
+            Err(err) => return bad(format!("is not a cron expression: {err}")),
+        };
+        let cron = CronTz {
+            expression: expression.to_string(),
+            cron,
+            tz,
+        };
+        let now = Utc::now().timestamp();
+        let horizon = now.saturating_add(CRON_HORIZON.as_secs() as i64);
+        if cron.next(now).is_none_or(|next| next > horizon) {
+            return bad(format!(
+                "never fires in the next {} years (a date that does not exist?)",
+                CRON_HORIZON.as_secs() / (365 * 86_400)
+            ));
+        }
         Ok(Schedule {
             name,
-            when: When::Cron(Arc::new(CronTz {
-                expression: expression.to_string(),
-                cron,
-                tz,
-            })),
+            when: When::Cron(Arc::new(cron)),
         })
     }
 
@@ -217,8 +256,9 @@ enum Looked {
 }
 
 /// Publishes every due tick of `jobs` to `queue` until `shutdown` resolves (see the module
-/// docs). Refuses at once two jobs with one name, and a queue handle whose configuration is
-/// bad.
+/// docs). Refuses at once, with [`TitoError::InvalidArgument`] and before it writes anything,
+/// two jobs with one name, a queue handle whose configuration is bad, and one whose partition
+/// count contradicts the queue's stored one.
 ///
 /// The returned future is `Send + 'static`: spawn it (`tokio::spawn(run_periodic(..))`), or
 /// await it in place.
@@ -256,6 +296,13 @@ where
         }
     }
     queue.check_config()?;
+    // A partition count that contradicts the queue's stored one is a mistake in the program:
+    // refused before any cursor is written, as a worker refuses it. (An unreachable store is
+    // passing: the ticks retry.)
+    if let Err(err @ TitoError::InvalidArgument(_)) = super::worker::check_partitions(&queue).await
+    {
+        return Err(err);
+    }
     let stop = shutdown.wait();
     tokio::pin!(stop);
     loop {
@@ -446,6 +493,58 @@ mod tests {
         assert_eq!(nine.next(at), Some(21 * day + 7 * 3600));
         let utc = Schedule::cron("nine-utc", "0 9 * * *").unwrap();
         assert_eq!(utc.latest(at), Some(19 * day + 9 * 3600));
+    }
+
+    /// Refused with `InvalidArgument`, the message naming the schedule.
+    fn refused(schedule: TitoResult<Schedule>, name: &str) {
+        match schedule {
+            Err(TitoError::InvalidArgument(message)) => {
+                assert!(message.contains(&format!("{name:?}")), "{message}")
+            }
+            other => panic!("{name}: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn intervals_go_up_to_the_maximum() {
+        let longest = Schedule::every("longest", MAX_INTERVAL).unwrap();
+        let secs = MAX_INTERVAL.as_secs() as i64;
+        assert_eq!(longest.next(secs), Some(2 * secs));
+        assert_eq!(longest.latest(2 * secs - 1), Some(secs));
+        refused(
+            Schedule::every("one over", MAX_INTERVAL + Duration::from_secs(1)),
+            "one over",
+        );
+        refused(
+            Schedule::every("forever", Duration::from_secs(u64::MAX)),
+            "forever",
+        );
+        refused(Schedule::every("zero", Duration::ZERO), "zero");
+    }
+
+    #[test]
+    fn cron_expressions_have_five_or_six_fields_and_fire() {
+        Schedule::cron("five", "0 9 * * *").unwrap();
+        Schedule::cron("six", "30 0 9 * * *").unwrap();
+        Schedule::cron("nickname", "@daily").unwrap();
+        refused(Schedule::cron("four", "0 9 * *"), "four");
+        refused(Schedule::cron("seven", "0 0 9 * * * 2030"), "seven");
+        refused(Schedule::cron("eight", "0 0 9 * * * 2030 1"), "eight");
+        // February 29th fires in leap years; February 30th and April 31st never.
+        let leap = Schedule::cron("leap", "0 0 29 2 *").unwrap();
+        let next = leap.next(Utc::now().timestamp()).unwrap();
+        let date = Utc.timestamp_opt(next, 0).single().unwrap();
+        assert_eq!(date.format("%m-%d").to_string(), "02-29");
+        refused(Schedule::cron("feb 30", "0 0 30 2 *"), "feb 30");
+        refused(Schedule::cron("apr 31", "0 0 31 4 *"), "apr 31");
+        refused(
+            Schedule::cron_in(
+                "feb 30 at +2",
+                "0 0 30 2 *",
+                chrono::FixedOffset::east_opt(7200).unwrap(),
+            ),
+            "feb 30 at +2",
+        );
     }
 
     #[test]

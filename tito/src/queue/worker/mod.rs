@@ -41,6 +41,7 @@ use super::cluster::{ClusterConfig, Node};
 use crate::engine::TitoEngine;
 use crate::error::{TitoError, TitoResult};
 use crate::event::{QueueEvent, QueueHandlerResult, new_event_id};
+use crate::runtime::OwnedTask;
 pub use crate::runtime::Shutdown;
 use crate::telemetry::names;
 use handler::{Failure, Invoker, Report};
@@ -480,7 +481,10 @@ where
     if let Err(err @ TitoError::InvalidArgument(_)) = check_partitions(&queue).await {
         return Err(err);
     }
-    let maintenance = spawn_maintenance(&queue, &config, leases.maintenance());
+    // Owned by this future: dropped (the worker's task aborted, its future dropped), it aborts
+    // the maintenance task, which would otherwise hold the store forever.
+    let (stop_maintenance, maintenance_stopped) = tokio::sync::watch::channel(false);
+    let maintenance = spawn_maintenance(&queue, &config, leases.maintenance(), maintenance_stopped);
     let mut pulling = Pulling::new(
         config.max_idle_backoff,
         config.page_size,
@@ -573,15 +577,16 @@ where
         }
     }
     // Gone before the worker returns: a maintenance task still alive when the program's runtime
-    // shuts down would be polled without timers and panic.
-    maintenance.abort();
-    let _ = maintenance.await;
+    // shuts down would be polled without timers and panic. A pass in progress finishes first
+    // (bounded), so what it committed is counted before the worker returns.
+    let _ = stop_maintenance.send(true);
+    maintenance.join_within(MAINTENANCE_DRAIN).await;
     leases.release_all().await;
     Ok(())
 }
 
 /// Checks (and on first use records) the queue's partition count in a transaction of its own.
-async fn check_partitions<E: TitoEngine>(queue: &Queue<E>) -> TitoResult<()> {
+pub(in crate::queue) async fn check_partitions<E: TitoEngine>(queue: &Queue<E>) -> TitoResult<()> {
     queue
         .engine()
         .transaction(|tx| async move { queue.ensure_meta(&tx).await })
@@ -657,21 +662,33 @@ fn collect<E: TitoEngine, T: Serialize>(
     }
 }
 
+/// How long a stopping worker waits for a maintenance pass in progress to finish before it
+/// aborts it.
+const MAINTENANCE_DRAIN: Duration = Duration::from_secs(10);
+
 /// Retention (and optionally the kv sweep) while this worker is the maintainer: at once when it
-/// becomes one, then every `maintenance_interval`, or at once again after a full batch.
+/// becomes one, then every `maintenance_interval`, or at once again after a full batch. Ends
+/// between passes once `stop` is set (or its sender is gone); a pass is never cut short by it.
 fn spawn_maintenance<E: TitoEngine>(
     queue: &Arc<Queue<E>>,
     config: &WorkerConfig,
     maintenance: Arc<Maintenance>,
-) -> tokio::task::JoinHandle<()> {
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> OwnedTask<()> {
     let queue = queue.clone();
     let interval = config.maintenance_interval;
     let sweep_kv = config.sweep_kv;
-    tokio::spawn(async move {
+    OwnedTask::spawn(async move {
         loop {
+            if *stop.borrow() {
+                return;
+            }
             if !maintenance.on() {
-                maintenance.started().await;
-                continue;
+                tokio::select! {
+                    biased;
+                    _ = stopped(&mut stop) => return,
+                    _ = maintenance.started() => continue,
+                }
             }
             let span = tracing::debug_span!("tito.maintenance", queue = %queue.label());
             let full = maintenance_pass(&queue, sweep_kv).instrument(span).await;
@@ -680,6 +697,7 @@ fn spawn_maintenance<E: TitoEngine>(
             } else {
                 tokio::select! {
                     biased;
+                    _ = stopped(&mut stop) => return,
                     _ = tokio::time::sleep(interval) => {}
                     // Losing and regaining the role within an interval runs a pass at once.
                     _ = maintenance.started() => {}
@@ -687,6 +705,11 @@ fn spawn_maintenance<E: TitoEngine>(
             }
         }
     })
+}
+
+/// Resolves once `stop` is set or its sender is gone.
+async fn stopped(stop: &mut tokio::sync::watch::Receiver<bool>) {
+    let _ = stop.wait_for(|stop| *stop).await;
 }
 
 /// One maintenance pass; whether some step did a full batch (more may be waiting).
