@@ -15,6 +15,7 @@ mod engine_conformance;
 mod engine_embedded;
 mod engine_memory;
 mod engine_tikv;
+mod guarantees;
 mod inbox;
 mod inspect;
 mod keyspaces;
