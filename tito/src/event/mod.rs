@@ -531,6 +531,44 @@ mod tests {
     }
 
     #[test]
+    fn due_times_round_up_to_their_second() {
+        use chrono::TimeZone;
+        let before = chrono::Utc::now().timestamp();
+        let now = QueueEvent::now("k", 1u8);
+        assert!(now.timestamp >= before && now.timestamp <= chrono::Utc::now().timestamp());
+        let whole = chrono::Utc.timestamp_opt(1_800_000_000, 0).unwrap();
+        assert_eq!(QueueEvent::at("k", 1u8, whole).timestamp, 1_800_000_000);
+        let fraction = chrono::Utc.timestamp_opt(1_800_000_000, 1).unwrap();
+        assert_eq!(QueueEvent::at("k", 1u8, fraction).timestamp, 1_800_000_001);
+        let start_ms = chrono::Utc::now().timestamp_millis();
+        let later = QueueEvent::after("k", 1u8, std::time::Duration::from_millis(1500));
+        // Never before the delay is over: at or after start + 1.5 s, rounded up.
+        assert!(later.timestamp * 1000 >= start_ms + 1500, "{later:?}");
+        assert!(later.timestamp * 1000 <= chrono::Utc::now().timestamp_millis() + 2500);
+        // A delay too large to represent saturates instead of wrapping.
+        let far = QueueEvent::after("k", 1u8, std::time::Duration::MAX);
+        assert!(far.timestamp > 0);
+        // Distinct events get distinct ids.
+        assert_ne!(QueueEvent::now("k", 1u8).id, QueueEvent::now("k", 1u8).id);
+    }
+
+    #[test]
+    fn the_ordering_time_keeps_priorities_near_the_epoch() {
+        let stored = |timestamp: i64, priority: u8| StoredEvent {
+            timestamp,
+            priority,
+            ..StoredEvent::from_event(&QueueEvent::new("k", 0u8, 0)).unwrap()
+        };
+        assert_eq!(stored(0, 9).ordered_at(), 0);
+        assert_eq!(stored(0, 0).ordered_at(), 540);
+        assert_eq!(stored(200, 9).ordered_at(), 0);
+        assert!(stored(0, 5).ordered_at() < stored(100, 0).ordered_at());
+        // Away from the epoch, nothing changes: due time less a minute per step.
+        assert_eq!(stored(1_800_000_000, 3).ordered_at(), 1_800_000_000 - 180);
+        assert_eq!(stored(1_800_000_000, 0).ordered_at(), 1_800_000_000);
+    }
+
+    #[test]
     fn events_are_checked() {
         assert!(StoredEvent::from_event(&QueueEvent::new("k", 1, -1)).is_err());
         let owner = QueueOwner::new("", "1");
