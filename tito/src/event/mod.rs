@@ -229,8 +229,9 @@ impl<T> QueueEvent<T> {
         }
     }
 
-    /// The replacement of this event, runnable after `backoff` (a helper for applications that
-    /// want retries; Tito itself never reschedules).
+    /// The replacement of this event, runnable after `backoff`, for a handler that retries on
+    /// its own terms with `Reschedule` (a worker's
+    /// [`FailurePolicy`](crate::queue::FailurePolicy) retries failed attempts by itself).
     pub fn retried_after(self, backoff: std::time::Duration) -> Self {
         let now = chrono::Utc::now().timestamp();
         let secs = i64::try_from(backoff.as_secs()).unwrap_or(i64::MAX);
