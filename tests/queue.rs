@@ -1440,6 +1440,28 @@ async fn queue_futures_spawn_with_a_concrete_engine() {
         .await
         .unwrap()
         .unwrap();
+    // Operator calls too (each spawned: a future that is not `Send` does not compile here).
+    use tito::queue::{Limits, Rate};
+    let q = queue.clone();
+    tokio::spawn(async move {
+        q.set_limits(Limits::none().rate(Rate::new(5, Duration::from_secs(1))))
+            .await?;
+        q.set_limits(Limits::none()).await?;
+        q.limit_usage().await?;
+        q.pause(None, "spawned").await?;
+        q.resume(None).await?;
+        q.cancel("no-such-id", "spawned").await?;
+        q.cancel_owner(&QueueOwner::new("user", "1"), "spawned")
+            .await?;
+        q.dead(None, 10).await?;
+        q.retry_dead("no-such-id").await?;
+        q.discard_dead("no-such-id").await?;
+        q.sweep_undecodable().await?;
+        Ok::<_, TitoError>(())
+    })
+    .await
+    .unwrap()
+    .unwrap();
 }
 
 pub async fn malformed_rows_are_counted_and_left_in_place<E: TitoEngine>(ctx: Ctx<E>) {

@@ -43,6 +43,8 @@ macro_rules! queue_composed_suite {
                 an_owner_erasure_that_fails_part_way_leaves_nothing_half_done,
                 a_reschedule_replacement_keeps_its_priority,
                 slot_reads_shrink_when_a_limit_is_lowered_or_lifted,
+                a_high_priority_takes_its_keys_next_slot_behind_a_long_wait,
+                cancel_owner_gets_through_a_busy_worker,
             ]
         );
     };
@@ -666,4 +668,102 @@ pub async fn slot_reads_shrink_when_a_limit_is_lowered_or_lifted<E: TitoEngine>(
     drained(&queue, 1).await;
     worker.stop().await;
     assert_eq!(*order.lock().unwrap(), vec![1]);
+}
+
+/// Promise Q-PRIO-8: a priority-9 row of a key whose backlog waits for its one slot takes the
+/// key's next slot, though the worker may run more handlers than the key's limit.
+pub async fn a_high_priority_takes_its_keys_next_slot_behind_a_long_wait<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    let queue = queue(&ctx.db, 1);
+    let t = now();
+    for n in 0..150 {
+        queue
+            .publish(QueueEvent::new("k0", Job { n }, t))
+            .await
+            .unwrap();
+    }
+    queue
+        .set_limits(Limits::none().key_concurrency(1))
+        .await
+        .unwrap();
+    let (order, handler) = ordered(5);
+    let worker = start(&queue, fast(0..1).concurrency(4), handler);
+    let seen = order.clone();
+    wait_for("twenty starts", Duration::from_secs(30), move || {
+        let seen = seen.clone();
+        async move { seen.lock().unwrap().len() >= 20 }
+    })
+    .await;
+    queue
+        .publish(QueueEvent::new("k0", Job { n: 900 }, t).with_priority(9))
+        .await
+        .unwrap();
+    let started_before = order.lock().unwrap().len();
+    let seen = order.clone();
+    wait_for("the priority", Duration::from_secs(30), move || {
+        let seen = seen.clone();
+        async move { seen.lock().unwrap().contains(&900) }
+    })
+    .await;
+    worker.stop().await;
+    let order = order.lock().unwrap().clone();
+    let at = order.iter().position(|n| *n == 900).unwrap();
+    // The one running when it was published, perhaps one admitted meanwhile, then it.
+    assert!(
+        at <= started_before + 2,
+        "published after {started_before} starts, ran {}th",
+        at + 1
+    );
+    // And the rest of the key in order.
+    let rest: Vec<u32> = order.iter().copied().filter(|n| *n != 900).collect();
+    let mut sorted = rest.clone();
+    sorted.sort();
+    assert_eq!(rest, sorted, "FIFO within the key");
+}
+
+/// Promise Q-CANCEL-5: `cancel_owner` cancels an owner's pending work while a worker is busy
+/// with it (with and without limits): it never loses every race to the worker's commits.
+pub async fn cancel_owner_gets_through_a_busy_worker<E: TitoEngine>(ctx: Ctx<E>) {
+    for limited in [false, true] {
+        let queue = Arc::new(Queue::new(
+            ctx.db.clone(),
+            QueueConfig::new(4, Duration::from_secs(3600)).topic(format!("owners{limited}")),
+        ));
+        let owner = QueueOwner::new("account", "7");
+        for n in 0..200 {
+            queue
+                .publish(
+                    QueueEvent::new(format!("k{}", n % 7), Job { n }, now())
+                        .with_owner(owner.clone()),
+                )
+                .await
+                .unwrap();
+        }
+        if limited {
+            queue
+                .set_limits(Limits::none().concurrency(2).key_concurrency(1))
+                .await
+                .unwrap();
+        }
+        let (order, handler) = ordered(20);
+        let worker = start(&queue, fast(0..4), handler);
+        let seen = order.clone();
+        wait_for("ten starts", Duration::from_secs(30), move || {
+            let seen = seen.clone();
+            async move { seen.lock().unwrap().len() >= 10 }
+        })
+        .await;
+        let cancelled = queue.cancel_owner(&owner, "account closed").await.unwrap();
+        let started_at_cancel = order.lock().unwrap().len();
+        drained(&queue, 200).await;
+        worker.stop().await;
+        let started = order.lock().unwrap().len();
+        // Everything not started (or running) when the cancel returned was cancelled.
+        assert!(
+            cancelled + started >= 200 && cancelled + started_at_cancel + 20 >= 200,
+            "limited {limited}: cancelled {cancelled}, {started_at_cancel} started at the \
+             cancel, {started} in all"
+        );
+    }
 }

@@ -1261,10 +1261,17 @@ impl Sim {
     /// Lifts the limits of queue `which`.
     async fn lift_limits(&mut self, which: usize) -> String {
         let q = &self.queues[which];
-        let result = q.queue.set_limits(tito::queue::Limits::none()).await;
-        if result.is_ok() {
+        {
+            // The lift applies when it commits, before the call returns (it then brings back
+            // what the limits moved): starts from now on are not checked against the old
+            // limits, whatever the outcome.
             let mut tracker = q.tracker.lock().unwrap();
             tracker.limits = None;
+            tracker.limits_lifted = Some(tracker.now());
+        }
+        let result = q.queue.set_limits(tito::queue::Limits::none()).await;
+        {
+            let mut tracker = q.tracker.lock().unwrap();
             tracker.limits_lifted = Some(tracker.now());
         }
         format!("lift limits q{which}: {}", short(&result))

@@ -142,6 +142,12 @@ async fn cancel_owner_under<E: TitoEngine>(
     );
     let end = keys::prefix_end(prefix.clone());
     let wakeups = crate::event::wake::wakeups(db, root);
+    // A batch is one transaction. Workers complete and lock rows of the same owner meanwhile,
+    // and a large transaction loses every race against them: a batch whose transaction keeps
+    // conflicting is halved (down to one row, which conflicts only with the worker completing
+    // that very row), so the erasure always makes progress under load.
+    let mut batch_rows = OWNER_BATCH;
+    let quick = db.retry_policy().max_attempts(3);
     let mut total = 0;
     loop {
         let (root, why, prefix, end) = (
@@ -150,14 +156,19 @@ async fn cancel_owner_under<E: TitoEngine>(
             prefix.clone(),
             end.clone(),
         );
+        let policy = if batch_rows > 1 {
+            quick.clone()
+        } else {
+            db.retry_policy()
+        };
         let batch = db
-            .transaction(|tx| {
+            .transaction_with(policy, |tx| {
                 let (root, why, prefix, end) =
                     (root.clone(), why.clone(), prefix.clone(), end.clone());
                 let wakeups = wakeups.clone();
                 async move {
                     let rows = tx
-                        .scan(prefix.as_bytes(), end.as_bytes(), OWNER_BATCH)
+                        .scan(prefix.as_bytes(), end.as_bytes(), batch_rows)
                         .await?;
                     let mut cancelled = 0;
                     for (owner_key, _) in &rows {
@@ -175,11 +186,21 @@ async fn cancel_owner_under<E: TitoEngine>(
                     Ok::<_, TitoError>((cancelled, rows.len()))
                 }
             })
-            .await?;
+            .await;
+        let batch = match batch {
+            Ok(batch) => batch,
+            Err(TitoError::RetriesExhausted { .. }) if batch_rows > 1 => {
+                batch_rows = (batch_rows / 4).max(1);
+                continue;
+            }
+            Err(err) => return Err(err),
+        };
         total += batch.0;
-        if batch.1 < OWNER_BATCH {
+        if batch.1 < batch_rows {
             break;
         }
+        // Grows back after a batch that went through.
+        batch_rows = (batch_rows * 2).min(OWNER_BATCH);
     }
     if total > 0 {
         tracing::info!(queue = root, owner = ?owner, total, why, "queue invocations cancelled");

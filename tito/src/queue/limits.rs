@@ -565,6 +565,8 @@ pub(crate) struct Admitted {
     pub start: Vec<(Pulled, Vec<Vec<u8>>)>,
     /// Invocations left waiting for a concurrency slot.
     pub waiting: usize,
+    /// Those invocations.
+    pub waited: Vec<Pulled>,
     /// Invocations moved to a later due time by a rate limit.
     pub moved: usize,
     /// The stored limits are not the ones the worker read: nothing was admitted; read them
@@ -577,6 +579,7 @@ impl Admitted {
     pub fn merge(&mut self, other: Admitted) {
         self.start.extend(other.start);
         self.waiting += other.waiting;
+        self.waited.extend(other.waited);
         self.moved += other.moved;
         self.stale |= other.stale;
     }
@@ -748,6 +751,7 @@ pub(crate) async fn admit<E: TitoEngine>(
                         Some(i) => Some(i),
                         None => {
                             admitted.waiting += 1;
+                            admitted.waited.push(item.clone());
                             continue;
                         }
                     },
@@ -758,6 +762,7 @@ pub(crate) async fn admit<E: TitoEngine>(
                         Some(i) => Some((k, i)),
                         None => {
                             admitted.waiting += 1;
+                            admitted.waited.push(item.clone());
                             continue;
                         }
                     },
@@ -947,59 +952,66 @@ const RESTORE_BATCH: usize = 256;
 /// moved follows the new one (the gate moves it again if the new limit still refuses it).
 /// Returns how many rows moved back.
 async fn restore_moved<E: TitoEngine>(db: &E, root: &str) -> TitoResult<usize> {
-    let wakeups = &crate::event::wake::wakeups(db, root);
+    let wakeups = crate::event::wake::wakeups(db, root);
     let prefix = keys::moved_prefix(root);
     let end = keys::prefix_end(prefix.clone());
+    let root = root.to_string();
     let mut total = 0;
     loop {
-        let (prefix, end) = (&prefix, &end);
+        // The closure owns what it uses (no borrows), so `set_limits`'s future stays `Send`
+        // for callers with a concrete engine.
         let (restored, more) = db
-            .transaction(|tx| async move {
-                let partitions = super::stored_partition_count(&tx, root).await?.unwrap_or(1);
-                let marks = tx
-                    .scan(prefix.as_bytes(), end.as_bytes(), RESTORE_BATCH)
-                    .await?;
-                let mut restored = 0;
-                for (mark, _) in &marks {
-                    let id = keys::key_str(mark)
-                        .ok()
-                        .and_then(|text| text.strip_prefix(prefix.as_str()))
-                        .and_then(|encoded| keys::decode_str(encoded).ok());
-                    let id_key = id.as_deref().map(|id| keys::event_id_key(root, id));
-                    let target = match &id_key {
-                        Some(id_key) => tx.get(id_key.as_bytes()).await?,
-                        None => None,
-                    };
-                    let row = match &target {
-                        Some(target) => tx.get(target).await?.map(|row| (target.clone(), row)),
-                        None => None,
-                    };
-                    let moved = row.and_then(|(target, row)| {
-                        let key = String::from_utf8(target).ok()?;
-                        let parsed = keys::parse_pending_key(root, &key).ok()?;
-                        let stored = crate::event::StoredEvent::parse(&row).ok()?;
-                        stored.moved_from.map(|own| (key, parsed, stored, own))
-                    });
-                    let Some((key, parsed, stored, own)) = moved else {
-                        // Completed or cancelled since: nothing to return. (A row that
-                        // started lost its mark when the gate admitted it.)
-                        tx.delete(mark.clone()).await?;
-                        continue;
-                    };
-                    let item = Pulled {
-                        key,
-                        parsed,
-                        stored,
-                    };
-                    super::worker::remove_pending(&tx, root, &item).await?;
-                    let mut back = item.stored.clone();
-                    back.timestamp = own;
-                    back.moved_from = None;
-                    insert_pending(&tx, root, partitions, &back, back.to_bytes()?).await?;
-                    wakeups.wake_after_commit(&tx, item.parsed.partition);
-                    restored += 1;
+            .transaction(|tx| {
+                let (root, prefix, end) = (root.clone(), prefix.clone(), end.clone());
+                let wakeups = wakeups.clone();
+                async move {
+                    let root = root.as_str();
+                    let partitions = super::stored_partition_count(&tx, root).await?.unwrap_or(1);
+                    let marks = tx
+                        .scan(prefix.as_bytes(), end.as_bytes(), RESTORE_BATCH)
+                        .await?;
+                    let mut restored = 0;
+                    for (mark, _) in &marks {
+                        let id = keys::key_str(mark)
+                            .ok()
+                            .and_then(|text| text.strip_prefix(prefix.as_str()))
+                            .and_then(|encoded| keys::decode_str(encoded).ok());
+                        let id_key = id.as_deref().map(|id| keys::event_id_key(root, id));
+                        let target = match &id_key {
+                            Some(id_key) => tx.get(id_key.as_bytes()).await?,
+                            None => None,
+                        };
+                        let row = match &target {
+                            Some(target) => tx.get(target).await?.map(|row| (target.clone(), row)),
+                            None => None,
+                        };
+                        let moved = row.and_then(|(target, row)| {
+                            let key = String::from_utf8(target).ok()?;
+                            let parsed = keys::parse_pending_key(root, &key).ok()?;
+                            let stored = crate::event::StoredEvent::parse(&row).ok()?;
+                            stored.moved_from.map(|own| (key, parsed, stored, own))
+                        });
+                        let Some((key, parsed, stored, own)) = moved else {
+                            // Completed or cancelled since: nothing to return. (A row that
+                            // started lost its mark when the gate admitted it.)
+                            tx.delete(mark.clone()).await?;
+                            continue;
+                        };
+                        let item = Pulled {
+                            key,
+                            parsed,
+                            stored,
+                        };
+                        super::worker::remove_pending(&tx, root, &item).await?;
+                        let mut back = item.stored.clone();
+                        back.timestamp = own;
+                        back.moved_from = None;
+                        insert_pending(&tx, root, partitions, &back, back.to_bytes()?).await?;
+                        wakeups.wake_after_commit(&tx, item.parsed.partition);
+                        restored += 1;
+                    }
+                    Ok::<_, TitoError>((restored, marks.len() == RESTORE_BATCH))
                 }
-                Ok::<_, TitoError>((restored, marks.len() == RESTORE_BATCH))
             })
             .await?;
         total += restored;

@@ -22,7 +22,9 @@
 //! priority's earlier ordering time) does not. The runnable boundary moves on to the pull's
 //! time. When the front is crowded with rows that cannot run (a backlog waiting for one key's
 //! slot, rows no worker can decode, many not yet due), the cursor goes on past them and goes
-//! back at the latest [`MAX_PASS_AGE`] after it last did.
+//! back at the latest [`MAX_PASS_AGE`] after it last did; meanwhile every pull also reads one
+//! scan of the front, which finds rows published there since the pass began (a higher
+//! priority) in a bucket the pass has not served.
 
 use std::time::Duration;
 
@@ -159,6 +161,43 @@ impl Cursor {
                 .max(engine::version_millis(tx.start_version()) / 1000);
             pass.passed_over = 0;
             pass.began = Instant::now();
+        } else if let Some(pass) = &mut self.pass {
+            // Not back to the front (it is crowded): one scan of the front still finds what
+            // was published there since the pass began (a higher priority), unless the pass
+            // already served its bucket.
+            let now_s = engine::version_millis(tx.start_version()) / 1000;
+            let runnable = pass.boundary.max(now_s);
+            let end = keys::pending_bucket_prefix(root, self.partition, runnable + 1);
+            let front = tx
+                .scan(partition_prefix.as_bytes(), end.as_bytes(), SCAN_ROWS)
+                .await?;
+            QueueCounters::bump(&stats.scans, 1);
+            for (key, value) in front {
+                if key >= pass.next || result.items.len() >= want {
+                    break;
+                }
+                let Ok(text) = keys::key_str(&key) else {
+                    continue;
+                };
+                let Ok(parsed) = keys::parse_pending_key(root, text) else {
+                    continue;
+                };
+                if parsed.version < pass.horizon || pass.visited(parsed.timestamp) || skip(text) {
+                    continue;
+                }
+                let Ok(stored) = StoredEvent::parse(&value) else {
+                    continue;
+                };
+                if stored.timestamp.max(0) as u64 > runnable {
+                    continue;
+                }
+                pass.visit(parsed.timestamp);
+                result.items.push(Pulled {
+                    key: text.to_string(),
+                    parsed,
+                    stored,
+                });
+            }
         }
         while result.items.len() < want {
             let pass = self.pass.get_or_insert_with(|| Pass {

@@ -67,7 +67,15 @@ pub(super) struct Pulling {
     /// The limits changed to ones that count running invocations: those started without
     /// their slots take them (tried again at every pull until it succeeds).
     claim: bool,
+    /// Per business key, the earliest row (in its partition's order) that waited for a
+    /// concurrency slot: offered to the gate first at its partition's next pull, so a freed
+    /// slot goes to it, not to whatever row of the key the cursor reaches next (at most
+    /// [`MAX_WAITING_KEPT`] keys).
+    waiting: HashMap<String, crate::queue::pull::Pulled>,
 }
+
+/// How many keys' earliest waiting rows a worker remembers.
+pub const MAX_WAITING_KEPT: usize = 10_000;
 
 /// How many undecodable rows a worker remembers; past it, more are paused like failed
 /// handlers (their attempts then cost a decode per pause, not per poll).
@@ -106,6 +114,7 @@ impl Pulling {
             orphans: false,
             business: HashMap::new(),
             claim: false,
+            waiting: HashMap::new(),
         }
     }
 
@@ -223,7 +232,35 @@ impl Pulling {
             // cooling ones (of any partition: a bound).
             let behind =
                 in_flight.values().filter(|p| **p == partition).count() + self.cooling.len();
+            // Rows of this partition that waited for a slot go first, earliest first (their
+            // presence is checked again by the gate), and the cursor brings the rest.
+            if !self.gate.active() {
+                self.waiting.clear();
+            }
+            let mut first: Vec<crate::queue::pull::Pulled> = Vec::new();
+            if !self.waiting.is_empty() {
+                let mut mine: Vec<&String> = self
+                    .waiting
+                    .iter()
+                    .filter(|(_, row)| row.parsed.partition == partition)
+                    .map(|(key, _)| key)
+                    .collect();
+                mine.sort_by(|a, b| self.waiting[*a].key.cmp(&self.waiting[*b].key));
+                let taken: Vec<String> = mine.into_iter().take(want).cloned().collect();
+                for key in taken {
+                    if let Some(row) = self.waiting.remove(&key)
+                        && !in_flight.contains_key(&row.key)
+                    {
+                        first.push(row);
+                    }
+                }
+            }
+            let cursor_want = want.saturating_sub(first.len());
             let pulled = async {
+                if cursor_want == 0 {
+                    // The waiting rows fill the pull: the cursor stays where it is.
+                    return Ok(crate::queue::pull::PullResult::default());
+                }
                 let tx = queue.engine().begin().await?;
                 let now = Instant::now();
                 let running: &HashMap<String, u32> = in_flight;
@@ -234,7 +271,7 @@ impl Pulling {
                 };
                 let result = state
                     .cursor
-                    .pull(&tx, queue.root(), want, &skip, counters, behind)
+                    .pull(&tx, queue.root(), cursor_want, &skip, counters, behind)
                     .await;
                 let _ = tx.rollback().await;
                 result
@@ -257,6 +294,13 @@ impl Pulling {
                 }
             };
             let mut pulled = pulled;
+            if !first.is_empty() {
+                let offered: std::collections::HashSet<String> =
+                    first.iter().map(|row| row.key.clone()).collect();
+                pulled.items.retain(|row| !offered.contains(&row.key));
+                first.extend(std::mem::take(&mut pulled.items));
+                pulled.items = first;
+            }
             let found = pulled.items.len();
             if self.gate.active() && !pulled.items.is_empty() {
                 // Limits: take slots and rate-log entries for what was found, in one
@@ -267,12 +311,12 @@ impl Pulling {
                     for (key, _) in self.slots.values() {
                         *running.entry(key.as_str()).or_default() += 1;
                     }
-                    let before = items.len();
-                    items.retain(|item| {
+                    let (free, held): (Vec<_>, Vec<_>) = items.into_iter().partition(|item| {
                         running.get(item.stored.key.as_str()).copied().unwrap_or(0) < limit as usize
                     });
-                    let waiting = (before - items.len()) as u64;
-                    queue.count(&counters.limited, names::QUEUE_LIMITED, waiting);
+                    items = free;
+                    queue.count(&counters.limited, names::QUEUE_LIMITED, held.len() as u64);
+                    remember_waiting(&mut self.waiting, held);
                 }
                 let admitted = admit_each_if_refused(
                     queue,
@@ -288,12 +332,13 @@ impl Pulling {
                         // The limits changed since they were read: read them again, then pull.
                         self.paused_read = None;
                     }
-                    Ok(admitted) => {
+                    Ok(mut admitted) => {
                         queue.count(
                             &counters.limited,
                             names::QUEUE_LIMITED,
                             admitted.waiting as u64,
                         );
+                        remember_waiting(&mut self.waiting, std::mem::take(&mut admitted.waited));
                         let moved = admitted.moved as u64;
                         queue.count(&counters.rate_limited, names::QUEUE_RATE_LIMITED, moved);
                         for (item, slot_keys) in admitted.start {
@@ -412,6 +457,27 @@ impl Pulling {
                     .instrument(span),
                 );
             }
+        }
+    }
+}
+
+/// Remembers, per business key, the earliest of `rows` (and of what was remembered) that
+/// waited for a concurrency slot.
+fn remember_waiting(
+    waiting: &mut HashMap<String, crate::queue::pull::Pulled>,
+    rows: Vec<crate::queue::pull::Pulled>,
+) {
+    for row in rows {
+        let full = waiting.len() >= MAX_WAITING_KEPT;
+        match waiting.get_mut(&row.stored.key) {
+            Some(kept) if kept.parsed.partition == row.parsed.partition && row.key < kept.key => {
+                *kept = row
+            }
+            Some(_) => {}
+            None if !full => {
+                waiting.insert(row.stored.key.clone(), row);
+            }
+            None => {}
         }
     }
 }
