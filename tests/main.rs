@@ -24,6 +24,7 @@ mod layers;
 mod models;
 mod queue;
 mod queue_composed;
+mod queue_declared;
 mod rpc_counts;
 mod schema;
 mod simulation;

@@ -14,6 +14,9 @@ mod embedded {
     mod queue_composed {
         crate::queue_composed_suite!(crate::support::EmbeddedBackend);
     }
+    mod queue_declared {
+        crate::queue_declared_suite!(crate::support::EmbeddedBackend);
+    }
     mod kv {
         crate::kv_suite!(crate::support::EmbeddedBackend);
     }
@@ -43,6 +46,9 @@ mod tikv {
     }
     mod queue_composed {
         crate::queue_composed_suite!(crate::support::TikvBackend);
+    }
+    mod queue_declared {
+        crate::queue_declared_suite!(crate::support::TikvBackend);
     }
     mod kv {
         crate::kv_suite!(crate::support::TikvBackend);
@@ -93,6 +99,9 @@ mod memory {
     }
     mod queue_composed {
         crate::queue_composed_suite!(crate::support::MemoryBackend);
+    }
+    mod queue_declared {
+        crate::queue_declared_suite!(crate::support::MemoryBackend);
     }
     mod kv {
         crate::kv_suite!(crate::support::MemoryBackend);

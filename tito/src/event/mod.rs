@@ -82,6 +82,12 @@ pub struct QueueEvent<T> {
     /// (see [`QueueEvent::with_priority`]). Kept by replacements, retries and steps.
     #[serde(default)]
     pub priority: u8,
+    /// How many attempts this event gets (1 to [`MAX_ATTEMPTS`](crate::queue::MAX_ATTEMPTS)),
+    /// whatever the worker's [`FailurePolicy`](crate::queue::FailurePolicy) says: a failure
+    /// policy per kind of job on one queue (see [`QueueEvent::with_max_attempts`]). Kept by
+    /// replacements and steps.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_attempts: Option<u32>,
 }
 
 /// The highest priority.
@@ -121,6 +127,7 @@ impl<T> QueueEvent<T> {
             owner: None,
             attempt: 1,
             priority: 0,
+            max_attempts: None,
         }
     }
 
@@ -191,6 +198,16 @@ impl<T> QueueEvent<T> {
     /// never runs before its own due time, whatever its priority.
     pub fn with_priority(mut self, priority: u8) -> Self {
         self.priority = priority;
+        self
+    }
+
+    /// The same event with its own number of attempts: its failures are counted and it goes to
+    /// the dead state after `attempts` of them, with the worker's failure policy's backoff (or
+    /// the default one, `FailurePolicy::new(attempts)`, on a worker without a policy). For
+    /// jobs of different kinds on one queue: a password reset tried ten times, a newsletter
+    /// twice. Refused at publication outside 1 to [`MAX_ATTEMPTS`](crate::queue::MAX_ATTEMPTS).
+    pub fn with_max_attempts(mut self, attempts: u32) -> Self {
+        self.max_attempts = Some(attempts);
         self
     }
 
@@ -295,6 +312,9 @@ pub(crate) struct StoredEvent {
     /// returns to it when the limits change).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub moved_from: Option<i64>,
+    /// The event's own number of attempts ([`QueueEvent::max_attempts`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_attempts: Option<u32>,
 }
 
 fn is_zero_u8(n: &u8) -> bool {
@@ -320,6 +340,15 @@ impl StoredEvent {
         if let Some(owner) = &event.owner {
             owner.check()?;
         }
+        if let Some(attempts) = event.max_attempts
+            && (attempts == 0 || attempts > crate::queue::MAX_ATTEMPTS)
+        {
+            return Err(TitoError::invalid_argument(format!(
+                "event {:?} has max_attempts {attempts}; it must be from 1 to {}",
+                event.id,
+                crate::queue::MAX_ATTEMPTS
+            )));
+        }
         if event.priority > MAX_PRIORITY {
             return Err(TitoError::invalid_argument(format!(
                 "event {:?} has priority {}; priorities go from 0 to {MAX_PRIORITY}",
@@ -339,6 +368,7 @@ impl StoredEvent {
             cancelled: None,
             priority: event.priority,
             moved_from: None,
+            max_attempts: event.max_attempts,
         })
     }
 
@@ -381,6 +411,7 @@ impl StoredEvent {
             owner: self.owner.clone(),
             attempt: self.failures.saturating_add(1),
             priority: self.priority,
+            max_attempts: self.max_attempts,
         })
     }
 }

@@ -86,6 +86,7 @@ mod limits;
 mod pause;
 mod periodic;
 mod pull;
+pub mod testing;
 mod topic;
 mod unique;
 mod worker;
@@ -124,7 +125,7 @@ pub use periodic::{
     schedules, tick_id,
 };
 pub use pull::{MAX_PASS_AGE, RESTART_BUDGET, SCAN_ROWS};
-pub use topic::{TopicQueue, WorkerQueue};
+pub use topic::{QueueSpec, TopicQueue, WorkerQueue};
 pub use unique::{MAX_UNIQUE_KEY_BYTES, MAX_UNIQUE_PERIOD, Unique, UniqueStates};
 pub(crate) use worker::AfterFailure;
 pub use worker::{
@@ -338,6 +339,19 @@ impl<E: TitoEngine> Queue<E> {
         if check_meta(tx, &self.root, self.config.partitions, writes).await? {
             self.meta_known.store(true, Ordering::Relaxed);
         }
+        Ok(())
+    }
+
+    /// Declares the queue on its store: stores its partition count when the store has none
+    /// (so its limits and pauses can be set before anything is published) and checks it
+    /// otherwise ([`TitoError::InvalidArgument`] when they differ). Publications and workers
+    /// do the same on first use.
+    pub async fn declare(&self) -> TitoResult<()> {
+        self.check_config()?;
+        self.db
+            .transaction(|tx| async move { self.ensure_meta(&tx).await })
+            .await?;
+        self.meta_known.store(true, Ordering::Relaxed);
         Ok(())
     }
 

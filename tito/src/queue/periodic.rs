@@ -454,16 +454,20 @@ pub async fn schedules<E: TitoEngine>(
 }
 
 impl crate::Workers {
-    /// Starts [`run_periodic`] in this set.
+    /// Starts [`run_periodic`] in this set. `queue` is a queue handle (`Arc<Queue<E>>`) or a
+    /// [`TopicQueue`](super::TopicQueue) (its declared jobs: [`periodic_jobs`]
+    /// (super::TopicQueue::periodic_jobs)); on a topic queue, jobs of another payload type do
+    /// not compile.
     pub fn spawn_periodic<E, T>(
         &mut self,
-        queue: Arc<Queue<E>>,
+        queue: impl super::WorkerQueue<E, T>,
         jobs: Vec<PeriodicJob<T>>,
     ) -> &mut Self
     where
         E: TitoEngine,
         T: Serialize + Clone + Send + Sync + 'static,
     {
+        let queue = queue.into_queue();
         self.spawn(|stop| run_periodic(queue, jobs, stop))
     }
 }

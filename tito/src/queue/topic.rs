@@ -1,15 +1,143 @@
 //! Typed queues: a [`Topic`] (a queue's name and its payload type) opened on a store gives a
 //! [`TopicQueue`], whose publications and workers take that payload type only.
+//!
+//! A queue is declared once, with everything it needs ([`QueueSpec`]: partitions, retention,
+//! limits, failure policy, periodic jobs), and opened on a store with [`QueueSpec::open`]:
+//! publishers, workers, periodic runners and operator calls then all go through the one typed
+//! handle.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::{Published, Queue, QueueConfig, QueueEvent};
+use super::{FailurePolicy, Limits, PeriodicJob, Published, Queue, QueueConfig, QueueEvent};
 use crate::engine::TitoEngine;
 use crate::error::{TitoError, TitoResult};
 use crate::event::Topic;
+
+/// A queue declared once: its topic (name and payload type) and its settings. Build it where
+/// the topic is defined, open it on a store at start-up ([`QueueSpec::open`]), and hand the
+/// [`TopicQueue`] it gives to publishers, workers and operator code.
+///
+/// ```
+/// use std::time::Duration;
+/// use serde::{Deserialize, Serialize};
+/// use tito::queue::{FailurePolicy, Limits, PeriodicJob, QueueSpec, Schedule, Topic};
+/// use tito::{QueueEvent, QueueHandlerOutcome, Workers, WorkerConfig};
+///
+/// #[derive(Clone, Serialize, Deserialize)]
+/// enum Email { Welcome { to: String }, Digest }
+///
+/// const EMAILS: Topic<Email> = Topic::new("emails");
+///
+/// fn emails() -> tito::TitoResult<QueueSpec<Email>> {
+///     Ok(EMAILS
+///         .spec(4, Duration::from_secs(7 * 86_400))
+///         .limits(Limits::none().key_concurrency(1))
+///         .failure_policy(FailurePolicy::new(5))
+///         .periodic(PeriodicJob::new(Schedule::every("digest", Duration::from_secs(3600))?, Email::Digest)))
+/// }
+///
+/// # #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+/// # async fn main() -> Result<(), tito::TitoError> {
+/// let db = tito::Embedded::temporary().await?;
+/// // At first boot too: the limits are stored before anything was published.
+/// let emails = emails()?.open(db.clone()).await?;
+/// emails.publish(QueueEvent::now("ada", Email::Welcome { to: "ada@example.com".into() })).await?;
+///
+/// let mut workers = Workers::new();
+/// workers.spawn_worker(&emails, WorkerConfig::new(0..4), |event: QueueEvent<Email>| async move {
+///     let _ = event.payload;                   // the declared failure policy applies
+///     Ok(QueueHandlerOutcome::Acknowledge)
+/// });
+/// workers.spawn_periodic(&emails, emails.periodic_jobs());
+/// emails.pause(None, "maintenance").await?;   // operator calls on the same handle
+/// emails.resume(None).await?;
+/// workers.shutdown().await?;
+/// # db.close().await
+/// # }
+/// ```
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct QueueSpec<T> {
+    /// The topic: the queue's name and payload type.
+    pub topic: Topic<T>,
+    /// Partitions and retention (its topic is the spec's).
+    pub config: QueueConfig,
+    /// The limits stored when the queue is opened (`None`: the stored ones are left alone).
+    pub limits: Option<Limits>,
+    /// The failure policy of workers started on the opened queue whose own config has none.
+    pub failure_policy: Option<FailurePolicy>,
+    /// The periodic jobs its runners publish ([`TopicQueue::periodic_jobs`]).
+    pub periodic: Vec<PeriodicJob<T>>,
+}
+
+impl<T> Topic<T> {
+    /// The declaration of this topic's queue: `partitions` partitions, completed rows kept for
+    /// `retention`; add limits, a failure policy and periodic jobs with the setters.
+    pub fn spec(self, partitions: u32, retention: Duration) -> QueueSpec<T> {
+        QueueSpec {
+            topic: self,
+            config: QueueConfig::new(partitions, retention).topic(self.name()),
+            limits: None,
+            failure_policy: None,
+            periodic: Vec::new(),
+        }
+    }
+}
+
+impl<T> QueueSpec<T> {
+    /// The limits to store at open.
+    pub fn limits(mut self, limits: Limits) -> Self {
+        self.limits = Some(limits);
+        self
+    }
+
+    /// The failure policy of the queue's workers.
+    pub fn failure_policy(mut self, policy: FailurePolicy) -> Self {
+        self.failure_policy = Some(policy);
+        self
+    }
+
+    /// One more periodic job (a payload of the topic's type: a job of another type does not
+    /// compile).
+    pub fn periodic(mut self, job: PeriodicJob<T>) -> Self {
+        self.periodic.push(job);
+        self
+    }
+
+    /// Opens the queue on `db`, declaring it: the partition count is stored when the store has
+    /// none (so limits and pauses can be set before anything is published) and checked
+    /// otherwise; the declared limits are stored when they differ from the stored ones. Refused
+    /// with [`TitoError::InvalidArgument`], before anything is written, when a setting is bad
+    /// or the store holds another partition count.
+    pub async fn open<E: TitoEngine>(&self, db: E) -> TitoResult<TopicQueue<E, T>>
+    where
+        T: Clone,
+    {
+        if let Some(limits) = &self.limits {
+            limits.check()?;
+        }
+        if let Some(policy) = &self.failure_policy {
+            policy.check()?;
+        }
+        let queue = Arc::new(Queue::new(db, self.config.clone()));
+        queue.declare().await?;
+        if let Some(limits) = &self.limits
+            && queue.limits().await? != *limits
+        {
+            queue.set_limits(limits.clone()).await?;
+        }
+        Ok(TopicQueue {
+            queue,
+            topic: self.topic,
+            failure_policy: self.failure_policy.clone(),
+            periodic: Arc::new(self.periodic.clone()),
+        })
+    }
+}
 
 impl<T> Topic<T> {
     /// Opens the topic's queue on `db` with `config`'s partitions and retention; the queue's
@@ -47,17 +175,23 @@ impl<T> Topic<T> {
             _ => Ok(TopicQueue {
                 queue: Arc::new(Queue::new(db, config.topic(self.name()))),
                 topic: self,
+                failure_policy: None,
+                periodic: Arc::new(Vec::new()),
             }),
         }
     }
 }
 
-/// A queue whose events carry payloads of type `T` ([`Topic::queue`]): its publications take
-/// `QueueEvent<T>`, and [`Workers`](crate::Workers) started on it take handlers of
-/// `QueueEvent<T>` only. Cheap to clone; clones share one [`Queue`].
+/// A queue whose events carry payloads of type `T` ([`QueueSpec::open`], [`Topic::queue`]):
+/// its publications take `QueueEvent<T>`, and [`Workers`](crate::Workers) started on it take
+/// handlers and periodic jobs of `T` only. Operator calls (`pause`, `set_limits`, `cancel`,
+/// `cancel_owner`, `dead`, `retry_dead`, `stats`, ..) are the [`Queue`]'s, reached through
+/// it. Cheap to clone; clones share one [`Queue`].
 pub struct TopicQueue<E, T> {
     queue: Arc<Queue<E>>,
     topic: Topic<T>,
+    failure_policy: Option<FailurePolicy>,
+    periodic: Arc<Vec<PeriodicJob<T>>>,
 }
 
 impl<E, T> Clone for TopicQueue<E, T> {
@@ -65,7 +199,26 @@ impl<E, T> Clone for TopicQueue<E, T> {
         TopicQueue {
             queue: self.queue.clone(),
             topic: self.topic,
+            failure_policy: self.failure_policy.clone(),
+            periodic: self.periodic.clone(),
         }
+    }
+}
+
+impl<E, T> std::ops::Deref for TopicQueue<E, T> {
+    type Target = Queue<E>;
+
+    /// The queue's operator calls and counters. (Its publications are typed on the topic
+    /// queue itself.)
+    fn deref(&self) -> &Queue<E> {
+        &self.queue
+    }
+}
+
+impl<E, T: Clone> TopicQueue<E, T> {
+    /// The periodic jobs the queue was declared with.
+    pub fn periodic_jobs(&self) -> Vec<PeriodicJob<T>> {
+        self.periodic.as_ref().clone()
     }
 }
 
@@ -127,6 +280,11 @@ impl<E: TitoEngine, T: Serialize> TopicQueue<E, T> {
 /// handler names its payload type, or a [`TopicQueue<E, T>`], whose payload type the handler
 /// must take.
 pub trait WorkerQueue<E, T> {
+    /// The failure policy the queue was declared with (for workers whose config has none).
+    fn declared_failure_policy(&self) -> Option<FailurePolicy> {
+        None
+    }
+
     /// The queue handle the worker runs on.
     fn into_queue(self) -> Arc<Queue<E>>;
 }
@@ -138,12 +296,20 @@ impl<E, T> WorkerQueue<E, T> for Arc<Queue<E>> {
 }
 
 impl<E, T: DeserializeOwned> WorkerQueue<E, T> for TopicQueue<E, T> {
+    fn declared_failure_policy(&self) -> Option<FailurePolicy> {
+        self.failure_policy.clone()
+    }
+
     fn into_queue(self) -> Arc<Queue<E>> {
         self.queue
     }
 }
 
 impl<E, T: DeserializeOwned> WorkerQueue<E, T> for &TopicQueue<E, T> {
+    fn declared_failure_policy(&self) -> Option<FailurePolicy> {
+        self.failure_policy.clone()
+    }
+
     fn into_queue(self) -> Arc<Queue<E>> {
         self.queue.clone()
     }

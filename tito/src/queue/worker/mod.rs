@@ -333,8 +333,48 @@ impl crate::runtime::Workers {
         F: Fn(QueueEvent<T>) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = QueueHandlerResult<T>> + Send + 'static,
     {
-        let queue = queue.into_queue();
+        let (queue, config) = declared(queue, config);
         self.spawn(|stop| run_worker(queue, config, handler, stop))
+    }
+
+    /// [`spawn_worker`](Self::spawn_worker) with shared state: `handler` gets its own clone of
+    /// `state` with every event (as axum hands `State` to a route), so it needs no clones of
+    /// its own.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use tito::queue::Topic;
+    /// # use tito::{QueueEvent, QueueHandlerOutcome, Workers, WorkerConfig};
+    /// # #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+    /// # async fn main() -> Result<(), tito::TitoError> {
+    /// # let db = tito::Embedded::temporary().await?;
+    /// const SIGNUPS: Topic<String> = Topic::new("signups");
+    /// let signups = SIGNUPS.spec(4, Duration::from_secs(3600)).open(db.clone()).await?;
+    /// let kv = tito::kv::Kv::new(db.clone());
+    /// let mut workers = Workers::new();
+    /// workers.spawn_worker_with(&signups, WorkerConfig::new(0..4), kv, |kv, event: QueueEvent<String>| async move {
+    ///     kv.incr("signups", &event.payload, 1, None).await?;
+    ///     Ok(QueueHandlerOutcome::Acknowledge)
+    /// });
+    /// workers.shutdown().await?;
+    /// # db.close().await
+    /// # }
+    /// ```
+    pub fn spawn_worker_with<E, T, S, F, Fut>(
+        &mut self,
+        queue: impl super::WorkerQueue<E, T>,
+        config: WorkerConfig,
+        state: S,
+        handler: F,
+    ) -> &mut Self
+    where
+        E: TitoEngine,
+        T: Serialize + DeserializeOwned + Send + 'static,
+        S: Clone + Send + Sync + 'static,
+        F: Fn(S, QueueEvent<T>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = QueueHandlerResult<T>> + Send + 'static,
+    {
+        self.spawn_worker(queue, config, move |event| handler(state.clone(), event))
     }
 
     /// Starts [`run_transactional_worker`] in this set (`queue` as for
@@ -351,8 +391,29 @@ impl crate::runtime::Workers {
         F: Fn(QueueEvent<T>, E::Transaction) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = QueueHandlerResult<T>> + Send + 'static,
     {
-        let queue = queue.into_queue();
+        let (queue, config) = declared(queue, config);
         self.spawn(|stop| run_transactional_worker(queue, config, handler, stop))
+    }
+
+    /// [`spawn_transactional_worker`](Self::spawn_transactional_worker) with shared state, as
+    /// [`spawn_worker_with`](Self::spawn_worker_with).
+    pub fn spawn_transactional_worker_with<E, T, S, F, Fut>(
+        &mut self,
+        queue: impl super::WorkerQueue<E, T>,
+        config: WorkerConfig,
+        state: S,
+        handler: F,
+    ) -> &mut Self
+    where
+        E: TitoEngine,
+        T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
+        S: Clone + Send + Sync + 'static,
+        F: Fn(S, QueueEvent<T>, E::Transaction) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = QueueHandlerResult<T>> + Send + 'static,
+    {
+        self.spawn_transactional_worker(queue, config, move |event, tx| {
+            handler(state.clone(), event, tx)
+        })
     }
 
     /// Starts [`run_cluster_worker`] in this set (`queue` as for
@@ -370,9 +431,21 @@ impl crate::runtime::Workers {
         F: Fn(QueueEvent<T>) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = QueueHandlerResult<T>> + Send + 'static,
     {
-        let queue = queue.into_queue();
+        let (queue, config) = declared(queue, config);
         self.spawn(|stop| run_cluster_worker(queue, config, cluster, handler, stop))
     }
+}
+
+/// The queue a worker runs on, and its config with the queue's declared failure policy when the
+/// config has none.
+fn declared<E, T>(
+    queue: impl super::WorkerQueue<E, T>,
+    mut config: WorkerConfig,
+) -> (Arc<Queue<E>>, WorkerConfig) {
+    if config.failure_policy.is_none() {
+        config.failure_policy = queue.declared_failure_policy();
+    }
+    (queue.into_queue(), config)
 }
 
 /// Like [`run_worker`], but each handler runs inside the transaction that applies its outcome:
@@ -638,7 +711,15 @@ fn collect<E: TitoEngine, T: Serialize>(
         Err(failure) => {
             queue.count(&counters.failed, names::QUEUE_FAILED, 1);
             let attempt = running.pulled.stored.failures.saturating_add(1);
-            let policy = config.failure_policy.as_ref().filter(|_| failure.counts);
+            // The event's own attempts override the worker's policy (or make one).
+            let own = running.pulled.stored.max_attempts;
+            let policy = match (config.failure_policy.clone(), own) {
+                (Some(policy), Some(attempts)) => Some(policy.attempts(attempts)),
+                (Some(policy), None) => Some(policy),
+                (None, Some(attempts)) => Some(FailurePolicy::new(attempts)),
+                (None, None) => None,
+            };
+            let policy = policy.as_ref().filter(|_| failure.counts);
             match policy.map(|p| p.after_failure(attempt, failure.panicked)) {
                 // The policy's outcome commits like any other; until it does the row stays
                 // in flight here.

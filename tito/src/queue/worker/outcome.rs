@@ -330,8 +330,9 @@ fn bounded_error(error: &str) -> String {
 
 /// Checks the event a handler's outcome inserts after the invocation it completes: a
 /// `Reschedule` replacement keeps the id, key, owner and payload (only the timestamp may
-/// change); an `Advance` step keeps the id, key and owner. Both keep the invocation's priority,
-/// however the event was built (its own `priority` field is not read). `None` for
+/// change); an `Advance` step keeps the id, key and owner. Both keep the invocation's priority
+/// and its own number of attempts, however the event was built (those fields of the new event
+/// are not read). `None` for
 /// `Acknowledge`.
 pub(super) fn successor<T: Serialize>(
     current: &StoredEvent,
@@ -352,6 +353,7 @@ pub(super) fn successor<T: Serialize>(
     };
     let mut next = StoredEvent::from_event(next).map_err(|err| err.to_string())?;
     next.priority = current.priority;
+    next.max_attempts = current.max_attempts;
     next.to_bytes().map_err(|err| err.to_string())?;
     if next.id != current.id
         || next.key != current.key

@@ -59,6 +59,12 @@ impl FailurePolicy {
         }
     }
 
+    /// The same policy with `max_attempts` attempts.
+    pub fn attempts(mut self, max_attempts: u32) -> Self {
+        self.max_attempts = max_attempts;
+        self
+    }
+
     /// The backoff after the first failure, and the largest backoff.
     pub fn backoff(mut self, initial: Duration, max: Duration) -> Self {
         self.initial_backoff = initial;

@@ -1,0 +1,319 @@
+//! Queues declared once (`QueueSpec`): limits and pauses at first boot, the declared failure
+//! policy and periodic jobs, handler state, an event's own attempts, and the testing helpers
+//! (`drain`, `settled`). Written once, run on every backend.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tito::queue::testing::{Settled, drain, settled};
+use tito::queue::{FailurePolicy, Limits, PeriodicJob, QueueSpec, Schedule, Topic};
+use tito::{QueueEvent, QueueHandlerOutcome, TitoEngine, TitoError, WorkerConfig, Workers};
+
+use crate::support::{Ctx, pending_total, wait_for};
+
+/// Runs every case of this suite on one backend.
+#[macro_export]
+macro_rules! queue_declared_suite {
+    ($backend:ty) => {
+        $crate::engine_suite!(
+            $backend,
+            queue_declared,
+            [
+                a_declared_queue_takes_limits_and_pauses_before_any_publication,
+                a_declared_queue_refuses_another_partition_count,
+                workers_on_a_declared_queue_use_its_failure_policy,
+                declared_periodic_jobs_publish_on_their_topic,
+                handler_state_is_handed_to_every_invocation,
+                an_events_own_attempts_override_the_workers_policy,
+                drain_runs_what_is_due_and_says_what_happened,
+            ]
+        );
+    };
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+enum Mail {
+    Reset { user: String },
+    Newsletter { issue: u32 },
+    Digest,
+}
+
+const MAIL: Topic<Mail> = Topic::new("mail");
+
+fn spec() -> QueueSpec<Mail> {
+    MAIL.spec(2, Duration::from_secs(3600))
+}
+
+fn fast() -> WorkerConfig {
+    WorkerConfig::new(0..2).max_idle_backoff(Duration::from_millis(20))
+}
+
+fn quick_policy(attempts: u32) -> FailurePolicy {
+    FailurePolicy::new(attempts).backoff(Duration::from_millis(1), Duration::from_millis(1))
+}
+
+pub async fn a_declared_queue_takes_limits_and_pauses_before_any_publication<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    let limits = Limits::none().concurrency(3).key_concurrency(1);
+    let mail = spec()
+        .limits(limits.clone())
+        .open(ctx.db.clone())
+        .await
+        .unwrap();
+    // Nothing was published: the declaration stored the queue, its limits, and takes a pause.
+    assert_eq!(mail.limits().await.unwrap(), limits);
+    assert!(mail.pause(None, "first boot").await.unwrap());
+    assert!(mail.paused().await.unwrap().queue.is_some());
+    assert!(mail.resume(None).await.unwrap());
+    // Opening again with the same limits changes nothing; other limits replace them.
+    let again = spec()
+        .limits(limits.clone())
+        .open(ctx.db.clone())
+        .await
+        .unwrap();
+    assert_eq!(again.limits().await.unwrap(), limits);
+    let lower = Limits::none().concurrency(1);
+    let again = spec()
+        .limits(lower.clone())
+        .open(ctx.db.clone())
+        .await
+        .unwrap();
+    assert_eq!(again.limits().await.unwrap(), lower);
+    // A spec without limits leaves the stored ones alone (an operator may have set them).
+    let plain = spec().open(ctx.db.clone()).await.unwrap();
+    assert_eq!(plain.limits().await.unwrap(), lower);
+    // Bad settings are refused before anything is written.
+    let err = spec()
+        .limits(Limits::none().concurrency(0))
+        .open(ctx.db.clone())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, TitoError::InvalidArgument(_)), "{err:?}");
+    let err = spec()
+        .failure_policy(FailurePolicy::new(0))
+        .open(ctx.db.clone())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, TitoError::InvalidArgument(_)), "{err:?}");
+}
+
+pub async fn a_declared_queue_refuses_another_partition_count<E: TitoEngine>(ctx: Ctx<E>) {
+    spec().open(ctx.db.clone()).await.unwrap();
+    let err = MAIL
+        .spec(8, Duration::from_secs(3600))
+        .open(ctx.db.clone())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, TitoError::InvalidArgument(_)), "{err:?}");
+    assert!(err.to_string().contains("2 partitions"), "{err}");
+}
+
+pub async fn workers_on_a_declared_queue_use_its_failure_policy<E: TitoEngine>(ctx: Ctx<E>) {
+    let mail = spec()
+        .failure_policy(quick_policy(2))
+        .open(ctx.db.clone())
+        .await
+        .unwrap();
+    let event = QueueEvent::now("ada", Mail::Reset { user: "ada".into() });
+    let id = event.id.clone();
+    mail.publish(event).await.unwrap();
+    let mut workers = Workers::new();
+    workers.spawn_worker(&mail, fast(), |_event: QueueEvent<Mail>| async {
+        Err(TitoError::handler("smtp down"))
+    });
+    let outcome = settled(&mail, &id, Duration::from_secs(20)).await.unwrap();
+    workers.shutdown().await.unwrap();
+    assert!(
+        matches!(outcome, Settled::Dead { attempts: 2, .. }),
+        "{outcome:?}"
+    );
+}
+
+pub async fn declared_periodic_jobs_publish_on_their_topic<E: TitoEngine>(ctx: Ctx<E>) {
+    let every = Schedule::every("digest", Duration::from_secs(1)).unwrap();
+    let mail = spec()
+        .periodic(PeriodicJob::new(every, Mail::Digest))
+        .open(ctx.db.clone())
+        .await
+        .unwrap();
+    assert_eq!(mail.periodic_jobs().len(), 1);
+    let seen = Arc::new(AtomicUsize::new(0));
+    let mut workers = Workers::new();
+    workers.spawn_periodic(&mail, mail.periodic_jobs());
+    workers.spawn_worker_with(
+        &mail,
+        fast(),
+        seen.clone(),
+        |seen, event: QueueEvent<Mail>| async move {
+            assert_eq!(event.payload, Mail::Digest);
+            seen.fetch_add(1, Ordering::SeqCst);
+            Ok(QueueHandlerOutcome::Acknowledge)
+        },
+    );
+    let count = seen.clone();
+    wait_for("a digest tick to run", Duration::from_secs(20), move || {
+        let n = count.load(Ordering::SeqCst);
+        async move { n >= 1 }
+    })
+    .await;
+    workers.shutdown().await.unwrap();
+}
+
+pub async fn handler_state_is_handed_to_every_invocation<E: TitoEngine>(ctx: Ctx<E>) {
+    let mail = spec().open(ctx.db.clone()).await.unwrap();
+    for issue in 0..5 {
+        mail.publish(QueueEvent::now(
+            format!("u{issue}"),
+            Mail::Newsletter { issue },
+        ))
+        .await
+        .unwrap();
+    }
+    let sent = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut workers = Workers::new();
+    workers.spawn_worker_with(
+        &mail,
+        fast(),
+        sent.clone(),
+        |sent, event: QueueEvent<Mail>| async move {
+            if let Mail::Newsletter { issue } = event.payload {
+                sent.lock().unwrap().push(issue);
+            }
+            Ok(QueueHandlerOutcome::Acknowledge)
+        },
+    );
+    let log = sent.clone();
+    wait_for("five newsletters", Duration::from_secs(20), move || {
+        let n = log.lock().unwrap().len();
+        async move { n == 5 }
+    })
+    .await;
+    workers.shutdown().await.unwrap();
+    let mut sent = sent.lock().unwrap().clone();
+    sent.sort();
+    assert_eq!(sent, vec![0, 1, 2, 3, 4]);
+}
+
+pub async fn an_events_own_attempts_override_the_workers_policy<E: TitoEngine>(ctx: Ctx<E>) {
+    let mail = spec().open(ctx.db.clone()).await.unwrap();
+    // On a worker without a policy: an event's own attempts make one (the default backoff);
+    // an event without them stays pending, unchanged, as always.
+    let reset = QueueEvent::now("ada", Mail::Reset { user: "ada".into() }).with_max_attempts(2);
+    let letter = QueueEvent::now("bob", Mail::Newsletter { issue: 1 }).with_max_attempts(1);
+    let plain = QueueEvent::now("cy", Mail::Digest);
+    let ids = [reset.id.clone(), letter.id.clone(), plain.id.clone()];
+    for event in [reset, letter, plain] {
+        mail.publish(event).await.unwrap();
+    }
+    let err = mail
+        .publish(QueueEvent::now("dee", Mail::Digest).with_max_attempts(0))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, TitoError::InvalidArgument(_)), "{err:?}");
+    let drained = tito::queue::testing::drain_within(
+        mail.clone(),
+        |_event: QueueEvent<Mail>| async { Err(TitoError::handler("always fails")) },
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    assert_eq!((drained.dead, drained.still_due), (2, 1), "{drained:?}");
+    for (id, attempts) in [(&ids[0], 2), (&ids[1], 1)] {
+        let outcome = settled(&mail, id, Duration::from_secs(1)).await.unwrap();
+        assert!(
+            matches!(outcome, Settled::Dead { attempts: a, .. } if a == attempts),
+            "{id}: {outcome:?}"
+        );
+    }
+    // With the declared policy (three attempts) the plain one dies after three, and an event
+    // of one attempt after one.
+    let with_policy = spec()
+        .failure_policy(quick_policy(3))
+        .open(ctx.db.clone())
+        .await
+        .unwrap();
+    let once = QueueEvent::now("eve", Mail::Newsletter { issue: 2 }).with_max_attempts(1);
+    let once_id = once.id.clone();
+    with_policy.publish(once).await.unwrap();
+    let drained = drain(&with_policy, |_event: QueueEvent<Mail>| async {
+        Err(TitoError::handler("always fails"))
+    })
+    .await
+    .unwrap();
+    assert_eq!((drained.dead, drained.still_due), (2, 0), "{drained:?}");
+    for (id, attempts) in [(&ids[2], 3), (&once_id, 1)] {
+        let outcome = settled(&with_policy, id, Duration::from_secs(1))
+            .await
+            .unwrap();
+        assert!(
+            matches!(outcome, Settled::Dead { attempts: a, .. } if a == attempts),
+            "{id}: {outcome:?}"
+        );
+    }
+}
+
+pub async fn drain_runs_what_is_due_and_says_what_happened<E: TitoEngine>(ctx: Ctx<E>) {
+    let mail = spec().open(ctx.db.clone()).await.unwrap();
+    let first = QueueEvent::now("ada", Mail::Newsletter { issue: 1 });
+    let first_id = first.id.clone();
+    mail.publish(first).await.unwrap();
+    mail.publish(QueueEvent::now("bob", Mail::Newsletter { issue: 2 }))
+        .await
+        .unwrap();
+    let later = QueueEvent::after("cy", Mail::Digest, Duration::from_secs(3600));
+    let later_id = later.id.clone();
+    mail.publish(later).await.unwrap();
+    // Issue 1 is rescheduled for now once (the drain runs it again), issue 2 acknowledged.
+    let drained = drain(&mail, |event: QueueEvent<Mail>| async move {
+        match event.payload {
+            Mail::Newsletter { issue: 1 } if event.timestamp > 0 => {
+                let next = event.clone().advanced(Mail::Newsletter { issue: 11 }, 0);
+                Ok(QueueHandlerOutcome::Advance(next))
+            }
+            _ => Ok(QueueHandlerOutcome::Acknowledge),
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        (
+            drained.delivered,
+            drained.acknowledged,
+            drained.rescheduled,
+            drained.still_due
+        ),
+        (3, 2, 1, 0),
+        "{drained:?}"
+    );
+    assert_eq!(
+        pending_total(&mail).await,
+        1,
+        "the one due in an hour waits"
+    );
+    let outcome = settled(&mail, &first_id, Duration::from_secs(1))
+        .await
+        .unwrap();
+    assert_eq!(outcome, Settled::Completed { cancelled: None });
+    assert_eq!(
+        settled(&mail, &later_id, Duration::from_millis(50))
+            .await
+            .unwrap(),
+        Settled::Pending
+    );
+    assert!(mail.cancel(&later_id, "not needed").await.unwrap());
+    assert_eq!(
+        settled(&mail, &later_id, Duration::from_secs(1))
+            .await
+            .unwrap(),
+        Settled::Completed {
+            cancelled: Some("not needed".into())
+        }
+    );
+    let err = settled(&mail, "no-such-id", Duration::from_millis(10))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, TitoError::NotFound(_)), "{err:?}");
+}
