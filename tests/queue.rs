@@ -1457,7 +1457,7 @@ async fn queue_futures_spawn_with_a_concrete_engine() {
         q.retry_dead("no-such-id").await?;
         q.discard_dead("no-such-id").await?;
         q.sweep_undecodable().await?;
-        Ok::<_, TitoError>(())
+        q.declare().await
     })
     .await
     .unwrap()

@@ -348,8 +348,17 @@ impl<E: TitoEngine> Queue<E> {
     /// do the same on first use.
     pub async fn declare(&self) -> TitoResult<()> {
         self.check_config()?;
+        // The closure owns what it uses (no borrow of `self`): the future stays `Send`.
+        let (root, partitions) = (self.root.clone(), self.config.partitions);
         self.db
-            .transaction(|tx| async move { self.ensure_meta(&tx).await })
+            .transaction(|tx| {
+                let root = root.clone();
+                async move {
+                    let mut writes = engine::Writes::default();
+                    check_meta(&tx, &root, partitions, &mut writes).await?;
+                    writes.apply(&tx).await
+                }
+            })
             .await?;
         self.meta_known.store(true, Ordering::Relaxed);
         Ok(())
