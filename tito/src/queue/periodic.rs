@@ -455,9 +455,9 @@ pub async fn schedules<E: TitoEngine>(
 
 impl crate::Workers {
     /// Starts [`run_periodic`] in this set. `queue` is a queue handle (`Arc<Queue<E>>`) or a
-    /// [`TopicQueue`](super::TopicQueue) (its declared jobs: [`periodic_jobs`]
-    /// (super::TopicQueue::periodic_jobs)); on a topic queue, jobs of another payload type do
-    /// not compile.
+    /// [`TopicQueue`](super::TopicQueue) (its declared jobs:
+    /// [`TopicQueue::periodic_jobs`](super::TopicQueue::periodic_jobs)); on a topic queue, jobs
+    /// of another payload type do not compile.
     pub fn spawn_periodic<E, T>(
         &mut self,
         queue: impl super::WorkerQueue<E, T>,

@@ -28,7 +28,7 @@ pub(super) enum OutcomeKind {
     /// Completed.
     Acknowledge,
     /// Completed, and the checked replacement inserted.
-    Reschedule(StoredEvent),
+    Reschedule(Box<StoredEvent>),
     /// A failed attempt under a failure policy: replaced by the same invocation due after
     /// `backoff`, its failure counted.
     Retry { backoff: Duration, error: String },
