@@ -290,8 +290,10 @@ async fn set_limits_under<E: TitoEngine>(db: &E, root: &str, limits: Limits) -> 
         })
         .await?;
     tracing::info!(queue = %root, ?limits, "queue limits set");
-    if before.rate != limits.rate || before.key_rate != limits.key_rate {
-        // What the old rates moved follows the new ones.
+    let unrated = limits.rate.is_none() && limits.key_rate.is_none();
+    if before.rate != limits.rate || before.key_rate != limits.key_rate || unrated {
+        // What the old rates moved follows the new ones. (Without rates, whatever is still
+        // moved goes back: a restore that failed before, for one.)
         let restored = restore_moved(db, &root).await?;
         if restored > 0 {
             tracing::info!(queue = %root, restored, "rows a rate limit moved returned to their due time");
@@ -942,6 +944,19 @@ async fn postpone<X: TitoTransaction>(
     tx.put(keys::moved_key(root, &next.id).into_bytes(), Vec::new())
         .await?;
     Ok(())
+}
+
+impl<E: TitoEngine> Queue<E> {
+    /// One maintenance step: when the queue has no rate limit, rows a rate limit moved that are
+    /// still ahead of their own due time go back to it (a limits change whose restore failed,
+    /// for one). Returns how many.
+    pub(crate) async fn restore_unrated(&self) -> TitoResult<usize> {
+        let limits = self.limits().await?;
+        if limits.rate.is_some() || limits.key_rate.is_some() {
+            return Ok(0);
+        }
+        restore_moved(&self.db, &self.root).await
+    }
 }
 
 /// How many moved rows one transaction of [`restore_moved`] returns.

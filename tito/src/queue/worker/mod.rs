@@ -805,6 +805,16 @@ async fn maintenance_pass<E: TitoEngine>(queue: &Queue<E>, sweep_kv: bool) -> bo
         Ok(deleted) => full |= deleted == super::RETENTION_BATCH,
         Err(err) => tracing::warn!(error = %err, "sweeping undecodable notes failed"),
     }
+    match queue.restore_unrated().await {
+        Ok(restored) if restored > 0 => {
+            tracing::info!(
+                restored,
+                "rows a lifted rate limit had moved returned to their due time"
+            )
+        }
+        Ok(_) => {}
+        Err(err) => tracing::warn!(error = %err, "returning rate-moved rows failed"),
+    }
     match queue.sweep_unique().await {
         Ok(deleted) => full |= deleted == super::RETENTION_BATCH,
         Err(err) => tracing::warn!(error = %err, "sweeping expired unique keys failed"),
