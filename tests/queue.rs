@@ -70,21 +70,21 @@ macro_rules! queue_suite {
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-struct Job {
-    n: u32,
+pub(crate) struct Job {
+    pub(crate) n: u32,
 }
 
-fn fast(partitions: std::ops::Range<u32>) -> WorkerConfig {
+pub(crate) fn fast(partitions: std::ops::Range<u32>) -> WorkerConfig {
     WorkerConfig::new(partitions).max_idle_backoff(Duration::from_millis(50))
 }
 
-struct Running {
+pub(crate) struct Running {
     stop: watch::Sender<bool>,
     task: JoinHandle<tito::TitoResult<()>>,
 }
 
 impl Running {
-    async fn stop(self) {
+    pub(crate) async fn stop(self) {
         self.stop.send(true).unwrap();
         tokio::time::timeout(Duration::from_secs(30), self.task)
             .await
@@ -94,7 +94,7 @@ impl Running {
     }
 }
 
-fn start<E, F, Fut>(queue: &Arc<Queue<E>>, config: WorkerConfig, handler: F) -> Running
+pub(crate) fn start<E, F, Fut>(queue: &Arc<Queue<E>>, config: WorkerConfig, handler: F) -> Running
 where
     E: TitoEngine,
     F: Fn(QueueEvent<Job>) -> Fut + Send + Sync + 'static,
@@ -129,7 +129,7 @@ fn recorder() -> (
     (seen, handler)
 }
 
-async fn drained<E: TitoEngine>(queue: &Arc<Queue<E>>, completed: usize) {
+pub(crate) async fn drained<E: TitoEngine>(queue: &Arc<Queue<E>>, completed: usize) {
     let q = queue.clone();
     wait_for("the queue to drain", Duration::from_secs(30), move || {
         let q = q.clone();

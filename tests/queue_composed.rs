@@ -9,7 +9,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::FutureExt;
-use serde::{Deserialize, Serialize};
 use tito::engine::{Fault, FaultPoint, FaultRule, FaultyEngine};
 use tito::queue::{FailurePolicy, Limits, Rate, run_transactional_worker, run_worker};
 use tito::{
@@ -17,8 +16,8 @@ use tito::{
     TitoEngine, TitoError, TitoTransaction, WorkerConfig,
 };
 use tokio::sync::watch;
-use tokio::task::JoinHandle;
 
+use crate::queue::{Job, Running, drained, fast, start};
 use crate::support::{Ctx, now, pending_total, queue, wait_for};
 
 /// Runs every case of this suite on one backend.
@@ -50,42 +49,6 @@ macro_rules! queue_composed_suite {
     };
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-struct Job {
-    n: u32,
-}
-
-fn fast(partitions: std::ops::Range<u32>) -> WorkerConfig {
-    WorkerConfig::new(partitions).max_idle_backoff(Duration::from_millis(50))
-}
-
-struct Running {
-    stop: watch::Sender<bool>,
-    task: JoinHandle<tito::TitoResult<()>>,
-}
-
-impl Running {
-    async fn stop(self) {
-        self.stop.send(true).unwrap();
-        tokio::time::timeout(Duration::from_secs(30), self.task)
-            .await
-            .expect("the worker stops")
-            .unwrap()
-            .expect("the worker's configuration is valid");
-    }
-}
-
-fn start<E, F, Fut>(queue: &Arc<Queue<E>>, config: WorkerConfig, handler: F) -> Running
-where
-    E: TitoEngine,
-    F: Fn(QueueEvent<Job>) -> Fut + Send + Sync + 'static,
-    Fut: std::future::Future<Output = QueueHandlerResult<Job>> + Send + 'static,
-{
-    let (stop, rx) = watch::channel(false);
-    let task = tokio::spawn(run_worker(queue.clone(), config, handler, rx));
-    Running { stop, task }
-}
-
 /// The order handlers started in (payload numbers).
 type Order = Arc<Mutex<Vec<u32>>>;
 
@@ -110,17 +73,6 @@ fn ordered(
         .boxed()
     };
     (order, handler)
-}
-
-async fn drained<E: TitoEngine>(queue: &Arc<Queue<E>>, completed: usize) {
-    let q = queue.clone();
-    wait_for("the queue to drain", Duration::from_secs(30), move || {
-        let q = q.clone();
-        async move {
-            pending_total(&q).await == 0 && q.completed_count().await.unwrap() == completed
-        }
-    })
-    .await;
 }
 
 /// Promise Q-FAIL-2: an error a handler returns is a failed attempt, whatever its kind.

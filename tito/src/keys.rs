@@ -123,6 +123,9 @@ pub fn encode_str(value: &str, out: &mut String) {
     out.push_str(&value[run..]);
 }
 
+/// The longest key a transaction may write (4 KiB, within TiKV's key limits).
+pub const MAX_KEY_BYTES: usize = 4 * 1024;
+
 /// The longest raw value [`encode_bounded`] keeps whole; a longer one is hashed.
 pub const MAX_BOUNDED_SEGMENT: usize = 256;
 
@@ -878,7 +881,7 @@ fn pending_twin(root: &str, state: &str, pending_key: &str) -> TitoResult<String
 /// instead (the note's value then names the row: see [`undecodable_target`]).
 pub fn undecodable_key(root: &str, pending_key: &str) -> TitoResult<String> {
     let twin = pending_twin(root, "undecodable", pending_key)?;
-    if twin.len() <= crate::engine::MAX_KEY_BYTES {
+    if twin.len() <= MAX_KEY_BYTES {
         return Ok(twin);
     }
     Ok(format!(

@@ -199,8 +199,7 @@ impl std::fmt::Debug for Extensions {
 /// How many low bits of a version hold the logical counter; the bits above hold milliseconds.
 pub const LOGICAL_BITS: u32 = 18;
 
-/// The longest key a transaction may write (4 KiB, within TiKV's key limits).
-pub const MAX_KEY_BYTES: usize = 4 * 1024;
+pub use crate::keys::MAX_KEY_BYTES;
 
 /// The largest value a transaction may write in one key (6 MiB: TiDB's default entry limit,
 /// leaving a key and its value well under TiKV's default 8 MiB Raft entry).

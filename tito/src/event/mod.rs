@@ -93,6 +93,10 @@ pub struct QueueEvent<T> {
 /// The highest priority.
 pub const MAX_PRIORITY: u8 = 9;
 
+/// The most attempts a [`FailurePolicy`](crate::queue::FailurePolicy) or an event's own
+/// [`max_attempts`](QueueEvent::max_attempts) accepts.
+pub const MAX_ATTEMPTS: u32 = 10_000;
+
 /// How much waiting one step of priority is worth.
 pub const PRIORITY_STEP: std::time::Duration = std::time::Duration::from_secs(60);
 
@@ -341,12 +345,11 @@ impl StoredEvent {
             owner.check()?;
         }
         if let Some(attempts) = event.max_attempts
-            && (attempts == 0 || attempts > crate::queue::MAX_ATTEMPTS)
+            && (attempts == 0 || attempts > MAX_ATTEMPTS)
         {
             return Err(TitoError::invalid_argument(format!(
                 "event {:?} has max_attempts {attempts}; it must be from 1 to {}",
-                event.id,
-                crate::queue::MAX_ATTEMPTS
+                event.id, MAX_ATTEMPTS
             )));
         }
         if event.priority > MAX_PRIORITY {

@@ -5,8 +5,7 @@ use std::time::Duration;
 use super::MAX_SETTING;
 use crate::error::{TitoError, TitoResult};
 
-/// The most attempts a [`FailurePolicy`] accepts.
-pub const MAX_ATTEMPTS: u32 = 10_000;
+pub use crate::event::MAX_ATTEMPTS;
 
 /// What a failed attempt of an invocation leads to, for a worker given one
 /// ([`WorkerConfig::failure_policy`](super::WorkerConfig::failure_policy)). Without a policy the
