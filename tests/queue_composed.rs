@@ -13,7 +13,7 @@ use tito::engine::{Fault, FaultPoint, FaultRule, FaultyEngine};
 use tito::queue::{FailurePolicy, Limits, Rate, run_transactional_worker, run_worker};
 use tito::{
     Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, QueueHandlerResult, QueueOwner,
-    TitoEngine, TitoError, TitoTransaction, WorkerConfig,
+    TitoEngine, TitoError, TitoTransaction,
 };
 use tokio::sync::watch;
 
