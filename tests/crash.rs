@@ -2,6 +2,7 @@
 //! not commit. The child is this test binary itself, started with `crash_child` selected.
 
 use std::io::{BufRead, BufReader};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -402,29 +403,37 @@ async fn lease_holder_child() {
     std::future::pending::<()>().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_restarted_worker_takes_its_partitions_back_at_once() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut child = Command::new(std::env::current_exe().unwrap())
+/// Runs the ignored test `child` of this binary in a child process on the store at `dir`
+/// (named by the environment variable `dir_var`), waits until it prints that it holds its
+/// partitions, and kills it with SIGKILL.
+fn kill_once_holding(child: &str, dir_var: &str, dir: &Path) {
+    let mut child_process = Command::new(std::env::current_exe().unwrap())
         .args([
-            "crash::lease_holder_child",
+            child,
             "--exact",
             "--ignored",
             "--nocapture",
             "--test-threads=1",
         ])
-        .env(LEASE_DIR_VAR, dir.path())
+        .env(dir_var, dir)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let stdout = child.stdout.take().unwrap();
+    let stdout = child_process.stdout.take().unwrap();
     let holding = BufReader::new(stdout)
         .lines()
         .any(|line| line.is_ok_and(|l| l == "holding its partitions"));
-    assert!(holding, "the child took its leases");
-    child.kill().unwrap(); // SIGKILL: its leases stay in the store for ten minutes
-    child.wait().unwrap();
+    assert!(holding, "{child} took its partitions");
+    child_process.kill().unwrap();
+    child_process.wait().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_worker_takes_its_partitions_back_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    // SIGKILL: its leases stay in the store for ten minutes.
+    kill_once_holding("crash::lease_holder_child", LEASE_DIR_VAR, dir.path());
 
     let db = Embedded::open(dir.path()).await.unwrap();
     let queue = lease_queue(&db);
@@ -542,26 +551,8 @@ async fn cluster_node_child() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_cluster_node_is_replaced_without_waiting_for_its_ttl() {
     let dir = tempfile::tempdir().unwrap();
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "crash::cluster_node_child",
-            "--exact",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(CLUSTER_DIR_VAR, dir.path())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let holding = BufReader::new(stdout)
-        .lines()
-        .any(|line| line.is_ok_and(|l| l == "holding its partitions"));
-    assert!(holding, "the child took its partitions");
-    child.kill().unwrap(); // SIGKILL: its node record and leases stay alive for its TTL
-    child.wait().unwrap();
+    // SIGKILL: its node record and leases stay alive for its TTL.
+    kill_once_holding("crash::cluster_node_child", CLUSTER_DIR_VAR, dir.path());
 
     let db = Embedded::open(dir.path()).await.unwrap();
     let queue = cluster_queue(&db);

@@ -75,6 +75,26 @@ fn ordered(
     (order, handler)
 }
 
+/// Waits until at least `n` handlers started.
+async fn wait_starts(order: &Order, n: usize, bound: Duration) {
+    let seen = order.clone();
+    wait_for(&format!("{n} starts"), bound, move || {
+        let started = seen.lock().unwrap().len();
+        async move { started >= n }
+    })
+    .await;
+}
+
+/// Waits until the handler of job `job` started.
+async fn wait_started(order: &Order, job: u32, bound: Duration) {
+    let seen = order.clone();
+    wait_for(&format!("job {job} to start"), bound, move || {
+        let started = seen.lock().unwrap().contains(&job);
+        async move { started }
+    })
+    .await;
+}
+
 /// Promise Q-FAIL-2: an error a handler returns is a failed attempt, whatever its kind.
 pub async fn a_handlers_own_not_found_counts_as_a_failed_attempt<E: TitoEngine>(ctx: Ctx<E>) {
     let queue = queue(&ctx.db, 1);
@@ -168,12 +188,7 @@ pub async fn a_high_priority_published_into_a_backlog_runs_at_the_next_pull<E: T
     }
     let (order, handler) = ordered(20);
     let worker = start(&queue, fast(0..1).concurrency(1), handler);
-    let seen = order.clone();
-    wait_for("three starts", Duration::from_secs(20), move || {
-        let seen = seen.clone();
-        async move { seen.lock().unwrap().len() >= 3 }
-    })
-    .await;
+    wait_starts(&order, 3, Duration::from_secs(20)).await;
     queue
         .publish(QueueEvent::new("k", Job { n: 900 }, t).with_priority(9))
         .await
@@ -272,12 +287,7 @@ pub async fn a_cancel_committed_during_the_gate_is_never_started<E: TitoEngine>(
     })
     .await;
     assert!(queue.cancel(&doomed_id, "no longer wanted").await.unwrap());
-    let seen = order.clone();
-    wait_for("the other invocation", Duration::from_secs(20), move || {
-        let seen = seen.clone();
-        async move { seen.lock().unwrap().contains(&2) }
-    })
-    .await;
+    wait_started(&order, 2, Duration::from_secs(20)).await;
     drained(&queue, 2).await;
     worker.stop().await;
     assert_eq!(
@@ -317,27 +327,21 @@ async fn publish_three_and_let_a_rate_move_them<E: TitoEngine>(
 
 /// Promise Q-LIMIT-6: what a rate limit moved follows the limit when it is lifted.
 pub async fn lifting_a_rate_limit_releases_the_rows_it_moved<E: TitoEngine>(ctx: Ctx<E>) {
-    let queue = queue(&ctx.db, 1);
-    let (order, worker) = publish_three_and_let_a_rate_move_them(&queue).await;
-    queue.set_limits(Limits::none()).await.unwrap();
-    let q = queue.clone();
-    wait_for("the moved rows to run", Duration::from_secs(5), move || {
-        let q = q.clone();
-        async move { q.completed_count().await.unwrap() == 4 }
-    })
-    .await;
-    worker.stop().await;
-    assert_eq!(order.lock().unwrap().len(), 4);
+    the_moved_rows_run_under(&ctx.db, Limits::none()).await;
 }
 
 /// Promise Q-LIMIT-6: what a rate limit moved follows the limit when it is raised.
 pub async fn raising_a_rate_limit_brings_moved_rows_back<E: TitoEngine>(ctx: Ctx<E>) {
-    let queue = queue(&ctx.db, 1);
+    let raised = Limits::none().rate(Rate::new(100, Duration::from_secs(1)));
+    the_moved_rows_run_under(&ctx.db, raised).await;
+}
+
+/// Four invocations under one start an hour (one runs, three are moved up to three hours
+/// ahead), then `limits`: all four run within 5 s.
+async fn the_moved_rows_run_under<E: TitoEngine>(db: &E, limits: Limits) {
+    let queue = queue(db, 1);
     let (order, worker) = publish_three_and_let_a_rate_move_them(&queue).await;
-    queue
-        .set_limits(Limits::none().rate(Rate::new(100, Duration::from_secs(1))))
-        .await
-        .unwrap();
+    queue.set_limits(limits).await.unwrap();
     let q = queue.clone();
     wait_for("the moved rows to run", Duration::from_secs(5), move || {
         let q = q.clone();
@@ -641,23 +645,13 @@ pub async fn a_high_priority_takes_its_keys_next_slot_behind_a_long_wait<E: Tito
         .unwrap();
     let (order, handler) = ordered(5);
     let worker = start(&queue, fast(0..1).concurrency(4), handler);
-    let seen = order.clone();
-    wait_for("twenty starts", Duration::from_secs(30), move || {
-        let seen = seen.clone();
-        async move { seen.lock().unwrap().len() >= 20 }
-    })
-    .await;
+    wait_starts(&order, 20, Duration::from_secs(30)).await;
     queue
         .publish(QueueEvent::new("k0", Job { n: 900 }, t).with_priority(9))
         .await
         .unwrap();
     let started_before = order.lock().unwrap().len();
-    let seen = order.clone();
-    wait_for("the priority", Duration::from_secs(30), move || {
-        let seen = seen.clone();
-        async move { seen.lock().unwrap().contains(&900) }
-    })
-    .await;
+    wait_started(&order, 900, Duration::from_secs(30)).await;
     worker.stop().await;
     let order = order.lock().unwrap().clone();
     let at = order.iter().position(|n| *n == 900).unwrap();
@@ -700,12 +694,7 @@ pub async fn cancel_owner_gets_through_a_busy_worker<E: TitoEngine>(ctx: Ctx<E>)
         }
         let (order, handler) = ordered(20);
         let worker = start(&queue, fast(0..4), handler);
-        let seen = order.clone();
-        wait_for("ten starts", Duration::from_secs(30), move || {
-            let seen = seen.clone();
-            async move { seen.lock().unwrap().len() >= 10 }
-        })
-        .await;
+        wait_starts(&order, 10, Duration::from_secs(30)).await;
         let cancelled = queue.cancel_owner(&owner, "account closed").await.unwrap();
         let started_at_cancel = order.lock().unwrap().len();
         drained(&queue, 200).await;

@@ -210,7 +210,12 @@ pub(crate) async fn read_limits<X: TitoTransaction>(
     tx: &X,
     root: &str,
 ) -> TitoResult<LimitsRecord> {
-    match tx.get(keys::limits_key(root).as_bytes()).await? {
+    decode_limits(root, tx.get(keys::limits_key(root).as_bytes()).await?)
+}
+
+/// The limits record as stored (absent: none).
+fn decode_limits(root: &str, stored: Option<Vec<u8>>) -> TitoResult<LimitsRecord> {
+    match stored {
         None => Ok(LimitsRecord::default()),
         Some(bytes) => serde_json::from_slice(&bytes).map_err(|err| {
             TitoError::Integrity(format!("the limits of queue {root:?} do not decode: {err}"))
@@ -683,15 +688,7 @@ pub(crate) async fn admit<E: TitoEngine>(
         .transaction_with(policy, |tx| async move {
             let now = engine::version_millis(tx.start_version());
             let mut values = tx.batch_get(reads).await?;
-            let stored = values.remove(0);
-            let stored: LimitsRecord = match stored {
-                None => LimitsRecord::default(),
-                Some(bytes) => serde_json::from_slice(&bytes).map_err(|err| {
-                    TitoError::Integrity(format!(
-                        "the limits of queue {root:?} do not decode: {err}"
-                    ))
-                })?,
-            };
+            let stored = decode_limits(root, values.remove(0))?;
             if stored != *record {
                 return Ok(Admitted {
                     stale: true,
@@ -723,20 +720,17 @@ pub(crate) async fn admit<E: TitoEngine>(
                 _ => None,
             };
             if queue_shrinks.is_some() || key_shrinks.is_some() {
-                let mut current = read_limits(&tx, root).await?;
-                if current.limits == *limits {
-                    if let Some(n) = queue_shrinks {
-                        current.queue_slots_seen = n;
-                    }
-                    if let Some(m) = key_shrinks {
-                        current.key_slots_seen = m;
-                    }
-                    tx.put(
-                        keys::limits_key(root).into_bytes(),
-                        serde_json::to_vec(&current)?,
-                    )
-                    .await?;
+                // `stored` is the record this transaction read (and locked), equal to the
+                // worker's: only its slot counts change.
+                let mut shrunk = stored;
+                if let Some(n) = queue_shrinks {
+                    shrunk.queue_slots_seen = n;
                 }
+                if let Some(m) = key_shrinks {
+                    shrunk.key_slots_seen = m;
+                }
+                tx.put(limits_key.clone(), serde_json::to_vec(&shrunk)?)
+                    .await?;
             }
             let mut admitted = Admitted::default();
             // The rate logs an admitted start was recorded in (written back at the end).
