@@ -20,6 +20,7 @@ macro_rules! derive_suite {
                 unique_and_conditional_indexes_work,
                 a_unique_index_looks_up_one_row_or_none,
                 serde_renames_are_followed,
+                typed_query_arguments_take_what_converts,
             ]
         );
     };
@@ -240,6 +241,101 @@ pub async fn a_unique_index_looks_up_one_row_or_none<E: TitoEngine>(ctx: Ctx<E>)
     assert_eq!(bookings.get_booking_by_slot("red", &4).await.unwrap(), None);
     // A value that only prefixes a stored one names no row.
     assert_eq!(bookings.get_booking_by_slot("blu", &4).await.unwrap(), None);
+}
+
+/// Typed query methods take text as anything `AsRef<str>` and other values by value or by
+/// reference: every form binds the same value (the seed's `&str` and `&value` calls included).
+pub async fn typed_query_arguments_take_what_converts<E: TitoEngine>(ctx: Ctx<E>) {
+    let orders = ctx.db.clone().model::<Order>();
+    for (id, customer, day, total) in [(1, "ada", 1, 500), (3, "bob", 2, 100), (5, "ada", 7, 300)] {
+        orders.build(order(id, customer, day, total)).await.unwrap();
+    }
+    let ids = |items: Vec<Order>| items.into_iter().map(|o| o.order_id).collect::<Vec<_>>();
+    let owned = String::from("ada");
+    let shared: std::sync::Arc<str> = "ada".into();
+    let cow = std::borrow::Cow::Borrowed("ada");
+    let mut pages = Vec::new();
+    pages.push(
+        orders
+            .order_by_customer_date("ada")
+            .execute()
+            .await
+            .unwrap(),
+    );
+    pages.push(
+        orders
+            .order_by_customer_date(&owned)
+            .execute()
+            .await
+            .unwrap(),
+    );
+    pages.push(
+        orders
+            .order_by_customer_date(owned.clone())
+            .execute()
+            .await
+            .unwrap(),
+    );
+    pages.push(
+        orders
+            .order_by_customer_date(format!("a{}", "da"))
+            .execute()
+            .await
+            .unwrap(),
+    );
+    pages.push(
+        orders
+            .order_by_customer_date(&format!("{owned}"))
+            .execute()
+            .await
+            .unwrap(),
+    );
+    pages.push(
+        orders
+            .order_by_customer_date(shared)
+            .execute()
+            .await
+            .unwrap(),
+    );
+    pages.push(orders.order_by_customer_date(cow).execute().await.unwrap());
+    for page in pages {
+        assert_eq!(ids(page.items), [1, 5]);
+    }
+    // Numbers and timestamps: by value or by reference.
+    let by_value = orders.open_orders_by_total(500).execute().await.unwrap();
+    let by_ref = orders.open_orders_by_total(&500).execute().await.unwrap();
+    assert_eq!(ids(by_value.items), [1]);
+    assert_eq!(ids(by_ref.items), [1]);
+    let day = at(7);
+    let page = orders
+        .order_by_customer_date(&owned)
+        .placed_at_eq(day)
+        .execute()
+        .await
+        .unwrap();
+    assert_eq!(ids(page.items), [5]);
+    // Unique lookups take the same forms, one per field.
+    let bookings = ctx.db.clone().model::<Booking>();
+    bookings
+        .build(Booking {
+            id: "b1".into(),
+            room: "blue".into(),
+            day: 3,
+        })
+        .await
+        .unwrap();
+    let room = String::from("blue");
+    for found in [
+        bookings.get_booking_by_slot(&room, 3).await.unwrap(),
+        bookings
+            .get_booking_by_slot(room.clone(), &3)
+            .await
+            .unwrap(),
+        bookings.get_booking_by_slot("blue", 3u32).await.unwrap(),
+    ] {
+        assert_eq!(found.map(|b| b.id), Some("b1".to_string()));
+    }
+    assert_eq!(bookings.get_booking_by_slot(room, 4).await.unwrap(), None);
 }
 
 /// serde renames the stored keys; the indexes follow them.

@@ -110,14 +110,14 @@ fn index_queries(
     );
     let methods = vec![quote! {
         #[doc = #doc_eq]
-        fn #method(&self, value: &#first_arg) -> #ret1;
+        fn #method(&self, value: impl ::tito::model::QueryArg<#first_arg>) -> #ret1;
         #[doc = #doc_range]
         fn #range_method<'a, R: ::std::ops::RangeBounds<#first_range>>(&self, range: R) -> #query_ty;
     }];
     let bodies = vec![quote! {
-        fn #method(&self, value: &#first_arg) -> #ret1 {
+        fn #method(&self, value: impl ::tito::model::QueryArg<#first_arg>) -> #ret1 {
             let mut query = self.query_by_index(#name);
-            query.value(value);
+            query.value(value.query_arg());
             #body1
         }
         fn #range_method<'a, R: ::std::ops::RangeBounds<#first_range>>(&self, range: R) -> #query_ty {
@@ -163,8 +163,8 @@ fn index_queries(
 
             impl<E: ::tito::TitoEngine> #stage<E> {
                 #[doc = #doc_eq]
-                pub fn #eq_method(mut self, value: &#next_arg) -> #ret {
-                    self.query.value(value);
+                pub fn #eq_method(mut self, value: impl ::tito::model::QueryArg<#next_arg>) -> #ret {
+                    self.query.value(value.query_arg());
                     #body
                 }
 
@@ -211,14 +211,14 @@ fn unique_lookup(
         .iter()
         .map(|f| {
             let (ident, arg) = (f.ident, index_arg(f.ty));
-            quote!(#ident: &#arg)
+            quote!(#ident: impl ::tito::model::QueryArg<#arg>)
         })
         .collect();
     let binds: Vec<TokenStream> = fields
         .iter()
         .map(|f| {
             let ident = f.ident;
-            quote!(query.value(#ident);)
+            quote!(query.value(#ident.query_arg());)
         })
         .collect();
     let names = fields

@@ -152,7 +152,7 @@ pub use config::{
     TitoModelTrait, TitoOperation, TitoOptions,
 };
 pub use index::MAX_INDEX_ENTRIES_PER_ROW;
-pub use query::{DEFAULT_PAGE_LIMIT, IndexQuery, MAX_PAGE_LIMIT, TableQuery, TitoPage};
+pub use query::{DEFAULT_PAGE_LIMIT, IndexQuery, MAX_PAGE_LIMIT, QueryArg, TableQuery, TitoPage};
 
 pub(crate) use crate::engine::read_only;
 use crate::engine::{self, OnStore, TitoEngine, TitoTransaction};

@@ -21,6 +21,60 @@ pub const DEFAULT_PAGE_LIMIT: usize = 100;
 /// The largest page a query may ask for.
 pub const MAX_PAGE_LIMIT: usize = 1000;
 
+/// What a typed query method (`by_email`, `rank_eq`, `get_by_slug`, ...) accepts for an index
+/// field whose values are `A`.
+///
+/// For text fields anything that reads as a string: `"ada"`, `&name`, `name`, `&format!(..)`,
+/// a `Cow<str>` or an `Arc<str>`. For numbers, `bool` and timestamps the value itself or a
+/// reference to it: `by_rank(5)` and `by_rank(&5)` are the same query.
+///
+/// ```
+/// use tito::model::QueryArg;
+///
+/// fn bound<A: serde::Serialize + ?Sized>(value: impl QueryArg<A>) -> String {
+///     serde_json::to_string(value.query_arg()).unwrap()
+/// }
+/// let owned = String::from("ada");
+/// assert_eq!(bound::<str>("ada"), bound::<str>(&owned));
+/// assert_eq!(bound::<str>(owned.clone()), bound::<str>(&format!("a{}", "da")));
+/// assert_eq!(bound::<i64>(5), bound::<i64>(&5));
+/// ```
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot bind an index field of type `{A}`",
+    label = "not a value of this index field",
+    note = "text fields take anything `AsRef<str>` (`&str`, `String`, `&String`); other fields take the value or a reference to it"
+)]
+pub trait QueryArg<A: ?Sized + Serialize> {
+    /// The value to bind.
+    fn query_arg(&self) -> &A;
+}
+
+impl<T: AsRef<str> + ?Sized> QueryArg<str> for T {
+    fn query_arg(&self) -> &str {
+        self.as_ref()
+    }
+}
+
+macro_rules! by_value_or_reference {
+    ($($t:ty),*) => {$(
+        impl QueryArg<$t> for $t {
+            fn query_arg(&self) -> &$t {
+                self
+            }
+        }
+        impl QueryArg<$t> for &$t {
+            fn query_arg(&self) -> &$t {
+                self
+            }
+        }
+    )*};
+}
+
+by_value_or_reference!(
+    i8, i16, i32, i64, isize, u8, u16, u32, u64, usize, f32, f64, bool
+);
+by_value_or_reference!(chrono::DateTime<chrono::Utc>);
+
 /// One page of results.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct TitoPage<T> {
