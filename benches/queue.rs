@@ -471,7 +471,7 @@ async fn limited_drain(
         queue
             .publish(
                 QueueEvent::new(format!("customer:{}", i % 1000), job(i), due)
-                    .with_priority(if priorities { (i * 7 % 10) as u8 } else { 0 }),
+                    .with_urgency(if priorities { (i * 7 % 10) as u8 } else { 0 }),
             )
             .await
             .unwrap();

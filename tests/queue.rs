@@ -2495,12 +2495,12 @@ pub async fn priorities_run_first_and_lower_ones_age<E: TitoEngine>(ctx: Ctx<E>)
     ];
     for (n, priority, due) in plan {
         queue
-            .publish(QueueEvent::new("k", Job { n }, due).with_priority(priority))
+            .publish(QueueEvent::new("k", Job { n }, due).with_urgency(priority))
             .await
             .unwrap();
     }
     let err = queue
-        .publish(QueueEvent::new("k", Job { n: 99 }, t).with_priority(10))
+        .publish(QueueEvent::new("k", Job { n: 99 }, t).with_urgency(10))
         .await
         .unwrap_err();
     assert!(matches!(err, TitoError::InvalidArgument(_)), "{err:?}");
@@ -2514,7 +2514,7 @@ pub async fn priorities_run_first_and_lower_ones_age<E: TitoEngine>(ctx: Ctx<E>)
             record
                 .lock()
                 .unwrap()
-                .push((event.payload.n, event.priority, at, event.timestamp));
+                .push((event.payload.n, event.urgency, at, event.timestamp));
             async move { Ok(QueueHandlerOutcome::Acknowledge) }
         },
     );

@@ -190,7 +190,7 @@ pub async fn a_high_priority_published_into_a_backlog_runs_at_the_next_pull<E: T
     let worker = start(&queue, fast(0..1).concurrency(1), handler);
     wait_starts(&order, 3, Duration::from_secs(20)).await;
     queue
-        .publish(QueueEvent::new("k", Job { n: 900 }, t).with_priority(9))
+        .publish(QueueEvent::new("k", Job { n: 900 }, t).with_urgency(9))
         .await
         .unwrap();
     let started_before = order.lock().unwrap().len();
@@ -219,7 +219,7 @@ pub async fn priorities_hold_under_queue_and_key_concurrency_limits<E: TitoEngin
     }
     for n in [101, 102] {
         queue
-            .publish(QueueEvent::new("user-1", Job { n }, t).with_priority(9))
+            .publish(QueueEvent::new("user-1", Job { n }, t).with_urgency(9))
             .await
             .unwrap();
     }
@@ -241,7 +241,7 @@ pub async fn priorities_order_due_times_near_the_epoch<E: TitoEngine>(ctx: Ctx<E
     let plan = [(1, 0, 0), (2, 9, 0), (3, 0, 100), (4, 9, 200), (5, 5, 0)];
     for (n, priority, due) in plan {
         queue
-            .publish(QueueEvent::new("k", Job { n }, due).with_priority(priority))
+            .publish(QueueEvent::new("k", Job { n }, due).with_urgency(priority))
             .await
             .unwrap();
     }
@@ -555,7 +555,7 @@ pub async fn an_owner_erasure_that_fails_part_way_leaves_nothing_half_done<E: Ti
 pub async fn a_reschedule_replacement_keeps_its_priority<E: TitoEngine>(ctx: Ctx<E>) {
     let queue = queue(&ctx.db, 1);
     queue
-        .publish(QueueEvent::new("k", Job { n: 1 }, now()).with_priority(7))
+        .publish(QueueEvent::new("k", Job { n: 1 }, now()).with_urgency(7))
         .await
         .unwrap();
     let seen = Arc::new(Mutex::new(Vec::new()));
@@ -563,7 +563,7 @@ pub async fn a_reschedule_replacement_keeps_its_priority<E: TitoEngine>(ctx: Ctx
     let worker = start(&queue, fast(0..1), move |event: QueueEvent<Job>| {
         let first = {
             let mut seen = log.lock().unwrap();
-            seen.push(event.priority);
+            seen.push(event.urgency);
             seen.len() == 1
         };
         async move {
@@ -647,7 +647,7 @@ pub async fn a_high_priority_takes_its_keys_next_slot_behind_a_long_wait<E: Tito
     let worker = start(&queue, fast(0..1).concurrency(4), handler);
     wait_starts(&order, 20, Duration::from_secs(30)).await;
     queue
-        .publish(QueueEvent::new("k0", Job { n: 900 }, t).with_priority(9))
+        .publish(QueueEvent::new("k0", Job { n: 900 }, t).with_urgency(9))
         .await
         .unwrap();
     let started_before = order.lock().unwrap().len();

@@ -390,7 +390,7 @@ fn handler(
                 if engine_ms + 1000 < event.timestamp as u128 * 1000 {
                     let line = format!(
                         "event {n} (priority {}) started on {who} at {engine_ms} ms, due at {} s",
-                        event.priority, event.timestamp
+                        event.urgency, event.timestamp
                     );
                     t.limit_violations.push(line);
                 }
@@ -429,7 +429,7 @@ fn handler(
                             let line = format!(
                                 "event {n} (ordered at {key}, priority {}) started on {who} at \
                                  {now} in partition {partition} before {passed_over:?}",
-                                event.priority
+                                event.urgency
                             );
                             t.priority_violations.push(line);
                         }
@@ -695,11 +695,11 @@ impl Sim {
             event = event.with_owner(QueueOwner::new("account", format!("a{}", n % 5)));
         }
         if self.rng.chance(30) {
-            event = event.with_priority(self.rng.below(10) as u8);
+            event = event.with_urgency(self.rng.below(10) as u8);
         }
         let order = (
             tito::queue::partition_for(&event.key, PARTITIONS),
-            ordered_at(event.timestamp, event.priority),
+            ordered_at(event.timestamp, event.urgency),
             event.timestamp,
         );
         let with_model = self.rng.chance(30);

@@ -294,7 +294,7 @@ pub async fn queue_overview<E: TitoEngine>(
             let later = count_in(tx, boundary.as_bytes(), end.as_bytes(), COUNT_BOUND).await?;
             let first = tx.scan(prefix.as_bytes(), end.as_bytes(), 1).await?;
             // The first row is the next to run; its own due time (its key's is less a
-            // priority's boost).
+            // urgency's boost).
             let oldest = first.first().and_then(|(key, value)| {
                 if let Ok(stored) = StoredEvent::parse(value) {
                     return Some(stored.timestamp.max(0) as u64);
@@ -430,8 +430,8 @@ pub struct EventView {
     pub payload: Value,
     /// Why it was cancelled, for a completed row of a cancelled invocation.
     pub cancelled: Option<String>,
-    /// Its priority (0 to 9).
-    pub priority: u8,
+    /// Its urgency (0 to 9; higher runs first).
+    pub urgency: u8,
 }
 
 /// One row of a queue scan.
@@ -574,14 +574,14 @@ fn queue_row(root: &str, state: QueueState, key: &[u8], value: &[u8]) -> QueueRo
             owner: stored.owner,
             payload: stored.payload,
             cancelled: stored.cancelled,
-            priority: stored.priority,
+            urgency: stored.urgency,
         }),
         Err(err) => {
             problems.push(err.to_string());
             None
         }
     };
-    // A pending key orders the row by its due time less its priority's boost: the row's own
+    // A pending key orders the row by its due time less its urgency's boost: the row's own
     // due time is the one shown.
     if let (Some(_), Some(event)) = (due, &event) {
         due = Some(event.timestamp.max(0) as u64);

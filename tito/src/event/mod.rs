@@ -76,12 +76,15 @@ pub struct QueueEvent<T> {
     /// publishing: an invocation starts at attempt 1.
     #[serde(default = "first_attempt")]
     pub attempt: u32,
-    /// From 0 (the default) to [`MAX_PRIORITY`]: among due invocations of a partition, a
-    /// higher priority runs first; each step of priority counts as [`PRIORITY_STEP`] of
-    /// waiting, so a lower one that waited longer than the difference is not passed over
-    /// (see [`QueueEvent::with_priority`]). Kept by replacements, retries and steps.
-    #[serde(default)]
-    pub priority: u8,
+    /// From 0 (the default) to [`MAX_URGENCY`]: among due invocations of a partition, a
+    /// higher urgency runs first; each step of urgency counts as [`URGENCY_STEP`] of
+    /// waiting, so a less urgent one that waited longer than the difference is not passed over
+    /// (see [`QueueEvent::with_urgency`]). Kept by replacements, retries and steps.
+    ///
+    /// Named so as not to be confused with an inbox's `#[tito(priority)]` role, a sort key of
+    /// the user's rows where the lower value is claimed first.
+    #[serde(default, alias = "priority")]
+    pub urgency: u8,
     /// How many attempts this event gets (1 to [`MAX_ATTEMPTS`](crate::queue::MAX_ATTEMPTS)),
     /// whatever the worker's [`FailurePolicy`](crate::queue::FailurePolicy) says: a failure
     /// policy per kind of job on one queue (see [`QueueEvent::with_max_attempts`]). Kept by
@@ -90,15 +93,25 @@ pub struct QueueEvent<T> {
     pub max_attempts: Option<u32>,
 }
 
-/// The highest priority.
-pub const MAX_PRIORITY: u8 = 9;
+/// The highest urgency.
+pub const MAX_URGENCY: u8 = 9;
+
+/// The former name of [`MAX_URGENCY`].
+#[deprecated(
+    note = "renamed MAX_URGENCY (higher runs first; an inbox's priority runs lower first)"
+)]
+pub const MAX_PRIORITY: u8 = MAX_URGENCY;
 
 /// The most attempts a [`FailurePolicy`](crate::queue::FailurePolicy) or an event's own
 /// [`max_attempts`](QueueEvent::max_attempts) accepts.
 pub const MAX_ATTEMPTS: u32 = 10_000;
 
-/// How much waiting one step of priority is worth.
-pub const PRIORITY_STEP: std::time::Duration = std::time::Duration::from_secs(60);
+/// How much waiting one step of urgency is worth.
+pub const URGENCY_STEP: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// The former name of [`URGENCY_STEP`].
+#[deprecated(note = "renamed URGENCY_STEP")]
+pub const PRIORITY_STEP: std::time::Duration = URGENCY_STEP;
 
 fn first_attempt() -> u32 {
     1
@@ -130,7 +143,7 @@ impl<T> QueueEvent<T> {
             timestamp,
             owner: None,
             attempt: 1,
-            priority: 0,
+            urgency: 0,
             max_attempts: None,
         }
     }
@@ -191,18 +204,33 @@ impl<T> QueueEvent<T> {
         self
     }
 
-    /// The same event with a priority, from 0 (the default) to [`MAX_PRIORITY`] (a higher one
-    /// is refused at publication).
+    /// The same event with an urgency, from 0 (the default) to [`MAX_URGENCY`] (a higher one
+    /// is refused at publication). Higher runs first.
     ///
-    /// The rule: pending rows are ordered by their due time less `priority` ×
-    /// [`PRIORITY_STEP`] (one minute), so among due invocations of a partition a priority-9
-    /// one runs before a priority-0 one that became due up to nine minutes earlier, and after
-    /// one that has waited longer. A lower priority therefore never waits more than
-    /// [`MAX_PRIORITY`] minutes behind higher ones that keep arriving (ageing). An invocation
-    /// never runs before its own due time, whatever its priority.
-    pub fn with_priority(mut self, priority: u8) -> Self {
-        self.priority = priority;
+    /// The rule: pending rows are ordered by their due time less `urgency` ×
+    /// [`URGENCY_STEP`] (one minute), so among due invocations of a partition an urgency-9
+    /// one runs before an urgency-0 one that became due up to nine minutes earlier, and after
+    /// one that has waited longer. A less urgent invocation therefore never waits more than
+    /// [`MAX_URGENCY`] minutes behind more urgent ones that keep arriving (ageing). An
+    /// invocation never runs before its own due time, whatever its urgency.
+    ///
+    /// ```
+    /// use tito::queue::QueueEvent;
+    ///
+    /// let reset = QueueEvent::now("user:7", "reset").with_urgency(9);
+    /// assert_eq!(reset.urgency, 9);
+    /// ```
+    pub fn with_urgency(mut self, urgency: u8) -> Self {
+        self.urgency = urgency;
         self
+    }
+
+    /// The former name of [`Self::with_urgency`].
+    #[deprecated(
+        note = "renamed with_urgency: higher runs first, unlike an inbox's #[tito(priority)] role, where lower is claimed first"
+    )]
+    pub fn with_priority(self, urgency: u8) -> Self {
+        self.with_urgency(urgency)
     }
 
     /// The same event with its own number of attempts: its failures are counted and it goes to
@@ -309,9 +337,9 @@ pub(crate) struct StoredEvent {
     /// Set on completed rows of cancelled invocations: why.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cancelled: Option<String>,
-    /// The priority (0 by default).
-    #[serde(default, skip_serializing_if = "is_zero_u8")]
-    pub priority: u8,
+    /// The urgency (0 by default), stored under its former name.
+    #[serde(default, skip_serializing_if = "is_zero_u8", rename = "priority")]
+    pub urgency: u8,
     /// Set while a rate limit has moved the row past its own due time: that due time (the row
     /// returns to it when the limits change).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -352,10 +380,10 @@ impl StoredEvent {
                 event.id, MAX_ATTEMPTS
             )));
         }
-        if event.priority > MAX_PRIORITY {
+        if event.urgency > MAX_URGENCY {
             return Err(TitoError::invalid_argument(format!(
-                "event {:?} has priority {}; priorities go from 0 to {MAX_PRIORITY}",
-                event.id, event.priority
+                "event {:?} has urgency {}; urgencies go from 0 to {MAX_URGENCY}",
+                event.id, event.urgency
             )));
         }
         Ok(StoredEvent {
@@ -369,20 +397,20 @@ impl StoredEvent {
             last_error: None,
             dead_at: None,
             cancelled: None,
-            priority: event.priority,
+            urgency: event.urgency,
             moved_from: None,
             max_attempts: event.max_attempts,
         })
     }
 
-    /// The due time the row is ordered by: its own, less [`PRIORITY_STEP`] per step of
-    /// priority. Due times in the first [`MAX_PRIORITY`] steps after the Unix epoch (a "due long
+    /// The due time the row is ordered by: its own, less [`URGENCY_STEP`] per step of
+    /// urgency. Due times in the first [`MAX_URGENCY`] steps after the Unix epoch (a "due long
     /// ago" such as 0) are ordered as the end of that span, so the boost never reaches below
-    /// zero and priorities order them like any other (among themselves, such rows keep their
+    /// zero and urgencies order them like any other (among themselves, such rows keep their
     /// publication order).
     pub fn ordered_at(&self) -> u64 {
-        let span = u64::from(MAX_PRIORITY) * PRIORITY_STEP.as_secs();
-        let boost = u64::from(self.priority) * PRIORITY_STEP.as_secs();
+        let span = u64::from(MAX_URGENCY) * URGENCY_STEP.as_secs();
+        let boost = u64::from(self.urgency) * URGENCY_STEP.as_secs();
         (self.timestamp.max(0) as u64).max(span) - boost
     }
 
@@ -413,7 +441,7 @@ impl StoredEvent {
             timestamp: self.timestamp,
             owner: self.owner.clone(),
             attempt: self.failures.saturating_add(1),
-            priority: self.priority,
+            urgency: self.urgency,
             max_attempts: self.max_attempts,
         })
     }
@@ -588,10 +616,35 @@ mod tests {
     }
 
     #[test]
-    fn the_ordering_time_keeps_priorities_near_the_epoch() {
-        let stored = |timestamp: i64, priority: u8| StoredEvent {
+    #[allow(deprecated)]
+    fn the_former_priority_names_still_work() {
+        let event = QueueEvent::now("k", 0u8).with_priority(4);
+        assert_eq!(event.urgency, 4);
+        assert_eq!((MAX_PRIORITY, PRIORITY_STEP), (MAX_URGENCY, URGENCY_STEP));
+        // A row stored before the rename, and one stored after, read the same urgency.
+        let stored = StoredEvent::from_event(&event).unwrap();
+        let json = serde_json::to_value(&stored).unwrap();
+        assert_eq!(json["priority"], 4, "{json}");
+        let back: StoredEvent = serde_json::from_value(json).unwrap();
+        assert_eq!(back.urgency, 4);
+        let delivered: QueueEvent<u8> = serde_json::from_value(serde_json::json!({
+            "id": "e", "key": "k", "payload": 0, "timestamp": 0, "priority": 7
+        }))
+        .unwrap();
+        assert_eq!(delivered.urgency, 7);
+        let over = QueueEvent::now("k", 0u8).with_urgency(MAX_URGENCY + 1);
+        let err = StoredEvent::from_event(&over).unwrap_err().to_string();
+        assert!(
+            err.contains("urgency 10; urgencies go from 0 to 9"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn the_ordering_time_keeps_urgencies_near_the_epoch() {
+        let stored = |timestamp: i64, urgency: u8| StoredEvent {
             timestamp,
-            priority,
+            urgency,
             ..StoredEvent::from_event(&QueueEvent::new("k", 0u8, 0)).unwrap()
         };
         assert_eq!(stored(0, 9).ordered_at(), 0);

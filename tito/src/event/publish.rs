@@ -91,7 +91,7 @@ fn plan_insert(
     writes: &mut engine::Writes,
 ) -> String {
     let partition = partition_for(&stored.key, partitions);
-    // Ordered by the due time less the priority's boost; the row keeps its own due time.
+    // Ordered by the due time less the urgency's boost; the row keeps its own due time.
     let key = keys::pending_key(
         root,
         partition,

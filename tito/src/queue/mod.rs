@@ -101,10 +101,12 @@ use serde_json::Value;
 
 use crate::event::publish::{check_meta, forget_event_id};
 pub use crate::event::{
-    MAX_OWNER_BYTES, MAX_PRIORITY, MAX_QUEUE_EVENT_BYTES, ModelEvent, PRIORITY_STEP, Published,
-    QueueEvent, QueueHandlerOutcome, QueueHandlerResult, QueueOwner, TitoOperation, Topic,
+    MAX_OWNER_BYTES, MAX_QUEUE_EVENT_BYTES, MAX_URGENCY, ModelEvent, Published, QueueEvent,
+    QueueHandlerOutcome, QueueHandlerResult, QueueOwner, TitoOperation, Topic, URGENCY_STEP,
     partition_for,
 };
+#[allow(deprecated)]
+pub use crate::event::{MAX_PRIORITY, PRIORITY_STEP};
 pub use crate::runtime::{Stop, Workers};
 pub(crate) use cancel::with_cancellation;
 pub use cancel::{Cancellation, MAX_CANCEL_REASON, cancel, cancel_owner, cancellation};

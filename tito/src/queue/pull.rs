@@ -2,8 +2,8 @@
 //!
 //! A pass starts by freezing two things: the runnable boundary (the engine's current time in
 //! seconds: rows due at or before it are runnable) and the version horizon (the engine's current
-//! version). Rows are keyed by their due time less their priority's boost
-//! ([`crate::queue::PRIORITY_STEP`] per step); a row whose own due time is still past the
+//! version). Rows are keyed by their due time less their urgency's boost
+//! ([`crate::queue::URGENCY_STEP`] per step); a row whose own due time is still past the
 //! boundary is stepped over, and its due time bounds the wait before the next pass. The pass
 //! then walks rows in key order (due time, then enqueue version) in scans of at most
 //! [`SCAN_ROWS`] rows. A row enqueued at or after the horizon (for example one a handler just
@@ -13,18 +13,18 @@
 //!
 //! The cursor also goes back to the front at a pull when that is cheap: when the rows it would
 //! read again (those it passed over, and those of the partition still in flight or cooling) are
-//! at most [`RESTART_BUDGET`]. So a row that sorts before the cursor (a higher priority
+//! at most [`RESTART_BUDGET`]. So a row that sorts before the cursor (a more urgent row
 //! published meanwhile, by this process or another; a row that waited for a concurrency slot)
 //! is seen at the next pull. Going back keeps the pass (its horizon, and the buckets it
 //! returned rows of): a row created during the pass is skipped, with the rest of its bucket,
 //! only when the pass already served that bucket, so work a handler re-creates for a time
 //! already served still waits for the next pass, while new work at another time (a high
-//! priority's earlier ordering time) does not. The runnable boundary moves on to the pull's
+//! urgency's earlier ordering time) does not. The runnable boundary moves on to the pull's
 //! time. When the front is crowded with rows that cannot run (a backlog waiting for one key's
 //! slot, rows no worker can decode, many not yet due), the cursor goes on past them and goes
 //! back at the latest [`MAX_PASS_AGE`] after it last did; meanwhile every pull also reads one
 //! scan of the front, which finds rows published there since the pass began (a higher
-//! priority) in a bucket the pass has not served.
+//! urgency) in a bucket the pass has not served.
 
 use std::time::Duration;
 
@@ -63,7 +63,7 @@ struct Pass {
     /// Rows enqueued at or after it were created during the pass.
     horizon: u64,
     next: Vec<u8>,
-    /// The earliest own due time of rows the pass stepped over because a priority orders them
+    /// The earliest own due time of rows the pass stepped over because an urgency orders them
     /// before it.
     early: Option<u64>,
     /// Rows read since the cursor last went back to the front and not started (stepped over,
@@ -152,7 +152,7 @@ impl Cursor {
             && (pass.passed_over.saturating_add(behind) <= RESTART_BUDGET
                 || pass.began.elapsed() >= MAX_PASS_AGE)
         {
-            // Back to the front: what sorts before the cursor now (a higher priority published
+            // Back to the front: what sorts before the cursor now (a more urgent row published
             // meanwhile, a row that waited for a slot) is seen at this pull. The pass keeps its
             // horizon and the buckets it visited, so work it created in them still waits.
             pass.next = partition_prefix.clone().into_bytes();
@@ -163,7 +163,7 @@ impl Cursor {
             pass.began = Instant::now();
         } else if let Some(pass) = &mut self.pass {
             // Not back to the front (it is crowded): one scan of the front still finds what
-            // was published there since the pass began (a higher priority), unless the pass
+            // was published there since the pass began (a more urgent row), unless the pass
             // already served its bucket.
             let now_s = engine::version_millis(tx.start_version()) / 1000;
             let runnable = pass.boundary.max(now_s);
@@ -257,7 +257,7 @@ impl Cursor {
                         continue;
                     }
                 };
-                // A priority orders a row before its own due time: it is not runnable yet.
+                // An urgency orders a row before its own due time: it is not runnable yet.
                 let due = stored.timestamp.max(0) as u64;
                 if due > pass.boundary {
                     pass.early = Some(pass.early.map_or(due, |e| e.min(due)));

@@ -330,7 +330,7 @@ fn bounded_error(error: &str) -> String {
 
 /// Checks the event a handler's outcome inserts after the invocation it completes: a
 /// `Reschedule` replacement keeps the id, key, owner and payload (only the timestamp may
-/// change); an `Advance` step keeps the id, key and owner. Both keep the invocation's priority
+/// change); an `Advance` step keeps the id, key and owner. Both keep the invocation's urgency
 /// and its own number of attempts, however the event was built (those fields of the new event
 /// are not read). `None` for
 /// `Acknowledge`.
@@ -352,7 +352,7 @@ pub(super) fn successor<T: Serialize>(
         _ => return Ok(None),
     };
     let mut next = StoredEvent::from_event(next).map_err(|err| err.to_string())?;
-    next.priority = current.priority;
+    next.urgency = current.urgency;
     next.max_attempts = current.max_attempts;
     next.to_bytes().map_err(|err| err.to_string())?;
     if next.id != current.id
