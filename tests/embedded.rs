@@ -395,3 +395,36 @@ async fn an_aborted_worker_releases_its_store() {
         .await;
     }
 }
+
+/// A second open of a store this process already holds says so (not that another process
+/// holds it), whatever the path's spelling; closing or dropping the handle lets it open again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opening_a_store_this_process_holds_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store");
+    let db = Embedded::open(&path).await.unwrap();
+    let spelled = dir.path().join(".").join("store");
+    for again in [&path, &spelled] {
+        let err = Embedded::open(again).await.unwrap_err();
+        let text = err.to_string();
+        assert!(text.contains("already open in this process"), "{text}");
+        assert!(!text.contains("another process"), "{text}");
+    }
+    // The first handle is untouched by the refused opens.
+    let tx = db.begin().await.unwrap();
+    tx.put(b"k".to_vec(), b"v".to_vec()).await.unwrap();
+    tx.commit().await.unwrap();
+    // Closed (a clone still alive): it opens again.
+    let clone = db.clone();
+    db.close().await.unwrap();
+    let reopened = Embedded::open(&path).await.unwrap();
+    assert_eq!(
+        reopened.begin().await.unwrap().get(b"k").await.unwrap(),
+        Some(b"v".to_vec())
+    );
+    drop(clone);
+    // Dropped without close: it opens again too.
+    drop(reopened);
+    let third = Embedded::open(&path).await.unwrap();
+    third.close().await.unwrap();
+}

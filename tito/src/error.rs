@@ -22,7 +22,7 @@ pub type TitoResult<T> = Result<T, TitoError>;
 pub enum TitoError {
     /// Another transaction committed a write to a key this transaction wrote (or locked) after
     /// this one started. Nothing of this transaction was written; running it again may succeed.
-    #[error("transaction conflict: {message}")]
+    #[error("transaction conflict: {message}{}", cause(message, .source))]
     Conflict {
         /// What conflicted, as far as the backend says.
         message: String,
@@ -33,7 +33,7 @@ pub enum TitoError {
 
     /// [`TitoEngine::transaction`](crate::TitoEngine::transaction) replayed a closure as often as
     /// its retry policy allows, and the last commit still conflicted.
-    #[error("transaction still conflicted after {attempts} attempts")]
+    #[error("transaction still conflicted after {attempts} attempts: {source}")]
     RetriesExhausted {
         /// How many times the closure ran.
         attempts: u32,
@@ -45,7 +45,7 @@ pub enum TitoError {
     /// The commit may or may not have taken effect (for example the connection broke after the
     /// commit request was sent). The closure is never run again after this error: reconcile
     /// against the stored state instead.
-    #[error("the outcome of the commit is unknown: {message}")]
+    #[error("the outcome of the commit is unknown: {message}{}", cause(message, .source))]
     CommitOutcomeUnknown {
         /// What happened.
         message: String,
@@ -166,7 +166,7 @@ pub enum TitoError {
     Integrity(String),
 
     /// A value could not be encoded or decoded.
-    #[error("serialization error: {message}")]
+    #[error("serialization error: {message}{}", cause(message, .source))]
     Serialization {
         /// What was being encoded or decoded.
         message: String,
@@ -187,7 +187,7 @@ pub enum TitoError {
     },
 
     /// The storage backend failed for a reason that is not a conflict.
-    #[error("storage error: {message}")]
+    #[error("storage error: {message}{}", cause(message, .source))]
     Storage {
         /// What the backend was doing.
         message: String,
@@ -195,6 +195,22 @@ pub enum TitoError {
         #[source]
         source: Option<BoxError>,
     },
+}
+
+/// `": {source}"` for a Display text that should carry its cause, unless the message already
+/// says it (a message built with the source's text).
+fn cause(message: &str, source: &Option<BoxError>) -> String {
+    match source {
+        Some(source) => {
+            let text = source.to_string();
+            if text.is_empty() || message.contains(&text) {
+                String::new()
+            } else {
+                format!(": {text}")
+            }
+        }
+        None => String::new(),
+    }
 }
 
 fn format_pairs(rows: &[(String, String)]) -> String {
@@ -284,5 +300,44 @@ impl From<serde_json::Error> for TitoError {
             message: err.to_string(),
             source: Some(Box::new(err)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn storage_errors_say_their_cause() {
+        let io = std::io::Error::new(std::io::ErrorKind::PermissionDenied, "permission denied");
+        let err = TitoError::storage("cannot create directory /x", io);
+        assert_eq!(
+            err.to_string(),
+            "storage error: cannot create directory /x: permission denied"
+        );
+        // A message that already names its cause does not repeat it.
+        let err = TitoError::storage("open failed: disk full", "disk full");
+        assert_eq!(err.to_string(), "storage error: open failed: disk full");
+        let err = TitoError::Conflict {
+            message: "key k".into(),
+            source: Some("write conflict".into()),
+        };
+        assert_eq!(
+            err.to_string(),
+            "transaction conflict: key k: write conflict"
+        );
+        let exhausted = TitoError::RetriesExhausted {
+            attempts: 3,
+            source: Box::new(err),
+        };
+        assert_eq!(
+            exhausted.to_string(),
+            "transaction still conflicted after 3 attempts: transaction conflict: key k: write conflict"
+        );
+        let err = TitoError::Storage {
+            message: "no cause".into(),
+            source: None,
+        };
+        assert_eq!(err.to_string(), "storage error: no cause");
     }
 }

@@ -225,6 +225,8 @@ pub struct Embedded {
 // Field order matters: the tree is dropped (and closed) before the temporary directory is removed.
 struct Inner {
     tree: Tree,
+    /// This process's claim on the directory, given back once the tree is closed (or dropped).
+    open: Mutex<Option<OpenInProcess>>,
     oracle: Mutex<Oracle>,
     /// Serializes the read-modify-writes of the store's metadata (oracle mark, GC safe point).
     meta_writes: tokio::sync::Mutex<()>,
@@ -331,6 +333,46 @@ fn data_end(end: &[u8]) -> Vec<u8> {
         vec![DATA + 1]
     } else {
         data_key(end)
+    }
+}
+
+/// The directories of the embedded stores open in this process.
+static OPEN_IN_PROCESS: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+/// This process's claim on a store's directory, from before its open until its handles are
+/// gone, so a second open in the same process is told so (rather than that another process
+/// holds the store's lock).
+struct OpenInProcess(PathBuf);
+
+impl OpenInProcess {
+    fn claim(path: &Path) -> TitoResult<Self> {
+        let dir = std::fs::canonicalize(path).map_err(|err| {
+            TitoError::storage(
+                format!("embedded store: cannot resolve {}", path.display()),
+                err,
+            )
+        })?;
+        let mut open = OPEN_IN_PROCESS.lock().unwrap_or_else(|e| e.into_inner());
+        if open.contains(&dir) {
+            return Err(TitoError::Storage {
+                message: format!(
+                    "embedded store: {} is already open in this process; an embedded store has \
+                     one owner: clone the handle already open (every clone is the same store), \
+                     or close it (Embedded::close) before opening it again",
+                    path.display()
+                ),
+                source: None,
+            });
+        }
+        open.push(dir.clone());
+        Ok(OpenInProcess(dir))
+    }
+}
+
+impl Drop for OpenInProcess {
+    fn drop(&mut self) {
+        let mut open = OPEN_IN_PROCESS.lock().unwrap_or_else(|e| e.into_inner());
+        open.retain(|dir| dir != &self.0);
     }
 }
 
@@ -455,6 +497,7 @@ impl Embedded {
         std::fs::create_dir_all(&path).map_err(|err| {
             TitoError::storage(format!("cannot create directory {}", path.display()), err)
         })?;
+        let open = OpenInProcess::claim(&path)?;
         let builder = TreeBuilder::with_options(
             surrealkv::Options::new()
                 .with_path(path.clone())
@@ -471,6 +514,7 @@ impl Embedded {
         let stored_limit = read_meta(&tree, META_ORACLE)?.unwrap_or(0);
         let inner = Inner {
             tree,
+            open: Mutex::new(Some(open)),
             meta_writes: tokio::sync::Mutex::new(()),
             closed: std::sync::atomic::AtomicBool::new(false),
             extensions: engine::Extensions::new(),
@@ -603,7 +647,13 @@ impl Inner {
                 tracing::warn!(error = %err, "embedded store: writing the clock's mark at close failed");
             }
         }
-        self.tree.close().await.map_err(|e| storage_err("close", e))
+        self.tree
+            .close()
+            .await
+            .map_err(|e| storage_err("close", e))?;
+        // Closed: this process may open the directory again.
+        self.open.lock().unwrap_or_else(|e| e.into_inner()).take();
+        Ok(())
     }
 
     /// Writes a metadata value durably, whatever the handle's durability.
