@@ -214,7 +214,16 @@ impl tracing::Subscriber for Forward {
         });
     }
     fn record_follows_from(&self, _: &Id, _: &Id) {}
-    fn event(&self, _: &tracing::Event<'_>) {}
+    fn event(&self, event: &tracing::Event<'_>) {
+        CAPTURE.with(|c| {
+            if let Some(spans) = c.borrow().as_ref() {
+                let mut fields = BTreeMap::new();
+                event.record(&mut Fields(&mut fields));
+                let name = format!("event:{}", event.metadata().level());
+                spans.spans.lock().unwrap().push((name, fields));
+            }
+        });
+    }
     fn enter(&self, _: &Id) {}
     fn exit(&self, _: &Id) {}
 }
@@ -369,7 +378,9 @@ fn a_scripted_run_reports_its_figures_to_the_recorder_and_the_subscriber() {
         ));
         let due = chrono::Utc::now().timestamp() - 10;
         for id in ["a", "b", "c"] {
-            let event = QueueEvent::new(id, Job { step: 0 }, due).with_id(id);
+            // b's key is a model event's (`{table}:{id}`): log lines show it as written.
+            let key = if id == "b" { "posting:p1-179" } else { id };
+            let event = QueueEvent::new(key, Job { step: 0 }, due).with_id(id);
             queue.publish(event).await.unwrap();
         }
         let (failed_once, rescheduled_once) = (
@@ -557,6 +568,29 @@ fn a_scripted_run_reports_its_figures_to_the_recorder_and_the_subscriber() {
             .iter()
             .any(|f| f["queue"] == "telemetry")
     );
+    // Log lines name the queue, the event id and the key as the user wrote them, never the
+    // escaped storage key.
+    let warnings = spans.named("event:WARN");
+    let failed: Vec<_> = warnings
+        .iter()
+        .filter(|f| {
+            f.get("message")
+                .is_some_and(|m| m.starts_with("handler failed"))
+        })
+        .collect();
+    assert_eq!(failed.len(), 1, "{warnings:?}");
+    assert_eq!(failed[0]["queue"], "telemetry");
+    assert_eq!(failed[0]["event_id"], "b");
+    assert_eq!(failed[0]["key"], "posting:p1-179");
+    assert!(handlers.iter().any(|f| f["key"] == "posting:p1-179"));
+    for (name, fields) in spans.spans.lock().unwrap().iter() {
+        for value in fields.values() {
+            assert!(
+                !value.contains(";<") && !value.contains("telemetry:pending:"),
+                "{name} holds a storage key: {fields:?}"
+            );
+        }
+    }
 }
 
 #[test]

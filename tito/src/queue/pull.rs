@@ -283,7 +283,25 @@ fn malformed(stats: &QueueCounters, root: &str, key: &[u8], why: &str) {
     QueueCounters::bump(&stats.malformed, 1);
     let label = crate::telemetry::queue_label_of_root(root);
     metrics::counter!(crate::telemetry::names::QUEUE_MALFORMED, "queue" => label).increment(1);
-    tracing::warn!(key = %keys::display_key(key), why, "malformed pending queue row left in place");
+    // Name the row as the user wrote it where its key can be read; the stored key otherwise.
+    match std::str::from_utf8(key)
+        .ok()
+        .and_then(|text| keys::parse_pending_key(root, text).ok())
+    {
+        Some(parsed) => tracing::warn!(
+            queue = %crate::telemetry::queue_label_of_root(root),
+            partition = parsed.partition,
+            event_id = %parsed.event_id,
+            why,
+            "malformed pending queue row left in place"
+        ),
+        None => tracing::warn!(
+            queue = %crate::telemetry::queue_label_of_root(root),
+            key = %keys::display_key(key),
+            why,
+            "malformed pending queue row left in place"
+        ),
+    }
 }
 
 /// The due time of the first pending row at or after `from` in the partition.

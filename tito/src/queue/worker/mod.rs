@@ -724,7 +724,8 @@ fn collect<E: TitoEngine, T: Serialize>(
                 // The policy's outcome commits like any other; until it does the row stays
                 // in flight here.
                 Some(after) => {
-                    tracing::warn!(key = %running.pulled.key, attempt, error = %failure.error, ?after, "handler failed");
+                    let pulled = &running.pulled;
+                    tracing::warn!(queue = %queue.label(), partition = pulled.parsed.partition, event_id = %pulled.stored.id, key = %pulled.stored.key, attempt, error = %failure.error, ?after, "handler failed");
                     let error = failure.error.to_string();
                     let kind = match after {
                         AfterFailure::Retry(backoff) => OutcomeKind::Retry { backoff, error },
@@ -735,7 +736,8 @@ fn collect<E: TitoEngine, T: Serialize>(
                 }
                 None => {
                     cooling.failed(&running.pulled.key, config.max_idle_backoff);
-                    tracing::warn!(key = %running.pulled.key, error = %failure.error, "handler failed; invocation left pending");
+                    let pulled = &running.pulled;
+                    tracing::warn!(queue = %queue.label(), partition = pulled.parsed.partition, event_id = %pulled.stored.id, key = %pulled.stored.key, error = %failure.error, "handler failed; invocation left pending");
                     in_flight.remove(&running.pulled.key);
                 }
             }

@@ -436,6 +436,7 @@ impl Pulling {
                     queue = %label,
                     partition,
                     event_id = %item.stored.id,
+                    key = %item.stored.key,
                     due = item.stored.timestamp,
                 );
                 let running = Running {
@@ -509,10 +510,12 @@ async fn admit_each_if_refused<E: TitoEngine>(
             let mut admitted = crate::queue::Admitted::default();
             for item in all {
                 let key = item.key.clone();
+                let (event_id, business_key) = (item.stored.id.clone(), item.stored.key.clone());
+                let partition = item.parsed.partition;
                 match admit(queue, holder, gate, vec![item]).await {
                     Ok(one) => admitted.merge(one),
                     Err(err) => {
-                        tracing::warn!(key = %crate::keys::display_key(key.as_bytes()), error = %err, "the limits' gate refuses this row; the others go on");
+                        tracing::warn!(queue = %queue.label(), partition, event_id = %event_id, key = %business_key, error = %err, "the limits' gate refuses this row; the others go on");
                         cooling.failed(&key, cap);
                     }
                 }
@@ -775,8 +778,11 @@ async fn undecodable_row<E: TitoEngine, T>(
     }
     let type_name = std::any::type_name::<T>();
     queue.count(&queue.counters().malformed, names::QUEUE_MALFORMED, 1);
+    let parsed = crate::keys::parse_pending_key(queue.root(), key).ok();
     tracing::warn!(
-        key,
+        queue = %queue.label(),
+        partition = parsed.as_ref().map(|p| p.partition),
+        event_id = parsed.as_ref().map(|p| p.event_id.as_str()),
         event_type = type_name,
         error = %err,
         "queue row does not decode as this worker's event type: left pending for a worker \
