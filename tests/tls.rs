@@ -92,6 +92,17 @@ async fn tikv_tls_mistakes_are_clear_errors_never_hangs() {
     assert!(err.contains("over TLS"), "{err}");
     assert!(err.contains("not signed by the CA in"), "{err}");
 
+    // A client certificate the server does not accept (signed by another CA): said so, not
+    // "PD cluster failed to respond".
+    let mut stranger = good.clone();
+    let theirs = other.files(other_dir.path());
+    (stranger.cert, stranger.key) = (theirs.cert, theirs.key);
+    let err = refused(cluster.pd_endpoints(), options(stranger)).await;
+    assert!(
+        err.contains("the server refused this client's certificate"),
+        "{err}"
+    );
+
     // An expired server certificate.
     let expired = make_pki(true);
     let old = TestCluster::start_tls(&expired.identity()).await.unwrap();

@@ -337,13 +337,9 @@ async fn connect_tikv(
     let connect = TiKV::connect_with(endpoints.to_vec(), options);
     let db = match tokio::time::timeout(timeout, connect).await {
         Ok(Ok(db)) => db,
-        Ok(Err(err)) => {
-            return Err(Failure(format!(
-                "PD at {} does not answer: {}",
-                endpoints.join(","),
-                chain(&err)
-            )));
-        }
+        // The error says what failed (a refused option, a missing keyspace, a connection and
+        // why): no "does not answer" in front of what is not about answering.
+        Ok(Err(err)) => return Err(Failure(chain(&err))),
         Err(_) => {
             return Err(Failure(format!(
                 "PD at {} did not answer within {timeout:?}",

@@ -587,9 +587,37 @@ async fn the_cli_reads_one_keyspace_and_refuses_half_a_tls_setup() {
     let missing = at(&["--keyspace", "gamma", "table", "ls"]).await.unwrap();
     assert_eq!(missing.status.code(), Some(1));
     assert!(
-        stderr(&missing).contains("no keyspace \"gamma\""),
+        stderr(&missing).contains("has no keyspace \"gamma\""),
         "{}",
         stderr(&missing)
+    );
+    assert!(
+        !stderr(&missing).contains("does not answer"),
+        "{}",
+        stderr(&missing)
+    );
+    // A name PD cannot hold is refused before any connection: even with no PD at that address.
+    let bad = tokio::task::spawn_blocking(|| {
+        tito()
+            .args([
+                "--pd",
+                "127.0.0.1:1",
+                "--keyspace",
+                "no spaces",
+                "table",
+                "ls",
+            ])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert_eq!(bad.status.code(), Some(1));
+    let text = stderr(&bad);
+    assert!(text.contains("is not a keyspace name"), "{text}");
+    assert!(
+        !text.contains("connect") && !text.contains("answer"),
+        "{text}"
     );
     let half = at(&["--tls-ca", "ca.pem", "table", "ls"]).await.unwrap();
     assert_eq!(half.status.code(), Some(1));

@@ -203,7 +203,12 @@ fn cause(message: &str, source: &Option<BoxError>) -> String {
     match source {
         Some(source) => {
             let text = source.to_string();
-            if text.is_empty() || message.contains(&text) {
+            // Some clients lead with the source location they raised it at (`[file:line]: `).
+            let core = text
+                .strip_prefix('[')
+                .and_then(|rest| rest.split_once("]: "))
+                .map_or(text.as_str(), |(_, rest)| rest);
+            if core.is_empty() || message.contains(core) {
                 String::new()
             } else {
                 format!(": {text}")
@@ -333,6 +338,14 @@ mod tests {
         assert_eq!(
             exhausted.to_string(),
             "transaction still conflicted after 3 attempts: transaction conflict: key k: write conflict"
+        );
+        let err = TitoError::storage(
+            "cannot connect: PD cluster failed to respond",
+            "[src/pd/cluster.rs:209]: PD cluster failed to respond",
+        );
+        assert_eq!(
+            err.to_string(),
+            "storage error: cannot connect: PD cluster failed to respond"
         );
         let err = TitoError::Storage {
             message: "no cause".into(),

@@ -371,7 +371,7 @@ impl TiKV {
             Ok(Ok(client)) => client,
             Ok(Err(tikv_client::Error::KeyspaceNotFound(name))) => {
                 return Err(TitoError::invalid_argument(format!(
-                    "{failed}: the cluster has no keyspace {name:?} (create it with \
+                    "the cluster of PD {joined} has no keyspace {name:?} (create it with \
                      `pd-ctl keyspace create {name}` on a cluster running \
                      storage.api-version = 2)"
                 )));
@@ -380,15 +380,15 @@ impl TiKV {
                 // The client's error ("PD cluster failed to respond") hides why: ask the first
                 // endpoint ourselves.
                 let why = probe(&sorted[0], options.tls.as_ref()).await;
-                return Err(TitoError::storage(
-                    format!(
-                        "{failed}: {}{}",
-                        connect_error_text(&err),
-                        why.map(|why| format!("; {}: {why}", sorted[0]))
-                            .unwrap_or_default()
-                    ),
-                    err,
-                ));
+                let client = connect_error_text(&err);
+                let message = match why {
+                    // What the handshake of our own found comes first; the client's words after.
+                    Some(why) => {
+                        format!("{failed}: {}: {why} (the client says: {client})", sorted[0])
+                    }
+                    None => format!("{failed}: {client}"),
+                };
+                return Err(TitoError::storage(message, err));
             }
             Err(_) => {
                 let why = format!(
@@ -495,10 +495,9 @@ async fn probe(endpoint: &str, tls: Option<&TlsFiles>) -> Option<String> {
             .map_or(address.as_str(), |(h, _)| h);
         let name = rustls::ServerName::try_from(host.trim_matches(|c| c == '[' || c == ']'))
             .map_err(|err| format!("{host} is not a server name: {err}"))?;
-        tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
+        let mut stream = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
             .connect(name, stream)
             .await
-            .map(|_| ())
             .map_err(|err| {
                 let text = err.to_string();
                 if text.contains("UnknownIssuer") || text.contains("BadSignature") {
@@ -513,12 +512,37 @@ async fn probe(endpoint: &str, tls: Option<&TlsFiles>) -> Option<String> {
                 } else {
                     format!("the TLS handshake failed: {text}")
                 }
-            })
+            })?;
+        // Under TLS 1.3 the server judges this client's certificate after the client's side of
+        // the handshake is done: its refusal is an alert on the first read.
+        stream
+            .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+            .await
+            .map_err(|err| match err.to_string() {
+                text if text.contains("alert") => client_refused(tls, &text),
+                text => format!("the connection failed after the TLS handshake: {text}"),
+            })?;
+        let mut first = [0u8; 1];
+        match stream.read(&mut first).await {
+            Err(err) if err.to_string().contains("alert") => {
+                Err(client_refused(tls, &err.to_string()))
+            }
+            _ => Ok(()),
+        }
     };
     match tokio::time::timeout(Duration::from_secs(2), work).await {
         Ok(Err(why)) => Some(why),
         Ok(Ok(())) | Err(_) => None,
     }
+}
+
+/// The server's refusal of this client's certificate, in words.
+fn client_refused(tls: &TlsFiles, text: &str) -> String {
+    format!(
+        "the server refused this client's certificate {} (not signed by a CA the server \
+         trusts for clients, expired, or missing): {text}",
+        tls.cert.display()
+    )
 }
 
 /// A connect error with its causes, one after another (tonic's transport error says
