@@ -272,6 +272,12 @@ async fn the_cli_reads_a_seeded_store() {
         String::from_utf8_lossy(&at(&["queue", "dead", "--topic", "flaky"]).stdout).into_owned();
     assert!(text.contains("1 attempts"), "{text}");
     assert!(text.contains("the mail server said no"), "{text}");
+    // The answer names its queue, and its hints carry the flags they need.
+    assert!(text.starts_with("queue flaky: "), "{text}");
+    assert!(
+        text.contains("retry: tito queue retry-dead ID --topic flaky"),
+        "{text}"
+    );
     let refused = at(&["queue", "discard-dead", "--topic", "flaky", "flaky-1"]);
     assert_eq!(refused.status.code(), Some(1));
     assert!(stderr(&refused).contains("--yes"), "{}", stderr(&refused));
@@ -294,15 +300,24 @@ async fn the_cli_reads_a_seeded_store() {
         "--json",
     ]));
     assert_eq!(retried["retried"], true);
-    let again = stdout_json(&at(&[
+    // Following the hint for an invocation that is no longer dead changes nothing: said so,
+    // with a non-zero exit status.
+    let again = at(&["queue", "retry-dead", "--topic", "flaky", "flaky-0"]);
+    assert_eq!(again.status.code(), Some(1));
+    assert!(
+        stderr(&again).contains("queue flaky: flaky-0: not dead (nothing moved"),
+        "{}",
+        stderr(&again)
+    );
+    let gone = at(&[
         "queue",
-        "retry-dead",
+        "discard-dead",
         "--topic",
         "flaky",
-        "flaky-0",
-        "--json",
-    ]));
-    assert_eq!(again["retried"], false);
+        "flaky-1",
+        "--yes",
+    ]);
+    assert_eq!(gone.status.code(), Some(1), "{}", stderr(&gone));
     let stats =
         String::from_utf8_lossy(&at(&["queue", "stats", "--topic", "flaky"]).stdout).into_owned();
     assert!(
@@ -342,9 +357,13 @@ async fn the_cli_reads_a_seeded_store() {
     );
     let resumed = stdout_json(&at(&["queue", "resume", "--topic", "flaky", "--json"]));
     assert_eq!(resumed["resumed"], true);
-    let text =
-        String::from_utf8_lossy(&at(&["queue", "resume", "--topic", "flaky"]).stdout).into_owned();
-    assert!(text.contains("was not paused"), "{text}");
+    let again = at(&["queue", "resume", "--topic", "flaky"]);
+    assert_eq!(again.status.code(), Some(1));
+    assert!(
+        stderr(&again).contains("was not paused"),
+        "{}",
+        stderr(&again)
+    );
 
     // Limits: set, shown by `limits` and `stats`, lifted; bad rates and zero refused.
     let none =
@@ -434,16 +453,42 @@ async fn the_cli_reads_a_seeded_store() {
         .collect();
     assert_eq!(labels, ["default", "flaky", "mail"]);
 
-    let stats = stdout_json(&at(&["queue", "stats", "--json"]));
+    // Several queues and no --topic: the answer lists them instead of reading the default.
+    for command in [
+        &["queue", "stats"][..],
+        &["queue", "schedules"],
+        &["queue", "peek"],
+    ] {
+        let out = at(command);
+        assert_eq!(out.status.code(), Some(1), "{command:?}");
+        assert!(
+            stderr(&out).contains("this store has 3 queues (default, flaky, mail)"),
+            "{command:?}: {}",
+            stderr(&out)
+        );
+    }
+    let stats = stdout_json(&at(&["queue", "stats", "--topic", "default", "--json"]));
     // The seeded backlog plus the malformed row (a pending key like the others).
     assert_eq!(stats["due_now"]["value"], DUE_NOW as u64 + 1);
     assert_eq!(stats["future"]["value"], DUE_LATER as u64);
-    let text = String::from_utf8_lossy(&at(&["queue", "stats"]).stdout).into_owned();
-    assert!(text.contains("13 due now, 5 due later"), "{text}");
+    let text =
+        String::from_utf8_lossy(&at(&["queue", "stats", "--topic", "default"]).stdout).into_owned();
+    assert!(
+        text.contains("queue default: 13 due now, 5 due later"),
+        "{text}"
+    );
+    let schedules = String::from_utf8_lossy(&at(&["queue", "schedules", "--topic", "mail"]).stdout)
+        .into_owned();
+    assert!(
+        schedules.starts_with("queue mail: no periodic schedule"),
+        "{schedules}"
+    );
 
     let peek = stdout_json(&at(&[
         "queue",
         "peek",
+        "--topic",
+        "default",
         "--partition",
         "0",
         "--limit",
@@ -499,14 +544,22 @@ async fn the_cli_reads_a_seeded_store() {
 
     // Cancel by id and by owner; the completed rows say so.
     let one = stdout_json(&at(&[
-        "queue", "cancel", "later-0", "--why", "typo", "--json",
+        "queue", "cancel", "--topic", "default", "later-0", "--why", "typo", "--json",
     ]));
     assert_eq!(one["cancelled"], true);
-    let text = String::from_utf8_lossy(&at(&["queue", "cancel", "later-0"]).stdout).into_owned();
-    assert!(text.contains("not pending"), "{text}");
+    assert_eq!(one["queue"], "default");
+    let again = at(&["queue", "cancel", "--topic", "default", "later-0"]);
+    assert_eq!(again.status.code(), Some(1));
+    assert!(
+        stderr(&again).contains("queue default: later-0: not pending"),
+        "{}",
+        stderr(&again)
+    );
     let owner = stdout_json(&at(&[
         "queue",
         "cancel-owner",
+        "--topic",
+        "default",
         "tenant",
         "acme",
         "--why",
@@ -514,8 +567,23 @@ async fn the_cli_reads_a_seeded_store() {
         "--json",
     ]));
     assert_eq!(owner["cancelled"], 3);
-    let history =
-        String::from_utf8_lossy(&at(&["queue", "peek", "--completed"]).stdout).into_owned();
+    let nobody = at(&[
+        "queue",
+        "cancel-owner",
+        "--topic",
+        "default",
+        "tenant",
+        "acme",
+    ]);
+    assert_eq!(nobody.status.code(), Some(1), "nothing left to cancel");
+    let history = String::from_utf8_lossy(
+        &at(&["queue", "peek", "--topic", "default", "--completed"]).stdout,
+    )
+    .into_owned();
+    assert!(
+        history.starts_with("queue default, completed rows"),
+        "{history}"
+    );
     assert!(history.contains("CANCELLED: typo"), "{history}");
     assert_eq!(
         history.matches("CANCELLED: account closed").count(),
@@ -540,7 +608,11 @@ async fn the_cli_reads_a_tikv_cluster() {
     };
     let tables = stdout_json(&at(&["table", "ls", "--json"]).await.unwrap());
     assert_eq!(tables.as_array().unwrap().len(), 2, "{tables}");
-    let stats = stdout_json(&at(&["queue", "stats", "--json"]).await.unwrap());
+    let stats = stdout_json(
+        &at(&["queue", "stats", "--topic", "default", "--json"])
+            .await
+            .unwrap(),
+    );
     assert_eq!(stats["due_now"]["value"], DUE_NOW as u64 + 1);
     assert_eq!(stats["future"]["value"], DUE_LATER as u64);
     let entry = stdout_json(
@@ -1418,7 +1490,14 @@ async fn a_closed_pipe_ends_the_output_quietly() {
         db.close().await.unwrap();
     }
     let mut child = tito()
-        .args(["--path", dir.path().to_str().unwrap(), "queue", "stats"])
+        .args([
+            "--path",
+            dir.path().to_str().unwrap(),
+            "queue",
+            "stats",
+            "--topic",
+            "default",
+        ])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()

@@ -6,8 +6,79 @@ use tito::inspect::{self, QueueState};
 use crate::cli::QueueCommand;
 use crate::{Failure, Outcome, cursor_line, print};
 
+/// The `--topic` of a command that works on one queue (every one but `ls`).
+fn topic_of(command: &mut QueueCommand) -> Option<&mut Option<String>> {
+    use QueueCommand::*;
+    match command {
+        Ls => None,
+        Stats { topic }
+        | Peek { topic, .. }
+        | SetAside { topic, .. }
+        | Dead { topic, .. }
+        | RetryDead { topic, .. }
+        | DiscardDead { topic, .. }
+        | Cancel { topic, .. }
+        | CancelOwner { topic, .. }
+        | Schedules { topic }
+        | Pause { topic, .. }
+        | Limits { topic, .. }
+        | Resume { topic, .. }
+        | Aside { topic, .. } => Some(topic),
+    }
+}
+
+/// The queue a command works on, as its topic and its label: `--topic` when given (`default`
+/// names the queue without a topic, unless a queue has that topic); without it, the store's
+/// only queue. A store with several queues and no `--topic` is answered with their names,
+/// never silently about the default queue.
+async fn which<E: TitoEngine>(
+    db: &E,
+    topic: Option<String>,
+) -> Result<(Option<String>, String), Failure> {
+    let queues = inspect::queues(db, 1000).await?;
+    match topic {
+        Some(t)
+            if t == "default" && !queues.iter().any(|q| q.topic.as_deref() == Some("default")) =>
+        {
+            Ok((None, "default".into()))
+        }
+        Some(t) => Ok((Some(t.clone()), t)),
+        None => match queues.as_slice() {
+            [] => Ok((None, "default".into())),
+            [only] => Ok((only.topic.clone(), only.label.clone())),
+            several => {
+                let names: Vec<&str> = several.iter().map(|q| q.label.as_str()).collect();
+                Err(Failure(format!(
+                    "this store has {} queues ({}): name one with --topic NAME (--topic default \
+                     for the queue without a topic)",
+                    several.len(),
+                    names.join(", ")
+                )))
+            }
+        },
+    }
+}
+
+/// `--topic NAME` for a hint, or nothing for the default queue.
+fn topic_flag(topic: &Option<String>, label: &str) -> String {
+    match topic {
+        Some(_) => format!(" --topic {label}"),
+        None => String::new(),
+    }
+}
+
 /// Runs one `tito queue` command.
-pub(crate) async fn run<E: TitoEngine>(db: E, command: QueueCommand, json: bool) -> Outcome {
+pub(crate) async fn run<E: TitoEngine>(db: E, mut command: QueueCommand, json: bool) -> Outcome {
+    let mut label = String::new();
+    let mut flag = String::new();
+    if let Some(topic) = topic_of(&mut command) {
+        let (resolved, name) = which(&db, topic.take()).await?;
+        flag = topic_flag(&resolved, &name);
+        *topic = resolved;
+        label = name;
+    }
+    // What an action that changed nothing says: on stderr, with a non-zero exit status.
+    let nothing = |what: String| Err(Failure(format!("queue {label}: {what}")));
     match command {
         QueueCommand::Ls => {
             let queues = inspect::queues(&db, 1000).await?;
@@ -44,20 +115,24 @@ pub(crate) async fn run<E: TitoEngine>(db: E, command: QueueCommand, json: bool)
             };
             let page =
                 inspect::queue_scan(&db, topic.as_deref(), state, cursor.as_deref(), limit).await?;
-            print(json, &page, || peek_text(&page))
+            let what = if completed {
+                "completed rows, newest first".to_string()
+            } else {
+                format!("partition {partition}, pending rows in run order")
+            };
+            print(json, &page, || {
+                format!("queue {label}, {what}:\n{}", peek_text(&page, &flag))
+            })
         }
         QueueCommand::SetAside { topic, key, why } => {
             let moved = tito::queue::set_aside(&db, topic.as_deref(), &key, &why).await?;
+            if !moved {
+                return nothing(format!("{key}: not pending (nothing moved)"));
+            }
             print(
                 json,
-                &serde_json::json!({ "key": key, "set_aside": moved }),
-                || {
-                    if moved {
-                        format!("{key}: set aside")
-                    } else {
-                        format!("{key}: not pending (nothing moved)")
-                    }
-                },
+                &serde_json::json!({ "queue": label, "key": key, "set_aside": moved }),
+                || format!("queue {label}: {key}: set aside"),
             )
         }
         QueueCommand::Dead {
@@ -66,53 +141,51 @@ pub(crate) async fn run<E: TitoEngine>(db: E, command: QueueCommand, json: bool)
             after,
         } => {
             let dead = tito::queue::dead(&db, topic.as_deref(), after.as_deref(), limit).await?;
-            print(json, &dead, || dead_text(&dead, limit))
+            print(json, &dead, || {
+                format!("queue {label}: {}", dead_text(&dead, limit, &flag))
+            })
         }
         QueueCommand::RetryDead { topic, id } => {
             let moved = tito::queue::retry_dead(&db, topic.as_deref(), &id).await?;
+            if !moved {
+                return nothing(format!(
+                    "{id}: not dead (nothing moved; `tito queue dead{flag}` lists the dead)"
+                ));
+            }
             print(
                 json,
-                &serde_json::json!({ "id": id, "retried": moved }),
-                || {
-                    if moved {
-                        format!("{id}: pending again (attempt 1, due now)")
-                    } else {
-                        format!("{id}: not dead (nothing moved)")
-                    }
-                },
+                &serde_json::json!({ "queue": label, "id": id, "retried": moved }),
+                || format!("queue {label}: {id}: pending again (attempt 1, due now)"),
             )
         }
         QueueCommand::DiscardDead { topic, id, yes } => {
             if !yes {
                 return Err(Failure(format!(
-                    "discarding dead invocation {id:?} deletes it for good; run again with --yes"
+                    "queue {label}: discarding dead invocation {id:?} deletes it for good; run \
+                     again with --yes: tito queue discard-dead {id}{flag} --yes"
                 )));
             }
             let deleted = tito::queue::discard_dead(&db, topic.as_deref(), &id).await?;
+            if !deleted {
+                return nothing(format!(
+                    "{id}: not dead (nothing deleted; `tito queue dead{flag}` lists the dead)"
+                ));
+            }
             print(
                 json,
-                &serde_json::json!({ "id": id, "discarded": deleted }),
-                || {
-                    if deleted {
-                        format!("{id}: discarded")
-                    } else {
-                        format!("{id}: not dead (nothing deleted)")
-                    }
-                },
+                &serde_json::json!({ "queue": label, "id": id, "discarded": deleted }),
+                || format!("queue {label}: {id}: discarded"),
             )
         }
         QueueCommand::Cancel { topic, id, why } => {
             let cancelled = tito::queue::cancel(&db, topic.as_deref(), &id, &why).await?;
+            if !cancelled {
+                return nothing(format!("{id}: not pending (nothing cancelled)"));
+            }
             print(
                 json,
-                &serde_json::json!({ "id": id, "cancelled": cancelled }),
-                || {
-                    if cancelled {
-                        format!("{id}: cancelled")
-                    } else {
-                        format!("{id}: not pending (nothing cancelled)")
-                    }
-                },
+                &serde_json::json!({ "queue": label, "id": id, "cancelled": cancelled }),
+                || format!("queue {label}: {id}: cancelled"),
             )
         }
         QueueCommand::CancelOwner {
@@ -123,12 +196,18 @@ pub(crate) async fn run<E: TitoEngine>(db: E, command: QueueCommand, json: bool)
         } => {
             let who = tito::QueueOwner::new(kind, owner);
             let cancelled = tito::queue::cancel_owner(&db, topic.as_deref(), &who, &why).await?;
+            if cancelled == 0 {
+                return nothing(format!(
+                    "no pending invocation of {}/{} (nothing cancelled)",
+                    who.kind, who.id
+                ));
+            }
             print(
                 json,
-                &serde_json::json!({ "owner": who, "cancelled": cancelled }),
+                &serde_json::json!({ "queue": label, "owner": who, "cancelled": cancelled }),
                 || {
                     format!(
-                        "{cancelled} pending invocations of {}/{} cancelled",
+                        "queue {label}: {cancelled} pending invocations of {}/{} cancelled",
                         who.kind, who.id
                     )
                 },
@@ -138,17 +217,17 @@ pub(crate) async fn run<E: TitoEngine>(db: E, command: QueueCommand, json: bool)
             let schedules = tito::queue::schedules(&db, topic.as_deref()).await?;
             print(json, &schedules, || {
                 if schedules.is_empty() {
-                    return "no periodic schedule has run on this queue".into();
+                    return format!("queue {label}: no periodic schedule has run on this queue");
                 }
-                schedules
+                let lines: Vec<String> = schedules
                     .iter()
                     .map(|s| {
                         let at = chrono::DateTime::from_timestamp(s.last_tick, 0)
                             .map_or(s.last_tick.to_string(), |t| t.to_rfc3339());
                         format!("{}  last tick {at}", s.name)
                     })
-                    .collect::<Vec<_>>()
-                    .join("\n")
+                    .collect();
+                format!("queue {label}:\n{}", lines.join("\n"))
             })
         }
         QueueCommand::Pause {
@@ -158,15 +237,18 @@ pub(crate) async fn run<E: TitoEngine>(db: E, command: QueueCommand, json: bool)
         } => {
             let paused = tito::queue::pause(&db, topic.as_deref(), partition, &why).await?;
             let what = scope(partition);
+            if !paused {
+                return nothing(format!(
+                    "{what} was already paused (its first reason is kept; nothing changed)"
+                ));
+            }
             print(
                 json,
-                &serde_json::json!({ "partition": partition, "paused": paused }),
+                &serde_json::json!({ "queue": label, "partition": partition, "paused": paused }),
                 || {
-                    if paused {
-                        format!("{what} paused: workers start nothing there within 0.5 s")
-                    } else {
-                        format!("{what} was already paused (its first reason is kept)")
-                    }
+                    format!(
+                        "queue {label}: {what} paused: workers start nothing there within 0.5 s"
+                    )
                 },
             )
         }
@@ -192,21 +274,20 @@ pub(crate) async fn run<E: TitoEngine>(db: E, command: QueueCommand, json: bool)
                 tito::queue::set_limits(&db, topic.as_deref(), limits).await?;
             }
             let usage = tito::queue::limit_usage(&db, topic.as_deref()).await?;
-            print(json, &usage, || limits_text(&usage))
+            print(json, &usage, || {
+                format!("queue {label}: {}", limits_text(&usage))
+            })
         }
         QueueCommand::Resume { topic, partition } => {
             let resumed = tito::queue::resume(&db, topic.as_deref(), partition).await?;
             let what = scope(partition);
+            if !resumed {
+                return nothing(format!("{what} was not paused (nothing changed)"));
+            }
             print(
                 json,
-                &serde_json::json!({ "partition": partition, "resumed": resumed }),
-                || {
-                    if resumed {
-                        format!("{what} resumed")
-                    } else {
-                        format!("{what} was not paused (nothing changed)")
-                    }
-                },
+                &serde_json::json!({ "queue": label, "partition": partition, "resumed": resumed }),
+                || format!("queue {label}: {what} resumed"),
             )
         }
         QueueCommand::Aside {
@@ -216,7 +297,9 @@ pub(crate) async fn run<E: TitoEngine>(db: E, command: QueueCommand, json: bool)
         } => {
             let page =
                 inspect::queue_aside(&db, topic.as_deref(), cursor.as_deref(), limit).await?;
-            print(json, &page, || aside_text(&page))
+            print(json, &page, || {
+                format!("queue {label}, rows set aside:\n{}", aside_text(&page))
+            })
         }
     }
 }
@@ -348,12 +431,12 @@ fn stats_text(o: &inspect::QueueOverview) -> String {
 }
 
 /// `queue peek` as text: one line per row, undecodable and malformed rows marked.
-fn peek_text(page: &tito::model::TitoPage<inspect::QueueRow>) -> String {
+fn peek_text(page: &tito::model::TitoPage<inspect::QueueRow>, flag: &str) -> String {
     let mut out = String::new();
     for row in &page.items {
         if let Some(note) = &row.undecodable {
             out.push_str(&format!(
-                "{}  UNDECODABLE as {}: {} (tito queue set-aside moves it aside)\n",
+                "{}  UNDECODABLE as {}: {} (tito queue set-aside{flag} KEY moves it aside)\n",
                 row.key, note.type_name, note.error
             ));
         }
@@ -382,11 +465,11 @@ fn peek_text(page: &tito::model::TitoPage<inspect::QueueRow>) -> String {
 }
 
 /// `queue dead` as text: one block per dead invocation, then how to continue.
-fn dead_text(dead: &[tito::queue::DeadInvocation], limit: usize) -> String {
+fn dead_text(dead: &[tito::queue::DeadInvocation], limit: usize, flag: &str) -> String {
     if dead.is_empty() {
         return "no dead invocations".into();
     }
-    let mut out = String::new();
+    let mut out = String::from("\n");
     for d in dead {
         out.push_str(&format!(
             "{}  key {}  {} attempts  died {}
@@ -412,7 +495,9 @@ fn dead_text(dead: &[tito::queue::DeadInvocation], limit: usize) -> String {
             last.id
         ));
     }
-    out.push_str("retry: tito queue retry-dead ID; discard: tito queue discard-dead ID --yes");
+    out.push_str(&format!(
+        "retry: tito queue retry-dead ID{flag}; discard: tito queue discard-dead ID{flag} --yes"
+    ));
     out
 }
 
