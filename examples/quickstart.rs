@@ -10,7 +10,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tito::backend::{embedded::Embedded, tikv::TiKV};
 use tito::{
-    QueueConfig, QueueHandlerOutcome, TitoEngine, TitoError, TitoModel, WorkerConfig, Workers,
+    QueueHandlerOutcome, TitoEngine, TitoError, TitoModel, WorkerConfig, Workers,
 };
 
 #[derive(TitoModel, Default, Clone, Debug, Serialize, Deserialize)]
@@ -61,11 +61,15 @@ async fn run<E: TitoEngine>(db: E) -> Result<(), TitoError> {
 
     // A worker on the event's queue: the derive's `Member::MEMBER_EVENT` names the queue and
     // types the handler (a `QueueEvent<ModelEvent<Member>>`; any other type does not compile).
-    let config = QueueConfig::new(db.partitions(), Duration::from_secs(3600));
-    let queue = Member::MEMBER_EVENT.queue(db.clone(), config)?;
+    // Declared once (partitions, completed-row retention; limits, a failure policy and periodic
+    // jobs would go here too), opened on the store.
+    let queue = Member::MEMBER_EVENT
+        .spec(db.partitions(), Duration::from_secs(3600))
+        .open(db.clone())
+        .await?;
     let (done, mut welcomed) = tokio::sync::mpsc::unbounded_channel();
     let mut workers = Workers::new();
-    workers.spawn_worker(queue, WorkerConfig::new(0..db.partitions()), move |event| {
+    workers.spawn_worker(&queue, WorkerConfig::new(0..db.partitions()), move |event| {
         let done = done.clone();
         async move {
             println!("welcome mail to {}", event.payload.row.email);
