@@ -9,9 +9,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use tito::backend::{embedded::Embedded, tikv::TiKV};
-use tito::{
-    QueueHandlerOutcome, TitoEngine, TitoError, TitoModel, WorkerConfig, Workers,
-};
+use tito::{QueueHandlerOutcome, TitoEngine, TitoError, TitoModel, WorkerConfig, Workers};
 
 #[derive(TitoModel, Default, Clone, Debug, Serialize, Deserialize)]
 #[tito(unique_index = "by_email: email")]
@@ -69,14 +67,18 @@ async fn run<E: TitoEngine>(db: E) -> Result<(), TitoError> {
         .await?;
     let (done, mut welcomed) = tokio::sync::mpsc::unbounded_channel();
     let mut workers = Workers::new();
-    workers.spawn_worker(&queue, WorkerConfig::new(0..db.partitions()), move |event| {
-        let done = done.clone();
-        async move {
-            println!("welcome mail to {}", event.payload.row.email);
-            done.send(()).ok();
-            Ok(QueueHandlerOutcome::Acknowledge)
-        }
-    });
+    workers.spawn_worker(
+        &queue,
+        WorkerConfig::new(0..db.partitions()),
+        move |event| {
+            let done = done.clone();
+            async move {
+                println!("welcome mail to {}", event.payload.row.email);
+                done.send(()).ok();
+                Ok(QueueHandlerOutcome::Acknowledge)
+            }
+        },
+    );
     for _ in 0..2 {
         welcomed.recv().await;
     }

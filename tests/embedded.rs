@@ -331,7 +331,10 @@ async fn a_store_dropped_without_close_is_closed() {
     let started = std::time::Instant::now();
     let db = Embedded::open(dir.path()).await.unwrap();
     // The README's figure for an open that replays the log: printed, never asserted.
-    println!("opening a store left open by a process: {:?}", started.elapsed());
+    println!(
+        "opening a store left open by a process: {:?}",
+        started.elapsed()
+    );
     assert!(db.current_version().await.unwrap() > last);
     let tx = db.begin().await.unwrap();
     assert_eq!(tx.get(b"row").await.unwrap(), Some(b"kept".to_vec()));

@@ -227,6 +227,12 @@ fn stderr(output: &Output) -> String {
     String::from_utf8_lossy(&output.stderr).into_owned()
 }
 
+/// Asserts that a command failed with status 1 and said `says` on stderr.
+fn refused_with(output: &Output, says: &str) {
+    assert_eq!(output.status.code(), Some(1), "{}", stderr(output));
+    assert!(stderr(output).contains(says), "{}", stderr(output));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cli_reads_a_seeded_store() {
     let dir = tempfile::tempdir().unwrap();
@@ -303,12 +309,7 @@ async fn the_cli_reads_a_seeded_store() {
     // Following the hint for an invocation that is no longer dead changes nothing: said so,
     // with a non-zero exit status.
     let again = at(&["queue", "retry-dead", "--topic", "flaky", "flaky-0"]);
-    assert_eq!(again.status.code(), Some(1));
-    assert!(
-        stderr(&again).contains("queue flaky: flaky-0: not dead (nothing moved"),
-        "{}",
-        stderr(&again)
-    );
+    refused_with(&again, "queue flaky: flaky-0: not dead (nothing moved");
     let gone = at(&[
         "queue",
         "discard-dead",
@@ -342,28 +343,13 @@ async fn the_cli_reads_a_seeded_store() {
     let json = stdout_json(&at(&["queue", "stats", "--topic", "flaky", "--json"]));
     assert_eq!(json["paused"]["queue"]["why"], "mail server down");
     let typo = at(&["queue", "pause", "--topic", "flakey"]);
-    assert_eq!(typo.status.code(), Some(1));
-    assert!(
-        stderr(&typo).contains("nothing was ever published"),
-        "{}",
-        stderr(&typo)
-    );
+    refused_with(&typo, "nothing was ever published");
     let beyond = at(&["queue", "pause", "--topic", "flaky", "--partition", "999"]);
-    assert_eq!(beyond.status.code(), Some(1));
-    assert!(
-        stderr(&beyond).contains("partitions 0 to"),
-        "{}",
-        stderr(&beyond)
-    );
+    refused_with(&beyond, "partitions 0 to");
     let resumed = stdout_json(&at(&["queue", "resume", "--topic", "flaky", "--json"]));
     assert_eq!(resumed["resumed"], true);
     let again = at(&["queue", "resume", "--topic", "flaky"]);
-    assert_eq!(again.status.code(), Some(1));
-    assert!(
-        stderr(&again).contains("was not paused"),
-        "{}",
-        stderr(&again)
-    );
+    refused_with(&again, "was not paused");
 
     // Limits: set, shown by `limits` and `stats`, lifted; bad rates and zero refused.
     let none =
@@ -410,12 +396,7 @@ async fn the_cli_reads_a_seeded_store() {
     let row = stdout_json(&at(&["table", "get", "user", "u03", "--json"]));
     assert_eq!(row["value"]["team"], "red");
     let missing = at(&["table", "get", "user", "nobody"]);
-    assert_eq!(missing.status.code(), Some(1));
-    assert!(
-        stderr(&missing).contains("no row \"nobody\""),
-        "{}",
-        stderr(&missing)
-    );
+    refused_with(&missing, "no row \"nobody\"");
 
     // Paging: 30 rows by 8, following the printed cursors.
     let mut cursor: Option<String> = None;
@@ -549,33 +530,20 @@ async fn the_cli_reads_a_seeded_store() {
     assert_eq!(one["cancelled"], true);
     assert_eq!(one["queue"], "default");
     let again = at(&["queue", "cancel", "--topic", "default", "later-0"]);
-    assert_eq!(again.status.code(), Some(1));
-    assert!(
-        stderr(&again).contains("queue default: later-0: not pending"),
-        "{}",
-        stderr(&again)
-    );
-    let owner = stdout_json(&at(&[
+    refused_with(&again, "queue default: later-0: not pending");
+    let cancel_owner = [
         "queue",
         "cancel-owner",
         "--topic",
         "default",
         "tenant",
         "acme",
-        "--why",
-        "account closed",
-        "--json",
-    ]));
+    ];
+    let why = ["--why", "account closed", "--json"];
+    let owner = stdout_json(&at(&[&cancel_owner[..], &why[..]].concat()));
     assert_eq!(owner["cancelled"], 3);
-    let nobody = at(&[
-        "queue",
-        "cancel-owner",
-        "--topic",
-        "default",
-        "tenant",
-        "acme",
-    ]);
-    assert_eq!(nobody.status.code(), Some(1), "nothing left to cancel");
+    // Nothing left to cancel.
+    refused_with(&at(&cancel_owner), "no pending invocation of tenant/acme");
     let history = String::from_utf8_lossy(
         &at(&["queue", "peek", "--topic", "default", "--completed"]).stdout,
     )
