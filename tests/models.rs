@@ -1151,7 +1151,7 @@ pub async fn key_only_entries_hold_keys_and_queries_read_the_rows<E: TitoEngine>
     assert_eq!(counted.faults().calls(tito::engine::FaultPoint::Put), 2);
     let page = docs
         .doc_by_owner_rank("a")
-        .rank_eq(&2)
+        .rank_eq(2)
         .execute()
         .await
         .unwrap();
@@ -1240,7 +1240,7 @@ pub async fn key_only_entries_hold_keys_and_queries_read_the_rows<E: TitoEngine>
     let tx = ctx.db.begin().await.unwrap();
     tx.delete(d1.clone().into_bytes()).await.unwrap();
     tx.commit().await.unwrap();
-    match docs.doc_by_owner_rank("a").rank_eq(&1).execute().await {
+    match docs.doc_by_owner_rank("a").rank_eq(1).execute().await {
         Err(TitoError::Integrity(message)) => {
             assert!(message.contains(&d1), "{message}");
             assert!(message.contains("does not exist"), "{message}");
