@@ -22,7 +22,7 @@ td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; }
 .card { background: #fff; padding: 10px 14px; min-width: 130px; box-shadow: 0 1px 2px rgba(0,0,0,.06); border-radius: 4px; }
 .card .value { font-size: 22px; font-weight: 650; font-variant-numeric: tabular-nums; }
 .card .label { color: #5b6476; font-size: 12px; }
-.late { color: #b3261e; font-weight: 600; } .ok { color: #1f7a3a; } .muted { color: #7a8294; }
+.late, .warn { color: #b3261e; font-weight: 600; } .ok { color: #1f7a3a; } .muted { color: #7a8294; }
 .error { color: #b3261e; } .bad { background: #fff3f2; }
 code, pre { font: 12px/1.4 ui-monospace, SFMono-Regular, Menlo, monospace; }
 pre { margin: 0; white-space: pre-wrap; word-break: break-all; }
@@ -188,9 +188,9 @@ pub(crate) fn overview(data: &Overview, started: Instant) -> String {
     b.push_str(&card("tables", &data.tables.len().to_string(), "tables"));
     b.push_str("</div>");
 
-    b.push_str("<h2>Queues</h2><table id=\"queues\"><tr><th>queue</th><th class=\"num\">partitions</th><th class=\"num\">due now</th><th class=\"num\">later</th><th>oldest due</th><th>late by</th><th class=\"num\">completed (kept)</th><th class=\"num\">last minute</th></tr>");
+    b.push_str("<h2>Queues</h2><table id=\"queues\"><tr><th>queue</th><th class=\"num\">partitions</th><th class=\"num\">due now</th><th class=\"num\">later</th><th>oldest due</th><th>late by</th><th class=\"num\">completed (kept)</th><th class=\"num\">last minute</th><th class=\"num\">dead</th><th>state</th><th>limits</th></tr>");
     if data.queues.is_empty() {
-        b.push_str("<tr><td colspan=\"8\" class=\"muted\">no queue in this store</td></tr>");
+        b.push_str("<tr><td colspan=\"11\" class=\"muted\">no queue in this store</td></tr>");
     }
     for queue in &data.queues {
         let now_s = queue.now_ms / 1000;
@@ -199,7 +199,9 @@ pub(crate) fn overview(data: &Overview, started: Instant) -> String {
             b,
             "<tr data-queue=\"{label}\"><td><a href=\"queue?{topic}\">{label}</a></td><td class=\"num\">{parts}</td>\
              <td class=\"num\" data-figure=\"due-now\">{due}</td><td class=\"num\">{later}</td><td>{oldest}</td><td>{late}</td>\
-             <td class=\"num\">{completed}</td><td class=\"num\">{minute}</td></tr>",
+             <td class=\"num\">{completed}</td><td class=\"num\">{minute}</td>\
+             <td class=\"num{dead_class}\" data-figure=\"dead\">{dead}</td><td data-figure=\"state\">{state}</td>\
+             <td data-figure=\"limits\">{limits}</td></tr>",
             label = esc(&queue.info.label),
             topic = topic_query(queue.info.topic.as_deref()),
             parts = queue.info.partitions.map_or("?".into(), |p| p.to_string()),
@@ -209,6 +211,10 @@ pub(crate) fn overview(data: &Overview, started: Instant) -> String {
             late = late_cell(late, queue.due_now.value > 0),
             completed = count(&queue.completed),
             minute = queue.completed_per_minute.first().map_or("0".into(), count),
+            dead = count(&queue.dead),
+            dead_class = if queue.dead.value > 0 { " warn" } else { "" },
+            state = queue_state(&queue.paused),
+            limits = esc(&limits_summary(&queue.limits)),
         );
     }
     b.push_str("</table>");
@@ -337,6 +343,23 @@ fn row_table(rows: &[QueueRow], completed: bool) -> String {
     }
     b.push_str("</table>");
     b
+}
+
+/// Whether a queue runs, on one line: "running", "PAUSED: why", or the partitions paused.
+fn queue_state(paused: &tito::queue::Paused) -> String {
+    if let Some(pause) = &paused.queue {
+        return format!("<span class=\"warn\">PAUSED</span>: {}", esc(&pause.why));
+    }
+    if paused.partitions.is_empty() {
+        return "running".into();
+    }
+    let which: Vec<String> = paused.partitions.keys().map(|p| p.to_string()).collect();
+    format!(
+        "<span class=\"warn\">{} partition{} paused</span> ({})",
+        which.len(),
+        if which.len() == 1 { "" } else { "s" },
+        which.join(", ")
+    )
 }
 
 /// A queue's limits and how close it is to each, on one line ("—" without limits).

@@ -819,6 +819,17 @@ async fn the_dashboard_shows_the_seeded_figures_in_a_browser() {
     let dir = tempfile::tempdir().unwrap();
     let db = Embedded::open(dir.path()).await.unwrap();
     seed(&db).await;
+    // The overview says which queue has dead rows, what is paused and the limits in use.
+    tito::queue::pause(&db, Some("mail"), Some(1), "smtp down")
+        .await
+        .unwrap();
+    tito::queue::set_limits(
+        &db,
+        Some("flaky"),
+        tito::queue::Limits::none().concurrency(3),
+    )
+    .await
+    .unwrap();
 
     // Mounted under a prefix, as an application would.
     let app = axum::Router::new().merge(
@@ -883,6 +894,23 @@ async fn the_dashboard_shows_the_seeded_figures_in_a_browser() {
         ),
         "3"
     );
+    let flaky = |figure: &str| {
+        figure_after(
+            &overview,
+            "data-queue=\"flaky\"",
+            &format!("data-figure=\"{figure}\""),
+        )
+    };
+    assert_eq!(flaky("dead"), "2");
+    assert_eq!(flaky("state"), "running");
+    assert_eq!(flaky("limits"), "0 of 3 running");
+    let mail = overview
+        .split("data-queue=\"mail\"")
+        .nth(1)
+        .and_then(|row| row.split("</tr>").next())
+        .unwrap();
+    assert!(mail.contains("1 partition paused"), "{mail}");
+    assert!(mail.contains("(1)"), "{mail}");
     // The links resolve under the mount point.
     assert!(overview.contains("<base href=\"/tito/\">"), "{overview}");
     assert!(
