@@ -531,6 +531,7 @@ pub(crate) fn queue(data: &QueueData, started: Instant) -> String {
             q(&last.id)
         );
     }
+    b.push_str(&operate(o, topic));
     let _ = write!(
         b,
         "<h2>Erase an owner's work</h2><form method=\"post\" action=\"erase-owner\">\
@@ -540,6 +541,99 @@ pub(crate) fn queue(data: &QueueData, started: Instant) -> String {
         esc(topic.unwrap_or(""))
     );
     page(&format!("Queue {}", o.info.label), &b, Some(started))
+}
+
+/// The queue page's operator forms, each posted to `queue-action` (which asks for
+/// confirmation before it does anything).
+fn operate(o: &tito::inspect::QueueOverview, topic: Option<&str>) -> String {
+    let form = |action: &str, id: &str, inputs: &str, button: &str, danger: bool| {
+        format!(
+            "<form method=\"post\" action=\"queue-action\" id=\"{id}\">\
+             <input type=\"hidden\" name=\"action\" value=\"{action}\">\
+             <input type=\"hidden\" name=\"topic\" value=\"{topic}\">{inputs} \
+             <button type=\"submit\"{class}>{button}…</button></form>",
+            topic = esc(topic.unwrap_or("")),
+            class = if danger { " class=\"danger\"" } else { "" },
+        )
+    };
+    let partition = "<input name=\"partition\" placeholder=\"partition (blank: all)\" size=\"16\">";
+    let why = "<input name=\"why\" placeholder=\"why\">";
+    let l = &o.limits.limits;
+    let value = |v: Option<String>| v.map_or(String::new(), |v| esc(&v));
+    let rate = |r: &Option<tito::queue::Rate>| {
+        value(
+            r.as_ref()
+                .map(|r| format!("{}/{}s", r.starts, r.per.as_secs())),
+        )
+    };
+    let limits = format!(
+        "<input name=\"concurrency\" placeholder=\"concurrency\" size=\"11\" value=\"{}\"> \
+         <input name=\"key_concurrency\" placeholder=\"per key\" size=\"8\" value=\"{}\"> \
+         <input name=\"rate\" placeholder=\"rate 100/1m\" size=\"11\" value=\"{}\"> \
+         <input name=\"key_rate\" placeholder=\"per-key rate\" size=\"11\" value=\"{}\">",
+        value(l.concurrency.map(|n| n.to_string())),
+        value(l.key_concurrency.map(|n| n.to_string())),
+        rate(&l.rate),
+        rate(&l.key_rate),
+    );
+    let mut b = String::from("<h2>Operate</h2><div class=\"operate\">");
+    b.push_str(&form(
+        "pause",
+        "pause",
+        &format!("{partition} {why}"),
+        "Pause",
+        true,
+    ));
+    b.push_str(&form("resume", "resume", partition, "Resume", false));
+    b.push_str(&form(
+        "cancel",
+        "cancel",
+        &format!("<input name=\"id\" placeholder=\"event id\" required> {why}"),
+        "Cancel invocation",
+        true,
+    ));
+    b.push_str(&form(
+        "cancel-owner",
+        "cancel-owner",
+        &format!(
+            "<input name=\"kind\" placeholder=\"owner kind\" required> \
+             <input name=\"owner\" placeholder=\"owner id\" required> {why}"
+        ),
+        "Cancel owner's work",
+        true,
+    ));
+    b.push_str(&form(
+        "limits",
+        "limits",
+        &limits,
+        "Set limits (blank lifts)",
+        false,
+    ));
+    b.push_str(&form(
+        "set-aside",
+        "set-aside",
+        &format!("<input name=\"key\" placeholder=\"pending row key\" required> {why}"),
+        "Set row aside",
+        true,
+    ));
+    if o.dead.value > 0 {
+        b.push_str(&form(
+            "retry-all-dead",
+            "retry-all-dead",
+            "",
+            "Retry all dead",
+            false,
+        ));
+        b.push_str(&form(
+            "discard-all-dead",
+            "discard-all-dead",
+            "",
+            "Discard all dead",
+            true,
+        ));
+    }
+    b.push_str("</div>");
+    b
 }
 
 pub(crate) fn inbox(data: &InboxData, started: Instant) -> String {

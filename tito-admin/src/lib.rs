@@ -228,6 +228,7 @@ impl<E: TitoEngine> Admin<E> {
             .route("/requeue", post(requeue::<E>))
             .route("/dead-retry", post(dead_retry::<E>))
             .route("/dead-discard", post(dead_discard::<E>))
+            .route("/queue-action", post(queue_action::<E>))
             .route("/audit", post(audit::<E>))
             .layer(middleware::from_fn_with_state(state.clone(), guard::<E>))
             .with_state(state)
@@ -984,6 +985,271 @@ async fn dead_action<E: TitoEngine>(
         done_title,
         &format!("{target}: {result}."),
     )))
+}
+
+/// One of the queue page's operator forms: `action` names it, the other fields are its
+/// arguments (empty ones are absent).
+#[derive(Deserialize, Default)]
+struct QueueActionForm {
+    action: String,
+    topic: Option<String>,
+    partition: Option<String>,
+    id: Option<String>,
+    kind: Option<String>,
+    owner: Option<String>,
+    key: Option<String>,
+    why: Option<String>,
+    concurrency: Option<String>,
+    key_concurrency: Option<String>,
+    rate: Option<String>,
+    key_rate: Option<String>,
+    confirm: Option<String>,
+}
+
+/// A form field's value, `None` when absent or blank.
+fn field(value: &Option<String>) -> Option<&str> {
+    value.as_deref().map(str::trim).filter(|v| !v.is_empty())
+}
+
+/// A form field that must be there.
+fn required<'a>(value: &'a Option<String>, what: &str) -> Result<&'a str, TitoError> {
+    field(value).ok_or_else(|| TitoError::invalid_argument(format!("{what} is needed")))
+}
+
+/// A form field that, when given, is a whole number.
+fn number<T: std::str::FromStr>(
+    value: &Option<String>,
+    what: &str,
+) -> Result<Option<T>, TitoError> {
+    field(value)
+        .map(|v| {
+            v.parse().map_err(|_| {
+                TitoError::invalid_argument(format!("{what} must be a whole number, not {v:?}"))
+            })
+        })
+        .transpose()
+}
+
+/// How many dead invocations one page of "retry all" or "discard all" handles at once.
+const DEAD_BATCH: usize = 100;
+
+/// The queue page's operator actions: pause and resume (the queue or one partition), cancel
+/// one invocation or an owner's, set and lift limits, set a row aside, retry or discard every
+/// dead invocation. Each asks for confirmation first, then runs and is logged as the other
+/// actions are.
+async fn queue_action<E: TitoEngine>(
+    State(state): State<Arc<Inner<E>>>,
+    Extension(Peer(peer)): Extension<Peer>,
+    Form(form): Form<QueueActionForm>,
+) -> Page {
+    let db = &state.db;
+    let topic = field(&form.topic);
+    let label = topic.unwrap_or("default");
+    let partition: Option<u32> = number(&form.partition, "the partition")?;
+    let why = field(&form.why).unwrap_or("from the dashboard");
+    let scope = partition.map_or(format!("queue {label:?}"), |p| {
+        format!("queue {label:?}, partition {p}")
+    });
+    // What the action is, as the log and the confirmation say it; then the action itself.
+    let (title, target, question) = match form.action.as_str() {
+        "pause" => (
+            "Pause",
+            scope.clone(),
+            format!("Pause {scope} (\"{why}\")? Workers start nothing there within 0.5 s."),
+        ),
+        "resume" => ("Resume", scope.clone(), format!("Resume {scope}?")),
+        "cancel" => {
+            let id = required(&form.id, "an event id")?;
+            let target = format!("queue {label:?}, invocation {id:?}");
+            (
+                "Cancel an invocation",
+                target.clone(),
+                format!("Cancel {target} (\"{why}\")?"),
+            )
+        }
+        "cancel-owner" => {
+            let owner = tito::QueueOwner::new(
+                required(&form.kind, "an owner kind")?,
+                required(&form.owner, "an owner id")?,
+            );
+            owner_check(&owner)?;
+            let target = format!("queue {label:?}, owner {}/{}", owner.kind, owner.id);
+            (
+                "Cancel an owner's work",
+                target.clone(),
+                format!("Cancel every pending invocation of {target} (\"{why}\")?"),
+            )
+        }
+        "limits" => {
+            let limits = form_limits(&form)?;
+            let target = format!("queue {label:?}, limits");
+            let what = if limits.is_none() {
+                "Lift every limit of".to_string()
+            } else {
+                format!("Set {} on", describe_limits(&limits))
+            };
+            ("Set limits", target, format!("{what} queue {label:?}?"))
+        }
+        "set-aside" => {
+            let key = required(&form.key, "the key of a pending row")?;
+            let target = format!("queue {label:?}, row {key:?}");
+            (
+                "Set a row aside",
+                target.clone(),
+                format!("Move {target} out of its partition (\"{why}\")?"),
+            )
+        }
+        "retry-all-dead" => (
+            "Retry every dead invocation",
+            format!("queue {label:?}, every dead invocation"),
+            format!(
+                "Move every dead invocation of queue {label:?} back to pending (attempt 1, due now)?"
+            ),
+        ),
+        "discard-all-dead" => (
+            "Discard every dead invocation",
+            format!("queue {label:?}, every dead invocation"),
+            format!("Delete every dead invocation of queue {label:?} for good?"),
+        ),
+        other => {
+            return Err(TitoError::invalid_argument(format!("no queue action {other:?}")).into());
+        }
+    };
+    if !confirmed(&form.confirm) {
+        let fields: Vec<(&str, String)> = [
+            ("action", Some(form.action.as_str())),
+            ("topic", topic),
+            ("partition", field(&form.partition)),
+            ("id", field(&form.id)),
+            ("kind", field(&form.kind)),
+            ("owner", field(&form.owner)),
+            ("key", field(&form.key)),
+            ("why", field(&form.why)),
+            ("concurrency", field(&form.concurrency)),
+            ("key_concurrency", field(&form.key_concurrency)),
+            ("rate", field(&form.rate)),
+            ("key_rate", field(&form.key_rate)),
+        ]
+        .into_iter()
+        .filter_map(|(name, value)| value.map(|v| (name, v.to_string())))
+        .collect();
+        return Ok(Html(html::confirm(
+            title,
+            &question,
+            "queue-action",
+            &fields,
+        )));
+    }
+    let result = match form.action.as_str() {
+        "pause" => match tito::queue::pause(db, topic, partition, why).await? {
+            true => "paused".to_string(),
+            false => "already paused (its first reason kept)".to_string(),
+        },
+        "resume" => match tito::queue::resume(db, topic, partition).await? {
+            true => "resumed".to_string(),
+            false => "was not paused".to_string(),
+        },
+        "cancel" => {
+            match tito::queue::cancel(db, topic, required(&form.id, "an event id")?, why).await? {
+                true => "cancelled".to_string(),
+                false => "not pending (nothing cancelled)".to_string(),
+            }
+        }
+        "cancel-owner" => {
+            let owner = tito::QueueOwner::new(
+                required(&form.kind, "an owner kind")?,
+                required(&form.owner, "an owner id")?,
+            );
+            let n = tito::queue::cancel_owner(db, topic, &owner, why).await?;
+            format!("{n} pending invocations cancelled")
+        }
+        "limits" => {
+            let limits = form_limits(&form)?;
+            tito::queue::set_limits(db, topic, limits.clone()).await?;
+            if limits.is_none() {
+                "every limit lifted".to_string()
+            } else {
+                format!("set to {}", describe_limits(&limits))
+            }
+        }
+        "set-aside" => match tito::queue::set_aside(
+            db,
+            topic,
+            required(&form.key, "the key of a pending row")?,
+            why,
+        )
+        .await?
+        {
+            true => "set aside".to_string(),
+            false => "not pending (nothing moved)".to_string(),
+        },
+        action => {
+            // Every dead invocation, in bounded pages: what moves or goes leaves the dead list,
+            // so each page starts from the front again.
+            let retry = action == "retry-all-dead";
+            let mut handled = 0;
+            loop {
+                let page = tito::queue::dead(db, topic, None, DEAD_BATCH).await?;
+                let mut moved = 0;
+                for dead in &page {
+                    let done = if retry {
+                        tito::queue::retry_dead(db, topic, &dead.id).await?
+                    } else {
+                        tito::queue::discard_dead(db, topic, &dead.id).await?
+                    };
+                    moved += usize::from(done);
+                }
+                handled += moved;
+                if page.len() < DEAD_BATCH || moved == 0 {
+                    break;
+                }
+            }
+            format!(
+                "{handled} {}",
+                if retry { "pending again" } else { "discarded" }
+            )
+        }
+    };
+    state.record(
+        peer,
+        &format!("queue-{}", form.action),
+        target.clone(),
+        result.clone(),
+    );
+    Ok(Html(html::done(title, &format!("{target}: {result}."))))
+}
+
+/// Limits in words: "concurrency 3, 1 per key, 100 starts per 60 s".
+fn describe_limits(limits: &tito::queue::Limits) -> String {
+    let rate = |r: &tito::queue::Rate| format!("{} starts per {} s", r.starts, r.per.as_secs());
+    let mut parts = Vec::new();
+    if let Some(n) = limits.concurrency {
+        parts.push(format!("concurrency {n}"));
+    }
+    if let Some(n) = limits.key_concurrency {
+        parts.push(format!("{n} per key"));
+    }
+    if let Some(r) = &limits.rate {
+        parts.push(rate(r));
+    }
+    if let Some(r) = &limits.key_rate {
+        parts.push(format!("{} per key", rate(r)));
+    }
+    parts.join(", ")
+}
+
+/// The limits a "limits" form asks for: every field blank lifts them all.
+fn form_limits(form: &QueueActionForm) -> Result<tito::queue::Limits, TitoError> {
+    let mut limits = tito::queue::Limits::none();
+    limits.concurrency = number(&form.concurrency, "the concurrency")?;
+    limits.key_concurrency = number(&form.key_concurrency, "the per-key concurrency")?;
+    limits.rate = field(&form.rate)
+        .map(tito::queue::Rate::parse)
+        .transpose()?;
+    limits.key_rate = field(&form.key_rate)
+        .map(tito::queue::Rate::parse)
+        .transpose()?;
+    Ok(limits)
 }
 
 #[derive(Deserialize)]

@@ -854,6 +854,7 @@ async fn the_dashboard_shows_the_seeded_figures_in_a_browser() {
             ("", "overview"),
             ("/queue", "queue"),
             ("/queue?partition=0", "queue-partition-0"),
+            ("/queue?topic=flaky", "queue-flaky"),
             ("/inbox?table=job&group=mail", "inbox"),
             ("/inbox?table=job&group=mail-dead", "inbox-dead"),
             ("/table?name=user", "table"),
@@ -918,7 +919,34 @@ async fn the_dashboard_shows_the_seeded_figures_in_a_browser() {
         "{overview}"
     );
 
+    // The operator's forms, rendered by the browser: every queue action, and the dead ones
+    // where there are dead invocations.
+    let flaky = page("queue-flaky");
+    for form in [
+        "pause",
+        "resume",
+        "cancel",
+        "cancel-owner",
+        "limits",
+        "set-aside",
+        "retry-all-dead",
+        "discard-all-dead",
+    ] {
+        assert!(
+            flaky.contains(&format!("action=\"queue-action\" id=\"{form}\"")),
+            "{form}: {flaky}"
+        );
+    }
+    assert!(
+        flaky.contains("value=\"3\""),
+        "the limit in use fills its field"
+    );
+
     let queue = page("queue");
+    assert!(
+        !queue.contains("id=\"retry-all-dead\""),
+        "no dead, no button"
+    );
     assert_eq!(
         figure_after(&queue, "<main>", "data-figure=\"due-now\""),
         "13"
@@ -1540,4 +1568,168 @@ async fn the_dashboard_answers_at_its_mount_path_with_and_without_a_slash() {
         "a path without its leading slash is refused"
     );
     db.close().await.unwrap();
+}
+
+/// The queue page runs a queue: pause and resume (the queue, a partition), cancel one
+/// invocation and an owner's, set and lift limits, set a row aside, retry and discard every
+/// dead invocation. Each asks for confirmation first (and does nothing then), refuses another
+/// origin, checks its input, and is logged; its effect is read back through the runtime.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_runs_a_queue() {
+    use tito::inspect::QueueState;
+    use tito::queue as q;
+    let dir = tempfile::tempdir().unwrap();
+    let db = Embedded::open(dir.path()).await.unwrap();
+    seed(&db).await;
+    let router = admin(&db);
+    let local = Some("127.0.0.1:50000");
+    let act = |form: &str| {
+        let (router, form) = (router.clone(), form.to_string());
+        async move {
+            let (status, unconfirmed) = send(&router, post("/queue-action", &form), local).await;
+            assert_eq!(status, StatusCode::OK, "{form}: {unconfirmed}");
+            assert!(
+                unconfirmed.contains("name=\"confirm\" value=\"yes\""),
+                "{form}: {unconfirmed}"
+            );
+            let mut cross = post("/queue-action", &format!("{form}&confirm=yes"));
+            cross
+                .headers_mut()
+                .insert("origin", "http://evil.example".parse().unwrap());
+            assert_eq!(send(&router, cross, local).await.0, StatusCode::FORBIDDEN);
+            let (status, done) = send(
+                &router,
+                post("/queue-action", &format!("{form}&confirm=yes")),
+                local,
+            )
+            .await;
+            assert_eq!(status, StatusCode::OK, "{form}: {done}");
+            done
+        }
+    };
+
+    // Pause a partition, then the queue; the confirmation alone paused nothing.
+    let paused = |db: Embedded| async move { q::paused(&db, Some("flaky")).await.unwrap() };
+    let done = act("action=pause&topic=flaky&partition=1&why=smtp+down").await;
+    assert!(done.contains("partition 1: paused"), "{done}");
+    let now = paused(db.clone()).await;
+    assert!(now.queue.is_none());
+    assert_eq!(now.partitions[&1].why, "smtp down");
+    act("action=pause&topic=flaky&why=all+down").await;
+    assert!(paused(db.clone()).await.queue.is_some());
+    act("action=resume&topic=flaky").await;
+    act("action=resume&topic=flaky&partition=1").await;
+    let now = paused(db.clone()).await;
+    assert!(now.queue.is_none() && now.partitions.is_empty());
+
+    // Limits: set, shown on the form, lifted with every field blank.
+    act("action=limits&topic=flaky&concurrency=3&key_concurrency=1&rate=100%2F1m").await;
+    let usage = q::limit_usage(&db, Some("flaky")).await.unwrap();
+    assert_eq!(usage.limits.concurrency, Some(3));
+    assert_eq!(usage.limits.key_concurrency, Some(1));
+    assert_eq!(usage.limits.rate.unwrap().starts, 100);
+    let (_, page) = send(&router, get("/queue?topic=flaky"), local).await;
+    assert!(
+        page.contains("name=\"concurrency\" placeholder=\"concurrency\" size=\"11\" value=\"3\""),
+        "{page}"
+    );
+    act("action=limits&topic=flaky&concurrency=&rate=").await;
+    assert!(
+        q::limit_usage(&db, Some("flaky"))
+            .await
+            .unwrap()
+            .limits
+            .is_none()
+    );
+
+    // Cancel one invocation, then an owner's work (the default queue's seeded rows).
+    let done = act("action=cancel&id=later-0&why=typo").await;
+    assert!(done.contains("cancelled"), "{done}");
+    let done = act("action=cancel&id=later-0").await;
+    assert!(done.contains("not pending (nothing cancelled)"), "{done}");
+    let done = act("action=cancel-owner&kind=tenant&owner=acme&why=closed").await;
+    assert!(done.contains("3 pending invocations cancelled"), "{done}");
+
+    // Set a pending row aside by its key.
+    let page = tito::inspect::queue_scan(&db, None, QueueState::Pending(0), None, 100)
+        .await
+        .unwrap();
+    let key = page
+        .items
+        .iter()
+        .find(|row| row.event.is_some())
+        .unwrap()
+        .key
+        .clone();
+    let form = format!("action=set-aside&key={}&why=bad", urlencode(&key));
+    let done = act(&form).await;
+    assert!(done.contains("set aside"), "{done}");
+    let aside = tito::inspect::queue_aside(&db, None, None, 10)
+        .await
+        .unwrap();
+    assert_eq!(aside.items.len(), 1);
+
+    // Every dead invocation: retried (both flaky rows pending again), then none to discard.
+    assert_eq!(
+        q::dead(&db, Some("flaky"), None, 10).await.unwrap().len(),
+        2
+    );
+    let done = act("action=retry-all-dead&topic=flaky").await;
+    assert!(done.contains("2 pending again"), "{done}");
+    assert!(
+        q::dead(&db, Some("flaky"), None, 10)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let done = act("action=discard-all-dead&topic=flaky").await;
+    assert!(done.contains("0 discarded"), "{done}");
+
+    // Bad input is refused before any confirmation.
+    for (form, says) in [
+        ("action=frobnicate", "no queue action"),
+        ("action=pause&partition=x", "whole number"),
+        ("action=pause&topic=flaky&partition=99", "partition"),
+        ("action=cancel", "an event id is needed"),
+        ("action=cancel-owner&kind=tenant", "an owner id is needed"),
+        ("action=limits&topic=flaky&rate=100", "is not a rate"),
+        ("action=limits&topic=flaky&concurrency=0", "pause it"),
+        ("action=set-aside", "the key of a pending row is needed"),
+    ] {
+        let confirmed = format!("{form}&confirm=yes");
+        let (status, body) = send(&router, post("/queue-action", &confirmed), local).await;
+        assert!(
+            status.is_client_error() || status.is_server_error(),
+            "{form}: {status}"
+        );
+        assert!(body.contains(says), "{form}: {body}");
+    }
+
+    // Every action is in the log, with its result.
+    let (_, log) = send(&router, get("/api/actions"), local).await;
+    for action in [
+        "queue-pause",
+        "queue-resume",
+        "queue-limits",
+        "queue-cancel",
+        "queue-cancel-owner",
+        "queue-set-aside",
+        "queue-retry-all-dead",
+        "queue-discard-all-dead",
+    ] {
+        assert!(log.contains(&format!("\"{action}\"")), "{action}: {log}");
+    }
+    db.close().await.unwrap();
+}
+
+/// `application/x-www-form-urlencoded` for a value.
+fn urlencode(text: &str) -> String {
+    text.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
 }

@@ -306,29 +306,7 @@ pub(crate) async fn run<E: TitoEngine>(db: E, mut command: QueueCommand, json: b
 
 /// `STARTS/INTERVAL`, the interval a number with `s`, `m`, `h` or `d`: `100/1m`.
 fn parse_rate(text: &str) -> Result<tito::queue::Rate, Failure> {
-    let bad = || {
-        Failure(format!(
-            "{text:?} is not a rate: write STARTS/INTERVAL, such as 100/1m or 5/1s (s, m, h or d)"
-        ))
-    };
-    let (starts, per) = text.split_once('/').ok_or_else(bad)?;
-    let starts: u32 = starts.trim().parse().map_err(|_| bad())?;
-    let per = per.trim();
-    let unit = per.chars().last().ok_or_else(bad)?;
-    let amount: u64 = per[..per.len() - unit.len_utf8()]
-        .parse()
-        .map_err(|_| bad())?;
-    let seconds = match unit {
-        's' => amount,
-        'm' => amount.checked_mul(60).ok_or_else(bad)?,
-        'h' => amount.checked_mul(3600).ok_or_else(bad)?,
-        'd' => amount.checked_mul(86_400).ok_or_else(bad)?,
-        _ => return Err(bad()),
-    };
-    Ok(tito::queue::Rate::new(
-        starts,
-        std::time::Duration::from_secs(seconds),
-    ))
+    Ok(tito::queue::Rate::parse(text)?)
 }
 
 /// A queue's limits and how close it is to them, as text.

@@ -61,6 +61,42 @@ impl Rate {
         Rate { starts, per }
     }
 
+    /// A rate written `STARTS/INTERVAL`, the interval a whole number with `s`, `m`, `h` or `d`:
+    /// `100/1m`, `5/1s` (what `tito queue limits --rate` and the dashboard take). The bounds
+    /// are checked when the limits are set.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tito::queue::Rate;
+    ///
+    /// assert_eq!(Rate::parse("100/1m").unwrap(), Rate::new(100, Duration::from_secs(60)));
+    /// assert!(Rate::parse("100").is_err());
+    /// ```
+    pub fn parse(text: &str) -> TitoResult<Rate> {
+        let bad = || {
+            TitoError::invalid_argument(format!(
+                "{text:?} is not a rate: write STARTS/INTERVAL, such as 100/1m or 5/1s (s, m, h \
+                 or d)"
+            ))
+        };
+        let (starts, per) = text.split_once('/').ok_or_else(bad)?;
+        let starts: u32 = starts.trim().parse().map_err(|_| bad())?;
+        let per = per.trim();
+        let unit = per.chars().last().ok_or_else(bad)?;
+        let amount: u64 = per[..per.len() - unit.len_utf8()]
+            .parse()
+            .map_err(|_| bad())?;
+        let seconds = match unit {
+            's' => Some(amount),
+            'm' => amount.checked_mul(60),
+            'h' => amount.checked_mul(3600),
+            'd' => amount.checked_mul(86_400),
+            _ => None,
+        }
+        .ok_or_else(bad)?;
+        Ok(Rate::new(starts, Duration::from_secs(seconds)))
+    }
+
     fn check(&self, name: &str) -> TitoResult<()> {
         if self.starts == 0 || self.starts > MAX_RATE_STARTS {
             return Err(TitoError::invalid_argument(format!(
