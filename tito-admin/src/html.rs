@@ -285,10 +285,10 @@ fn row_table(rows: &[QueueRow], completed: bool) -> String {
     let when = if completed { "completed" } else { "due" };
     let _ = write!(
         b,
-        "<table class=\"rows\"><tr><th>event id</th><th>key</th><th>{when}</th><th>owner</th><th>payload</th></tr>"
+        "<table class=\"rows\"><tr><th>event id</th><th>key</th><th>{when}</th><th class=\"num\">urgency</th><th class=\"num\">attempt</th><th>owner</th><th>payload</th></tr>"
     );
     if rows.is_empty() {
-        b.push_str("<tr><td colspan=\"5\" class=\"muted\">none</td></tr>");
+        b.push_str("<tr><td colspan=\"7\" class=\"muted\">none</td></tr>");
     }
     for row in rows {
         let when = if completed {
@@ -322,18 +322,30 @@ fn row_table(rows: &[QueueRow], completed: bool) -> String {
                     ),
                     None => undecodable,
                 };
+                // A failed attempt: its error under the payload.
+                let undecodable = match &event.last_error {
+                    Some(error) => format!(
+                        "{undecodable}<div class=\"error\" data-last-error=\"1\">last error: {}</div>",
+                        esc(error)
+                    ),
+                    None => undecodable,
+                };
                 let _ = write!(
                     b,
-                    "<tr{class} data-event=\"{id}\"><td><code>{id}</code></td><td>{key}</td><td>{when}</td><td>{owner}</td><td>{}{undecodable}</td></tr>",
+                    "<tr{class} data-event=\"{id}\"><td><code>{id}</code></td><td>{key}</td><td>{when}</td>\
+                     <td class=\"num\" data-figure=\"urgency\">{urgency}</td><td class=\"num\" data-figure=\"attempt\">{attempt}</td>\
+                     <td>{owner}</td><td>{}{undecodable}</td></tr>",
                     json_cell(&event.payload),
                     id = esc(&event.id),
                     key = esc(&event.key),
+                    urgency = event.urgency,
+                    attempt = event.attempt,
                 );
             }
             _ => {
                 let _ = write!(
                     b,
-                    "<tr class=\"bad\" data-malformed=\"1\"><td colspan=\"2\"><code>{}</code></td><td>{when}</td><td colspan=\"2\"><span class=\"error\">{}</span><pre>{}</pre></td></tr>",
+                    "<tr class=\"bad\" data-malformed=\"1\"><td colspan=\"2\"><code>{}</code></td><td>{when}</td><td colspan=\"4\"><span class=\"error\">{}</span><pre>{}</pre></td></tr>",
                     esc(&row.key),
                     esc(row.malformed.as_deref().unwrap_or("")),
                     esc(row.raw.as_deref().unwrap_or("")),
@@ -477,6 +489,7 @@ pub(crate) fn queue(data: &QueueData, started: Instant) -> String {
         );
     }
     b.push_str("</table>");
+    b.push_str(&lease_holders(o));
     if !o.members.is_empty() {
         let members: Vec<String> = o
             .members
@@ -541,6 +554,46 @@ pub(crate) fn queue(data: &QueueData, started: Instant) -> String {
         esc(topic.unwrap_or(""))
     );
     page(&format!("Queue {}", o.info.label), &b, Some(started))
+}
+
+/// Each worker (or cluster node) holding leases, once: the partitions it holds and when the
+/// first of its leases runs out without renewal.
+fn lease_holders(o: &tito::inspect::QueueOverview) -> String {
+    let mut holders: std::collections::BTreeMap<&str, (Vec<u32>, u64)> = Default::default();
+    for p in &o.partitions {
+        if let Some(lease) = &p.lease {
+            let entry = holders
+                .entry(lease.holder.as_str())
+                .or_insert((Vec::new(), u64::MAX));
+            entry.0.push(p.partition);
+            if lease.expires_ms > 0 {
+                entry.1 = entry.1.min(lease.expires_ms);
+            }
+        }
+    }
+    if holders.is_empty() {
+        return String::new();
+    }
+    let mut b = String::from(
+        "<h2>Workers</h2><table id=\"holders\"><tr><th>worker</th><th class=\"num\">partitions</th><th>holds</th><th>first lease until</th></tr>",
+    );
+    for (holder, (partitions, until)) in holders {
+        let list: Vec<String> = partitions.iter().map(u32::to_string).collect();
+        let _ = write!(
+            b,
+            "<tr data-holder=\"{h}\"><td><code>{h}</code></td><td class=\"num\" data-figure=\"held\">{}</td><td>{}</td><td>{}</td></tr>",
+            partitions.len(),
+            list.join(", "),
+            if until == u64::MAX {
+                "—".into()
+            } else {
+                utc_ms(until)
+            },
+            h = esc(holder),
+        );
+    }
+    b.push_str("</table>");
+    b
 }
 
 /// The queue page's operator forms, each posted to `queue-action` (which asks for

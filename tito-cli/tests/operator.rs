@@ -1576,6 +1576,7 @@ async fn the_dashboard_answers_at_its_mount_path_with_and_without_a_slash() {
 /// origin, checks its input, and is logged; its effect is read back through the runtime.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_dashboard_runs_a_queue() {
+    use tito::TitoError;
     use tito::inspect::QueueState;
     use tito::queue as q;
     let dir = tempfile::tempdir().unwrap();
@@ -1704,6 +1705,47 @@ async fn the_dashboard_runs_a_queue() {
         );
         assert!(body.contains(says), "{form}: {body}");
     }
+
+    // Pending rows show their urgency, their attempt and the last error; each worker holding
+    // leases is shown once, with the partitions it holds.
+    let retrying = Arc::new(Queue::new(
+        db.clone(),
+        QueueConfig::new(2, Duration::from_secs(3600)).topic("retrying"),
+    ));
+    retrying
+        .publish(QueueEvent::now("r", 1u32).with_id("r-1").with_urgency(7))
+        .await
+        .unwrap();
+    let mut workers = tito::Workers::new();
+    let policy =
+        q::FailurePolicy::new(5).backoff(Duration::from_secs(3600), Duration::from_secs(3600));
+    workers.spawn_worker(
+        retrying.clone(),
+        WorkerConfig::new(0..2)
+            .worker_id("w-1")
+            .failure_policy(policy),
+        |_: QueueEvent<u32>| async {
+            Err::<QueueHandlerOutcome<u32>, _>(TitoError::handler("smtp 451"))
+        },
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let page = loop {
+        let path = format!(
+            "/queue?topic=retrying&partition={}",
+            tito::queue::partition_for("r", 2)
+        );
+        let (_, page) = send(&router, get(&path), local).await;
+        if page.contains("last error: handler error: smtp 451") {
+            break page;
+        }
+        assert!(Instant::now() < deadline, "no failed attempt shown: {page}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    workers.shutdown().await.unwrap();
+    assert!(page.contains("data-figure=\"urgency\">7<"), "{page}");
+    assert!(page.contains("data-figure=\"attempt\">2<"), "{page}");
+    assert_eq!(page.matches("data-holder=\"w-1\"").count(), 1, "{page}");
+    assert!(page.contains("data-figure=\"held\">2<"), "{page}");
 
     // Every action is in the log, with its result.
     let (_, log) = send(&router, get("/api/actions"), local).await;

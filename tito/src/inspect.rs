@@ -432,6 +432,11 @@ pub struct EventView {
     pub cancelled: Option<String>,
     /// Its urgency (0 to 9; higher runs first).
     pub urgency: u8,
+    /// The attempt its next (or, for a completed row, its last) delivery is, from 1: its
+    /// failed attempts so far plus one.
+    pub attempt: u32,
+    /// The error of its last failed attempt, if one failed (under a failure policy).
+    pub last_error: Option<String>,
 }
 
 /// One row of a queue scan.
@@ -575,6 +580,8 @@ fn queue_row(root: &str, state: QueueState, key: &[u8], value: &[u8]) -> QueueRo
             payload: stored.payload,
             cancelled: stored.cancelled,
             urgency: stored.urgency,
+            attempt: stored.failures.saturating_add(1),
+            last_error: stored.last_error,
         }),
         Err(err) => {
             problems.push(err.to_string());
