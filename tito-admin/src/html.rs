@@ -490,6 +490,29 @@ pub(crate) fn queue(data: &QueueData, started: Instant) -> String {
     }
     b.push_str("</table>");
     b.push_str(&lease_holders(o));
+    // Find an invocation by event id or business key, whatever its partition.
+    let (text, found) = match &data.found {
+        Some((text, rows)) => (text.as_str(), Some(rows)),
+        None => ("", None),
+    };
+    let _ = write!(
+        b,
+        "<h2 id=\"find\">Find</h2><form method=\"get\" action=\"queue\">\
+         <input type=\"hidden\" name=\"topic\" value=\"{}\">\
+         <input name=\"find\" placeholder=\"event id or key\" value=\"{}\" size=\"40\"> \
+         <button type=\"submit\">Find</button></form>",
+        esc(topic.unwrap_or("")),
+        esc(text)
+    );
+    if let Some(rows) = found {
+        let _ = write!(
+            b,
+            "<p data-figure=\"found\">{} found for <code>{}</code> (by event id, and pending by key)</p>",
+            rows.len(),
+            esc(text)
+        );
+        b.push_str(&row_table(rows, false));
+    }
     if !o.members.is_empty() {
         let members: Vec<String> = o
             .members

@@ -450,6 +450,8 @@ struct QueueParams {
     cursor: Option<String>,
     completed_cursor: Option<String>,
     dead_after: Option<String>,
+    /// An event id or a business key to find across partitions.
+    find: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -462,6 +464,8 @@ struct QueueData {
     dead: Vec<tito::queue::DeadInvocation>,
     /// The periodic schedules that have run on the queue.
     schedules: Vec<tito::queue::ScheduleView>,
+    /// What a search found (`None` without a search).
+    found: Option<(String, Vec<inspect::QueueRow>)>,
 }
 
 async fn load_queue<E: TitoEngine>(
@@ -515,6 +519,18 @@ async fn load_queue<E: TitoEngine>(
     let dead_after = params.dead_after.as_deref().filter(|a| !a.is_empty());
     let dead = tito::queue::dead(&state.db, topic, dead_after, PAGE).await?;
     let schedules = tito::queue::schedules(&state.db, topic).await?;
+    let found = match params
+        .find
+        .as_deref()
+        .map(str::trim)
+        .filter(|f| !f.is_empty())
+    {
+        Some(text) => Some((
+            text.to_string(),
+            inspect::queue_find(&state.db, topic, text, FIND_LIMIT).await?,
+        )),
+        None => None,
+    };
     Ok(QueueData {
         overview,
         partition,
@@ -522,6 +538,7 @@ async fn load_queue<E: TitoEngine>(
         completed,
         dead,
         schedules,
+        found,
     })
 }
 
@@ -1029,6 +1046,9 @@ fn number<T: std::str::FromStr>(
         })
         .transpose()
 }
+
+/// How many pending rows of a key's partition a search reads at most.
+const FIND_LIMIT: usize = 1000;
 
 /// How many dead invocations one page of "retry all" or "discard all" handles at once.
 const DEAD_BATCH: usize = 100;

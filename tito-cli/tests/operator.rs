@@ -1747,6 +1747,18 @@ async fn the_dashboard_runs_a_queue() {
     assert_eq!(page.matches("data-holder=\"w-1\"").count(), 1, "{page}");
     assert!(page.contains("data-figure=\"held\">2<"), "{page}");
 
+    // Find by event id or by business key, from any partition's page.
+    for (find, found) in [("r-1", 1), ("r", 1), ("nobody", 0)] {
+        let other = 1 - tito::queue::partition_for("r", 2);
+        let path = format!("/queue?topic=retrying&partition={other}&find={find}");
+        let (_, page) = send(&router, get(&path), local).await;
+        assert!(
+            page.contains(&format!("data-figure=\"found\">{found} found")),
+            "{find}: {page}"
+        );
+        assert_eq!(page.contains("data-event=\"r-1\""), found == 1, "{find}");
+    }
+
     // Every action is in the log, with its result.
     let (_, log) = send(&router, get("/api/actions"), local).await;
     for action in [

@@ -507,6 +507,77 @@ pub async fn queue_scan<E: TitoEngine>(
     })
 }
 
+/// The invocations of the queue named `topic` a search finds, whatever their partition: the
+/// one whose event id is `text` (pending or completed), and the pending ones whose business key
+/// is `text` (read from the key's own partition, at most `limit` rows, 1 to
+/// [`MAX_PAGE_LIMIT`]). An empty text finds nothing.
+pub async fn queue_find<E: TitoEngine>(
+    db: &E,
+    topic: Option<&str>,
+    text: &str,
+    limit: usize,
+) -> TitoResult<Vec<QueueRow>> {
+    let limit = check_limit(limit)?;
+    if text.is_empty() {
+        return Ok(Vec::new());
+    }
+    let root = keys::queue_root(topic);
+    let mut found = Vec::new();
+    // By event id: its live invocation's key, then the row.
+    let id_key = keys::event_id_key(&root, text);
+    let row = read_only(db, async |tx| {
+        let Some(key) = tx.get(id_key.as_bytes()).await? else {
+            return Ok(None);
+        };
+        let value = tx.get(&key).await?;
+        Ok(value.map(|value| (key, value)))
+    })
+    .await?;
+    if let Some((key, value)) = row {
+        let pending = key.starts_with(format!("{root}:pending:").as_bytes());
+        let state = if pending {
+            QueueState::Pending(0)
+        } else {
+            QueueState::Completed
+        };
+        found.push(queue_row(&root, state, &key, &value));
+    }
+    // By business key: the pending rows of its partition that carry it.
+    let Some(partitions) = queues(db, MAX_PAGE_LIMIT)
+        .await?
+        .into_iter()
+        .find(|q| q.topic.as_deref() == topic)
+        .and_then(|q| q.partitions)
+    else {
+        return Ok(found);
+    };
+    let partition = crate::event::partition_for(text, partitions);
+    let mut cursor = None;
+    let mut read = 0;
+    while read < limit {
+        let page = queue_scan(
+            db,
+            topic,
+            QueueState::Pending(partition),
+            cursor.as_deref(),
+            (limit - read).min(MAX_PAGE_LIMIT),
+        )
+        .await?;
+        read += page.items.len();
+        for row in page.items {
+            let holds = row.event.as_ref().is_some_and(|e| e.key == text);
+            if holds && !found.iter().any(|f| f.key == row.key) {
+                found.push(row);
+            }
+        }
+        match page.cursor {
+            Some(next) => cursor = Some(next),
+            None => break,
+        }
+    }
+    Ok(found)
+}
+
 /// A row moved aside ([`crate::Queue::set_aside`]).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct AsideRow {
