@@ -490,6 +490,7 @@ pub(crate) fn queue(data: &QueueData, started: Instant) -> String {
     }
     b.push_str("</table>");
     b.push_str(&lease_holders(o));
+    b.push_str(&busy_keys(&o.limits));
     // Find an invocation by event id or business key, whatever its partition.
     let (text, found) = match &data.found {
         Some((text, rows)) => (text.as_str(), Some(rows)),
@@ -577,6 +578,36 @@ pub(crate) fn queue(data: &QueueData, started: Instant) -> String {
         esc(topic.unwrap_or(""))
     );
     page(&format!("Queue {}", o.info.label), &b, Some(started))
+}
+
+/// Under a per-key concurrency limit, the keys running now, busiest first (at most 20): the
+/// ones at their limit hold back their other rows.
+fn busy_keys(usage: &tito::queue::LimitUsage) -> String {
+    let Some(limit) = usage.limits.key_concurrency else {
+        return String::new();
+    };
+    if usage.running_by_key.is_empty() {
+        return String::new();
+    }
+    let mut keys: Vec<(&String, &u32)> = usage.running_by_key.iter().collect();
+    keys.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
+    let mut b = String::from(
+        "<h2>Keys running</h2><table id=\"keys\"><tr><th>key</th><th class=\"num\">running</th><th>state</th></tr>",
+    );
+    for (key, running) in keys.into_iter().take(20) {
+        let state = if *running >= limit {
+            format!("<span class=\"warn\">at its limit of {limit}</span>: its other rows wait")
+        } else {
+            format!("below its limit of {limit}")
+        };
+        let _ = write!(
+            b,
+            "<tr data-key=\"{k}\"><td><code>{k}</code></td><td class=\"num\">{running}</td><td>{state}</td></tr>",
+            k = esc(key),
+        );
+    }
+    b.push_str("</table>");
+    b
 }
 
 /// Each worker (or cluster node) holding leases, once: the partitions it holds and when the

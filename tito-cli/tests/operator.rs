@@ -1759,6 +1759,46 @@ async fn the_dashboard_runs_a_queue() {
         assert_eq!(page.contains("data-event=\"r-1\""), found == 1, "{find}");
     }
 
+    // Under a per-key limit, a key whose slot is taken is shown at its limit while its
+    // handler runs.
+    let slow = Arc::new(Queue::new(
+        db.clone(),
+        QueueConfig::new(1, Duration::from_secs(3600)).topic("slow"),
+    ));
+    for n in 0..2u32 {
+        slow.publish(QueueEvent::now("k", n)).await.unwrap();
+    }
+    slow.set_limits(q::Limits::none().key_concurrency(1))
+        .await
+        .unwrap();
+    // Handlers wait for permits: none until the page was read.
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let mut workers = tito::Workers::new();
+    let held = gate.clone();
+    workers.spawn_worker(
+        slow.clone(),
+        WorkerConfig::new(0..1),
+        move |_: QueueEvent<u32>| {
+            let held = held.clone();
+            async move {
+                let _permit = held.acquire().await;
+                Ok(QueueHandlerOutcome::Acknowledge)
+            }
+        },
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let page = loop {
+        let (_, page) = send(&router, get("/queue?topic=slow"), local).await;
+        if page.contains("data-key=\"k\"") {
+            break page;
+        }
+        assert!(Instant::now() < deadline, "no key shown running: {page}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(page.contains("at its limit of 1"), "{page}");
+    gate.add_permits(2);
+    workers.shutdown().await.unwrap();
+
     // Every action is in the log, with its result.
     let (_, log) = send(&router, get("/api/actions"), local).await;
     for action in [
