@@ -160,6 +160,22 @@ pub async fn declared_periodic_jobs_publish_on_their_topic<E: TitoEngine>(ctx: C
     })
     .await;
     workers.shutdown().await.unwrap();
+    // Operators see what the schedule is, its next tick and which runner wrote it.
+    let views = tito::queue::schedules(&ctx.db, Some(mail.topic().name()))
+        .await
+        .unwrap();
+    assert_eq!(views.len(), 1, "{views:?}");
+    let view = &views[0];
+    assert_eq!(view.name, "digest");
+    assert_eq!(view.schedule.as_deref(), Some("every 1 s"));
+    assert_eq!(view.next_tick, Some(view.last_tick + 1));
+    let runner = format!("pid {} on ", std::process::id());
+    assert!(
+        view.runner
+            .as_deref()
+            .is_some_and(|r| r.starts_with(&runner)),
+        "{view:?}"
+    );
 }
 
 pub async fn handler_state_is_handed_to_every_invocation<E: TitoEngine>(ctx: Ctx<E>) {

@@ -548,13 +548,20 @@ pub(crate) fn queue(data: &QueueData, started: Instant) -> String {
         );
     }
     if !data.schedules.is_empty() {
-        b.push_str("<h2>Periodic schedules</h2><table id=\"schedules\"><tr><th>schedule</th><th>last tick</th></tr>");
+        b.push_str("<h2>Periodic schedules</h2><table id=\"schedules\"><tr><th>schedule</th><th>when</th><th>last tick</th><th>next tick</th><th>last written by</th></tr>");
         for schedule in &data.schedules {
             let at = utc_s(schedule.last_tick.max(0) as u64);
+            let next = schedule
+                .next_tick
+                .map_or("—".into(), |t| utc_s(t.max(0) as u64));
             let _ = write!(
                 b,
-                "<tr data-schedule=\"{name}\"><td><code>{name}</code></td><td>{}</td></tr>",
+                "<tr data-schedule=\"{name}\"><td><code>{name}</code></td><td data-figure=\"when\">{}</td><td>{}</td>\
+                 <td data-figure=\"next\">{}</td><td data-figure=\"runner\">{}</td></tr>",
+                esc(schedule.schedule.as_deref().unwrap_or("—")),
                 esc(&at),
+                esc(&next),
+                esc(schedule.runner.as_deref().unwrap_or("—")),
                 name = esc(&schedule.name)
             );
         }

@@ -224,7 +224,16 @@ pub(crate) async fn run<E: TitoEngine>(db: E, mut command: QueueCommand, json: b
                     .map(|s| {
                         let at = chrono::DateTime::from_timestamp(s.last_tick, 0)
                             .map_or(s.last_tick.to_string(), |t| t.to_rfc3339());
-                        format!("{}  last tick {at}", s.name)
+                        let next = s
+                            .next_tick
+                            .and_then(|t| chrono::DateTime::from_timestamp(t, 0))
+                            .map_or("?".into(), |t| t.to_rfc3339());
+                        format!(
+                            "{}  {}  last tick {at}  next {next}  written by {}",
+                            s.name,
+                            s.schedule.as_deref().unwrap_or("?"),
+                            s.runner.as_deref().unwrap_or("?")
+                        )
                     })
                     .collect();
                 format!("queue {label}:\n{}", lines.join("\n"))

@@ -198,6 +198,14 @@ impl Schedule {
         &self.name
     }
 
+    /// When it fires, in words: `every 3600 s`, `cron "0 9 * * *" in UTC`.
+    pub fn describe(&self) -> String {
+        match &self.when {
+            When::Every(secs) => format!("every {secs} s"),
+            When::Cron(cron) => cron.describe(),
+        }
+    }
+
     /// The latest tick at or before `at` (Unix s).
     fn latest(&self, at: i64) -> Option<i64> {
         match &self.when {
@@ -241,10 +249,44 @@ pub fn tick_id(schedule: &str, tick: i64) -> String {
     format!("periodic:{schedule}:{tick}")
 }
 
-/// A schedule's stored cursor: the last tick published.
+/// A schedule's stored cursor: the last tick published, and for operators what the schedule
+/// is, its next tick and who wrote the cursor last (absent in cursors written before they were
+/// kept).
 #[derive(Serialize, Deserialize)]
 struct Cursor {
     last: i64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    schedule: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    next: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    runner: Option<String>,
+}
+
+impl Cursor {
+    fn at(schedule: &Schedule, last: i64) -> Self {
+        Cursor {
+            last,
+            schedule: Some(schedule.describe()),
+            next: schedule.next(last),
+            runner: Some(runner().to_string()),
+        }
+    }
+}
+
+/// This process, as a schedule's cursor names the runner that wrote it: `pid N on HOST`.
+fn runner() -> &'static str {
+    static RUNNER: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    RUNNER.get_or_init(|| {
+        let host = std::fs::read_to_string("/etc/hostname")
+            .ok()
+            .map(|h| h.trim().to_string())
+            .filter(|h| !h.is_empty())
+            .or_else(|| std::env::var("HOSTNAME").ok())
+            .or_else(|| std::env::var("COMPUTERNAME").ok())
+            .unwrap_or_else(|| "an unnamed host".into());
+        format!("pid {} on {host}", std::process::id())
+    })
 }
 
 /// What one look at a schedule did.
@@ -369,7 +411,7 @@ where
                     // First seen: start from now (the next tick is the first published).
                     tx.put(
                         cursor_key.into_bytes(),
-                        serde_json::to_vec(&Cursor { last: latest })?,
+                        serde_json::to_vec(&Cursor::at(schedule, latest))?,
                     )
                     .await?;
                     return Ok((Looked::Nothing, now_ms));
@@ -383,7 +425,7 @@ where
                 queue.publish_in_tx(&event, &tx).await?;
                 tx.put(
                     cursor_key.into_bytes(),
-                    serde_json::to_vec(&Cursor { last: latest })?,
+                    serde_json::to_vec(&Cursor::at(schedule, latest))?,
                 )
                 .await?;
                 Ok::<_, TitoError>((Looked::Published(latest, skipped), now_ms))
@@ -417,13 +459,20 @@ fn skipped_between(schedule: &Schedule, last: i64, latest: i64) -> u64 {
     skipped
 }
 
-/// A schedule as stored: its name and the last tick published (Unix s).
+/// A schedule as stored: its name, the last tick published (Unix s), and what its runner last
+/// recorded: the schedule, the next tick and which process published.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct ScheduleView {
     /// The schedule's name.
     pub name: String,
     /// The last tick published (or, for a schedule never fired yet, the tick it started after).
     pub last_tick: i64,
+    /// The schedule as its runner last ran it (`every 3600 s`, `cron "0 9 * * *" in UTC`).
+    pub schedule: Option<String>,
+    /// The tick after the last one (Unix s).
+    pub next_tick: Option<i64>,
+    /// The runner that wrote the cursor last (`pid N on HOST`).
+    pub runner: Option<String>,
 }
 
 /// The schedules that have run on the queue named `topic`, by name (their stored cursors; a
@@ -448,6 +497,9 @@ pub async fn schedules<E: TitoEngine>(
             Ok(ScheduleView {
                 name,
                 last_tick: cursor.last,
+                schedule: cursor.schedule,
+                next_tick: cursor.next,
+                runner: cursor.runner,
             })
         })
         .collect()
