@@ -218,3 +218,136 @@ async fn tables_rows_and_namespaces_are_listed_raw() {
     );
     assert!(inspect::key_segments(b"\xff").is_err());
 }
+
+/// Two workers run one queue at once, one handler in four failing: each worker's report names
+/// its process and counts its own runs, the overview sums them, and a report nobody wrote for
+/// longer than `REPORT_KEPT` is deleted when a worker starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_report_their_host_age_and_handler_figures() {
+    use tito::queue::FailurePolicy;
+    use tito::{QueueHandlerOutcome, WorkerConfig, Workers};
+    let db = tito::Embedded::temporary().await.unwrap();
+    let queue = std::sync::Arc::new(Queue::new(
+        db.clone(),
+        QueueConfig::new(4, Duration::from_secs(3600)).topic("reports"),
+    ));
+    let root = keys::queue_root(Some("reports"));
+    // A report of a worker gone for two hours, and one that does not parse (kept for an operator).
+    let stale = serde_json::json!({
+        "worker": "gone", "runner": "pid 1 on elsewhere", "started_ms": 1, "written_ms": 1,
+        "stopped": false, "minutes": []
+    });
+    let tx = db.begin().await.unwrap();
+    tx.put(
+        format!("{root}:report:gone").into_bytes(),
+        serde_json::to_vec(&stale).unwrap(),
+    )
+    .await
+    .unwrap();
+    tx.put(
+        format!("{root}:report:odd").into_bytes(),
+        b"not json".to_vec(),
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    for n in 0..20u32 {
+        queue
+            .publish(QueueEvent::now(format!("k{n}"), n))
+            .await
+            .unwrap();
+    }
+    let mut workers = Workers::new();
+    for (id, parts) in [("left", 0..2), ("right", 2..4)] {
+        let config = WorkerConfig::new(parts)
+            .worker_id(id)
+            .failure_policy(FailurePolicy::new(1))
+            .max_idle_backoff(Duration::from_millis(20));
+        workers.spawn_worker(queue.clone(), config, |event: QueueEvent<u32>| async move {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            if event.payload.is_multiple_of(4) {
+                return Err(TitoError::InvalidArgument("one in four fails".into()));
+            }
+            Ok(QueueHandlerOutcome::Acknowledge)
+        });
+    }
+    let settled = || async {
+        let o = inspect::queue_overview(&db, Some("reports")).await.unwrap();
+        o.completed.value + o.dead.value == 20
+    };
+    crate::support::wait_for("every row settled", Duration::from_secs(30), settled).await;
+    workers.shutdown().await.unwrap();
+
+    let o = inspect::queue_overview(&db, Some("reports")).await.unwrap();
+    let mut names: Vec<&str> = o.workers.iter().map(|w| w.worker.as_str()).collect();
+    names.sort();
+    assert_eq!(names, ["left", "right"], "the stale report was swept");
+    let this = format!("pid {} on ", std::process::id());
+    for w in &o.workers {
+        assert!(w.runner.starts_with(&this), "{}", w.runner);
+        assert!(
+            w.stopped,
+            "{} wrote its last report as it stopped",
+            w.worker
+        );
+        assert!(w.started_ms <= w.written_ms && w.written_ms <= o.now_ms);
+    }
+    let runs: u64 = o.workers.iter().map(|w| w.since(0).runs).sum();
+    assert_eq!(runs, 20, "each run counted once, by the worker that ran it");
+    assert_eq!((o.handlers.runs, o.handlers.failed), (20, 5));
+    assert!(o.handlers.max_ms >= 2 && o.handlers.mean_ms().unwrap() >= 2);
+    // The one that does not parse is left for an operator.
+    let odd = crate::support::read(&db, format!("{root}:report:odd").as_bytes()).await;
+    assert!(odd.is_some());
+    db.close().await.unwrap();
+}
+
+/// The search finds an owner's invocations (written `kind:id`), pending and completed, in
+/// every partition, besides ids and business keys.
+#[tokio::test]
+async fn a_search_finds_an_owners_invocations_in_every_partition() {
+    let db = Memory::new();
+    let queue = Queue::new(
+        db.clone(),
+        QueueConfig::new(4, Duration::from_secs(3600)).topic("owned"),
+    );
+    let owner = tito::QueueOwner::new("account", "7");
+    let mut ids = Vec::new();
+    for n in 0..6u32 {
+        let event = QueueEvent::now(format!("key-{n}"), n).with_owner(owner.clone());
+        ids.push(event.id.clone());
+        queue.publish(event).await.unwrap();
+    }
+    queue
+        .publish(QueueEvent::now("other", 99u32).with_owner(tito::QueueOwner::new("account", "8")))
+        .await
+        .unwrap();
+    let found = inspect::queue_find(&db, Some("owned"), "account:7", 100)
+        .await
+        .unwrap();
+    let mut got: Vec<String> = found
+        .iter()
+        .map(|r| r.event.as_ref().unwrap().id.clone())
+        .collect();
+    got.sort();
+    ids.sort();
+    assert_eq!(got, ids);
+    let partitions: std::collections::HashSet<_> = found.iter().map(|r| r.partition).collect();
+    assert!(
+        partitions.len() > 1,
+        "rows of several partitions: {partitions:?}"
+    );
+    // Bounded by the limit; an owner with nothing, or half an owner, finds nothing.
+    let two = inspect::queue_find(&db, Some("owned"), "account:7", 2)
+        .await
+        .unwrap();
+    assert_eq!(two.len(), 2);
+    for none in ["account:9", "account:", ":7"] {
+        assert!(
+            inspect::queue_find(&db, Some("owned"), none, 100)
+                .await
+                .unwrap()
+                .is_empty()
+        );
+    }
+}

@@ -459,6 +459,7 @@ pub(crate) fn queue(data: &QueueData, started: Instant) -> String {
         let _ = write!(b, "<td class=\"num\">{}</td>", count(c));
     }
     b.push_str("</tr></table>");
+    b.push_str(&handler_figures(o));
 
     b.push_str("<h2>Partitions</h2><table id=\"partitions\"><tr><th class=\"num\">partition</th><th class=\"num\">due now</th><th class=\"num\">later</th><th>oldest due</th><th>late by</th><th>lease holder</th><th>lease until</th></tr>");
     for p in &o.partitions {
@@ -500,7 +501,7 @@ pub(crate) fn queue(data: &QueueData, started: Instant) -> String {
         b,
         "<h2 id=\"find\">Find</h2><form method=\"get\" action=\"queue\">\
          <input type=\"hidden\" name=\"topic\" value=\"{}\">\
-         <input name=\"find\" placeholder=\"event id or key\" value=\"{}\" size=\"40\"> \
+         <input name=\"find\" placeholder=\"event id, key or owner kind:id\" value=\"{}\" size=\"40\"> \
          <button type=\"submit\">Find</button></form>",
         esc(topic.unwrap_or("")),
         esc(text)
@@ -617,8 +618,39 @@ fn busy_keys(usage: &tito::queue::LimitUsage) -> String {
     b
 }
 
-/// Each worker (or cluster node) holding leases, once: the partitions it holds and when the
-/// first of its leases runs out without renewal.
+/// The handlers' runs, failures and run times over the last minutes, from the workers' reports.
+fn handler_figures(o: &tito::inspect::QueueOverview) -> String {
+    let h = &o.handlers;
+    let failed = if h.runs == 0 {
+        "—".to_string()
+    } else {
+        format!(
+            "{} ({:.1}%)",
+            h.failed,
+            h.failed as f64 * 100.0 / h.runs as f64
+        )
+    };
+    format!(
+        "<h2>Handlers, last {} minutes</h2><table id=\"handlers\"><tr><th class=\"num\">runs</th><th class=\"num\">failed</th><th class=\"num\">mean</th><th class=\"num\">longest</th><th class=\"num\">workers reporting</th></tr>\
+         <tr><td class=\"num\" data-figure=\"runs\">{}</td><td class=\"num\" data-figure=\"failed\">{failed}</td><td class=\"num\" data-figure=\"mean\">{}</td><td class=\"num\" data-figure=\"longest\">{}</td><td class=\"num\">{}</td></tr></table>\
+         <p class=\"muted\">Each worker reports every {} s; figures of the current minute are partial.</p>",
+        tito::inspect::THROUGHPUT_MINUTES,
+        h.runs,
+        h.mean_ms().map_or("—".into(), |ms| format!("{ms} ms")),
+        if h.runs == 0 {
+            "—".into()
+        } else {
+            format!("{} ms", h.max_ms)
+        },
+        o.workers.iter().filter(|w| !w.stopped).count(),
+        tito::queue::REPORT_EVERY.as_secs(),
+    )
+}
+
+/// Each worker (or cluster node) once: the partitions it holds and when the first of its leases
+/// runs out without renewal, and from its report the process and host that run it, its age,
+/// its last report and its handlers over the last minutes. Workers that reported recently but
+/// hold nothing (stopped, or idle without leases) are listed too.
 fn lease_holders(o: &tito::inspect::QueueOverview) -> String {
     let mut holders: std::collections::BTreeMap<&str, (Vec<u32>, u64)> = Default::default();
     for p in &o.partitions {
@@ -632,17 +664,53 @@ fn lease_holders(o: &tito::inspect::QueueOverview) -> String {
             }
         }
     }
+    for report in &o.workers {
+        holders
+            .entry(report.worker.as_str())
+            .or_insert((Vec::new(), u64::MAX));
+    }
     if holders.is_empty() {
         return String::new();
     }
+    let since = (o.now_ms / 60_000).saturating_sub(tito::inspect::THROUGHPUT_MINUTES - 1);
     let mut b = String::from(
-        "<h2>Workers</h2><table id=\"holders\"><tr><th>worker</th><th class=\"num\">partitions</th><th>holds</th><th>first lease until</th></tr>",
+        "<h2>Workers</h2><table id=\"holders\"><tr><th>worker</th><th>runs in</th><th>age</th><th>last report</th><th class=\"num\">partitions</th><th>holds</th><th>first lease until</th><th class=\"num\">runs</th><th class=\"num\">failed</th><th class=\"num\">mean</th></tr>",
     );
     for (holder, (partitions, until)) in holders {
         let list: Vec<String> = partitions.iter().map(u32::to_string).collect();
+        let report = o.workers.iter().find(|r| r.worker == holder);
+        let ago = |ms: u64| duration_s(o.now_ms.saturating_sub(ms) / 1000);
+        let (runner, age, last, runs, failed, mean) = match report {
+            Some(r) => {
+                let f = r.since(since);
+                (
+                    esc(&r.runner),
+                    ago(r.started_ms),
+                    format!(
+                        "{} ago{}",
+                        ago(r.written_ms),
+                        if r.stopped { " (stopped)" } else { "" }
+                    ),
+                    f.runs.to_string(),
+                    f.failed.to_string(),
+                    f.mean_ms().map_or("—".into(), |ms| format!("{ms} ms")),
+                )
+            }
+            None => {
+                let none = || "<span class=\"muted\">no report</span>".to_string();
+                (
+                    none(),
+                    "—".into(),
+                    "—".into(),
+                    "—".into(),
+                    "—".into(),
+                    "—".into(),
+                )
+            }
+        };
         let _ = write!(
             b,
-            "<tr data-holder=\"{h}\"><td><code>{h}</code></td><td class=\"num\" data-figure=\"held\">{}</td><td>{}</td><td>{}</td></tr>",
+            "<tr data-holder=\"{h}\"><td><code>{h}</code></td><td data-figure=\"runner\">{runner}</td><td data-figure=\"age\">{age}</td><td>{last}</td><td class=\"num\" data-figure=\"held\">{}</td><td>{}</td><td>{}</td><td class=\"num\" data-figure=\"runs\">{runs}</td><td class=\"num\" data-figure=\"failed\">{failed}</td><td class=\"num\">{mean}</td></tr>",
             partitions.len(),
             list.join(", "),
             if until == u64::MAX {

@@ -6,7 +6,7 @@
 //! | page | JSON | shows |
 //! |---|---|---|
 //! | `/` | `/api/overview` | queues (pending due now and later, how late the oldest is), inboxes, tables (row counts), kv namespaces, recent actions |
-//! | `/queue?topic=T` | `/api/queue?topic=T` | per partition: due now, later, oldest due and lateness, lease holder and expiry; completed in the retention window and per minute; cluster members and coordinator; a page of one partition's pending rows (`partition`, `cursor`), of the newest completed ones, and of dead invocations (`dead_after`) with retry and discard actions |
+//! | `/queue?topic=T` | `/api/queue?topic=T` | per partition: due now, later, oldest due and lateness, lease holder and expiry; completed in the retention window and per minute; handler runs, failures and run times over the last minutes; each worker with its process, host, age and figures (from its report); a search by event id, key or owner (`find`); cluster members and coordinator; a page of one partition's pending rows (`partition`, `cursor`), of the newest completed ones, and of dead invocations (`dead_after`) with retry and discard actions |
 //! | `/inbox?table=T&group=G` | `/api/inbox?...` | ready, delayed, leased, processed, bad rows; a page of rows (`state`, `cursor`) |
 //! | `/table?name=T` | `/api/table?name=T` | row count, indexes with state and build progress, the last audit, a page of rows (`cursor`) |
 //! | `/kv?namespace=N` | `/api/kv?namespace=N` | key count and a page of keys (`cursor`) |

@@ -90,7 +90,8 @@ pub(crate) enum QueueCommand {
     /// Every queue with its partition count.
     Ls,
     /// A queue's backlog: per partition due now and later, oldest due, lateness, leases;
-    /// completed rows and throughput.
+    /// completed rows and throughput; handler runs and failures of the last minutes and the
+    /// workers that reported them (process, host, age).
     Stats {
         /// The queue's topic (none: the default queue).
         #[arg(long)]

@@ -1713,7 +1713,12 @@ async fn the_dashboard_runs_a_queue() {
         QueueConfig::new(2, Duration::from_secs(3600)).topic("retrying"),
     ));
     retrying
-        .publish(QueueEvent::now("r", 1u32).with_id("r-1").with_urgency(7))
+        .publish(
+            QueueEvent::now("r", 1u32)
+                .with_id("r-1")
+                .with_urgency(7)
+                .with_owner(tito::QueueOwner::new("mailer", "r-owner")),
+        )
         .await
         .unwrap();
     let mut workers = tito::Workers::new();
@@ -1746,9 +1751,20 @@ async fn the_dashboard_runs_a_queue() {
     assert!(page.contains("data-figure=\"attempt\">2<"), "{page}");
     assert_eq!(page.matches("data-holder=\"w-1\"").count(), 1, "{page}");
     assert!(page.contains("data-figure=\"held\">2<"), "{page}");
+    // The stopped worker's report: its process and host, its one failed run, summed in the
+    // handler figures.
+    let (_, page) = send(&router, get("/queue?topic=retrying"), local).await;
+    let runner = format!("data-figure=\"runner\">pid {} on ", std::process::id());
+    assert!(page.contains(&runner), "{page}");
+    assert!(page.contains("(stopped)"), "{page}");
+    assert!(
+        page.contains("data-figure=\"failed\">1 (100.0%)<"),
+        "{page}"
+    );
+    assert!(page.contains("data-figure=\"runs\">1<"), "{page}");
 
     // Find by event id or by business key, from any partition's page.
-    for (find, found) in [("r-1", 1), ("r", 1), ("nobody", 0)] {
+    for (find, found) in [("r-1", 1), ("r", 1), ("nobody", 0), ("mailer%3Ar-owner", 1)] {
         let other = 1 - tito::queue::partition_for("r", 2);
         let path = format!("/queue?topic=retrying&partition={other}&find={find}");
         let (_, page) = send(&router, get(&path), local).await;
@@ -1826,4 +1842,369 @@ fn urlencode(text: &str) -> String {
             _ => format!("%{b:02X}"),
         })
         .collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Driving the dashboard in Chromium: the DevTools protocol over a pipe (fd 3 in, fd 4 out,
+// messages ending in NUL), so forms are filled and submitted by the browser itself, with its
+// own Origin header and navigation.
+// ---------------------------------------------------------------------------------------------
+
+struct Browser {
+    child: std::process::Child,
+    to: std::io::PipeWriter,
+    from: std::io::BufReader<std::io::PipeReader>,
+    next_id: u64,
+    session: String,
+    _profile: tempfile::TempDir,
+}
+
+impl Browser {
+    fn start() -> Browser {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::process::CommandExt;
+        let profile = tempfile::tempdir().unwrap();
+        let (child_reads, to) = std::io::pipe().unwrap();
+        let (from, child_writes) = std::io::pipe().unwrap();
+        let (r, w) = (child_reads.as_raw_fd(), child_writes.as_raw_fd());
+        let mut command = Command::new(chromium());
+        command
+            .args([
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--remote-debugging-pipe",
+            ])
+            .arg(format!("--user-data-dir={}", profile.path().display()))
+            .arg("about:blank")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null());
+        // SAFETY: between fork and exec only async-signal-safe calls (dup2) run.
+        unsafe {
+            command.pre_exec(move || {
+                if libc::dup2(r, 3) < 0 || libc::dup2(w, 4) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let child = command.spawn().expect("chromium starts");
+        drop((child_reads, child_writes));
+        let mut browser = Browser {
+            child,
+            to,
+            from: std::io::BufReader::new(from),
+            next_id: 0,
+            session: String::new(),
+            _profile: profile,
+        };
+        let target = browser.call(
+            "Target.createTarget",
+            serde_json::json!({"url": "about:blank"}),
+        );
+        let attached = browser.call(
+            "Target.attachToTarget",
+            serde_json::json!({"targetId": target["targetId"], "flatten": true}),
+        );
+        browser.session = attached["sessionId"].as_str().unwrap().to_string();
+        browser.call("Page.enable", serde_json::json!({}));
+        browser
+    }
+
+    fn send(&mut self, method: &str, params: serde_json::Value) -> u64 {
+        use std::io::Write;
+        self.next_id += 1;
+        let mut message =
+            serde_json::json!({"id": self.next_id, "method": method, "params": params});
+        if !self.session.is_empty() {
+            message["sessionId"] = self.session.clone().into();
+        }
+        let mut bytes = serde_json::to_vec(&message).unwrap();
+        bytes.push(0);
+        self.to.write_all(&bytes).unwrap();
+        self.next_id
+    }
+
+    /// The next message from the browser (a reply or an event).
+    fn receive(&mut self) -> serde_json::Value {
+        use std::io::BufRead;
+        let mut bytes = Vec::new();
+        let read = self.from.read_until(0, &mut bytes).unwrap();
+        assert!(read > 0, "chromium closed its pipe");
+        bytes.pop();
+        serde_json::from_slice(&bytes).unwrap()
+    }
+
+    /// Sends a command and returns its result (events that arrive meanwhile are dropped).
+    fn call(&mut self, method: &str, params: serde_json::Value) -> serde_json::Value {
+        let id = self.send(method, params);
+        loop {
+            let message = self.receive();
+            if message["id"].as_u64() == Some(id) {
+                assert!(message.get("error").is_none(), "{method}: {message}");
+                return message["result"].clone();
+            }
+        }
+    }
+
+    /// Runs `expression` and waits for the page load it starts (a navigation or a form post).
+    fn and_wait_for_load(&mut self, method: &str, params: serde_json::Value) {
+        let id = self.send(method, params);
+        let (mut replied, mut loaded) = (false, false);
+        while !(replied && loaded) {
+            let message = self.receive();
+            if message["id"].as_u64() == Some(id) {
+                assert!(message.get("error").is_none(), "{method}: {message}");
+                if let Some(thrown) = message["result"].get("exceptionDetails") {
+                    panic!("{method}: {thrown}");
+                }
+                replied = true;
+            }
+            if message["method"] == "Page.loadEventFired" {
+                loaded = true;
+            }
+        }
+    }
+
+    fn open(&mut self, url: &str) -> String {
+        self.and_wait_for_load("Page.navigate", serde_json::json!({"url": url}));
+        self.dom()
+    }
+
+    fn dom(&mut self) -> String {
+        let result = self.call(
+            "Runtime.evaluate",
+            serde_json::json!({"expression": "document.documentElement.outerHTML", "returnByValue": true}),
+        );
+        result["result"]["value"].as_str().unwrap().to_string()
+    }
+
+    /// Fills the form with id `form` on the page shown, clicks its button, and on the
+    /// confirmation page that follows clicks "Yes, do it". Returns the confirmation page and
+    /// the page the action answered with.
+    fn submit(&mut self, form: &str, fields: &[(&str, &str)]) -> (String, String) {
+        let mut script = format!(
+            "const f = document.getElementById({});",
+            serde_json::json!(form)
+        );
+        for (name, value) in fields {
+            script.push_str(&format!(
+                "f.querySelector('[name=' + {} + ']').value = {};",
+                serde_json::json!(name),
+                serde_json::json!(value)
+            ));
+        }
+        script.push_str("f.querySelector('button').click();");
+        self.and_wait_for_load(
+            "Runtime.evaluate",
+            serde_json::json!({"expression": script}),
+        );
+        let confirmation = self.dom();
+        self.and_wait_for_load(
+            "Runtime.evaluate",
+            serde_json::json!({"expression": "document.getElementById('confirm').click()"}),
+        );
+        (confirmation, self.dom())
+    }
+}
+
+impl Drop for Browser {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Every operator action of the queue page, filled in and submitted in Chromium, confirmed on
+/// the confirmation page, and read back through the runtime.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_runs_a_queue_from_a_browser() {
+    use tito::queue as q;
+    let dir = tempfile::tempdir().unwrap();
+    let db = Embedded::open(dir.path()).await.unwrap();
+    let queue = Arc::new(Queue::new(
+        db.clone(),
+        QueueConfig::new(2, Duration::from_secs(3600)).topic("ops"),
+    ));
+    let owner = tito::QueueOwner::new("account", "9");
+    for n in 0..4u32 {
+        let mut event = QueueEvent::now(format!("k{n}"), n).with_id(format!("e{n}"));
+        if n >= 2 {
+            event = event.with_owner(owner.clone());
+        }
+        queue.publish(event).await.unwrap();
+    }
+    // Two dead invocations (a worker whose policy gives up at once), for retry and discard.
+    let dead = Arc::new(Queue::new(
+        db.clone(),
+        QueueConfig::new(1, Duration::from_secs(3600)).topic("ops-dead"),
+    ));
+    let fail = |_: QueueEvent<u32>| async {
+        Err::<QueueHandlerOutcome<u32>, _>(tito::TitoError::handler("no"))
+    };
+    for n in 0..2u32 {
+        let event = QueueEvent::now("d", n).with_max_attempts(1);
+        dead.publish(event).await.unwrap();
+    }
+    let drained = q::testing::drain(dead.clone(), fail).await.unwrap();
+    assert_eq!(drained.dead, 2);
+
+    let app = tito_admin::Admin::new(db.clone()).router();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(tito_admin::serve(listener, app, async {
+        let _ = stopped.await;
+    }));
+    let base = format!("http://{addr}");
+    let pending_key = {
+        let partition = tito::queue::partition_for("k1", 2);
+        let page = tito::inspect::queue_scan(
+            &db,
+            Some("ops"),
+            tito::inspect::QueueState::Pending(partition),
+            None,
+            100,
+        )
+        .await
+        .unwrap();
+        page.items
+            .into_iter()
+            .find(|r| r.event.as_ref().is_some_and(|e| e.id == "e1"))
+            .unwrap()
+            .key
+    };
+
+    let ops = format!("{base}/queue?topic=ops");
+    let dead_page = format!("{base}/queue?topic=ops-dead");
+    let answers = tokio::task::spawn_blocking(move || {
+        let mut b = Browser::start();
+        let mut answers = Vec::new();
+        let mut act = |b: &mut Browser, page: &str, form: &str, fields: &[(&str, &str)]| {
+            b.open(page);
+            let (confirmation, done) = b.submit(form, fields);
+            answers.push((form.to_string(), confirmation, done));
+        };
+        act(
+            &mut b,
+            &ops,
+            "pause",
+            &[("partition", "1"), ("why", "disk full")],
+        );
+        act(&mut b, &ops, "pause", &[("why", "all stop")]);
+        act(&mut b, &ops, "resume", &[]);
+        act(
+            &mut b,
+            &ops,
+            "limits",
+            &[("concurrency", "3"), ("rate", "50/1m")],
+        );
+        act(
+            &mut b,
+            &ops,
+            "cancel",
+            &[("id", "e0"), ("why", "not wanted")],
+        );
+        act(
+            &mut b,
+            &ops,
+            "cancel-owner",
+            &[("kind", "account"), ("owner", "9"), ("why", "closed")],
+        );
+        act(
+            &mut b,
+            &ops,
+            "set-aside",
+            &[("key", &pending_key), ("why", "look later")],
+        );
+        act(&mut b, &dead_page, "retry-all-dead", &[]);
+        answers
+    })
+    .await
+    .unwrap();
+    for (form, confirmation, done) in &answers {
+        assert!(
+            confirmation.contains("id=\"confirm\""),
+            "{form}: {confirmation}"
+        );
+        assert!(!done.contains("id=\"confirm\""), "{form} was done: {done}");
+        assert!(!done.contains("Forbidden"), "{form}: {done}");
+    }
+
+    // Each action's effect, read through the runtime.
+    let paused = q::paused(&db, Some("ops")).await.unwrap();
+    assert!(paused.queue.is_none(), "resumed");
+    assert_eq!(paused.partitions[&1].why, "disk full");
+    let usage = q::limit_usage(&db, Some("ops")).await.unwrap();
+    assert_eq!(usage.limits.concurrency, Some(3));
+    assert_eq!(usage.limits.rate.unwrap().starts, 50);
+    let settled = |id: &'static str| {
+        let queue = queue.clone();
+        async move {
+            q::testing::settled(&queue, id, Duration::from_millis(1))
+                .await
+                .unwrap()
+        }
+    };
+    let cancelled = |s: q::testing::Settled| match s {
+        q::testing::Settled::Completed { cancelled } => cancelled,
+        other => panic!("not completed: {other:?}"),
+    };
+    assert_eq!(
+        cancelled(settled("e0").await).as_deref(),
+        Some("not wanted")
+    );
+    for id in ["e2", "e3"] {
+        assert_eq!(
+            cancelled(settled(id).await).as_deref(),
+            Some("closed"),
+            "{id}"
+        );
+    }
+    let aside = tito::inspect::queue_aside(&db, Some("ops"), None, 100)
+        .await
+        .unwrap();
+    assert_eq!(aside.items.len(), 1, "e1 set aside");
+    assert_eq!(dead.dead(None, 10).await.unwrap().len(), 0, "dead retried");
+    assert_eq!(
+        support_pending(&dead).await,
+        2,
+        "retried rows are pending again"
+    );
+
+    // Discard: make them dead again, then discard all from the browser.
+    let drained = q::testing::drain(dead.clone(), fail).await.unwrap();
+    assert_eq!(drained.dead, 2, "retried rows keep their attempts");
+    assert_eq!(dead.dead(None, 10).await.unwrap().len(), 2);
+    let dead_page = format!("{base}/queue?topic=ops-dead");
+    tokio::task::spawn_blocking(move || {
+        let mut b = Browser::start();
+        b.open(&dead_page);
+        let (confirmation, _) = b.submit("discard-all-dead", &[]);
+        assert!(confirmation.contains("id=\"confirm\""), "{confirmation}");
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        dead.dead(None, 10).await.unwrap().len(),
+        0,
+        "dead discarded"
+    );
+    assert_eq!(support_pending(&dead).await, 0);
+
+    let _ = stop.send(());
+    server.await.unwrap().unwrap();
+    db.close().await.unwrap();
+}
+
+async fn support_pending<E: tito::TitoEngine>(queue: &Queue<E>) -> usize {
+    let mut total = 0;
+    for p in 0..queue.config().partitions {
+        total += queue.pending_count(p).await.unwrap();
+    }
+    total
 }

@@ -258,7 +258,20 @@ pub struct QueueOverview {
     pub members: Vec<String>,
     /// The cluster coordinator, if one holds a valid lease.
     pub coordinator: Option<String>,
+    /// The reports of workers that ran on the queue within [`REPORT_SHOWN`] (their host, age
+    /// and handler figures), newest first.
+    pub workers: Vec<crate::queue::WorkerReport>,
+    /// Handler runs of the last [`THROUGHPUT_MINUTES`] minutes (the current one partial),
+    /// summed over those workers' reports (each written every
+    /// [`REPORT_EVERY`](crate::queue::REPORT_EVERY)).
+    pub handlers: crate::queue::MinuteFigures,
 }
+
+/// How long after its last write a worker's report is still shown.
+pub const REPORT_SHOWN: std::time::Duration = std::time::Duration::from_secs(15 * 60);
+
+/// How many worker reports an overview reads at most.
+pub const REPORTS_READ: usize = 256;
 
 /// How many minutes of throughput an overview shows.
 pub const THROUGHPUT_MINUTES: u64 = 5;
@@ -332,6 +345,7 @@ pub async fn queue_overview<E: TitoEngine>(
         let dead_end = keys::prefix_end(dead_prefix.clone());
         let dead = count_in(tx, dead_prefix.as_bytes(), dead_end.as_bytes(), COUNT_BOUND).await?;
         let paused = crate::queue::read_paused(tx, &root).await?;
+        let (workers, handlers) = worker_reports(tx, &root, now_ms).await?;
         let minute_start = now_s - now_s % 60;
         let mut completed_per_minute = Vec::new();
         for minute in 0..THROUGHPUT_MINUTES {
@@ -360,6 +374,8 @@ pub async fn queue_overview<E: TitoEngine>(
             completed_per_minute,
             members: Vec::new(),
             coordinator: None,
+            workers,
+            handlers,
         })
     })
     .await?;
@@ -373,6 +389,36 @@ pub async fn queue_overview<E: TitoEngine>(
         overview.limits = crate::queue::limit_usage(db, topic).await?;
     }
     Ok(overview)
+}
+
+/// The reports written within [`REPORT_SHOWN`] of `now_ms`, newest first, and their handler
+/// figures of the last [`THROUGHPUT_MINUTES`] minutes summed. A report that does not parse is
+/// left out.
+async fn worker_reports<X: TitoTransaction>(
+    tx: &X,
+    root: &str,
+    now_ms: u64,
+) -> TitoResult<(Vec<crate::queue::WorkerReport>, crate::queue::MinuteFigures)> {
+    let prefix = crate::queue::report_prefix(root);
+    let end = keys::prefix_end(prefix.clone());
+    let shown_ms = REPORT_SHOWN.as_millis() as u64;
+    let mut reports: Vec<crate::queue::WorkerReport> = tx
+        .scan(prefix.as_bytes(), end.as_bytes(), REPORTS_READ)
+        .await?
+        .into_iter()
+        .filter_map(|(_, value)| serde_json::from_slice(&value).ok())
+        .filter(|r: &crate::queue::WorkerReport| now_ms.saturating_sub(r.written_ms) <= shown_ms)
+        .collect();
+    reports.sort_by_key(|r| std::cmp::Reverse(r.written_ms));
+    let since = (now_ms / 60_000).saturating_sub(THROUGHPUT_MINUTES - 1);
+    let mut handlers = crate::queue::MinuteFigures {
+        minute: since,
+        ..Default::default()
+    };
+    for report in &reports {
+        handlers.add(&report.since(since));
+    }
+    Ok((reports, handlers))
 }
 
 fn add(total: &mut Count, part: Count) {
@@ -462,6 +508,40 @@ pub struct QueueRow {
     pub undecodable: Option<UndecodableNote>,
 }
 
+/// Up to `limit` pending and completed rows of one owner (by its owner keys), with their values.
+async fn owned_rows<E: TitoEngine>(
+    db: &E,
+    root: &str,
+    kind: &str,
+    owner: &str,
+    limit: usize,
+) -> TitoResult<Vec<(Vec<u8>, Vec<u8>)>> {
+    let prefix = keys::owner_prefix(root, kind, owner);
+    let end = keys::prefix_end(prefix.clone());
+    read_only(db, async |tx| {
+        let mut targets = Vec::new();
+        for (key, _) in tx.scan(prefix.as_bytes(), end.as_bytes(), limit).await? {
+            let Ok(text) = keys::key_str(&key) else {
+                continue;
+            };
+            let state = text[prefix.len()..].split(':').next().unwrap_or_default();
+            if state == keys::OWNER_DEAD {
+                continue;
+            }
+            if let Ok(target) = keys::owner_key_target(text) {
+                targets.push(target.into_bytes());
+            }
+        }
+        let values = tx.batch_get(&targets).await?;
+        Ok(targets
+            .into_iter()
+            .zip(values)
+            .filter_map(|(key, value)| value.map(|v| (key, v)))
+            .collect())
+    })
+    .await
+}
+
 /// A page of a queue's pending rows of one partition (in due order) or of its completed rows
 /// (newest first), at most `limit` (1 to [`MAX_PAGE_LIMIT`]), continuing from `cursor`.
 /// Malformed rows are returned with their raw bytes, never skipped.
@@ -508,8 +588,9 @@ pub async fn queue_scan<E: TitoEngine>(
 }
 
 /// The invocations of the queue named `topic` a search finds, whatever their partition: the
-/// one whose event id is `text` (pending or completed), and the pending ones whose business key
-/// is `text` (read from the key's own partition, at most `limit` rows, 1 to
+/// one whose event id is `text` (pending or completed); for a `text` written `kind:id`, that
+/// owner's pending and completed invocations (at most `limit`); and the pending ones whose
+/// business key is `text` (read from the key's own partition, at most `limit` rows, 1 to
 /// [`MAX_PAGE_LIMIT`]). An empty text finds nothing.
 pub async fn queue_find<E: TitoEngine>(
     db: &E,
@@ -541,6 +622,22 @@ pub async fn queue_find<E: TitoEngine>(
             QueueState::Completed
         };
         found.push(queue_row(&root, state, &key, &value));
+    }
+    // By owner, written `kind:id`: the owner's pending and completed invocations.
+    if let Some((kind, owner)) = text.split_once(':')
+        && !kind.is_empty()
+        && !owner.is_empty()
+    {
+        for (key, value) in owned_rows(db, &root, kind, owner, limit).await? {
+            if !found.iter().any(|f| f.key.as_bytes() == key.as_slice()) {
+                let state = if key.starts_with(format!("{root}:pending:").as_bytes()) {
+                    QueueState::Pending(0)
+                } else {
+                    QueueState::Completed
+                };
+                found.push(queue_row(&root, state, &key, &value));
+            }
+        }
     }
     // By business key: the pending rows of its partition that carry it.
     let Some(partitions) = queues(db, MAX_PAGE_LIMIT)

@@ -393,6 +393,31 @@ fn stats_text(o: &inspect::QueueOverview) -> String {
             o.members.join(",")
         ));
     }
+    let h = &o.handlers;
+    out.push_str(&format!(
+        "\nhandlers in the last {} minutes: {} runs, {} failed{}",
+        inspect::THROUGHPUT_MINUTES,
+        h.runs,
+        h.failed,
+        match h.mean_ms() {
+            Some(mean) => format!(", mean {mean} ms, longest {} ms", h.max_ms),
+            None => String::new(),
+        }
+    ));
+    let since = (o.now_ms / 60_000).saturating_sub(inspect::THROUGHPUT_MINUTES - 1);
+    for w in &o.workers {
+        let f = w.since(since);
+        out.push_str(&format!(
+            "\nworker {} ({}): started {} s ago, reported {} s ago{}, {} runs, {} failed",
+            w.worker,
+            w.runner,
+            o.now_ms.saturating_sub(w.started_ms) / 1000,
+            o.now_ms.saturating_sub(w.written_ms) / 1000,
+            if w.stopped { " (stopped)" } else { "" },
+            f.runs,
+            f.failed,
+        ));
+    }
     out.push_str(&format!(
         "\n{:>9} {:>10} {:>10} {:>8}  {}",
         "PARTITION", "DUE NOW", "LATER", "LATE S", "LEASE"

@@ -130,9 +130,11 @@ pub use pull::{MAX_PASS_AGE, RESTART_BUDGET, SCAN_ROWS};
 pub use topic::{QueueSpec, TopicQueue, WorkerQueue};
 pub use unique::{MAX_UNIQUE_KEY_BYTES, MAX_UNIQUE_PERIOD, Unique, UniqueStates};
 pub(crate) use worker::AfterFailure;
+pub(crate) use worker::report_prefix;
 pub use worker::{
-    FailurePolicy, MAX_ATTEMPTS, MAX_SETTING, MIN_LEASE, Shutdown, WorkerConfig,
-    run_cluster_worker, run_transactional_worker, run_worker,
+    FailurePolicy, MAX_ATTEMPTS, MAX_SETTING, MIN_LEASE, MinuteFigures, REPORT_EVERY, REPORT_KEPT,
+    REPORT_MINUTES, Shutdown, WorkerConfig, WorkerReport, run_cluster_worker,
+    run_transactional_worker, run_worker,
 };
 
 use crate::engine::{self, TitoEngine, TitoTransaction};

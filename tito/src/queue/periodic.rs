@@ -269,24 +269,9 @@ impl Cursor {
             last,
             schedule: Some(schedule.describe()),
             next: schedule.next(last),
-            runner: Some(runner().to_string()),
+            runner: Some(crate::util::runner().to_string()),
         }
     }
-}
-
-/// This process, as a schedule's cursor names the runner that wrote it: `pid N on HOST`.
-fn runner() -> &'static str {
-    static RUNNER: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    RUNNER.get_or_init(|| {
-        let host = std::fs::read_to_string("/etc/hostname")
-            .ok()
-            .map(|h| h.trim().to_string())
-            .filter(|h| !h.is_empty())
-            .or_else(|| std::env::var("HOSTNAME").ok())
-            .or_else(|| std::env::var("COMPUTERNAME").ok())
-            .unwrap_or_else(|| "an unnamed host".into());
-        format!("pid {} on {host}", std::process::id())
-    })
 }
 
 /// What one look at a schedule did.

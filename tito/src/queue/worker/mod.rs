@@ -19,10 +19,13 @@ mod leases;
 mod outcome;
 mod policy;
 mod pulling;
+mod report;
 
 pub(in crate::queue) use outcome::{complete, remove_pending};
 pub(crate) use policy::AfterFailure;
 pub use policy::{FailurePolicy, MAX_ATTEMPTS};
+pub(crate) use report::report_prefix;
+pub use report::{MinuteFigures, REPORT_EVERY, REPORT_KEPT, REPORT_MINUTES, WorkerReport};
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -565,6 +568,8 @@ where
         config.lease_duration / 3,
         leases.holder(),
     );
+    let mut reporter = report::Reporter::new(leases.id());
+    pulling.figures = reporter.figures.clone();
     // Invocations handed to handlers and not yet settled (running, or outcome not committed),
     // with their partitions: the partitions that cannot be released yet.
     let mut in_flight: HashMap<String, u32> = HashMap::new();
@@ -577,6 +582,7 @@ where
         stopping = stopping || stop.requested();
         let busy: HashSet<u32> = in_flight.values().copied().collect();
         leases.tick(&busy, stopping).await;
+        reporter.write_if_due(&queue).await;
         stopping = stopping || stop.requested();
         if !stopping {
             pulling.sync(leases.runnable());
@@ -655,6 +661,7 @@ where
     let _ = stop_maintenance.send(true);
     maintenance.join_within(MAINTENANCE_DRAIN).await;
     leases.release_all().await;
+    reporter.write(&queue, true).await;
     Ok(())
 }
 

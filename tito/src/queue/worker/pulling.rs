@@ -38,6 +38,8 @@ pub(super) struct Pulling {
     concurrency: usize,
     /// Invocations whose handler failed, not started again before their pause ends.
     pub cooling: Cooling,
+    /// Handler runs per minute, for the worker's report.
+    pub figures: std::sync::Arc<super::report::Figures>,
     /// Pending rows that do not decode as this worker's event type: a row never changes, so
     /// each costs this worker one attempt, then is stepped over (see [`MAX_UNDECODABLE_KEPT`]).
     undecodable: std::collections::HashSet<String>,
@@ -100,6 +102,7 @@ impl Pulling {
             page_size,
             concurrency,
             cooling: Cooling::default(),
+            figures: Default::default(),
             undecodable: std::collections::HashSet::new(),
             seen: 0,
             paused: Paused::default(),
@@ -447,12 +450,15 @@ impl Pulling {
                 self.tokens
                     .insert(running.pulled.key.clone(), token.clone());
                 let work = with_cancellation(token, invoke(running, event));
+                let figures = self.figures.clone();
                 handlers.spawn(
                     async move {
                         let started = std::time::Instant::now();
                         let done = work.await;
+                        let took = started.elapsed();
                         metrics::histogram!(names::QUEUE_HANDLER_SECONDS, "queue" => label)
-                            .record(started.elapsed().as_secs_f64());
+                            .record(took.as_secs_f64());
+                        figures.record(took, matches!(done.1, Report::Failed(_)));
                         done
                     }
                     .instrument(span),
