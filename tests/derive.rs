@@ -4,7 +4,7 @@
 use chrono::{DateTime, TimeZone, Utc};
 use serde::{Deserialize, Serialize};
 use tito::model::{TitoIndexBlockType, TitoIndexConfig, TitoIndexField, TitoModelTrait};
-use tito::{TitoEngine, TitoModel};
+use tito::{TitoEngine, TitoError, TitoModel};
 
 use crate::support::Ctx;
 
@@ -337,6 +337,31 @@ pub async fn typed_query_arguments_take_what_converts<E: TitoEngine>(ctx: Ctx<E>
         assert_eq!(found.map(|b| b.id), Some("b1".to_string()));
     }
     assert_eq!(bookings.get_booking_by_slot(room, 4).await.unwrap(), None);
+    // An empty string is accepted on write and makes no entry (indexes are sparse): a query or
+    // a unique lookup for it says so rather than that "" is not a string.
+    let mut blank = order(7, "", 3, 100);
+    blank.number = String::new();
+    orders.build(blank).await.unwrap();
+    bookings
+        .build(Booking {
+            id: "b2".into(),
+            room: String::new(),
+            day: 3,
+        })
+        .await
+        .unwrap();
+    for refused in [
+        orders.order_by_customer_date("").execute().await.err(),
+        orders.get_order_by_number(String::new()).await.err(),
+        bookings.get_booking_by_slot("", 3).await.err(),
+    ] {
+        match refused {
+            Some(TitoError::InvalidArgument(why)) => {
+                assert!(why.contains("empty string never matches"), "{why}")
+            }
+            other => panic!("refused with a clear error: {other:?}"),
+        }
+    }
 }
 
 /// serde renames the stored keys; the indexes follow them.

@@ -528,11 +528,12 @@ async fn tikv_a_limited_start_costs_one_gate_and_one_release_commit() {
         commits(&counted[1]),
         commits(&counted[2]),
     );
-    // Plain: two transactions that write, the lease (with the worker's heartbeat) and the
+    // Plain: three transactions that write, the lease (with the worker's heartbeat), the
+    // worker's first report (one key, written as it starts and then every 10 s) and the
     // outcome. A limit adds two, the gate's and the release's, whatever the number of limits
     // (the gate resolves an unknown outcome, so it writes a commit marker beside its slots:
     // one more commit request for the secondaries).
-    assert_eq!(plain, (Some(2), Some(4)), "{counted:?}");
-    assert_eq!(limited, (Some(4), Some(7)), "{counted:?}");
-    assert_eq!(both.0, Some(4), "{counted:?}");
+    assert_eq!(plain, (Some(3), Some(5)), "{counted:?}");
+    assert_eq!(limited, (Some(5), Some(8)), "{counted:?}");
+    assert_eq!(both.0, Some(5), "{counted:?}");
 }

@@ -365,7 +365,11 @@ fn queue_state(paused: &tito::queue::Paused) -> String {
     if paused.partitions.is_empty() {
         return "running".into();
     }
-    let which: Vec<String> = paused.partitions.keys().map(|p| p.to_string()).collect();
+    let which: Vec<String> = paused
+        .partitions
+        .iter()
+        .map(|(p, pause)| format!("{p}: {}", esc(&pause.why)))
+        .collect();
     format!(
         "<span class=\"warn\">{} partition{} paused</span> ({})",
         which.len(),
@@ -428,7 +432,12 @@ pub(crate) fn queue(data: &QueueData, started: Instant) -> String {
         (Some(pause), _) => format!("yes: {}", pause.why),
         (None, 0) => "no".to_string(),
         (None, n) => {
-            let list: Vec<String> = o.paused.partitions.keys().map(u32::to_string).collect();
+            let list: Vec<String> = o
+                .paused
+                .partitions
+                .iter()
+                .map(|(p, pause)| format!("{p}: {}", pause.why))
+                .collect();
             format!(
                 "{n} partition{} ({})",
                 if n == 1 { "" } else { "s" },

@@ -304,17 +304,38 @@ async fn guard<E: TitoEngine>(
     html::BASE.scope(base, next.run(request)).await
 }
 
-/// Whether a request's `Origin` (when it has one) names its `Host`.
+/// Whether a post comes from this dashboard's own pages: a browser's `Sec-Fetch-Site` (when
+/// sent) says `same-origin` or `none` (typed by the user); the `Origin`, or without one the
+/// `Referer`, names the request's `Host`. A request with none of them (a script, `curl`) is not a
+/// browser's cross-site post and passes. The scheme is not compared: behind a proxy that ends
+/// TLS the page is `https` while the dashboard serves plain HTTP, and a page of another scheme
+/// on the same host and port cannot exist.
 fn same_origin(headers: &HeaderMap) -> bool {
-    let Some(origin) = headers.get(header::ORIGIN) else {
-        return true;
+    let text = |name| {
+        headers
+            .get(name)
+            .and_then(|v: &axum::http::HeaderValue| v.to_str().ok())
     };
-    let host = headers.get(header::HOST).and_then(|h| h.to_str().ok());
-    let origin_host = origin
-        .to_str()
-        .ok()
-        .and_then(|o| o.split_once("://").map(|(_, rest)| rest));
-    matches!((origin_host, host), (Some(o), Some(h)) if o == h)
+    if let Some(site) = headers.get("sec-fetch-site") {
+        if !matches!(site.to_str(), Ok("same-origin" | "none")) {
+            return false;
+        }
+    }
+    let host = text(header::HOST);
+    let authority = |url: &str| {
+        url.split_once("://").map(|(_, rest)| {
+            rest.split(['/', '?', '#'])
+                .next()
+                .unwrap_or_default()
+                .to_string()
+        })
+    };
+    let named = match (headers.get(header::ORIGIN), text(header::REFERER)) {
+        (Some(origin), _) => origin.to_str().ok().and_then(authority),
+        (None, Some(referer)) => authority(referer),
+        (None, None) => return true,
+    };
+    matches!((named, host), (Some(o), Some(h)) if o == h)
 }
 
 /// A failed page: the error's message, with 400 for bad input and 500 otherwise.

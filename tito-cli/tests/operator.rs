@@ -248,6 +248,25 @@ async fn the_cli_reads_a_seeded_store() {
         run(&all)
     };
 
+    // A mistyped topic is refused by every queue command, never answered as an empty queue;
+    // so is a partition the queue does not have.
+    for args in [
+        &["queue", "dead", "--topic", "mial"][..],
+        &["queue", "peek", "--topic", "mial"],
+        &["queue", "limits", "--topic", "mial"],
+        &["queue", "aside", "--topic", "mial"],
+        &["queue", "schedules", "--topic", "mial"],
+        &["queue", "stats", "--topic", "mial"],
+        &["queue", "retry-dead", "x", "--topic", "mial"],
+        &["--json", "queue", "dead", "--topic", "mial"],
+    ] {
+        refused_with(&at(args), "no queue \"mial\" in this store (its queues: ");
+    }
+    refused_with(
+        &at(&["queue", "peek", "--topic", "flaky", "--partition", "99"]),
+        "no partition 99",
+    );
+
     let tables = stdout_json(&at(&["table", "ls", "--json"]));
     let rows: BTreeMap<String, u64> = tables
         .as_array()
@@ -343,7 +362,7 @@ async fn the_cli_reads_a_seeded_store() {
     let json = stdout_json(&at(&["queue", "stats", "--topic", "flaky", "--json"]));
     assert_eq!(json["paused"]["queue"]["why"], "mail server down");
     let typo = at(&["queue", "pause", "--topic", "flakey"]);
-    refused_with(&typo, "nothing was ever published");
+    refused_with(&typo, "no queue \"flakey\" in this store (its queues: ");
     let beyond = at(&["queue", "pause", "--topic", "flaky", "--partition", "999"]);
     refused_with(&beyond, "partitions 0 to");
     let resumed = stdout_json(&at(&["queue", "resume", "--topic", "flaky", "--json"]));
@@ -911,7 +930,7 @@ async fn the_dashboard_shows_the_seeded_figures_in_a_browser() {
         .and_then(|row| row.split("</tr>").next())
         .unwrap();
     assert!(mail.contains("1 partition paused"), "{mail}");
-    assert!(mail.contains("(1)"), "{mail}");
+    assert!(mail.contains("(1: smtp down)"), "{mail}");
     // The links resolve under the mount point.
     assert!(overview.contains("<base href=\"/tito/\">"), "{overview}");
     assert!(
@@ -1598,6 +1617,20 @@ async fn the_dashboard_runs_a_queue() {
                 .headers_mut()
                 .insert("origin", "http://evil.example".parse().unwrap());
             assert_eq!(send(&router, cross, local).await.0, StatusCode::FORBIDDEN);
+            // Without an Origin, a foreign Referer or a browser's cross-site mark is refused too.
+            for (name, value) in [
+                ("referer", "http://evil.example/page"),
+                ("sec-fetch-site", "cross-site"),
+                ("sec-fetch-site", "same-site"),
+            ] {
+                let mut cross = post("/queue-action", &format!("{form}&confirm=yes"));
+                cross.headers_mut().insert(name, value.parse().unwrap());
+                assert_eq!(
+                    send(&router, cross, local).await.0,
+                    StatusCode::FORBIDDEN,
+                    "{name}: {value}"
+                );
+            }
             let (status, done) = send(
                 &router,
                 post("/queue-action", &format!("{form}&confirm=yes")),
@@ -1616,6 +1649,11 @@ async fn the_dashboard_runs_a_queue() {
     let now = paused(db.clone()).await;
     assert!(now.queue.is_none());
     assert_eq!(now.partitions[&1].why, "smtp down");
+    let (_, page) = send(&router, get("/queue?topic=flaky"), local).await;
+    assert!(
+        page.contains("data-figure=\"paused\">1 partition (1: smtp down)<"),
+        "the queue page says why: {page}"
+    );
     act("action=pause&topic=flaky&why=all+down").await;
     assert!(paused(db.clone()).await.queue.is_some());
     act("action=resume&topic=flaky").await;

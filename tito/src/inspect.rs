@@ -195,6 +195,13 @@ pub async fn queues<E: TitoEngine>(db: &E, limit: usize) -> TitoResult<Vec<Queue
     .await
 }
 
+/// Whether the store holds anything of the queue named `topic` (`None`: the default queue): a
+/// row, a pause, limits, a lease, its partition count. A mistyped name holds nothing.
+pub async fn queue_exists<E: TitoEngine>(db: &E, topic: Option<&str>) -> TitoResult<bool> {
+    let prefix = format!("{}{}", keys::queue_root(topic), keys::SEPARATOR);
+    Ok(count_prefix(db, &prefix, 1).await?.value > 0)
+}
+
 async fn partitions_of<X: TitoTransaction>(tx: &X, root: &str) -> TitoResult<Option<u32>> {
     crate::queue::stored_partition_count(tx, root).await
 }

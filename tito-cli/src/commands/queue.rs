@@ -36,27 +36,41 @@ async fn which<E: TitoEngine>(
     topic: Option<String>,
 ) -> Result<(Option<String>, String), Failure> {
     let queues = inspect::queues(db, 1000).await?;
-    match topic {
+    let resolved = match topic {
         Some(t)
             if t == "default" && !queues.iter().any(|q| q.topic.as_deref() == Some("default")) =>
         {
-            Ok((None, "default".into()))
+            (None, "default".to_string())
         }
-        Some(t) => Ok((Some(t.clone()), t)),
+        Some(t) => (Some(t.clone()), t),
         None => match queues.as_slice() {
-            [] => Ok((None, "default".into())),
-            [only] => Ok((only.topic.clone(), only.label.clone())),
+            [] => return Err(Failure("this store has no queue".into())),
+            [only] => return Ok((only.topic.clone(), only.label.clone())),
             several => {
                 let names: Vec<&str> = several.iter().map(|q| q.label.as_str()).collect();
-                Err(Failure(format!(
+                return Err(Failure(format!(
                     "this store has {} queues ({}): name one with --topic NAME (--topic default \
                      for the queue without a topic)",
                     several.len(),
                     names.join(", ")
-                )))
+                )));
             }
         },
+    };
+    // A mistyped name is not an empty queue: a queue exists once any key lives under its root.
+    if !inspect::queue_exists(db, resolved.0.as_deref()).await? {
+        let names: Vec<&str> = queues.iter().map(|q| q.label.as_str()).collect();
+        return Err(Failure(format!(
+            "no queue {:?} in this store ({})",
+            resolved.1,
+            if names.is_empty() {
+                "it has none".to_string()
+            } else {
+                format!("its queues: {}", names.join(", "))
+            }
+        )));
     }
+    Ok(resolved)
 }
 
 /// `--topic NAME` for a hint, or nothing for the default queue.
@@ -111,6 +125,18 @@ pub(crate) async fn run<E: TitoEngine>(db: E, mut command: QueueCommand, json: b
             let state = if completed {
                 QueueState::Completed
             } else {
+                let count = inspect::queues(&db, 1000)
+                    .await?
+                    .into_iter()
+                    .find(|q| q.topic == topic)
+                    .and_then(|q| q.partitions);
+                if let Some(count) = count.filter(|count| partition >= *count) {
+                    return Err(Failure(format!(
+                        "queue {label} has {count} partition{} (0 to {}): no partition {partition}",
+                        if count == 1 { "" } else { "s" },
+                        count - 1
+                    )));
+                }
                 QueueState::Pending(partition)
             };
             let page =

@@ -26,8 +26,8 @@ pub(crate) async fn check_meta<X: TitoTransaction>(
     match stored_partitions(tx, root).await? {
         Some(stored) if stored != partitions => Err(TitoError::invalid_argument(format!(
             "queue {root:?} has {stored} partitions; this handle was configured with {partitions} \
-             (open it with QueueConfig::new({stored}, ..); a model's events use the store's \
-             partition count, db.partitions())"
+             (declare it with TOPIC.spec({stored}, ..) or QueueConfig::new({stored}, ..); a \
+             model's events use the store's partition count, db.partitions())"
         ))),
         Some(_) => Ok(true),
         None => {

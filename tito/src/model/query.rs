@@ -314,6 +314,12 @@ fn map_bound<V: Serialize>(bound: Bound<&V>) -> Bound<TitoResult<Value>> {
 }
 
 fn typed(value: &Value, field: &str, kind: TitoIndexBlockType) -> TitoResult<KeyValue> {
+    if kind == TitoIndexBlockType::String && value.as_str() == Some("") {
+        return Err(TitoError::invalid_argument(format!(
+            "an empty string never matches field {field:?}: indexes are sparse, and a row whose \
+             {field:?} is empty has no entry in this index (find such rows with a scan of the table)"
+        )));
+    }
     index::coerce(value, kind).ok_or_else(|| {
         TitoError::invalid_argument(format!(
             "value {value} does not fit field {field:?} of type {kind:?}"
