@@ -316,10 +316,10 @@ fn same_origin(headers: &HeaderMap) -> bool {
             .get(name)
             .and_then(|v: &axum::http::HeaderValue| v.to_str().ok())
     };
-    if let Some(site) = headers.get("sec-fetch-site") {
-        if !matches!(site.to_str(), Ok("same-origin" | "none")) {
-            return false;
-        }
+    if let Some(site) = headers.get("sec-fetch-site")
+        && !matches!(site.to_str(), Ok("same-origin" | "none"))
+    {
+        return false;
     }
     let host = text(header::HOST);
     let authority = |url: &str| {
