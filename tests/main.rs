@@ -14,6 +14,7 @@ mod embedded;
 mod engine_conformance;
 mod engine_embedded;
 mod engine_memory;
+mod engine_sqlite;
 mod engine_tikv;
 mod guarantees;
 mod inbox;

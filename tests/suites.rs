@@ -1,5 +1,5 @@
 //! The feature suites (models, derive, queue, cluster, kv, inbox, defects, boundary) on every backend
-//! (embedded, TiKV through the test server, memory): one line per suite.
+//! (embedded, TiKV through the test server, memory, SQLite): one line per suite.
 
 mod embedded {
     mod models {
@@ -117,5 +117,38 @@ mod memory {
     }
     mod boundary {
         crate::boundary_suite!(crate::support::MemoryBackend);
+    }
+}
+
+mod sqlite {
+    mod models {
+        crate::models_suite!(crate::support::SqliteBackend);
+    }
+    mod derive {
+        crate::derive_suite!(crate::support::SqliteBackend);
+    }
+    mod queue {
+        crate::queue_suite!(crate::support::SqliteBackend);
+    }
+    mod queue_composed {
+        crate::queue_composed_suite!(crate::support::SqliteBackend);
+    }
+    mod queue_declared {
+        crate::queue_declared_suite!(crate::support::SqliteBackend);
+    }
+    mod kv {
+        crate::kv_suite!(crate::support::SqliteBackend);
+    }
+    mod cluster {
+        crate::cluster_suite!(crate::support::SqliteBackend);
+    }
+    mod inbox {
+        crate::inbox_suite!(crate::support::SqliteBackend);
+    }
+    mod defects {
+        crate::defects_suite!(crate::support::SqliteBackend);
+    }
+    mod boundary {
+        crate::boundary_suite!(crate::support::SqliteBackend);
     }
 }

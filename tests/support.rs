@@ -57,6 +57,23 @@ impl Backend for EmbeddedBackend {
     }
 }
 
+/// The SQLite engine, in a temporary directory.
+pub struct SqliteBackend;
+
+impl Backend for SqliteBackend {
+    type Engine = tito::backend::sqlite::Sqlite;
+    async fn make() -> Option<Ctx<tito::backend::sqlite::Sqlite>> {
+        let db = tito::backend::sqlite::Sqlite::temporary()
+            .await
+            .expect("open a temporary sqlite store");
+        Some(Ctx {
+            db,
+            ns: "t:".into(),
+            cluster: None,
+        })
+    }
+}
+
 /// The in-memory engine, on the host clock.
 pub struct MemoryBackend;
 

@@ -4,5 +4,7 @@
 
 pub mod embedded;
 pub mod memory;
+#[cfg(feature = "sqlite")]
+pub mod sqlite;
 #[cfg(feature = "tikv")]
 pub mod tikv;

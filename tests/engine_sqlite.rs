@@ -1,0 +1,3 @@
+//! The storage contract on the SQLite engine.
+
+crate::conformance_suite!(crate::support::SqliteBackend);
