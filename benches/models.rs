@@ -1,6 +1,7 @@
 //! Models at scale, side by side at equal durability: Tito on the embedded engine, the raw
 //! engine doing the same key reads and writes (the limit of the model layer), and SQLite through
-//! rusqlite (WAL, the same two secondary indexes: the peer a Rust user would pick instead).
+//! rusqlite (WAL, the same two secondary indexes, the team's ending in the id so that SQLite
+//! reads a team's newest in index order as Tito does: the peer a Rust user would pick instead).
 //!
 //! The table: users with a unique email and a (team, created) index, 20 users per team. Three
 //! operations, one task: insert of a new user (one transaction each), read by id, and the 10
@@ -15,8 +16,10 @@
 //!
 //! `cargo bench --bench models`. `TITO_BENCH_SECS` sets the seconds per cell (default 2),
 //! `TITO_BENCH_RAW=0` leaves the raw engine out (Tito and SQLite alone in the process),
-//! `TITO_BENCH_ROWS` the sizes (default `2000,200000,1000000`), `TITO_BENCH_NAME_BYTES` a wider
-//! row (the display name padded to that many bytes). Two more columns, beside the raw engine:
+//! `TITO_BENCH_ROWS` the sizes (default `20000,200000,1000000`), `TITO_BENCH_NAME_BYTES` the
+//! display name's length (default 200 characters). `--features bench-tito-sqlite` runs Tito and
+//! the raw columns on the SQLite engine instead of the embedded one. Two more columns, beside
+//! the raw engine:
 //! the raw engine with key-only index entries (the entry holds the row's id; a query reads the
 //! rows in one batch after the entries), and a candidate replacement engine doing the raw
 //! engine's reads and writes in the same run: fjall 3 with `--features bench-fjall`, redb 2 (a
@@ -27,7 +30,23 @@ use std::time::{Duration, Instant, SystemTime};
 
 use rusqlite::{Connection, params};
 use serde::{Deserialize, Serialize};
-use tito::backend::embedded::{Durability, Embedded, EmbeddedOptions};
+use tito::backend::embedded::Durability;
+#[cfg(not(feature = "bench-tito-sqlite"))]
+use tito::backend::embedded::{Embedded, EmbeddedOptions};
+
+/// The engine under Tito's and the raw columns: the embedded engine, or with
+/// `--features bench-tito-sqlite` the SQLite engine (`tito::backend::sqlite`).
+#[cfg(not(feature = "bench-tito-sqlite"))]
+type Db = Embedded;
+#[cfg(feature = "bench-tito-sqlite")]
+type Db = tito::backend::sqlite::Sqlite;
+
+/// The engine's name in the printed lines.
+const ENGINE: &str = if cfg!(feature = "bench-tito-sqlite") {
+    "sqlite engine"
+} else {
+    "embedded engine (surrealkv)"
+};
 use tito::keys::{self, KeyValue};
 use tito::model::TitoOptions;
 use tito::{TitoEngine, TitoModel, TitoTransaction};
@@ -62,14 +81,14 @@ fn user(i: u64, teams: u64) -> User {
     }
 }
 
-/// `TITO_BENCH_NAME_BYTES`: the display name's length at least (a wider row; default 0, the
-/// name as it is, about 50 bytes).
+/// `TITO_BENCH_NAME_BYTES`: the display name's length at least (default 200 characters; 0 keeps
+/// the name as it is, about 50 bytes).
 fn padding() -> usize {
     static BYTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *BYTES.get_or_init(|| {
         std::env::var("TITO_BENCH_NAME_BYTES")
             .map(|s| s.parse().expect("TITO_BENCH_NAME_BYTES: a byte count"))
-            .unwrap_or(0)
+            .unwrap_or(200)
     })
 }
 
@@ -90,7 +109,7 @@ fn with_raw() -> bool {
 
 fn sizes() -> Vec<u64> {
     std::env::var("TITO_BENCH_ROWS")
-        .unwrap_or_else(|_| "2000,200000,1000000".into())
+        .unwrap_or_else(|_| "20000,200000,1000000".into())
         .split(',')
         .map(|s| {
             s.trim()
@@ -162,7 +181,19 @@ impl Pick {
     }
 }
 
-async fn open(dir: &Path, durability: Durability) -> Embedded {
+#[cfg(feature = "bench-tito-sqlite")]
+async fn open(dir: &Path, durability: Durability) -> Db {
+    let mut options = tito::backend::sqlite::SqliteOptions::new().durability(durability);
+    if let Ok(mb) = std::env::var("TITO_BENCH_CACHE_MB") {
+        options = options.cache_bytes(mb.parse::<u64>().unwrap() << 20);
+    }
+    tito::backend::sqlite::Sqlite::open_with(dir, options)
+        .await
+        .unwrap()
+}
+
+#[cfg(not(feature = "bench-tito-sqlite"))]
+async fn open(dir: &Path, durability: Durability) -> Db {
     let mut options = EmbeddedOptions::new().durability(durability);
     if let Ok(mb) = std::env::var("TITO_BENCH_CACHE_MB") {
         options = options.block_cache_bytes(mb.parse::<u64>().unwrap() << 20);
@@ -187,7 +218,7 @@ fn sqlite(dir: &Path, durable: bool) -> Connection {
     conn.execute_batch(
         "CREATE TABLE users (id TEXT PRIMARY KEY, email TEXT NOT NULL UNIQUE, team TEXT NOT NULL,
                              created INTEGER NOT NULL, body TEXT NOT NULL);
-         CREATE INDEX user_by_team_created ON users (team, created);",
+         CREATE INDEX user_by_team_created ON users (team, created, id);",
     )
     .unwrap();
     conn
@@ -336,7 +367,7 @@ async fn raw_insert<X: TitoTransaction>(tx: &X, row: &User, entries: Entries) {
 }
 
 /// Tito's 10 newest users of a team, checked.
-async fn tito_newest(users: &TitoModel<Embedded, User>, team: &str) {
+async fn tito_newest(users: &TitoModel<Db, User>, team: &str) {
     let page = users
         .user_by_team_created(team)
         .reverse(true)
@@ -348,7 +379,7 @@ async fn tito_newest(users: &TitoModel<Embedded, User>, team: &str) {
     assert!(page.items[0].created > page.items[9].created);
 }
 
-async fn raw_get(db: &Embedded, id: &str) -> User {
+async fn raw_get(db: &Db, id: &str) -> User {
     let tx = db.begin().await.unwrap();
     let bytes = tx
         .get(keys::row_key("users", id).as_bytes())
@@ -359,7 +390,7 @@ async fn raw_get(db: &Embedded, id: &str) -> User {
     serde_json::from_slice(&bytes).unwrap()
 }
 
-async fn raw_newest(db: &Embedded, team: &str, entries: Entries) -> Vec<User> {
+async fn raw_newest(db: &Db, team: &str, entries: Entries) -> Vec<User> {
     let team = KeyValue::String(team.to_string());
     let prefix = keys::index_prefix("users", "user_by_team_created", &[("team", &team)]).unwrap();
     let end = tito::prefix_end(prefix.clone());
@@ -685,11 +716,11 @@ struct Reads {
 }
 
 struct Stores {
-    db: Embedded,
-    users: TitoModel<Embedded, User>,
-    raw: Embedded,
+    db: Db,
+    users: TitoModel<Db, User>,
+    raw: Db,
     /// The raw engine with key-only index entries.
-    keys: Embedded,
+    keys: Db,
     peer: peer::Peer,
     /// Behind a mutex only so the stores can be shared with a spawned task (never contended).
     conn: std::sync::Mutex<Connection>,
@@ -852,13 +883,7 @@ impl Stores {
 }
 
 /// The raw engine's inserts for `time`, ids from `base` on.
-async fn raw_inserts(
-    time: Duration,
-    db: &Embedded,
-    entries: Entries,
-    base: u64,
-    teams: u64,
-) -> Count {
+async fn raw_inserts(time: Duration, db: &Db, entries: Entries, base: u64, teams: u64) -> Count {
     measure_for(time, |i| async move {
         let row = user(base + i, teams);
         db.transaction(|tx| {
@@ -1104,8 +1129,10 @@ async fn bench() {
         return profile(&what).await;
     }
     println!(
-        "models: users with a unique email and a (team, created) index, {PER_TEAM} per team; \
-         operations per second, one task, {:?} per cell",
+        "models on the {ENGINE}: users with a unique email and a (team, created) index, \
+         {PER_TEAM} per team, names of {} characters; operations per second, one task, {:?} per \
+         cell",
+        padding(),
         secs()
     );
     let sizes = sizes();

@@ -11,15 +11,18 @@
 //!   pool) inside an SQLite read transaction, which in WAL mode sees the database as of its
 //!   first read: that read is the store's commit sequence number, so the snapshot and the number
 //!   it was taken at are one. Writes are buffered in the transaction and overlay its reads.
-//! - **Write-write conflicts.** One writer thread applies commits. For each it checks, inside
+//! - **Write-write conflicts.** One write connection applies commits. For each it checks, inside
 //!   its SQLite write transaction, that no key the transaction writes or locked carries a
 //!   sequence number above the transaction's snapshot; a conflicting commit writes nothing and
 //!   fails with [`TitoError::Conflict`]. Deleted keys keep a tombstone while an open snapshot
 //!   older than the delete exists, so a delete conflicts like a write; tombstones are purged
 //!   once no snapshot can need them.
-//! - **Group commit.** The writer takes every commit waiting when it starts a batch, applies
-//!   each (or refuses it) in one SQLite transaction, and syncs once for the batch.
-//! - **Durability.** [`Durability::Immediate`] runs the writer with `synchronous=FULL` (each
+//! - **Group commit.** Committing tasks queue their writes; the one that gets the write
+//!   connection applies every commit waiting by then (or refuses it) in one SQLite transaction
+//!   and syncs once for all; the others find their answers ready. No thread is handed work:
+//!   the commit runs on the committing task (through `block_in_place` on a multi-threaded
+//!   runtime).
+//! - **Durability.** [`Durability::Immediate`] runs the write connection with `synchronous=FULL` (each
 //!   batch is synced before its commits return); [`Durability::Buffered`] with `NORMAL` (WAL
 //!   frames reach the operating system at commit, the disk at checkpoints: a process crash loses
 //!   nothing, a power loss may lose the last commits).
@@ -84,14 +87,14 @@ impl Default for SqliteOptions {
         SqliteOptions {
             durability: Durability::Immediate,
             partitions: engine::DEFAULT_PARTITIONS,
-            cache_bytes: 64 << 20,
+            cache_bytes: 4 << 20,
             retry: RetryPolicy::default(),
         }
     }
 }
 
 impl SqliteOptions {
-    /// The defaults: durable commits, [`engine::DEFAULT_PARTITIONS`] partitions, a 64 MiB page
+    /// The defaults: durable commits, [`engine::DEFAULT_PARTITIONS`] partitions, a 4 MiB page
     /// cache per connection.
     pub fn new() -> Self {
         Self::default()
@@ -109,8 +112,11 @@ impl SqliteOptions {
         self
     }
 
-    /// The page cache of each connection (1 MiB to 64 GiB; default 64 MiB). The file is also
-    /// mapped into memory, so connections share the operating system's cache of it.
+    /// The page cache of each connection (1 MiB to 64 GiB; default 4 MiB). SQLite empties a
+    /// connection's cache whenever another connection committed since its last transaction,
+    /// which here is at nearly every transaction, so the cache serves one transaction's reads;
+    /// the file is mapped into memory, and every connection reads it through the operating
+    /// system's cache.
     pub fn cache_bytes(mut self, bytes: u64) -> Self {
         self.cache_bytes = bytes;
         self
@@ -139,9 +145,11 @@ struct Inner {
     extensions: engine::Extensions,
     /// Read connections not in use.
     pool: Mutex<Vec<Connection>>,
-    /// Commits and metadata writes for the writer thread.
-    writer: Mutex<Option<std::sync::mpsc::Sender<Request>>>,
-    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Commits and metadata writes waiting for the writer.
+    queue: Mutex<Vec<Request>>,
+    /// The write connection, held by the task that applies the waiting requests (`None` once
+    /// closed).
+    writer: tokio::sync::Mutex<Option<Writer>>,
     /// The last commit sequence number the writer made visible.
     published: Arc<AtomicU64>,
     /// Open snapshots (a commit sequence number at or below each one's), counted: tombstones
@@ -165,16 +173,13 @@ impl std::fmt::Debug for Sqlite {
 }
 
 impl Drop for Inner {
+    /// The last handle went without [`Sqlite::close`]: the clock's mark is written back here.
     fn drop(&mut self) {
         if !self.closed.swap(true, Ordering::SeqCst) {
             let last = crate::util::lock(&self.oracle).last;
-            if let Some(writer) = crate::util::lock(&self.writer).take() {
-                let (reply, _) = tokio::sync::oneshot::channel();
-                let _ = writer.send(Request::Close { oracle: last, reply });
+            if let Some(mut writer) = self.writer.get_mut().take() {
+                let _ = writer.write_meta("oracle", last);
             }
-        }
-        if let Some(thread) = crate::util::lock(&self.thread).take() {
-            let _ = thread.join();
         }
     }
 }
@@ -229,6 +234,11 @@ fn read<R>(keys: usize, f: impl FnOnce() -> R) -> R {
     if keys <= INLINE_READ_KEYS {
         return f();
     }
+    blocking(f)
+}
+
+/// Runs a synchronous call that may wait for the disk where blocking is allowed.
+fn blocking<R>(f: impl FnOnce() -> R) -> R {
     match tokio::runtime::Handle::try_current() {
         Ok(handle) if handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
             tokio::task::block_in_place(f)
@@ -248,7 +258,7 @@ impl Oracle {
     }
 }
 
-/// Work for the writer thread.
+/// Work for the writer.
 enum Request {
     Commit {
         writes: Vec<(Vec<u8>, Option<Vec<u8>>)>,
@@ -262,10 +272,15 @@ enum Request {
         value: u64,
         reply: tokio::sync::oneshot::Sender<TitoResult<()>>,
     },
-    Close {
-        oracle: u64,
-        reply: tokio::sync::oneshot::Sender<TitoResult<()>>,
-    },
+}
+
+impl Request {
+    fn answer(self, result: TitoResult<()>) {
+        let reply = match self {
+            Request::Commit { reply, .. } | Request::Meta { reply, .. } => reply,
+        };
+        let _ = reply.send(result);
+    }
 }
 
 fn open_connection(file: &Path, cache_bytes: u64) -> Result<Connection, rusqlite::Error> {
@@ -279,7 +294,7 @@ fn open_connection(file: &Path, cache_bytes: u64) -> Result<Connection, rusqlite
     conn.execute_batch(&format!(
         "PRAGMA journal_mode=WAL; PRAGMA cache_size=-{}; PRAGMA mmap_size={};",
         cache_bytes / 1024,
-        1u64 << 34
+        0u64
     ))?;
     Ok(conn)
 }
@@ -366,7 +381,6 @@ impl Sqlite {
         let (csn, mark) = (meta("csn")?, meta("oracle")?);
         let published = Arc::new(AtomicU64::new(csn));
         let snapshots: Arc<Mutex<BTreeMap<u64, usize>>> = Arc::default();
-        let (sender, receiver) = std::sync::mpsc::channel();
         let writer = Writer {
             conn,
             csn,
@@ -375,10 +389,6 @@ impl Sqlite {
             published: published.clone(),
             snapshots: snapshots.clone(),
         };
-        let thread = std::thread::Builder::new()
-            .name("tito-sqlite-writer".into())
-            .spawn(move || writer.run(receiver))
-            .map_err(|err| TitoError::storage("sqlite store: cannot start its writer", err))?;
         let inner = Inner {
             file,
             durability: options.durability,
@@ -386,8 +396,8 @@ impl Sqlite {
             cache_bytes: options.cache_bytes,
             extensions: engine::Extensions::new(),
             pool: Mutex::new(Vec::new()),
-            writer: Mutex::new(Some(sender)),
-            thread: Mutex::new(Some(thread)),
+            queue: Mutex::new(Vec::new()),
+            writer: tokio::sync::Mutex::new(Some(writer)),
             published,
             snapshots,
             oracle: Mutex::new(Oracle {
@@ -434,35 +444,43 @@ impl Sqlite {
             oracle.last
         };
         crate::util::lock(&self.inner.pool).clear();
-        let (reply, answer) = tokio::sync::oneshot::channel();
-        let sender = crate::util::lock(&self.inner.writer).take();
-        if let Some(sender) = sender {
-            if sender
-                .send(Request::Close {
-                    oracle: last,
-                    reply,
-                })
-                .is_ok()
-            {
-                answer.await.unwrap_or(Ok(()))?;
-            }
-        }
-        Ok(())
+        let mut writer = self.inner.writer.lock().await;
+        // Whatever waits is applied first; later requests find the store closed.
+        let waiting = std::mem::take(&mut *crate::util::lock(&self.inner.queue));
+        let Some(mut open) = writer.take() else {
+            return Ok(());
+        };
+        blocking(|| {
+            open.apply_all(waiting);
+            open.write_meta("oracle", last)
+        })
     }
 
-    async fn send(&self, make: impl FnOnce(tokio::sync::oneshot::Sender<TitoResult<()>>) -> Request) -> TitoResult<()> {
-        let (reply, answer) = tokio::sync::oneshot::channel();
+    /// Queues a request and waits for its answer. Group commit: the task that gets the write
+    /// connection applies every request waiting by then in one SQLite transaction (one sync);
+    /// the others find their answers ready when their turn comes.
+    async fn send(
+        &self,
+        make: impl FnOnce(tokio::sync::oneshot::Sender<TitoResult<()>>) -> Request,
+    ) -> TitoResult<()> {
+        let (reply, mut answer) = tokio::sync::oneshot::channel();
+        crate::util::lock(&self.inner.queue).push(make(reply));
         {
-            let writer = crate::util::lock(&self.inner.writer);
-            let Some(writer) = writer.as_ref() else {
-                return Err(closed());
-            };
-            writer.send(make(reply)).map_err(|_| closed())?;
+            let mut writer = self.inner.writer.lock().await;
+            if let Ok(done) = answer.try_recv() {
+                return done;
+            }
+            let waiting = std::mem::take(&mut *crate::util::lock(&self.inner.queue));
+            match writer.as_mut() {
+                Some(open) => blocking(|| open.apply_all(waiting)),
+                None => {
+                    for request in waiting {
+                        request.answer(Err(closed()));
+                    }
+                }
+            }
         }
-        answer.await.map_err(|_| TitoError::CommitOutcomeUnknown {
-            message: "sqlite store: the writer stopped before it answered".into(),
-            source: None,
-        })?
+        answer.await.map_err(|_| closed())?
     }
 
     async fn next_version(&self) -> TitoResult<u64> {
@@ -514,7 +532,7 @@ fn closed() -> TitoError {
     }
 }
 
-/// The writer thread's state.
+/// The write connection and what it keeps.
 struct Writer {
     conn: Connection,
     csn: u64,
@@ -527,37 +545,27 @@ struct Writer {
 type Reply = tokio::sync::oneshot::Sender<TitoResult<()>>;
 
 impl Writer {
-    fn run(mut self, receiver: std::sync::mpsc::Receiver<Request>) {
-        while let Ok(first) = receiver.recv() {
-            let mut batch = vec![first];
-            while let Ok(more) = receiver.try_recv() {
-                batch.push(more);
-            }
-            let mut commits = Vec::new();
-            for request in batch {
-                match request {
-                    Request::Commit {
-                        writes,
-                        locks,
-                        snapshot,
-                        reply,
-                    } => commits.push((writes, locks, snapshot, reply)),
-                    Request::Meta { name, value, reply } => {
-                        self.commit_batch(std::mem::take(&mut commits));
-                        let _ = reply.send(self.write_meta(name, value));
-                    }
-                    Request::Close { oracle, reply } => {
-                        self.commit_batch(std::mem::take(&mut commits));
-                        // The last connection to close checkpoints the log into the database.
-                        let _ = reply.send(self.write_meta("oracle", oracle));
-                        return;
-                    }
+    /// Applies `requests` in order: commits together (one SQLite transaction, one sync),
+    /// metadata writes between them as they come.
+    fn apply_all(&mut self, requests: Vec<Request>) {
+        let mut commits = Vec::new();
+        for request in requests {
+            match request {
+                Request::Commit {
+                    writes,
+                    locks,
+                    snapshot,
+                    reply,
+                } => commits.push((writes, locks, snapshot, reply)),
+                Request::Meta { name, value, reply } => {
+                    self.commit_batch(std::mem::take(&mut commits));
+                    let _ = reply.send(self.write_meta(name, value));
                 }
             }
-            self.commit_batch(commits);
-            if self.tombs >= PURGE_AFTER {
-                self.purge();
-            }
+        }
+        self.commit_batch(commits);
+        if self.tombs >= PURGE_AFTER {
+            self.purge();
         }
     }
 
@@ -582,7 +590,10 @@ impl Writer {
 
     /// Applies a batch of commits in one SQLite transaction: each is checked for conflicts and
     /// applied or refused; one sync for all.
-    fn commit_batch(&mut self, commits: Vec<(Vec<(Vec<u8>, Option<Vec<u8>>)>, Vec<Vec<u8>>, u64, Reply)>) {
+    fn commit_batch(
+        &mut self,
+        commits: Vec<(Vec<(Vec<u8>, Option<Vec<u8>>)>, Vec<Vec<u8>>, u64, Reply)>,
+    ) {
         if commits.is_empty() {
             return;
         }
@@ -789,11 +800,13 @@ impl TitoEngine for Sqlite {
                 return Err(err);
             }
         };
-        let snapshot = conn.execute_batch("BEGIN").and_then(|_| {
-            conn.query_row("SELECT n FROM meta WHERE name = 'csn'", [], |r| {
-                r.get::<_, i64>(0)
-            })
-        });
+        let snapshot = conn
+            .prepare_cached("BEGIN")
+            .and_then(|mut begin| begin.execute([]))
+            .and_then(|_| {
+                conn.prepare_cached("SELECT n FROM meta WHERE name = 'csn'")?
+                    .query_row([], |r| r.get::<_, i64>(0))
+            });
         let snapshot = match snapshot {
             Ok(n) => n as u64,
             Err(err) => {
@@ -932,7 +945,10 @@ impl TxInner {
     /// Ends the read transaction and gives the connection back.
     fn release(&self, active: Box<Active>) {
         let Active { conn, .. } = *active;
-        if conn.execute_batch("ROLLBACK").is_ok() && !self.engine.inner.closed.load(Ordering::SeqCst) {
+        let ended = conn
+            .prepare_cached("ROLLBACK")
+            .and_then(|mut rollback| rollback.execute([]));
+        if ended.is_ok() && !self.engine.inner.closed.load(Ordering::SeqCst) {
             crate::util::lock(&self.engine.inner.pool).push(conn);
         }
     }
@@ -1019,11 +1035,8 @@ fn scan_dir(
     reverse: bool,
 ) -> TitoResult<Vec<KvPair>> {
     let in_range = |key: &[u8]| key >= start && (end.is_empty() || key < end);
-    let buffered: Vec<(&Vec<u8>, &Option<Vec<u8>>)> = active
-        .writes
-        .iter()
-        .filter(|(k, _)| in_range(k))
-        .collect();
+    let buffered: Vec<(&Vec<u8>, &Option<Vec<u8>>)> =
+        active.writes.iter().filter(|(k, _)| in_range(k)).collect();
     // Each buffered key can hide or replace one stored row.
     let wanted = (limit + buffered.len()) as i64;
     let order = if reverse { "DESC" } else { "ASC" };
@@ -1135,7 +1148,8 @@ impl TitoTransaction for SqliteTransaction {
             return Err(refusal);
         }
         let mut active = self.take("committed")?;
-        let writes: Vec<(Vec<u8>, Option<Vec<u8>>)> = std::mem::take(&mut active.writes).into_iter().collect();
+        let writes: Vec<(Vec<u8>, Option<Vec<u8>>)> =
+            std::mem::take(&mut active.writes).into_iter().collect();
         let locks: Vec<Vec<u8>> = std::mem::take(&mut active.locks).into_iter().collect();
         let snapshot = active.snapshot;
         // The read transaction ends before the commit waits (the writer checks conflicts by
