@@ -1055,8 +1055,9 @@ async fn run(durability: Durability, rows: u64, lines: &mut Vec<Line>) {
     stores.keys.close().await.unwrap();
 }
 
-/// `TITO_BENCH_PROFILE=insert|get|newest|get-raw|newest-raw`: runs only that operation on Tito
-/// (the `-raw` ones: the raw engine's reads on Tito's store) over
+/// `TITO_BENCH_PROFILE=insert|get|newest|get-raw|newest-raw|oldest-raw`: runs only that
+/// operation on Tito (the `-raw` ones: the raw engine's reads on Tito's store; `oldest-raw` the
+/// team's entries read forward) over
 /// `TITO_BENCH_ROWS`'s first size (`TITO_BENCH_DURABLE=1` for durable commits) for the measuring
 /// time, for a profiler. Only Tito's store is loaded, unless `TITO_BENCH_PROFILE_ALL=1` loads
 /// every store first, as the measured run does.
@@ -1111,6 +1112,32 @@ async fn profile(what: &str) {
                 async move { assert_eq!(raw_newest(db, &team, Entries::Clones).await.len(), 10) }
             })
             .await,
+            // The same entries read forward: what the reverse direction costs the engine.
+            "oldest-raw" => {
+                measure(|_| {
+                    let team = user(pick.below(teams), teams).team;
+                    let db = &stores.db;
+                    async move {
+                        let team = KeyValue::String(team);
+                        let prefix =
+                            keys::index_prefix("users", "user_by_team_created", &[("team", &team)])
+                                .unwrap();
+                        let end = tito::prefix_end(prefix.clone());
+                        let tx = db.begin().await.unwrap();
+                        let found = tx
+                            .scan(prefix.as_bytes(), end.as_bytes(), 11)
+                            .await
+                            .unwrap();
+                        tx.rollback().await.unwrap();
+                        let rows: Vec<User> = found[..10]
+                            .iter()
+                            .map(|(_, v)| serde_json::from_slice(v).unwrap())
+                            .collect();
+                        assert_eq!(rows.len(), 10);
+                    }
+                })
+                .await
+            }
             other => panic!("TITO_BENCH_PROFILE: unknown operation {other:?}"),
         };
     println!("{what}: {rate:.0} per second");

@@ -544,6 +544,12 @@ struct Writer {
 
 type Reply = tokio::sync::oneshot::Sender<TitoResult<()>>;
 
+/// A transaction's buffered writes (a value, or `None` for a delete).
+type WriteSet = Vec<(Vec<u8>, Option<Vec<u8>>)>;
+
+/// One commit waiting for the writer: its writes, its locked keys, its snapshot, its answer.
+type Pending = (WriteSet, Vec<Vec<u8>>, u64, Reply);
+
 impl Writer {
     /// Applies `requests` in order: commits together (one SQLite transaction, one sync),
     /// metadata writes between them as they come.
@@ -590,10 +596,7 @@ impl Writer {
 
     /// Applies a batch of commits in one SQLite transaction: each is checked for conflicts and
     /// applied or refused; one sync for all.
-    fn commit_batch(
-        &mut self,
-        commits: Vec<(Vec<(Vec<u8>, Option<Vec<u8>>)>, Vec<Vec<u8>>, u64, Reply)>,
-    ) {
+    fn commit_batch(&mut self, commits: Vec<Pending>) {
         if commits.is_empty() {
             return;
         }
@@ -943,8 +946,8 @@ enum TxState {
 
 impl TxInner {
     /// Ends the read transaction and gives the connection back.
-    fn release(&self, active: Box<Active>) {
-        let Active { conn, .. } = *active;
+    fn release(&self, active: Active) {
+        let Active { conn, .. } = active;
         let ended = conn
             .prepare_cached("ROLLBACK")
             .and_then(|mut rollback| rollback.execute([]));
@@ -973,7 +976,7 @@ impl Drop for TxInner {
             TxState::Finished("dropped"),
         );
         if let TxState::Active(active) = state {
-            self.release(active);
+            self.release(*active);
         }
         // Whatever the state: a committed transaction unregisters here too, once its handle
         // (and so its commit) is done.
@@ -1155,7 +1158,7 @@ impl TitoTransaction for SqliteTransaction {
         // The read transaction ends before the commit waits (the writer checks conflicts by
         // number); the snapshot stays registered until the handle goes, so the tombstones the
         // check needs stay.
-        self.inner.release(active);
+        self.inner.release(*active);
         let result = if writes.is_empty() && locks.is_empty() {
             Ok(())
         } else {
@@ -1179,7 +1182,7 @@ impl TitoTransaction for SqliteTransaction {
 
     async fn rollback(&self) -> TitoResult<()> {
         let active = self.take("rolled back")?;
-        self.inner.release(active);
+        self.inner.release(*active);
         Ok(())
     }
 }
