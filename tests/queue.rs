@@ -633,10 +633,29 @@ pub async fn a_partition_count_mismatch_is_refused<E: TitoEngine>(ctx: Ctx<E>) {
         .await
         .unwrap_err();
     assert!(
-        matches!(&err, TitoError::InvalidArgument(m) if m.contains("4 partitions")),
+        matches!(&err, TitoError::InvalidArgument(m) if m.contains("queue \"default\" has 4 partitions")),
         "{err:?}"
     );
     assert_eq!(pending_total(&queue(&ctx.db, 4)).await, 1);
+    // A named queue is named as written, never by its storage key.
+    let named = |n| {
+        tito::Queue::new(
+            ctx.db.clone(),
+            QueueConfig::new(n, Duration::from_secs(3600)).topic("mail:out"),
+        )
+    };
+    named(4)
+        .publish(QueueEvent::new("k", Job { n: 1 }, now()))
+        .await
+        .unwrap();
+    let err = named(8)
+        .publish(QueueEvent::new("k", Job { n: 2 }, now()))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, TitoError::InvalidArgument(m) if m.contains("queue \"mail:out\" has 4") && !m.contains("queue@")),
+        "{err:?}"
+    );
 }
 
 pub async fn reschedule_replaces_the_row_atomically<E: TitoEngine>(ctx: Ctx<E>) {

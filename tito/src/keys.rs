@@ -667,6 +667,14 @@ pub fn queue_root(topic: Option<&str>) -> String {
     }
 }
 
+/// The queue a root names, as its user wrote it (for messages): its topic, or `default`.
+pub fn queue_name(root: &str) -> String {
+    match root.strip_prefix("queue@") {
+        None => "default".to_string(),
+        Some(encoded) => decode_str(encoded).unwrap_or_else(|_| encoded.to_string()),
+    }
+}
+
 /// `{queue}:pending:{partition:04}:`, the prefix of one partition's pending rows.
 pub fn pending_partition_prefix(root: &str, partition: u32) -> String {
     format!("{root}:pending:{partition:04}:")
@@ -1224,6 +1232,13 @@ pub fn parse_commit_marker_key(key: &str) -> TitoResult<(u32, u64, u64)> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_root_names_its_queue_as_written() {
+        assert_eq!(queue_name(&queue_root(None)), "default");
+        assert_eq!(queue_name(&queue_root(Some("mail:out"))), "mail:out");
+        assert_eq!(queue_name(&queue_root(Some("é;x"))), "é;x");
+    }
     use super::*;
     use proptest::prelude::*;
 

@@ -25,9 +25,10 @@ pub(crate) async fn check_meta<X: TitoTransaction>(
 ) -> TitoResult<bool> {
     match stored_partitions(tx, root).await? {
         Some(stored) if stored != partitions => Err(TitoError::invalid_argument(format!(
-            "queue {root:?} has {stored} partitions; this handle was configured with {partitions} \
+            "queue {:?} has {stored} partitions; this handle was configured with {partitions} \
              (declare it with TOPIC.spec({stored}, ..) or QueueConfig::new({stored}, ..); a \
-             model's events use the store's partition count, db.partitions())"
+             model's events use the store's partition count, db.partitions())",
+            keys::queue_name(root)
         ))),
         Some(_) => Ok(true),
         None => {

@@ -161,8 +161,9 @@ async fn retry_dead_under<E: TitoEngine>(db: &E, root: &str, id: &str) -> TitoRe
                 .await?
                 .ok_or_else(|| {
                     TitoError::Integrity(format!(
-                        "dead invocation {id:?} of queue {root:?}, whose partition count is not \
-                         recorded"
+                        "dead invocation {id:?} of queue {:?}, whose partition count is not \
+                         recorded",
+                        keys::queue_name(&root)
                     ))
                 })?;
             let now_s = engine::version_millis(tx.start_version()) / 1000;

@@ -254,7 +254,10 @@ fn decode_limits(root: &str, stored: Option<Vec<u8>>) -> TitoResult<LimitsRecord
     match stored {
         None => Ok(LimitsRecord::default()),
         Some(bytes) => serde_json::from_slice(&bytes).map_err(|err| {
-            TitoError::Integrity(format!("the limits of queue {root:?} do not decode: {err}"))
+            TitoError::Integrity(format!(
+                "the limits of queue {:?} do not decode: {err}",
+                keys::queue_name(root)
+            ))
         }),
     }
 }
@@ -308,7 +311,8 @@ async fn set_limits_under<E: TitoEngine>(db: &E, root: &str, limits: Limits) -> 
             async move {
                 if super::stored_partition_count(&tx, &root).await?.is_none() {
                     return Err(TitoError::NotFound(format!(
-                        "no queue under {root:?} (nothing was ever published to it)"
+                        "no queue {:?} (nothing was ever published to it)",
+                        keys::queue_name(&root)
                     )));
                 }
                 let before = read_limits(&tx, &root).await.unwrap_or_default();

@@ -111,7 +111,8 @@ async fn check_partition<X: TitoTransaction>(
             count - 1
         ))),
         (None, _) => Err(TitoError::NotFound(format!(
-            "no queue under {root:?} (nothing was ever published to it)"
+            "no queue {:?} (nothing was ever published to it)",
+            keys::queue_name(&root)
         ))),
     }
 }
