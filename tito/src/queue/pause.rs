@@ -112,7 +112,7 @@ async fn check_partition<X: TitoTransaction>(
         ))),
         (None, _) => Err(TitoError::NotFound(format!(
             "no queue {:?} (nothing was ever published to it)",
-            keys::queue_name(&root)
+            keys::queue_name(root)
         ))),
     }
 }
