@@ -900,8 +900,22 @@ async fn raw_inserts(time: Duration, db: &Db, entries: Entries, base: u64, teams
 }
 
 /// Loads the rows into every store (only Tito's with `only_tito`); the load rates.
+/// The process's resident memory (KiB, from `/proc/self/status`; 0 where there is none).
+fn resident_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        })
+        .unwrap_or(0)
+}
+
 async fn load(stores: &Stores, only_tito: bool) -> Rates {
     let (rows, teams) = (stores.rows, stores.teams);
+    let resident_before = resident_kib();
     let batches = rows.div_ceil(LOAD_BATCH);
     let batch = |b: u64| -> Vec<User> {
         (b * LOAD_BATCH..((b + 1) * LOAD_BATCH).min(rows))
@@ -929,6 +943,7 @@ async fn load(stores: &Stores, only_tito: bool) -> Rates {
             .unwrap();
     }
     let tito = rows as f64 / start.elapsed().as_secs_f64();
+    let tito_grew = resident_kib().saturating_sub(resident_before);
     if only_tito {
         return Rates {
             tito,
@@ -958,11 +973,19 @@ async fn load(stores: &Stores, only_tito: bool) -> Rates {
         }
         *rate = rows as f64 / start.elapsed().as_secs_f64();
     }
-    let start = Instant::now();
+    let (start, sqlite_before) = (Instant::now(), resident_kib());
     for b in 0..batches {
         sqlite_insert(&stores.conn.lock().unwrap(), &batch(b));
     }
     let sqlite = rows as f64 / start.elapsed().as_secs_f64();
+    // The resident memory each load added to the process: a store's caches and buffers as it
+    // filled. Indicative only: the allocator hands a later load what an earlier one freed, so
+    // the later store's figure can be low.
+    println!(
+        "  resident memory added by the load: tito {:.1} MiB, sqlite {:.1} MiB",
+        tito_grew as f64 / 1024.0,
+        resident_kib().saturating_sub(sqlite_before) as f64 / 1024.0
+    );
     let mut peer = 0.0;
     if WITH_PEER {
         let start = Instant::now();
@@ -1012,9 +1035,11 @@ async fn run(durability: Durability, rows: u64, lines: &mut Vec<Line>) {
     let (sqlite_bytes, _, _) = footprint(dirs[3].path());
     let (peer_bytes, _, _) = footprint(dirs[4].path());
     println!(
-        "  {label} {rows} rows settled in {:.1} s; on disk (the embedded stores' logs left out): tito {:.1} MiB in {tito_files} files, raw {:.1} MiB, raw key-only {:.1} MiB, sqlite {:.1} MiB, {} {:.1} MiB",
+        "  {label} {rows} rows settled in {:.1} s; on disk (the embedded stores' logs left out): tito {:.1} MiB in {tito_files} files ({} bytes per user; sqlite {}), raw {:.1} MiB, raw key-only {:.1} MiB, sqlite {:.1} MiB, {} {:.1} MiB",
         took.as_secs_f64(),
         tito_bytes as f64 / 1048576.0,
+        tito_bytes / rows,
+        sqlite_bytes / rows,
         raw_bytes as f64 / 1048576.0,
         keys_bytes as f64 / 1048576.0,
         sqlite_bytes as f64 / 1048576.0,
