@@ -314,7 +314,7 @@ const DATA: u8 = 0x01;
 const META_ORACLE: &[u8] = b"\x00oracle-high-water";
 const META_SAFE_POINT: &[u8] = b"\x00gc-safe-point";
 /// How far ahead of the versions it hands out the oracle persists its high-water mark.
-const ORACLE_WINDOW_MS: u64 = 3_000;
+pub(super) const ORACLE_WINDOW_MS: u64 = 3_000;
 /// The longest the drop of the last handle waits for the store to close.
 const DROP_CLOSE_WAIT: Duration = Duration::from_secs(2);
 /// How many keys one transaction of [`Embedded::delete_range`] removes.
@@ -339,26 +339,27 @@ fn data_end(end: &[u8]) -> Vec<u8> {
 /// The directories of the embedded stores open in this process.
 static OPEN_IN_PROCESS: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
 
-/// This process's claim on a store's directory, from before its open until its handles are
-/// gone, so a second open in the same process is told so (rather than that another process
-/// holds the store's lock).
-struct OpenInProcess(PathBuf);
+/// This process's claim on a store's directory (the embedded and the SQLite engine's), from
+/// before its open until its handles are gone, so a second open in the same process is told so
+/// (rather than that another process holds the store's lock).
+pub(super) struct OpenInProcess(PathBuf);
 
 impl OpenInProcess {
-    fn claim(path: &Path) -> TitoResult<Self> {
+    /// Claims `path` for a store of `engine` (`"embedded"`), closed by `close`.
+    pub(super) fn claim(path: &Path, engine: &str, close: &str) -> TitoResult<Self> {
         let dir = std::fs::canonicalize(path).map_err(|err| {
             TitoError::storage(
-                format!("embedded store: cannot resolve {}", path.display()),
+                format!("{engine} store: cannot resolve {}", path.display()),
                 err,
             )
         })?;
-        let mut open = OPEN_IN_PROCESS.lock().unwrap_or_else(|e| e.into_inner());
+        let mut open = crate::util::lock(&OPEN_IN_PROCESS);
         if open.contains(&dir) {
             return Err(TitoError::Storage {
                 message: format!(
-                    "embedded store: {} is already open in this process; an embedded store has \
-                     one owner: clone the handle already open (every clone is the same store), \
-                     or close it (Embedded::close) before opening it again",
+                    "{engine} store: {} is already open in this process; a store has one \
+                     owner: clone the handle already open (every clone is the same store), or \
+                     close it ({close}) before opening it again",
                     path.display()
                 ),
                 source: None,
@@ -371,8 +372,7 @@ impl OpenInProcess {
 
 impl Drop for OpenInProcess {
     fn drop(&mut self) {
-        let mut open = OPEN_IN_PROCESS.lock().unwrap_or_else(|e| e.into_inner());
-        open.retain(|dir| dir != &self.0);
+        crate::util::lock(&OPEN_IN_PROCESS).retain(|dir| dir != &self.0);
     }
 }
 
@@ -389,10 +389,10 @@ fn now_millis() -> u64 {
 
 /// Reads of at most this many keys (point reads, batch reads, scans by their limit) run on the
 /// calling thread; larger ones through [`blocking`]. See "Blocking" in the module docs.
-const INLINE_READ_KEYS: usize = 64;
+pub(super) const INLINE_READ_KEYS: usize = 64;
 
 /// Runs a read of `keys` keys: inline when small, else where blocking is allowed.
-fn read<R>(keys: usize, f: impl FnOnce() -> R) -> R {
+pub(super) fn read<R>(keys: usize, f: impl FnOnce() -> R) -> R {
     if keys <= INLINE_READ_KEYS {
         f()
     } else {
@@ -401,7 +401,7 @@ fn read<R>(keys: usize, f: impl FnOnce() -> R) -> R {
 }
 
 /// Runs a synchronous storage call where blocking is allowed.
-fn blocking<R>(f: impl FnOnce() -> R) -> R {
+pub(super) fn blocking<R>(f: impl FnOnce() -> R) -> R {
     match tokio::runtime::Handle::try_current() {
         Ok(handle) if handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
             tokio::task::block_in_place(f)
@@ -410,16 +410,57 @@ fn blocking<R>(f: impl FnOnce() -> R) -> R {
     }
 }
 
-struct Oracle {
-    last: u64,
-    persisted_limit: u64,
+/// A local store's timestamp oracle (the embedded and the SQLite engine's): see "Versions" in
+/// the module docs. The store persists the mark [`Oracle::wanted`] asks for, then raises it.
+pub(super) struct Oracle {
+    /// The last version handed out.
+    pub(super) last: u64,
+    /// No version at or above it is handed out: the store's persisted high-water mark.
+    pub(super) persisted_limit: u64,
 }
 
 impl Oracle {
+    /// An oracle starting at the mark a store persisted.
+    pub(super) fn starting_at(mark: u64) -> Self {
+        Oracle {
+            last: mark,
+            persisted_limit: mark,
+        }
+    }
+
     /// The version to hand out next: the clock, or one above the last version if the clock
     /// has not moved past it.
     fn candidate(&self) -> u64 {
         (now_millis() << LOGICAL_BITS).max(self.last + 1)
+    }
+
+    /// The next version when it is below the persisted mark (taken), else `None`.
+    pub(super) fn next(&mut self) -> Option<u64> {
+        let next = self.candidate();
+        (next < self.persisted_limit).then(|| {
+            self.last = next;
+            next
+        })
+    }
+
+    /// The mark to persist before the next version can be handed out ([`ORACLE_WINDOW_MS`]
+    /// ahead), or `None` when another task moved it meanwhile.
+    pub(super) fn wanted(&self) -> Option<u64> {
+        let next = self.candidate();
+        (next >= self.persisted_limit).then(|| next + (ORACLE_WINDOW_MS << LOGICAL_BITS))
+    }
+
+    /// After `mark` was persisted.
+    pub(super) fn raise(&mut self, mark: u64) {
+        self.persisted_limit = self.persisted_limit.max(mark);
+    }
+
+    /// At close: no version is handed out past the last one; returns it when the mark was
+    /// ahead of it (the store writes it back exactly).
+    pub(super) fn close(&mut self) -> Option<u64> {
+        let ahead = self.persisted_limit > self.last;
+        self.persisted_limit = self.persisted_limit.min(self.last);
+        ahead.then_some(self.last)
     }
 }
 
@@ -497,7 +538,7 @@ impl Embedded {
         std::fs::create_dir_all(&path).map_err(|err| {
             TitoError::storage(format!("cannot create directory {}", path.display()), err)
         })?;
-        let open = OpenInProcess::claim(&path)?;
+        let open = OpenInProcess::claim(&path, "embedded", "Embedded::close")?;
         let builder = TreeBuilder::with_options(
             surrealkv::Options::new()
                 .with_path(path.clone())
@@ -518,10 +559,7 @@ impl Embedded {
             meta_writes: tokio::sync::Mutex::new(()),
             closed: std::sync::atomic::AtomicBool::new(false),
             extensions: engine::Extensions::new(),
-            oracle: Mutex::new(Oracle {
-                last: stored_limit,
-                persisted_limit: stored_limit,
-            }),
+            oracle: Mutex::new(Oracle::starting_at(stored_limit)),
             durability: options.durability,
             partitions,
             path,
@@ -590,27 +628,16 @@ impl Embedded {
     /// is ever handed out, so a reopened store (which starts at that mark) stays above them all.
     async fn next_version(&self) -> TitoResult<u64> {
         loop {
-            {
-                let mut oracle = self.oracle();
-                let next = oracle.candidate();
-                if next < oracle.persisted_limit {
-                    oracle.last = next;
-                    return Ok(next);
-                }
+            if let Some(next) = self.oracle().next() {
+                return Ok(next);
             }
             // Slow path, about once per window: move the mark ahead, then try again.
             let _persisting = self.inner.meta_writes.lock().await;
-            let wanted = {
-                let oracle = self.oracle();
-                let next = oracle.candidate();
-                if next < oracle.persisted_limit {
-                    continue; // another task moved it meanwhile
-                }
-                next + (ORACLE_WINDOW_MS << LOGICAL_BITS)
+            let Some(wanted) = self.oracle().wanted() else {
+                continue; // another task moved it meanwhile
             };
             self.write_meta(META_ORACLE, wanted).await?;
-            let mut oracle = self.oracle();
-            oracle.persisted_limit = oracle.persisted_limit.max(wanted);
+            self.oracle().raise(wanted);
         }
     }
 
@@ -629,15 +656,9 @@ impl Inner {
     async fn close(&self) -> TitoResult<()> {
         {
             let _persisting = self.meta_writes.lock().await;
-            let exact = {
-                let mut oracle = self.oracle();
-                // No version is handed out past this point: one that asks for a version now
-                // takes the slow path, which waits for this lock and then finds the store closed.
-                let last = oracle.last;
-                let ahead = oracle.persisted_limit > last;
-                oracle.persisted_limit = oracle.persisted_limit.min(last);
-                ahead.then_some(last)
-            };
+            // No version is handed out past this point: one that asks for a version now takes
+            // the slow path, which waits for this lock and then finds the store closed.
+            let exact = self.oracle().close();
             let first_close = !self.closed.swap(true, std::sync::atomic::Ordering::SeqCst);
             if let Some(last) = exact
                 && first_close

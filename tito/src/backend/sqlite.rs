@@ -41,11 +41,11 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use rusqlite::{Connection, OpenFlags, OptionalExtension, params};
 
-use crate::backend::embedded::Durability;
+use crate::backend::embedded::{Durability, OpenInProcess, Oracle, blocking, read};
 use crate::engine::{
     self, KvPair, LOGICAL_BITS, RetryPolicy, TitoEngine, TitoTransaction, check_retention,
     check_scan,
@@ -56,14 +56,10 @@ use crate::error::{TitoError, TitoResult};
 pub const DATABASE_FILE: &str = "tito.sqlite3";
 /// The lock file in the store's directory.
 const LOCK_FILE: &str = "LOCK";
-/// How far ahead of the versions it hands out the oracle persists its high-water mark.
-const ORACLE_WINDOW_MS: u64 = 3_000;
 /// How many keys one transaction of [`Sqlite::delete_range`] removes.
 const DELETE_RANGE_BATCH: usize = 1_000;
 /// How many tombstones may wait before the writer purges those no snapshot needs.
 const PURGE_AFTER: u64 = 1_000;
-/// Reads of more keys than this run where blocking is allowed (see the embedded engine).
-const INLINE_READ_KEYS: usize = 64;
 
 const SCHEMA: &str = "
     CREATE TABLE IF NOT EXISTS kv (k BLOB PRIMARY KEY NOT NULL, v BLOB, csn INTEGER NOT NULL) WITHOUT ROWID;
@@ -159,7 +155,7 @@ struct Inner {
     meta_writes: tokio::sync::Mutex<()>,
     closed: AtomicBool,
     _lock: Mutex<Connection>,
-    _claim: Claim,
+    _claim: OpenInProcess,
     _temp: Option<tempfile::TempDir>,
 }
 
@@ -184,84 +180,14 @@ impl Drop for Inner {
     }
 }
 
-static OPEN_IN_PROCESS: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
-
-/// This process's claim on a directory while a store is open in it.
-struct Claim(PathBuf);
-
-impl Claim {
-    fn take(path: &Path) -> TitoResult<Claim> {
-        let dir = std::fs::canonicalize(path).map_err(|err| {
-            TitoError::storage(
-                format!("sqlite store: cannot resolve {}", path.display()),
-                err,
-            )
-        })?;
-        let mut open = crate::util::lock(&OPEN_IN_PROCESS);
-        if open.contains(&dir) {
-            return Err(TitoError::Storage {
-                message: format!(
-                    "sqlite store: {} is already open in this process; clone the handle already \
-                     open, or close it (Sqlite::close) before opening it again",
-                    path.display()
-                ),
-                source: None,
-            });
-        }
-        open.push(dir.clone());
-        Ok(Claim(dir))
-    }
-}
-
-impl Drop for Claim {
-    fn drop(&mut self) {
-        crate::util::lock(&OPEN_IN_PROCESS).retain(|dir| dir != &self.0);
-    }
-}
-
 fn sql_err(what: &str, err: rusqlite::Error) -> TitoError {
     TitoError::storage(format!("sqlite store: {what}"), err)
-}
-
-fn now_millis() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(crate::util::millis)
-        .unwrap_or(0)
-}
-
-fn read<R>(keys: usize, f: impl FnOnce() -> R) -> R {
-    if keys <= INLINE_READ_KEYS {
-        return f();
-    }
-    blocking(f)
-}
-
-/// Runs a synchronous call that may wait for the disk where blocking is allowed.
-fn blocking<R>(f: impl FnOnce() -> R) -> R {
-    match tokio::runtime::Handle::try_current() {
-        Ok(handle) if handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
-            tokio::task::block_in_place(f)
-        }
-        _ => f(),
-    }
-}
-
-struct Oracle {
-    last: u64,
-    persisted_limit: u64,
-}
-
-impl Oracle {
-    fn candidate(&self) -> u64 {
-        (now_millis() << LOGICAL_BITS).max(self.last + 1)
-    }
 }
 
 /// Work for the writer.
 enum Request {
     Commit {
-        writes: Vec<(Vec<u8>, Option<Vec<u8>>)>,
+        writes: WriteSet,
         locks: Vec<Vec<u8>>,
         snapshot: u64,
         reply: tokio::sync::oneshot::Sender<TitoResult<()>>,
@@ -359,7 +285,7 @@ impl Sqlite {
         std::fs::create_dir_all(&path).map_err(|err| {
             TitoError::storage(format!("cannot create directory {}", path.display()), err)
         })?;
-        let claim = Claim::take(&path)?;
+        let claim = OpenInProcess::claim(&path, "sqlite", "Sqlite::close")?;
         let lock = lock_directory(&path)?;
         let file = path.join(DATABASE_FILE);
         let conn =
@@ -400,10 +326,7 @@ impl Sqlite {
             writer: tokio::sync::Mutex::new(Some(writer)),
             published,
             snapshots,
-            oracle: Mutex::new(Oracle {
-                last: mark,
-                persisted_limit: mark,
-            }),
+            oracle: Mutex::new(Oracle::starting_at(mark)),
             meta_writes: tokio::sync::Mutex::new(()),
             closed: AtomicBool::new(false),
             _lock: Mutex::new(lock),
@@ -440,7 +363,7 @@ impl Sqlite {
         }
         let last = {
             let mut oracle = crate::util::lock(&self.inner.oracle);
-            oracle.persisted_limit = oracle.persisted_limit.min(oracle.last);
+            oracle.close();
             oracle.last
         };
         crate::util::lock(&self.inner.pool).clear();
@@ -485,25 +408,15 @@ impl Sqlite {
 
     async fn next_version(&self) -> TitoResult<u64> {
         loop {
-            {
-                let mut oracle = crate::util::lock(&self.inner.oracle);
-                let next = oracle.candidate();
-                if next < oracle.persisted_limit {
-                    oracle.last = next;
-                    return Ok(next);
-                }
+            if let Some(next) = crate::util::lock(&self.inner.oracle).next() {
+                return Ok(next);
             }
             let _persisting = self.inner.meta_writes.lock().await;
             if self.inner.closed.load(Ordering::SeqCst) {
                 return Err(closed());
             }
-            let wanted = {
-                let oracle = crate::util::lock(&self.inner.oracle);
-                let next = oracle.candidate();
-                if next < oracle.persisted_limit {
-                    continue;
-                }
-                next + (ORACLE_WINDOW_MS << LOGICAL_BITS)
+            let Some(wanted) = crate::util::lock(&self.inner.oracle).wanted() else {
+                continue; // another task moved it meanwhile
             };
             self.send(|reply| Request::Meta {
                 name: "oracle",
@@ -511,8 +424,7 @@ impl Sqlite {
                 reply,
             })
             .await?;
-            let mut oracle = crate::util::lock(&self.inner.oracle);
-            oracle.persisted_limit = oracle.persisted_limit.max(wanted);
+            crate::util::lock(&self.inner.oracle).raise(wanted);
         }
     }
 
@@ -1151,8 +1063,7 @@ impl TitoTransaction for SqliteTransaction {
             return Err(refusal);
         }
         let mut active = self.take("committed")?;
-        let writes: Vec<(Vec<u8>, Option<Vec<u8>>)> =
-            std::mem::take(&mut active.writes).into_iter().collect();
+        let writes: WriteSet = std::mem::take(&mut active.writes).into_iter().collect();
         let locks: Vec<Vec<u8>> = std::mem::take(&mut active.locks).into_iter().collect();
         let snapshot = active.snapshot;
         // The read transaction ends before the commit waits (the writer checks conflicts by
