@@ -28,6 +28,7 @@ mod queue_composed;
 mod queue_declared;
 mod rpc_counts;
 mod schema;
+mod shapes;
 mod simulation;
 mod suites;
 mod telemetry;

@@ -1,4 +1,4 @@
-//! The feature suites (models, derive, queue, cluster, kv, inbox, defects, boundary) on every backend
+//! The feature suites (models, derive, queue, cluster, kv, inbox, defects, boundary, shapes) on every backend
 //! (embedded, TiKV through the test server, memory, SQLite): one line per suite.
 
 mod embedded {
@@ -32,6 +32,9 @@ mod embedded {
     mod boundary {
         crate::boundary_suite!(crate::support::EmbeddedBackend);
     }
+    mod shapes {
+        crate::shapes_suite!(crate::support::EmbeddedBackend);
+    }
 }
 
 mod tikv {
@@ -64,6 +67,9 @@ mod tikv {
     }
     mod boundary {
         crate::boundary_suite!(crate::support::TikvBackend);
+    }
+    mod shapes {
+        crate::shapes_suite!(crate::support::TikvBackend);
     }
 }
 
@@ -118,6 +124,9 @@ mod memory {
     mod boundary {
         crate::boundary_suite!(crate::support::MemoryBackend);
     }
+    mod shapes {
+        crate::shapes_suite!(crate::support::MemoryBackend);
+    }
 }
 
 mod sqlite {
@@ -150,5 +159,8 @@ mod sqlite {
     }
     mod boundary {
         crate::boundary_suite!(crate::support::SqliteBackend);
+    }
+    mod shapes {
+        crate::shapes_suite!(crate::support::SqliteBackend);
     }
 }

@@ -1004,13 +1004,19 @@ pub(crate) fn table(data: &TableData, started: Instant) -> String {
         b.push_str("<tr><td colspan=\"2\" class=\"muted\">none</td></tr>");
     }
     for row in &data.page.items {
-        let cell = match (&row.value, &row.raw) {
+        let mut cell = match (&row.value, &row.raw) {
             (Some(value), _) => json_cell(value),
             (None, raw) => format!(
                 "<span class=\"error\">not JSON</span><pre>{}</pre>",
                 esc(raw.as_deref().unwrap_or(""))
             ),
         };
+        // The shape version as stored, where it is not the first (rows are shown as stored).
+        match row.version {
+            1 => {}
+            0 => cell.insert_str(0, "<span class=\"error\">malformed version header</span> "),
+            v => cell.insert_str(0, &format!("<span class=\"muted\">shape v{v}</span> ")),
+        }
         let _ = write!(
             b,
             "<tr data-row=\"{id}\"><td><code>{id}</code></td><td>{cell}</td></tr>",

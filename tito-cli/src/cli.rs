@@ -248,6 +248,17 @@ pub(crate) enum TableCommand {
         #[arg(long)]
         cursor: Option<String>,
     },
+    /// Rows by shape version (bounded count), and the versions the catalog records: which
+    /// ones code declared and which one writers may write.
+    Versions {
+        table: String,
+        /// The most rows read.
+        #[arg(long, default_value_t = 100_000)]
+        bound: u64,
+    },
+    /// Lets writers write shape version VERSION (a rolling deploy's last step, once no older
+    /// code runs; an older version again for a rollback).
+    AllowVersion { table: String, version: u32 },
 }
 
 #[derive(Subcommand)]

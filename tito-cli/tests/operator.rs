@@ -416,6 +416,28 @@ async fn the_cli_reads_a_seeded_store() {
     assert_eq!(row["value"]["team"], "red");
     let missing = at(&["table", "get", "user", "nobody"]);
     refused_with(&missing, "no row \"nobody\"");
+    // Shape versions: every row of version 1, which writers may write; a version no code
+    // declared cannot be allowed, and allowing the one in force changes nothing.
+    let versions = stdout_json(&at(&["table", "versions", "user", "--json"]));
+    assert_eq!(
+        versions["rows"]["1"].as_u64(),
+        Some(USERS as u64),
+        "{versions}"
+    );
+    assert_eq!(versions["shapes"]["writable"], 1, "{versions}");
+    let text = String::from_utf8_lossy(&at(&["table", "versions", "user"]).stdout).into_owned();
+    assert!(
+        text.contains("writers may write version 1") && text.contains("version 1  "),
+        "{text}"
+    );
+    refused_with(
+        &at(&["table", "allow-version", "user", "2"]),
+        "no code of shape version 2",
+    );
+    refused_with(
+        &at(&["table", "allow-version", "user", "1"]),
+        "nothing changed",
+    );
 
     // Paging: 30 rows by 8, following the printed cursors.
     let mut cursor: Option<String> = None;

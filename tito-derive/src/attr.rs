@@ -28,6 +28,10 @@ pub const OPERATIONS: &[(&str, &str)] = &[
     ("delete", "Delete"),
 ];
 const ID: &str = "id";
+const VERSION: &str = "version";
+const FROM: &str = "from";
+const UPGRADE: &str = "upgrade";
+const DOWNGRADE: &str = "downgrade";
 const INBOX: &str = "inbox";
 const MANUAL_TIMESTAMPS: &str = "manual_timestamps";
 
@@ -79,6 +83,144 @@ pub struct ContainerAttrs {
     pub table: Option<LitStr>,
     pub indexes: Vec<IndexSpec>,
     pub events: Vec<EventSpec>,
+    pub shape: ShapeAttrs,
+}
+
+/// `version = N`, `from = "Previous"` and `upgrade = "function"`: a row shape's version and
+/// where older rows come from (on a model, and on a `TitoShape`).
+#[derive(Default)]
+pub struct ShapeAttrs {
+    pub version: Option<syn::LitInt>,
+    pub from: Option<LitStr>,
+    pub upgrade: Option<LitStr>,
+    /// `downgrade = "function"`, on a model only: `fn(&Model) -> Previous`.
+    pub downgrade: Option<LitStr>,
+}
+
+/// The highest shape version (the runtime's `tito::model::MAX_VERSION`).
+const MAX_VERSION: u32 = 1_000_000;
+
+impl ShapeAttrs {
+    /// Reads `version`, `from` or `upgrade` if `key` is one of them (`Ok(false)` otherwise).
+    fn parse(
+        &mut self,
+        key: &str,
+        meta: &syn::meta::ParseNestedMeta<'_>,
+        errors: &mut Errors,
+    ) -> syn::Result<bool> {
+        match key {
+            VERSION => {
+                let lit: syn::LitInt = meta.value()?.parse()?;
+                match lit.base10_parse::<u32>() {
+                    Ok(v) if (1..=MAX_VERSION).contains(&v) => {}
+                    _ => errors.push(syn::Error::new(
+                        lit.span(),
+                        format!("`version` is a whole number from 1 to {MAX_VERSION}"),
+                    )),
+                }
+                if self.version.is_some() {
+                    errors.push(syn::Error::new(lit.span(), "duplicate `version`"));
+                }
+                self.version = Some(lit);
+            }
+            FROM | UPGRADE => {
+                let lit: LitStr = meta.value()?.parse()?;
+                let slot = if key == FROM {
+                    &mut self.from
+                } else {
+                    &mut self.upgrade
+                };
+                if slot.is_some() {
+                    errors.push(syn::Error::new(lit.span(), format!("duplicate `{key}`")));
+                }
+                *slot = Some(lit);
+            }
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// The declared version (1 when absent or malformed).
+    pub fn version_number(&self) -> u32 {
+        self.version
+            .as_ref()
+            .and_then(|v| v.base10_parse().ok())
+            .unwrap_or(1)
+    }
+
+    /// Checks how the three go together: `from` needs a version from 2, `upgrade` needs `from`,
+    /// and the type and function parse.
+    pub fn check(&self, errors: &mut Errors) {
+        if let Some(from) = &self.from {
+            if self.version_number() < 2 {
+                errors.push(syn::Error::new(
+                    from.span(),
+                    "`from` names the previous shape of rows: declare this shape's `version = N` \
+                     (2 or more) beside it",
+                ));
+            }
+            if syn::parse_str::<syn::Type>(&from.value()).is_err() {
+                errors.push(syn::Error::new(
+                    from.span(),
+                    format!("`{}` is not a type", from.value()),
+                ));
+            }
+        }
+        if let Some(downgrade) = &self.downgrade {
+            if self.from.is_none() {
+                errors.push(syn::Error::new(
+                    downgrade.span(),
+                    "`downgrade` converts a row into the shape `from` names: add `from = \"Previous\"`",
+                ));
+            }
+            if syn::parse_str::<syn::Path>(&downgrade.value()).is_err() {
+                errors.push(syn::Error::new(
+                    downgrade.span(),
+                    format!("`{}` is not a function path", downgrade.value()),
+                ));
+            }
+        }
+        if let Some(upgrade) = &self.upgrade {
+            if self.from.is_none() {
+                errors.push(syn::Error::new(
+                    upgrade.span(),
+                    "`upgrade` converts the shape `from` names: add `from = \"Previous\"`",
+                ));
+            }
+            if syn::parse_str::<syn::Path>(&upgrade.value()).is_err() {
+                errors.push(syn::Error::new(
+                    upgrade.span(),
+                    format!("`{}` is not a function path", upgrade.value()),
+                ));
+            }
+        }
+    }
+}
+
+/// The attributes of a `#[derive(TitoShape)]`: only `version`, `from` and `upgrade`.
+pub fn shape(attrs: &[Attribute], errors: &mut Errors) -> ShapeAttrs {
+    let mut out = ShapeAttrs::default();
+    for attr in attrs.iter().filter(|a| is_tito(a)) {
+        let result = attr.parse_nested_meta(|meta| {
+            let key = meta
+                .path
+                .get_ident()
+                .map(ToString::to_string)
+                .unwrap_or_default();
+            if out.parse(&key, &meta, errors)? {
+                return Ok(());
+            }
+            Err(meta.error(format!(
+                "unknown attribute `{}` of a row shape; expected `version`, `from` or `upgrade` \
+                 (indexes, events and the table belong to the model)",
+                path_text(&meta.path)
+            )))
+        });
+        if let Err(err) = result {
+            errors.push(err);
+        }
+    }
+    out
 }
 
 fn is_tito(attr: &Attribute) -> bool {
@@ -239,6 +381,18 @@ pub fn container(attrs: &[Attribute], errors: &mut Errors) -> ContainerAttrs {
                 ID => {
                     return Err(meta.error("`id` goes on a field: `#[tito(id)] id: String`"));
                 }
+                VERSION | FROM | UPGRADE => {
+                    out.shape.parse(&key, &meta, errors)?;
+                    last = Last::None;
+                }
+                DOWNGRADE => {
+                    let lit: LitStr = meta.value()?.parse()?;
+                    if out.shape.downgrade.is_some() {
+                        errors.push(syn::Error::new(lit.span(), "duplicate `downgrade`"));
+                    }
+                    out.shape.downgrade = Some(lit);
+                    last = Last::None;
+                }
                 INBOX => {
                     out.inbox = Some(meta.path.span());
                     last = Last::None;
@@ -249,7 +403,7 @@ pub fn container(attrs: &[Attribute], errors: &mut Errors) -> ContainerAttrs {
                 }
                 _ => {
                     return Err(meta.error(format!(
-                        "unknown tito attribute `{}`; expected `table`, `index`, `unique_index`, `condition`, `condition_version`, `entries`, `event`, `at`, `on`, `inbox` or `manual_timestamps`",
+                        "unknown tito attribute `{}`; expected `table`, `index`, `unique_index`, `condition`, `condition_version`, `entries`, `event`, `at`, `on`, `inbox`, `manual_timestamps`, `version`, `from`, `upgrade` or `downgrade`",
                         path_text(&meta.path)
                     )));
                 }

@@ -14,6 +14,7 @@ pub fn model(model: &Model, errors: &mut Errors) -> Option<usize> {
     check_condition_versions(model, errors);
     check_event_names(model, errors);
     check_inbox_roles(model, errors);
+    model.attrs.shape.check(errors);
     check_id(model, errors)
 }
 

@@ -19,3 +19,12 @@ pub fn derive_tito_model(input: TokenStream) -> TokenStream {
     let input = syn::parse_macro_input!(input as syn::DeriveInput);
     expand::derive(&input).into()
 }
+
+/// Derives `tito::model::TitoShape` for a previous shape of a model's rows: `#[tito(version =
+/// N)]`, optionally `from = "Older"` (converted with `From`) and `upgrade = "function"` (a
+/// fallible conversion, `fn(Older) -> Result<Self, E: Display>`). See `tito::model::shape`.
+#[proc_macro_derive(TitoShape, attributes(tito))]
+pub fn derive_tito_shape(input: TokenStream) -> TokenStream {
+    let input = syn::parse_macro_input!(input as syn::DeriveInput);
+    expand::shape::derive(&input).into()
+}

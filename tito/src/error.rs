@@ -165,6 +165,26 @@ pub enum TitoError {
     #[error("storage integrity error: {0}")]
     Integrity(String),
 
+    /// A stored row's shape version is one this code does not read: newer than the model's
+    /// [`VERSION`](crate::model::TitoModelTrait::VERSION) (written by newer code, met after a
+    /// rollback), older than every previous shape the model declares, or refused by a
+    /// conversion. The row is left as it is; a delete removes it whatever its shape.
+    #[error(
+        "row {key:?} is shape version {version}, which {model} (version {code_version}) does not read: {reason}"
+    )]
+    RowShape {
+        /// The row's storage key.
+        key: String,
+        /// The row's stored version.
+        version: u32,
+        /// The model's type.
+        model: &'static str,
+        /// The version the model's code reads and writes.
+        code_version: u32,
+        /// Why it does not read.
+        reason: String,
+    },
+
     /// A value could not be encoded or decoded.
     #[error("serialization error: {message}{}", cause(message, .source))]
     Serialization {

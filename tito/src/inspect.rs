@@ -839,18 +839,23 @@ pub struct RawRow {
     pub id: Option<String>,
     /// The storage key.
     pub key: String,
-    /// The row, when it is JSON.
+    /// The row, when it is JSON (as stored: a row of an older shape version is not converted).
     pub value: Option<Value>,
     /// The raw bytes as text, when it is not.
     pub raw: Option<String>,
+    /// The row's shape version ([`crate::model::shape`]: 1 for a row without a version header;
+    /// 0 when the header is malformed).
+    pub version: u32,
 }
 
 fn raw_row(table: &str, key: &[u8], value: &[u8]) -> RawRow {
     let text = String::from_utf8_lossy(key).into_owned();
-    let parsed = serde_json::from_slice::<Value>(value).ok();
+    let (version, json) = crate::model::shape::split(value).unwrap_or((0, value));
+    let parsed = serde_json::from_slice::<Value>(json).ok();
     RawRow {
         id: keys::row_key_id(&text, table),
         key: text,
+        version,
         raw: parsed
             .is_none()
             .then(|| String::from_utf8_lossy(value).into_owned()),

@@ -84,7 +84,7 @@ pub use queue::{
 };
 /// Derives [`TitoModelTrait`] and typed index queries from `#[tito(...)]` attributes; see
 /// [`model`].
-pub use tito_derive::TitoModel;
+pub use tito_derive::{TitoModel, TitoShape};
 
 pub use backend::embedded::Embedded;
 #[cfg(feature = "tikv")]

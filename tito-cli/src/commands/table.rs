@@ -21,9 +21,16 @@ pub(crate) async fn run<E: TitoEngine>(db: E, command: TableCommand, json: bool)
             let Some(row) = inspect::table_row(&db, &table, &id).await? else {
                 return Err(Failure(format!("no row {id:?} in table {table:?}")));
             };
-            print(json, &row, || match (&row.value, &row.raw) {
-                (Some(v), _) => serde_json::to_string_pretty(v).unwrap_or_default(),
-                (None, raw) => format!("NOT JSON: {:?}", raw.as_deref().unwrap_or("")),
+            print(json, &row, || {
+                let body = match (&row.value, &row.raw) {
+                    (Some(v), _) => serde_json::to_string_pretty(v).unwrap_or_default(),
+                    (None, raw) => format!("NOT JSON: {:?}", raw.as_deref().unwrap_or("")),
+                };
+                match row.version {
+                    1 => body,
+                    0 => format!("malformed version header\n{body}"),
+                    v => format!("shape version {v}\n{body}"),
+                }
             })
         }
         TableCommand::Scan {
@@ -36,6 +43,10 @@ pub(crate) async fn run<E: TitoEngine>(db: E, command: TableCommand, json: bool)
                 let mut out = String::new();
                 for row in &page.items {
                     let id = row.id.as_deref().unwrap_or(&row.key);
+                    let id = match row.version {
+                        1 => id.to_string(),
+                        v => format!("{id}  v{v}"),
+                    };
                     match &row.value {
                         Some(v) => out.push_str(&format!("{id}  {v}\n")),
                         None => out.push_str(&format!(
@@ -46,6 +57,54 @@ pub(crate) async fn run<E: TitoEngine>(db: E, command: TableCommand, json: bool)
                 }
                 out.push_str(&cursor_line(&page.cursor));
                 out
+            })
+        }
+        TableCommand::Versions { table, bound } => {
+            let counts = tito::schema::shape_versions(&db, &table, bound).await?;
+            print(json, &counts, || {
+                let mut out = String::new();
+                match &counts.shapes {
+                    Some(shapes) => {
+                        let seen: Vec<String> = shapes.seen.keys().map(u32::to_string).collect();
+                        out.push_str(&format!(
+                            "writers may write version {}; versions declared by code: {}\n",
+                            shapes.writable(),
+                            if seen.is_empty() {
+                                "none recorded".into()
+                            } else {
+                                seen.join(", ")
+                            }
+                        ));
+                    }
+                    None => out.push_str("no schema catalog (no model code has used the table)\n"),
+                }
+                for (version, rows) in &counts.rows {
+                    match version {
+                        0 => out.push_str(&format!("malformed header  {rows} rows\n")),
+                        v => out.push_str(&format!("version {v}  {rows} rows\n")),
+                    }
+                }
+                if counts.rows.is_empty() {
+                    out.push_str("no rows\n");
+                }
+                if counts.more {
+                    out.push_str(&format!("(more rows than the {bound} read)\n"));
+                }
+                out
+            })
+        }
+        TableCommand::AllowVersion { table, version } => {
+            let before = tito::schema::catalog(&db, &table)
+                .await?
+                .map(|c| c.shapes.writable());
+            let shapes = tito::schema::allow_shape_version(&db, &table, version).await?;
+            if before == Some(version) {
+                return Err(Failure(format!(
+                    "writers of table {table:?} may already write version {version}: nothing changed"
+                )));
+            }
+            print(json, &shapes, || {
+                format!("writers of table {table:?} may write shape version {version} from now on")
             })
         }
     }

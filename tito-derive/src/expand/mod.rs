@@ -7,6 +7,7 @@
 mod inbox;
 mod model;
 mod queries;
+pub mod shape;
 
 use proc_macro2::TokenStream;
 use quote::quote;

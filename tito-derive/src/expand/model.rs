@@ -30,6 +30,7 @@ pub(super) fn expand(model: &Model, id: usize, errors: &mut Errors) -> TokenStre
     let topics = topics(model);
 
     let queries = super::queries::queries(model);
+    let shape_items = super::shape::model_items(&model.attrs.shape);
     let (claim_index, inbox_impl) = super::inbox::inbox(model, &table);
     if model.attrs.inbox.is_some() {
         // The claim index holds unprocessed rows only: a condition of its own.
@@ -65,6 +66,8 @@ pub(super) fn expand(model: &Model, id: usize, errors: &mut Errors) -> TokenStre
 
         #[automatically_derived]
         impl ::tito::model::TitoModelTrait for #ident {
+            #shape_items
+
             fn id(&self) -> ::std::string::String {
                 #id_expr
             }

@@ -186,9 +186,23 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
         if tx.get(self.bad_key(&id).as_bytes()).await?.is_some() {
             return Ok(Candidate::Skip);
         }
-        let Ok(row) = serde_json::from_slice::<Value>(value) else {
-            self.set_aside(tx, &id, "the row is not JSON").await?;
-            return Ok(Candidate::Skip);
+        let row = match crate::model::shape::row_value::<M>(text, value) {
+            Ok(row) => row,
+            // A row newer than this code waits for code that reads it (after a rollback, the
+            // newer deploy takes it again); nothing is set aside for it.
+            Err(TitoError::RowShape {
+                version,
+                code_version,
+                ..
+            }) if version > code_version => return Ok(Candidate::Skip),
+            Err(err) => {
+                let why = match err {
+                    TitoError::RowShape { .. } => err.to_string(),
+                    _ => "the row is not JSON".to_string(),
+                };
+                self.set_aside(tx, &id, &why).await?;
+                return Ok(Candidate::Skip);
+            }
         };
         if field_i64(&row, &spec.processed_at).is_some() {
             return Ok(Candidate::Skip);

@@ -103,14 +103,16 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
         Ok((state, lease))
     }
 
-    /// A stored row's id and JSON, when it is JSON and belongs to `group`.
+    /// A stored row's id and JSON (in the model's current shape), when it reads and belongs to
+    /// `group`.
     pub(super) fn group_row(
         &self,
         key: &[u8],
         value: &[u8],
         group: &str,
     ) -> Option<(String, Value)> {
-        let row = serde_json::from_slice::<Value>(value).ok()?;
+        let text = String::from_utf8_lossy(key);
+        let row = crate::model::shape::row_value::<M>(&text, value).ok()?;
         let in_group = match &self.spec.group {
             Some(field) => row.get(field).and_then(Value::as_str) == Some(group),
             None => true,
@@ -118,7 +120,7 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
         if !in_group {
             return None;
         }
-        let id = keys::row_key_id(&String::from_utf8_lossy(key), &self.table).unwrap_or_default();
+        let id = keys::row_key_id(&text, &self.table).unwrap_or_default();
         Some((id, row))
     }
 

@@ -145,6 +145,53 @@ pub struct Catalog {
     /// `(version, fingerprint)` of the code seen at recent versions, oldest first.
     #[serde(default)]
     history: Vec<(u64, String)>,
+    /// The rows' shape versions: which ones code has declared, and the newest writers may write.
+    #[serde(default, skip_serializing_if = "Shapes::is_unset")]
+    pub shapes: Shapes,
+}
+
+/// The shape versions of a table's rows, as its catalog records them
+/// ([`crate::model::shape`]): every version some code declared on first use, and the newest
+/// one writers may write. Code of a newer version reads its rows at once but writes the
+/// [`writable`](Shapes::writable) version (through its declared downgrade) until an operator
+/// allows its own ([`crate::schema::allow_shape_version`]), so that instances of the previous
+/// deploy never meet a row they cannot read.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Shapes {
+    /// The newest version writers may write (0 in a catalog written before versions were
+    /// recorded: rows there are version 1).
+    pub writable: u32,
+    /// Each version some code declared, with the engine time (Unix ms) it was first seen.
+    pub seen: BTreeMap<u32, u64>,
+}
+
+impl Shapes {
+    fn is_unset(&self) -> bool {
+        self.writable == 0 && self.seen.is_empty()
+    }
+
+    /// The newest version writers may write (1 when none was recorded).
+    pub fn writable(&self) -> u32 {
+        self.writable.max(1)
+    }
+
+    /// Records code of shape `version` on first use; `fresh`: this registration creates the
+    /// catalog (no older code can have written the table). Returns whether anything changed.
+    fn register(&mut self, version: u32, fresh: bool, now_ms: u64) -> bool {
+        let mut changed = false;
+        if self.is_unset() {
+            // A new table writes the first code's shape; a table older than recorded shapes
+            // holds rows of version 1, and code of that version may still run.
+            self.writable = if fresh { version } else { 1 };
+            self.seen.insert(self.writable, now_ms);
+            changed = true;
+        }
+        if let std::collections::btree_map::Entry::Vacant(slot) = self.seen.entry(version) {
+            slot.insert(now_ms);
+            changed = true;
+        }
+        changed
+    }
 }
 
 impl Catalog {
@@ -274,7 +321,14 @@ pub(crate) struct CodeSchema {
     /// The code's index configs of one stored row (decoded as the model type): what a build
     /// indexes a row under, without the build naming the type.
     pub row_configs: RowConfigs,
+    /// One stored row as JSON of the code's shape (upgraded from an older shape version).
+    pub row_value: RowValue,
+    /// The shape version the code reads and writes ([`TitoModelTrait::VERSION`]).
+    pub shape_version: u32,
 }
+
+/// A stored row in the code's shape: `(row key, row bytes) -> row`.
+pub(crate) type RowValue = fn(&str, &[u8]) -> TitoResult<serde_json::Value>;
 
 /// The index configs model code gives one stored row: `(row key, row bytes) -> configs`.
 pub(crate) type RowConfigs = fn(&str, &[u8]) -> TitoResult<Vec<(TitoIndexConfig, bool)>>;
@@ -322,6 +376,8 @@ impl CodeSchema {
             fingerprint: format!("{:016x}", keys::fnv1a(&canonical)),
             definitions,
             row_configs: row_configs::<T>,
+            row_value: super::shape::row_value::<T>,
+            shape_version: T::VERSION,
         })
     }
 }
@@ -330,6 +386,8 @@ impl CodeSchema {
 pub(crate) struct WritePlan {
     /// The catalog version (0 without a catalog).
     pub version: u64,
+    /// The newest shape version writers may write (`u32::MAX` without a catalog: any).
+    pub writable: u32,
     /// Catalog indexes (building or ready) the write maintains, with where their config
     /// comes from.
     pub indexes: Vec<PlannedIndex>,
@@ -588,6 +646,7 @@ impl TableHandle {
             *lock(&self.reconciled) = false;
             return Ok(WritePlan {
                 version: 0,
+                writable: u32::MAX,
                 indexes: self
                     .code
                     .definitions
@@ -631,6 +690,7 @@ impl TableHandle {
         }
         Ok(WritePlan {
             version: catalog.version,
+            writable: catalog.shapes.writable(),
             indexes,
         })
     }
@@ -691,10 +751,21 @@ async fn reconcile<E: TitoEngine>(
             None => Catalog::default(),
         };
         let fingerprint = handle.code.fingerprint.as_str();
-        // Code the catalog already saw at an older version: an older deploy. Change nothing.
+        let now_ms = crate::engine::version_millis(tx.start_version());
+        let shapes_changed =
+            catalog
+                .shapes
+                .register(handle.code.shape_version, stored.is_none(), now_ms);
+        // Code the catalog already saw at an older version: an older deploy. Change nothing
+        // but the record of its shape.
         if catalog.latest_fingerprint() == Some(fingerprint)
             || catalog.version_of(fingerprint).is_some()
         {
+            if shapes_changed && stored.is_some() {
+                let bytes = serde_json::to_vec(&catalog)?;
+                tx.put(key.into_bytes(), bytes.clone()).await?;
+                return Ok(Some((bytes, catalog)));
+            }
             return Ok(stored.map(|bytes| (bytes, catalog)));
         }
         let mut empty: Option<bool> = None;

@@ -50,6 +50,32 @@ use serde::de::DeserializeOwned;
 pub trait TitoModelTrait:
     Default + Clone + Serialize + DeserializeOwned + Send + Sync + 'static
 {
+    /// The version of the rows' shape this code reads and writes (the derive's
+    /// `#[tito(version = N)]`; 1 when not declared). Rows of version 1 are stored as their JSON
+    /// alone, rows of a later version with a header that says it (see [`crate::model::shape`]).
+    const VERSION: u32 = 1;
+
+    /// Reads a stored row of an older `version` than [`Self::VERSION`] through the model's
+    /// previous shapes (the derive's `from = "Previous"`, a [`TitoShape`](crate::model::TitoShape)
+    /// converted with `From` or the `upgrade = "function"` it names). Without previous shapes
+    /// no older row reads.
+    fn upgrade(version: u32, json: &[u8]) -> Result<Self, crate::model::ShapeError> {
+        let _ = json;
+        let _ = version;
+        Err(crate::model::ShapeError::Unknown)
+    }
+
+    /// This row as JSON of an older shape `version`, for writes while the table's catalog lets
+    /// writers write no newer shape than that (a rolling deploy: the previous deploy's
+    /// instances must be able to read every row). The derive's `downgrade = "function"`
+    /// (`fn(&Self) -> Previous`) converts to the shape `from` names; `None` (the default): this
+    /// code cannot write that version, and its writes are refused until the newer one is
+    /// allowed ([`crate::schema::allow_shape_version`]).
+    fn downgrade(&self, version: u32) -> Option<Result<Vec<u8>, crate::model::ShapeError>> {
+        let _ = version;
+        None
+    }
+
     /// The row's id, unique within the table.
     fn id(&self) -> String;
 

@@ -4,7 +4,7 @@
 //! Storage layout (see `docs/storage-layout.md`):
 //!
 //! ```text
-//! table:{table}:{id}                          the row, as JSON
+//! table:{table}:{id}                          the row, as JSON (`v{N}:` first from shape version 2)
 //! index:{table}:{index}:{field}:{value}..:table:{table}:{id}   an index entry, a clone of the row
 //! unique:{table}:{index}:{field}:{value}..    a unique index's claim, holding the owner's id
 //! reverse-index:table:{table}:{id}            the manifest: the row's index keys and claims
@@ -138,6 +138,7 @@ pub(crate) mod catalog;
 mod config;
 pub(crate) mod index;
 pub(crate) mod query;
+pub mod shape;
 mod write;
 
 use std::collections::HashSet;
@@ -153,6 +154,7 @@ pub use config::{
 };
 pub use index::MAX_INDEX_ENTRIES_PER_ROW;
 pub use query::{DEFAULT_PAGE_LIMIT, IndexQuery, MAX_PAGE_LIMIT, QueryArg, TableQuery, TitoPage};
+pub use shape::{MAX_VERSION, ShapeError, TitoShape, read_exact};
 
 pub(crate) use crate::engine::read_only;
 use crate::engine::{self, OnStore, TitoEngine, TitoTransaction};
@@ -208,7 +210,13 @@ impl Mode {
 
 /// A row and its manifest as stored, validated.
 pub(crate) struct Stored {
+    /// The row's JSON as stored, in the shape of [`Stored::version`] (a write converts it to the
+    /// code's shape before it uses it); the row's text when it is not JSON (version 0).
     pub row: Value,
+    /// The row's shape version as stored (0: no version header or JSON could be read).
+    pub version: u32,
+    /// The row as stored.
+    pub bytes: Vec<u8>,
     pub manifest: Vec<String>,
     /// The schema version the manifest was written under (0: before catalogs).
     pub manifest_version: u64,
@@ -432,18 +440,9 @@ pub(crate) fn parse_manifest(key: &str, bytes: &[u8]) -> TitoResult<(u64, Vec<St
         })
 }
 
-pub(crate) fn parse_row(key: &str, bytes: &[u8]) -> TitoResult<Value> {
-    serde_json::from_slice(bytes)
-        .map_err(|err| integrity(format!("row {key:?} is not valid JSON: {err}")))
-}
-
+/// A stored row as `T`, upgraded from an older shape version (see [`shape`]).
 pub(crate) fn decode_model<T: TitoModelTrait>(key: &str, bytes: &[u8]) -> TitoResult<T> {
-    serde_json::from_slice(bytes).map_err(|err| {
-        integrity(format!(
-            "value of {key:?} does not deserialize into {}: {err}",
-            std::any::type_name::<T>()
-        ))
-    })
+    shape::decode_row(key, bytes)
 }
 
 /// Reads and validates a row with its manifest and every key the manifest lists, and the
@@ -500,7 +499,10 @@ async fn validate<X: TitoTransaction>(
         }
         (Some(row), Some(manifest)) => (row, manifest),
     };
-    let row = parse_row(&row_key, row)?;
+    // A row that does not read is kept as text: a delete removes it all the same, and a write
+    // that needs its values refuses it when it converts it.
+    let (version, row_value) = shape::stored_value(&row_key, row)
+        .unwrap_or_else(|_| (0, Value::String(String::from_utf8_lossy(row).into_owned())));
     let (manifest_version, manifest) = parse_manifest(&manifest_key, manifest)?;
     if let Some(bad) = manifest
         .iter()
@@ -538,7 +540,9 @@ async fn validate<X: TitoTransaction>(
         }
     }
     Ok(Some(Stored {
-        row,
+        row: row_value,
+        version,
+        bytes: row.clone(),
         manifest,
         manifest_version,
     }))
@@ -706,26 +710,28 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         let (stored, _, _) = load(tx, &table, id, &handle, &[]).await?;
         let stored = stored.ok_or_else(|| TitoError::NotFound(no_row(&table, id)))?;
         let operation = reported_operation(&options, TitoOperation::Delete, false, &table, id)?;
-        // A row that no longer decodes as `T` (written by an older shape of the model) is
-        // deleted all the same: its events carry the row as stored, as every delete's do, and
+        // A row that does not read as `T` (a shape no declared conversion reads, a newer one,
+        // not JSON) is deleted all the same: its events carry the row as stored, and
         // are the ones `T::default()` declares, due at the delete's time (a due time read
         // from the row cannot be read).
         let events = match operation {
-            Some(operation) => match serde_json::from_value::<T>(stored.row.clone()) {
-                Ok(model) => self.prepare_events(tx, operation, &model, &stored.row)?,
-                Err(err) => {
-                    tracing::warn!(table = %table, id, error = %err, "deleting a row that does not decode as its model");
-                    let now = (engine::version_millis(tx.start_version()) / 1000) as i64;
-                    let configs = declared_events(&T::default(), operation)?
-                        .into_iter()
-                        .map(|config| TitoEventConfig {
-                            timestamp: now,
-                            ..config
-                        })
-                        .collect();
-                    self.events_of(tx, operation, configs, &table, id, &stored.row)?
+            Some(operation) => {
+                match shape::decode_row::<T>(&keys::row_key(&table, id), &stored.bytes) {
+                    Ok(model) => self.prepare_events(tx, operation, &model, &model)?,
+                    Err(err) => {
+                        tracing::warn!(table = %table, id, error = %err, "deleting a row that does not decode as its model");
+                        let now = (engine::version_millis(tx.start_version()) / 1000) as i64;
+                        let configs = declared_events(&T::default(), operation)?
+                            .into_iter()
+                            .map(|config| TitoEventConfig {
+                                timestamp: now,
+                                ..config
+                            })
+                            .collect();
+                        self.events_of(tx, operation, configs, &table, id, &stored.row)?
+                    }
                 }
-            },
+            }
             None => Vec::new(),
         };
         // Exactly what the manifest lists: entries and claims (a condition that depends on the
@@ -952,7 +958,7 @@ mod tests {
                     let _ = keys::is_claim_key_of(&key, "t");
                 }
             }
-            let _ = parse_row("r", &bytes);
+            let _ = shape::stored_value("r", &bytes);
         }
     }
 }

@@ -23,6 +23,8 @@ struct RowWrite<'a> {
     plan: &'a WritePlan,
     configs: &'a [(crate::model::TitoIndexConfig, bool)],
     stored: Option<&'a Stored>,
+    /// The shape version the row is written in.
+    version: u32,
     /// The keys the row's manifest lists (its entries and claims before the write).
     old_listed: HashSet<String>,
 }
@@ -68,7 +70,16 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
             .flatten()
             .filter_map(|entry| entry.claim.clone())
             .collect();
-        let (stored, plan, claim_owners) = load(tx, &table, &id, &handle, &expected_claims).await?;
+        let (mut stored, plan, claim_owners) =
+            load(tx, &table, &id, &handle, &expected_claims).await?;
+        // A row stored in another shape version is read in the code's shape (upgraded through
+        // the model's previous shapes) before anything compares or stamps it; one that does not
+        // read refuses the write (a delete removes it).
+        if let Some(s) = stored.as_mut()
+            && s.version != T::VERSION
+        {
+            s.row = super::shape::row_value::<T>(&row_key, &s.bytes)?;
+        }
         let mut prefetched: HashMap<String, Option<Vec<u8>>> =
             expected_claims.into_iter().zip(claim_owners).collect();
         match (mode, &stored) {
@@ -106,12 +117,14 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
             model
         };
         let new_entries = planned_entries_reusing(&plan, &configs, &row, &table, &id, &mut known)?;
+        let (version, json) = written_shape(&stored_model, &row, &table, plan.writable)?;
         let step = RowWrite {
             table: &table,
             id: &id,
             plan: &plan,
             configs: &configs,
             stored: stored.as_ref(),
+            version,
             // What the row held before comes from its manifest, never from evaluating the
             // indexes (and their row-dependent conditions) on the old row again.
             old_listed: stored
@@ -127,7 +140,7 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         let claims = self
             .plan_claims(tx, &step, &new_entries, &mut prefetched, &mut writes)
             .await?;
-        plan_row(&step, new_entries, claims, row_key, &row, &mut writes)?;
+        plan_row(&step, new_entries, claims, row_key, &row, json, &mut writes)?;
         let mut wakes = Vec::new();
         if let Some(operation) = operation {
             let events = self.prepare_events(tx, operation, &stored_model, &stored_model)?;
@@ -246,9 +259,10 @@ fn plan_row(
     claims: Claims,
     row_key: String,
     row: &Value,
+    json: Vec<u8>,
     writes: &mut engine::Writes,
 ) -> TitoResult<()> {
-    let bytes = serde_json::to_vec(row)?;
+    let bytes = super::shape::encode(step.version, json);
     let kept: Vec<index::Entry> = new_entries
         .into_iter()
         .filter(|(e, _)| {
@@ -258,7 +272,9 @@ fn plan_row(
         })
         .map(|(e, _)| e)
         .collect();
-    let row_changed = step.stored.is_none_or(|s| s.row != *row);
+    let row_changed = step
+        .stored
+        .is_none_or(|s| s.row != *row || s.version != step.version);
     let new_set: HashSet<&String> = kept.iter().map(|e| &e.key).chain(&claims.held).collect();
     for key in step
         .old_listed
@@ -287,4 +303,35 @@ fn plan_row(
         writes.put(row_key, bytes);
     }
     Ok(())
+}
+
+/// The shape version a write stores and the row's JSON in it: the code's own while the table's
+/// catalog lets writers write it, else the newest shape writers may write, through the model's
+/// downgrade. Without one the write is refused, naming the step that allows the code's shape.
+fn written_shape<T: TitoModelTrait>(
+    model: &T,
+    row: &Value,
+    table: &str,
+    writable: u32,
+) -> TitoResult<(u32, Vec<u8>)> {
+    if T::VERSION <= writable {
+        return Ok((T::VERSION, serde_json::to_vec(row)?));
+    }
+    match model.downgrade(writable) {
+        Some(Ok(json)) => Ok((writable, json)),
+        Some(Err(reason)) => Err(TitoError::SchemaMismatch(format!(
+            "table {table:?}: writers may write shape version {writable} while older code may \
+             still run, and converting this row of version {} down to it failed: {reason}",
+            T::VERSION
+        ))),
+        None => Err(TitoError::SchemaMismatch(format!(
+            "table {table:?}: this code writes shape version {code} of {}, but the catalog lets \
+             writers write version {writable} until every instance reads {code}; declare \
+             `downgrade = \"function\"` beside `from` so this code writes version {writable} \
+             meanwhile, or, once no older code runs, allow version {code}: `tito table \
+             allow-version {table} {code}` (or `tito::schema::allow_shape_version`)",
+            std::any::type_name::<T>(),
+            code = T::VERSION,
+        ))),
+    }
 }

@@ -161,6 +161,8 @@ fn audit_plan(handle: &TableHandle, catalog: Option<&Catalog>) -> TitoResult<Wri
     }
     Ok(WritePlan {
         version: catalog.version,
+        // Builds and audits write entries, never rows.
+        writable: u32::MAX,
         indexes,
     })
 }
@@ -312,7 +314,7 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         bytes: &[u8],
     ) -> Option<(Vec<Entry>, Vec<String>)> {
         let row_key = keys::row_key(table, id);
-        let row = crate::model::parse_row(&row_key, bytes).ok()?;
+        let row = crate::model::shape::row_value::<T>(&row_key, bytes).ok()?;
         let code = if plan.indexes.iter().any(|i| i.stored.is_none()) {
             let model: T = crate::model::decode_model(&row_key, bytes).ok()?;
             index_configs(&model).ok()?

@@ -136,14 +136,19 @@ use crate::error::TitoResult;
 use crate::keys;
 pub use crate::model::catalog::{
     CATALOG_REFRESH, Catalog, CatalogIndex, DEFAULT_WRITE_GRACE, IndexDefinition, IndexProgress,
-    IndexState, set_write_grace, write_grace,
+    IndexState, Shapes, set_write_grace, write_grace,
 };
 use crate::model::catalog::{parse_catalog, read_progress};
 
 mod audit;
 mod build;
+mod shapes;
 
 pub use audit::{AuditFinding, AuditKind, AuditReport, FIRST_KEYS, Progress, last_audit};
+pub use shapes::{
+    ShapeCheck, ShapeCounts, ShapeVerdict, allow_shape_version, check_shapes, reads_version,
+    shape_versions,
+};
 
 /// Rows one build, drop, audit or repair batch handles at most by default.
 pub const DEFAULT_BATCH: usize = 256;

@@ -1,0 +1,747 @@
+//! Models that change shape: rows written by older code read by newer code (gets, queries over
+//! copied and keyed entries, inbox claims, deletes and their events), rows newer than the code
+//! refused, rows no conversion reads refused and still deletable. Run on every backend.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use tito::model::{ShapeError, TitoModelTrait};
+use tito::queue::ModelEvent;
+use tito::queue::testing::drain;
+use tito::{QueueEvent, QueueHandlerOutcome, TitoEngine, TitoError, TitoModel, TitoShape};
+
+use crate::support::{Ctx, read};
+
+/// Runs every case of this suite on one backend.
+#[macro_export]
+macro_rules! shapes_suite {
+    ($backend:ty) => {
+        $crate::engine_suite!(
+            $backend,
+            shapes,
+            [
+                rows_of_older_code_read_as_the_newest_shape,
+                a_row_newer_than_the_code_is_refused_never_misread,
+                a_row_no_conversion_reads_is_refused_and_deletable,
+                writes_store_the_newest_shape_and_its_copies,
+                a_rolling_deploy_writes_the_allowed_shape_until_the_next_is_allowed,
+                old_and_new_code_writing_at_once_leave_every_row_readable_by_both,
+                an_inbox_claims_older_rows_and_leaves_newer_ones_to_newer_code,
+            ]
+        );
+    };
+}
+
+/// The code as deployed first: no version declared (version 1), a name in one field.
+#[derive(TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(table = "member")]
+#[tito(index = "member_by_team: team")]
+#[tito(index = "member_keys_by_team: team", entries = "keys")]
+#[tito(event = "member_changed")]
+pub struct OldMember {
+    pub id: String,
+    pub team: String,
+    pub name: String,
+}
+
+/// Version 1 as a previous shape of [`Member`].
+#[derive(TitoShape, Serialize, Deserialize)]
+#[tito(version = 1)]
+pub struct MemberV1 {
+    pub id: String,
+    pub team: String,
+    pub name: String,
+}
+
+/// Version 2: the name split in two; a name without a space does not convert.
+#[derive(TitoShape, Serialize, Deserialize)]
+#[tito(version = 2, from = "MemberV1", upgrade = "split_name")]
+pub struct MemberV2 {
+    pub id: String,
+    pub team: String,
+    pub first: String,
+    pub last: String,
+}
+
+fn split_name(v1: MemberV1) -> Result<MemberV2, String> {
+    let (first, last) = v1
+        .name
+        .split_once(' ')
+        .ok_or_else(|| format!("{:?} has no space to split at", v1.name))?;
+    Ok(MemberV2 {
+        id: v1.id,
+        team: v1.team,
+        first: first.to_string(),
+        last: last.to_string(),
+    })
+}
+
+/// The code as deployed now: version 3, the same indexes, a display name added.
+#[derive(TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(table = "member", version = 3, from = "MemberV2")]
+#[tito(index = "member_by_team: team")]
+#[tito(index = "member_keys_by_team: team", entries = "keys")]
+#[tito(event = "member_changed")]
+pub struct Member {
+    pub id: String,
+    pub team: String,
+    pub first: String,
+    pub last: String,
+    pub display: String,
+}
+
+impl From<MemberV2> for Member {
+    fn from(v2: MemberV2) -> Self {
+        Member {
+            display: format!("{} {}", v2.first, v2.last),
+            id: v2.id,
+            team: v2.team,
+            first: v2.first,
+            last: v2.last,
+        }
+    }
+}
+
+/// The next deploy of the first code, written for a rolling deploy: version 2 from version 1,
+/// with a downgrade so that it can write version 1 while old instances run.
+#[derive(TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(
+    table = "member",
+    version = 2,
+    from = "MemberV1",
+    upgrade = "split_next"
+)]
+#[tito(downgrade = "join_next")]
+#[tito(index = "member_by_team: team")]
+#[tito(index = "member_keys_by_team: team", entries = "keys")]
+#[tito(event = "member_changed")]
+pub struct MemberNext {
+    pub id: String,
+    pub team: String,
+    pub first: String,
+    pub last: String,
+}
+
+fn split_next(v1: MemberV1) -> Result<MemberNext, String> {
+    let v2 = split_name(v1)?;
+    Ok(MemberNext {
+        id: v2.id,
+        team: v2.team,
+        first: v2.first,
+        last: v2.last,
+    })
+}
+
+fn join_next(next: &MemberNext) -> MemberV1 {
+    MemberV1 {
+        id: next.id.clone(),
+        team: next.team.clone(),
+        name: format!("{} {}", next.first, next.last),
+    }
+}
+
+fn next(id: &str, team: &str, first: &str, last: &str) -> MemberNext {
+    MemberNext {
+        id: id.into(),
+        team: team.into(),
+        first: first.into(),
+        last: last.into(),
+    }
+}
+
+/// Version 3 with no previous shapes declared: it reads no older row.
+#[derive(TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(table = "member", version = 3)]
+#[tito(index = "member_by_team: team")]
+#[tito(index = "member_keys_by_team: team", entries = "keys")]
+#[tito(event = "member_changed")]
+pub struct MemberNoChain {
+    pub id: String,
+    pub team: String,
+    pub display: String,
+}
+
+fn old(id: &str, team: &str, name: &str) -> OldMember {
+    OldMember {
+        id: id.into(),
+        team: team.into(),
+        name: name.into(),
+    }
+}
+
+fn member(id: &str, team: &str, first: &str, last: &str) -> Member {
+    Member {
+        id: id.into(),
+        team: team.into(),
+        first: first.into(),
+        last: last.into(),
+        display: format!("{first} {last}"),
+    }
+}
+
+fn row_key(id: &str) -> String {
+    tito::keys::row_key("member", id)
+}
+
+fn ids(items: &[Member]) -> Vec<&str> {
+    let mut ids: Vec<&str> = items.iter().map(|m| m.id.as_str()).collect();
+    ids.sort();
+    ids
+}
+
+pub async fn rows_of_older_code_read_as_the_newest_shape<E: TitoEngine>(ctx: Ctx<E>) {
+    let olds = ctx.db.clone().model::<OldMember>();
+    for (id, name) in [("1", "Ada Lovelace"), ("2", "Grace Hopper")] {
+        olds.build(old(id, "a", name)).await.unwrap();
+    }
+    let members = ctx.db.clone().model::<Member>();
+    assert_eq!(
+        members.find_by_id("1", vec![]).await.unwrap(),
+        member("1", "a", "Ada", "Lovelace")
+    );
+    let many: Vec<Member> = members
+        .find_by_ids(&["1".to_string(), "2".to_string()])
+        .await
+        .unwrap()
+        .into_iter()
+        .flatten()
+        .collect();
+    assert_eq!(ids(&many), ["1", "2"]);
+    // Entries holding copies of version-1 rows, and entries holding keys.
+    let copies = members.member_by_team("a").execute().await.unwrap();
+    assert_eq!(
+        copies.items,
+        vec![
+            member("1", "a", "Ada", "Lovelace"),
+            member("2", "a", "Grace", "Hopper")
+        ]
+    );
+    let keyed = members.member_keys_by_team("a").execute().await.unwrap();
+    assert_eq!(keyed.items, copies.items);
+    // The rows were not rewritten by being read.
+    assert!(
+        !read(&ctx.db, row_key("1").as_bytes())
+            .await
+            .unwrap()
+            .starts_with(b"v")
+    );
+}
+
+pub async fn writes_store_the_newest_shape_and_its_copies<E: TitoEngine>(ctx: Ctx<E>) {
+    let olds = ctx.db.clone().model::<OldMember>();
+    olds.build(old("1", "a", "Ada Lovelace")).await.unwrap();
+    let members = ctx.db.clone().model::<Member>();
+    // An update that changes nothing but the shape still rewrites the row in the new shape
+    // (once version 3 is allowed: the old code ran on this table; the new code's first query
+    // recorded its version).
+    let same = members.find_by_id("1", vec![]).await.unwrap();
+    members.member_by_team("a").execute().await.unwrap();
+    tito::schema::allow_shape_version(&ctx.db, "member", 3)
+        .await
+        .unwrap();
+    members.update(same.clone()).await.unwrap();
+    let stored = read(&ctx.db, row_key("1").as_bytes()).await.unwrap();
+    assert!(
+        stored.starts_with(b"v3:{"),
+        "{}",
+        String::from_utf8_lossy(&stored)
+    );
+    let copies = members.member_by_team("a").execute().await.unwrap();
+    assert_eq!(copies.items, vec![same]);
+    // A new row is written in the new shape from the start; the old code's index of keys
+    // and of copies find it through the same entries.
+    members
+        .build(member("2", "a", "Grace", "Hopper"))
+        .await
+        .unwrap();
+    let stored = read(&ctx.db, row_key("2").as_bytes()).await.unwrap();
+    assert!(stored.starts_with(b"v3:{"));
+    let keyed = members.member_keys_by_team("a").execute().await.unwrap();
+    assert_eq!(ids(&keyed.items), ["1", "2"]);
+    let page = tito::inspect::table_rows(&ctx.db, "member", None, 10)
+        .await
+        .unwrap();
+    assert_eq!(
+        page.items.iter().map(|r| r.version).collect::<Vec<_>>(),
+        [3, 3]
+    );
+    assert_eq!(
+        page.items[0].value.as_ref().unwrap()["display"],
+        "Ada Lovelace"
+    );
+}
+
+pub async fn a_row_newer_than_the_code_is_refused_never_misread<E: TitoEngine>(ctx: Ctx<E>) {
+    let members = ctx.db.clone().model::<Member>();
+    members
+        .build(member("1", "a", "Ada", "Lovelace"))
+        .await
+        .unwrap();
+    // The old code after a rollback: every read of the row says what it is.
+    let olds = ctx.db.clone().model::<OldMember>();
+    let err = olds.find_by_id("1", vec![]).await.unwrap_err();
+    match &err {
+        TitoError::RowShape {
+            key,
+            version,
+            code_version,
+            ..
+        } => assert_eq!((key.clone(), *version, *code_version), (row_key("1"), 3, 1)),
+        other => panic!("expected RowShape, got {other:?}"),
+    }
+    assert!(err.to_string().contains("newer than this code"), "{err}");
+    assert!(matches!(
+        olds.member_by_team("a").execute().await.unwrap_err(),
+        TitoError::RowShape { version: 3, .. }
+    ));
+    assert!(matches!(
+        olds.member_keys_by_team("a").execute().await.unwrap_err(),
+        TitoError::RowShape { version: 3, .. }
+    ));
+    // An update by the old code is refused, and leaves the row as it was.
+    let err = olds.update(old("1", "a", "Ada King")).await.unwrap_err();
+    assert!(
+        matches!(err, TitoError::RowShape { version: 3, .. }),
+        "{err:?}"
+    );
+    assert_eq!(
+        members.find_by_id("1", vec![]).await.unwrap(),
+        member("1", "a", "Ada", "Lovelace")
+    );
+    // A delete by the old code removes it whatever its shape, with its entries.
+    olds.delete_by_id("1").await.unwrap();
+    assert!(
+        members
+            .member_by_team("a")
+            .execute()
+            .await
+            .unwrap()
+            .items
+            .is_empty()
+    );
+    assert!(read(&ctx.db, row_key("1").as_bytes()).await.is_none());
+}
+
+pub async fn a_row_no_conversion_reads_is_refused_and_deletable<E: TitoEngine>(ctx: Ctx<E>) {
+    let olds = ctx.db.clone().model::<OldMember>();
+    olds.build(old("1", "b", "Plato")).await.unwrap();
+    olds.build(old("2", "b", "Ada Lovelace")).await.unwrap();
+    let members = ctx.db.clone().model::<Member>();
+    let err = members.find_by_id("1", vec![]).await.unwrap_err();
+    match &err {
+        TitoError::RowShape {
+            version: 1,
+            code_version: 3,
+            reason,
+            ..
+        } => assert!(
+            reason.contains("from version 1 to 2") && reason.contains("no space"),
+            "{reason}"
+        ),
+        other => panic!("expected RowShape, got {other:?}"),
+    }
+    // The query meets it too: refused, never skipped silently.
+    assert!(matches!(
+        members.member_by_team("b").execute().await.unwrap_err(),
+        TitoError::RowShape { version: 1, .. }
+    ));
+    // An update of it is refused (its values cannot be read); a delete removes it, and its
+    // event carries the row as stored.
+    assert!(matches!(
+        members
+            .update(member("1", "b", "Pla", "To"))
+            .await
+            .unwrap_err(),
+        TitoError::RowShape { version: 1, .. }
+    ));
+    members.delete_by_id("1").await.unwrap();
+    assert_eq!(
+        ids(&members.member_by_team("b").execute().await.unwrap().items),
+        ["2"]
+    );
+    let queue = Member::MEMBER_CHANGED_EVENT
+        .spec(ctx.db.partitions(), Duration::from_secs(3600))
+        .open(ctx.db.clone())
+        .await
+        .unwrap();
+    // A handler typed by the model cannot decode the deleted row's event; one typed by JSON
+    // reads what was stored.
+    let raw = tito::Topic::<ModelEvent<Value>>::new(Member::MEMBER_CHANGED_EVENT.name())
+        .spec(ctx.db.partitions(), Duration::from_secs(3600))
+        .open(ctx.db.clone())
+        .await
+        .unwrap();
+    drop(queue);
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let sink = seen.clone();
+    drain(&raw, move |event: QueueEvent<ModelEvent<Value>>| {
+        let sink = sink.clone();
+        async move {
+            sink.lock().unwrap().push(event.payload);
+            Ok(QueueHandlerOutcome::Acknowledge)
+        }
+    })
+    .await
+    .unwrap();
+    let seen = seen.lock().unwrap().clone();
+    let delete = seen
+        .iter()
+        .find(|e| e.operation == tito::TitoOperation::Delete && e.id == "1")
+        .expect("the delete's event");
+    assert_eq!(delete.row["name"], "Plato");
+    // Even a row that is not JSON at all (nor has a readable header) is deleted.
+    olds.build(old("7", "b", "Ada Lovelace")).await.unwrap();
+    for bytes in [&b"v9x:{"[..], b"\xff\xfe not json"] {
+        let (key, value) = (row_key("7").into_bytes(), bytes.to_vec());
+        ctx.db
+            .transaction(|tx| {
+                let (key, value) = (key.clone(), value.clone());
+                async move { tito::TitoTransaction::put(&tx, key, value).await }
+            })
+            .await
+            .unwrap();
+        assert!(members.find_by_id("7", vec![]).await.is_err());
+    }
+    members.delete_by_id("7").await.unwrap();
+    assert!(read(&ctx.db, row_key("7").as_bytes()).await.is_none());
+    // The shape error of a conversion says so when matched on.
+    assert_eq!(
+        ShapeError::conversion(1, 2, "x").to_string(),
+        "the conversion from version 1 to 2 refused it: x"
+    );
+    assert_eq!(<Member as TitoModelTrait>::VERSION, 3);
+}
+
+pub async fn a_rolling_deploy_writes_the_allowed_shape_until_the_next_is_allowed<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    let olds = ctx.db.clone().model::<OldMember>();
+    olds.build(old("1", "a", "Ada Lovelace")).await.unwrap();
+    // The new deploy reads version 1 and, while the catalog allows version 1 only, writes it.
+    let nexts = ctx.db.clone().model::<MemberNext>();
+    nexts
+        .build(next("2", "a", "Grace", "Hopper"))
+        .await
+        .unwrap();
+    let stored = read(&ctx.db, row_key("2").as_bytes()).await.unwrap();
+    assert!(
+        stored.starts_with(b"{"),
+        "{}",
+        String::from_utf8_lossy(&stored)
+    );
+    assert_eq!(
+        olds.find_by_id("2", vec![]).await.unwrap(),
+        old("2", "a", "Grace Hopper")
+    );
+    nexts.update(next("1", "a", "Ada", "King")).await.unwrap();
+    assert_eq!(
+        olds.find_by_id("1", vec![]).await.unwrap(),
+        old("1", "a", "Ada King")
+    );
+    assert_eq!(
+        olds.member_by_team("a")
+            .execute()
+            .await
+            .unwrap()
+            .items
+            .len(),
+        2
+    );
+    // Code two versions ahead with no downgrade to version 1 is refused, saying what to do.
+    let members = ctx.db.clone().model::<Member>();
+    let err = members
+        .build(member("3", "a", "Alan", "Turing"))
+        .await
+        .unwrap_err();
+    match &err {
+        TitoError::SchemaMismatch(message) => assert!(
+            message.contains("allow-version member 3") && message.contains("version 1"),
+            "{message}"
+        ),
+        other => panic!("expected SchemaMismatch, got {other:?}"),
+    }
+    // The compatibility check says the same before anything is written: version 3 reads
+    // every stored version but cannot write yet; version 2 can (its downgrade; version 3 is
+    // declared, but no one may write it yet); a version-3 model without previous shapes reads
+    // none of the stored rows.
+    let check = tito::schema::check_shapes::<_, Member>(&ctx.db, 100)
+        .await
+        .unwrap();
+    assert!(check.unreadable().is_empty() && !check.writes, "{check:?}");
+    assert_eq!(check.versions[&1].rows, 2);
+    let check = tito::schema::check_shapes::<_, MemberNext>(&ctx.db, 100)
+        .await
+        .unwrap();
+    assert!(check.is_compatible(), "{check:?}");
+    let check = tito::schema::check_shapes::<_, MemberNoChain>(&ctx.db, 100)
+        .await
+        .unwrap();
+    assert_eq!(check.unreadable(), [1], "{check:?}");
+    assert!(!check.is_compatible());
+    let counts = tito::schema::shape_versions(&ctx.db, "member", 100)
+        .await
+        .unwrap();
+    let shapes = counts.shapes.clone().unwrap();
+    assert_eq!(
+        (
+            shapes.writable(),
+            shapes.seen.keys().copied().collect::<Vec<_>>()
+        ),
+        (1, vec![1, 2, 3])
+    );
+    assert_eq!(counts.rows.into_iter().collect::<Vec<_>>(), [(1, 2)]);
+    // Only a version some code declared can be allowed.
+    assert!(matches!(
+        tito::schema::allow_shape_version(&ctx.db, "member", 4)
+            .await
+            .unwrap_err(),
+        TitoError::InvalidArgument(_)
+    ));
+    // Every old instance is gone: version 2 is allowed, and written.
+    tito::schema::allow_shape_version(&ctx.db, "member", 2)
+        .await
+        .unwrap();
+    nexts.build(next("4", "b", "Alan", "Turing")).await.unwrap();
+    let stored = read(&ctx.db, row_key("4").as_bytes()).await.unwrap();
+    assert!(
+        stored.starts_with(b"v2:{"),
+        "{}",
+        String::from_utf8_lossy(&stored)
+    );
+    assert_eq!(
+        members.find_by_id("4", vec![]).await.unwrap(),
+        member("4", "b", "Alan", "Turing")
+    );
+    // The old code meets it as newer than itself, and the check says so before a rollback.
+    let check = tito::schema::check_shapes::<_, OldMember>(&ctx.db, 100)
+        .await
+        .unwrap();
+    assert_eq!(check.unreadable(), [2], "{check:?}");
+    assert!(matches!(
+        olds.find_by_id("4", vec![]).await.unwrap_err(),
+        TitoError::RowShape {
+            version: 2,
+            code_version: 1,
+            ..
+        }
+    ));
+    // Version 3 still waits for its own step; then it writes, and version-2 code keeps writing
+    // its own shape, which version 3 reads.
+    assert!(
+        members
+            .build(member("5", "b", "Edsger", "Dijkstra"))
+            .await
+            .is_err()
+    );
+    tito::schema::allow_shape_version(&ctx.db, "member", 3)
+        .await
+        .unwrap();
+    members
+        .build(member("5", "b", "Edsger", "Dijkstra"))
+        .await
+        .unwrap();
+    assert!(
+        read(&ctx.db, row_key("5").as_bytes())
+            .await
+            .unwrap()
+            .starts_with(b"v3:{")
+    );
+    nexts
+        .build(next("6", "b", "Barbara", "Liskov"))
+        .await
+        .unwrap();
+    assert!(
+        read(&ctx.db, row_key("6").as_bytes())
+            .await
+            .unwrap()
+            .starts_with(b"v2:{")
+    );
+    assert_eq!(
+        ids(&members.member_by_team("b").execute().await.unwrap().items),
+        ["4", "5", "6"]
+    );
+    // A rollback of the catalog: version-2 code writes version 1 again.
+    tito::schema::allow_shape_version(&ctx.db, "member", 1)
+        .await
+        .unwrap();
+    nexts
+        .update(next("6", "b", "Barbara", "Liskov"))
+        .await
+        .unwrap();
+    assert_eq!(
+        olds.find_by_id("6", vec![]).await.unwrap(),
+        old("6", "b", "Barbara Liskov")
+    );
+}
+
+pub async fn old_and_new_code_writing_at_once_leave_every_row_readable_by_both<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    let olds = ctx.db.clone().model::<OldMember>();
+    olds.build(old("seed", "a", "Ada Lovelace")).await.unwrap();
+    let nexts = ctx.db.clone().model::<MemberNext>();
+    // Both deploys write the same rows at once while version 1 is the one allowed.
+    let writer_old = {
+        let olds = olds.clone();
+        tokio::spawn(async move {
+            for i in 0..30 {
+                olds.upsert(old(&format!("r{}", i % 10), "a", &format!("Old {i}")))
+                    .await
+                    .unwrap();
+            }
+        })
+    };
+    let writer_new = {
+        let nexts = nexts.clone();
+        tokio::spawn(async move {
+            for i in 0..30 {
+                nexts
+                    .upsert(next(
+                        &format!("r{}", (i + 5) % 10),
+                        "a",
+                        "New",
+                        &i.to_string(),
+                    ))
+                    .await
+                    .unwrap();
+            }
+        })
+    };
+    writer_old.await.unwrap();
+    writer_new.await.unwrap();
+    let by_old = olds.member_by_team("a").execute().await.unwrap().items;
+    let by_new = nexts.member_by_team("a").execute().await.unwrap().items;
+    assert_eq!(by_old.len(), 11);
+    assert_eq!(by_new.len(), 11);
+    for row in &by_old {
+        let as_new = nexts.find_by_id(&row.id, vec![]).await.unwrap();
+        assert_eq!(format!("{} {}", as_new.first, as_new.last), row.name);
+    }
+}
+
+/// An inbox as the first code declares it.
+#[derive(TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(inbox, table = "hook")]
+pub struct OldHook {
+    pub id: String,
+    #[tito(group)]
+    pub endpoint: String,
+    pub body: String,
+}
+
+#[derive(TitoShape, Serialize, Deserialize)]
+#[tito(version = 1)]
+pub struct HookV1 {
+    pub id: String,
+    pub endpoint: String,
+    pub body: String,
+}
+
+/// The next deploy: the body split into lines, and a downgrade for the rolling deploy.
+#[derive(TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(
+    inbox,
+    table = "hook",
+    version = 2,
+    from = "HookV1",
+    downgrade = "hook_v1"
+)]
+pub struct Hook {
+    pub id: String,
+    #[tito(group)]
+    pub endpoint: String,
+    pub lines: Vec<String>,
+}
+
+impl From<HookV1> for Hook {
+    fn from(v1: HookV1) -> Self {
+        Hook {
+            id: v1.id,
+            endpoint: v1.endpoint,
+            lines: v1.body.lines().map(str::to_string).collect(),
+        }
+    }
+}
+
+fn hook_v1(hook: &Hook) -> HookV1 {
+    HookV1 {
+        id: hook.id.clone(),
+        endpoint: hook.endpoint.clone(),
+        body: hook.lines.join("\n"),
+    }
+}
+
+/// Runs an inbox of `M` on group "shop" until `until` holds of what it delivered, or `for_at_most`
+/// passed; returns the deliveries.
+async fn run_hooks<E: TitoEngine, M: tito::inbox::InboxModel + PartialEq>(
+    db: &E,
+    for_at_most: Duration,
+    until: usize,
+) -> (Vec<M>, Vec<String>) {
+    use tito::inbox::{Inbox, InboxConfig, InboxDelivery, InboxOutcome, run_inbox};
+    let inbox = std::sync::Arc::new(Inbox::<E, M>::new(db.clone()).unwrap());
+    let seen: std::sync::Arc<std::sync::Mutex<Vec<M>>> = Default::default();
+    let sink = seen.clone();
+    let (stop, rx) = tokio::sync::watch::channel(false);
+    let task = tokio::spawn(run_inbox(
+        inbox.clone(),
+        InboxConfig::new("shop").max_idle(Duration::from_millis(20)),
+        move |delivery: InboxDelivery<M>| {
+            sink.lock().unwrap().push(delivery.payload);
+            async { Ok(InboxOutcome::Ack) }
+        },
+        rx,
+    ));
+    let started = std::time::Instant::now();
+    while started.elapsed() < for_at_most && seen.lock().unwrap().len() < until {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    stop.send(true).unwrap();
+    task.await.unwrap().unwrap();
+    let bad = inbox.bad_rows().await.unwrap();
+    let seen = seen.lock().unwrap().clone();
+    (seen, bad)
+}
+
+pub async fn an_inbox_claims_older_rows_and_leaves_newer_ones_to_newer_code<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    let olds = ctx.db.clone().model::<OldHook>();
+    for id in ["h1", "h2"] {
+        olds.build(OldHook {
+            id: id.into(),
+            endpoint: "shop".into(),
+            body: "a\nb".into(),
+        })
+        .await
+        .unwrap();
+    }
+    // The new code's inbox claims rows of version 1 (its claim writes version 1 back while the
+    // catalog allows no other) and is delivered them in its own shape.
+    let (seen, bad) = run_hooks::<E, Hook>(&ctx.db, Duration::from_secs(30), 2).await;
+    let mut ids: Vec<&str> = seen.iter().map(|h| h.id.as_str()).collect();
+    ids.sort();
+    assert_eq!(ids, ["h1", "h2"]);
+    assert!(seen.iter().all(|h| h.lines == ["a", "b"]), "{seen:?}");
+    assert!(bad.is_empty(), "{bad:?}");
+    // A row of version 2, once allowed: the old code's inbox leaves it (not set aside), and the
+    // new code's takes it.
+    tito::schema::allow_shape_version(&ctx.db, "hook", 2)
+        .await
+        .unwrap();
+    let hooks = ctx.db.clone().model::<Hook>();
+    hooks
+        .build(Hook {
+            id: "h3".into(),
+            endpoint: "shop".into(),
+            lines: vec!["c".into()],
+        })
+        .await
+        .unwrap();
+    let (seen, bad) = run_hooks::<E, OldHook>(&ctx.db, Duration::from_millis(400), 1).await;
+    assert!(seen.is_empty(), "{seen:?}");
+    assert!(bad.is_empty(), "{bad:?}");
+    let (seen, _) = run_hooks::<E, Hook>(&ctx.db, Duration::from_secs(30), 1).await;
+    assert_eq!(seen[0].lines, ["c"]);
+}
