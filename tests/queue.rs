@@ -354,13 +354,15 @@ pub async fn model_writes_publish_their_events<E: TitoEngine>(ctx: Ctx<E>) {
                 operation: TitoOperation::Insert,
                 table: "account".into(),
                 id: "a1".into(),
-                row: account
+                row: account,
+                shape: 1,
             },
             ModelEvent {
                 operation: TitoOperation::Insert,
                 table: "account".into(),
                 id: "a2".into(),
-                row: second
+                row: second,
+                shape: 1,
             }
         ]
     );

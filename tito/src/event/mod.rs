@@ -15,6 +15,7 @@ use serde_json::Value;
 use crate::error::{TitoError, TitoResult};
 
 pub(crate) mod publish;
+pub(crate) mod readers;
 pub(crate) mod wake;
 
 /// The largest serialized invocation a queue accepts (1 MiB).
@@ -434,10 +435,16 @@ impl StoredEvent {
     }
 
     pub fn typed<T: DeserializeOwned>(&self) -> TitoResult<QueueEvent<T>> {
+        self.typed_from(self.payload.clone())
+    }
+
+    /// [`Self::typed`] with `payload` in place of the stored one (a model event's row read in
+    /// a newer shape).
+    pub fn typed_from<T: DeserializeOwned>(&self, payload: Value) -> TitoResult<QueueEvent<T>> {
         Ok(QueueEvent {
             id: self.id.clone(),
             key: self.key.clone(),
-            payload: serde_json::from_value(self.payload.clone())?,
+            payload: serde_json::from_value(payload)?,
             timestamp: self.timestamp,
             owner: self.owner.clone(),
             attempt: self.failures.saturating_add(1),
@@ -476,6 +483,19 @@ pub struct ModelEvent<T> {
     /// as undecodable and leaves it to operators); one typed `ModelEvent<serde_json::Value>`
     /// reads it. Such a delete's events are due at the delete's time.
     pub row: T,
+    /// The shape version `row` is in ([`crate::model::shape`]; 1, the default, is left out of
+    /// the stored event). A worker whose process has a model of the table with a newer shape
+    /// reads an older row through that model's conversions before its handler sees it.
+    #[serde(default = "first_shape", skip_serializing_if = "is_first_shape")]
+    pub shape: u32,
+}
+
+fn first_shape() -> u32 {
+    1
+}
+
+fn is_first_shape(shape: &u32) -> bool {
+    *shape == 1
 }
 
 /// A queue's name and the type of its events' payloads, in one value: a queue opened from it

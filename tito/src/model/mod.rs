@@ -593,6 +593,7 @@ impl<E: TitoEngine, T: TitoModelTrait> OnStore<E> for T {
 impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
     /// The operations on `T` stored in `db`.
     pub fn new(db: E) -> Self {
+        shape::register::<E, T>(&db);
         TitoModel {
             db,
             schema: Arc::default(),
@@ -717,7 +718,7 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         let events = match operation {
             Some(operation) => {
                 match shape::decode_row::<T>(&keys::row_key(&table, id), &stored.bytes) {
-                    Ok(model) => self.prepare_events(tx, operation, &model, &model)?,
+                    Ok(model) => self.prepare_events(tx, operation, &model, &model, T::VERSION)?,
                     Err(err) => {
                         tracing::warn!(table = %table, id, error = %err, "deleting a row that does not decode as its model");
                         let now = (engine::version_millis(tx.start_version()) / 1000) as i64;
@@ -728,7 +729,14 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
                                 ..config
                             })
                             .collect();
-                        self.events_of(tx, operation, configs, &table, id, &stored.row)?
+                        self.events_of(
+                            tx,
+                            operation,
+                            configs,
+                            (&table, id),
+                            &stored.row,
+                            stored.version,
+                        )?
                     }
                 }
             }
@@ -764,9 +772,17 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         operation: TitoOperation,
         model: &T,
         row: &R,
+        shape: u32,
     ) -> TitoResult<Vec<(String, crate::event::publish::PreparedEvent)>> {
         let configs = declared_events(model, operation)?;
-        self.events_of(tx, operation, configs, &model.table(), &model.id(), row)
+        self.events_of(
+            tx,
+            operation,
+            configs,
+            (&model.table(), &model.id()),
+            row,
+            shape,
+        )
     }
 
     /// [`Self::prepare_events`] for the event configs `configs` of the row `table`/`id`.
@@ -775,9 +791,9 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         tx: &E::Transaction,
         operation: TitoOperation,
         configs: Vec<TitoEventConfig>,
-        table: &str,
-        id: &str,
+        (table, id): (&str, &str),
         row: &R,
+        shape: u32,
     ) -> TitoResult<Vec<(String, crate::event::publish::PreparedEvent)>> {
         let (table, id) = (table.to_string(), id.to_string());
         let event_id = model_event_id(&table, &id, engine::write_version(tx));
@@ -791,6 +807,7 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
                         table: table.clone(),
                         id: id.clone(),
                         row,
+                        shape,
                     },
                     config.timestamp,
                 )

@@ -238,6 +238,26 @@ fn row_shape<T: TitoModelTrait>(key: &str, version: u32, reason: ShapeError) -> 
     }
 }
 
+/// Records model `T` on `db` as a reader of the rows in its table's model events (nothing for
+/// an unversioned one): see [`crate::event::readers`].
+pub(crate) fn register<E: crate::engine::TitoEngine, T: TitoModelTrait>(db: &E) {
+    if T::VERSION > 1 {
+        crate::event::readers::register(
+            db,
+            &T::default().table(),
+            T::VERSION,
+            std::any::TypeId::of::<T>(),
+            event_row::<T>,
+        );
+    }
+}
+
+/// A model event's row stored in shape `version`, as JSON of `T`'s current shape.
+fn event_row<T: TitoModelTrait>(version: u32, row: &Value) -> Option<Value> {
+    let bytes = encode(version, serde_json::to_vec(row).ok()?);
+    row_value::<T>("a model event's row", &bytes).ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

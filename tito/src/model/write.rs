@@ -140,10 +140,23 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         let claims = self
             .plan_claims(tx, &step, &new_entries, &mut prefetched, &mut writes)
             .await?;
+        // Events carry the row in the shape it is stored in, so that the workers of a deploy
+        // still running read them too.
+        let event_row: Option<Value> = match (operation, version == T::VERSION) {
+            (Some(_), false) => Some(serde_json::from_slice(&json)?),
+            _ => None,
+        };
         plan_row(&step, new_entries, claims, row_key, &row, json, &mut writes)?;
         let mut wakes = Vec::new();
         if let Some(operation) = operation {
-            let events = self.prepare_events(tx, operation, &stored_model, &stored_model)?;
+            let events = match &event_row {
+                Some(stored_row) => {
+                    self.prepare_events(tx, operation, &stored_model, stored_row, version)?
+                }
+                None => {
+                    self.prepare_events(tx, operation, &stored_model, &stored_model, version)?
+                }
+            };
             wakes = self.plan_events(tx, events, &mut writes).await?;
         }
         writes.apply(tx).await?;

@@ -408,7 +408,16 @@ impl Pulling {
                 return;
             }
             for item in pulled.items {
-                let event = match item.stored.typed::<T>() {
+                // A model event's row of an older shape is read through a newer model of its
+                // table that this process knows, when the handler's type does not take it as
+                // it is.
+                let typed = item.stored.typed::<T>().or_else(|err| {
+                    crate::event::readers::upgraded_payloads(queue.engine(), &item.stored.payload)
+                        .into_iter()
+                        .find_map(|payload| item.stored.typed_from::<T>(payload).ok())
+                        .ok_or(err)
+                });
+                let event = match typed {
                     Ok(event) => event,
                     Err(err) => {
                         undecodable_row::<E, T>(
