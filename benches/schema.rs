@@ -4,9 +4,13 @@
 //!    reads and writes per batch (scan 256 rows, read their manifests, write an entry, the
 //!    manifest and the row again for each), the limit of the schema layer;
 //! 2. write throughput of the table (four tasks updating random rows) without a build, and
-//!    while a build runs.
+//!    while a build runs;
+//! 3. shape versions: gets of rows of version 1 read by version-2 code (upgraded on read)
+//!    beside gets of the same rows by version-1 code and of rewritten version-2 rows, and the
+//!    rate of rewriting rows to version 2 by updates in 500-row transactions.
 //!
-//! `cargo bench --bench schema` (`TITO_BENCH_ROWS` sets the table size, default 50 000).
+//! `cargo bench --bench schema` (`TITO_BENCH_ROWS` sets the table size, default 50 000;
+//! `TITO_BENCH_ONLY=shapes` runs the third part alone).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -15,7 +19,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use tito::backend::embedded::{Durability, Embedded, EmbeddedOptions};
 use tito::model::TitoOptions;
-use tito::{TitoEngine, TitoError, TitoModel, TitoTransaction};
+use tito::{TitoEngine, TitoError, TitoModel, TitoShape, TitoTransaction};
 
 #[derive(TitoModel, Default, Clone, Debug, Serialize, Deserialize)]
 #[tito(table = "member")]
@@ -36,6 +40,112 @@ struct After {
     team: String,
     name: String,
     bio: String,
+}
+
+/// `Before` as a previous shape.
+#[derive(TitoShape, Serialize, Deserialize)]
+#[tito(version = 1)]
+struct BeforeShape {
+    id: String,
+    team: String,
+    name: String,
+    bio: String,
+}
+
+/// Version 2: the name split into words and the bio's length kept beside it.
+#[derive(TitoModel, Default, Clone, Debug, Serialize, Deserialize)]
+#[tito(table = "member", version = 2, from = "BeforeShape")]
+#[tito(index = "by_team: team")]
+struct Reshaped {
+    id: String,
+    team: String,
+    words: Vec<String>,
+    bio: String,
+    bio_chars: usize,
+}
+
+impl From<BeforeShape> for Reshaped {
+    fn from(v1: BeforeShape) -> Self {
+        Reshaped {
+            id: v1.id,
+            team: v1.team,
+            words: v1.name.split('e').map(str::to_string).collect(),
+            bio_chars: v1.bio.chars().count(),
+            bio: v1.bio,
+        }
+    }
+}
+
+/// Gets per second of random ids of `n` rows by model `T`, for about `secs` seconds.
+async fn gets<T: tito::model::TitoModelTrait>(db: &Embedded, n: u64, secs: f64) -> f64 {
+    let model = db.clone().model::<T>();
+    let started = Instant::now();
+    let mut done = 0u64;
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    while started.elapsed().as_secs_f64() < secs {
+        for _ in 0..100 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let id = format!("m{:08}", x % n);
+            model.find_by_id(&id, vec![]).await.unwrap();
+            done += 1;
+        }
+    }
+    done as f64 / started.elapsed().as_secs_f64()
+}
+
+async fn shapes(n: u64) {
+    let db = open().await;
+    load(&db, n).await;
+    let v1_native = gets::<Before>(&db, n, 2.0).await;
+    let v1_upgraded = gets::<Reshaped>(&db, n, 2.0).await;
+    // Rewrite every row by version-2 code (once version 2 is allowed).
+    let reshaped = db.clone().model::<Reshaped>();
+    reshaped
+        .query_by_index("by_team")
+        .value("team0")
+        .execute()
+        .await
+        .unwrap();
+    tito::schema::allow_shape_version(&db, "member", 2)
+        .await
+        .unwrap();
+    let started = Instant::now();
+    for start in (0..n).step_by(500) {
+        let model = reshaped.clone();
+        db.transaction(|tx| async move {
+            for i in start..(start + 500).min(n) {
+                let row = model.find_by_id_in_tx(&format!("m{i:08}"), &tx).await?;
+                model
+                    .update_with_options(row, TitoOptions::default(), &tx)
+                    .await?;
+            }
+            Ok::<_, TitoError>(())
+        })
+        .await
+        .unwrap();
+    }
+    let rewrite = n as f64 / started.elapsed().as_secs_f64();
+    let v2_native = gets::<Reshaped>(&db, n, 2.0).await;
+    println!(
+        "\n| {:<40} | {:>12} | {:>12} | {:>6} |",
+        "gets/s, one task", "rate", "beside", "ratio"
+    );
+    println!("|{:-<42}|{:->14}|{:->14}|{:->8}|", "", "", "", "");
+    println!(
+        "| {:<40} | {v1_upgraded:>12.0} | {v1_native:>12.0} | {:>6.2} |",
+        "v1 rows by v2 code / by v1 code",
+        v1_upgraded / v1_native
+    );
+    println!(
+        "| {:<40} | {v1_upgraded:>12.0} | {v2_native:>12.0} | {:>6.2} |",
+        "v1 rows by v2 code / v2 rows by v2 code",
+        v1_upgraded / v2_native
+    );
+    println!(
+        "\nrewriting {n} rows to version 2 by updates in 500-row transactions: {rewrite:.0} rows/s"
+    );
 }
 
 fn rows() -> u64 {
@@ -158,6 +268,10 @@ async fn updaters(db: &Embedded, n: u64, stop: Arc<AtomicBool>) -> f64 {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let n = rows();
+    if std::env::var("TITO_BENCH_ONLY").as_deref() == Ok("shapes") {
+        println!("\nshape versions, embedded engine (buffered), {n} rows");
+        return shapes(n).await;
+    }
     println!("\nonline index builds, embedded engine (buffered), {n} rows\n");
 
     // 1. Backfill against the raw engine.
@@ -216,4 +330,7 @@ async fn main() {
         build.as_secs_f64(),
         n as f64 / build.as_secs_f64()
     );
+
+    println!("\nshape versions, same engine, {n} rows");
+    shapes(n).await;
 }

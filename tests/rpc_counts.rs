@@ -521,8 +521,17 @@ async fn tikv_a_limited_start_costs_one_gate_and_one_release_commit() {
         println!("{topic:<8} commits {writes:?}; all calls (reads include idle polls) {all:?}");
         counted.push(writes);
     }
-    let commits =
-        |c: &BTreeMap<String, u64>| (c.get("KvPrewrite").copied(), c.get("KvCommit").copied());
+    // A prewrite that meets a lock left by an earlier transaction whose secondary keys are
+    // still being committed (the client commits them after it answers) resolves the lock
+    // (`KvCheckTxnStatus`, `KvResolveLock`) and is sent again: that retry is the timing of
+    // the run, not a cost of the limit, so one prewrite per resolved lock is not counted.
+    let commits = |c: &BTreeMap<String, u64>| {
+        let retried = c.get("KvResolveLock").copied().unwrap_or(0);
+        (
+            c.get("KvPrewrite").map(|n| n.saturating_sub(retried)),
+            c.get("KvCommit").copied(),
+        )
+    };
     let (plain, limited, both) = (
         commits(&counted[0]),
         commits(&counted[1]),
