@@ -101,7 +101,8 @@ pub struct ShapeAttrs {
 const MAX_VERSION: u32 = 1_000_000;
 
 impl ShapeAttrs {
-    /// Reads `version`, `from` or `upgrade` if `key` is one of them (`Ok(false)` otherwise).
+    /// Reads `version`, `from`, `upgrade` or `downgrade` if `key` is one of them (`Ok(false)`
+    /// otherwise).
     fn parse(
         &mut self,
         key: &str,
@@ -123,12 +124,12 @@ impl ShapeAttrs {
                 }
                 self.version = Some(lit);
             }
-            FROM | UPGRADE => {
+            FROM | UPGRADE | DOWNGRADE => {
                 let lit: LitStr = meta.value()?.parse()?;
-                let slot = if key == FROM {
-                    &mut self.from
-                } else {
-                    &mut self.upgrade
+                let slot = match key {
+                    FROM => &mut self.from,
+                    UPGRADE => &mut self.upgrade,
+                    _ => &mut self.downgrade,
                 };
                 if slot.is_some() {
                     errors.push(syn::Error::new(lit.span(), format!("duplicate `{key}`")));
@@ -166,31 +167,24 @@ impl ShapeAttrs {
                 ));
             }
         }
-        if let Some(downgrade) = &self.downgrade {
+        for (lit, what) in [
+            (
+                &self.downgrade,
+                "`downgrade` converts a row into the shape `from` names",
+            ),
+            (&self.upgrade, "`upgrade` converts the shape `from` names"),
+        ] {
+            let Some(lit) = lit else { continue };
             if self.from.is_none() {
                 errors.push(syn::Error::new(
-                    downgrade.span(),
-                    "`downgrade` converts a row into the shape `from` names: add `from = \"Previous\"`",
+                    lit.span(),
+                    format!("{what}: add `from = \"Previous\"`"),
                 ));
             }
-            if syn::parse_str::<syn::Path>(&downgrade.value()).is_err() {
+            if syn::parse_str::<syn::Path>(&lit.value()).is_err() {
                 errors.push(syn::Error::new(
-                    downgrade.span(),
-                    format!("`{}` is not a function path", downgrade.value()),
-                ));
-            }
-        }
-        if let Some(upgrade) = &self.upgrade {
-            if self.from.is_none() {
-                errors.push(syn::Error::new(
-                    upgrade.span(),
-                    "`upgrade` converts the shape `from` names: add `from = \"Previous\"`",
-                ));
-            }
-            if syn::parse_str::<syn::Path>(&upgrade.value()).is_err() {
-                errors.push(syn::Error::new(
-                    upgrade.span(),
-                    format!("`{}` is not a function path", upgrade.value()),
+                    lit.span(),
+                    format!("`{}` is not a function path", lit.value()),
                 ));
             }
         }
@@ -207,7 +201,8 @@ pub fn shape(attrs: &[Attribute], errors: &mut Errors) -> ShapeAttrs {
                 .get_ident()
                 .map(ToString::to_string)
                 .unwrap_or_default();
-            if out.parse(&key, &meta, errors)? {
+            // `downgrade` is the model's: a shape is never written.
+            if key != DOWNGRADE && out.parse(&key, &meta, errors)? {
                 return Ok(());
             }
             Err(meta.error(format!(
@@ -381,18 +376,11 @@ pub fn container(attrs: &[Attribute], errors: &mut Errors) -> ContainerAttrs {
                 ID => {
                     return Err(meta.error("`id` goes on a field: `#[tito(id)] id: String`"));
                 }
-                VERSION | FROM | UPGRADE => {
+                VERSION | FROM | UPGRADE | DOWNGRADE => {
                     out.shape.parse(&key, &meta, errors)?;
                     last = Last::None;
                 }
-                DOWNGRADE => {
-                    let lit: LitStr = meta.value()?.parse()?;
-                    if out.shape.downgrade.is_some() {
-                        errors.push(syn::Error::new(lit.span(), "duplicate `downgrade`"));
-                    }
-                    out.shape.downgrade = Some(lit);
-                    last = Last::None;
-                }
+
                 INBOX => {
                     out.inbox = Some(meta.path.span());
                     last = Last::None;

@@ -472,7 +472,7 @@ async fn load<X: TitoTransaction>(
     let mut found = tx.batch_get(&wanted).await?;
     let extra = found.split_off(3);
     let plan = handle.plan(found.pop().flatten().as_deref())?;
-    let stored = validate(tx, table, id, &found, &plan).await?;
+    let stored = validate(tx, table, id, found, &plan).await?;
     Ok((stored, plan, extra))
 }
 
@@ -480,12 +480,13 @@ async fn validate<X: TitoTransaction>(
     tx: &X,
     table: &str,
     id: &str,
-    found: &[Option<Vec<u8>>],
+    found: Vec<Option<Vec<u8>>>,
     plan: &WritePlan,
 ) -> TitoResult<Option<Stored>> {
     let row_key = keys::row_key(table, id);
     let manifest_key = keys::manifest_key(table, id);
-    let (row, manifest) = match (&found[0], &found[1]) {
+    let mut found = found.into_iter();
+    let (row, manifest) = match (found.next().flatten(), found.next().flatten()) {
         (None, None) => return Ok(None),
         (Some(_), None) => {
             return Err(integrity(format!(
@@ -501,9 +502,9 @@ async fn validate<X: TitoTransaction>(
     };
     // A row that does not read is kept as text: a delete removes it all the same, and a write
     // that needs its values refuses it when it converts it.
-    let (version, row_value) = shape::stored_value(&row_key, row)
-        .unwrap_or_else(|_| (0, Value::String(String::from_utf8_lossy(row).into_owned())));
-    let (manifest_version, manifest) = parse_manifest(&manifest_key, manifest)?;
+    let (version, row_value) = shape::stored_value(&row_key, &row)
+        .unwrap_or_else(|_| (0, Value::String(String::from_utf8_lossy(&row).into_owned())));
+    let (manifest_version, manifest) = parse_manifest(&manifest_key, &manifest)?;
     if let Some(bad) = manifest
         .iter()
         .find(|key| !keys::is_index_key_of(key, table, id) && !keys::is_claim_key_of(key, table))
@@ -542,7 +543,7 @@ async fn validate<X: TitoTransaction>(
     Ok(Some(Stored {
         row: row_value,
         version,
-        bytes: row.clone(),
+        bytes: row,
         manifest,
         manifest_version,
     }))
