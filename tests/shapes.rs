@@ -29,6 +29,8 @@ macro_rules! shapes_suite {
                 old_and_new_code_writing_at_once_leave_every_row_readable_by_both,
                 an_inbox_claims_older_rows_and_leaves_newer_ones_to_newer_code,
                 model_events_reach_handlers_of_both_deploys,
+                a_rewrite_moves_every_row_to_the_allowed_shape,
+                a_rollback_rewrites_rows_back_to_the_older_shape_in_maintenance,
             ]
         );
     };
@@ -815,4 +817,411 @@ pub async fn model_events_reach_handlers_of_both_deploys<E: TitoEngine>(ctx: Ctx
         rows.lock().unwrap().clone(),
         vec![member("2", "a", "Grace", "Brewster")]
     );
+}
+
+/// Every model event published on the table so far, drained (each once).
+async fn drain_member_events<E: TitoEngine>(db: &E) -> Vec<ModelEvent<Value>> {
+    let raw = tito::Topic::<ModelEvent<Value>>::new(Member::MEMBER_CHANGED_EVENT.name())
+        .spec(db.partitions(), Duration::from_secs(3600))
+        .open(db.clone())
+        .await
+        .unwrap();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let sink = seen.clone();
+    drain(&raw, move |event: QueueEvent<ModelEvent<Value>>| {
+        let sink = sink.clone();
+        async move {
+            sink.lock().unwrap().push(event.payload);
+            Ok(QueueHandlerOutcome::Acknowledge)
+        }
+    })
+    .await
+    .unwrap();
+    let mut seen = seen.lock().unwrap();
+    std::mem::take(&mut *seen)
+}
+
+/// Rows of the table by stored shape version.
+async fn versions<E: TitoEngine>(db: &E) -> Vec<(u32, u64)> {
+    tito::schema::shape_versions(db, "member", 10_000)
+        .await
+        .unwrap()
+        .rows
+        .into_iter()
+        .collect()
+}
+
+pub async fn a_rewrite_moves_every_row_to_the_allowed_shape<E: TitoEngine>(ctx: Ctx<E>) {
+    let olds = ctx.db.clone().model::<OldMember>();
+    for i in 0..40 {
+        // Two names without a space: no conversion reads them.
+        let name = match i {
+            7 => "Plato".to_string(),
+            23 => "Socrates".to_string(),
+            i => format!("Name {i}"),
+        };
+        olds.build(old(&format!("m{i:02}"), ["a", "b"][i % 2], &name))
+            .await
+            .unwrap();
+    }
+    assert_eq!(drain_member_events(&ctx.db).await.len(), 40);
+    let members = ctx.db.clone().model::<Member>();
+    // While version 1 is the one allowed, this code cannot write it: the rewrite says so and
+    // changes nothing.
+    let err = members.rewrite_step(10).await.unwrap_err();
+    assert!(
+        matches!(&err, TitoError::SchemaMismatch(m) if m.contains("version 1")),
+        "{err:?}"
+    );
+    for batch in [0, tito::engine::MAX_SCAN_LIMIT + 1] {
+        assert!(matches!(
+            members.rewrite_step(batch).await.unwrap_err(),
+            TitoError::InvalidArgument(_)
+        ));
+    }
+    assert_eq!(versions(&ctx.db).await, [(1, 40)]);
+    tito::schema::allow_shape_version(&ctx.db, "member", 3)
+        .await
+        .unwrap();
+    let mut steps = Vec::new();
+    let done = members
+        .rewrite_shapes(tito::schema::RewriteOptions::default().batch(7), |step| {
+            steps.push((step.handled, step.progress.rows_done))
+        })
+        .await
+        .unwrap();
+    assert_eq!(steps.len(), 6, "{steps:?}");
+    assert_eq!(steps.last(), Some(&(5, 40)));
+    assert!(done.finished && done.target == 3, "{done:?}");
+    assert_eq!((done.rows_done, done.rewritten), (40, 38));
+    assert_eq!(done.rows_estimate, Some(40));
+    // The rows no conversion reads are counted and listed with why, never dropped.
+    assert_eq!(done.unconvertible.count, 2);
+    let left: Vec<(&str, u32)> = done
+        .unconvertible
+        .first
+        .iter()
+        .map(|r| (r.key.as_str(), r.version))
+        .collect();
+    assert_eq!(
+        left,
+        [(row_key("m07").as_str(), 1), (row_key("m23").as_str(), 1)]
+    );
+    assert!(done.unconvertible.first[0].reason.contains("no space"));
+    assert_eq!(done.refused.count, 0);
+    assert_eq!(versions(&ctx.db).await, [(1, 2), (3, 38)]);
+    // The copies in index entries moved too (the audit compares each copy with its row), and
+    // the audit names the rows no code of this model reads.
+    let report = members.audit(|_| {}).await.unwrap();
+    assert_eq!(
+        report.count(tito::schema::AuditKind::StaleClone),
+        0,
+        "{report:?}"
+    );
+    assert_eq!(report.count(tito::schema::AuditKind::MissingEntry), 0);
+    assert_eq!(report.count(tito::schema::AuditKind::UnreadableRow), 2);
+    assert_eq!(report.count(tito::schema::AuditKind::MalformedRow), 0);
+    let copies = members.member_by_team("b").execute().await;
+    // Team "b" holds m07 and m23: its query meets them and says so.
+    assert!(matches!(
+        copies,
+        Err(TitoError::RowShape { version: 1, .. })
+    ));
+    let team_a = members.member_by_team("a").execute().await.unwrap().items;
+    assert_eq!(team_a.len(), 20);
+    assert_eq!(
+        team_a.iter().find(|m| m.id == "m00").unwrap().display,
+        "Name 0"
+    );
+    // A rewrite publishes no event.
+    assert!(drain_member_events(&ctx.db).await.is_empty());
+    // The same counts reach operators, with the run.
+    let counts = tito::schema::shape_versions(&ctx.db, "member", 100)
+        .await
+        .unwrap();
+    assert_eq!(counts.rewrite.as_ref(), Some(&done));
+    // A finished run is idle to its next batch; a new run reads every row again and rewrites
+    // nothing more.
+    assert!(members.rewrite_step(10).await.unwrap().idle());
+    let again = members
+        .rewrite_shapes(tito::schema::RewriteOptions::default(), |_| {})
+        .await
+        .unwrap();
+    assert_eq!(
+        (again.rows_done, again.rewritten, again.unconvertible.count),
+        (40, 0, 2)
+    );
+    // The rows left are deleted by id; then every row is in the allowed shape.
+    members.delete_by_id("m07").await.unwrap();
+    members.delete_by_id("m23").await.unwrap();
+    assert_eq!(versions(&ctx.db).await, [(3, 38)]);
+    assert!(members.audit(|_| {}).await.unwrap().is_clean());
+    assert_eq!(
+        members
+            .member_by_team("b")
+            .execute()
+            .await
+            .unwrap()
+            .items
+            .len(),
+        18
+    );
+}
+
+pub async fn a_rollback_rewrites_rows_back_to_the_older_shape_in_maintenance<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    let olds = ctx.db.clone().model::<OldMember>();
+    for i in 0..30 {
+        olds.build(old(&format!("r{i:02}"), "a", &format!("First {i}")))
+            .await
+            .unwrap();
+    }
+    let nexts = ctx.db.clone().model::<MemberNext>();
+    // The new deploy's first use records its version.
+    assert_eq!(
+        nexts
+            .member_by_team("a")
+            .execute()
+            .await
+            .unwrap()
+            .items
+            .len(),
+        30
+    );
+    // Every old instance is gone: version 2 is allowed, and a queue worker's maintenance
+    // rewrites the table in the background, a batch per pass.
+    tito::schema::allow_shape_version(&ctx.db, "member", 2)
+        .await
+        .unwrap();
+    let queue = MemberNext::MEMBER_CHANGED_EVENT
+        .spec(ctx.db.partitions(), Duration::from_secs(3600))
+        .open(ctx.db.clone())
+        .await
+        .unwrap();
+    let config = tito::WorkerConfig::new(0..ctx.db.partitions())
+        .max_idle_backoff(Duration::from_millis(20))
+        .maintenance_interval(Duration::from_millis(20));
+    let mut workers = tito::Workers::new();
+    workers.spawn_worker(
+        &queue,
+        config,
+        |_event: QueueEvent<ModelEvent<MemberNext>>| async { Ok(QueueHandlerOutcome::Acknowledge) },
+    );
+    let rewritten = |target: u32| {
+        let db = ctx.db.clone();
+        move || {
+            let db = db.clone();
+            async move {
+                let counts = tito::schema::shape_versions(&db, "member", 100)
+                    .await
+                    .unwrap();
+                counts.rows.keys().copied().collect::<Vec<_>>() == [target]
+                    && counts
+                        .rewrite
+                        .is_some_and(|r| r.finished && r.target == target)
+            }
+        }
+    };
+    crate::support::wait_for(
+        "the rewrite to version 2",
+        Duration::from_secs(30),
+        rewritten(2),
+    )
+    .await;
+    assert_eq!(
+        nexts.find_by_id("r05", vec![]).await.unwrap(),
+        next("r05", "a", "First", "5")
+    );
+    // A rollback: version 1 is allowed again, and the same maintenance writes every row back in
+    // version 1 through the model's downgrade, so the old code can be deployed again.
+    nexts
+        .update(next("r05", "a", "Fifth", "Row"))
+        .await
+        .unwrap();
+    tito::schema::allow_shape_version(&ctx.db, "member", 1)
+        .await
+        .unwrap();
+    crate::support::wait_for(
+        "the rewrite back to version 1",
+        Duration::from_secs(30),
+        rewritten(1),
+    )
+    .await;
+    workers.shutdown().await.unwrap();
+    let all = olds.member_by_team("a").execute().await.unwrap().items;
+    assert_eq!(all.len(), 30);
+    assert_eq!(
+        olds.find_by_id("r05", vec![]).await.unwrap(),
+        old("r05", "a", "Fifth Row")
+    );
+    assert!(olds.audit(|_| {}).await.unwrap().is_clean());
+}
+
+// ---------------------------------------------------------------------------------------------
+// A rewrite killed with SIGKILL under writers resumes from its cursor and loses no write (the
+// embedded store, a child process).
+// ---------------------------------------------------------------------------------------------
+
+const REWRITE_DIR_VAR: &str = "TITO_REWRITE_CHILD_DIR";
+const REWRITE_ROWS: u64 = 2000;
+const REWRITE_BATCH: usize = 50;
+
+/// The child: rewrites the table in small batches, reporting each, while a writer updates rows
+/// and reports each acknowledged write. Does nothing unless started by the test below.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "started as a child process by a_killed_rewrite_resumes_from_its_cursor_and_loses_no_write"]
+async fn shape_rewrite_child() {
+    let Ok(dir) = std::env::var(REWRITE_DIR_VAR) else {
+        return;
+    };
+    let db = tito::backend::embedded::Embedded::open(&dir).await.unwrap();
+    let nexts = db.model::<MemberNext>();
+    let writer = {
+        let nexts = nexts.clone();
+        tokio::spawn(async move {
+            for seq in 0u64.. {
+                let id = format!("r{:04}", (seq * 37) % REWRITE_ROWS);
+                nexts
+                    .update(next(&id, "a", "Seq", &seq.to_string()))
+                    .await
+                    .unwrap();
+                println!("wrote {id} {seq}");
+            }
+        })
+    };
+    loop {
+        let step = nexts.rewrite_step(REWRITE_BATCH).await.unwrap();
+        println!("rewrote {}", step.progress.rows_done);
+        if step.finished || step.idle() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    writer.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_rewrite_resumes_from_its_cursor_and_loses_no_write() {
+    use std::collections::HashMap;
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+    use tito::backend::embedded::Embedded;
+
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let db = Embedded::open(dir.path()).await.unwrap();
+        let olds = db.clone().model::<OldMember>();
+        for chunk in (0..REWRITE_ROWS).collect::<Vec<_>>().chunks(200) {
+            let olds = olds.clone();
+            let chunk = chunk.to_vec();
+            db.transaction(|tx| {
+                let (olds, chunk) = (olds.clone(), chunk.clone());
+                async move {
+                    for i in chunk {
+                        let row = old(&format!("r{i:04}"), "a", &format!("First {i}"));
+                        olds.build_with_options(
+                            row,
+                            tito::model::TitoOptions::without_events(),
+                            &tx,
+                        )
+                        .await?;
+                    }
+                    Ok::<(), TitoError>(())
+                }
+            })
+            .await
+            .unwrap();
+        }
+        // The new deploy has run, and every old instance is gone.
+        db.clone().model::<MemberNext>().schema().await.unwrap();
+        tito::schema::allow_shape_version(&db, "member", 2)
+            .await
+            .unwrap();
+        db.close().await.unwrap();
+    }
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "shapes::shape_rewrite_child",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(REWRITE_DIR_VAR, dir.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut reported = 0;
+    let mut acked: HashMap<String, u64> = HashMap::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    for line in BufReader::new(child.stdout.take().unwrap()).lines() {
+        let line = line.unwrap();
+        if let Some(done) = line.strip_prefix("rewrote ") {
+            reported = done.parse::<u64>().unwrap();
+            if reported >= REWRITE_ROWS / 2 {
+                break;
+            }
+        } else if let Some(write) = line.strip_prefix("wrote ") {
+            let (id, seq) = write.split_once(' ').unwrap();
+            acked.insert(id.to_string(), seq.parse().unwrap());
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the child rewrote too slowly"
+        );
+    }
+    assert!(reported >= REWRITE_ROWS / 2, "the child stopped early");
+    child.kill().unwrap(); // SIGKILL, in the middle of the rewrite and of a write
+    child.wait().unwrap();
+
+    let db = Embedded::open(dir.path()).await.unwrap();
+    let stored = tito::schema::rewrite_progress(&db, "member")
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        !stored.finished && stored.rows_done >= reported && stored.rows_done < REWRITE_ROWS,
+        "{stored:?}"
+    );
+    let nexts = db.clone().model::<MemberNext>();
+    let mut handled = 0;
+    let done = nexts
+        .rewrite_shapes(tito::schema::RewriteOptions::default(), |step| {
+            handled += step.handled as u64
+        })
+        .await
+        .unwrap();
+    assert!(done.finished);
+    assert_eq!(
+        handled,
+        REWRITE_ROWS - stored.rows_done,
+        "the resumed rewrite read only the rows after its cursor"
+    );
+    assert_eq!(versions(&db).await, [(2, REWRITE_ROWS)]);
+    // Every acknowledged write is there (or a later one the kill cut before its report).
+    assert!(acked.len() > 10, "the writer wrote {} rows", acked.len());
+    for (id, seq) in &acked {
+        let row = nexts.find_by_id(id, vec![]).await.unwrap();
+        assert_eq!(row.first, "Seq", "{id}");
+        assert!(
+            row.last.parse::<u64>().unwrap() >= *seq,
+            "{id}: {row:?} < {seq}"
+        );
+    }
+    let rows = nexts
+        .member_by_team("a")
+        .limit(1000)
+        .execute()
+        .await
+        .unwrap();
+    assert_eq!(rows.items.len(), 1000);
+    assert!(nexts.audit(|_| {}).await.unwrap().is_clean());
+    println!(
+        "killed after {} of {REWRITE_ROWS} rows ({} writes acknowledged); the resumed rewrite read {handled}",
+        stored.rows_done,
+        acked.len()
+    );
+    db.close().await.unwrap();
 }

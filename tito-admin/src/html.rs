@@ -923,6 +923,90 @@ pub(crate) fn inbox(data: &InboxData, started: Instant) -> String {
     )
 }
 
+/// A table's shape versions: what writers may write, what code declared, rows by version and
+/// the rewrite's progress.
+fn shapes(b: &mut String, counts: &tito::schema::ShapeCounts) {
+    b.push_str("<h2>Shape versions</h2><div id=\"shapes\">");
+    match &counts.shapes {
+        Some(shapes) => {
+            let seen: Vec<String> = shapes.seen.keys().map(u32::to_string).collect();
+            let _ = write!(
+                b,
+                "<p>Writers may write version <b data-figure=\"writable\">{}</b>; versions declared by code: {}</p>",
+                shapes.writable(),
+                if seen.is_empty() {
+                    "none recorded".into()
+                } else {
+                    seen.join(", ")
+                }
+            );
+        }
+        None => b.push_str("<p class=\"muted\">no catalog: no model code has used the table</p>"),
+    }
+    b.push_str("<table id=\"versions\"><tr><th>version</th><th class=\"num\">rows</th></tr>");
+    for (version, rows) in &counts.rows {
+        let name = match version {
+            0 => "<span class=\"error\">malformed header</span>".to_string(),
+            v => v.to_string(),
+        };
+        let _ = write!(
+            b,
+            "<tr data-version=\"{version}\"><td>{name}</td><td class=\"num\" data-figure=\"rows\">{rows}</td></tr>"
+        );
+    }
+    if counts.rows.is_empty() {
+        b.push_str("<tr><td colspan=\"2\" class=\"muted\">no rows</td></tr>");
+    }
+    b.push_str("</table>");
+    if counts.more {
+        b.push_str("<p class=\"muted\">counted over the first 10,000 rows</p>");
+    }
+    if let Some(rewrite) = &counts.rewrite {
+        let of = rewrite
+            .rows_estimate
+            .map_or(String::new(), |e| format!(" of about {e}"));
+        let _ = write!(
+            b,
+            "<p id=\"rewrite\">Rewrite to version {}: <span data-figure=\"rewrite\">{}</span>, {} rows read{of}, {} rewritten</p>",
+            rewrite.target,
+            if rewrite.finished {
+                "finished"
+            } else {
+                "running"
+            },
+            rewrite.rows_done,
+            rewrite.rewritten
+        );
+        for (what, rows) in [
+            ("no code that ran the rewrite reads", &rewrite.unconvertible),
+            ("refused in the new shape", &rewrite.refused),
+        ] {
+            if rows.count == 0 {
+                continue;
+            }
+            let first: Vec<String> = rows
+                .first
+                .iter()
+                .map(|r| {
+                    format!(
+                        "<code>{}</code> (version {}): {}",
+                        esc(&r.key),
+                        r.version,
+                        esc(&r.reason)
+                    )
+                })
+                .collect();
+            let _ = write!(
+                b,
+                "<p class=\"late\">{} rows {what}: {}</p>",
+                rows.count,
+                first.join("; ")
+            );
+        }
+    }
+    b.push_str("</div>");
+}
+
 pub(crate) fn table(data: &TableData, started: Instant) -> String {
     let mut b = String::new();
     b.push_str("<div class=\"cards\">");
@@ -956,7 +1040,9 @@ pub(crate) fn table(data: &TableData, started: Instant) -> String {
             n = esc(&index.name),
         );
     }
-    b.push_str("</table><h2>Last audit</h2>");
+    b.push_str("</table>");
+    shapes(&mut b, &data.shapes);
+    b.push_str("<h2>Last audit</h2>");
     match &data.last_audit {
         None => b.push_str("<p class=\"muted\" id=\"audit\">never audited</p>"),
         Some(report) => {

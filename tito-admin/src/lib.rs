@@ -671,11 +671,15 @@ struct TableParams {
     cursor: Option<String>,
 }
 
+/// How many rows the table page reads to count them by shape version.
+const SHAPE_BOUND: u64 = 10_000;
+
 #[derive(Serialize)]
 struct TableData {
     table: String,
     rows: inspect::Count,
     schema: tito::schema::TableSchema,
+    shapes: tito::schema::ShapeCounts,
     last_audit: Option<tito::schema::AuditReport>,
     can_audit: bool,
     page: tito::TitoPage<inspect::RawRow>,
@@ -690,6 +694,7 @@ async fn load_table<E: TitoEngine>(
         table: table.clone(),
         rows: inspect::table_count(&state.db, table).await?,
         schema: tito::schema::table_schema(&state.db, table).await?,
+        shapes: tito::schema::shape_versions(&state.db, table, SHAPE_BOUND).await?,
         last_audit: tito::schema::last_audit(&state.db, table).await?,
         can_audit: state.auditors.contains_key(table),
         page: inspect::table_rows(&state.db, table, params.cursor.as_deref(), PAGE).await?,

@@ -605,6 +605,14 @@ pub fn schema_progress_key(table: &str, index: &str) -> String {
         .finish()
 }
 
+/// `schema-rewrite:{table}`.
+pub fn schema_rewrite_key(table: &str) -> String {
+    KeyBuilder::new()
+        .raw("schema-rewrite")
+        .string(table)
+        .finish()
+}
+
 /// `schema-audit:{table}`.
 pub fn schema_audit_key(table: &str) -> String {
     KeyBuilder::new().raw("schema-audit").string(table).finish()

@@ -42,6 +42,7 @@
 //! | `tito_kv_operations_total` | counter | `operation` (`get`, `put`, `put_if_absent`, `incr`, `delete`, `list`, `sweep`) | key/value calls |
 //! | `tito_schema_rows_total` | counter | `table`, `index`, `work` (`build`, `drop`) | rows handled by index builds and drops |
 //! | `tito_schema_finished_total` | counter | `table`, `index`, `work` | builds and drops finished |
+//! | `tito_shape_rewritten_total` | counter | `table` | rows a shape rewrite wrote in the allowed version |
 //!
 //! # Spans
 //!
@@ -125,6 +126,8 @@ pub mod names {
     pub const SCHEMA_ROWS: &str = "tito_schema_rows_total";
     /// See the table in [`crate::telemetry`].
     pub const SCHEMA_FINISHED: &str = "tito_schema_finished_total";
+    /// See the table in [`crate::telemetry`].
+    pub const SHAPE_REWRITTEN: &str = "tito_shape_rewritten_total";
 
     /// Every name above, for exporters that describe them up front.
     pub const ALL: &[&str] = &[
@@ -159,6 +162,7 @@ pub mod names {
         KV_OPERATIONS,
         SCHEMA_ROWS,
         SCHEMA_FINISHED,
+        SHAPE_REWRITTEN,
     ];
 }
 
@@ -215,6 +219,10 @@ pub fn describe() {
     describe_counter!(KV_OPERATIONS, "Key/value operations");
     describe_counter!(SCHEMA_ROWS, "Rows handled by index builds and drops");
     describe_counter!(SCHEMA_FINISHED, "Index builds and drops finished");
+    describe_counter!(
+        SHAPE_REWRITTEN,
+        "Rows a shape rewrite wrote in the allowed version"
+    );
 }
 
 /// The `queue` label of a queue: its topic, or `default`.

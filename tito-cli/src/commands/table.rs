@@ -90,6 +90,9 @@ pub(crate) async fn run<E: TitoEngine>(db: E, command: TableCommand, json: bool)
                 if counts.more {
                     out.push_str(&format!("(more rows than the {bound} read)\n"));
                 }
+                if let Some(rewrite) = &counts.rewrite {
+                    out.push_str(&rewrite_lines(rewrite));
+                }
                 out
             })
         }
@@ -108,4 +111,46 @@ pub(crate) async fn run<E: TitoEngine>(db: E, command: TableCommand, json: bool)
             })
         }
     }
+}
+
+/// A shape rewrite's progress as `tito table versions` prints it.
+fn rewrite_lines(rewrite: &tito::schema::RewriteProgress) -> String {
+    let mut out = String::new();
+    let of = match rewrite.rows_estimate {
+        Some(estimate) => format!(" of about {estimate}"),
+        None => String::new(),
+    };
+    out.push_str(&format!(
+        "rewrite to version {}: {}, {} rows read{of}, {} rewritten\n",
+        rewrite.target,
+        if rewrite.finished {
+            "finished"
+        } else {
+            "running"
+        },
+        rewrite.rows_done,
+        rewrite.rewritten,
+    ));
+    for (what, rows) in [
+        ("no code that ran the rewrite reads", &rewrite.unconvertible),
+        ("refused in the new shape", &rewrite.refused),
+    ] {
+        if rows.count == 0 {
+            continue;
+        }
+        out.push_str(&format!("  {} rows {what}:\n", rows.count));
+        for row in &rows.first {
+            out.push_str(&format!(
+                "    {} (version {}): {}\n",
+                row.key, row.version, row.reason
+            ));
+        }
+        if rows.count > rows.first.len() as u64 {
+            out.push_str(&format!(
+                "    ... and {} more\n",
+                rows.count - rows.first.len() as u64
+            ));
+        }
+    }
+    out
 }

@@ -238,9 +238,10 @@ fn row_shape<T: TitoModelTrait>(key: &str, version: u32, reason: ShapeError) -> 
     }
 }
 
-/// Records model `T` on `db` as a reader of the rows in its table's model events (nothing for
-/// an unversioned one): see [`crate::event::readers`].
+/// Records model `T` on `db` as a reader of the rows in its table's model events and as its
+/// table's rewriter (nothing for an unversioned one): see [`crate::event::readers`].
 pub(crate) fn register<E: crate::engine::TitoEngine, T: TitoModelTrait>(db: &E) {
+    crate::schema::register_rewriter::<E, T>(db);
     if T::VERSION > 1 {
         crate::event::readers::register(
             db,

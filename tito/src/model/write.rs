@@ -38,6 +38,15 @@ struct Claims {
 }
 
 impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
+    /// Writes an existing row again in the shape writers may write, as an update that publishes
+    /// no event and keeps the row's timestamps: its entries' copies follow, its claims are kept
+    /// (a shape rewrite's batch).
+    pub(crate) async fn rewrite_in(&self, tx: &E::Transaction, model: T) -> TitoResult<()> {
+        let options = TitoOptions::without_events().keeping_timestamps();
+        self.write_in(tx, model, Mode::Update, &options).await?;
+        Ok(())
+    }
+
     /// Writes `model` in `tx` as `mode` says; returns the row as stored (timestamps stamped).
     pub(super) async fn write_in(
         &self,

@@ -42,6 +42,10 @@ pub enum AuditKind {
     WrongClaim,
     /// A row that does not decode into the model.
     MalformedRow,
+    /// A row stored in a shape version the model's code does not read (newer than the code,
+    /// not declared, or refused by a conversion): no code that ran the audit reads it. Delete
+    /// it, or deploy code that converts it ([`crate::model::shape`]).
+    UnreadableRow,
 }
 
 /// How many of one kind were found, and the first keys.
@@ -305,18 +309,35 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
     }
 
     /// The keys a row implies under `plan` (its entries, each with its layout, and its claims),
-    /// or `None` when it does not decode.
+    /// or the kind of finding when it does not decode.
     fn implied(
         &self,
         plan: &WritePlan,
         table: &str,
         id: &str,
         bytes: &[u8],
-    ) -> Option<(Vec<Entry>, Vec<String>)> {
+    ) -> Result<(Vec<Entry>, Vec<String>), AuditKind> {
         let row_key = keys::row_key(table, id);
-        let row = crate::model::shape::row_value::<T>(&row_key, bytes).ok()?;
+        let row = match crate::model::shape::row_value::<T>(&row_key, bytes) {
+            Ok(row) => row,
+            Err(TitoError::RowShape { .. }) => return Err(AuditKind::UnreadableRow),
+            Err(_) => return Err(AuditKind::MalformedRow),
+        };
+        self.implied_by(plan, table, id, &row_key, bytes, row)
+            .ok_or(AuditKind::MalformedRow)
+    }
+
+    fn implied_by(
+        &self,
+        plan: &WritePlan,
+        table: &str,
+        id: &str,
+        row_key: &str,
+        bytes: &[u8],
+        row: serde_json::Value,
+    ) -> Option<(Vec<Entry>, Vec<String>)> {
         let code = if plan.indexes.iter().any(|i| i.stored.is_none()) {
-            let model: T = crate::model::decode_model(&row_key, bytes).ok()?;
+            let model: T = crate::model::decode_model(row_key, bytes).ok()?;
             index_configs(&model).ok()?
         } else {
             Vec::new()
@@ -351,12 +372,15 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
             let manifest_key = keys::manifest_key(&table, id);
             let report = &mut state.report;
             report.rows += 1;
-            let Some((entries, claims)) = self.implied(plan, &table, id, bytes) else {
-                report.found(AuditKind::MalformedRow, &row_key);
-                if repair {
-                    report.unrepaired.push(row_key);
+            let (entries, claims) = match self.implied(plan, &table, id, bytes) {
+                Ok(implied) => implied,
+                Err(kind) => {
+                    report.found(kind, &row_key);
+                    if repair {
+                        report.unrepaired.push(row_key);
+                    }
+                    continue;
                 }
-                continue;
             };
             let listed: Option<Vec<String>> = match manifest {
                 None => {
@@ -489,7 +513,7 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         };
         Ok(self
             .implied(plan, table, id, &bytes)
-            .is_some_and(|(_, claims)| claims.iter().any(|c| c == claim)))
+            .is_ok_and(|(_, claims)| claims.iter().any(|c| c == claim)))
     }
 
     /// One batch of a key phase (entries, claims or manifests under `prefix`): every key must
@@ -545,8 +569,8 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
                     KeySort::Manifest => true,
                     _ => match self.implied(plan, &table, id, bytes) {
                         // A row that does not decode was reported in the row phase.
-                        None => true,
-                        Some((entries, claims)) => match sort {
+                        Err(_) => true,
+                        Ok((entries, claims)) => match sort {
                             KeySort::Entry => entries.iter().any(|e| e.key == text),
                             _ => claims.iter().any(|k| k == text),
                         },

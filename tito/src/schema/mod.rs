@@ -142,13 +142,23 @@ use crate::model::catalog::{parse_catalog, read_progress};
 
 mod audit;
 mod build;
+mod rewrite;
 mod shapes;
 
 pub use audit::{AuditFinding, AuditKind, AuditReport, FIRST_KEYS, Progress, last_audit};
+pub use rewrite::{
+    LeftRow, LeftRows, REWRITE_FIRST, RewriteOptions, RewriteProgress, RewriteStep,
+    rewrite_progress,
+};
 pub use shapes::{
     ShapeCheck, ShapeCounts, ShapeVerdict, allow_shape_version, check_shapes, reads_version,
     shape_versions,
 };
+
+/// Records versioned model `T` on `db` as its table's rewriter for queue workers' maintenance.
+pub(crate) fn register_rewriter<E: TitoEngine, T: crate::model::TitoModelTrait>(db: &E) {
+    rewrite::register::<E, T>(db);
+}
 
 /// Rows one build, drop, audit or repair batch handles at most by default.
 pub const DEFAULT_BATCH: usize = 256;
@@ -279,7 +289,9 @@ impl Step {
 }
 
 /// Runs one step of schema work (build or drop) for every table a model handle of this process
-/// has used on this store; returns how many steps did work. Queue workers call it from their
+/// has used on this store, or when none is left, one batch of each shape rewrite
+/// ([`TitoModel::rewrite_shapes`](crate::model::TitoModel::rewrite_shapes)); returns how many
+/// steps did work. Queue workers call it from their
 /// maintenance (the coordinator only, in cluster mode). A failing table is logged and skipped.
 pub async fn maintain<E: TitoEngine>(db: &E) -> usize {
     let mut worked = 0;
@@ -291,6 +303,11 @@ pub async fn maintain<E: TitoEngine>(db: &E) -> usize {
                 tracing::warn!(table = %handle.table(), error = %err, "schema maintenance step failed")
             }
         }
+    }
+    // Shape rewrites of the versioned models this process uses: one batch per table, once the
+    // index work is done.
+    if worked == 0 {
+        worked += rewrite::maintain(db).await;
     }
     worked
 }

@@ -22,6 +22,8 @@ pub struct ShapeCounts {
     pub rows: BTreeMap<u32, u64>,
     /// Set when the table has more rows than were read (the counts cover those read).
     pub more: bool,
+    /// The table's shape rewrite as its last batch stored it, if one ran.
+    pub rewrite: Option<super::RewriteProgress>,
 }
 
 /// Counts the rows of `table` by stored shape version, reading at most `bound` rows in bounded
@@ -42,6 +44,7 @@ pub async fn shape_versions<E: TitoEngine>(
         let mut counts = ShapeCounts {
             table: table.to_string(),
             shapes,
+            rewrite: super::rewrite::read_progress(tx, table).await?,
             ..ShapeCounts::default()
         };
         let mut read = 0u64;
@@ -91,7 +94,8 @@ pub async fn allow_shape_version<E: TitoEngine>(
                 let seen: Vec<String> = catalog.shapes.seen.keys().map(u32::to_string).collect();
                 return Err(TitoError::invalid_argument(format!(
                     "no code of shape version {version} has used table {table:?} (versions seen: \
-                     {}); deploy it first, its first use records it",
+                     {}); deploy it first: its first write or query records it (a get does not; \
+                     `TitoModel::schema` does)",
                     if seen.is_empty() {
                         "none".to_string()
                     } else {
