@@ -880,9 +880,20 @@ pub async fn a_rewrite_moves_every_row_to_the_allowed_shape<E: TitoEngine>(ctx: 
         ));
     }
     assert_eq!(versions(&ctx.db).await, [(1, 40)]);
+    tito::schema::set_write_grace(&ctx.db, Duration::from_millis(300)).unwrap();
     tito::schema::allow_shape_version(&ctx.db, "member", 3)
         .await
         .unwrap();
+    // A write that read the catalog before the change may still commit in the version allowed
+    // before: the run starts once the write grace has passed.
+    let waiting = members.rewrite_step(10).await.unwrap();
+    assert!(
+        waiting
+            .waiting
+            .is_some_and(|w| w <= Duration::from_millis(300))
+            && waiting.handled == 0,
+        "{waiting:?}"
+    );
     let mut steps = Vec::new();
     let done = members
         .rewrite_shapes(tito::schema::RewriteOptions::default().batch(7), |step| {
@@ -991,6 +1002,7 @@ pub async fn a_rollback_rewrites_rows_back_to_the_older_shape_in_maintenance<E: 
     );
     // Every old instance is gone: version 2 is allowed, and a queue worker's maintenance
     // rewrites the table in the background, a batch per pass.
+    tito::schema::set_write_grace(&ctx.db, Duration::from_millis(20)).unwrap();
     tito::schema::allow_shape_version(&ctx.db, "member", 2)
         .await
         .unwrap();
@@ -1076,6 +1088,7 @@ async fn shape_rewrite_child() {
         return;
     };
     let db = tito::backend::embedded::Embedded::open(&dir).await.unwrap();
+    tito::schema::set_write_grace(&db, Duration::from_millis(1)).unwrap();
     let nexts = db.model::<MemberNext>();
     let writer = {
         let nexts = nexts.clone();
@@ -1185,6 +1198,7 @@ async fn a_killed_rewrite_resumes_from_its_cursor_and_loses_no_write() {
         !stored.finished && stored.rows_done >= reported && stored.rows_done < REWRITE_ROWS,
         "{stored:?}"
     );
+    tito::schema::set_write_grace(&db, Duration::from_millis(1)).unwrap();
     let nexts = db.clone().model::<MemberNext>();
     let mut handled = 0;
     let done = nexts

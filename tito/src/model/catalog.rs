@@ -163,6 +163,15 @@ pub struct Shapes {
     pub writable: u32,
     /// Each version some code declared, with the engine time (Unix ms) it was first seen.
     pub seen: BTreeMap<u32, u64>,
+    /// The engine time (Unix ms) an operator last changed [`writable`](Shapes::writable) (0:
+    /// never). A rewrite to the new version waits the [`write_grace`] after it, so that a
+    /// write that read the catalog before the change commits before the rewrite reads rows.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub changed_ms: u64,
+}
+
+fn is_zero(value: &u64) -> bool {
+    *value == 0
 }
 
 impl Shapes {

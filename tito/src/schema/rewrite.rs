@@ -103,12 +103,16 @@ pub struct RewriteStep {
     pub finished: bool,
     /// The run's progress after the batch.
     pub progress: RewriteProgress,
+    /// Set when the run may not start yet: how long until the [write
+    /// grace](crate::schema::write_grace) after the allowed version changed has passed.
+    /// Nothing was done.
+    pub waiting: Option<Duration>,
 }
 
 impl RewriteStep {
     /// Whether there was nothing left to do (the run had finished before this batch).
     pub fn idle(&self) -> bool {
-        self.handled == 0 && !self.finished
+        self.handled == 0 && !self.finished && self.waiting.is_none()
     }
 }
 
@@ -188,6 +192,10 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         self.restart_finished_rewrite().await?;
         loop {
             let step = self.rewrite_step(options.batch).await?;
+            if let Some(wait) = step.waiting {
+                tokio::time::sleep(wait.min(Duration::from_millis(250))).await;
+                continue;
+            }
             if step.idle() {
                 return Ok(step.progress);
             }
@@ -291,6 +299,7 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         tx.lock_keys(&[keys::schema_key(&table).into_bytes()])
             .await?;
         let target = catalog.shapes.writable();
+        let grace_ms = super::write_grace(self.engine()).as_millis() as u64;
         if T::VERSION < target || (T::VERSION > target && T::default().downgrade(target).is_none())
         {
             return Ok(None);
@@ -298,7 +307,17 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         let now_ms = crate::engine::version_millis(tx.start_version());
         let mut progress = match read_progress(tx, &table).await? {
             Some(p) if p.target == target => p,
-            // A run for another version is over: the allowed version moved.
+            // A new run (the allowed version moved, or none ran): a writer that read the
+            // catalog before the change may still commit a row in the version it allowed
+            // then, so the run starts once the grace after the change has passed.
+            _ if now_ms < catalog.shapes.changed_ms + grace_ms => {
+                return Ok(Some(RewriteStep {
+                    waiting: Some(Duration::from_millis(
+                        catalog.shapes.changed_ms + grace_ms - now_ms,
+                    )),
+                    ..RewriteStep::default()
+                }));
+            }
             _ => RewriteProgress {
                 target,
                 started_ms: now_ms,
@@ -370,6 +389,7 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
             rewritten,
             finished,
             progress,
+            waiting: None,
         }))
     }
 }
@@ -451,7 +471,7 @@ pub(super) async fn maintain<E: TitoEngine>(db: &E) -> usize {
                 // This model does not write the allowed version: an older one may.
                 Ok(None) => continue,
                 Ok(Some(step)) => {
-                    worked += usize::from(!step.idle());
+                    worked += usize::from(!step.idle() && step.waiting.is_none());
                 }
                 Err(err) => {
                     tracing::warn!(table = %table, error = %err, "shape rewrite step failed")

@@ -105,6 +105,10 @@ pub async fn allow_shape_version<E: TitoEngine>(
             }
             if catalog.shapes.writable() != version {
                 catalog.shapes.writable = version;
+                catalog.shapes.changed_ms = crate::engine::version_millis(tx.start_version());
+                // A rewrite to another version is over: the next one starts from the first row.
+                tx.delete(keys::schema_rewrite_key(&table).into_bytes())
+                    .await?;
                 tx.put(key.into_bytes(), serde_json::to_vec(&catalog)?)
                     .await?;
                 tracing::info!(table = %table, version, "writers may write this shape version");
