@@ -30,6 +30,7 @@ macro_rules! shapes_suite {
                 an_inbox_claims_older_rows_and_leaves_newer_ones_to_newer_code,
                 model_events_reach_handlers_of_both_deploys,
                 a_rewrite_moves_every_row_to_the_allowed_shape,
+                an_inbox_sets_aside_a_row_no_conversion_reads,
                 a_rollback_rewrites_rows_back_to_the_older_shape_in_maintenance,
             ]
         );
@@ -747,6 +748,81 @@ pub async fn an_inbox_claims_older_rows_and_leaves_newer_ones_to_newer_code<E: T
     assert!(bad.is_empty(), "{bad:?}");
     let (seen, _) = run_hooks::<E, Hook>(&ctx.db, Duration::from_secs(30), 1).await;
     assert_eq!(seen[0].lines, ["c"]);
+}
+
+/// A next deploy of the inbox whose conversion refuses an empty body.
+#[derive(TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(
+    inbox,
+    table = "hook",
+    version = 2,
+    from = "HookV1",
+    upgrade = "strict_lines"
+)]
+pub struct StrictHook {
+    pub id: String,
+    #[tito(group)]
+    pub endpoint: String,
+    pub lines: Vec<String>,
+}
+
+fn strict_lines(v1: HookV1) -> Result<StrictHook, String> {
+    if v1.body.is_empty() {
+        return Err("an empty body has no lines".into());
+    }
+    Ok(StrictHook {
+        id: v1.id,
+        endpoint: v1.endpoint,
+        lines: v1.body.lines().map(str::to_string).collect(),
+    })
+}
+
+pub async fn an_inbox_sets_aside_a_row_no_conversion_reads<E: TitoEngine>(ctx: Ctx<E>) {
+    let olds = ctx.db.clone().model::<OldHook>();
+    for (id, body) in [("h1", "a"), ("h2", ""), ("h3", "b\nc")] {
+        olds.build(OldHook {
+            id: id.into(),
+            endpoint: "shop".into(),
+            body: body.into(),
+        })
+        .await
+        .unwrap();
+    }
+    // The next deploy (no downgrade: it runs once the old one is gone, and its version is
+    // allowed).
+    ctx.db.clone().model::<StrictHook>().schema().await.unwrap();
+    tito::schema::allow_shape_version(&ctx.db, "hook", 2)
+        .await
+        .unwrap();
+    // The row whose conversion refuses it is set aside with the reason; the ones around it are
+    // delivered.
+    let (seen, bad) = run_hooks::<E, StrictHook>(&ctx.db, Duration::from_secs(30), 2).await;
+    let mut ids: Vec<&str> = seen.iter().map(|h| h.id.as_str()).collect();
+    ids.sort();
+    assert_eq!(ids, ["h1", "h3"]);
+    assert_eq!(bad, ["h2"]);
+    let why = read(&ctx.db, tito::keys::inbox_bad_key("hook", "h2").as_bytes())
+        .await
+        .unwrap();
+    let why = String::from_utf8_lossy(&why);
+    assert!(
+        why.contains("from version 1 to 2") && why.contains("an empty body has no lines"),
+        "{why}"
+    );
+    // It stays readable as stored, and deletable.
+    let row = read(&ctx.db, tito::keys::row_key("hook", "h2").as_bytes()).await;
+    assert!(row.is_some());
+    ctx.db
+        .clone()
+        .model::<StrictHook>()
+        .delete_by_id("h2")
+        .await
+        .unwrap();
+    assert!(
+        read(&ctx.db, tito::keys::row_key("hook", "h2").as_bytes())
+            .await
+            .is_none()
+    );
 }
 
 pub async fn model_events_reach_handlers_of_both_deploys<E: TitoEngine>(ctx: Ctx<E>) {

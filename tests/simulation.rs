@@ -154,6 +154,74 @@ struct Profile {
     team: String,
 }
 
+/// A model that changes shape mid-run: the first code (version 1, a name in one field) and the
+/// next (version 2, the name split, with a downgrade for the rolling deploy) write the same
+/// rows at once; an operator allows version 2 and rolls it back; rewrites run by step and in
+/// the workers' maintenance. Names always hold one space, so both shapes hold the same value.
+#[derive(TitoModel, Default, Clone, Debug, Serialize, Deserialize)]
+#[tito(table = "sim_shape")]
+#[tito(index = "shape_by_team: team")]
+struct ShapeOld {
+    id: String,
+    team: String,
+    name: String,
+}
+
+#[derive(tito::TitoShape, Serialize, Deserialize)]
+#[tito(version = 1)]
+struct ShapeV1 {
+    id: String,
+    team: String,
+    name: String,
+}
+
+#[derive(TitoModel, Default, Clone, Debug, Serialize, Deserialize)]
+#[tito(
+    table = "sim_shape",
+    version = 2,
+    from = "ShapeV1",
+    upgrade = "shape_split",
+    downgrade = "shape_join"
+)]
+#[tito(index = "shape_by_team: team")]
+struct ShapeNew {
+    id: String,
+    team: String,
+    first: String,
+    last: String,
+}
+
+fn shape_split(v1: ShapeV1) -> Result<ShapeNew, String> {
+    let (first, last) = v1.name.split_once(' ').ok_or("no space")?;
+    Ok(ShapeNew {
+        id: v1.id,
+        team: v1.team,
+        first: first.into(),
+        last: last.into(),
+    })
+}
+
+fn shape_join(new: &ShapeNew) -> ShapeV1 {
+    ShapeV1 {
+        id: new.id.clone(),
+        team: new.team.clone(),
+        name: format!("{} {}", new.first, new.last),
+    }
+}
+
+/// What the shape step knows: each row's possible values (a name, or gone), and whether
+/// version 2 was ever allowed (then the first code reads every row again only once a rewrite
+/// back to version 1 finished). Every change of the allowed version is the step's own, which
+/// reads the catalog first: a table the next code created allows version 2 from the start, and
+/// that is seen before any rollback.
+#[derive(Default)]
+struct ShapeSim {
+    expected: BTreeMap<String, BTreeSet<Option<String>>>,
+    ever_two: bool,
+    rewrites_finished: u32,
+    checked_rows: u64,
+}
+
 /// An inbox row: no `locked_until` role (the lease lives in its own key), attempts counted,
 /// dead letters to group "dead".
 #[derive(TitoModel, Default, Clone, Debug, Serialize, Deserialize)]
@@ -570,6 +638,10 @@ pub struct Report {
     pub ticks: usize,
     /// First starts checked against the priority order.
     pub priority_checks: u64,
+    /// Rows of the model that changes shape read and checked, and rewrite runs the steps
+    /// finished.
+    pub shape_rows: u64,
+    pub shape_rewrites: u32,
     pub violations: Vec<String>,
     pub trace: Vec<String>,
     pub log: Vec<String>,
@@ -629,6 +701,7 @@ struct Sim {
     periodic_ticks: usize,
     /// Starts checked against the priority order.
     priority_checks: u64,
+    shapes: ShapeSim,
 }
 
 fn inbox_config() -> InboxConfig<Db, SimTask> {
@@ -1098,6 +1171,7 @@ impl Sim {
             84..=85 => self.cancel_one().await,
             86 => self.set_limits().await,
             87 => self.toggle_ticker().await,
+            88..=91 => self.shape_step(step).await,
             _ => {
                 let pause = 1 + self.rng.below(400);
                 tokio::time::sleep(Duration::from_millis(pause)).await;
@@ -1382,6 +1456,7 @@ impl Sim {
             self.check_queue(which).await;
         }
         self.check_models_and_kv().await;
+        self.check_shapes_at_end().await;
         self.check_inbox().await;
         self.check_ticks().await;
     }
@@ -1579,6 +1654,187 @@ impl Sim {
         };
         self.check(overlaps == 0, || {
             format!("q{which}: {overlaps} overlapping runs: {details:?}")
+        });
+    }
+
+    /// One step of the model that changes shape: a write by either code, a delete, an
+    /// operator's allow or rollback, a rewrite batch, or a read of every row by both codes.
+    async fn shape_step(&mut self, step: u32) -> String {
+        let olds = self.db.clone().model::<ShapeOld>();
+        let news = self.db.clone().model::<ShapeNew>();
+        let id = format!("s{}", self.rng.below(8));
+        let team = format!("t{}", self.rng.below(2));
+        match self.rng.below(10) {
+            0..=2 => {
+                let name = format!("old{step} x");
+                let row = ShapeOld {
+                    id: id.clone(),
+                    team,
+                    name: name.clone(),
+                };
+                let result = olds.upsert(row).await;
+                self.shape_written(&id, Some(name), &result);
+                format!("shape old-write {id} {}", short(&result.map(|_| ())))
+            }
+            3..=5 => {
+                let row = ShapeNew {
+                    id: id.clone(),
+                    team,
+                    first: format!("new{step}"),
+                    last: "y".into(),
+                };
+                let result = news.upsert(row).await;
+                self.shape_written(&id, Some(format!("new{step} y")), &result);
+                format!("shape new-write {id} {}", short(&result.map(|_| ())))
+            }
+            6 => {
+                let result = if self.rng.chance(50) {
+                    olds.delete_by_id(&id).await
+                } else {
+                    news.delete_by_id(&id).await
+                };
+                // A delete of a missing row is NotFound and changes nothing.
+                if !matches!(result, Err(TitoError::NotFound(_))) {
+                    self.shape_written(&id, None, &result);
+                }
+                format!("shape delete {id} {}", short(&result))
+            }
+            7 => {
+                let writable = self.shape_writable().await;
+                let to = if writable == Some(2) { 1 } else { 2 };
+                let result = tito::schema::allow_shape_version(&self.db, "sim_shape", to).await;
+                if to == 2 && !matches!(result, Err(TitoError::InvalidArgument(_))) {
+                    // Committed or perhaps committed: the first code may meet newer rows.
+                    self.shapes.ever_two |= !matches!(result, Err(TitoError::Storage { .. }));
+                }
+                format!("shape allow {to} {}", short(&result.map(|s| s.writable())))
+            }
+            8 => match news.rewrite_step(3).await {
+                Ok(done) => {
+                    self.shapes.rewrites_finished += u32::from(done.finished);
+                    format!(
+                        "shape rewrite {} {} {}",
+                        done.handled, done.rewritten, done.finished
+                    )
+                }
+                Err(err) => format!("shape rewrite {}", error_kind(&err)),
+            },
+            _ => self.check_shape_rows(false).await,
+        }
+    }
+
+    /// Records a shape write's outcome in what each row may hold.
+    fn shape_written<T>(&mut self, id: &str, value: Option<String>, result: &Result<T, TitoError>) {
+        let known = self
+            .shapes
+            .expected
+            .entry(id.to_string())
+            .or_insert_with(|| BTreeSet::from([None]));
+        match result {
+            Ok(_) => *known = BTreeSet::from([value]),
+            Err(TitoError::CommitOutcomeUnknown { .. }) => {
+                known.insert(value);
+            }
+            Err(_) => {}
+        }
+    }
+
+    /// The version writers may write, as the catalog says (`None`: unknown, a read failed).
+    /// Version 2 seen allowed once (an operator's step, or the next code creating the table)
+    /// means rows of version 2 may exist.
+    async fn shape_writable(&mut self) -> Option<u32> {
+        let writable = match tito::schema::catalog(&self.db, "sim_shape").await {
+            Ok(catalog) => Some(catalog.map_or(1, |c| c.shapes.writable())),
+            Err(_) => None,
+        };
+        self.shapes.ever_two |= writable == Some(2);
+        writable
+    }
+
+    /// Reads every row by the next code (it must read each, as one of its possible values) and,
+    /// while the first code may run (version 1 allowed and no newer row can be left), by the
+    /// first code too. `at_end`: no fault is left, a read must succeed.
+    async fn check_shape_rows(&mut self, at_end: bool) -> String {
+        let writable = self.shape_writable().await;
+        let progress = tito::schema::rewrite_progress(&self.db, "sim_shape").await;
+        let first_code_runs = writable == Some(1)
+            && (!self.shapes.ever_two
+                || matches!(&progress, Ok(Some(p)) if p.finished && p.target == 1));
+        let olds = self.db.clone().model::<ShapeOld>();
+        let news = self.db.clone().model::<ShapeNew>();
+        let ids: Vec<String> = self.shapes.expected.keys().cloned().collect();
+        let mut read = 0;
+        for id in ids {
+            let possible = self.shapes.expected[&id].clone();
+            match news.get(&id).await {
+                Ok(row) => {
+                    let value = row.map(|r| format!("{} {}", r.first, r.last));
+                    self.check(possible.contains(&value), || {
+                        format!("shape row {id} read as {value:?} by the next code, expected one of {possible:?}")
+                    });
+                    read += 1;
+                }
+                Err(TitoError::Storage { .. }) if !at_end => continue,
+                Err(err) => self.check(false, || {
+                    format!("the next code could not read shape row {id}: {err}")
+                }),
+            }
+            if first_code_runs {
+                match olds.get(&id).await {
+                    Ok(row) => {
+                        let value = row.map(|r| r.name);
+                        self.check(possible.contains(&value), || {
+                            format!("shape row {id} read as {value:?} by the first code, expected one of {possible:?}")
+                        });
+                    }
+                    Err(TitoError::Storage { .. }) if !at_end => {}
+                    Err(err) => self.check(false, || {
+                        format!(
+                            "the first code could not read shape row {id} while it may run: {err}"
+                        )
+                    }),
+                }
+            }
+        }
+        self.shapes.checked_rows += read;
+        format!("shape check {read} rows, first code {first_code_runs}")
+    }
+
+    /// At the end, with no fault left: a whole rewrite by the next code leaves every row in the
+    /// allowed version, every row reads as it should by both codes where they may run, and the
+    /// audit finds nothing.
+    async fn check_shapes_at_end(&mut self) {
+        let news = self.db.clone().model::<ShapeNew>();
+        if self.shapes.expected.is_empty() {
+            return;
+        }
+        let rewrite = news
+            .rewrite_shapes(tito::schema::RewriteOptions::default(), |_| {})
+            .await;
+        self.check(rewrite.is_ok(), || {
+            format!("the final shape rewrite failed: {rewrite:?}")
+        });
+        let writable = self.shape_writable().await.unwrap_or(0);
+        if let Ok(done) = &rewrite {
+            self.check(
+                done.unconvertible.count == 0 && done.refused.count == 0,
+                || format!("the final shape rewrite left rows: {done:?}"),
+            );
+        }
+        let counts = tito::schema::shape_versions(&self.db, "sim_shape", 1000)
+            .await
+            .unwrap();
+        self.check(counts.rows.keys().all(|v| *v == writable), || {
+            format!(
+                "rows left in another version than {writable}: {:?}",
+                counts.rows
+            )
+        });
+        let line = self.check_shape_rows(true).await;
+        self.trace.push(format!("end {line}"));
+        let audit = news.audit(|_| {}).await;
+        self.check(matches!(&audit, Ok(report) if report.is_clean()), || {
+            format!("the shape table's audit: {audit:?}")
         });
     }
 
@@ -1894,7 +2150,10 @@ async fn simulate(seed: u64, steps: u32) -> Report {
         first_ticker: None,
         periodic_ticks: 0,
         priority_checks: 0,
+        shapes: ShapeSim::default(),
     };
+    // Rewrites start soon after the allowed version changes.
+    tito::schema::set_write_grace(&sim.db, Duration::from_millis(200)).unwrap();
     for step in 0..steps {
         sim.step(step).await;
     }
@@ -1929,6 +2188,8 @@ async fn simulate(seed: u64, steps: u32) -> Report {
             .sum(),
         ticks: sim.periodic_ticks,
         priority_checks: sim.priority_checks,
+        shape_rows: sim.shapes.checked_rows,
+        shape_rewrites: sim.shapes.rewrites_finished,
         dead: sim.dead,
         violations: sim.violations,
         trace: sim.trace,
@@ -1970,6 +2231,7 @@ fn campaign(seeds: std::ops::Range<u64>) {
     let started = std::time::Instant::now();
     let (mut checks, mut faults, mut runs, mut published, mut dead) = (0, 0, 0u64, 0, 0);
     let (mut limited, mut excused, mut ticks, mut ordered) = (0, 0, 0, 0);
+    let (mut shape_rows, mut shape_rewrites) = (0, 0);
     let count = seeds.end - seeds.start;
     for seed in seeds {
         let report = run(seed, steps());
@@ -1983,6 +2245,8 @@ fn campaign(seeds: std::ops::Range<u64>) {
         excused += report.limit_excused;
         ticks += report.ticks;
         ordered += report.priority_checks;
+        shape_rows += report.shape_rows;
+        shape_rewrites += report.shape_rewrites;
     }
     let secs = started.elapsed().as_secs_f64();
     println!(
@@ -1990,7 +2254,8 @@ fn campaign(seeds: std::ops::Range<u64>) {
          {faults} faults injected, {published} events published, {runs} handler runs, \
          {dead} dead after their last attempt, {limited} starts under limits ({excused} past \
          one after a clock jump), {ticks} periodic ticks, {ordered} first starts checked \
-         against the priority order",
+         against the priority order, {shape_rows} rows of a model changing shape read by both \
+         codes' checks, {shape_rewrites} shape rewrites finished by steps",
         count as f64 / secs
     );
 }
@@ -2019,9 +2284,12 @@ fn seeds_in_ci() {
 /// record of a row it admits). 2460: a lift whose restore failed (an injected storage error)
 /// left the rows an hour-long rate had moved an hour ahead, and no later limits change brought
 /// them back (fixed: limits without a rate, and maintenance, bring back what is still moved).
+/// 34: the next code of a model that changes shape created its table (so version 2 was allowed
+/// from the start) and the checker, which counted only operators' steps, expected the first
+/// code to read every row after a rollback before any rewrite (a checker mistake).
 #[test]
 fn seeds_that_found_defects() {
-    for seed in [8, 157, 864, 2460, 7001] {
+    for seed in [8, 34, 157, 864, 2460, 7001] {
         assert_clean(&run(seed, 120));
     }
 }

@@ -55,6 +55,44 @@ struct Job {
     payload: BTreeMap<String, String>,
 }
 
+/// A table whose model changed shape: version 1 as first written, version 2 (the text in
+/// lines) as deployed now; an empty text has no lines and does not convert.
+#[derive(TitoModel, Default, Clone, Debug, Serialize, Deserialize)]
+#[tito(table = "note")]
+struct NoteV1 {
+    id: String,
+    text: String,
+}
+
+#[derive(tito::TitoShape, Serialize, Deserialize)]
+#[tito(version = 1)]
+struct NoteShape1 {
+    id: String,
+    text: String,
+}
+
+#[derive(TitoModel, Default, Clone, Debug, Serialize, Deserialize)]
+#[tito(
+    table = "note",
+    version = 2,
+    from = "NoteShape1",
+    upgrade = "note_lines"
+)]
+struct Note {
+    id: String,
+    lines: Vec<String>,
+}
+
+fn note_lines(v1: NoteShape1) -> Result<Note, String> {
+    if v1.text.is_empty() {
+        return Err("an empty note has no lines".into());
+    }
+    Ok(Note {
+        id: v1.id,
+        lines: v1.text.lines().map(str::to_string).collect(),
+    })
+}
+
 const USERS: usize = 30;
 const DUE_NOW: usize = 12;
 const DUE_LATER: usize = 5;
@@ -186,6 +224,29 @@ async fn seed<E: TitoEngine>(db: &E) {
         .await
         .unwrap();
     }
+
+    // Notes written by the first code, then rewritten to version 2 by the next: one stays.
+    let notes = db.clone().model::<NoteV1>();
+    for (id, text) in [("n1", "a\nb"), ("n2", ""), ("n3", "c")] {
+        notes
+            .build(NoteV1 {
+                id: id.into(),
+                text: text.into(),
+            })
+            .await
+            .unwrap();
+    }
+    let next = db.clone().model::<Note>();
+    next.schema().await.unwrap();
+    tito::schema::set_write_grace(db, Duration::from_millis(1)).unwrap();
+    tito::schema::allow_shape_version(db, "note", 2)
+        .await
+        .unwrap();
+    let done = next
+        .rewrite_shapes(tito::schema::RewriteOptions::default(), |_| {})
+        .await
+        .unwrap();
+    assert_eq!((done.rewritten, done.unconvertible.count), (2, 1));
 
     let kv = Kv::new(db.clone());
     for i in 0..3 {
@@ -437,6 +498,22 @@ async fn the_cli_reads_a_seeded_store() {
     refused_with(
         &at(&["table", "allow-version", "user", "1"]),
         "nothing changed",
+    );
+    // A table rewritten to version 2 with a row no conversion reads: counted and named.
+    let versions = stdout_json(&at(&["table", "versions", "note", "--json"]));
+    assert_eq!(versions["rows"]["1"], 1, "{versions}");
+    assert_eq!(versions["rows"]["2"], 2, "{versions}");
+    assert_eq!(versions["rewrite"]["target"], 2, "{versions}");
+    assert_eq!(
+        versions["rewrite"]["unconvertible"]["first"][0]["key"],
+        "table:note:n2"
+    );
+    let text = String::from_utf8_lossy(&at(&["table", "versions", "note"]).stdout).into_owned();
+    assert!(
+        text.contains("rewrite to version 2: finished, 3 rows read of about 3, 2 rewritten")
+            && text.contains("1 rows no code that ran the rewrite reads")
+            && text.contains("table:note:n2 (version 1): the conversion from version 1 to 2 refused it: an empty note has no lines"),
+        "{text}"
     );
 
     // Paging: 30 rows by 8, following the printed cursors.
@@ -1213,6 +1290,18 @@ async fn the_dashboard_guards_access_and_confirms_and_logs_actions() {
     assert_eq!(table["last_audit"]["rows"], 30);
     let (status, _) = send(&router, post("/audit", "table=job&confirm=yes"), local).await;
     assert_eq!(status, StatusCode::NOT_FOUND);
+    // A table's shape versions and its rewrite, with the row it left.
+    let (_, body) = send(&router, get("/table?name=note"), local).await;
+    assert!(
+        body.contains("data-figure=\"writable\">2<")
+            && body.contains("data-figure=\"rewrite\">finished<")
+            && body.contains("1 rows no code that ran the rewrite reads")
+            && body.contains("<code>table:note:n2</code> (version 1)"),
+        "{body}"
+    );
+    let (_, body) = send(&router, get("/api/table?name=note"), local).await;
+    let table: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(table["shapes"]["rows"]["2"], 2, "{table}");
 
     // Dead invocations: counted, listed with their error, retried and discarded after a
     // confirmation each.

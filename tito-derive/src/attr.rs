@@ -111,7 +111,21 @@ impl ShapeAttrs {
     ) -> syn::Result<bool> {
         match key {
             VERSION => {
-                let lit: syn::LitInt = meta.value()?.parse()?;
+                let lit = match meta.value()?.parse::<syn::Lit>()? {
+                    syn::Lit::Int(lit) => lit,
+                    other => {
+                        // Said once, here: the version counts as given (so no "declare a
+                        // version" follows), and this error stops the expansion.
+                        errors.push(syn::Error::new(
+                            other.span(),
+                            format!(
+                                "`version` is a whole number from 1 to {MAX_VERSION}, written \
+                                 without quotes: `version = 2`"
+                            ),
+                        ));
+                        syn::LitInt::new("1", other.span())
+                    }
+                };
                 match lit.base10_parse::<u32>() {
                     Ok(v) if (1..=MAX_VERSION).contains(&v) => {}
                     _ => errors.push(syn::Error::new(

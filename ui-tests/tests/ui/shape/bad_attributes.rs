@@ -49,4 +49,23 @@ struct WithTable {
     id: String,
 }
 
+// A version over the highest, one that does not fit a u32, and one that is not a number.
+#[derive(TitoModel, Default, Clone, Serialize, Deserialize)]
+#[tito(version = 1000001)]
+struct TooHigh {
+    id: String,
+}
+
+#[derive(TitoShape, Serialize, Deserialize)]
+#[tito(version = 4294967296)]
+struct Overflow {
+    id: String,
+}
+
+#[derive(TitoShape, Serialize, Deserialize)]
+#[tito(version = "2")]
+struct Quoted {
+    id: String,
+}
+
 fn main() {}
