@@ -978,8 +978,11 @@ fn shapes(b: &mut String, counts: &tito::schema::ShapeCounts) {
             rewrite.rewritten
         );
         for (what, rows) in [
-            ("no code that ran the rewrite reads", &rewrite.unconvertible),
-            ("refused in the new shape", &rewrite.refused),
+            (
+                "rows no code that ran the rewrite reads",
+                &rewrite.unconvertible,
+            ),
+            ("rows refused in the new shape", &rewrite.refused),
         ] {
             if rows.count == 0 {
                 continue;
@@ -998,7 +1001,7 @@ fn shapes(b: &mut String, counts: &tito::schema::ShapeCounts) {
                 .collect();
             let _ = write!(
                 b,
-                "<p class=\"late\">{} rows {what}: {}</p>",
+                "<p class=\"late\">{what}: {}: {}</p>",
                 rows.count,
                 first.join("; ")
             );

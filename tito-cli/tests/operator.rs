@@ -342,7 +342,11 @@ async fn the_cli_reads_a_seeded_store() {
         .collect();
     assert_eq!(
         rows,
-        BTreeMap::from([("job".into(), 5), ("user".into(), USERS as u64)])
+        BTreeMap::from([
+            ("job".into(), 5),
+            ("note".into(), 3),
+            ("user".into(), USERS as u64)
+        ])
     );
 
     // Dead invocations: listed; a discard asks for --yes; a retry moves one back.
@@ -504,15 +508,19 @@ async fn the_cli_reads_a_seeded_store() {
     assert_eq!(versions["rows"]["1"], 1, "{versions}");
     assert_eq!(versions["rows"]["2"], 2, "{versions}");
     assert_eq!(versions["rewrite"]["target"], 2, "{versions}");
+    let left = tito::keys::row_key("note", "n2");
     assert_eq!(
         versions["rewrite"]["unconvertible"]["first"][0]["key"],
-        "table:note:n2"
+        left.as_str()
     );
     let text = String::from_utf8_lossy(&at(&["table", "versions", "note"]).stdout).into_owned();
     assert!(
         text.contains("rewrite to version 2: finished, 3 rows read of about 3, 2 rewritten")
-            && text.contains("1 rows no code that ran the rewrite reads")
-            && text.contains("table:note:n2 (version 1): the conversion from version 1 to 2 refused it: an empty note has no lines"),
+            && text.contains("rows no code that ran the rewrite reads: 1")
+            && text.contains(&format!(
+                "{left} (version 1): the conversion from version 1 to 2 refused it: an empty \
+                 note has no lines"
+            )),
         "{text}"
     );
 
@@ -693,7 +701,7 @@ async fn the_cli_reads_a_tikv_cluster() {
         tokio::task::spawn_blocking(move || tito().args(&all).output().unwrap())
     };
     let tables = stdout_json(&at(&["table", "ls", "--json"]).await.unwrap());
-    assert_eq!(tables.as_array().unwrap().len(), 2, "{tables}");
+    assert_eq!(tables.as_array().unwrap().len(), 3, "{tables}");
     let stats = stdout_json(
         &at(&["queue", "stats", "--topic", "default", "--json"])
             .await
@@ -735,7 +743,7 @@ async fn the_cli_reads_one_keyspace_and_refuses_half_a_tls_setup() {
             .await
             .unwrap(),
     );
-    assert_eq!(tables.as_array().unwrap().len(), 2, "{tables}");
+    assert_eq!(tables.as_array().unwrap().len(), 3, "{tables}");
     let empty = stdout_json(
         &at(&["--keyspace", "beta", "table", "ls", "--json"])
             .await
@@ -1295,8 +1303,11 @@ async fn the_dashboard_guards_access_and_confirms_and_logs_actions() {
     assert!(
         body.contains("data-figure=\"writable\">2<")
             && body.contains("data-figure=\"rewrite\">finished<")
-            && body.contains("1 rows no code that ran the rewrite reads")
-            && body.contains("<code>table:note:n2</code> (version 1)"),
+            && body.contains("rows no code that ran the rewrite reads: 1")
+            && body.contains(&format!(
+                "<code>{}</code> (version 1)",
+                tito::keys::row_key("note", "n2")
+            )),
         "{body}"
     );
     let (_, body) = send(&router, get("/api/table?name=note"), local).await;

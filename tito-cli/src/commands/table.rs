@@ -132,13 +132,16 @@ fn rewrite_lines(rewrite: &tito::schema::RewriteProgress) -> String {
         rewrite.rewritten,
     ));
     for (what, rows) in [
-        ("no code that ran the rewrite reads", &rewrite.unconvertible),
-        ("refused in the new shape", &rewrite.refused),
+        (
+            "rows no code that ran the rewrite reads",
+            &rewrite.unconvertible,
+        ),
+        ("rows refused in the new shape", &rewrite.refused),
     ] {
         if rows.count == 0 {
             continue;
         }
-        out.push_str(&format!("  {} rows {what}:\n", rows.count));
+        out.push_str(&format!("  {what}: {}\n", rows.count));
         for row in &rows.first {
             out.push_str(&format!(
                 "    {} (version {}): {}\n",
