@@ -31,6 +31,8 @@ macro_rules! shapes_suite {
                 model_events_reach_handlers_of_both_deploys,
                 a_rewrite_moves_every_row_to_the_allowed_shape,
                 an_inbox_sets_aside_a_row_no_conversion_reads,
+                an_upgrade_that_changes_an_indexed_value_keeps_each_deploys_index,
+                a_conversion_that_panics_is_a_refusal_and_the_row_stays_deletable,
                 a_rollback_rewrites_rows_back_to_the_older_shape_in_maintenance,
             ]
         );
@@ -1314,4 +1316,200 @@ async fn a_killed_rewrite_resumes_from_its_cursor_and_loses_no_write() {
         acked.len()
     );
     db.close().await.unwrap();
+}
+
+/// Accounts: the first code keeps the email as given; the next lowercases it on upgrade and
+/// writes the older shape while it must.
+#[derive(TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(table = "acct")]
+#[tito(unique_index = "acct_by_email: email")]
+pub struct AcctOld {
+    pub id: String,
+    pub email: String,
+}
+
+#[derive(TitoShape, Serialize, Deserialize)]
+#[tito(version = 1)]
+pub struct Acct1 {
+    pub id: String,
+    pub email: String,
+}
+
+#[derive(TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(table = "acct", version = 2, from = "Acct1", downgrade = "acct_down")]
+#[tito(unique_index = "acct_by_email: email")]
+pub struct Acct {
+    pub id: String,
+    pub email: String,
+    pub lower: bool,
+}
+
+impl From<Acct1> for Acct {
+    fn from(v1: Acct1) -> Self {
+        Acct {
+            id: v1.id,
+            email: v1.email.to_lowercase(),
+            lower: true,
+        }
+    }
+}
+
+fn acct_down(acct: &Acct) -> Acct1 {
+    Acct1 {
+        id: acct.id.clone(),
+        email: acct.email.clone(),
+    }
+}
+
+fn acct_old(id: &str, email: &str) -> AcctOld {
+    AcctOld {
+        id: id.into(),
+        email: email.into(),
+    }
+}
+
+pub async fn an_upgrade_that_changes_an_indexed_value_keeps_each_deploys_index<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    let olds = ctx.db.clone().model::<AcctOld>();
+    olds.build(acct_old("a", "Ann@X")).await.unwrap();
+    // The next deploy runs beside the first (version 1 allowed). Its audit and repair check a
+    // row of version 1 against what its writer wrote (the email as stored), find nothing and
+    // change nothing.
+    let news = ctx.db.clone().model::<Acct>();
+    news.schema().await.unwrap();
+    let audit = news.audit(|_| {}).await.unwrap();
+    assert!(audit.is_clean(), "{audit:?}");
+    let repair = news.repair(|_| {}).await.unwrap();
+    assert!(repair.is_clean(), "{repair:?}");
+    let found = olds.acct_by_email("Ann@X").execute().await.unwrap().items;
+    assert_eq!(
+        found.iter().map(|a| a.id.as_str()).collect::<Vec<_>>(),
+        ["a"]
+    );
+    assert!(matches!(
+        olds.build(acct_old("d", "Ann@X")).await.unwrap_err(),
+        TitoError::UniqueViolation { .. }
+    ));
+    // A row the next code writes in version 1 is indexed as version 1 reads it.
+    news.build(Acct {
+        id: "b".into(),
+        email: "Bob@Y".into(),
+        lower: false,
+    })
+    .await
+    .unwrap();
+    let found = olds.acct_by_email("Bob@Y").execute().await.unwrap().items;
+    assert_eq!(
+        found.iter().map(|a| a.id.as_str()).collect::<Vec<_>>(),
+        ["b"]
+    );
+    assert!(olds.audit(|_| {}).await.unwrap().is_clean());
+    // Once version 2 is allowed, the rewrite writes the upgraded values and their entries.
+    tito::schema::set_write_grace(&ctx.db, Duration::from_millis(1)).unwrap();
+    tito::schema::allow_shape_version(&ctx.db, "acct", 2)
+        .await
+        .unwrap();
+    let done = news
+        .rewrite_shapes(tito::schema::RewriteOptions::default(), |_| {})
+        .await
+        .unwrap();
+    assert_eq!((done.rewritten, done.refused.count), (2, 0), "{done:?}");
+    let found = news.acct_by_email("ann@x").execute().await.unwrap().items;
+    assert_eq!(
+        found.iter().map(|a| a.id.as_str()).collect::<Vec<_>>(),
+        ["a"]
+    );
+    assert!(
+        news.acct_by_email("Ann@X")
+            .execute()
+            .await
+            .unwrap()
+            .items
+            .is_empty()
+    );
+    assert!(news.audit(|_| {}).await.unwrap().is_clean());
+}
+
+/// A next shape whose conversion panics on one value.
+#[derive(TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(table = "pn")]
+#[tito(index = "pn_by_n: n")]
+pub struct PnOld {
+    pub id: String,
+    pub n: i64,
+}
+
+#[derive(TitoShape, Serialize, Deserialize)]
+#[tito(version = 1)]
+pub struct Pn1 {
+    pub id: String,
+    pub n: i64,
+}
+
+#[derive(TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(table = "pn", version = 2, from = "Pn1", upgrade = "pn_up")]
+#[tito(index = "pn_by_n: n")]
+pub struct Pn {
+    pub id: String,
+    pub n: i64,
+}
+
+fn pn_up(v1: Pn1) -> Result<Pn, String> {
+    if v1.n == 666 {
+        panic!("a conversion that panics");
+    }
+    Ok(Pn { id: v1.id, n: v1.n })
+}
+
+pub async fn a_conversion_that_panics_is_a_refusal_and_the_row_stays_deletable<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    let olds = ctx.db.clone().model::<PnOld>();
+    for (id, n) in [("a", 1), ("p", 666), ("z", 2)] {
+        olds.build(PnOld { id: id.into(), n }).await.unwrap();
+    }
+    let news = ctx.db.clone().model::<Pn>();
+    // A read is refused with the panic's message, never unwound into the caller.
+    let err = news.find_by_id("p", vec![]).await.unwrap_err();
+    assert!(
+        matches!(&err, TitoError::RowShape { reason, .. } if reason.contains("panicked: a conversion that panics")),
+        "{err:?}"
+    );
+    // A worker's maintenance and a rewrite go on past it; it is listed, never dropped.
+    tito::schema::set_write_grace(&ctx.db, Duration::from_millis(1)).unwrap();
+    news.schema().await.unwrap();
+    tito::schema::allow_shape_version(&ctx.db, "pn", 2)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    tito::schema::maintain(&ctx.db).await;
+    let done = news
+        .rewrite_shapes(tito::schema::RewriteOptions::default(), |_| {})
+        .await
+        .unwrap();
+    assert_eq!(done.unconvertible.count, 1, "{done:?}");
+    assert_eq!(
+        done.unconvertible.first[0].key,
+        tito::keys::row_key("pn", "p")
+    );
+    assert_eq!(versions_of(&ctx.db, "pn").await, [(1, 1), (2, 2)]);
+    // The delete removes it with its entries.
+    news.delete_by_id("p").await.unwrap();
+    assert!(
+        read(&ctx.db, tito::keys::row_key("pn", "p").as_bytes())
+            .await
+            .is_none()
+    );
+    assert!(news.pn_by_n(666).execute().await.unwrap().items.is_empty());
+    assert!(news.audit(|_| {}).await.unwrap().is_clean());
+}
+
+async fn versions_of<E: TitoEngine>(db: &E, table: &str) -> Vec<(u32, u64)> {
+    tito::schema::shape_versions(db, table, 10_000)
+        .await
+        .unwrap()
+        .rows
+        .into_iter()
+        .collect()
 }

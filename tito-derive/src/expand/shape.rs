@@ -60,6 +60,10 @@ fn downgrade(shape: &ShapeAttrs) -> TokenStream {
             #call
             ::core::option::Option::Some(::tito::model::shape::to_json(&previous))
         }
+
+        fn downgrades_to(version: u32) -> bool {
+            version == <#from as ::tito::model::TitoShape>::VERSION
+        }
     }
 }
 

@@ -410,6 +410,10 @@ pub(crate) struct PlannedIndex {
     pub state: IndexState,
     /// `None`: take the code's config (its condition evaluated on the row).
     pub stored: Option<TitoIndexConfig>,
+    /// The config its stored definition gives when that has no condition (set by
+    /// [`WritePlan::with_stored_shapes`]): how a row of another shape version is indexed, its
+    /// fields read from the row as stored, as the code that wrote it indexed it.
+    pub as_stored: Option<TitoIndexConfig>,
 }
 
 impl PlannedIndex {
@@ -427,11 +431,72 @@ impl PlannedIndex {
             key_only: definition.key_only,
             state,
             stored,
+            as_stored: None,
         }
     }
 }
 
 impl WritePlan {
+    /// This plan with each index's config from its definition when that has no condition
+    /// (`definitions`: the catalog's, else the code's), for [`Self::for_stored_shape`].
+    pub(crate) fn with_stored_shapes(
+        mut self,
+        definitions: impl Fn(&str) -> Option<IndexDefinition>,
+    ) -> Self {
+        for index in &mut self.indexes {
+            index.as_stored = definitions(&index.name)
+                .filter(|d| d.condition.is_none())
+                .and_then(|d| d.config(&index.name).ok());
+        }
+        self
+    }
+
+    /// The plan that says which entries a row stored in another shape version than the code's
+    /// implies: every index from its stored definition, applied to the row as stored (the
+    /// entries the code that wrote it wrote), and the names of the indexes that cannot be told
+    /// (their condition is code, evaluated on a shape this code does not hold).
+    pub(crate) fn for_stored_shape(&self) -> (WritePlan, Vec<String>) {
+        self.for_stored_shape_with(|_| None)
+    }
+
+    /// [`Self::for_stored_shape`], with the definitions of indexes this plan takes from the
+    /// code (`definitions`, when [`Self::with_stored_shapes`] did not set them).
+    pub(crate) fn for_stored_shape_with(
+        &self,
+        definitions: impl Fn(&str) -> Option<IndexDefinition>,
+    ) -> (WritePlan, Vec<String>) {
+        let mut skipped = Vec::new();
+        let mut indexes = Vec::new();
+        for index in &self.indexes {
+            let config = index
+                .stored
+                .clone()
+                .or_else(|| index.as_stored.clone())
+                .or_else(|| {
+                    definitions(&index.name)
+                        .filter(|d| d.condition.is_none())
+                        .and_then(|d| d.config(&index.name).ok())
+                });
+            match config {
+                Some(config) => indexes.push(PlannedIndex {
+                    name: index.name.clone(),
+                    unique: index.unique,
+                    key_only: index.key_only,
+                    state: index.state,
+                    stored: Some(config),
+                    as_stored: None,
+                }),
+                None => skipped.push(index.name.clone()),
+            }
+        }
+        let plan = WritePlan {
+            version: self.version,
+            writable: self.writable,
+            indexes,
+        };
+        (plan, skipped)
+    }
+
     /// Whether keys of `index` belong to a live (building or ready) index.
     pub fn is_live(&self, index: &str) -> bool {
         self.indexes.iter().any(|i| i.name == index)

@@ -76,6 +76,13 @@ pub trait TitoModelTrait:
         None
     }
 
+    /// Whether [`downgrade`](Self::downgrade) converts to shape `version` (answered without a
+    /// row: the derive's `downgrade` converts to the version of the shape `from` names).
+    fn downgrades_to(version: u32) -> bool {
+        let _ = version;
+        false
+    }
+
     /// The row's id, unique within the table.
     fn id(&self) -> String;
 

@@ -138,6 +138,7 @@ pub(crate) mod catalog;
 mod config;
 pub(crate) mod index;
 pub(crate) mod query;
+pub(crate) mod rewriters;
 pub mod shape;
 mod write;
 

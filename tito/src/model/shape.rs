@@ -189,7 +189,7 @@ pub(crate) fn decode_row<T: TitoModelTrait>(key: &str, bytes: &[u8]) -> TitoResu
     } else if version > T::VERSION {
         Err(ShapeError::Newer { newest: T::VERSION })
     } else {
-        T::upgrade(version, json)
+        guarded(version, T::VERSION, || T::upgrade(version, json))
     };
     read.map_err(|reason| row_shape::<T>(key, version, reason))
 }
@@ -203,6 +203,32 @@ pub(crate) fn row_value<T: TitoModelTrait>(key: &str, bytes: &[u8]) -> TitoResul
     }
     let row = decode_row::<T>(key, bytes)?;
     Ok(serde_json::to_value(&row)?)
+}
+
+/// Runs a conversion of the model's code (an upgrade chain or a downgrade from `from` to
+/// `to`), turning a panic in it into [`ShapeError::Conversion`]: a row whose conversion panics
+/// is refused like one it refuses (and stays deletable), it never takes a reader, a delete, a
+/// rewrite or a worker's maintenance down.
+pub(crate) fn guarded<R>(
+    from: u32,
+    to: u32,
+    convert: impl FnOnce() -> Result<R, ShapeError>,
+) -> Result<R, ShapeError> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(convert)) {
+        Ok(result) => result,
+        Err(panic) => {
+            let message = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic without a message".to_string());
+            Err(ShapeError::conversion(
+                from,
+                to,
+                format!("the conversion panicked: {message}"),
+            ))
+        }
+    }
 }
 
 /// A stored row's version and JSON as stored, not converted (operators' tools, the schema's
@@ -241,7 +267,7 @@ fn row_shape<T: TitoModelTrait>(key: &str, version: u32, reason: ShapeError) -> 
 /// Records model `T` on `db` as a reader of the rows in its table's model events and as its
 /// table's rewriter (nothing for an unversioned one): see [`crate::event::readers`].
 pub(crate) fn register<E: crate::engine::TitoEngine, T: TitoModelTrait>(db: &E) {
-    crate::schema::register_rewriter::<E, T>(db);
+    super::rewriters::register::<E, T>(db);
     if T::VERSION > 1 {
         crate::event::readers::register(
             db,

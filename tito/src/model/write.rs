@@ -15,6 +15,7 @@ use super::{
 use crate::engine::{self, TitoEngine, TitoTransaction};
 use crate::error::{TitoError, TitoResult};
 use crate::keys;
+use crate::model::ShapeError;
 
 /// What a write has read and decided about its row before it plans any write.
 struct RowWrite<'a> {
@@ -125,8 +126,21 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         } else {
             model
         };
-        let new_entries = planned_entries_reusing(&plan, &configs, &row, &table, &id, &mut known)?;
+        let mut new_entries =
+            planned_entries_reusing(&plan, &configs, &row, &table, &id, &mut known)?;
         let (version, json) = written_shape(&stored_model, &row, &table, plan.writable)?;
+        // A row written in an older shape (through the downgrade) is indexed as the code of
+        // that shape indexes it: the definitions applied to the row as stored, so that the code
+        // still running finds it by the values it reads (an index whose condition is code keeps
+        // this code's evaluation).
+        if version != T::VERSION {
+            let (stored_plan, skipped) =
+                plan.for_stored_shape_with(|name| handle.code.definitions.get(name).cloned());
+            if skipped.is_empty() {
+                let stored: Value = serde_json::from_slice(&json)?;
+                new_entries = planned_entries(&stored_plan, &[], &stored, &table, &id)?;
+            }
+        }
         let step = RowWrite {
             table: &table,
             id: &id,
@@ -339,7 +353,16 @@ fn written_shape<T: TitoModelTrait>(
     if T::VERSION <= writable {
         return Ok((T::VERSION, serde_json::to_vec(row)?));
     }
-    match model.downgrade(writable) {
+    let downgraded = super::shape::guarded(T::VERSION, writable, || {
+        model
+            .downgrade(writable)
+            .map_or(Err(ShapeError::Unknown), |r| r)
+    });
+    let downgraded = match downgraded {
+        Err(ShapeError::Unknown) => None,
+        other => Some(other),
+    };
+    match downgraded {
         Some(Ok(json)) => Ok((writable, json)),
         Some(Err(reason)) => Err(TitoError::SchemaMismatch(format!(
             "table {table:?}: writers may write shape version {writable} while older code may \

@@ -140,9 +140,40 @@ impl Phase {
     }
 }
 
+/// What a row implies: its entries, its claims, and the indexes it cannot be checked against.
+struct Implied {
+    entries: Vec<Entry>,
+    claims: Vec<String>,
+    skipped: Vec<String>,
+}
+
+/// Planned entries as entries and the distinct claims among them.
+fn split_claims(entries: Vec<(Entry, IndexState)>) -> (Vec<Entry>, Vec<String>) {
+    let mut out = Vec::new();
+    let mut claims = Vec::new();
+    for (entry, _) in entries {
+        if let Some(claim) = &entry.claim
+            && !claims.contains(claim)
+        {
+            claims.push(claim.clone());
+        }
+        out.push(entry);
+    }
+    (out, claims)
+}
+
 /// The plan of what rows must hold: the catalog's ready indexes (all of the code's without a
 /// catalog). Ready indexes whose condition this code lacks cannot be checked and are skipped.
 fn audit_plan(handle: &TableHandle, catalog: Option<&Catalog>) -> TitoResult<WritePlan> {
+    let definitions = |name: &str| {
+        catalog
+            .and_then(|c| c.indexes.get(name).map(|e| e.definition.clone()))
+            .or_else(|| handle.code.definitions.get(name).cloned())
+    };
+    Ok(plan_of(handle, catalog)?.with_stored_shapes(definitions))
+}
+
+fn plan_of(handle: &TableHandle, catalog: Option<&Catalog>) -> TitoResult<WritePlan> {
     let Some(catalog) = catalog else {
         return handle.plan(None);
     };
@@ -309,22 +340,45 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
     }
 
     /// The keys a row implies under `plan` (its entries, each with its layout, and its claims),
-    /// or the kind of finding when it does not decode.
+    /// or the kind of finding when it does not decode. A row stored in another shape version
+    /// than the code's implies what its writer wrote: the indexes' definitions applied to the
+    /// row as stored; those whose condition is code cannot be told and are left unchecked.
     fn implied(
         &self,
         plan: &WritePlan,
         table: &str,
         id: &str,
         bytes: &[u8],
-    ) -> Result<(Vec<Entry>, Vec<String>), AuditKind> {
+    ) -> Result<Implied, AuditKind> {
         let row_key = keys::row_key(table, id);
         let row = match crate::model::shape::row_value::<T>(&row_key, bytes) {
             Ok(row) => row,
             Err(TitoError::RowShape { .. }) => return Err(AuditKind::UnreadableRow),
             Err(_) => return Err(AuditKind::MalformedRow),
         };
-        self.implied_by(plan, table, id, &row_key, bytes, row)
-            .ok_or(AuditKind::MalformedRow)
+        let stored_version = crate::model::shape::split(bytes).map(|(v, _)| v);
+        if stored_version != Some(T::VERSION) {
+            let (stored_plan, skipped) = plan.for_stored_shape();
+            let (_, stored) = crate::model::shape::stored_value(&row_key, bytes)
+                .map_err(|_| AuditKind::MalformedRow)?;
+            let (entries, claims) = split_claims(
+                planned_entries(&stored_plan, &[], &stored, table, id)
+                    .map_err(|_| AuditKind::MalformedRow)?,
+            );
+            return Ok(Implied {
+                entries,
+                claims,
+                skipped,
+            });
+        }
+        let (entries, claims) = self
+            .implied_by(plan, table, id, &row_key, bytes, row)
+            .ok_or(AuditKind::MalformedRow)?;
+        Ok(Implied {
+            entries,
+            claims,
+            skipped: Vec::new(),
+        })
     }
 
     fn implied_by(
@@ -343,17 +397,7 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
             Vec::new()
         };
         let entries = planned_entries(plan, &code, &row, table, id).ok()?;
-        let mut out = Vec::new();
-        let mut claims = Vec::new();
-        for (entry, _) in entries {
-            if let Some(claim) = &entry.claim
-                && !claims.contains(claim)
-            {
-                claims.push(claim.clone());
-            }
-            out.push(entry);
-        }
-        Some((out, claims))
+        Some(split_claims(entries))
     }
 
     /// One batch of the row phase; returns whether the phase is over.
@@ -372,7 +416,11 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
             let manifest_key = keys::manifest_key(&table, id);
             let report = &mut state.report;
             report.rows += 1;
-            let (entries, claims) = match self.implied(plan, &table, id, bytes) {
+            let Implied {
+                entries,
+                claims,
+                skipped,
+            } = match self.implied(plan, &table, id, bytes) {
                 Ok(implied) => implied,
                 Err(kind) => {
                     report.found(kind, &row_key);
@@ -458,7 +506,8 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
                 let implied: HashSet<&String> =
                     entries.iter().map(|e| &e.key).chain(&claims).collect();
                 let live = |key: &String| {
-                    keys::index_name_of(key, &table).is_some_and(|index| plan.is_live(&index))
+                    keys::index_name_of(key, &table)
+                        .is_some_and(|index| plan.is_live(&index) && !skipped.contains(&index))
                 };
                 let mut mismatch = false;
                 for key in listed {
@@ -513,7 +562,7 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         };
         Ok(self
             .implied(plan, table, id, &bytes)
-            .is_ok_and(|(_, claims)| claims.iter().any(|c| c == claim)))
+            .is_ok_and(|implied| implied.claims.iter().any(|c| c == claim)))
     }
 
     /// One batch of a key phase (entries, claims or manifests under `prefix`): every key must
@@ -570,10 +619,14 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
                     _ => match self.implied(plan, &table, id, bytes) {
                         // A row that does not decode was reported in the row phase.
                         Err(_) => true,
-                        Ok((entries, claims)) => match sort {
-                            KeySort::Entry => entries.iter().any(|e| e.key == text),
-                            _ => claims.iter().any(|k| k == text),
-                        },
+                        Ok(implied) => {
+                            keys::index_name_of(text, &table)
+                                .is_some_and(|index| implied.skipped.contains(&index))
+                                || match sort {
+                                    KeySort::Entry => implied.entries.iter().any(|e| e.key == text),
+                                    _ => implied.claims.iter().any(|k| k == text),
+                                }
+                        }
                     },
                 },
                 _ => false,

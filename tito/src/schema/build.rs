@@ -232,7 +232,13 @@ async fn build_batch<X: TitoTransaction>(
                 None => Some(entry.definition.config(name)?),
             },
         )],
-    };
+    }
+    .with_stored_shapes(|_| Some(entry.definition.clone()));
+    // A row stored in another shape version is indexed as the code that wrote it indexes it:
+    // the definition applied to the row as stored (an index whose condition is code cannot be
+    // told for it: it is built from the row in this code's shape, as before).
+    let (stored_plan, skipped) = plan.for_stored_shape();
+    let other_shape = skipped.is_empty().then_some(&stored_plan);
     if progress.rows_done == 0 && progress.rows_estimate.is_none() {
         progress.rows_estimate = super::estimate_rows(tx, table, super::ESTIMATE_CAP).await?;
     }
@@ -252,16 +258,26 @@ async fn build_batch<X: TitoTransaction>(
             Err(TitoError::RowShape { .. }) => continue,
             Err(err) => return Err(err),
         };
-        let code = match plan.indexes[0].stored {
-            Some(_) => Vec::new(),
-            None => (handle.code.row_configs)(&row_key, bytes)?,
+        let stored_version = crate::model::shape::split(bytes).map(|(v, _)| v);
+        let (row_plan, row, code) = match other_shape {
+            Some(stored_plan) if stored_version != Some(handle.code.shape_version) => {
+                let (_, stored) = crate::model::shape::stored_value(&row_key, bytes)?;
+                (stored_plan, stored, Vec::new())
+            }
+            _ => {
+                let code = match plan.indexes[0].stored {
+                    Some(_) => Vec::new(),
+                    None => (handle.code.row_configs)(&row_key, bytes)?,
+                };
+                (&plan, row, code)
+            }
         };
         let (_, mut listed) = match manifest {
             Some(m) => parse_manifest(&keys::manifest_key(table, id), m)?,
             None => (0, Vec::new()),
         };
         let mut added = Vec::new();
-        for (entry, _) in planned_entries(&plan, &code, &row, table, id)? {
+        for (entry, _) in planned_entries(row_plan, &code, &row, table, id)? {
             if let Some(claim) = &entry.claim {
                 let owner = match claimed.get(claim) {
                     Some(owner) => Some(owner.clone()),

@@ -155,11 +155,6 @@ pub use shapes::{
     shape_versions,
 };
 
-/// Records versioned model `T` on `db` as its table's rewriter for queue workers' maintenance.
-pub(crate) fn register_rewriter<E: TitoEngine, T: crate::model::TitoModelTrait>(db: &E) {
-    rewrite::register::<E, T>(db);
-}
-
 /// Rows one build, drop, audit or repair batch handles at most by default.
 pub const DEFAULT_BATCH: usize = 256;
 

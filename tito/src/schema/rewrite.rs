@@ -10,10 +10,6 @@
 //! rule refuses in the new shape (a unique value another row holds) is counted and listed too.
 //! Neither stops the others.
 
-use std::collections::HashMap;
-use std::future::Future;
-use std::pin::Pin;
-use std::sync::Mutex;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -300,8 +296,7 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
             .await?;
         let target = catalog.shapes.writable();
         let grace_ms = super::write_grace(self.engine()).as_millis() as u64;
-        if T::VERSION < target || (T::VERSION > target && T::default().downgrade(target).is_none())
-        {
+        if T::VERSION < target || (T::VERSION > target && !T::downgrades_to(target)) {
             return Ok(None);
         }
         let now_ms = crate::engine::version_millis(tx.start_version());
@@ -404,75 +399,28 @@ fn check_batch(batch: usize) -> TitoResult<()> {
     Ok(())
 }
 
-/// One batch of a versioned model's rewrite on a store, by the model's type.
-type StepFn<E> = fn(E) -> Pin<Box<dyn Future<Output = TitoResult<Option<RewriteStep>>> + Send>>;
-
-/// A model's version, its type and its batch.
-type Rewriter<E> = (u32, std::any::TypeId, StepFn<E>);
-
-/// The versioned models (version 2 or more) this process made a handle of on one store, by
-/// table: the maintenance's rewriters. Function pointers, never the store itself (no cycle
-/// keeps a store open).
-struct Rewriters<E> {
-    by_table: Mutex<HashMap<String, Vec<Rewriter<E>>>>,
-}
-
-impl<E> Default for Rewriters<E> {
-    fn default() -> Self {
-        Rewriters {
-            by_table: Mutex::default(),
-        }
-    }
-}
-
-/// Records versioned model `T` on `db` as a rewriter of its table (nothing for an unversioned
-/// one).
-pub(crate) fn register<E: TitoEngine, T: TitoModelTrait>(db: &E) {
-    if T::VERSION < 2 {
-        return;
-    }
-    let rewriters = db.extensions().get::<Rewriters<E>>();
-    let mut by_table = crate::util::lock(&rewriters.by_table);
-    let list = by_table.entry(T::default().table()).or_default();
-    let id = std::any::TypeId::of::<T>();
-    if !list.iter().any(|(_, t, _)| *t == id) {
-        list.push((T::VERSION, id, maintenance_step::<E, T>));
-        // The newest code first: it reads the most versions.
-        list.sort_by_key(|(version, _, _)| std::cmp::Reverse(*version));
-    }
-}
-
-fn maintenance_step<E: TitoEngine, T: TitoModelTrait>(
-    db: E,
-) -> Pin<Box<dyn Future<Output = TitoResult<Option<RewriteStep>>> + Send>> {
-    Box::pin(async move {
-        TitoModel::<E, T>::new(db)
+impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
+    /// One maintenance batch of this model's rewrite: `None` when this code cannot write the
+    /// allowed version (an older model of the table may), else whether the batch did work.
+    pub(crate) async fn maintenance_rewrite(&self) -> TitoResult<Option<bool>> {
+        Ok(self
             .rewrite_batch(super::DEFAULT_BATCH)
-            .await
-    })
+            .await?
+            .map(|step| !step.idle() && step.waiting.is_none()))
+    }
 }
 
 /// Runs one rewrite batch per table a versioned model of this process uses on `db`, by the
 /// newest model that writes the allowed version; returns how many batches did work. A failing
 /// table is logged and skipped.
 pub(super) async fn maintain<E: TitoEngine>(db: &E) -> usize {
-    let tables: Vec<(String, Vec<StepFn<E>>)> = {
-        let rewriters = db.extensions().get::<Rewriters<E>>();
-        let by_table = crate::util::lock(&rewriters.by_table);
-        by_table
-            .iter()
-            .map(|(table, list)| (table.clone(), list.iter().map(|(_, _, f)| *f).collect()))
-            .collect()
-    };
     let mut worked = 0;
-    for (table, steps) in tables {
+    for (table, steps) in crate::model::rewriters::by_table(db) {
         for step in steps {
             match step(db.clone()).await {
                 // This model does not write the allowed version: an older one may.
                 Ok(None) => continue,
-                Ok(Some(step)) => {
-                    worked += usize::from(!step.idle() && step.waiting.is_none());
-                }
+                Ok(Some(did)) => worked += usize::from(did),
                 Err(err) => {
                     tracing::warn!(table = %table, error = %err, "shape rewrite step failed")
                 }

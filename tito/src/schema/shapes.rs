@@ -235,7 +235,7 @@ pub async fn check_shapes<E: TitoEngine, T: crate::model::TitoModelTrait>(
         verdict.reads = reads_version::<T>(*version);
         verdict.possible = verdict.rows > 0 || (verdict.declared && *version <= writable);
     }
-    let writes = T::VERSION <= writable || T::default().downgrade(writable).is_some();
+    let writes = T::VERSION <= writable || T::downgrades_to(writable);
     Ok(ShapeCheck {
         table,
         code_version: T::VERSION,
