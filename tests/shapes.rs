@@ -752,20 +752,30 @@ pub async fn an_inbox_claims_older_rows_and_leaves_newer_ones_to_newer_code<E: T
     assert_eq!(seen[0].lines, ["c"]);
 }
 
-/// A next deploy of the inbox whose conversion refuses an empty body.
+/// A next deploy of the inbox whose conversion refuses an empty body (with a downgrade for the
+/// rolling deploy).
 #[derive(TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[tito(
     inbox,
     table = "hook",
     version = 2,
     from = "HookV1",
-    upgrade = "strict_lines"
+    upgrade = "strict_lines",
+    downgrade = "strict_down"
 )]
 pub struct StrictHook {
     pub id: String,
     #[tito(group)]
     pub endpoint: String,
     pub lines: Vec<String>,
+}
+
+fn strict_down(hook: &StrictHook) -> HookV1 {
+    HookV1 {
+        id: hook.id.clone(),
+        endpoint: hook.endpoint.clone(),
+        body: hook.lines.join("\n"),
+    }
 }
 
 fn strict_lines(v1: HookV1) -> Result<StrictHook, String> {
@@ -781,29 +791,38 @@ fn strict_lines(v1: HookV1) -> Result<StrictHook, String> {
 
 pub async fn an_inbox_sets_aside_a_row_no_conversion_reads<E: TitoEngine>(ctx: Ctx<E>) {
     let olds = ctx.db.clone().model::<OldHook>();
+    let hook = |id: &str, body: &str| OldHook {
+        id: id.into(),
+        endpoint: "shop".into(),
+        body: body.into(),
+    };
     for (id, body) in [("h1", "a"), ("h2", ""), ("h3", "b\nc")] {
-        olds.build(OldHook {
-            id: id.into(),
-            endpoint: "shop".into(),
-            body: body.into(),
-        })
-        .await
-        .unwrap();
+        olds.build(hook(id, body)).await.unwrap();
     }
-    // The next deploy (no downgrade: it runs once the old one is gone, and its version is
-    // allowed).
+    // The next deploy runs beside the first (version 1 allowed): it leaves the row it cannot
+    // read to the first, which reads it, and takes the others.
     ctx.db.clone().model::<StrictHook>().schema().await.unwrap();
-    tito::schema::allow_shape_version(&ctx.db, "hook", 2)
-        .await
-        .unwrap();
-    // The row whose conversion refuses it is set aside with the reason; the ones around it are
-    // delivered.
     let (seen, bad) = run_hooks::<E, StrictHook>(&ctx.db, Duration::from_secs(30), 2).await;
     let mut ids: Vec<&str> = seen.iter().map(|h| h.id.as_str()).collect();
     ids.sort();
     assert_eq!(ids, ["h1", "h3"]);
-    assert_eq!(bad, ["h2"]);
-    let why = read(&ctx.db, tito::keys::inbox_bad_key("hook", "h2").as_bytes())
+    assert!(bad.is_empty(), "{bad:?}");
+    let (seen, _) = run_hooks::<E, OldHook>(&ctx.db, Duration::from_secs(30), 1).await;
+    assert_eq!(seen, [hook("h2", "")]);
+    // Once its version is allowed (the first deploy is gone), a row no conversion reads is set
+    // aside with the reason, and the ones around it are delivered.
+    olds.build(hook("h4", "")).await.unwrap();
+    olds.build(hook("h5", "e")).await.unwrap();
+    tito::schema::allow_shape_version(&ctx.db, "hook", 2)
+        .await
+        .unwrap();
+    let (seen, bad) = run_hooks::<E, StrictHook>(&ctx.db, Duration::from_secs(30), 1).await;
+    assert_eq!(
+        seen.iter().map(|h| h.id.as_str()).collect::<Vec<_>>(),
+        ["h5"]
+    );
+    assert_eq!(bad, ["h4"]);
+    let why = read(&ctx.db, tito::keys::inbox_bad_key("hook", "h4").as_bytes())
         .await
         .unwrap();
     let why = String::from_utf8_lossy(&why);
@@ -811,20 +830,32 @@ pub async fn an_inbox_sets_aside_a_row_no_conversion_reads<E: TitoEngine>(ctx: C
         why.contains("from version 1 to 2") && why.contains("an empty body has no lines"),
         "{why}"
     );
-    // It stays readable as stored, and deletable.
-    let row = read(&ctx.db, tito::keys::row_key("hook", "h2").as_bytes()).await;
-    assert!(row.is_some());
-    ctx.db
-        .clone()
-        .model::<StrictHook>()
-        .delete_by_id("h2")
-        .await
-        .unwrap();
+    // It stays as stored; written again (fixed), it is read again and delivered.
     assert!(
-        read(&ctx.db, tito::keys::row_key("hook", "h2").as_bytes())
+        read(&ctx.db, tito::keys::row_key("hook", "h4").as_bytes())
+            .await
+            .is_some()
+    );
+    olds.update(hook("h4", "fixed")).await.unwrap();
+    let (seen, bad) = run_hooks::<E, StrictHook>(&ctx.db, Duration::from_secs(30), 1).await;
+    assert_eq!(
+        seen.iter().map(|h| h.lines.clone()).collect::<Vec<_>>(),
+        [vec!["fixed".to_string()]]
+    );
+    assert!(bad.is_empty(), "{bad:?}");
+    // Another one set aside, then deleted: it is gone, and no longer listed.
+    olds.build(hook("h6", "")).await.unwrap();
+    let (_, bad) = run_hooks::<E, StrictHook>(&ctx.db, Duration::from_millis(300), 1).await;
+    assert_eq!(bad, ["h6"]);
+    let stricts = ctx.db.clone().model::<StrictHook>();
+    stricts.delete_by_id("h6").await.unwrap();
+    assert!(
+        read(&ctx.db, tito::keys::row_key("hook", "h6").as_bytes())
             .await
             .is_none()
     );
+    let inbox = tito::inbox::Inbox::<E, StrictHook>::new(ctx.db.clone()).unwrap();
+    assert!(inbox.bad_rows().await.unwrap().is_empty());
 }
 
 pub async fn model_events_reach_handlers_of_both_deploys<E: TitoEngine>(ctx: Ctx<E>) {
@@ -1483,6 +1514,15 @@ pub async fn a_conversion_that_panics_is_a_refusal_and_the_row_stays_deletable<E
         .await
         .unwrap();
     tokio::time::sleep(Duration::from_millis(5)).await;
+    // A row whose manifest is gone is left too (the write path finds it inconsistent).
+    let manifest = tito::keys::manifest_key("pn", "z").into_bytes();
+    ctx.db
+        .transaction(|tx| {
+            let manifest = manifest.clone();
+            async move { tito::TitoTransaction::delete(&tx, manifest).await }
+        })
+        .await
+        .unwrap();
     tito::schema::maintain(&ctx.db).await;
     let done = news
         .rewrite_shapes(tito::schema::RewriteOptions::default(), |_| {})
@@ -1493,6 +1533,16 @@ pub async fn a_conversion_that_panics_is_a_refusal_and_the_row_stays_deletable<E
         done.unconvertible.first[0].key,
         tito::keys::row_key("pn", "p")
     );
+    assert_eq!(done.refused.count, 1, "{done:?}");
+    assert_eq!(done.refused.first[0].key, tito::keys::row_key("pn", "z"));
+    assert_eq!(versions_of(&ctx.db, "pn").await, [(1, 2), (2, 1)]);
+    // A repair mends the manifest; the next run rewrites the row.
+    news.repair(|_| {}).await.unwrap();
+    let done = news
+        .rewrite_shapes(tito::schema::RewriteOptions::default(), |_| {})
+        .await
+        .unwrap();
+    assert_eq!((done.rewritten, done.refused.count), (1, 0), "{done:?}");
     assert_eq!(versions_of(&ctx.db, "pn").await, [(1, 1), (2, 2)]);
     // The delete removes it with its entries.
     news.delete_by_id("p").await.unwrap();

@@ -25,8 +25,8 @@ enum Candidate {
     Skip,
     /// Delayed, and every row after it in its priority is later still: continue the scan here.
     LaterPriority(Vec<u8>),
-    /// Claimable: its id and row.
-    Ready(String, Value),
+    /// Claimable: its id, its row and the fingerprint of the row as stored.
+    Ready(String, Value, u64),
 }
 
 /// The headers role of `row` as a string map (non-string values as their JSON text).
@@ -138,8 +138,8 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
                         jump = Some(next);
                         break;
                     }
-                    Candidate::Ready(id, row) => {
-                        if let Some(taken) = self.take(tx, config, now, id, row).await? {
+                    Candidate::Ready(id, row, print) => {
+                        if let Some(taken) = self.take(tx, config, now, id, row, print).await? {
                             claimed.push(taken);
                         }
                     }
@@ -183,8 +183,12 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
         } else {
             keys::decode_str(&text[keys::table_prefix(&self.table).len()..])?
         };
-        if tx.get(self.bad_key(&id).as_bytes()).await?.is_some() {
-            return Ok(Candidate::Skip);
+        if let Some(record) = tx.get(self.bad_key(&id).as_bytes()).await? {
+            if super::set_aside_for(&record, value) {
+                return Ok(Candidate::Skip);
+            }
+            // The row was written again since it was set aside: read it again.
+            tx.delete(self.bad_key(&id).into_bytes()).await?;
         }
         let row = match crate::model::shape::row_value::<M>(text, value) {
             Ok(row) => row,
@@ -195,12 +199,18 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
                 code_version,
                 ..
             }) if version > code_version => return Ok(Candidate::Skip),
+            // An older row no conversion of this code reads: while writers may write an older
+            // version than this code's, code of that version may still run and read it, so it
+            // is left to that code; once this code's version is allowed, it is set aside.
+            Err(TitoError::RowShape { .. }) if self.older_code_may_run(tx).await? => {
+                return Ok(Candidate::Skip);
+            }
             Err(err) => {
                 let why = match err {
                     TitoError::RowShape { .. } => err.to_string(),
                     _ => "the row is not JSON".to_string(),
                 };
-                self.set_aside(tx, &id, &why).await?;
+                self.set_aside(tx, &id, &why, keys::fnv1a(value)).await?;
                 return Ok(Candidate::Skip);
             }
         };
@@ -225,8 +235,13 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
             return Ok(Candidate::Skip);
         }
         if serde_json::from_value::<M>(row.clone()).is_err() {
-            self.set_aside(tx, &id, "the row does not deserialize into the model")
-                .await?;
+            self.set_aside(
+                tx,
+                &id,
+                "the row does not deserialize into the model",
+                keys::fnv1a(value),
+            )
+            .await?;
             return Ok(Candidate::Skip);
         }
         if let Some(done) = field_i64(&row, &spec.attempt)
@@ -235,7 +250,17 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
             self.dead_letter(tx, config, row, &id).await?;
             return Ok(Candidate::Skip);
         }
-        Ok(Candidate::Ready(id, row))
+        Ok(Candidate::Ready(id, row, keys::fnv1a(value)))
+    }
+
+    /// Whether the table's catalog lets writers write an older shape version than this code's
+    /// (a rolling deploy: code of that version may still run).
+    async fn older_code_may_run(&self, tx: &E::Transaction) -> TitoResult<bool> {
+        let Some(bytes) = tx.get(keys::schema_key(&self.table).as_bytes()).await? else {
+            return Ok(false);
+        };
+        let catalog = crate::model::catalog::parse_catalog(&self.table, &bytes)?;
+        Ok(catalog.shapes.writable() < M::VERSION)
     }
 
     /// Takes a ready row: its lease and attempt counter, written as a model update (and, without
@@ -248,6 +273,7 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
         now: i64,
         id: String,
         mut row: Value,
+        print: u64,
     ) -> TitoResult<Option<(InboxClaim, InboxDelivery<P>)>> {
         let spec = &self.spec;
         let locked_until = Some(now.saturating_add(ms(config.lease)));
@@ -261,7 +287,7 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
             None => row.clone(),
         };
         let Ok(payload) = serde_json::from_value::<P>(payload_json) else {
-            self.set_aside(tx, &id, "the payload does not deserialize")
+            self.set_aside(tx, &id, "the payload does not deserialize", print)
                 .await?;
             return Ok(None);
         };

@@ -181,7 +181,24 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
             InboxClock::Engine => engine::version_millis(tx.start_version()) as i64,
         }
     }
+}
 
+/// The last line of a set-aside record: the fingerprint of the row it was made for.
+const SET_ASIDE_ROW: &str = "row fnv1a ";
+
+/// Whether a set-aside record holds for a row stored as `row` (a record without a fingerprint,
+/// as older versions wrote them, holds for any).
+pub(super) fn set_aside_for(record: &[u8], row: &[u8]) -> bool {
+    let record = String::from_utf8_lossy(record);
+    match record.rsplit_once('\n') {
+        Some((_, last)) if last.starts_with(SET_ASIDE_ROW) => {
+            last[SET_ASIDE_ROW.len()..] == format!("{:016x}", keys::fnv1a(row))
+        }
+        _ => true,
+    }
+}
+
+impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
     fn bad_key(&self, id: &str) -> String {
         keys::inbox_bad_key(&self.table, id)
     }
@@ -238,11 +255,22 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
         &self.spec
     }
 
-    async fn set_aside(&self, tx: &E::Transaction, id: &str, why: &str) -> TitoResult<()> {
+    /// Sets a row aside: a record under its id that says why, ending with the fingerprint of
+    /// the row as stored (`print`, its [`keys::fnv1a`]), so that the record holds for that row only: a row written
+    /// again under the id (fixed, rewritten in another shape, deleted and inserted anew) is
+    /// read again and the record goes.
+    async fn set_aside(
+        &self,
+        tx: &E::Transaction,
+        id: &str,
+        why: &str,
+        print: u64,
+    ) -> TitoResult<()> {
         tracing::warn!(table = %self.table, id, why, "inbox row set aside");
         self.stats.bad.fetch_add(1, Ordering::Relaxed);
         metrics::counter!(names::INBOX_BAD_ROWS, "table" => self.table.clone()).increment(1);
-        tx.put(self.bad_key(id).into_bytes(), why.as_bytes().to_vec())
+        let record = format!("{why}\n{SET_ASIDE_ROW}{print:016x}");
+        tx.put(self.bad_key(id).into_bytes(), record.into_bytes())
             .await
     }
 }

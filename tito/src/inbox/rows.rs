@@ -65,17 +65,34 @@ pub struct InboxRow {
 }
 
 impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
-    /// The ids of rows set aside because they do not deserialize.
+    /// The ids of rows set aside because they do not deserialize (or no conversion of the
+    /// model reads them), as they are stored now: a row deleted since is not listed, and one
+    /// written again since is read again by the next claim.
     pub async fn bad_rows(&self) -> TitoResult<Vec<String>> {
         let prefix = keys::inbox_bad_prefix(&self.table);
         let end = keys::prefix_end(prefix.clone());
         crate::engine::read_only(&self.db, async |tx| {
-            let rows = tx
+            let records = tx
                 .scan(prefix.as_bytes(), end.as_bytes(), engine::MAX_SCAN_LIMIT)
                 .await?;
-            rows.iter()
+            let ids: Vec<String> = records
+                .iter()
                 .map(|(k, _)| keys::decode_str(&keys::key_str(k)?[prefix.len()..]))
-                .collect()
+                .collect::<TitoResult<_>>()?;
+            let row_keys: Vec<Vec<u8>> = ids
+                .iter()
+                .map(|id| keys::row_key(&self.table, id).into_bytes())
+                .collect();
+            let rows = tx.batch_get(&row_keys).await?;
+            Ok(ids
+                .into_iter()
+                .zip(records.iter().zip(rows))
+                .filter(|(_, ((_, record), row))| {
+                    row.as_deref()
+                        .is_some_and(|row| super::set_aside_for(record, row))
+                })
+                .map(|(id, _)| id)
+                .collect())
         })
         .await
     }

@@ -371,8 +371,9 @@ fn written_shape<T: TitoModelTrait>(
         ))),
         None => Err(TitoError::SchemaMismatch(format!(
             "table {table:?}: this code writes shape version {code} of {}, but the catalog lets \
-             writers write version {writable} until every instance reads {code}; declare \
-             `downgrade = \"function\"` beside `from` so this code writes version {writable} \
+             writers write version {writable} until every instance reads {code}; a \
+             `downgrade = \"function\"` beside `from` (to the shape `from` names, one version \
+             down: deploy one version at a time) lets this code write version {writable} \
              meanwhile, or, once no older code runs, allow version {code}: `tito table \
              allow-version {table} {code}` (or `tito::schema::allow_shape_version`)",
             std::any::type_name::<T>(),

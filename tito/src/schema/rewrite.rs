@@ -77,7 +77,8 @@ pub struct RewriteProgress {
     /// rewrite. Delete them, or deploy code that converts them and rewrite again.
     pub unconvertible: LeftRows,
     /// Rows whose write in the target version a write rule refused (a unique value another
-    /// row holds, a downgrade that failed): left in their version.
+    /// row holds, a downgrade that failed) or that the write found inconsistent (no manifest:
+    /// the audit reports it, a repair mends it): left in their version.
     pub refused: LeftRows,
     /// Whether the run read every row.
     pub finished: bool,
@@ -356,10 +357,13 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
             match self.rewrite_in(tx, model).await {
                 Ok(()) => rewritten += 1,
                 // Refusals decided before anything of the row was written: the row stays.
+                // A row the write path finds inconsistent (no manifest) is left too: one row
+                // never stops the others; the audit reports it.
                 Err(
                     err @ (TitoError::UniqueViolation { .. }
                     | TitoError::SchemaMismatch(_)
-                    | TitoError::InvalidArgument(_)),
+                    | TitoError::InvalidArgument(_)
+                    | TitoError::Integrity(_)),
                 ) => progress.refused.add(row_key, version, err.to_string()),
                 Err(err) => return Err(err),
             }
