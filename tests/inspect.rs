@@ -351,3 +351,76 @@ async fn a_search_finds_an_owners_invocations_in_every_partition() {
         );
     }
 }
+
+/// A queue's page (overview, pending rows, completed rows) is one snapshot: a write that lands
+/// while the page is being read is in all three parts or in none. The second transaction the
+/// page opens is held for a second while another writer publishes; read in several
+/// transactions, the pending rows would show the new invocation beside an overview that does
+/// not count it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_page_is_read_in_one_snapshot() {
+    use tito::engine::{Fault, FaultPoint, FaultRule, FaultyEngine};
+    let db = FaultyEngine::new(Memory::new());
+    let config = QueueConfig::new(1, Duration::from_secs(3600)).topic("snap");
+    let queue = Queue::new(db.inner().clone(), config.clone());
+    queue.publish(QueueEvent::now("a", 1)).await.unwrap();
+    db.faults().add(
+        FaultRule::new(FaultPoint::Begin, Fault::Delay(Duration::from_secs(1)))
+            .skip(1)
+            .times(1),
+    );
+    let begins = db.faults().calls(FaultPoint::Begin);
+    let writer = {
+        let faults = db.faults().clone();
+        tokio::spawn(async move {
+            while faults.calls(FaultPoint::Begin) < begins + 2 {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            queue.publish(QueueEvent::now("b", 2)).await.unwrap();
+        })
+    };
+    let view = inspect::queue_view(&db, Some("snap"), None, None, None, 10)
+        .await
+        .unwrap();
+    writer.await.unwrap();
+    assert_eq!(
+        db.faults().injected(),
+        1,
+        "the page's second begin was held"
+    );
+    assert_eq!(view.partition, 0);
+    assert_eq!(view.overview.due_now.value, 1);
+    assert_eq!(view.pending.items.len(), 1, "{:?}", view.pending.items);
+    // Read again, both parts see the second invocation.
+    let view = inspect::queue_view(&db, Some("snap"), Some(0), None, None, 10)
+        .await
+        .unwrap();
+    assert_eq!(view.overview.due_now.value, 2);
+    assert_eq!(view.pending.items.len(), 2);
+    assert!(view.completed.items.is_empty());
+    // A page of one row continues from its cursor.
+    let first = inspect::queue_view(&db, Some("snap"), None, None, None, 1)
+        .await
+        .unwrap();
+    let cursor = first.pending.cursor.expect("a second page");
+    let second = inspect::queue_view(&db, Some("snap"), None, Some(&cursor), None, 1)
+        .await
+        .unwrap();
+    assert_eq!(second.pending.items.len(), 1);
+    assert_ne!(first.pending.items[0].key, second.pending.items[0].key);
+    // Refusals: a queue the store does not hold, a partition it does not have, a limit of 0.
+    let absent = inspect::queue_view(&db, Some("nobody"), None, None, None, 10).await;
+    assert!(matches!(absent, Err(TitoError::NotFound(_))), "{absent:?}");
+    let err = inspect::queue_view(&db, Some("snap"), Some(1), None, None, 10)
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("partition 1 of a queue of 1"),
+        "{err}"
+    );
+    assert!(
+        inspect::queue_view(&db, Some("snap"), None, None, None, 0)
+            .await
+            .is_err()
+    );
+}

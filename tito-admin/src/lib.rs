@@ -74,7 +74,7 @@ use axum::response::{Html, IntoResponse, Json, Response};
 use axum::routing::{get, post};
 use serde::{Deserialize, Serialize};
 use tito::inbox::{Inbox, InboxModel, InboxRowState};
-use tito::inspect::{self, QueueState};
+use tito::inspect;
 use tito::model::TitoModelTrait;
 use tito::{TitoEngine, TitoError};
 
@@ -494,45 +494,18 @@ async fn load_queue<E: TitoEngine>(
     params: &QueueParams,
 ) -> Result<QueueData, TitoError> {
     let topic = params.topic.as_deref().filter(|t| !t.is_empty());
-    let overview = inspect::queue_overview(&state.db, topic).await?;
-    let Some(partitions) = overview.info.partitions else {
-        return Err(TitoError::NotFound(format!(
-            "no queue {:?} in this store",
-            overview.info.label
-        )));
-    };
-    // The partition asked for, else the one with the most work due.
-    let partition = match params.partition {
-        Some(p) if p >= partitions => {
-            return Err(TitoError::invalid_argument(format!(
-                "partition {p} of a queue of {partitions}"
-            )));
-        }
-        Some(p) => p,
-        None => overview
-            .partitions
-            .iter()
-            .max_by_key(|p| {
-                (
-                    p.due_now.value,
-                    p.future.value,
-                    std::cmp::Reverse(p.partition),
-                )
-            })
-            .map_or(0, |p| p.partition),
-    };
-    let pending = inspect::queue_scan(
+    // The overview and both pages in one snapshot: a row's failed attempt is never shown
+    // beside a partition read before its worker leased it.
+    let inspect::QueueView {
+        overview,
+        partition,
+        pending,
+        completed,
+    } = inspect::queue_view(
         &state.db,
         topic,
-        QueueState::Pending(partition),
+        params.partition,
         params.cursor.as_deref(),
-        PAGE,
-    )
-    .await?;
-    let completed = inspect::queue_scan(
-        &state.db,
-        topic,
-        QueueState::Completed,
         params.completed_cursor.as_deref(),
         PAGE,
     )

@@ -291,102 +291,95 @@ pub async fn queue_overview<E: TitoEngine>(
     db: &E,
     topic: Option<&str>,
 ) -> TitoResult<QueueOverview> {
-    let root = keys::queue_root(topic);
-    let overview = read_only(db, async |tx| {
-        let now_ms = engine::version_millis(tx.start_version());
-        let now_s = now_ms / 1000;
-        let count = partitions_of(tx, &root).await?;
-        let info = QueueInfo {
-            topic: topic.map(str::to_string),
-            label: crate::telemetry::queue_label(topic),
-            partitions: count,
+    let overview = read_only(db, async |tx| overview_in(tx, topic).await).await?;
+    with_cluster_and_limits(db, topic, overview).await
+}
+
+/// A queue's overview, its page of pending rows of one partition and its page of completed rows
+/// read in one transaction, so the three agree: a pending row's failed attempt is never shown
+/// beside a partition that, read a moment earlier, no worker had leased yet. `partition` is the
+/// one asked for, else the one with the most work due; `limit` bounds both pages (1 to
+/// [`MAX_PAGE_LIMIT`]). A store without the queue is [`TitoError::NotFound`]; a partition the
+/// queue does not have is refused. Cluster members and limit usage are read after, as
+/// [`queue_overview`] reads them.
+pub async fn queue_view<E: TitoEngine>(
+    db: &E,
+    topic: Option<&str>,
+    partition: Option<u32>,
+    pending_cursor: Option<&str>,
+    completed_cursor: Option<&str>,
+    limit: usize,
+) -> TitoResult<QueueView> {
+    let limit = check_limit(limit)?;
+    let view = read_only(db, async |tx| {
+        let overview = overview_in(tx, topic).await?;
+        let Some(partitions) = overview.info.partitions else {
+            return Err(TitoError::NotFound(format!(
+                "no queue {:?} in this store",
+                overview.info.label
+            )));
         };
-        let mut partitions = Vec::new();
-        let (mut due_now, mut future) = (Count::default(), Count::default());
-        let mut oldest_due: Option<u64> = None;
-        for partition in 0..count.unwrap_or(0) {
-            let prefix = keys::pending_partition_prefix(&root, partition);
-            let end = keys::prefix_end(prefix.clone());
-            // Due now: due time at or before this second.
-            let boundary = keys::pending_bucket_prefix(&root, partition, now_s + 1);
-            let now_count =
-                count_in(tx, prefix.as_bytes(), boundary.as_bytes(), COUNT_BOUND).await?;
-            let later = count_in(tx, boundary.as_bytes(), end.as_bytes(), COUNT_BOUND).await?;
-            let first = tx.scan(prefix.as_bytes(), end.as_bytes(), 1).await?;
-            // The first row is the next to run; its own due time (its key's is less a
-            // urgency's boost).
-            let oldest = first.first().and_then(|(key, value)| {
-                if let Ok(stored) = StoredEvent::parse(value) {
-                    return Some(stored.timestamp.max(0) as u64);
-                }
-                let text = keys::key_str(key).ok()?;
-                keys::parse_pending_key(&root, text)
-                    .ok()
-                    .map(|k| k.timestamp)
-            });
-            let lease = lease_of(tx, &root, partition).await?;
-            add(&mut due_now, now_count);
-            add(&mut future, later);
-            if let Some(due) = oldest {
-                oldest_due = Some(oldest_due.map_or(due, |o| o.min(due)));
+        let partition = match partition {
+            Some(p) if p >= partitions => {
+                return Err(TitoError::invalid_argument(format!(
+                    "partition {p} of a queue of {partitions}"
+                )));
             }
-            partitions.push(PartitionView {
-                partition,
-                due_now: now_count,
-                future: later,
-                oldest_due: oldest,
-                oldest_late_s: oldest.map_or(0, |due| now_s.saturating_sub(due)),
-                lease,
-            });
-        }
-        let completed_prefix = keys::completed_prefix(&root);
-        let completed_end = keys::prefix_end(completed_prefix.clone());
-        let completed = count_in(
+            Some(p) => p,
+            None => overview
+                .partitions
+                .iter()
+                .max_by_key(|p| {
+                    (
+                        p.due_now.value,
+                        p.future.value,
+                        std::cmp::Reverse(p.partition),
+                    )
+                })
+                .map_or(0, |p| p.partition),
+        };
+        let pending = queue_scan_in(
             tx,
-            completed_prefix.as_bytes(),
-            completed_end.as_bytes(),
-            COUNT_BOUND,
+            topic,
+            QueueState::Pending(partition),
+            pending_cursor,
+            limit,
         )
         .await?;
-        let dead_prefix = keys::dead_prefix(&root);
-        let dead_end = keys::prefix_end(dead_prefix.clone());
-        let dead = count_in(tx, dead_prefix.as_bytes(), dead_end.as_bytes(), COUNT_BOUND).await?;
-        let paused = crate::queue::read_paused(tx, &root).await?;
-        let (workers, handlers) = worker_reports(tx, &root, now_ms).await?;
-        let minute_start = now_s - now_s % 60;
-        let mut completed_per_minute = Vec::new();
-        for minute in 0..THROUGHPUT_MINUTES {
-            let from_s = minute_start.saturating_sub(60 * minute);
-            let to = if minute == 0 {
-                completed_end.clone()
-            } else {
-                let to_s = from_s + 60;
-                keys::completed_before(&root, engine::version_from_millis(to_s * 1000))
-            };
-            let from = keys::completed_before(&root, engine::version_from_millis(from_s * 1000));
-            completed_per_minute
-                .push(count_in(tx, from.as_bytes(), to.as_bytes(), COUNT_BOUND).await?);
-        }
-        Ok(QueueOverview {
-            info,
-            now_ms,
-            partitions,
-            due_now,
-            future,
-            oldest_due,
+        let completed =
+            queue_scan_in(tx, topic, QueueState::Completed, completed_cursor, limit).await?;
+        Ok(QueueView {
+            overview,
+            partition,
+            pending,
             completed,
-            dead,
-            paused,
-            limits: crate::queue::LimitUsage::default(),
-            completed_per_minute,
-            members: Vec::new(),
-            coordinator: None,
-            workers,
-            handlers,
         })
     })
     .await?;
-    let mut overview = overview;
+    let overview = with_cluster_and_limits(db, topic, view.overview).await?;
+    Ok(QueueView { overview, ..view })
+}
+
+/// What [`queue_view`] reads: one snapshot of a queue's page.
+#[derive(Clone, Debug)]
+pub struct QueueView {
+    /// The queue's overview.
+    pub overview: QueueOverview,
+    /// The partition whose pending rows are listed.
+    pub partition: u32,
+    /// A page of that partition's pending rows, in due order.
+    pub pending: TitoPage<QueueRow>,
+    /// A page of the completed rows, newest first.
+    pub completed: TitoPage<QueueRow>,
+}
+
+/// Adds cluster members, the coordinator and limit usage to an overview (each read in its own
+/// transaction).
+async fn with_cluster_and_limits<E: TitoEngine>(
+    db: &E,
+    topic: Option<&str>,
+    mut overview: QueueOverview,
+) -> TitoResult<QueueOverview> {
     if let Some(partitions) = overview.info.partitions {
         let mut config = crate::QueueConfig::new(partitions, std::time::Duration::from_secs(60));
         config.topic = topic.map(str::to_string);
@@ -396,6 +389,100 @@ pub async fn queue_overview<E: TitoEngine>(
         overview.limits = crate::queue::limit_usage(db, topic).await?;
     }
     Ok(overview)
+}
+
+/// The overview's figures read in `tx` (members and limits left empty).
+async fn overview_in<X: TitoTransaction>(tx: &X, topic: Option<&str>) -> TitoResult<QueueOverview> {
+    let root = keys::queue_root(topic);
+    let now_ms = engine::version_millis(tx.start_version());
+    let now_s = now_ms / 1000;
+    let count = partitions_of(tx, &root).await?;
+    let info = QueueInfo {
+        topic: topic.map(str::to_string),
+        label: crate::telemetry::queue_label(topic),
+        partitions: count,
+    };
+    let mut partitions = Vec::new();
+    let (mut due_now, mut future) = (Count::default(), Count::default());
+    let mut oldest_due: Option<u64> = None;
+    for partition in 0..count.unwrap_or(0) {
+        let prefix = keys::pending_partition_prefix(&root, partition);
+        let end = keys::prefix_end(prefix.clone());
+        // Due now: due time at or before this second.
+        let boundary = keys::pending_bucket_prefix(&root, partition, now_s + 1);
+        let now_count = count_in(tx, prefix.as_bytes(), boundary.as_bytes(), COUNT_BOUND).await?;
+        let later = count_in(tx, boundary.as_bytes(), end.as_bytes(), COUNT_BOUND).await?;
+        let first = tx.scan(prefix.as_bytes(), end.as_bytes(), 1).await?;
+        // The first row is the next to run; its own due time (its key's is less a
+        // urgency's boost).
+        let oldest = first.first().and_then(|(key, value)| {
+            if let Ok(stored) = StoredEvent::parse(value) {
+                return Some(stored.timestamp.max(0) as u64);
+            }
+            let text = keys::key_str(key).ok()?;
+            keys::parse_pending_key(&root, text)
+                .ok()
+                .map(|k| k.timestamp)
+        });
+        let lease = lease_of(tx, &root, partition).await?;
+        add(&mut due_now, now_count);
+        add(&mut future, later);
+        if let Some(due) = oldest {
+            oldest_due = Some(oldest_due.map_or(due, |o| o.min(due)));
+        }
+        partitions.push(PartitionView {
+            partition,
+            due_now: now_count,
+            future: later,
+            oldest_due: oldest,
+            oldest_late_s: oldest.map_or(0, |due| now_s.saturating_sub(due)),
+            lease,
+        });
+    }
+    let completed_prefix = keys::completed_prefix(&root);
+    let completed_end = keys::prefix_end(completed_prefix.clone());
+    let completed = count_in(
+        tx,
+        completed_prefix.as_bytes(),
+        completed_end.as_bytes(),
+        COUNT_BOUND,
+    )
+    .await?;
+    let dead_prefix = keys::dead_prefix(&root);
+    let dead_end = keys::prefix_end(dead_prefix.clone());
+    let dead = count_in(tx, dead_prefix.as_bytes(), dead_end.as_bytes(), COUNT_BOUND).await?;
+    let paused = crate::queue::read_paused(tx, &root).await?;
+    let (workers, handlers) = worker_reports(tx, &root, now_ms).await?;
+    let minute_start = now_s - now_s % 60;
+    let mut completed_per_minute = Vec::new();
+    for minute in 0..THROUGHPUT_MINUTES {
+        let from_s = minute_start.saturating_sub(60 * minute);
+        let to = if minute == 0 {
+            completed_end.clone()
+        } else {
+            let to_s = from_s + 60;
+            keys::completed_before(&root, engine::version_from_millis(to_s * 1000))
+        };
+        let from = keys::completed_before(&root, engine::version_from_millis(from_s * 1000));
+        completed_per_minute.push(count_in(tx, from.as_bytes(), to.as_bytes(), COUNT_BOUND).await?);
+    }
+    Ok(QueueOverview {
+        info,
+        now_ms,
+        partitions,
+        due_now,
+        future,
+        oldest_due,
+        completed,
+        dead,
+        paused,
+        limits: crate::queue::LimitUsage::default(),
+        completed_per_minute,
+        members: Vec::new(),
+        coordinator: None,
+        workers,
+        handlers,
+    })
 }
 
 /// The reports written within [`REPORT_SHOWN`] of `now_ms`, newest first, and their handler
@@ -560,12 +647,26 @@ pub async fn queue_scan<E: TitoEngine>(
     limit: usize,
 ) -> TitoResult<TitoPage<QueueRow>> {
     let limit = check_limit(limit)?;
+    read_only(db, async |tx| {
+        queue_scan_in(tx, topic, state, cursor, limit).await
+    })
+    .await
+}
+
+/// [`queue_scan`] in `tx`.
+async fn queue_scan_in<X: TitoTransaction>(
+    tx: &X,
+    topic: Option<&str>,
+    state: QueueState,
+    cursor: Option<&str>,
+    limit: usize,
+) -> TitoResult<TitoPage<QueueRow>> {
     let root = keys::queue_root(topic);
     let (prefix, reverse) = match state {
         QueueState::Pending(partition) => (keys::pending_partition_prefix(&root, partition), false),
         QueueState::Completed => (keys::completed_prefix(&root), true),
     };
-    let page = raw_page(db, &prefix, reverse, cursor, limit).await?;
+    let page = raw_page_in(tx, &prefix, reverse, cursor, limit).await?;
     let mut items: Vec<QueueRow> = page
         .items
         .into_iter()
@@ -583,7 +684,7 @@ pub async fn queue_scan<E: TitoEngine>(
                     .into_bytes()
             })
             .collect();
-        let found = read_only(db, async |tx| tx.batch_get(&notes).await).await?;
+        let found = tx.batch_get(&notes).await?;
         for (row, note) in items.iter_mut().zip(found) {
             row.undecodable = note.and_then(|bytes| serde_json::from_slice(&bytes).ok());
         }
@@ -791,28 +892,39 @@ async fn raw_page<E: TitoEngine>(
     cursor: Option<&str>,
     limit: usize,
 ) -> TitoResult<TitoPage<(Vec<u8>, Vec<u8>)>> {
+    read_only(db, async |tx| {
+        raw_page_in(tx, prefix, reverse, cursor, limit).await
+    })
+    .await
+}
+
+/// [`raw_page`] in `tx`.
+async fn raw_page_in<X: TitoTransaction>(
+    tx: &X,
+    prefix: &str,
+    reverse: bool,
+    cursor: Option<&str>,
+    limit: usize,
+) -> TitoResult<TitoPage<(Vec<u8>, Vec<u8>)>> {
     let mut start = prefix.as_bytes().to_vec();
     let mut end = keys::prefix_end(prefix.to_string()).into_bytes();
     let cursors = narrow_to_cursor(&mut start, &mut end, reverse, cursor)?;
-    read_only(db, async |tx| {
-        let mut rows = if reverse {
-            tx.scan_reverse(&start, &end, limit + 1).await?
-        } else {
-            tx.scan(&start, &end, limit + 1).await?
-        };
-        let more = rows.len() > limit;
-        rows.truncate(limit);
-        let cursor = if more {
-            rows.last().map(|(k, _)| cursors.encode(k))
-        } else {
-            None
-        };
-        Ok(TitoPage {
-            items: rows,
-            cursor,
-        })
+    let mut rows = if reverse {
+        tx.scan_reverse(&start, &end, limit + 1).await?
+    } else {
+        tx.scan(&start, &end, limit + 1).await?
+    };
+    let more = rows.len() > limit;
+    rows.truncate(limit);
+    let cursor = if more {
+        rows.last().map(|(k, _)| cursors.encode(k))
+    } else {
+        None
+    };
+    Ok(TitoPage {
+        items: rows,
+        cursor,
     })
-    .await
 }
 
 // ---------------------------------------------------------------------------------------------
