@@ -1017,15 +1017,18 @@ pub async fn a_rewrite_moves_every_row_to_the_allowed_shape<E: TitoEngine>(ctx: 
     assert_eq!(done.rows_estimate, Some(40));
     // The rows no conversion reads are counted and listed with why, never dropped.
     assert_eq!(done.unconvertible.count, 2);
-    let left: Vec<(&str, u32)> = done
+    let left: Vec<(&str, &str, u32)> = done
         .unconvertible
         .first
         .iter()
-        .map(|r| (r.key.as_str(), r.version))
+        .map(|r| (r.id.as_str(), r.key.as_str(), r.version))
         .collect();
     assert_eq!(
         left,
-        [(row_key("m07").as_str(), 1), (row_key("m23").as_str(), 1)]
+        [
+            ("m07", row_key("m07").as_str(), 1),
+            ("m23", row_key("m23").as_str(), 1)
+        ]
     );
     assert!(done.unconvertible.first[0].reason.contains("no space"));
     assert_eq!(done.refused.count, 0);
@@ -1535,6 +1538,7 @@ pub async fn a_conversion_that_panics_is_a_refusal_and_the_row_stays_deletable<E
     );
     assert_eq!(done.refused.count, 1, "{done:?}");
     assert_eq!(done.refused.first[0].key, tito::keys::row_key("pn", "z"));
+    assert_eq!(done.refused.first[0].id, "z");
     assert_eq!(versions_of(&ctx.db, "pn").await, [(1, 2), (2, 1)]);
     // A repair mends the manifest; the next run rewrites the row.
     news.repair(|_| {}).await.unwrap();

@@ -992,8 +992,8 @@ fn shapes(b: &mut String, counts: &tito::schema::ShapeCounts) {
                 .iter()
                 .map(|r| {
                     format!(
-                        "<code>{}</code> (version {}): {}",
-                        esc(&r.key),
+                        "id <code>{}</code> (version {}): {}",
+                        esc(&r.id),
                         r.version,
                         esc(&r.reason)
                     )

@@ -144,8 +144,8 @@ fn rewrite_lines(rewrite: &tito::schema::RewriteProgress) -> String {
         out.push_str(&format!("  {what}: {}\n", rows.count));
         for row in &rows.first {
             out.push_str(&format!(
-                "    {} (version {}): {}\n",
-                row.key, row.version, row.reason
+                "    id {} (version {}): {}\n",
+                row.id, row.version, row.reason
             ));
         }
         if rows.count > rows.first.len() as u64 {

@@ -27,7 +27,9 @@ pub const REWRITE_FIRST: usize = 10;
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[non_exhaustive]
 pub struct LeftRow {
-    /// The row's key.
+    /// The row's id (what [`TitoModel::delete_by_id`](crate::TitoModel::delete_by_id) takes).
+    pub id: String,
+    /// The row's storage key.
     pub key: String,
     /// Its stored shape version (0: a malformed version header).
     pub version: u32,
@@ -46,10 +48,11 @@ pub struct LeftRows {
 }
 
 impl LeftRows {
-    fn add(&mut self, key: String, version: u32, reason: String) {
+    fn add(&mut self, id: &str, key: String, version: u32, reason: String) {
         self.count += 1;
         if self.first.len() < REWRITE_FIRST {
             self.first.push(LeftRow {
+                id: id.to_string(),
                 key,
                 version,
                 reason,
@@ -333,6 +336,7 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
             let row_key = keys::row_key(&table, id);
             let Some((version, _)) = crate::model::shape::split(bytes) else {
                 progress.unconvertible.add(
+                    id,
                     row_key,
                     0,
                     "its version header is malformed".to_string(),
@@ -345,11 +349,11 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
             let model: T = match crate::model::decode_model(&row_key, bytes) {
                 Ok(model) => model,
                 Err(TitoError::RowShape { reason, .. }) => {
-                    progress.unconvertible.add(row_key, version, reason);
+                    progress.unconvertible.add(id, row_key, version, reason);
                     continue;
                 }
                 Err(TitoError::Integrity(reason)) => {
-                    progress.unconvertible.add(row_key, version, reason);
+                    progress.unconvertible.add(id, row_key, version, reason);
                     continue;
                 }
                 Err(err) => return Err(err),
@@ -364,7 +368,7 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
                     | TitoError::SchemaMismatch(_)
                     | TitoError::InvalidArgument(_)
                     | TitoError::Integrity(_)),
-                ) => progress.refused.add(row_key, version, err.to_string()),
+                ) => progress.refused.add(id, row_key, version, err.to_string()),
                 Err(err) => return Err(err),
             }
         }
