@@ -518,10 +518,10 @@ async fn the_cli_reads_a_seeded_store() {
     assert!(
         text.contains("rewrite to version 2: finished, 3 rows read of about 3, 2 rewritten")
             && text.contains("rows no code that ran the rewrite reads: 1")
-            && text.contains(&format!(
+            && text.contains(
                 "id n2 (version 1): the conversion from version 1 to 2 refused it: an empty \
                  note has no lines"
-            )),
+            ),
         "{text}"
     );
 
