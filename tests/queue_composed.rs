@@ -198,9 +198,10 @@ pub async fn a_high_priority_published_into_a_backlog_runs_at_the_next_pull<E: T
     worker.stop().await;
     let order = order.lock().unwrap().clone();
     let at = order.iter().position(|n| *n == 900).unwrap();
-    // The one running when it was published finishes; the next start is the priority.
+    // The one running when it was published finishes; a pull already reading when the
+    // publish committed may start one more row; the start after is the priority.
     assert!(
-        at <= started_before,
+        at <= started_before + 1,
         "published after {started_before} starts, ran {}th: {order:?}",
         at + 1
     );

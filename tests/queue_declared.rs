@@ -232,7 +232,9 @@ pub async fn an_events_own_attempts_override_the_workers_policy<E: TitoEngine>(c
     let drained = tito::queue::testing::drain_within(
         mail.clone(),
         |_event: QueueEvent<Mail>| async { Err(TitoError::handler("always fails")) },
-        Duration::from_secs(5),
+        // The plain event stays due, so the drain runs all of it: long enough for the reset's
+        // second attempt (due up to 2 s after its first) on a loaded machine.
+        Duration::from_secs(10),
     )
     .await
     .unwrap();
