@@ -34,6 +34,7 @@ macro_rules! shapes_suite {
                 an_upgrade_that_changes_an_indexed_value_keeps_each_deploys_index,
                 a_conversion_that_panics_is_a_refusal_and_the_row_stays_deletable,
                 a_rollback_rewrites_rows_back_to_the_older_shape_in_maintenance,
+                a_conversion_that_changes_the_id_is_a_refusal,
             ]
         );
     };
@@ -856,6 +857,184 @@ pub async fn an_inbox_sets_aside_a_row_no_conversion_reads<E: TitoEngine>(ctx: C
     );
     let inbox = tito::inbox::Inbox::<E, StrictHook>::new(ctx.db.clone()).unwrap();
     assert!(inbox.bad_rows().await.unwrap().is_empty());
+
+    // A rollback: the newer code set a row aside that the older code reads; once version 1 is
+    // allowed again, the older code's inbox takes it (the record was the newer code's).
+    olds.build(hook("h7", "")).await.unwrap();
+    let (_, bad) = run_hooks::<E, StrictHook>(&ctx.db, Duration::from_millis(300), 1).await;
+    assert_eq!(bad, ["h7"]);
+    tito::schema::allow_shape_version(&ctx.db, "hook", 1)
+        .await
+        .unwrap();
+    let old_inbox = tito::inbox::Inbox::<E, OldHook>::new(ctx.db.clone()).unwrap();
+    assert!(old_inbox.bad_rows().await.unwrap().is_empty());
+    let (seen, bad) = run_hooks::<E, OldHook>(&ctx.db, Duration::from_secs(30), 1).await;
+    assert_eq!(seen, [hook("h7", "")]);
+    assert!(bad.is_empty(), "{bad:?}");
+    assert!(
+        read(&ctx.db, tito::keys::inbox_bad_key("hook", "h7").as_bytes())
+            .await
+            .is_none(),
+        "the newer code's record went when the older code read the row"
+    );
+    // The newer code, allowed again, sets aside only what it cannot read: the row as the older
+    // code left it is set aside again by its own record.
+    tito::schema::allow_shape_version(&ctx.db, "hook", 2)
+        .await
+        .unwrap();
+    olds.build(hook("h8", "")).await.unwrap();
+    let (_, bad) = run_hooks::<E, StrictHook>(&ctx.db, Duration::from_millis(300), 1).await;
+    assert_eq!(bad, ["h8"]);
+    // A requeue is an operator's "try again": it clears a record that set the row aside (here
+    // one written as older versions wrote them, holding for any row and any code).
+    olds.build(hook("h9", "i")).await.unwrap();
+    let db = ctx.db.clone();
+    let tx = db.begin().await.unwrap();
+    tito::TitoTransaction::put(
+        &tx,
+        tito::keys::inbox_bad_key("hook", "h9").into_bytes(),
+        b"the payload does not deserialize".to_vec(),
+    )
+    .await
+    .unwrap();
+    tito::TitoTransaction::commit(&tx).await.unwrap();
+    let mut listed = inbox.bad_rows().await.unwrap();
+    listed.sort();
+    assert_eq!(listed, ["h8", "h9"]);
+    inbox.requeue("h9", "shop").await.unwrap();
+    assert_eq!(inbox.bad_rows().await.unwrap(), ["h8"]);
+    let (seen, _) = run_hooks::<E, StrictHook>(&ctx.db, Duration::from_secs(30), 1).await;
+    assert_eq!(
+        seen.iter().map(|h| h.id.as_str()).collect::<Vec<_>>(),
+        ["h9"]
+    );
+}
+
+/// A conversion whose result has another id than the row's key.
+#[derive(TitoShape, Serialize, Deserialize)]
+#[tito(version = 1)]
+pub struct TagV1 {
+    pub id: String,
+    pub tag: String,
+}
+
+/// The next code lowercases ids on the way up (a mistake: `ABC` would read as `abc`), and its
+/// downgrade uppercases them (the same mistake on the way down).
+#[derive(TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(
+    table = "tag",
+    version = 2,
+    from = "TagV1",
+    upgrade = "tag_up",
+    downgrade = "tag_down"
+)]
+pub struct Tag {
+    pub id: String,
+    pub tag: String,
+    pub n: u32,
+}
+
+fn tag_up(v1: TagV1) -> Result<Tag, String> {
+    Ok(Tag {
+        id: v1.id.to_lowercase(),
+        tag: v1.tag,
+        n: 1,
+    })
+}
+
+fn tag_down(tag: &Tag) -> TagV1 {
+    TagV1 {
+        id: tag.id.to_uppercase(),
+        tag: tag.tag.clone(),
+    }
+}
+
+/// The first code of the `tag` table.
+#[derive(TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(table = "tag")]
+pub struct OldTag {
+    pub id: String,
+    pub tag: String,
+}
+
+/// A conversion that returns another id than the row's is a refusal: the row is never read as
+/// another one, a rewrite lists it (and never overwrites the row of that other id), and a write
+/// whose downgrade changes the id is refused.
+pub async fn a_conversion_that_changes_the_id_is_a_refusal<E: TitoEngine>(ctx: Ctx<E>) {
+    let olds = ctx.db.clone().model::<OldTag>();
+    for id in ["ABC", "abc", "Mixed"] {
+        olds.build(OldTag {
+            id: id.into(),
+            tag: format!("t-{id}"),
+        })
+        .await
+        .unwrap();
+    }
+    let tags = ctx.db.clone().model::<Tag>();
+    let err = tags.find_by_id("ABC", vec![]).await.unwrap_err();
+    match &err {
+        TitoError::RowShape { reason, .. } => {
+            assert!(reason.contains("must keep the row's id"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+    // A row whose id the conversion keeps reads as itself.
+    let abc = tags.find_by_id("abc", vec![]).await.unwrap();
+    assert_eq!((abc.id.as_str(), abc.tag.as_str()), ("abc", "t-abc"));
+    // Writes through the downgrade that changes the id are refused; nothing is stored.
+    let err = tags
+        .update(Tag {
+            id: "abc".into(),
+            tag: "t-new".into(),
+            n: 2,
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, TitoError::SchemaMismatch(m) if m.contains("must keep the row's id")),
+        "{err:?}"
+    );
+    assert_eq!(olds.find_by_id("abc", vec![]).await.unwrap().tag, "t-abc");
+    // The rewrite lists the two rows and leaves the third's data as it was.
+    tito::schema::allow_shape_version(&ctx.db, "tag", 2)
+        .await
+        .unwrap();
+    let done = tags
+        .rewrite_shapes(tito::schema::RewriteOptions::default().batch(1), |_| {})
+        .await
+        .unwrap();
+    assert_eq!((done.rows_done, done.rewritten), (3, 1), "{done:?}");
+    let mut left: Vec<&str> = done
+        .unconvertible
+        .first
+        .iter()
+        .map(|r| r.id.as_str())
+        .collect();
+    left.sort();
+    assert_eq!(left, ["ABC", "Mixed"]);
+    let abc = tags.find_by_id("abc", vec![]).await.unwrap();
+    assert_eq!(
+        (abc.id.as_str(), abc.tag.as_str(), abc.n),
+        ("abc", "t-abc", 1)
+    );
+    for id in ["ABC", "Mixed"] {
+        tags.delete_by_id(id).await.unwrap();
+    }
+    assert_eq!(tags.find().execute().await.unwrap().items.len(), 1);
+    // Bounds of the counts: 0 is refused, the largest is taken.
+    assert!(matches!(
+        tito::schema::shape_versions(&ctx.db, "tag", 0).await,
+        Err(TitoError::InvalidArgument(_))
+    ));
+    let counts = tito::schema::shape_versions(&ctx.db, "tag", u64::MAX)
+        .await
+        .unwrap();
+    assert_eq!(counts.rows.get(&2), Some(&1));
+    assert!(!counts.more);
+    let check = tito::schema::check_shapes::<_, Tag>(&ctx.db, u64::MAX)
+        .await
+        .unwrap();
+    assert!(check.is_compatible(), "{check:?}");
 }
 
 pub async fn model_events_reach_handlers_of_both_deploys<E: TitoEngine>(ctx: Ctx<E>) {

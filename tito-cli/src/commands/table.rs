@@ -143,9 +143,20 @@ fn rewrite_lines(rewrite: &tito::schema::RewriteProgress) -> String {
         }
         out.push_str(&format!("  {what}: {}\n", rows.count));
         for row in &rows.first {
+            // One line per row, and an id that can be copied as it is: an empty id, or one
+            // with spaces or control characters, is printed quoted with escapes.
+            let id = if row.id.is_empty()
+                || row.id.chars().any(|c| c.is_control() || c.is_whitespace())
+            {
+                format!("{:?}", row.id)
+            } else {
+                row.id.clone()
+            };
+            let reason: Vec<&str> = row.reason.lines().collect();
             out.push_str(&format!(
-                "    id {} (version {}): {}\n",
-                row.id, row.version, row.reason
+                "    id {id} (version {}): {}\n",
+                row.version,
+                reason.join(" ")
             ));
         }
         if rows.count > rows.first.len() as u64 {

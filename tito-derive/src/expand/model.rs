@@ -15,6 +15,8 @@ pub(super) fn expand(model: &Model, id: usize, errors: &mut Errors) -> TokenStre
     let id_field = &model.fields[id];
     let id_ident = &id_field.ident;
     let id_ty = &id_field.ty;
+    let id_name = id_ident.to_string();
+    let id_name = id_name.strip_prefix("r#").unwrap_or(&id_name);
     let id_expr = quote_spanned! {id_ty.span()=>
         <#id_ty as ::tito::__private::IdField>::to_id(&self.#id_ident)
     };
@@ -67,6 +69,8 @@ pub(super) fn expand(model: &Model, id: usize, errors: &mut Errors) -> TokenStre
         #[automatically_derived]
         impl ::tito::model::TitoModelTrait for #ident {
             #shape_items
+
+            const ID_FIELD: &'static str = #id_name;
 
             fn id(&self) -> ::std::string::String {
                 #id_expr

@@ -184,10 +184,11 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
             keys::decode_str(&text[keys::table_prefix(&self.table).len()..])?
         };
         if let Some(record) = tx.get(self.bad_key(&id).as_bytes()).await? {
-            if super::set_aside_for(&record, value) {
+            if super::set_aside_for(&record, value, M::VERSION) {
                 return Ok(Candidate::Skip);
             }
-            // The row was written again since it was set aside: read it again.
+            // The row was written again since it was set aside, or code of another shape
+            // version set it aside: read it again.
             tx.delete(self.bad_key(&id).into_bytes()).await?;
         }
         let row = match crate::model::shape::row_value::<M>(text, value) {

@@ -186,15 +186,32 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
 /// The last line of a set-aside record: the fingerprint of the row it was made for.
 const SET_ASIDE_ROW: &str = "row fnv1a ";
 
-/// Whether a set-aside record holds for a row stored as `row` (a record without a fingerprint,
-/// as older versions wrote them, holds for any).
-pub(super) fn set_aside_for(record: &[u8], row: &[u8]) -> bool {
+/// The line before it: the shape version of the code that set the row aside.
+const SET_ASIDE_CODE: &str = "code shape ";
+
+/// Whether a set-aside record holds for a row stored as `row`, read by code of shape version
+/// `code`. A record holds for the row as it was stored when it was made (a row written again is
+/// read again) and for code of the shape version that made it: code of another version reads
+/// the row through its own conversions (after a rollback, the older code takes a row the newer
+/// code's conversion refused). A record without these lines, as older versions wrote them,
+/// holds for any row and any code.
+pub(super) fn set_aside_for(record: &[u8], row: &[u8], code: u32) -> bool {
     let record = String::from_utf8_lossy(record);
-    match record.rsplit_once('\n') {
-        Some((_, last)) if last.starts_with(SET_ASIDE_ROW) => {
-            last[SET_ASIDE_ROW.len()..] == format!("{:016x}", keys::fnv1a(row))
-        }
-        _ => true,
+    let Some((rest, last)) = record.rsplit_once('\n') else {
+        return true;
+    };
+    let Some(print) = last.strip_prefix(SET_ASIDE_ROW) else {
+        return true;
+    };
+    if print != format!("{:016x}", keys::fnv1a(row)) {
+        return false;
+    }
+    match rest
+        .rsplit_once('\n')
+        .and_then(|(_, line)| line.strip_prefix(SET_ASIDE_CODE))
+    {
+        Some(made_by) => made_by.parse::<u32>().is_ok_and(|v| v == code),
+        None => true,
     }
 }
 
@@ -255,10 +272,11 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
         &self.spec
     }
 
-    /// Sets a row aside: a record under its id that says why, ending with the fingerprint of
-    /// the row as stored (`print`, its [`keys::fnv1a`]), so that the record holds for that row only: a row written
-    /// again under the id (fixed, rewritten in another shape, deleted and inserted anew) is
-    /// read again and the record goes.
+    /// Sets a row aside: a record under its id that says why, ending with the shape version of
+    /// this code and the fingerprint of the row as stored (`print`, its [`keys::fnv1a`]), so
+    /// that the record holds for that row and code of that version only: a row written again
+    /// under the id (fixed, rewritten in another shape, deleted and inserted anew), or read by
+    /// code of another shape version, is read again and the record goes.
     async fn set_aside(
         &self,
         tx: &E::Transaction,
@@ -269,7 +287,10 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
         tracing::warn!(table = %self.table, id, why, "inbox row set aside");
         self.stats.bad.fetch_add(1, Ordering::Relaxed);
         metrics::counter!(names::INBOX_BAD_ROWS, "table" => self.table.clone()).increment(1);
-        let record = format!("{why}\n{SET_ASIDE_ROW}{print:016x}");
+        let record = format!(
+            "{why}\n{SET_ASIDE_CODE}{}\n{SET_ASIDE_ROW}{print:016x}",
+            M::VERSION
+        );
         tx.put(self.bad_key(id).into_bytes(), record.into_bytes())
             .await
     }

@@ -40,7 +40,9 @@ pub struct InboxCounts {
     pub scanned: u64,
     /// Whether the count stopped at its bound with rows left.
     pub more: bool,
-    /// Rows set aside because they do not decode (all groups).
+    /// Records of rows set aside because they do not decode (all groups). Such a row is also
+    /// counted in its state; a record whose row was written again since, or that code of
+    /// another shape version made, is counted until the next claim reads the row again.
     pub bad: crate::inspect::Count,
 }
 
@@ -67,7 +69,8 @@ pub struct InboxRow {
 impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
     /// The ids of rows set aside because they do not deserialize (or no conversion of the
     /// model reads them), as they are stored now: a row deleted since is not listed, and one
-    /// written again since is read again by the next claim.
+    /// written again since is read again by the next claim, as is one that code of another
+    /// shape version set aside (this code reads it through its own conversions).
     pub async fn bad_rows(&self) -> TitoResult<Vec<String>> {
         let prefix = keys::inbox_bad_prefix(&self.table);
         let end = keys::prefix_end(prefix.clone());
@@ -89,7 +92,7 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
                 .zip(records.iter().zip(rows))
                 .filter(|(_, ((_, record), row))| {
                     row.as_deref()
-                        .is_some_and(|row| super::set_aside_for(record, row))
+                        .is_some_and(|row| super::set_aside_for(record, row, M::VERSION))
                 })
                 .map(|(id, _)| id)
                 .collect())
@@ -254,6 +257,8 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
                 let (id, group) = (id.clone(), group.clone());
                 async move {
                     let model = self.models.find_by_id_in_tx(&id, &tx).await?;
+                    // An operator's "try again": a record that set the row aside goes too.
+                    tx.delete(self.bad_key(&id).into_bytes()).await?;
                     let mut row = serde_json::to_value(&model)?;
                     set(&mut row, &self.spec.group, Value::from(group));
                     set(&mut row, &self.spec.attempt, Value::from(0));

@@ -83,6 +83,11 @@ pub trait TitoModelTrait:
         false
     }
 
+    /// The name of the field that holds the id in the row's JSON (the derive's id field;
+    /// `"id"` when not given). Writes through a [`downgrade`](Self::downgrade) check that the
+    /// older shape keeps the id there.
+    const ID_FIELD: &'static str = "id";
+
     /// The row's id, unique within the table.
     fn id(&self) -> String;
 

@@ -17,6 +17,7 @@ use serde_json::Value;
 
 use super::TitoModelTrait;
 use crate::error::{TitoError, TitoResult};
+use crate::keys;
 
 /// The highest shape version a model may declare (versions are `1..=MAX_VERSION`).
 pub const MAX_VERSION: u32 = 1_000_000;
@@ -189,9 +190,32 @@ pub(crate) fn decode_row<T: TitoModelTrait>(key: &str, bytes: &[u8]) -> TitoResu
     } else if version > T::VERSION {
         Err(ShapeError::Newer { newest: T::VERSION })
     } else {
-        guarded(version, T::VERSION, || T::upgrade(version, json))
+        guarded(version, T::VERSION, || T::upgrade(version, json)).and_then(|model| {
+            keeps_id(key, &model)
+                .map(|()| model)
+                .map_err(|message| ShapeError::conversion(version, T::VERSION, message))
+        })
     };
     read.map_err(|reason| row_shape::<T>(key, version, reason))
+}
+
+/// Whether a row converted from another shape kept the id its storage key names: a conversion
+/// that returned another id would read a row as another one (and a rewrite would overwrite that
+/// one). `key` is the row's key or an index entry ending in it; for anything else (an event's
+/// row, which has no key) nothing is compared.
+pub(crate) fn keeps_id<T: TitoModelTrait>(key: &str, model: &T) -> Result<(), String> {
+    let table = model.table();
+    if !key.contains(&keys::table_prefix(&table)) {
+        return Ok(());
+    }
+    let id = model.id();
+    if key.ends_with(&keys::row_key(&table, &id)) {
+        return Ok(());
+    }
+    Err(format!(
+        "it returned the id {id:?} for a row stored under another id (a conversion must keep \
+         the row's id)"
+    ))
 }
 
 /// A stored row as JSON of `T`'s current shape (upgraded through `T` when it is older).

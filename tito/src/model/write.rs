@@ -362,6 +362,53 @@ fn written_shape<T: TitoModelTrait>(
         Err(ShapeError::Unknown) => None,
         other => Some(other),
     };
+    // What older code will read is what this code reads back: the downgraded row must upgrade
+    // again, to a row of the same id (else this code could not read its own write, or would
+    // read it as another row).
+    let downgraded = downgraded.map(|result| {
+        result.and_then(|json| {
+            let back = super::shape::guarded(writable, T::VERSION, || T::upgrade(writable, &json))
+                .map_err(|reason| {
+                    ShapeError::conversion(
+                        T::VERSION,
+                        writable,
+                        format!("this code cannot read the row it gives back: {reason}"),
+                    )
+                })?;
+            let id = model.id();
+            let kept = |stored: &Value| match stored {
+                Value::String(text) => *text == id,
+                Value::Number(number) => number.to_string() == id,
+                _ => true,
+            };
+            if let Ok(Value::Object(older)) = serde_json::from_slice::<Value>(&json)
+                && let Some(stored) = older.get(T::ID_FIELD)
+                && !kept(stored)
+            {
+                return Err(ShapeError::conversion(
+                    T::VERSION,
+                    writable,
+                    format!(
+                        "it wrote the id {stored} for the row {id:?} (a conversion must keep the \
+                         row's id)"
+                    ),
+                ));
+            }
+            if back.id() != id {
+                return Err(ShapeError::conversion(
+                    T::VERSION,
+                    writable,
+                    format!(
+                        "it changed the row's id from {:?} to {:?} (read back; a conversion must \
+                         keep the row's id)",
+                        model.id(),
+                        back.id()
+                    ),
+                ));
+            }
+            Ok(json)
+        })
+    });
     match downgraded {
         Some(Ok(json)) => Ok((writable, json)),
         Some(Err(reason)) => Err(TitoError::SchemaMismatch(format!(

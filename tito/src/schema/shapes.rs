@@ -26,13 +26,18 @@ pub struct ShapeCounts {
     pub rewrite: Option<super::RewriteProgress>,
 }
 
-/// Counts the rows of `table` by stored shape version, reading at most `bound` rows in bounded
-/// scans (for operators: `tito table versions`).
+/// Counts the rows of `table` by stored shape version, reading at most `bound` rows (1 to
+/// `u64::MAX`; 0 is refused) in bounded scans (for operators: `tito table versions`).
 pub async fn shape_versions<E: TitoEngine>(
     db: &E,
     table: &str,
     bound: u64,
 ) -> TitoResult<ShapeCounts> {
+    if bound == 0 {
+        return Err(TitoError::invalid_argument(
+            "a bound of 0 counts no row: give at least 1 (it bounds the rows read)",
+        ));
+    }
     crate::engine::read_only(db, async |tx| {
         let shapes = match tx.get(keys::schema_key(table).as_bytes()).await? {
             Some(bytes) => Some(parse_catalog(table, &bytes)?.shapes),
@@ -49,7 +54,10 @@ pub async fn shape_versions<E: TitoEngine>(
         };
         let mut read = 0u64;
         loop {
-            let page = crate::engine::MAX_SCAN_LIMIT.min((bound - read) as usize + 1);
+            // One more than the bound says whether rows are left; any bound up to u64::MAX.
+            let page = (bound - read)
+                .saturating_add(1)
+                .min(crate::engine::MAX_SCAN_LIMIT as u64) as usize;
             let rows = tx.scan(&start, end.as_bytes(), page).await?;
             for (_, value) in &rows {
                 if read == bound {
@@ -161,7 +169,9 @@ pub struct ShapeCheck {
     pub table: String,
     /// The version the code reads and writes.
     pub code_version: u32,
-    /// The version writers may write, as the catalog says (1 without a record).
+    /// The version writers may write, as the catalog says: 1 for a catalog without a shape
+    /// record (a table older than shape versions); without any catalog (a new table), the
+    /// code's own version, which its first write or query records.
     pub writable: u32,
     /// Every version the catalog records or a row holds (0: a malformed header), with whether
     /// the code reads it.
