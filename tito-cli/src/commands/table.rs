@@ -168,3 +168,42 @@ fn rewrite_lines(rewrite: &tito::schema::RewriteProgress) -> String {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use tito::schema::{LeftRow, RewriteProgress};
+
+    fn left(id: &str, reason: &str) -> LeftRow {
+        let mut row = LeftRow::default();
+        row.id = id.to_string();
+        row.key = format!("table:note:{id}");
+        row.version = 1;
+        row.reason = reason.to_string();
+        row
+    }
+
+    #[test]
+    fn left_rows_print_one_line_each_and_odd_ids_quoted() {
+        let mut run = RewriteProgress::default();
+        run.target = 2;
+        run.unconvertible.count = 4;
+        run.unconvertible.first = vec![
+            left("n2", "an empty note has no lines"),
+            left("a\nb", "the conversion panicked: first\nsecond"),
+            left("", "no id"),
+            left("with space", "x"),
+        ];
+        let text = super::rewrite_lines(&run);
+        let rows: Vec<&str> = text.lines().filter(|l| l.starts_with("    id ")).collect();
+        assert_eq!(
+            rows,
+            [
+                "    id n2 (version 1): an empty note has no lines",
+                "    id \"a\\nb\" (version 1): the conversion panicked: first second",
+                "    id \"\" (version 1): no id",
+                "    id \"with space\" (version 1): x",
+            ],
+            "{text}"
+        );
+    }
+}
