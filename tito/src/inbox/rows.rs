@@ -249,7 +249,8 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
 
     /// Moves a row into `group` as a fresh job: attempts 0, no delay, no lease, not processed
     /// (the roles the model has). For moving a dead-lettered row back (dead letters into a
-    /// group). A missing row is [`TitoError::NotFound`].
+    /// group), or trying a set-aside row again: a record that set it aside is cleared. A
+    /// missing row is [`TitoError::NotFound`].
     pub async fn requeue(&self, id: &str, group: &str) -> TitoResult<()> {
         let (id, group) = (id.to_string(), group.to_string());
         self.db
