@@ -686,6 +686,16 @@ async fn run_hooks<E: TitoEngine, M: tito::inbox::InboxModel + PartialEq>(
     for_at_most: Duration,
     until: usize,
 ) -> (Vec<M>, Vec<String>) {
+    run_hooks_until::<E, M>(db, for_at_most, until, None).await
+}
+
+/// [`run_hooks`] that also stops once the row `set_aside` is set aside.
+async fn run_hooks_until<E: TitoEngine, M: tito::inbox::InboxModel + PartialEq>(
+    db: &E,
+    for_at_most: Duration,
+    until: usize,
+    set_aside: Option<&str>,
+) -> (Vec<M>, Vec<String>) {
     use tito::inbox::{Inbox, InboxConfig, InboxDelivery, InboxOutcome, run_inbox};
     let inbox = std::sync::Arc::new(Inbox::<E, M>::new(db.clone()).unwrap());
     let seen: std::sync::Arc<std::sync::Mutex<Vec<M>>> = Default::default();
@@ -702,6 +712,11 @@ async fn run_hooks<E: TitoEngine, M: tito::inbox::InboxModel + PartialEq>(
     ));
     let started = std::time::Instant::now();
     while started.elapsed() < for_at_most && seen.lock().unwrap().len() < until {
+        if let Some(id) = set_aside
+            && inbox.bad_rows().await.unwrap().iter().any(|bad| bad == id)
+        {
+            break;
+        }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     stop.send(true).unwrap();
@@ -846,7 +861,8 @@ pub async fn an_inbox_sets_aside_a_row_no_conversion_reads<E: TitoEngine>(ctx: C
     assert!(bad.is_empty(), "{bad:?}");
     // Another one set aside, then deleted: it is gone, and no longer listed.
     olds.build(hook("h6", "")).await.unwrap();
-    let (_, bad) = run_hooks::<E, StrictHook>(&ctx.db, Duration::from_millis(300), 1).await;
+    let (_, bad) =
+        run_hooks_until::<E, StrictHook>(&ctx.db, Duration::from_secs(30), 1, Some("h6")).await;
     assert_eq!(bad, ["h6"]);
     let stricts = ctx.db.clone().model::<StrictHook>();
     stricts.delete_by_id("h6").await.unwrap();
@@ -861,7 +877,8 @@ pub async fn an_inbox_sets_aside_a_row_no_conversion_reads<E: TitoEngine>(ctx: C
     // A rollback: the newer code set a row aside that the older code reads; once version 1 is
     // allowed again, the older code's inbox takes it (the record was the newer code's).
     olds.build(hook("h7", "")).await.unwrap();
-    let (_, bad) = run_hooks::<E, StrictHook>(&ctx.db, Duration::from_millis(300), 1).await;
+    let (_, bad) =
+        run_hooks_until::<E, StrictHook>(&ctx.db, Duration::from_secs(30), 1, Some("h7")).await;
     assert_eq!(bad, ["h7"]);
     tito::schema::allow_shape_version(&ctx.db, "hook", 1)
         .await
@@ -883,7 +900,8 @@ pub async fn an_inbox_sets_aside_a_row_no_conversion_reads<E: TitoEngine>(ctx: C
         .await
         .unwrap();
     olds.build(hook("h8", "")).await.unwrap();
-    let (_, bad) = run_hooks::<E, StrictHook>(&ctx.db, Duration::from_millis(300), 1).await;
+    let (_, bad) =
+        run_hooks_until::<E, StrictHook>(&ctx.db, Duration::from_secs(30), 1, Some("h8")).await;
     assert_eq!(bad, ["h8"]);
     // A requeue is an operator's "try again": it clears a record that set the row aside (here
     // one written as older versions wrote them, holding for any row and any code).
