@@ -394,18 +394,9 @@ fn written_shape<T: TitoModelTrait>(
                     ),
                 ));
             }
-            if back.id() != id {
-                return Err(ShapeError::conversion(
-                    T::VERSION,
-                    writable,
-                    format!(
-                        "it changed the row's id from {:?} to {:?} (read back; a conversion must \
-                         keep the row's id)",
-                        model.id(),
-                        back.id()
-                    ),
-                ));
-            }
+            // Read back under the row's key, as a read would check it.
+            super::shape::keeps_id(&keys::row_key(table, &id), &back)
+                .map_err(|message| ShapeError::conversion(T::VERSION, writable, message))?;
             Ok(json)
         })
     });
