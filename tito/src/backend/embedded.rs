@@ -26,8 +26,20 @@
 //! and opening a store only to read it changes nothing. Only a crash (or a process that exits
 //! without closing the store, see [`Embedded::close`]) leaves the mark ahead: the next open
 //! starts from it, at most three seconds ahead of the wall clock, as PD's timestamp oracle does
-//! after a leader change. Versions keep increasing across a restart either way, also when the
-//! clock moved back.
+//! after a leader change. The mark is always three seconds ahead of the wall clock, never of
+//! the versions: a store whose versions are ahead of the wall clock persists marks only a
+//! quarter of a millisecond of version time past them, so any number of crashes in a row
+//! leaves the clock at most three seconds ahead (each crash could add that quarter of a
+//! millisecond, and a restart takes longer than that). Versions keep increasing across a
+//! restart either way, also when the clock moved back.
+//!
+//! A version is the later of the wall clock and one above the last version. While the wall
+//! clock is behind the last version (after a crash, for at most three seconds, or after the
+//! host's clock was set back, for as long as that), versions rise by their logical counter
+//! alone: the time they tell stands still until the wall clock passes it. Everything that reads
+//! time from versions waits with it: delayed events, retries' backoffs, leases, the key/value
+//! store's expiries; none of them comes early. Due times relative to now are counted from the
+//! same clock (see "Due times" on [`QueueEvent`](crate::QueueEvent)).
 //!
 //! # Garbage collection
 //!
@@ -313,8 +325,14 @@ pub const DEFAULT_BLOCK_BYTES: usize = 4 << 10;
 const DATA: u8 = 0x01;
 const META_ORACLE: &[u8] = b"\x00oracle-high-water";
 const META_SAFE_POINT: &[u8] = b"\x00gc-safe-point";
-/// How far ahead of the versions it hands out the oracle persists its high-water mark.
+/// How far ahead of the wall clock the oracle persists its high-water mark.
 pub(super) const ORACLE_WINDOW_MS: u64 = 3_000;
+
+/// While the versions are ahead of the wall clock (after a crash left the mark ahead), how many
+/// versions past the next one a persisted mark covers: 2^16 logical steps, a quarter of a
+/// millisecond of version time. Each crash can leave the clock at most this much further
+/// ahead than the window, less than any restart takes.
+pub(super) const ORACLE_AHEAD_STEP: u64 = 1 << 16;
 /// The longest the drop of the last handle waits for the store to close.
 const DROP_CLOSE_WAIT: Duration = Duration::from_secs(2);
 /// How many keys one transaction of [`Embedded::delete_range`] removes.
@@ -443,11 +461,17 @@ impl Oracle {
         })
     }
 
-    /// The mark to persist before the next version can be handed out ([`ORACLE_WINDOW_MS`]
-    /// ahead), or `None` when another task moved it meanwhile.
+    /// The mark to persist before the next version can be handed out, or `None` when another
+    /// task moved it meanwhile: [`ORACLE_WINDOW_MS`] ahead of the wall clock, never of the
+    /// versions. While the versions are ahead of the wall clock (a crash left the mark ahead),
+    /// the mark covers only [`ORACLE_AHEAD_STEP`] versions past the next one, so a crash in
+    /// that time cannot push the clock a window further ahead: the lead never compounds.
     pub(super) fn wanted(&self) -> Option<u64> {
         let next = self.candidate();
-        (next >= self.persisted_limit).then(|| next + (ORACLE_WINDOW_MS << LOGICAL_BITS))
+        (next >= self.persisted_limit).then(|| {
+            let window = (now_millis() + ORACLE_WINDOW_MS) << LOGICAL_BITS;
+            window.max(next.saturating_add(ORACLE_AHEAD_STEP))
+        })
     }
 
     /// After `mark` was persisted.
@@ -1044,5 +1068,40 @@ fn classify_commit_error(err: surrealkv::Error) -> TitoError {
             ),
             source: Some(Box::new(other)),
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::{version_from_millis, version_millis};
+
+    /// A store that crashes right after persisting a mark, fifty times in a row with no time
+    /// passing between: the mark each restart starts from stays within the window of the wall
+    /// clock (plus the step a crash may add), and versions keep rising.
+    #[test]
+    fn crashes_in_a_row_never_compound_the_clocks_lead() {
+        let mut mark = 0;
+        let mut last = 0;
+        let crashes = 50u64;
+        for _ in 0..crashes {
+            let mut oracle = Oracle::starting_at(mark);
+            assert!(oracle.next().is_none(), "no version before a mark covers it");
+            let wanted = oracle.wanted().unwrap();
+            oracle.raise(wanted);
+            let version = oracle.next().unwrap();
+            assert!(version > last && version < wanted);
+            last = version;
+            mark = wanted; // killed: the next open starts from the persisted mark
+        }
+        let lead_ms = version_millis(mark).saturating_sub(now_millis());
+        let bound = ORACLE_WINDOW_MS + crashes * version_millis(ORACLE_AHEAD_STEP).max(1);
+        assert!(lead_ms <= bound, "{lead_ms} ms ahead after {crashes} crashes");
+        // Once the wall clock passed the lead, marks are a window ahead of it again.
+        let mut oracle = Oracle::starting_at(version_from_millis(now_millis() - 10_000));
+        let lead_ms = version_millis(oracle.wanted().unwrap()).saturating_sub(now_millis());
+        assert!((ORACLE_WINDOW_MS - 100..=ORACLE_WINDOW_MS).contains(&lead_ms));
+        oracle.raise(u64::MAX);
+        assert!(oracle.next().is_some());
     }
 }

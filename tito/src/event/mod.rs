@@ -58,6 +58,21 @@ impl QueueOwner {
 
 /// One event: a logical id, the business key that picks its partition, a payload, the Unix
 /// second when it becomes runnable, and an optional owner.
+///
+/// # Due times
+///
+/// Workers compare due times with the store's clock (the time in its versions: the embedded
+/// and SQLite stores' oracle, PD's timestamp oracle on TiKV), never with their host's, and a
+/// due time relative to now is counted from that clock too: [`QueueEvent::now`],
+/// [`QueueEvent::after`] and [`QueueEvent::retried_after`] record their delay, and publication
+/// counts it from the publishing transaction's time. So an event published with a delay never
+/// starts before that delay has passed on the store's clock, whatever the host's clock says
+/// (a store whose clock runs ahead after a crash, a host whose clock is behind PD's).
+/// `timestamp` holds this host's estimate until then; setting it yourself makes it the due
+/// time. An absolute due time ([`QueueEvent::at`], [`QueueEvent::new`],
+/// [`QueueEvent::rescheduled`], [`QueueEvent::advanced`]) is read on the store's clock, which
+/// follows the wall clock (the embedded and SQLite stores' at most three seconds ahead of it
+/// after a crash, see [`crate::backend::embedded`]).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct QueueEvent<T> {
     /// The logical id; kept across [`QueueEvent::rescheduled`] replacements.
@@ -92,6 +107,21 @@ pub struct QueueEvent<T> {
     /// replacements and steps.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_attempts: Option<u32>,
+    /// Set by the constructors of a due time relative to now ([`QueueEvent::now`],
+    /// [`QueueEvent::after`], [`QueueEvent::retried_after`]): the delay, counted at
+    /// publication from the store's clock (see "Due times" on [`QueueEvent`]).
+    #[serde(skip)]
+    relative: Option<Relative>,
+}
+
+/// A due time given as a delay from now: `timestamp` as this host's clock estimated it, and the
+/// delay. At publication the delay is counted from the publishing transaction's time (the
+/// store's clock, the one workers compare due times with), unless the caller changed
+/// `timestamp` since: then the time it set is the due time.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Relative {
+    estimate: i64,
+    delay_ms: u64,
 }
 
 /// The highest urgency.
@@ -113,6 +143,11 @@ pub const URGENCY_STEP: std::time::Duration = std::time::Duration::from_secs(60)
 /// The former name of [`URGENCY_STEP`].
 #[deprecated(note = "renamed URGENCY_STEP")]
 pub const PRIORITY_STEP: std::time::Duration = URGENCY_STEP;
+
+/// Unix milliseconds as whole seconds, rounded up (a due time never comes before the moment).
+fn ceil_seconds(ms: i64) -> i64 {
+    ms.div_euclid(1000) + i64::from(ms.rem_euclid(1000) > 0)
+}
 
 fn first_attempt() -> u32 {
     1
@@ -146,10 +181,33 @@ impl<T> QueueEvent<T> {
             attempt: 1,
             urgency: 0,
             max_attempts: None,
+            relative: None,
         }
     }
 
-    /// An event due now (this host's clock, whole seconds), with a fresh logical id.
+    /// This event due `delay` after its publication on the store's clock (its `timestamp` this
+    /// host's estimate of that, whole seconds rounded up).
+    fn due_in(mut self, delay: std::time::Duration) -> Self {
+        let now_ms = chrono::Utc::now().timestamp_millis();
+        let delay_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
+        self.timestamp = ceil_seconds(now_ms.saturating_add(i64::try_from(delay_ms).unwrap_or(i64::MAX)));
+        self.relative = Some(Relative {
+            estimate: self.timestamp,
+            delay_ms,
+        });
+        self
+    }
+
+    /// The delay from publication when the due time is still the one a relative constructor
+    /// set (the caller did not set `timestamp` since).
+    pub(crate) fn delay_ms(&self) -> Option<u64> {
+        self.relative
+            .filter(|r| r.estimate == self.timestamp)
+            .map(|r| r.delay_ms)
+    }
+
+    /// An event due now, with a fresh logical id: at its publication, on the store's clock
+    /// (`timestamp` holds this host's clock in whole seconds until then; see "Due times").
     ///
     /// ```
     /// use tito::QueueEvent;
@@ -158,7 +216,7 @@ impl<T> QueueEvent<T> {
     /// assert!((event.timestamp - chrono::Utc::now().timestamp()).abs() <= 1);
     /// ```
     pub fn now(key: impl Into<String>, payload: T) -> Self {
-        QueueEvent::new(key, payload, chrono::Utc::now().timestamp())
+        QueueEvent::new(key, payload, 0).due_in(std::time::Duration::ZERO)
     }
 
     /// An event due at `when` (its whole second: a fraction rounds up, so it never runs early).
@@ -181,7 +239,8 @@ impl<T> QueueEvent<T> {
         QueueEvent::new(key, payload, due)
     }
 
-    /// An event due `delay` from now (this host's clock; a fraction of a second rounds up).
+    /// An event due `delay` after its publication, on the store's clock (a fraction of a second
+    /// rounds up; `timestamp` holds this host's estimate until then; see "Due times").
     ///
     /// ```
     /// use std::time::Duration;
@@ -191,12 +250,7 @@ impl<T> QueueEvent<T> {
     /// assert!(event.timestamp >= chrono::Utc::now().timestamp() + 3599);
     /// ```
     pub fn after(key: impl Into<String>, payload: T, delay: std::time::Duration) -> Self {
-        let now_ms = chrono::Utc::now().timestamp_millis();
-        let delay_ms = i64::try_from(delay.as_millis()).unwrap_or(i64::MAX);
-        let due_ms = now_ms.saturating_add(delay_ms);
-        // Whole seconds, rounded up (never runs before the delay is over).
-        let due = due_ms.div_euclid(1000) + i64::from(due_ms.rem_euclid(1000) > 0);
-        QueueEvent::new(key, payload, due)
+        QueueEvent::new(key, payload, 0).due_in(delay)
     }
 
     /// The same event with this logical id (for idempotent publication).
@@ -253,7 +307,11 @@ impl<T> QueueEvent<T> {
     /// The replacement of this event for `Reschedule`: the same id, key, owner and payload,
     /// runnable at `timestamp`.
     pub fn rescheduled(self, timestamp: i64) -> Self {
-        QueueEvent { timestamp, ..self }
+        QueueEvent {
+            timestamp,
+            relative: None,
+            ..self
+        }
     }
 
     /// The next step of this event for `Advance`: the same id, key and owner, with `payload`,
@@ -275,17 +333,17 @@ impl<T> QueueEvent<T> {
         QueueEvent {
             payload,
             timestamp,
+            relative: None,
             ..self
         }
     }
 
-    /// The replacement of this event, runnable after `backoff`, for a handler that retries on
-    /// its own terms with `Reschedule` (a worker's
-    /// [`FailurePolicy`](crate::queue::FailurePolicy) retries failed attempts by itself).
+    /// The replacement of this event, runnable `backoff` after the outcome's commit on the
+    /// store's clock (a fraction of a second rounds up), for a handler that retries on its own
+    /// terms with `Reschedule` (a worker's [`FailurePolicy`](crate::queue::FailurePolicy)
+    /// retries failed attempts by itself).
     pub fn retried_after(self, backoff: std::time::Duration) -> Self {
-        let now = chrono::Utc::now().timestamp();
-        let secs = i64::try_from(backoff.as_secs()).unwrap_or(i64::MAX);
-        self.rescheduled(now.saturating_add(secs))
+        self.due_in(backoff)
     }
 }
 
@@ -348,6 +406,10 @@ pub(crate) struct StoredEvent {
     /// The event's own number of attempts ([`QueueEvent::max_attempts`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_attempts: Option<u32>,
+    /// Before publication only: the due time is this delay after the publishing transaction's
+    /// time ([`QueueEvent::delay_ms`]), set by [`StoredEvent::settle_due`].
+    #[serde(skip)]
+    pub due_in_ms: Option<u64>,
 }
 
 fn is_zero_u8(n: &u8) -> bool {
@@ -401,6 +463,7 @@ impl StoredEvent {
             urgency: event.urgency,
             moved_from: None,
             max_attempts: event.max_attempts,
+            due_in_ms: event.delay_ms(),
         })
     }
 
@@ -413,6 +476,20 @@ impl StoredEvent {
         let span = u64::from(MAX_URGENCY) * URGENCY_STEP.as_secs();
         let boost = u64::from(self.urgency) * URGENCY_STEP.as_secs();
         (self.timestamp.max(0) as u64).max(span) - boost
+    }
+
+    /// This event with a due time relative to its publication counted from `start_version`
+    /// (the publishing transaction's time, the store's clock), or `None` when its due time is
+    /// absolute.
+    pub fn settle_due(&self, start_version: u64) -> Option<StoredEvent> {
+        let delay_ms = self.due_in_ms?;
+        let now_ms = crate::engine::version_millis(start_version);
+        let due_ms = i64::try_from(now_ms.saturating_add(delay_ms)).unwrap_or(i64::MAX);
+        Some(StoredEvent {
+            timestamp: ceil_seconds(due_ms),
+            due_in_ms: None,
+            ..self.clone()
+        })
     }
 
     /// The bytes of the row, refused when over [`MAX_QUEUE_EVENT_BYTES`].
@@ -450,6 +527,7 @@ impl StoredEvent {
             attempt: self.failures.saturating_add(1),
             urgency: self.urgency,
             max_attempts: self.max_attempts,
+            relative: None,
         })
     }
 }

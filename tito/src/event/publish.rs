@@ -77,12 +77,13 @@ pub(crate) async fn plan_pending<X: TitoTransaction>(
         })?;
         return Ok((Published::duplicate_of(key), partition));
     }
-    let key = plan_insert(tx.start_version(), root, partitions, stored, bytes, writes);
+    let key = plan_insert(tx.start_version(), root, partitions, stored, bytes, writes)?;
     Ok((Published::new(key), partition))
 }
 
 /// Plans a pending row, its owner key and its event-id key (pointing at the row), with no
-/// duplicate check. Returns the row's key.
+/// duplicate check. Returns the row's key. A due time relative to the publication is counted
+/// here, from the transaction's time: the clock workers compare it with.
 fn plan_insert(
     start_version: u64,
     root: &str,
@@ -90,7 +91,12 @@ fn plan_insert(
     stored: &StoredEvent,
     bytes: Vec<u8>,
     writes: &mut engine::Writes,
-) -> String {
+) -> TitoResult<String> {
+    let settled = stored.settle_due(start_version);
+    let (stored, bytes) = match &settled {
+        Some(settled) => (settled, settled.to_bytes()?),
+        None => (stored, bytes),
+    };
     let partition = partition_for(&stored.key, partitions);
     // Ordered by the due time less the urgency's boost; the row keeps its own due time.
     let key = keys::pending_key(
@@ -109,7 +115,7 @@ fn plan_insert(
         let owner_key = keys::owner_key(root, &owner.kind, &owner.id, keys::OWNER_PENDING, &key);
         writes.put(owner_key, Vec::new());
     }
-    key
+    Ok(key)
 }
 
 /// Writes a pending row, its owner key and its event-id key (pointing at the row), with no
@@ -129,7 +135,7 @@ pub(crate) async fn insert_pending<X: TitoTransaction>(
         stored,
         bytes,
         &mut writes,
-    );
+    )?;
     writes.apply(tx).await?;
     Ok(key)
 }
@@ -197,6 +203,6 @@ pub(crate) async fn plan_model_event<X: TitoTransaction>(
         &event.stored,
         event.bytes,
         writes,
-    );
+    )?;
     Ok((root, partition))
 }

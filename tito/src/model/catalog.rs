@@ -808,6 +808,13 @@ pub(crate) async fn read_progress<X: TitoTransaction>(
     }
 }
 
+/// Whether `table` holds no row.
+async fn table_is_empty<X: TitoTransaction>(tx: &X, table: &str) -> TitoResult<bool> {
+    let prefix = keys::table_prefix(table);
+    let end = keys::prefix_end(prefix.clone());
+    Ok(tx.scan(prefix.as_bytes(), end.as_bytes(), 1).await?.is_empty())
+}
+
 /// Reconciles the catalog with the code in one transaction (see the module docs). Returns the
 /// catalog as stored afterwards.
 async fn reconcile<E: TitoEngine>(
@@ -826,10 +833,18 @@ async fn reconcile<E: TitoEngine>(
         };
         let fingerprint = handle.code.fingerprint.as_str();
         let now_ms = crate::engine::version_millis(tx.start_version());
-        let shapes_changed =
-            catalog
-                .shapes
-                .register(handle.code.shape_version, stored.is_none(), now_ms);
+        // Whether the table holds no row (read once, and only where it matters: without a
+        // catalog record, or for a new index).
+        let mut empty: Option<bool> = None;
+        if stored.is_none() {
+            empty = Some(table_is_empty(&tx, table).await?);
+        }
+        // Fresh: nothing was written to the table before (no catalog record and no row). A table
+        // whose rows predate the catalog holds rows of version 1, as older code wrote them.
+        let fresh = stored.is_none() && empty == Some(true);
+        let shapes_changed = catalog
+            .shapes
+            .register(handle.code.shape_version, fresh, now_ms);
         // Code the catalog already saw at an older version: an older deploy. Change nothing
         // but the record of its shape.
         if catalog.latest_fingerprint() == Some(fingerprint)
@@ -842,7 +857,6 @@ async fn reconcile<E: TitoEngine>(
             }
             return Ok(stored.map(|bytes| (bytes, catalog)));
         }
-        let mut empty: Option<bool> = None;
         let next = catalog.version + 1;
         let not_before = crate::engine::version_millis(tx.start_version()).saturating_add(grace_ms);
         for (name, definition) in &handle.code.definitions {
@@ -851,12 +865,7 @@ async fn reconcile<E: TitoEngine>(
                     let is_empty = match empty {
                         Some(known) => known,
                         None => {
-                            let prefix = keys::table_prefix(table);
-                            let end = keys::prefix_end(prefix.clone());
-                            let known = tx
-                                .scan(prefix.as_bytes(), end.as_bytes(), 1)
-                                .await?
-                                .is_empty();
+                            let known = table_is_empty(&tx, table).await?;
                             empty = Some(known);
                             known
                         }

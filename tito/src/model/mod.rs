@@ -710,7 +710,7 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
     ) -> TitoResult<()> {
         let table = table.to_string();
         let handle = self.schema_handle().await?;
-        let (stored, _, _) = load(tx, &table, id, &handle, &[]).await?;
+        let (stored, plan, _) = load(tx, &table, id, &handle, &[]).await?;
         let stored = stored.ok_or_else(|| TitoError::NotFound(no_row(&table, id)))?;
         let operation = reported_operation(&options, TitoOperation::Delete, false, &table, id)?;
         // A row that does not read as `T` (a shape no declared conversion reads, a newer one,
@@ -720,6 +720,24 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         let events = match operation {
             Some(operation) => {
                 match shape::decode_row::<T>(&keys::row_key(&table, id), &stored.bytes) {
+                    // In the shape writers may write, as an update's events are: the running
+                    // deploy's handlers read it. Without a downgrade to it, as stored.
+                    Ok(model) if T::VERSION > plan.writable => {
+                        let row = serde_json::to_value(&model)?;
+                        match write::written_shape(&model, &row, &table, plan.writable) {
+                            Ok((version, json)) => {
+                                let row: serde_json::Value = serde_json::from_slice(&json)?;
+                                self.prepare_events(tx, operation, &model, &row, version)?
+                            }
+                            Err(_) => self.prepare_events(
+                                tx,
+                                operation,
+                                &model,
+                                &stored.row,
+                                stored.version,
+                            )?,
+                        }
+                    }
                     Ok(model) => self.prepare_events(tx, operation, &model, &model, T::VERSION)?,
                     Err(err) => {
                         tracing::warn!(table = %table, id, error = %err, "deleting a row that does not decode as its model");

@@ -297,7 +297,10 @@ pub(crate) fn register<E: crate::engine::TitoEngine, T: TitoModelTrait>(db: &E) 
             db,
             &T::default().table(),
             T::VERSION,
-            std::any::TypeId::of::<T>(),
+            (
+                std::any::TypeId::of::<T>(),
+                std::any::TypeId::of::<crate::event::ModelEvent<T>>(),
+            ),
             event_row::<T>,
         );
     }

@@ -131,15 +131,19 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         let (version, json) = written_shape(&stored_model, &row, &table, plan.writable)?;
         // A row written in an older shape (through the downgrade) is indexed as the code of
         // that shape indexes it: the definitions applied to the row as stored, so that the code
-        // still running finds it by the values it reads (an index whose condition is code keeps
-        // this code's evaluation).
+        // still running finds it by the values it reads. Only an index whose condition is code
+        // keeps this code's evaluation; every other index takes the row as stored.
         if version != T::VERSION {
             let (stored_plan, skipped) =
                 plan.for_stored_shape_with(|name| handle.code.definitions.get(name).cloned());
-            if skipped.is_empty() {
-                let stored: Value = serde_json::from_slice(&json)?;
-                new_entries = planned_entries(&stored_plan, &[], &stored, &table, &id)?;
-            }
+            let stored: Value = serde_json::from_slice(&json)?;
+            let mut entries = planned_entries(&stored_plan, &[], &stored, &table, &id)?;
+            entries.extend(
+                new_entries
+                    .into_iter()
+                    .filter(|(entry, _)| skipped.contains(&entry.index)),
+            );
+            new_entries = entries;
         }
         let step = RowWrite {
             table: &table,
@@ -344,7 +348,7 @@ fn plan_row(
 /// The shape version a write stores and the row's JSON in it: the code's own while the table's
 /// catalog lets writers write it, else the newest shape writers may write, through the model's
 /// downgrade. Without one the write is refused, naming the step that allows the code's shape.
-fn written_shape<T: TitoModelTrait>(
+pub(super) fn written_shape<T: TitoModelTrait>(
     model: &T,
     row: &Value,
     table: &str,

@@ -610,10 +610,39 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
             .iter()
             .map(|owner| owner.as_ref().and_then(|_| fetched.next().flatten()))
             .collect();
-        for (((key, _), owner), row) in found.iter().zip(&owners).zip(&rows) {
+        // The keys each owner's manifest lists: the row phase judged those already (a key
+        // counted there is not counted again here).
+        let listed: Vec<Vec<String>> = match sort {
+            KeySort::Manifest => vec![Vec::new(); owners.len()],
+            _ => {
+                let manifest_keys: Vec<Vec<u8>> = owners
+                    .iter()
+                    .flatten()
+                    .map(|id| keys::manifest_key(&table, id).into_bytes())
+                    .collect();
+                let mut manifests = tx.batch_get(&manifest_keys).await?.into_iter();
+                owners
+                    .iter()
+                    .map(|owner| {
+                        let manifest = owner.as_ref().and_then(|_| manifests.next().flatten());
+                        match (owner, manifest) {
+                            (Some(id), Some(bytes)) => {
+                                parse_manifest(&keys::manifest_key(&table, id), &bytes)
+                                    .map(|(_, listed)| listed)
+                                    .unwrap_or_default()
+                            }
+                            _ => Vec::new(),
+                        }
+                    })
+                    .collect()
+            }
+        };
+        for ((((key, _), owner), row), listed) in found.iter().zip(&owners).zip(&rows).zip(&listed)
+        {
             let text = keys::key_str(key)?;
             state.report.keys += 1;
             let implied = match (owner, row) {
+                (Some(_), Some(_)) if listed.iter().any(|k| k == text) => true,
                 (Some(id), Some(bytes)) => match sort {
                     KeySort::Manifest => true,
                     _ => match self.implied(plan, &table, id, bytes) {

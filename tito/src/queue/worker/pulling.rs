@@ -411,12 +411,29 @@ impl Pulling {
                 // A model event's row of an older shape is read through a newer model of its
                 // table that this process knows, when the handler's type does not take it as
                 // it is.
-                let typed = item.stored.typed::<T>().or_else(|err| {
-                    crate::event::readers::upgraded_payloads(queue.engine(), &item.stored.payload)
+                // A handler typed by a versioned model this process knows reads the row through
+                // that model's conversions, by the shape the event says it is in.
+                let typed = match crate::event::readers::for_handler(
+                    queue.engine(),
+                    std::any::TypeId::of::<T>(),
+                    &item.stored.payload,
+                ) {
+                    Some(Some(payload)) => item.stored.typed_from::<T>(payload),
+                    Some(None) => Err(crate::error::TitoError::Integrity(format!(
+                        "the row of this model event is in a shape the conversions of {} do not \
+                         read",
+                        std::any::type_name::<T>()
+                    ))),
+                    None => item.stored.typed::<T>().or_else(|err| {
+                        crate::event::readers::upgraded_payloads(
+                            queue.engine(),
+                            &item.stored.payload,
+                        )
                         .into_iter()
                         .find_map(|payload| item.stored.typed_from::<T>(payload).ok())
                         .ok_or(err)
-                });
+                    }),
+                };
                 let event = match typed {
                     Ok(event) => event,
                     Err(err) => {
