@@ -202,6 +202,7 @@ async fn durable_commits_survive_crashes_across_preallocation_settings() {
 }
 
 const CYCLE_VAR: &str = "TITO_CRASH_CHILD_CYCLE";
+const ENGINE_VAR: &str = "TITO_CRASH_CHILD_ENGINE";
 const TASKS: u64 = 3;
 
 fn loop_key(cycle: u64, task: u64, i: u64, part: usize) -> Vec<u8> {
@@ -217,7 +218,22 @@ async fn crash_loop_child() {
         return;
     };
     let cycle: u64 = cycle.parse().unwrap();
-    let db = Embedded::open_with(&dir, options("durable")).await.unwrap();
+    match std::env::var(ENGINE_VAR).as_deref() {
+        Ok("sqlite") => {
+            let db = tito::backend::sqlite::Sqlite::open(Path::new(&dir).join("store.db"))
+                .await
+                .unwrap();
+            commit_until_killed(db, cycle).await;
+        }
+        _ => {
+            let db = Embedded::open_with(&dir, options("durable")).await.unwrap();
+            commit_until_killed(db, cycle).await;
+        }
+    }
+}
+
+/// Several tasks committing numbered four-key transactions, each reported after it returned.
+async fn commit_until_killed<E: TitoEngine>(db: E, cycle: u64) {
     let tasks: Vec<_> = (0..TASKS)
         .map(|task| {
             let db = db.clone();
@@ -245,15 +261,64 @@ async fn crash_loop_child() {
 
 /// Kill-and-reopen cycles on one durable store: a child with several committing tasks is
 /// killed at a moment chosen per cycle; after each reopen every acknowledged commit is there
-/// whole, nothing is half applied, and versions keep rising. `TITO_CRASH_CYCLES` sets the
-/// count (3 by default; 100 for the long run).
+/// whole, nothing is half applied, versions keep rising, the store's clock is at most the
+/// oracle's window ahead of the wall clock however many crashes came before, and an event
+/// published with a delay does not start before that delay has passed. `TITO_CRASH_CYCLES`
+/// sets the count (3 by default; 100 for the long run).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crash_loop_loses_no_acknowledged_commit() {
+    let dir = tempfile::tempdir().unwrap();
+    crash_loop(
+        "embedded",
+        dir.path(),
+        |path| async move { Embedded::open_with(path, options("durable")).await.unwrap() },
+        |db| async move { db.close().await.unwrap() },
+    )
+    .await;
+}
+
+/// [`crash_loop_loses_no_acknowledged_commit`] on the SQLite engine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_crash_loop_loses_no_acknowledged_commit_and_keeps_its_clock() {
+    let dir = tempfile::tempdir().unwrap();
+    crash_loop(
+        "sqlite",
+        dir.path(),
+        |path| async move {
+            tito::backend::sqlite::Sqlite::open(path.join("store.db"))
+                .await
+                .unwrap()
+        },
+        |db| async move { db.close().await.unwrap() },
+    )
+    .await;
+}
+
+/// How far the store's clock is ahead of the wall clock at most after a crash: the oracle's
+/// three-second window, and room for the moments between reading the two clocks.
+const CLOCK_LEAD_LIMIT_MS: u64 = 3_000 + 250;
+
+fn wall_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+async fn crash_loop<E, F, Fut, C, Closed>(engine: &str, dir: &Path, open: F, close: C)
+where
+    E: TitoEngine,
+    F: Fn(std::path::PathBuf) -> Fut,
+    Fut: std::future::Future<Output = E>,
+    C: Fn(E) -> Closed,
+    Closed: std::future::Future<Output = ()>,
+{
     let cycles: u64 = std::env::var("TITO_CRASH_CYCLES")
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(3);
-    let dir = tempfile::tempdir().unwrap();
+    let mut max_lead_ms = 0u64;
+    let mut shortest_delay = Duration::MAX;
     let mut acknowledged = 0u64;
     let mut lost = 0u64;
     let mut last_version = 0u64;
@@ -272,8 +337,9 @@ async fn crash_loop_loses_no_acknowledged_commit() {
                 "--nocapture",
                 "--test-threads=1",
             ])
-            .env(DIR_VAR, dir.path())
+            .env(DIR_VAR, dir)
             .env(CYCLE_VAR, cycle.to_string())
+            .env(ENGINE_VAR, engine)
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
@@ -301,10 +367,15 @@ async fn crash_loop_loses_no_acknowledged_commit() {
         child.wait().unwrap();
         acknowledged += reported.len() as u64;
 
-        let db = Embedded::open_with(dir.path(), options("durable"))
-            .await
-            .unwrap();
+        let db = open(dir.to_path_buf()).await;
         let tx = db.begin().await.unwrap();
+        // However many crashes came before, the clock is at most the window ahead.
+        let lead_ms = tito::engine::version_millis(tx.start_version()).saturating_sub(wall_ms());
+        assert!(
+            lead_ms <= CLOCK_LEAD_LIMIT_MS,
+            "{engine}, cycle {cycle}: the store's clock is {lead_ms} ms ahead of the wall clock"
+        );
+        max_lead_ms = max_lead_ms.max(lead_ms);
         for (task, i, _) in &reported {
             for part in 0..KEYS_PER_TX {
                 if tx.get(&loop_key(cycle, *task, *i, part)).await.unwrap()
@@ -340,12 +411,61 @@ async fn crash_loop_loses_no_acknowledged_commit() {
             .unwrap_or(0)
             .max(tx.start_version());
         tx.rollback().await.unwrap();
-        db.close().await.unwrap();
+        // An event due a second after its publication starts a second later at the soonest,
+        // with the clock ahead as the crash left it.
+        shortest_delay = shortest_delay.min(delayed_start(&db, cycle).await);
+        close(db).await;
     }
     println!(
-        "crash loop: {cycles} cycles, {acknowledged} commits acknowledged, {lost} keys of them lost"
+        "crash loop ({engine}): {cycles} cycles, {acknowledged} commits acknowledged, {lost} keys \
+         of them lost; the clock at most {max_lead_ms} ms ahead of the wall clock after a crash; \
+         a 1 s delay started after {shortest_delay:?} at the soonest"
     );
     assert_eq!(lost, 0);
+}
+
+/// Publishes an event due one second after its publication and returns how long after the
+/// publication its handler started (on the wall clock).
+async fn delayed_start<E: TitoEngine>(db: &E, cycle: u64) -> Duration {
+    const DELAY: Duration = Duration::from_secs(1);
+    let queue = std::sync::Arc::new(tito::Queue::new(
+        db.clone(),
+        tito::QueueConfig::new(1, Duration::from_secs(3600)).topic("delayed"),
+    ));
+    let published = Instant::now();
+    queue
+        .publish(tito::QueueEvent::after(
+            format!("cycle:{cycle}"),
+            cycle,
+            DELAY,
+        ))
+        .await
+        .unwrap();
+    let (sender, mut started) = tokio::sync::mpsc::unbounded_channel();
+    let mut workers = tito::Workers::new();
+    workers.spawn_worker(
+        queue,
+        tito::WorkerConfig::new(0..1),
+        move |event: tito::QueueEvent<u64>| {
+            let sender = sender.clone();
+            async move {
+                let _ = sender.send((event.payload, Instant::now()));
+                Ok(tito::QueueHandlerOutcome::Acknowledge)
+            }
+        },
+    );
+    let (payload, at) = tokio::time::timeout(Duration::from_secs(30), started.recv())
+        .await
+        .expect("the delayed event started within 30 s")
+        .unwrap();
+    workers.shutdown().await.unwrap();
+    assert_eq!(payload, cycle);
+    let waited = at - published;
+    assert!(
+        waited >= DELAY,
+        "cycle {cycle}: an event due in {DELAY:?} started after {waited:?}"
+    );
+    waited
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@
 mod support;
 
 mod boundary;
+mod clock;
 mod cluster;
 mod crash;
 mod defects;

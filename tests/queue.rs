@@ -675,9 +675,10 @@ pub async fn reschedule_replaces_the_row_atomically<E: TitoEngine>(ctx: Ctx<E>) 
             // A proper replacement, an hour later.
             1 => QueueHandlerOutcome::Reschedule(event.rescheduled(now() + 3600)),
             // A replacement with another payload is refused: the invocation stays pending.
-            _ => QueueHandlerOutcome::Reschedule(QueueEvent {
-                payload: Job { n: 99 },
-                ..event
+            _ => QueueHandlerOutcome::Reschedule({
+                let mut other = event;
+                other.payload = Job { n: 99 };
+                other
             }),
         })
     });

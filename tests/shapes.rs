@@ -9,7 +9,9 @@ use serde_json::Value;
 use tito::model::{ShapeError, TitoModelTrait};
 use tito::queue::ModelEvent;
 use tito::queue::testing::drain;
-use tito::{QueueEvent, QueueHandlerOutcome, TitoEngine, TitoError, TitoModel, TitoShape};
+use tito::{
+    QueueEvent, QueueHandlerOutcome, TitoEngine, TitoError, TitoModel, TitoShape, TitoTransaction,
+};
 
 use crate::support::{Ctx, read};
 
@@ -35,6 +37,10 @@ macro_rules! shapes_suite {
                 a_conversion_that_panics_is_a_refusal_and_the_row_stays_deletable,
                 a_rollback_rewrites_rows_back_to_the_older_shape_in_maintenance,
                 a_conversion_that_changes_the_id_is_a_refusal,
+                a_downgraded_write_beside_a_conditional_index_indexes_the_stored_values,
+                a_table_whose_rows_predate_the_catalog_stays_at_version_one,
+                a_newer_handler_reads_an_older_events_row_through_its_conversion,
+                a_delete_by_the_next_deploy_publishes_the_allowed_shape,
             ]
         );
     };
@@ -1763,4 +1769,317 @@ async fn versions_of<E: TitoEngine>(db: &E, table: &str) -> Vec<(u32, u64)> {
         .rows
         .into_iter()
         .collect()
+}
+
+/// The first code of a table with a plain and a conditional index on one field.
+#[derive(TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(table = "sku")]
+#[tito(index = "sku_by_code: code")]
+#[tito(index = "sku_live_by_code: code", condition = "is_live")]
+pub struct SkuOld {
+    pub id: String,
+    pub code: String,
+    pub live: bool,
+}
+
+impl SkuOld {
+    fn is_live(&self) -> bool {
+        self.live
+    }
+}
+
+#[derive(TitoShape, Serialize, Deserialize)]
+#[tito(version = 1)]
+pub struct Sku1 {
+    pub id: String,
+    pub code: String,
+    pub live: bool,
+}
+
+/// The next code: codes in lower case, written upper case through the downgrade.
+#[derive(TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(table = "sku", version = 2, from = "Sku1", downgrade = "sku_down")]
+#[tito(index = "sku_by_code: code")]
+#[tito(index = "sku_live_by_code: code", condition = "is_live")]
+pub struct Sku {
+    pub id: String,
+    pub code: String,
+    pub live: bool,
+}
+
+impl Sku {
+    fn is_live(&self) -> bool {
+        self.live
+    }
+}
+
+impl From<Sku1> for Sku {
+    fn from(v1: Sku1) -> Self {
+        Sku {
+            id: v1.id,
+            code: v1.code.to_lowercase(),
+            live: v1.live,
+        }
+    }
+}
+
+fn sku_down(sku: &Sku) -> Sku1 {
+    Sku1 {
+        id: sku.id.clone(),
+        code: sku.code.to_uppercase(),
+        live: sku.live,
+    }
+}
+
+pub async fn a_downgraded_write_beside_a_conditional_index_indexes_the_stored_values<
+    E: TitoEngine,
+>(
+    ctx: Ctx<E>,
+) {
+    let olds = ctx.db.clone().model::<SkuOld>();
+    olds.build(SkuOld {
+        id: "a".into(),
+        code: "ABC".into(),
+        live: true,
+    })
+    .await
+    .unwrap();
+    // The next deploy writes while version 1 is allowed: the row is stored as version 1 reads
+    // it, and the plain index holds that value, as beside an unconditional index alone.
+    let news = ctx.db.clone().model::<Sku>();
+    news.build(Sku {
+        id: "b".into(),
+        code: "xyz".into(),
+        live: true,
+    })
+    .await
+    .unwrap();
+    let stored = read(&ctx.db, row_key_of("sku", "b").as_bytes())
+        .await
+        .unwrap();
+    assert!(String::from_utf8_lossy(&stored).contains("\"XYZ\""));
+    let found = olds.sku_by_code("XYZ").execute().await.unwrap().items;
+    assert_eq!(
+        found.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(),
+        ["b"]
+    );
+    assert!(
+        news.sku_by_code("xyz")
+            .execute()
+            .await
+            .unwrap()
+            .items
+            .is_empty()
+    );
+    for (who, report) in [
+        ("old", olds.audit(|_| {}).await.unwrap()),
+        ("new", news.audit(|_| {}).await.unwrap()),
+    ] {
+        assert!(report.is_clean(), "{who} code's audit: {report:?}");
+    }
+    // The same after an update by the next deploy, and after a restart of both.
+    news.update(Sku {
+        id: "b".into(),
+        code: "xyw".into(),
+        live: true,
+    })
+    .await
+    .unwrap();
+    let (olds, news) = (
+        ctx.db.clone().model::<SkuOld>(),
+        ctx.db.clone().model::<Sku>(),
+    );
+    let found = olds.sku_by_code("XYW").execute().await.unwrap().items;
+    assert_eq!(found.len(), 1);
+    assert!(
+        olds.sku_by_code("XYZ")
+            .execute()
+            .await
+            .unwrap()
+            .items
+            .is_empty()
+    );
+    assert!(news.audit(|_| {}).await.unwrap().is_clean());
+
+    // An orphaned entry that the row's manifest lists is counted once, not by both the row
+    // phase and the entry phase.
+    let manifest_key = tito::keys::manifest_key("sku", "b");
+    let manifest: Value =
+        serde_json::from_slice(&read(&ctx.db, manifest_key.as_bytes()).await.unwrap()).unwrap();
+    let listed: Vec<String> = serde_json::from_value(manifest["keys"].clone()).unwrap();
+    let entry = listed
+        .iter()
+        .find(|k| k.contains(":sku_by_code:"))
+        .unwrap_or_else(|| panic!("{listed:?}"))
+        .clone();
+    let orphan = entry.replace("XYW", "QQQ");
+    assert_ne!(orphan, entry);
+    let mut manifest = manifest;
+    manifest["keys"]
+        .as_array_mut()
+        .unwrap()
+        .push(Value::from(orphan.clone()));
+    let bytes = serde_json::to_vec(&manifest).unwrap();
+    ctx.db
+        .transaction(|tx| {
+            let (manifest_key, orphan, bytes) =
+                (manifest_key.clone(), orphan.clone(), bytes.clone());
+            async move {
+                tx.put(orphan.into_bytes(), Vec::new()).await?;
+                tx.put(manifest_key.into_bytes(), bytes).await
+            }
+        })
+        .await
+        .unwrap();
+    let report = olds.audit(|_| {}).await.unwrap();
+    assert_eq!(
+        report.count(tito::schema::AuditKind::OrphanedEntry),
+        1,
+        "{report:?}"
+    );
+}
+
+fn row_key_of(table: &str, id: &str) -> String {
+    tito::keys::row_key(table, id)
+}
+
+pub async fn a_table_whose_rows_predate_the_catalog_stays_at_version_one<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    let olds = ctx.db.clone().model::<OldMember>();
+    olds.build(old("1", "a", "Ada Lovelace")).await.unwrap();
+    // A store written before catalogs were recorded: rows and manifests, no catalog.
+    let catalog = tito::keys::schema_key("member");
+    ctx.db
+        .transaction(|tx| {
+            let catalog = catalog.clone();
+            async move { tx.delete(catalog.into_bytes()).await }
+        })
+        .await
+        .unwrap();
+    // The next deploy's first use leaves version 1 the one writers write: the code still
+    // running reads what the next deploy writes.
+    let nexts = ctx.db.clone().model::<MemberNext>();
+    nexts
+        .build(next("2", "a", "Grace", "Hopper"))
+        .await
+        .unwrap();
+    assert_eq!(versions(&ctx.db).await, [(1, 2)]);
+    let olds = ctx.db.clone().model::<OldMember>();
+    assert_eq!(
+        olds.find_by_id("2", vec![]).await.unwrap().name,
+        "Grace Hopper"
+    );
+}
+
+/// The first code of a table of subscriptions.
+#[derive(TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(table = "sub")]
+#[tito(event = "sub_changed")]
+pub struct SubOld {
+    pub id: String,
+    pub email: String,
+}
+
+#[derive(TitoShape, Serialize, Deserialize)]
+#[tito(version = 1)]
+pub struct Sub1 {
+    pub id: String,
+    pub email: String,
+}
+
+/// The next code: the domain, taken from the email by the conversion; serde alone would give
+/// an empty one.
+#[derive(TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(table = "sub", version = 2, from = "Sub1")]
+#[tito(event = "sub_changed")]
+pub struct Sub {
+    pub id: String,
+    pub email: String,
+    #[serde(default)]
+    pub domain: String,
+}
+
+impl From<Sub1> for Sub {
+    fn from(v1: Sub1) -> Self {
+        let domain = v1.email.split('@').nth(1).unwrap_or_default().to_string();
+        Sub {
+            id: v1.id,
+            email: v1.email,
+            domain,
+        }
+    }
+}
+
+pub async fn a_newer_handler_reads_an_older_events_row_through_its_conversion<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    let olds = ctx.db.clone().model::<SubOld>();
+    olds.build(SubOld {
+        id: "s".into(),
+        email: "ann@x.org".into(),
+    })
+    .await
+    .unwrap();
+    let subs = ctx.db.clone().model::<Sub>();
+    assert_eq!(subs.find_by_id("s", vec![]).await.unwrap().domain, "x.org");
+    let queue = Sub::SUB_CHANGED_EVENT
+        .spec(ctx.db.partitions(), Duration::from_secs(3600))
+        .open(ctx.db.clone())
+        .await
+        .unwrap();
+    let rows = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let sink = rows.clone();
+    let drained = drain(&queue, move |event: QueueEvent<ModelEvent<Sub>>| {
+        let sink = sink.clone();
+        async move {
+            sink.lock()
+                .unwrap()
+                .push((event.payload.row, event.payload.shape));
+            Ok(QueueHandlerOutcome::Acknowledge)
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(drained.acknowledged, 1, "{drained:?}");
+    let rows = rows.lock().unwrap().clone();
+    assert_eq!(rows[0].0.domain, "x.org");
+    assert_eq!(rows[0].1, 2);
+}
+
+pub async fn a_delete_by_the_next_deploy_publishes_the_allowed_shape<E: TitoEngine>(ctx: Ctx<E>) {
+    let olds = ctx.db.clone().model::<OldMember>();
+    olds.build(old("1", "a", "Ada Lovelace")).await.unwrap();
+    let nexts = ctx.db.clone().model::<MemberNext>();
+    nexts.delete_by_id("1").await.unwrap();
+    let old_queue = OldMember::MEMBER_CHANGED_EVENT
+        .spec(ctx.db.partitions(), Duration::from_secs(3600))
+        .open(ctx.db.clone())
+        .await
+        .unwrap();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let sink = seen.clone();
+    let drained = drain(
+        &old_queue,
+        move |event: QueueEvent<ModelEvent<OldMember>>| {
+            let sink = sink.clone();
+            async move {
+                sink.lock()
+                    .unwrap()
+                    .push((event.payload.operation, event.payload.row.name));
+                Ok(QueueHandlerOutcome::Acknowledge)
+            }
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        (drained.delivered, drained.acknowledged, drained.still_due),
+        (2, 2, 0),
+        "{drained:?}"
+    );
+    assert!(seen.lock().unwrap().contains(&(
+        tito::model::TitoOperation::Delete,
+        "Ada Lovelace".to_string()
+    )));
 }

@@ -1086,7 +1086,10 @@ mod tests {
         let crashes = 50u64;
         for _ in 0..crashes {
             let mut oracle = Oracle::starting_at(mark);
-            assert!(oracle.next().is_none(), "no version before a mark covers it");
+            assert!(
+                oracle.next().is_none(),
+                "no version before a mark covers it"
+            );
             let wanted = oracle.wanted().unwrap();
             oracle.raise(wanted);
             let version = oracle.next().unwrap();
@@ -1096,7 +1099,10 @@ mod tests {
         }
         let lead_ms = version_millis(mark).saturating_sub(now_millis());
         let bound = ORACLE_WINDOW_MS + crashes * version_millis(ORACLE_AHEAD_STEP).max(1);
-        assert!(lead_ms <= bound, "{lead_ms} ms ahead after {crashes} crashes");
+        assert!(
+            lead_ms <= bound,
+            "{lead_ms} ms ahead after {crashes} crashes"
+        );
         // Once the wall clock passed the lead, marks are a window ahead of it again.
         let mut oracle = Oracle::starting_at(version_from_millis(now_millis() - 10_000));
         let lead_ms = version_millis(oracle.wanted().unwrap()).saturating_sub(now_millis());

@@ -190,7 +190,8 @@ impl<T> QueueEvent<T> {
     fn due_in(mut self, delay: std::time::Duration) -> Self {
         let now_ms = chrono::Utc::now().timestamp_millis();
         let delay_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
-        self.timestamp = ceil_seconds(now_ms.saturating_add(i64::try_from(delay_ms).unwrap_or(i64::MAX)));
+        self.timestamp =
+            ceil_seconds(now_ms.saturating_add(i64::try_from(delay_ms).unwrap_or(i64::MAX)));
         self.relative = Some(Relative {
             estimate: self.timestamp,
             delay_ms,

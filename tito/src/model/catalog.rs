@@ -812,7 +812,10 @@ pub(crate) async fn read_progress<X: TitoTransaction>(
 async fn table_is_empty<X: TitoTransaction>(tx: &X, table: &str) -> TitoResult<bool> {
     let prefix = keys::table_prefix(table);
     let end = keys::prefix_end(prefix.clone());
-    Ok(tx.scan(prefix.as_bytes(), end.as_bytes(), 1).await?.is_empty())
+    Ok(tx
+        .scan(prefix.as_bytes(), end.as_bytes(), 1)
+        .await?
+        .is_empty())
 }
 
 /// Reconciles the catalog with the code in one transaction (see the module docs). Returns the

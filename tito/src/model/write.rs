@@ -6,7 +6,7 @@ use std::collections::{HashMap, HashSet};
 
 use serde_json::Value;
 
-use super::catalog::{IndexState, WritePlan};
+use super::catalog::{IndexState, PlannedIndex, WritePlan};
 use super::index::{self, Entry};
 use super::{
     Mode, Stored, TitoModel, TitoModelTrait, TitoOperation, TitoOptions, code_entries,
@@ -131,18 +131,38 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         let (version, json) = written_shape(&stored_model, &row, &table, plan.writable)?;
         // A row written in an older shape (through the downgrade) is indexed as the code of
         // that shape indexes it: the definitions applied to the row as stored, so that the code
-        // still running finds it by the values it reads. Only an index whose condition is code
-        // keeps this code's evaluation; every other index takes the row as stored.
+        // still running finds it by the values it reads. An index whose condition is code
+        // (which cannot be evaluated on a shape this code does not hold) takes the row when
+        // this code's condition says so, with the values as stored too.
         if version != T::VERSION {
             let (stored_plan, skipped) =
                 plan.for_stored_shape_with(|name| handle.code.definitions.get(name).cloned());
             let stored: Value = serde_json::from_slice(&json)?;
             let mut entries = planned_entries(&stored_plan, &[], &stored, &table, &id)?;
-            entries.extend(
-                new_entries
-                    .into_iter()
-                    .filter(|(entry, _)| skipped.contains(&entry.index)),
-            );
+            let conditional = WritePlan {
+                version: plan.version,
+                writable: plan.writable,
+                indexes: plan
+                    .indexes
+                    .iter()
+                    .filter(|index| skipped.contains(&index.name))
+                    .map(|index| PlannedIndex {
+                        name: index.name.clone(),
+                        unique: index.unique,
+                        key_only: index.key_only,
+                        state: index.state,
+                        stored: None,
+                        as_stored: None,
+                    })
+                    .collect(),
+            };
+            entries.extend(planned_entries(
+                &conditional,
+                &configs,
+                &stored,
+                &table,
+                &id,
+            )?);
             new_entries = entries;
         }
         let step = RowWrite {

@@ -236,7 +236,7 @@ async fn build_batch<X: TitoTransaction>(
     .with_stored_shapes(|_| Some(entry.definition.clone()));
     // A row stored in another shape version is indexed as the code that wrote it indexes it:
     // the definition applied to the row as stored (an index whose condition is code cannot be
-    // told for it: it is built from the row in this code's shape, as before).
+    // told for it: this code's condition decides, the values are the row's as stored).
     let (stored_plan, skipped) = plan.for_stored_shape();
     let other_shape = skipped.is_empty().then_some(&stored_plan);
     if progress.rows_done == 0 && progress.rows_estimate.is_none() {
@@ -259,10 +259,17 @@ async fn build_batch<X: TitoTransaction>(
             Err(err) => return Err(err),
         };
         let stored_version = crate::model::shape::split(bytes).map(|(v, _)| v);
+        let other_version = stored_version != Some(handle.code.shape_version);
         let (row_plan, row, code) = match other_shape {
-            Some(stored_plan) if stored_version != Some(handle.code.shape_version) => {
+            Some(stored_plan) if other_version => {
                 let (_, stored) = crate::model::shape::stored_value(&row_key, bytes)?;
                 (stored_plan, stored, Vec::new())
+            }
+            // An index whose condition is code: the row is in it when this code's condition
+            // says so, under the values as stored (as a write through a downgrade indexes it).
+            None if other_version => {
+                let (_, stored) = crate::model::shape::stored_value(&row_key, bytes)?;
+                (&plan, stored, (handle.code.row_configs)(&row_key, bytes)?)
             }
             _ => {
                 let code = match plan.indexes[0].stored {
