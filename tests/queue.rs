@@ -64,6 +64,7 @@ macro_rules! queue_suite {
                 limits_are_checked_and_stored,
                 unique_keys_hold_for_their_period_in_the_states_covered,
                 priorities_run_first_and_lower_ones_age,
+                a_keys_handlers_first_run_in_the_order_of_its_rows,
             ]
         );
     };
@@ -2560,4 +2561,90 @@ pub async fn priorities_run_first_and_lower_ones_age<E: TitoEngine>(ctx: Ctx<E>)
     let &(_, priority, at, due) = order.iter().find(|(n, ..)| *n == 6).unwrap();
     assert_eq!(priority, 9, "its priority kept");
     assert!(at >= due * 1000 - 100, "started at {at} ms, due at {due} s");
+}
+
+/// A key's invocations, due at one second and stored in order, first run in that order at the
+/// default concurrency (many handlers at once), for plain and transactional handlers alike,
+/// whatever order the runtime polls their tasks in.
+pub async fn a_keys_handlers_first_run_in_the_order_of_its_rows<E: TitoEngine>(ctx: Ctx<E>) {
+    const KEYS: u32 = 6;
+    const PER_KEY: u32 = 8;
+    for transactional in [false, true] {
+        let queue = Arc::new(Queue::new(
+            ctx.db.clone(),
+            QueueConfig::new(2, Duration::from_secs(3600)).topic(if transactional {
+                "ordered_tx"
+            } else {
+                "ordered"
+            }),
+        ));
+        let due = now();
+        for n in 0..PER_KEY {
+            for key in 0..KEYS {
+                queue
+                    .publish(QueueEvent::new(format!("row:{key}"), Job { n }, due))
+                    .await
+                    .unwrap();
+            }
+        }
+        let seen: Arc<Mutex<Vec<(String, u32)>>> = Arc::default();
+        let (stop, rx) = watch::channel(false);
+        let sink = seen.clone();
+        let task = if transactional {
+            tokio::spawn(run_transactional_worker(
+                queue.clone(),
+                fast(0..2),
+                move |event: QueueEvent<Job>, _tx| {
+                    let sink = sink.clone();
+                    async move {
+                        sink.lock().unwrap().push((event.key, event.payload.n));
+                        Ok(QueueHandlerOutcome::Acknowledge)
+                    }
+                },
+                rx,
+            ))
+        } else {
+            tokio::spawn(run_worker(
+                queue.clone(),
+                fast(0..2),
+                move |event: QueueEvent<Job>| {
+                    let sink = sink.clone();
+                    async move {
+                        sink.lock().unwrap().push((event.key, event.payload.n));
+                        Ok(QueueHandlerOutcome::Acknowledge)
+                    }
+                },
+                rx,
+            ))
+        };
+        let watched = seen.clone();
+        wait_for("every start", Duration::from_secs(60), move || {
+            let watched = watched.clone();
+            async move {
+                // A transactional handler runs again when its transaction replays: count each
+                // invocation once.
+                let distinct: std::collections::HashSet<(String, u32)> =
+                    watched.lock().unwrap().iter().cloned().collect();
+                distinct.len() as u32 >= KEYS * PER_KEY
+            }
+        })
+        .await;
+        stop.send(true).unwrap();
+        task.await.unwrap().unwrap();
+        let seen = seen.lock().unwrap().clone();
+        for key in 0..KEYS {
+            // Each invocation's first run, in the order they happened.
+            let mut order: Vec<u32> = Vec::new();
+            for (_, n) in seen.iter().filter(|(k, _)| *k == format!("row:{key}")) {
+                if !order.contains(n) {
+                    order.push(*n);
+                }
+            }
+            assert_eq!(
+                order,
+                (0..PER_KEY).collect::<Vec<_>>(),
+                "row:{key}, transactional: {transactional}"
+            );
+        }
+    }
 }

@@ -41,6 +41,7 @@ macro_rules! shapes_suite {
                 a_table_whose_rows_predate_the_catalog_stays_at_version_one,
                 a_newer_handler_reads_an_older_events_row_through_its_conversion,
                 a_delete_by_the_next_deploy_publishes_the_allowed_shape,
+                an_inbox_row_whose_downgrade_panics_is_set_aside_and_the_group_goes_on,
             ]
         );
     };
@@ -2082,4 +2083,73 @@ pub async fn a_delete_by_the_next_deploy_publishes_the_allowed_shape<E: TitoEngi
         tito::model::TitoOperation::Delete,
         "Ada Lovelace".to_string()
     )));
+}
+
+/// The next deploy of the inbox, whose downgrade panics on one body.
+#[derive(TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(
+    inbox,
+    table = "hook",
+    version = 2,
+    from = "HookV1",
+    downgrade = "fragile_down"
+)]
+pub struct FragileHook {
+    pub id: String,
+    #[tito(group)]
+    pub endpoint: String,
+    pub lines: Vec<String>,
+}
+
+impl From<HookV1> for FragileHook {
+    fn from(v1: HookV1) -> Self {
+        FragileHook {
+            id: v1.id,
+            endpoint: v1.endpoint,
+            lines: v1.body.lines().map(str::to_string).collect(),
+        }
+    }
+}
+
+fn fragile_down(hook: &FragileHook) -> HookV1 {
+    assert!(
+        !hook.lines.iter().any(|l| l == "boom"),
+        "this downgrade cannot write a boom"
+    );
+    HookV1 {
+        id: hook.id.clone(),
+        endpoint: hook.endpoint.clone(),
+        body: hook.lines.join("\n"),
+    }
+}
+
+pub async fn an_inbox_row_whose_downgrade_panics_is_set_aside_and_the_group_goes_on<
+    E: TitoEngine,
+>(
+    ctx: Ctx<E>,
+) {
+    let olds = ctx.db.clone().model::<OldHook>();
+    for (id, body) in [("1", "a"), ("2", "boom"), ("3", "c")] {
+        olds.build(OldHook {
+            id: id.into(),
+            endpoint: "shop".into(),
+            body: body.into(),
+        })
+        .await
+        .unwrap();
+    }
+    // Version 1 is allowed: the claim writes rows back through the downgrade, which panics on
+    // row 2. The other rows are delivered; row 2 is set aside for this code, and counted.
+    let (seen, bad) =
+        run_hooks_until::<E, FragileHook>(&ctx.db, Duration::from_secs(20), 2, None).await;
+    let mut ids: Vec<&str> = seen.iter().map(|h| h.id.as_str()).collect();
+    ids.sort();
+    assert_eq!(ids, ["1", "3"]);
+    assert_eq!(bad, ["2"]);
+    // Code of version 1 still takes it: the record holds for the code that made it.
+    let (seen, _) = run_hooks::<E, OldHook>(&ctx.db, Duration::from_secs(20), 1).await;
+    assert_eq!(
+        seen.iter().map(|h| h.id.as_str()).collect::<Vec<_>>(),
+        ["2"]
+    );
 }

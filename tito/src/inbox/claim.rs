@@ -279,7 +279,10 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
         let spec = &self.spec;
         let locked_until = Some(now.saturating_add(ms(config.lease)));
         let attempt = field_i64(&row, &spec.attempt).map(|a| a + 1);
-        self.set_lease(tx, &id, &mut row, locked_until).await?;
+        if spec.locked_until.is_some() {
+            // The lease is a field of the row: set here, written with the row below.
+            self.set_lease(tx, &id, &mut row, locked_until).await?;
+        }
         if let Some(a) = attempt {
             set(&mut row, &spec.attempt, Value::from(a));
         }
@@ -293,9 +296,31 @@ impl<E: TitoEngine, M: InboxModel> Inbox<E, M> {
             return Ok(None);
         };
         let model: M = serde_json::from_value(row.clone())?;
-        self.models
+        match self
+            .models
             .update_with_options(model, TitoOptions::without_events(), tx)
-            .await?;
+            .await
+        {
+            Ok(_) => {}
+            // A write refused before anything of it was buffered (a downgrade that fails or
+            // panics, a claim another row holds): the row is set aside for this code and
+            // counted, as a row it cannot read is, and the claim goes on with the others.
+            Err(
+                err @ (TitoError::SchemaMismatch(_)
+                | TitoError::RowShape { .. }
+                | TitoError::InvalidArgument(_)
+                | TitoError::UniqueViolation { .. }),
+            ) => {
+                let why = format!("the claim cannot write the row back: {err}");
+                self.set_aside(tx, &id, &why, print).await?;
+                return Ok(None);
+            }
+            Err(err) => return Err(err),
+        }
+        if spec.locked_until.is_none() {
+            // The lease is a key of its own, written once the row's write was accepted.
+            self.set_lease(tx, &id, &mut row, locked_until).await?;
+        }
         let claim = InboxClaim {
             id: id.clone(),
             locked_until,

@@ -78,6 +78,87 @@ impl From<TitoError> for Rolled {
     }
 }
 
+/// Closed once the user's handler future of one invocation was first polled (or the invocation
+/// ended without calling it): the next invocation of the same business key waits for it.
+#[derive(Clone)]
+pub(super) struct FirstPolled(Arc<tokio::sync::Semaphore>);
+
+impl Default for FirstPolled {
+    fn default() -> Self {
+        FirstPolled(Arc::new(tokio::sync::Semaphore::new(0)))
+    }
+}
+
+impl FirstPolled {
+    pub fn is_closed(&self) -> bool {
+        self.0.is_closed()
+    }
+
+    fn close(&self) {
+        self.0.close();
+    }
+}
+
+tokio::task_local! {
+    /// The first-poll signal of the invocation this task runs, taken by its first handler call.
+    static FIRST_POLL: std::cell::RefCell<Option<FirstPolled>>;
+}
+
+/// Runs `work` (one invocation) once `previous` (the invocation of the same key started before
+/// it) was first polled, and closes `polled` once the user's handler future of `work` was first
+/// polled, or `work` ended or was dropped without calling it. So a key's handlers first run in
+/// the order they were started, whatever order the runtime polls tasks in.
+pub(super) async fn in_start_order<F: Future>(
+    previous: Option<FirstPolled>,
+    polled: FirstPolled,
+    work: F,
+) -> F::Output {
+    /// Closes the signal when the invocation ends or is dropped, whatever it did.
+    struct CloseOnDrop(FirstPolled);
+    impl Drop for CloseOnDrop {
+        fn drop(&mut self) {
+            self.0.close();
+        }
+    }
+    let _closed = CloseOnDrop(polled.clone());
+    if let Some(previous) = previous {
+        // Closed, never granted: this returns once the previous handler was first polled.
+        let _ = previous.0.acquire().await;
+    }
+    FIRST_POLL
+        .scope(std::cell::RefCell::new(Some(polled)), work)
+        .await
+}
+
+/// The user's handler future, which closes this task's first-poll signal once first polled.
+fn first_polled<F: Future>(work: F) -> impl Future<Output = F::Output> {
+    struct Signal<F> {
+        work: std::pin::Pin<Box<F>>,
+        polled: Option<FirstPolled>,
+    }
+    impl<F: Future> Future for Signal<F> {
+        type Output = F::Output;
+        fn poll(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<F::Output> {
+            let out = self.work.as_mut().poll(cx);
+            if let Some(polled) = self.polled.take() {
+                polled.close();
+            }
+            out
+        }
+    }
+    let polled = FIRST_POLL
+        .try_with(|signal| signal.borrow_mut().take())
+        .ok()
+        .flatten();
+    Signal {
+        work: Box::pin(work),
+        polled,
+    }
+}
+
 /// Runs one invocation to its report.
 pub(super) type Invoker<T> =
     Arc<dyn Fn(Running, QueueEvent<T>) -> BoxFuture<'static, (Running, Report<T>)> + Send + Sync>;
@@ -96,10 +177,11 @@ where
         Box::pin(async move {
             // The call that builds the future is supervised with it: a handler that panics
             // before it returns a future is an invocation that panicked, not a lost task.
-            let report = match supervise(timeout, async move { handler(event).await }).await {
-                Ok(outcome) => Report::Done(outcome),
-                Err(failure) => Report::Failed(failure),
-            };
+            let report =
+                match supervise(timeout, async move { first_polled(handler(event)).await }).await {
+                    Ok(outcome) => Report::Done(outcome),
+                    Err(failure) => Report::Failed(failure),
+                };
             (running, report)
         })
     })
@@ -140,7 +222,7 @@ where
                     owner.clone(),
                 );
                 async move {
-                    let outcome = handler(event, tx.clone()).await?;
+                    let outcome = first_polled(handler(event, tx.clone())).await?;
                     let next =
                         successor(&pulled.stored, &outcome).map_err(TitoError::InvalidArgument)?;
                     // The lease and the pending row, read in one batch.

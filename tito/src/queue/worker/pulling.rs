@@ -74,7 +74,15 @@ pub(super) struct Pulling {
     /// slot goes to it, not to whatever row of the key the cursor reaches next (at most
     /// [`MAX_WAITING_KEPT`] keys).
     waiting: HashMap<String, crate::queue::pull::Pulled>,
+    /// Per business key, the first poll of the last handler started for it: the next handler of
+    /// the key is first polled after it, so a key's handlers first run in the order they were
+    /// started (the order of their rows), whatever order the runtime polls tasks in.
+    first_polls: HashMap<String, super::handler::FirstPolled>,
 }
+
+/// Past this many keys, the record of handlers' first polls drops the keys whose last handler
+/// was polled already.
+const FIRST_POLLS_KEPT: usize = 1024;
 
 /// How many keys' earliest waiting rows a worker remembers.
 pub const MAX_WAITING_KEPT: usize = 10_000;
@@ -118,6 +126,7 @@ impl Pulling {
             business: HashMap::new(),
             claim: false,
             waiting: HashMap::new(),
+            first_polls: HashMap::new(),
         }
     }
 
@@ -475,7 +484,18 @@ impl Pulling {
                 let token = Cancellation::default();
                 self.tokens
                     .insert(running.pulled.key.clone(), token.clone());
-                let work = with_cancellation(token, invoke(running, event));
+                let polled = super::handler::FirstPolled::default();
+                if self.first_polls.len() >= FIRST_POLLS_KEPT {
+                    self.first_polls.retain(|_, polled| !polled.is_closed());
+                }
+                let previous = self
+                    .first_polls
+                    .insert(running.pulled.stored.key.clone(), polled.clone());
+                let work = super::handler::in_start_order(
+                    previous,
+                    polled,
+                    with_cancellation(token, invoke(running, event)),
+                );
                 let figures = self.figures.clone();
                 handlers.spawn(
                     async move {
