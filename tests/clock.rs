@@ -139,3 +139,57 @@ async fn a_due_time_set_by_hand_after_a_delay_is_the_due_time() {
     .await;
     workers.shutdown().await.unwrap();
 }
+
+/// A resume in this process wakes its workers at once, every time: under paused time, with the
+/// idle pause an hour, each of four resumes (at four moments of the worker's `PAUSE_CHECK`
+/// period) starts the waiting invocation with no (virtual) time passing. A worker that kept its
+/// view of the pauses until it was `PAUSE_CHECK` old would start it only when time jumped
+/// there.
+#[tokio::test(start_paused = true)]
+async fn a_resume_wakes_this_processs_workers_at_once_every_time() {
+    use tito::queue::PAUSE_CHECK;
+    let db = Memory::with_options(MemoryOptions::new().clock(MemoryClock::Runtime {
+        epoch_ms: 1_700_000_000_000,
+    }))
+    .unwrap();
+    let queue = queue(&db, 1);
+    queue
+        .publish(QueueEvent::now("k", "first".to_string()))
+        .await
+        .unwrap();
+    let (sender, mut started) = tokio::sync::mpsc::unbounded_channel();
+    let mut workers = Workers::new();
+    workers.spawn_worker(
+        queue.clone(),
+        WorkerConfig::new(0..1).max_idle_backoff(Duration::from_secs(3600)),
+        move |event: QueueEvent<String>| {
+            let sender = sender.clone();
+            async move {
+                sender.send(event.payload).unwrap();
+                Ok(QueueHandlerOutcome::Acknowledge)
+            }
+        },
+    );
+    assert_eq!(started.recv().await.unwrap(), "first");
+    for cycle in 0..4 {
+        assert!(queue.pause(None, "deploy").await.unwrap());
+        // The worker sees the pause (its view is read again within PAUSE_CHECK).
+        tokio::time::sleep(PAUSE_CHECK * 2).await;
+        queue
+            .publish(QueueEvent::now("k", format!("cycle {cycle}")))
+            .await
+            .unwrap();
+        // Each cycle resumes at another moment of the worker's PAUSE_CHECK period.
+        tokio::time::sleep(PAUSE_CHECK * 3 + PAUSE_CHECK * cycle / 4).await;
+        assert!(started.try_recv().is_err(), "nothing starts while paused");
+        let resumed = tokio::time::Instant::now();
+        assert!(queue.resume(None).await.unwrap());
+        assert_eq!(started.recv().await.unwrap(), format!("cycle {cycle}"));
+        let waited = resumed.elapsed();
+        assert!(
+            waited < Duration::from_millis(20),
+            "cycle {cycle}: the resumed invocation started {waited:?} after the resume"
+        );
+    }
+    workers.shutdown().await.unwrap();
+}

@@ -176,6 +176,11 @@ impl Pulling {
             if let Some(state) = self.partitions.get_mut(&partition) {
                 state.next_poll = Instant::now();
                 state.backoff = MIN_IDLE_BACKOFF;
+                // A wake-up of a partition this worker holds paused may be its resume: read the
+                // pause records again now rather than when the view is [`PAUSE_CHECK`] old.
+                if self.paused.holds(partition) {
+                    self.paused_read = None;
+                }
             }
         }
         let mut due: Vec<u32> = self
