@@ -25,6 +25,7 @@ macro_rules! queue_declared_suite {
                 a_declared_queue_refuses_another_partition_count,
                 workers_on_a_declared_queue_use_its_failure_policy,
                 declared_periodic_jobs_publish_on_their_topic,
+                a_declared_queue_refuses_two_periodic_jobs_of_one_name,
                 handler_state_is_handed_to_every_invocation,
                 an_events_own_attempts_override_the_workers_policy,
                 drain_runs_what_is_due_and_says_what_happened,
@@ -176,6 +177,33 @@ pub async fn declared_periodic_jobs_publish_on_their_topic<E: TitoEngine>(ctx: C
             .is_some_and(|r| r.starts_with(&runner)),
         "{view:?}"
     );
+}
+
+pub async fn a_declared_queue_refuses_two_periodic_jobs_of_one_name<E: TitoEngine>(ctx: Ctx<E>) {
+    let hourly = Schedule::every("digest", Duration::from_secs(3600)).unwrap();
+    let daily = Schedule::cron("digest", "0 9 * * *").unwrap();
+    let twice = spec()
+        .periodic(PeriodicJob::new(hourly, Mail::Digest))
+        .periodic(PeriodicJob::new(daily, Mail::Newsletter { issue: 1 }));
+    // Refused at open, naming the name, rather than by the runner once workers are started.
+    match twice.open(ctx.db.clone()).await {
+        Err(TitoError::InvalidArgument(why)) => {
+            assert!(why.contains("two periodic jobs named \"digest\""), "{why}");
+            assert!(why.contains("\"mail\""), "{why}");
+        }
+        other => panic!("two jobs of one name are refused at open: {other:?}"),
+    }
+    // Nothing was written: the store takes another partition count for the queue.
+    let mail = MAIL
+        .spec(3, Duration::from_secs(3600))
+        .open(ctx.db.clone())
+        .await
+        .unwrap();
+    assert_eq!(mail.config().partitions, 3);
+    let views = tito::queue::schedules(&ctx.db, Some(MAIL.name()))
+        .await
+        .unwrap();
+    assert!(views.is_empty(), "{views:?}");
 }
 
 pub async fn handler_state_is_handed_to_every_invocation<E: TitoEngine>(ctx: Ctx<E>) {

@@ -111,12 +111,13 @@ impl<T> QueueSpec<T> {
     /// Opens the queue on `db`, declaring it: the partition count is stored when the store has
     /// none (so limits and pauses can be set before anything is published) and checked
     /// otherwise; the declared limits are stored when they differ from the stored ones. Refused
-    /// with [`TitoError::InvalidArgument`], before anything is written, when a setting is bad
-    /// or the store holds another partition count.
+    /// with [`TitoError::InvalidArgument`], before anything is written, when a setting is bad,
+    /// two periodic jobs share a name, or the store holds another partition count.
     pub async fn open<E: TitoEngine>(&self, db: E) -> TitoResult<TopicQueue<E, T>>
     where
         T: Clone,
     {
+        super::periodic::check_job_names(self.topic.name(), &self.periodic)?;
         if let Some(limits) = &self.limits {
             limits.check()?;
         }
