@@ -9,7 +9,10 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tito::queue::testing::{Settled, drain, settled};
 use tito::queue::{FailurePolicy, Limits, PeriodicJob, QueueSpec, Schedule, Topic};
-use tito::{QueueEvent, QueueHandlerOutcome, TitoEngine, TitoError, WorkerConfig, Workers};
+use tito::{
+    Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, TitoEngine, TitoError, TitoModel,
+    WorkerConfig, Workers,
+};
 
 use crate::support::{Ctx, pending_total, wait_for};
 
@@ -29,6 +32,7 @@ macro_rules! queue_declared_suite {
                 handler_state_is_handed_to_every_invocation,
                 an_events_own_attempts_override_the_workers_policy,
                 drain_runs_what_is_due_and_says_what_happened,
+                a_model_event_queue_takes_the_stores_partition_count,
             ]
         );
     };
@@ -362,4 +366,97 @@ pub async fn drain_runs_what_is_due_and_says_what_happened<E: TitoEngine>(ctx: C
         .await
         .unwrap_err();
     assert!(matches!(err, TitoError::NotFound(_)), "{err:?}");
+}
+
+/// A model whose writes publish to queue `signup`.
+#[derive(TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(event = "signup")]
+pub struct Signup {
+    pub id: String,
+    pub email: String,
+}
+
+/// A model whose writes publish to queue `invite`.
+#[derive(TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(event = "invite")]
+pub struct Invite {
+    pub id: String,
+}
+
+pub async fn a_model_event_queue_takes_the_stores_partition_count<E: TitoEngine>(ctx: Ctx<E>) {
+    let store = ctx.db.partitions();
+    let other = if store == 4 { 8 } else { 4 };
+    let hour = Duration::from_secs(3600);
+    assert!(Signup::SIGNUP_EVENT.receives_model_events());
+    assert!(!MAIL.receives_model_events());
+    // Another count is refused at open, the message leading with the fix.
+    let refusals = [
+        (
+            Signup::SIGNUP_EVENT
+                .spec(other, hour)
+                .open(ctx.db.clone())
+                .await
+                .err(),
+            "spec",
+        ),
+        (
+            Signup::SIGNUP_EVENT
+                .queue(ctx.db.clone(), QueueConfig::new(other, hour))
+                .err(),
+            "QueueConfig::new",
+        ),
+    ];
+    for (refused, form) in refusals {
+        match refused {
+            Some(TitoError::InvalidArgument(why)) => {
+                let fix = format!("declare queue \"signup\" with {form}(db.partitions(), ..)");
+                assert!(why.starts_with(&fix), "{why}");
+                assert!(why.contains(&format!("({store})")), "{why}");
+                assert!(why.contains(&format!("not {other}")), "{why}");
+            }
+            other => panic!("another partition count is refused at open: {other:?}"),
+        }
+    }
+    // Nothing was stored: writes publish, and the store's count opens the queue.
+    let signups = ctx.db.clone().model::<Signup>();
+    signups
+        .build(Signup {
+            id: "1".into(),
+            email: "ada@example.com".into(),
+        })
+        .await
+        .unwrap();
+    let queue = Signup::SIGNUP_EVENT
+        .spec(store, hour)
+        .open(ctx.db.clone())
+        .await
+        .unwrap();
+    assert_eq!(pending_total(&queue).await, 1);
+    // A queue an untyped handle created with another count: a write's error leads with what
+    // to change (the write itself chose no count).
+    Queue::new(
+        ctx.db.clone(),
+        QueueConfig::new(other, hour).topic("invite"),
+    )
+    .declare()
+    .await
+    .unwrap();
+    let err = ctx
+        .db
+        .clone()
+        .model::<Invite>()
+        .build(Invite { id: "1".into() })
+        .await
+        .unwrap_err();
+    match err {
+        TitoError::InvalidArgument(why) => {
+            let fix = format!("open the store with {other} partitions");
+            assert!(why.starts_with(&fix), "{why}");
+            assert!(
+                why.contains(&format!("({store}, db.partitions())")),
+                "{why}"
+            );
+        }
+        other => panic!("the write is refused: {other:?}"),
+    }
 }
