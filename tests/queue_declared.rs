@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use tito::queue::testing::{Settled, drain, settled};
+use tito::queue::testing::{Drained, Settled, drain, drain_within, settled};
 use tito::queue::{FailurePolicy, Limits, PeriodicJob, QueueSpec, Schedule, Topic};
 use tito::{
     Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, TitoEngine, TitoError, TitoModel,
@@ -32,6 +32,7 @@ macro_rules! queue_declared_suite {
                 handler_state_is_handed_to_every_invocation,
                 an_events_own_attempts_override_the_workers_policy,
                 drain_runs_what_is_due_and_says_what_happened,
+                drain_and_settled_take_any_duration,
                 a_model_event_queue_takes_the_stores_partition_count,
             ]
         );
@@ -459,4 +460,33 @@ pub async fn a_model_event_queue_takes_the_stores_partition_count<E: TitoEngine>
         }
         other => panic!("the write is refused: {other:?}"),
     }
+}
+
+pub async fn drain_and_settled_take_any_duration<E: TitoEngine>(ctx: Ctx<E>) {
+    let mail = spec().open(ctx.db.clone()).await.unwrap();
+    let acknowledge = |_event: QueueEvent<Mail>| async { Ok(QueueHandlerOutcome::Acknowledge) };
+    // An empty queue: nothing to wait for, whatever the bound.
+    let drained = drain_within(&mail, acknowledge, Duration::MAX)
+        .await
+        .unwrap();
+    assert_eq!(drained, Drained::default());
+    let event = QueueEvent::now("ada", Mail::Digest);
+    let id = event.id.clone();
+    mail.publish(event).await.unwrap();
+    let drained = drain_within(&mail, acknowledge, Duration::MAX)
+        .await
+        .unwrap();
+    assert_eq!(
+        (drained.acknowledged, drained.still_due),
+        (1, 0),
+        "{drained:?}"
+    );
+    assert_eq!(
+        settled(&mail, &id, Duration::MAX).await.unwrap(),
+        Settled::Completed { cancelled: None }
+    );
+    let err = settled(&mail, "no-such-id", Duration::MAX)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, TitoError::NotFound(_)), "{err:?}");
 }

@@ -86,7 +86,8 @@ where
     drain_within(queue, handler, DRAIN_WITHIN).await
 }
 
-/// [`drain`], for at most `within`.
+/// [`drain`], for at most `within` (any duration; `Duration::MAX` waits as long as rows are
+/// due).
 pub async fn drain_within<E, T, F, Fut>(
     queue: impl WorkerQueue<E, T>,
     handler: F,
@@ -108,7 +109,7 @@ where
     let before = queue.stats();
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let worker = tokio::spawn(run_worker(queue.clone(), config, handler, stopped));
-    let deadline = Instant::now() + within;
+    let deadline = crate::util::deadline_after(within);
     let retries_until = Some(within);
     let mut still_due = due_now(&queue, retries_until).await?;
     while still_due > 0 && Instant::now() < deadline && !worker.is_finished() {
@@ -191,7 +192,7 @@ pub enum Settled {
     Pending,
 }
 
-/// Waits up to `within` for the live invocation of event id `id` to complete or die, and says
+/// Waits up to `within` (any duration, `Duration::MAX` included) for the live invocation of event id `id` to complete or die, and says
 /// which (`Settled::Pending` if it did not in time). A `Reschedule` or `Advance` keeps the id
 /// pending until the last step completes. [`TitoError::NotFound`] when the queue has no
 /// invocation of the id (never published, or deleted by retention).
@@ -200,7 +201,7 @@ pub async fn settled<E: TitoEngine>(
     id: &str,
     within: Duration,
 ) -> TitoResult<Settled> {
-    let deadline = Instant::now() + within;
+    let deadline = crate::util::deadline_after(within);
     loop {
         let state = settled_now(queue, id).await?;
         if state != Settled::Pending || Instant::now() >= deadline {
