@@ -32,7 +32,10 @@ macro_rules! queue_declared_suite {
                 handler_state_is_handed_to_every_invocation,
                 an_events_own_attempts_override_the_workers_policy,
                 drain_runs_what_is_due_and_says_what_happened,
+                a_drain_keeps_to_its_time_and_cuts_off_handlers_still_running,
                 drain_and_settled_take_any_duration,
+                a_drain_says_what_is_paused_instead_of_waiting_for_it,
+                settled_says_an_invocation_was_set_aside,
                 a_model_event_queue_takes_the_stores_partition_count,
             ]
         );
@@ -369,6 +372,178 @@ pub async fn drain_runs_what_is_due_and_says_what_happened<E: TitoEngine>(ctx: C
     assert!(matches!(err, TitoError::NotFound(_)), "{err:?}");
 }
 
+pub async fn a_drain_keeps_to_its_time_and_cuts_off_handlers_still_running<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    let mail = spec().open(ctx.db.clone()).await.unwrap();
+    let slow = QueueEvent::now("ada", Mail::Digest);
+    let slow_id = slow.id.clone();
+    mail.publish(slow).await.unwrap();
+    // A 15 s handler in a 2 s drain: cut off when the 2 s are over, not waited for.
+    let started = std::time::Instant::now();
+    let drained = drain_within(
+        &mail,
+        |_event: QueueEvent<Mail>| async {
+            tokio::time::sleep(Duration::from_secs(15)).await;
+            Ok(QueueHandlerOutcome::Acknowledge)
+        },
+        Duration::from_secs(2),
+    )
+    .await
+    .unwrap();
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(7), "a 2 s drain took {took:?}");
+    assert_eq!(
+        (
+            drained.delivered,
+            drained.cut_off,
+            drained.failed,
+            drained.acknowledged,
+            drained.still_due
+        ),
+        (1, 1, 1, 0, 1),
+        "{drained:?}"
+    );
+    // A handler that never ends is cut off too.
+    let started = std::time::Instant::now();
+    let drained = drain_within(
+        &mail,
+        |_event: QueueEvent<Mail>| std::future::pending(),
+        Duration::from_secs(1),
+    )
+    .await
+    .unwrap();
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(6), "a 1 s drain took {took:?}");
+    assert_eq!((drained.cut_off, drained.still_due), (1, 1), "{drained:?}");
+    // The invocation stayed pending and the drains let go of their leases: the next drain
+    // runs it at once.
+    assert_eq!(
+        settled(&mail, &slow_id, Duration::ZERO).await.unwrap(),
+        Settled::Pending
+    );
+    let drained = drain(&mail, |_event: QueueEvent<Mail>| async {
+        Ok(QueueHandlerOutcome::Acknowledge)
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        (drained.acknowledged, drained.cut_off, drained.still_due),
+        (1, 0, 0),
+        "{drained:?}"
+    );
+}
+
+pub async fn drain_and_settled_take_any_duration<E: TitoEngine>(ctx: Ctx<E>) {
+    let mail = spec().open(ctx.db.clone()).await.unwrap();
+    let acknowledge = |_event: QueueEvent<Mail>| async { Ok(QueueHandlerOutcome::Acknowledge) };
+    // An empty queue: nothing to wait for, whatever the bound.
+    let drained = drain_within(&mail, acknowledge, Duration::MAX)
+        .await
+        .unwrap();
+    assert_eq!(drained, Drained::default());
+    let event = QueueEvent::now("ada", Mail::Digest);
+    let id = event.id.clone();
+    mail.publish(event).await.unwrap();
+    let drained = drain_within(&mail, acknowledge, Duration::MAX)
+        .await
+        .unwrap();
+    assert_eq!(
+        (drained.acknowledged, drained.still_due),
+        (1, 0),
+        "{drained:?}"
+    );
+    assert_eq!(
+        settled(&mail, &id, Duration::MAX).await.unwrap(),
+        Settled::Completed { cancelled: None }
+    );
+    let err = settled(&mail, "no-such-id", Duration::MAX)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, TitoError::NotFound(_)), "{err:?}");
+}
+
+pub async fn a_drain_says_what_is_paused_instead_of_waiting_for_it<E: TitoEngine>(ctx: Ctx<E>) {
+    let mail = spec().open(ctx.db.clone()).await.unwrap();
+    // One row in each of the two partitions.
+    let keys: Vec<String> = [0, 1]
+        .into_iter()
+        .map(|partition| {
+            (0..)
+                .map(|n| format!("user{n}"))
+                .find(|key| tito::queue::partition_for(key, 2) == partition)
+                .unwrap()
+        })
+        .collect();
+    for key in &keys {
+        mail.publish(QueueEvent::now(key.clone(), Mail::Digest))
+            .await
+            .unwrap();
+    }
+    let acknowledge = |_event: QueueEvent<Mail>| async { Ok(QueueHandlerOutcome::Acknowledge) };
+    // The whole queue paused: the drain runs nothing, says why, and does not wait its 10 s.
+    mail.pause(None, "smtp maintenance").await.unwrap();
+    let started = std::time::Instant::now();
+    let drained = drain(&mail, acknowledge).await.unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(
+        (drained.delivered, drained.still_due),
+        (0, 2),
+        "{drained:?}"
+    );
+    assert_eq!(
+        drained.paused.queue.map(|record| record.why).as_deref(),
+        Some("smtp maintenance")
+    );
+    // One partition paused: the other one's row runs, the paused one's waits.
+    mail.resume(None).await.unwrap();
+    mail.pause(Some(1), "a poison row").await.unwrap();
+    let started = std::time::Instant::now();
+    let drained = drain(&mail, acknowledge).await.unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(
+        (drained.acknowledged, drained.still_due),
+        (1, 1),
+        "{drained:?}"
+    );
+    assert_eq!(
+        drained
+            .paused
+            .partitions
+            .keys()
+            .copied()
+            .collect::<Vec<_>>(),
+        [1]
+    );
+    assert!(drained.paused.queue.is_none(), "{drained:?}");
+}
+
+pub async fn settled_says_an_invocation_was_set_aside<E: TitoEngine>(ctx: Ctx<E>) {
+    let mail = spec().open(ctx.db.clone()).await.unwrap();
+    let event = QueueEvent::now("ada", Mail::Digest);
+    let id = event.id.clone();
+    let published = mail.publish(event).await.unwrap();
+    assert!(mail.set_aside(&published.key, "wrong type").await.unwrap());
+    assert_eq!(
+        settled(&mail, &id, Duration::from_secs(1)).await.unwrap(),
+        Settled::SetAside {
+            why: "wrong type".into()
+        }
+    );
+    let err = settled(&mail, "no-such-id", Duration::ZERO)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, TitoError::NotFound(_)), "{err:?}");
+}
+
 /// A model whose writes publish to queue `signup`.
 #[derive(TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[tito(event = "signup")]
@@ -460,33 +635,4 @@ pub async fn a_model_event_queue_takes_the_stores_partition_count<E: TitoEngine>
         }
         other => panic!("the write is refused: {other:?}"),
     }
-}
-
-pub async fn drain_and_settled_take_any_duration<E: TitoEngine>(ctx: Ctx<E>) {
-    let mail = spec().open(ctx.db.clone()).await.unwrap();
-    let acknowledge = |_event: QueueEvent<Mail>| async { Ok(QueueHandlerOutcome::Acknowledge) };
-    // An empty queue: nothing to wait for, whatever the bound.
-    let drained = drain_within(&mail, acknowledge, Duration::MAX)
-        .await
-        .unwrap();
-    assert_eq!(drained, Drained::default());
-    let event = QueueEvent::now("ada", Mail::Digest);
-    let id = event.id.clone();
-    mail.publish(event).await.unwrap();
-    let drained = drain_within(&mail, acknowledge, Duration::MAX)
-        .await
-        .unwrap();
-    assert_eq!(
-        (drained.acknowledged, drained.still_due),
-        (1, 0),
-        "{drained:?}"
-    );
-    assert_eq!(
-        settled(&mail, &id, Duration::MAX).await.unwrap(),
-        Settled::Completed { cancelled: None }
-    );
-    let err = settled(&mail, "no-such-id", Duration::MAX)
-        .await
-        .unwrap_err();
-    assert!(matches!(err, TitoError::NotFound(_)), "{err:?}");
 }
