@@ -1,6 +1,8 @@
 //! `#[derive(TitoModel)]`: the generated impl equals the hand-written one, and the typed query
 //! methods return what the untyped builder returns. Run on every backend.
 
+use std::ops::Bound;
+
 use chrono::{DateTime, TimeZone, Utc};
 use serde::{Deserialize, Serialize};
 use tito::model::{TitoIndexBlockType, TitoIndexConfig, TitoIndexField, TitoModelTrait};
@@ -21,6 +23,7 @@ macro_rules! derive_suite {
                 a_unique_index_looks_up_one_row_or_none,
                 serde_renames_are_followed,
                 typed_query_arguments_take_what_converts,
+                an_empty_string_is_a_range_bound,
             ]
         );
     };
@@ -411,4 +414,158 @@ pub async fn serde_renames_are_followed<E: TitoEngine>(ctx: Ctx<E>) {
             .items,
         [ada]
     );
+}
+
+/// Contacts: a string index, and a composite index whose second field is a string.
+#[derive(TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(index = "contact_by_name: name")]
+#[tito(index = "contact_by_team_city: team, city")]
+pub struct Contact {
+    pub id: String,
+    pub name: String,
+    pub team: String,
+    pub city: String,
+}
+
+/// Names that sort around the bounds `""` and `"m"`, in byte order: below and at the key
+/// separator (`:`) and the escape (`;`), upper case, and just past `"m"`.
+const NAMES: [&str; 11] = [
+    " ", "!bang", "0zero", ":colon", ";semi", "Zed", "alpha", "m", "m\u{1}", "ma", "zulu",
+];
+
+pub async fn an_empty_string_is_a_range_bound<E: TitoEngine>(ctx: Ctx<E>) {
+    let contacts = ctx.db.clone().model::<Contact>();
+    let mut rows = vec![Contact {
+        id: "blank".into(),
+        ..Contact::default()
+    }];
+    for (n, name) in NAMES.iter().enumerate() {
+        rows.push(Contact {
+            id: format!("n{n:02}"),
+            name: name.to_string(),
+            ..Contact::default()
+        });
+        // The same cities in team "core", and in teams whose names share its prefix.
+        for team in ["cor", "core", "cores"] {
+            rows.push(Contact {
+                id: format!("{team}-{n:02}"),
+                team: team.into(),
+                city: name.to_string(),
+                ..Contact::default()
+            });
+        }
+    }
+    for team in ["cor", "core", "cores"] {
+        rows.push(Contact {
+            id: format!("{team}-blank"),
+            team: team.into(),
+            ..Contact::default()
+        });
+    }
+    for row in rows {
+        contacts.build(row).await.unwrap();
+    }
+    let names = |items: Vec<Contact>| items.into_iter().map(|c| c.name).collect::<Vec<_>>();
+    let cities = |items: Vec<Contact>| items.into_iter().map(|c| c.city).collect::<Vec<_>>();
+    let up_to_m: Vec<&str> = NAMES[..8].to_vec();
+
+    // From "" to "m": every name up to "m", in key order (the empty name has no entry).
+    let page = contacts
+        .contact_by_name_range(""..="m")
+        .execute()
+        .await
+        .unwrap();
+    assert_eq!(names(page.items), up_to_m);
+    let page = contacts
+        .contact_by_name_range(""..="m")
+        .reverse(true)
+        .execute()
+        .await
+        .unwrap();
+    let mut down = up_to_m.clone();
+    down.reverse();
+    assert_eq!(names(page.items), down);
+    // In pages, continued with cursors.
+    let mut paged = Vec::new();
+    let mut cursor = None;
+    loop {
+        let page = contacts
+            .contact_by_name_range(""..="m")
+            .limit(3)
+            .cursor(cursor)
+            .execute()
+            .await
+            .unwrap();
+        paged.extend(names(page.items));
+        cursor = page.cursor;
+        if cursor.is_none() {
+            break;
+        }
+    }
+    assert_eq!(paged, up_to_m);
+    // "" as either bound, included or not.
+    let all = NAMES.to_vec();
+    for (range, expected) in [
+        ((Bound::Included(""), Bound::Unbounded), all.clone()),
+        ((Bound::Excluded(""), Bound::Unbounded), all.clone()),
+        (
+            (Bound::Included(""), Bound::Excluded("m")),
+            NAMES[..7].to_vec(),
+        ),
+        ((Bound::Unbounded, Bound::Included("")), vec![]),
+        ((Bound::Unbounded, Bound::Excluded("")), vec![]),
+        ((Bound::Included(""), Bound::Included("")), vec![]),
+    ] {
+        let page = contacts
+            .contact_by_name_range(range)
+            .execute()
+            .await
+            .unwrap();
+        assert_eq!(names(page.items), expected, "{range:?}");
+    }
+
+    // A string as the second field of a composite index: only team "core"'s rows.
+    let page = contacts
+        .contact_by_team_city("core")
+        .city(""..="m")
+        .execute()
+        .await
+        .unwrap();
+    assert_eq!(cities(page.items), up_to_m);
+    let page = contacts
+        .contact_by_team_city("core")
+        .city(""..)
+        .reverse(true)
+        .execute()
+        .await
+        .unwrap();
+    let mut every = all.clone();
+    every.reverse();
+    assert_eq!(cities(page.items), every);
+    // A team from "" on reaches every team with a city.
+    let page = contacts
+        .contact_by_team_city_range(""..)
+        .limit(1000)
+        .execute()
+        .await
+        .unwrap();
+    assert_eq!(page.items.len(), 3 * NAMES.len());
+
+    // Equality with "" keeps its rule: it never matches, and says so.
+    for refused in [
+        contacts.contact_by_name("").execute().await.err(),
+        contacts
+            .contact_by_team_city("core")
+            .city_eq("")
+            .execute()
+            .await
+            .err(),
+    ] {
+        match refused {
+            Some(TitoError::InvalidArgument(why)) => {
+                assert!(why.contains("empty string never matches"), "{why}")
+            }
+            other => panic!("equality with \"\" is refused: {other:?}"),
+        }
+    }
 }

@@ -7,9 +7,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use tito::queue::testing::{Settled, drain, settled};
+use tito::queue::testing::{Drained, Settled, drain, drain_within, settled};
 use tito::queue::{FailurePolicy, Limits, PeriodicJob, QueueSpec, Schedule, Topic};
-use tito::{QueueEvent, QueueHandlerOutcome, TitoEngine, TitoError, WorkerConfig, Workers};
+use tito::{
+    Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, TitoEngine, TitoError, TitoModel,
+    WorkerConfig, Workers,
+};
 
 use crate::support::{Ctx, pending_total, wait_for};
 
@@ -25,9 +28,15 @@ macro_rules! queue_declared_suite {
                 a_declared_queue_refuses_another_partition_count,
                 workers_on_a_declared_queue_use_its_failure_policy,
                 declared_periodic_jobs_publish_on_their_topic,
+                a_declared_queue_refuses_two_periodic_jobs_of_one_name,
                 handler_state_is_handed_to_every_invocation,
                 an_events_own_attempts_override_the_workers_policy,
                 drain_runs_what_is_due_and_says_what_happened,
+                a_drain_keeps_to_its_time_and_cuts_off_handlers_still_running,
+                drain_and_settled_take_any_duration,
+                a_drain_says_what_is_paused_instead_of_waiting_for_it,
+                settled_says_an_invocation_was_set_aside,
+                a_model_event_queue_takes_the_stores_partition_count,
             ]
         );
     };
@@ -176,6 +185,33 @@ pub async fn declared_periodic_jobs_publish_on_their_topic<E: TitoEngine>(ctx: C
             .is_some_and(|r| r.starts_with(&runner)),
         "{view:?}"
     );
+}
+
+pub async fn a_declared_queue_refuses_two_periodic_jobs_of_one_name<E: TitoEngine>(ctx: Ctx<E>) {
+    let hourly = Schedule::every("digest", Duration::from_secs(3600)).unwrap();
+    let daily = Schedule::cron("digest", "0 9 * * *").unwrap();
+    let twice = spec()
+        .periodic(PeriodicJob::new(hourly, Mail::Digest))
+        .periodic(PeriodicJob::new(daily, Mail::Newsletter { issue: 1 }));
+    // Refused at open, naming the name, rather than by the runner once workers are started.
+    match twice.open(ctx.db.clone()).await {
+        Err(TitoError::InvalidArgument(why)) => {
+            assert!(why.contains("two periodic jobs named \"digest\""), "{why}");
+            assert!(why.contains("\"mail\""), "{why}");
+        }
+        other => panic!("two jobs of one name are refused at open: {other:?}"),
+    }
+    // Nothing was written: the store takes another partition count for the queue.
+    let mail = MAIL
+        .spec(3, Duration::from_secs(3600))
+        .open(ctx.db.clone())
+        .await
+        .unwrap();
+    assert_eq!(mail.config().partitions, 3);
+    let views = tito::queue::schedules(&ctx.db, Some(MAIL.name()))
+        .await
+        .unwrap();
+    assert!(views.is_empty(), "{views:?}");
 }
 
 pub async fn handler_state_is_handed_to_every_invocation<E: TitoEngine>(ctx: Ctx<E>) {
@@ -334,4 +370,269 @@ pub async fn drain_runs_what_is_due_and_says_what_happened<E: TitoEngine>(ctx: C
         .await
         .unwrap_err();
     assert!(matches!(err, TitoError::NotFound(_)), "{err:?}");
+}
+
+pub async fn a_drain_keeps_to_its_time_and_cuts_off_handlers_still_running<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    let mail = spec().open(ctx.db.clone()).await.unwrap();
+    let slow = QueueEvent::now("ada", Mail::Digest);
+    let slow_id = slow.id.clone();
+    mail.publish(slow).await.unwrap();
+    // A 15 s handler in a 2 s drain: cut off when the 2 s are over, not waited for.
+    let started = std::time::Instant::now();
+    let drained = drain_within(
+        &mail,
+        |_event: QueueEvent<Mail>| async {
+            tokio::time::sleep(Duration::from_secs(15)).await;
+            Ok(QueueHandlerOutcome::Acknowledge)
+        },
+        Duration::from_secs(2),
+    )
+    .await
+    .unwrap();
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(7), "a 2 s drain took {took:?}");
+    assert_eq!(
+        (
+            drained.delivered,
+            drained.cut_off,
+            drained.failed,
+            drained.acknowledged,
+            drained.still_due
+        ),
+        (1, 1, 1, 0, 1),
+        "{drained:?}"
+    );
+    // A handler that never ends is cut off too.
+    let started = std::time::Instant::now();
+    let drained = drain_within(
+        &mail,
+        |_event: QueueEvent<Mail>| std::future::pending(),
+        Duration::from_secs(1),
+    )
+    .await
+    .unwrap();
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(6), "a 1 s drain took {took:?}");
+    assert_eq!((drained.cut_off, drained.still_due), (1, 1), "{drained:?}");
+    // The invocation stayed pending and the drains let go of their leases: the next drain
+    // runs it at once.
+    assert_eq!(
+        settled(&mail, &slow_id, Duration::ZERO).await.unwrap(),
+        Settled::Pending
+    );
+    let drained = drain(&mail, |_event: QueueEvent<Mail>| async {
+        Ok(QueueHandlerOutcome::Acknowledge)
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        (drained.acknowledged, drained.cut_off, drained.still_due),
+        (1, 0, 0),
+        "{drained:?}"
+    );
+}
+
+pub async fn drain_and_settled_take_any_duration<E: TitoEngine>(ctx: Ctx<E>) {
+    let mail = spec().open(ctx.db.clone()).await.unwrap();
+    let acknowledge = |_event: QueueEvent<Mail>| async { Ok(QueueHandlerOutcome::Acknowledge) };
+    // An empty queue: nothing to wait for, whatever the bound.
+    let drained = drain_within(&mail, acknowledge, Duration::MAX)
+        .await
+        .unwrap();
+    assert_eq!(drained, Drained::default());
+    let event = QueueEvent::now("ada", Mail::Digest);
+    let id = event.id.clone();
+    mail.publish(event).await.unwrap();
+    let drained = drain_within(&mail, acknowledge, Duration::MAX)
+        .await
+        .unwrap();
+    assert_eq!(
+        (drained.acknowledged, drained.still_due),
+        (1, 0),
+        "{drained:?}"
+    );
+    assert_eq!(
+        settled(&mail, &id, Duration::MAX).await.unwrap(),
+        Settled::Completed { cancelled: None }
+    );
+    let err = settled(&mail, "no-such-id", Duration::MAX)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, TitoError::NotFound(_)), "{err:?}");
+}
+
+pub async fn a_drain_says_what_is_paused_instead_of_waiting_for_it<E: TitoEngine>(ctx: Ctx<E>) {
+    let mail = spec().open(ctx.db.clone()).await.unwrap();
+    // One row in each of the two partitions.
+    let keys: Vec<String> = [0, 1]
+        .into_iter()
+        .map(|partition| {
+            (0..)
+                .map(|n| format!("user{n}"))
+                .find(|key| tito::queue::partition_for(key, 2) == partition)
+                .unwrap()
+        })
+        .collect();
+    for key in &keys {
+        mail.publish(QueueEvent::now(key.clone(), Mail::Digest))
+            .await
+            .unwrap();
+    }
+    let acknowledge = |_event: QueueEvent<Mail>| async { Ok(QueueHandlerOutcome::Acknowledge) };
+    // The whole queue paused: the drain runs nothing, says why, and does not wait its 10 s.
+    mail.pause(None, "smtp maintenance").await.unwrap();
+    let started = std::time::Instant::now();
+    let drained = drain(&mail, acknowledge).await.unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(
+        (drained.delivered, drained.still_due),
+        (0, 2),
+        "{drained:?}"
+    );
+    assert_eq!(
+        drained.paused.queue.map(|record| record.why).as_deref(),
+        Some("smtp maintenance")
+    );
+    // One partition paused: the other one's row runs, the paused one's waits.
+    mail.resume(None).await.unwrap();
+    mail.pause(Some(1), "a poison row").await.unwrap();
+    let started = std::time::Instant::now();
+    let drained = drain(&mail, acknowledge).await.unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(
+        (drained.acknowledged, drained.still_due),
+        (1, 1),
+        "{drained:?}"
+    );
+    assert_eq!(
+        drained
+            .paused
+            .partitions
+            .keys()
+            .copied()
+            .collect::<Vec<_>>(),
+        [1]
+    );
+    assert!(drained.paused.queue.is_none(), "{drained:?}");
+}
+
+pub async fn settled_says_an_invocation_was_set_aside<E: TitoEngine>(ctx: Ctx<E>) {
+    let mail = spec().open(ctx.db.clone()).await.unwrap();
+    let event = QueueEvent::now("ada", Mail::Digest);
+    let id = event.id.clone();
+    let published = mail.publish(event).await.unwrap();
+    assert!(mail.set_aside(&published.key, "wrong type").await.unwrap());
+    assert_eq!(
+        settled(&mail, &id, Duration::from_secs(1)).await.unwrap(),
+        Settled::SetAside {
+            why: "wrong type".into()
+        }
+    );
+    let err = settled(&mail, "no-such-id", Duration::ZERO)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, TitoError::NotFound(_)), "{err:?}");
+}
+
+/// A model whose writes publish to queue `signup`.
+#[derive(TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(event = "signup")]
+pub struct Signup {
+    pub id: String,
+    pub email: String,
+}
+
+/// A model whose writes publish to queue `invite`.
+#[derive(TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(event = "invite")]
+pub struct Invite {
+    pub id: String,
+}
+
+pub async fn a_model_event_queue_takes_the_stores_partition_count<E: TitoEngine>(ctx: Ctx<E>) {
+    let store = ctx.db.partitions();
+    let other = if store == 4 { 8 } else { 4 };
+    let hour = Duration::from_secs(3600);
+    assert!(Signup::SIGNUP_EVENT.receives_model_events());
+    assert!(!MAIL.receives_model_events());
+    // Another count is refused at open, the message leading with the fix.
+    let refusals = [
+        (
+            Signup::SIGNUP_EVENT
+                .spec(other, hour)
+                .open(ctx.db.clone())
+                .await
+                .err(),
+            "spec",
+        ),
+        (
+            Signup::SIGNUP_EVENT
+                .queue(ctx.db.clone(), QueueConfig::new(other, hour))
+                .err(),
+            "QueueConfig::new",
+        ),
+    ];
+    for (refused, form) in refusals {
+        match refused {
+            Some(TitoError::InvalidArgument(why)) => {
+                let fix = format!("declare queue \"signup\" with {form}(db.partitions(), ..)");
+                assert!(why.starts_with(&fix), "{why}");
+                assert!(why.contains(&format!("({store})")), "{why}");
+                assert!(why.contains(&format!("not {other}")), "{why}");
+            }
+            other => panic!("another partition count is refused at open: {other:?}"),
+        }
+    }
+    // Nothing was stored: writes publish, and the store's count opens the queue.
+    let signups = ctx.db.clone().model::<Signup>();
+    signups
+        .build(Signup {
+            id: "1".into(),
+            email: "ada@example.com".into(),
+        })
+        .await
+        .unwrap();
+    let queue = Signup::SIGNUP_EVENT
+        .spec(store, hour)
+        .open(ctx.db.clone())
+        .await
+        .unwrap();
+    assert_eq!(pending_total(&queue).await, 1);
+    // A queue an untyped handle created with another count: a write's error leads with what
+    // to change (the write itself chose no count).
+    Queue::new(
+        ctx.db.clone(),
+        QueueConfig::new(other, hour).topic("invite"),
+    )
+    .declare()
+    .await
+    .unwrap();
+    let err = ctx
+        .db
+        .clone()
+        .model::<Invite>()
+        .build(Invite { id: "1".into() })
+        .await
+        .unwrap_err();
+    match err {
+        TitoError::InvalidArgument(why) => {
+            let fix = format!("open the store with {other} partitions");
+            assert!(why.starts_with(&fix), "{why}");
+            assert!(
+                why.contains(&format!("({store}, db.partitions())")),
+                "{why}"
+            );
+        }
+        other => panic!("the write is refused: {other:?}"),
+    }
 }

@@ -210,7 +210,7 @@ fn topics(model: &Model) -> TokenStream {
             quote! {
                 #[doc = #doc]
                 #vis const #constant: ::tito::queue::Topic<::tito::queue::ModelEvent<#ident>> =
-                    ::tito::queue::Topic::new(#name);
+                    ::tito::queue::Topic::model_events(#name);
             }
         })
         .collect();

@@ -64,7 +64,7 @@ pub(crate) fn marker_key(start_version: u64, seed: Option<u64>) -> Vec<u8> {
 /// committed meanwhile, and the next round reads it. Errors and unknown fence outcomes are
 /// retried with backoff until the bound runs out.
 pub(crate) async fn resolve<D: TitoEngine>(db: &D, marker: &[u8], bound: Duration) -> Resolution {
-    let deadline = tokio::time::Instant::now() + bound;
+    let deadline = crate::util::deadline_after(bound);
     let mut pause = Duration::from_millis(5);
     let mut last = String::from("no resolution round finished");
     loop {

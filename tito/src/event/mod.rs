@@ -584,10 +584,12 @@ fn is_first_shape(shape: &u32) -> bool {
 ///
 /// `#[derive(TitoModel)]` generates one per declared event, as an associated constant named
 /// after the event: `#[tito(event = "user_created")]` on `User` gives
-/// `User::USER_CREATED_EVENT: Topic<ModelEvent<User>>`. For events published by hand, declare
-/// one: `const EMAILS: Topic<Email> = Topic::new("emails");`.
+/// `User::USER_CREATED_EVENT: Topic<ModelEvent<User>>` (made with [`Topic::model_events`]).
+/// For events published by hand, declare one: `const EMAILS: Topic<Email> =
+/// Topic::new("emails");`.
 pub struct Topic<T> {
     name: &'static str,
+    model_events: bool,
     payload: std::marker::PhantomData<fn() -> T>,
 }
 
@@ -596,6 +598,7 @@ impl<T> Topic<T> {
     pub const fn new(name: &'static str) -> Self {
         Topic {
             name,
+            model_events: false,
             payload: std::marker::PhantomData,
         }
     }
@@ -603,6 +606,27 @@ impl<T> Topic<T> {
     /// The queue's name.
     pub const fn name(&self) -> &'static str {
         self.name
+    }
+
+    /// Whether a model's writes publish to this queue ([`Topic::model_events`]): they do so
+    /// with the store's partition count, so the queue must be declared with it.
+    pub const fn receives_model_events(&self) -> bool {
+        self.model_events
+    }
+}
+
+impl<M> Topic<ModelEvent<M>> {
+    /// The queue named `name` that a model's writes publish their [`ModelEvent`]s to (the
+    /// derive's `{NAME}_EVENT` constants are made with it; use it for a model whose `events()`
+    /// is written by hand). Writes publish with the store's partition count
+    /// ([`TitoEngine::partitions`](crate::engine::TitoEngine::partitions)), so opening the
+    /// queue with another count is refused.
+    pub const fn model_events(name: &'static str) -> Self {
+        Topic {
+            name,
+            model_events: true,
+            payload: std::marker::PhantomData,
+        }
     }
 }
 
@@ -618,6 +642,7 @@ impl<T> std::fmt::Debug for Topic<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Topic")
             .field("name", &self.name)
+            .field("model_events", &self.model_events)
             .field("payload", &std::any::type_name::<T>())
             .finish()
     }

@@ -23,13 +23,27 @@ pub(crate) async fn check_meta<X: TitoTransaction>(
     partitions: u32,
     writes: &mut engine::Writes,
 ) -> TitoResult<bool> {
-    match stored_partitions(tx, root).await? {
-        Some(stored) if stored != partitions => Err(TitoError::invalid_argument(format!(
+    check_meta_or(tx, root, partitions, writes, |stored| {
+        format!(
             "queue {:?} has {stored} partitions; this handle was configured with {partitions} \
              (declare it with TOPIC.spec({stored}, ..) or QueueConfig::new({stored}, ..); a \
              model's events use the store's partition count, db.partitions())",
             keys::queue_name(root)
-        ))),
+        )
+    })
+    .await
+}
+
+/// [`check_meta`], saying `mismatch(stored)` when the stored count is another.
+async fn check_meta_or<X: TitoTransaction>(
+    tx: &X,
+    root: &str,
+    partitions: u32,
+    writes: &mut engine::Writes,
+    mismatch: impl FnOnce(u32) -> String,
+) -> TitoResult<bool> {
+    match stored_partitions(tx, root).await? {
+        Some(stored) if stored != partitions => Err(TitoError::invalid_argument(mismatch(stored))),
         Some(_) => Ok(true),
         None => {
             writes.put(
@@ -185,7 +199,15 @@ pub(crate) async fn plan_model_event<X: TitoTransaction>(
     writes: &mut engine::Writes,
 ) -> TitoResult<(String, u32)> {
     let root = keys::queue_root(Some(topic));
-    check_meta(tx, &root, partitions, writes).await?;
+    // The write chose no count: the store's is the only one, so the fix is the store's.
+    check_meta_or(tx, &root, partitions, writes, |stored| {
+        format!(
+            "open the store with {stored} partitions, the count queue {topic:?} holds: this \
+             write publishes a model event to it with the store's count ({partitions}, \
+             db.partitions()), and a queue keeps the count it was first used with"
+        )
+    })
+    .await?;
     let base = event.stored.id.clone();
     for n in 1u32.. {
         let id_key = keys::event_id_key(&root, &event.stored.id);

@@ -313,12 +313,25 @@ fn map_bound<V: Serialize>(bound: Bound<&V>) -> Bound<TitoResult<Value>> {
     }
 }
 
+/// A value bound to a field with [`IndexQuery::value`]: equality. An empty string is refused,
+/// since no entry ever holds one (indexes are sparse).
 fn typed(value: &Value, field: &str, kind: TitoIndexBlockType) -> TitoResult<KeyValue> {
     if kind == TitoIndexBlockType::String && value.as_str() == Some("") {
         return Err(TitoError::invalid_argument(format!(
             "an empty string never matches field {field:?}: indexes are sparse, and a row whose \
              {field:?} is empty has no entry in this index (find such rows with a scan of the table)"
         )));
+    }
+    typed_bound(value, field, kind)
+}
+
+/// A range's bound: any value of the field's type. An empty string is a bound like any other
+/// (the least string: it encodes as nothing, so `{field}::` sorts before every entry of the
+/// field, whose values encode as at least one byte above the separator), though no entry
+/// equals it.
+fn typed_bound(value: &Value, field: &str, kind: TitoIndexBlockType) -> TitoResult<KeyValue> {
+    if kind == TitoIndexBlockType::String && value.as_str() == Some("") {
+        return Ok(KeyValue::String(String::new()));
     }
     index::coerce(value, kind).ok_or_else(|| {
         TitoError::invalid_argument(format!(
@@ -428,7 +441,7 @@ impl<E: TitoEngine, T: TitoModelTrait> IndexQuery<E, T> {
                 let encode = |value: &TitoResult<Value>| -> TitoResult<String> {
                     let value = value.as_ref().map_err(clone_error)?;
                     let mut out = head.clone();
-                    typed(value, &field.name, field.r#type)?.encode(&mut out)?;
+                    typed_bound(value, &field.name, field.r#type)?.encode(&mut out)?;
                     Ok(out)
                 };
                 // `{value}:` starts the entries of one value; `{value};` is just past them.

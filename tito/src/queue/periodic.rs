@@ -282,6 +282,23 @@ enum Looked {
     Nothing,
 }
 
+/// Refuses two jobs of one name with [`TitoError::InvalidArgument`] naming the name: a
+/// schedule's name is its cursor's key and part of its ticks' event ids, so two jobs of one
+/// name would share one cursor and one tick would publish only one of them.
+pub(crate) fn check_job_names<T>(queue: &str, jobs: &[PeriodicJob<T>]) -> TitoResult<()> {
+    let mut names = std::collections::BTreeSet::new();
+    for job in jobs {
+        if !names.insert(job.schedule.name.as_str()) {
+            return Err(TitoError::invalid_argument(format!(
+                "queue {queue:?} has two periodic jobs named {:?}: give each schedule a name of \
+                 its own (the name keys its cursor and its ticks' event ids)",
+                job.schedule.name
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Publishes every due tick of `jobs` to `queue` until `shutdown` resolves (see the module
 /// docs). Refuses at once, with [`TitoError::InvalidArgument`] and before it writes anything,
 /// two jobs with one name, a queue handle whose configuration is bad, and one whose partition
@@ -313,15 +330,7 @@ where
     E: TitoEngine,
     T: Serialize + Clone + Send + Sync + 'static,
 {
-    let mut names = std::collections::BTreeSet::new();
-    for job in &jobs {
-        if !names.insert(job.schedule.name.clone()) {
-            return Err(TitoError::invalid_argument(format!(
-                "two periodic jobs are named {:?}",
-                job.schedule.name
-            )));
-        }
-    }
+    check_job_names(queue.label(), &jobs)?;
     queue.check_config()?;
     // A partition count that contradicts the queue's stored one is a mistake in the program:
     // refused before any cursor is written, as a worker refuses it. (An unreachable store is

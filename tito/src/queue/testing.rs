@@ -1,7 +1,8 @@
 //! Helpers for tests of code that publishes and handles events: run a queue until nothing due
 //! is left ([`drain`]) and wait for one invocation to settle ([`settled`]), instead of polling
 //! with sleeps. They use the real worker, leases and outcomes, on whatever engine the test
-//! uses.
+//! uses. Both keep to their time: a drain's handlers still running when it is over are
+//! cancelled ([`Drained::cut_off`]), and any duration is taken, `Duration::MAX` included.
 //!
 //! ```
 //! use std::time::Duration;
@@ -38,7 +39,10 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::time::Instant;
 
-use super::{Queue, QueueStats, WorkerConfig, WorkerQueue, run_worker};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::{AsideRecord, Paused, Queue, QueueStats, WorkerConfig, WorkerQueue, run_worker};
 use crate::engine::{self, TitoEngine, TitoTransaction, read_only};
 use crate::error::{TitoError, TitoResult};
 use crate::event::{QueueEvent, QueueHandlerResult, StoredEvent};
@@ -67,15 +71,24 @@ pub struct Drained {
     /// Invocations a failure policy moved to the dead state.
     pub dead: u64,
     /// Pending rows due when the drain ended (rows whose handler fails without a failure
-    /// policy stay due: they are counted here once the drain's time is up).
+    /// policy stay due: they are counted here once the drain's time is up; so are rows a pause
+    /// holds).
     pub still_due: usize,
+    /// Handlers still running when the drain's time was over: cancelled there, each a failed
+    /// attempt as a handler timeout is (counted in `failed`; the invocation stays pending, or
+    /// the failure policy decides).
+    pub cut_off: u64,
+    /// What was paused when the drain ended. A pause holds its rows: a drain does not wait for
+    /// them (they are in `still_due`), and ends at once when only paused rows are due.
+    pub paused: Paused,
 }
 
 /// Runs a worker over every partition of `queue` with `handler` (and the queue's declared
 /// failure policy) until no pending row is due, or [`DRAIN_WITHIN`] has passed; returns what
 /// it did. Work the handler creates for now (a `Reschedule`, an `Advance`) runs too, and so do
 /// a failure policy's retries due before the drain's time is up (so a test sees attempts run
-/// out); other rows due later stay pending. For tests, as Oban's `drain_queue`.
+/// out); other rows due later stay pending. Rows in a paused queue or partition are not waited
+/// for ([`Drained::paused`] says what was paused). For tests, as Oban's `drain_queue`.
 pub async fn drain<E, T, F, Fut>(queue: impl WorkerQueue<E, T>, handler: F) -> TitoResult<Drained>
 where
     E: TitoEngine,
@@ -86,7 +99,10 @@ where
     drain_within(queue, handler, DRAIN_WITHIN).await
 }
 
-/// [`drain`], for at most `within`.
+/// [`drain`], for at most `within` (any duration; `Duration::MAX` waits as long as rows are
+/// due). Handlers still running when `within` is over are cancelled, as a handler timeout
+/// cancels them: each is a failed attempt, its outcome is committed and the worker's leases
+/// released before the drain returns, and [`Drained::cut_off`] counts them.
 pub async fn drain_within<E, T, F, Fut>(
     queue: impl WorkerQueue<E, T>,
     handler: F,
@@ -106,14 +122,33 @@ where
         .maintenance_interval(Duration::from_secs(3600));
     config.failure_policy = policy;
     let before = queue.stats();
+    let deadline = crate::util::deadline_after(within);
+    // The drain's time bounds its handlers too: one still running at the deadline is cut off
+    // there (the worker's shutdown would otherwise wait for it up to `handler_timeout`).
+    let cut_off = Arc::new(AtomicU64::new(0));
+    let cut = cut_off.clone();
+    let handler = move |event: QueueEvent<T>| {
+        let work = handler(event);
+        let cut = cut.clone();
+        async move {
+            match tokio::time::timeout_at(deadline, work).await {
+                Ok(result) => result,
+                Err(_) => {
+                    cut.fetch_add(1, Ordering::Relaxed);
+                    Err(TitoError::handler(format!(
+                        "cancelled: the drain's time ({within:?}) was over while the handler ran"
+                    )))
+                }
+            }
+        }
+    };
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let worker = tokio::spawn(run_worker(queue.clone(), config, handler, stopped));
-    let deadline = Instant::now() + within;
     let retries_until = Some(within);
-    let mut still_due = due_now(&queue, retries_until).await?;
-    while still_due > 0 && Instant::now() < deadline && !worker.is_finished() {
+    let (mut runnable, _) = due_now(&queue, retries_until, false).await?;
+    while runnable > 0 && Instant::now() < deadline && !worker.is_finished() {
         tokio::time::sleep(Duration::from_millis(5)).await;
-        still_due = due_now(&queue, retries_until).await?;
+        (runnable, _) = due_now(&queue, retries_until, false).await?;
     }
     let _ = stop.send(true);
     match worker.await {
@@ -126,6 +161,7 @@ where
     }
     let after = queue.stats();
     let delta = |pick: fn(&QueueStats) -> u64| pick(&after).saturating_sub(pick(&before));
+    let (still_due, paused) = due_now(&queue, None, true).await?;
     Ok(Drained {
         delivered: delta(|s| s.delivered),
         acknowledged: delta(|s| s.acknowledged),
@@ -133,16 +169,24 @@ where
         failed: delta(|s| s.failed),
         retried: delta(|s| s.retried),
         dead: delta(|s| s.dead),
-        still_due: due_now(&queue, None).await?,
+        still_due,
+        cut_off: cut_off.load(Ordering::Relaxed),
+        paused,
     })
 }
 
-/// Pending rows of every partition whose own due time has come (engine time), and with
-/// `retries` those a failure policy scheduled again within that time from now.
-async fn due_now<E: TitoEngine>(queue: &Queue<E>, retries: Option<Duration>) -> TitoResult<usize> {
+/// Pending rows whose own due time has come (engine time), and with `retries` those a failure
+/// policy scheduled again within that time from now; only in partitions no pause holds unless
+/// `in_paused`. Returned with what is paused.
+async fn due_now<E: TitoEngine>(
+    queue: &Queue<E>,
+    retries: Option<Duration>,
+    in_paused: bool,
+) -> TitoResult<(usize, Paused)> {
     let root = queue.root().to_string();
     let partitions = queue.config().partitions;
     read_only(queue.engine(), async |tx| {
+        let paused = super::read_paused(tx, &root).await?;
         let now_ms = engine::version_millis(tx.start_version());
         let now_s = (now_ms / 1000) as i64;
         let retry_s = retries.map_or(now_s, |within| {
@@ -150,7 +194,7 @@ async fn due_now<E: TitoEngine>(queue: &Queue<E>, retries: Option<Duration>) -> 
         });
         let mut due = 0;
         let mut seen = 0;
-        for partition in 0..partitions {
+        for partition in (0..partitions).filter(|p| in_paused || !paused.holds(*p)) {
             let prefix = keys::pending_partition_prefix(&root, partition);
             for (_, value) in super::scan_prefix(tx, &prefix).await? {
                 seen += 1;
@@ -166,7 +210,7 @@ async fn due_now<E: TitoEngine>(queue: &Queue<E>, retries: Option<Duration>) -> 
                 }
             }
         }
-        Ok(due)
+        Ok((due, paused))
     })
     .await
 }
@@ -189,18 +233,28 @@ pub enum Settled {
     },
     /// Still pending when the wait ended.
     Pending,
+    /// Moved out of its partition ([`Queue::set_aside`], `tito queue set-aside`) and kept under
+    /// `{queue}:aside:`; no worker runs it.
+    SetAside {
+        /// Why it was set aside.
+        why: String,
+    },
 }
 
-/// Waits up to `within` for the live invocation of event id `id` to complete or die, and says
-/// which (`Settled::Pending` if it did not in time). A `Reschedule` or `Advance` keeps the id
-/// pending until the last step completes. [`TitoError::NotFound`] when the queue has no
-/// invocation of the id (never published, or deleted by retention).
+/// The most set-aside rows [`settled`] looks through for an id (a test's queue has few).
+pub const MAX_ASIDE_ROWS: usize = 10_000;
+
+/// Waits up to `within` (any duration, `Duration::MAX` included) for the live invocation of
+/// event id `id` to complete, die or be set aside, and says which (`Settled::Pending` if it did
+/// not in time). A `Reschedule` or `Advance` keeps the id pending until the last step
+/// completes. [`TitoError::NotFound`] when the queue has no invocation of the id (never
+/// published, or deleted by retention) and no set-aside row of it.
 pub async fn settled<E: TitoEngine>(
     queue: &Queue<E>,
     id: &str,
     within: Duration,
 ) -> TitoResult<Settled> {
-    let deadline = Instant::now() + within;
+    let deadline = crate::util::deadline_after(within);
     loop {
         let state = settled_now(queue, id).await?;
         if state != Settled::Pending || Instant::now() >= deadline {
@@ -215,6 +269,10 @@ async fn settled_now<E: TitoEngine>(queue: &Queue<E>, id: &str) -> TitoResult<Se
     read_only(queue.engine(), async |tx| {
         let id_key = keys::event_id_key(&root, id);
         let Some(target) = tx.get(id_key.as_bytes()).await? else {
+            // Setting a row aside releases its id: look for it among the set-aside rows.
+            if let Some(why) = set_aside_why(tx, &root, id).await? {
+                return Ok(Settled::SetAside { why });
+            }
             return Err(TitoError::NotFound(format!(
                 "no invocation of event {id:?} in queue {}",
                 queue.label()
@@ -239,4 +297,22 @@ async fn settled_now<E: TitoEngine>(queue: &Queue<E>, id: &str) -> TitoResult<Se
         }
     })
     .await
+}
+
+/// Why the last set-aside row of event id `id` was set aside, if the queue under `root` keeps
+/// one (looking through at most [`MAX_ASIDE_ROWS`]).
+async fn set_aside_why<X: TitoTransaction>(
+    tx: &X,
+    root: &str,
+    id: &str,
+) -> TitoResult<Option<String>> {
+    let prefix = keys::aside_prefix(root);
+    let end = keys::prefix_end(prefix.clone());
+    let rows = tx
+        .scan(prefix.as_bytes(), end.as_bytes(), MAX_ASIDE_ROWS)
+        .await?;
+    Ok(rows.into_iter().rev().find_map(|(_, value)| {
+        let record: AsideRecord = serde_json::from_slice(&value).ok()?;
+        (record.row.get("id")?.as_str()? == id).then_some(record.why)
+    }))
 }

@@ -111,12 +111,16 @@ impl<T> QueueSpec<T> {
     /// Opens the queue on `db`, declaring it: the partition count is stored when the store has
     /// none (so limits and pauses can be set before anything is published) and checked
     /// otherwise; the declared limits are stored when they differ from the stored ones. Refused
-    /// with [`TitoError::InvalidArgument`], before anything is written, when a setting is bad
-    /// or the store holds another partition count.
+    /// with [`TitoError::InvalidArgument`], before anything is written, when a setting is bad,
+    /// two periodic jobs share a name, the store holds another partition count, or the queue
+    /// receives a model's events ([`Topic::model_events`]) and the count is not the store's
+    /// ([`TitoEngine::partitions`]: the count every write publishes them with).
     pub async fn open<E: TitoEngine>(&self, db: E) -> TitoResult<TopicQueue<E, T>>
     where
         T: Clone,
     {
+        super::periodic::check_job_names(self.topic.name(), &self.periodic)?;
+        check_model_event_partitions(self.topic, &db, &self.config, "spec")?;
         if let Some(limits) = &self.limits {
             limits.check()?;
         }
@@ -142,7 +146,8 @@ impl<T> QueueSpec<T> {
 impl<T> Topic<T> {
     /// Opens the topic's queue on `db` with `config`'s partitions and retention; the queue's
     /// name is the topic's. A `config` naming another topic is refused with
-    /// [`TitoError::InvalidArgument`] (the two names would disagree).
+    /// [`TitoError::InvalidArgument`] (the two names would disagree), and so is a topic of
+    /// model events ([`Topic::model_events`]) with another partition count than the store's.
     ///
     /// ```
     /// use serde::{Deserialize, Serialize};
@@ -166,6 +171,7 @@ impl<T> Topic<T> {
     /// # }
     /// ```
     pub fn queue<E: TitoEngine>(self, db: E, config: QueueConfig) -> TitoResult<TopicQueue<E, T>> {
+        check_model_event_partitions(self, &db, &config, "QueueConfig::new")?;
         match config.topic.as_deref() {
             Some(named) if named != self.name() => Err(TitoError::invalid_argument(format!(
                 "topic {:?} was opened with a QueueConfig naming queue {named:?}; leave the \
@@ -180,6 +186,28 @@ impl<T> Topic<T> {
             }),
         }
     }
+}
+
+/// Refuses a queue of model events declared with another partition count than the store's:
+/// every write publishes its events with the store's count
+/// ([`TitoEngine::partitions`]), so each would be refused once the queue stored another.
+/// `form` is how the count was given (`spec`, `QueueConfig::new`), for the message.
+fn check_model_event_partitions<E: TitoEngine, T>(
+    topic: Topic<T>,
+    db: &E,
+    config: &QueueConfig,
+    form: &str,
+) -> TitoResult<()> {
+    let (store, given) = (db.partitions(), config.partitions);
+    if !topic.receives_model_events() || store == given {
+        return Ok(());
+    }
+    Err(TitoError::invalid_argument(format!(
+        "declare queue {:?} with {form}(db.partitions(), ..), the store's partition count ({store}), \
+         not {given}: it receives a model's events, which every write publishes with the \
+         store's count (to use {given}, open the store with {given} partitions)",
+        topic.name()
+    )))
 }
 
 /// A queue whose events carry payloads of type `T` ([`QueueSpec::open`], [`Topic::queue`]):
