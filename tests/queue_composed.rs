@@ -44,6 +44,8 @@ macro_rules! queue_composed_suite {
                 slot_reads_shrink_when_a_limit_is_lowered_or_lifted,
                 a_high_priority_takes_its_keys_next_slot_behind_a_long_wait,
                 cancel_owner_gets_through_a_busy_worker,
+                a_cancelled_invocation_is_never_first_called_after_the_cancel_returned,
+                a_refused_partition_count_is_what_the_sets_shutdown_returns,
             ]
         );
     };
@@ -706,6 +708,105 @@ pub async fn cancel_owner_gets_through_a_busy_worker<E: TitoEngine>(ctx: Ctx<E>)
             cancelled + started >= 200 && cancelled + started_at_cancel + 20 >= 200,
             "limited {limited}: cancelled {cancelled}, {started_at_cancel} started at the \
              cancel, {started} in all"
+        );
+    }
+}
+
+/// A cancel that returned `true` is never followed by the first call of the invocation's handler
+/// in this process, under a queue-wide concurrency limit: invocations are cancelled while a
+/// worker starts them, and each handler's first line looks for its id among the cancels that
+/// already returned.
+pub async fn a_cancelled_invocation_is_never_first_called_after_the_cancel_returned<
+    E: TitoEngine,
+>(
+    ctx: Ctx<E>,
+) {
+    const JOBS: u32 = 300;
+    let queue = Arc::new(Queue::new(
+        ctx.db.clone(),
+        QueueConfig::new(2, Duration::from_secs(3600)),
+    ));
+    let mut ids = Vec::new();
+    for n in 0..JOBS {
+        let event = QueueEvent::new(format!("k{n}"), Job { n }, now());
+        ids.push(event.id.clone());
+        queue.publish(event).await.unwrap();
+    }
+    queue
+        .set_limits(Limits::none().concurrency(4))
+        .await
+        .unwrap();
+    let returned: Arc<Mutex<std::collections::HashSet<String>>> = Arc::default();
+    let (late, started) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let (seen, late_starts, starts) = (returned.clone(), late.clone(), started.clone());
+    let worker = start(&queue, fast(0..2), move |event: QueueEvent<Job>| {
+        if seen.lock().unwrap().contains(&event.id) {
+            late_starts.fetch_add(1, Ordering::SeqCst);
+        }
+        starts.fetch_add(1, Ordering::SeqCst);
+        async move {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            Ok(QueueHandlerOutcome::Acknowledge)
+        }
+    });
+    // Every other invocation, cancelled while the worker runs.
+    let mut cancelled = 0;
+    for id in ids.iter().step_by(2) {
+        if queue.cancel(id, "racing the worker").await.unwrap() {
+            returned.lock().unwrap().insert(id.clone());
+            cancelled += 1;
+        }
+    }
+    let q = queue.clone();
+    wait_for(
+        "every invocation settled",
+        Duration::from_secs(120),
+        move || {
+            let q = q.clone();
+            async move { pending_total(&q).await == 0 }
+        },
+    )
+    .await;
+    worker.stop().await;
+    assert!(cancelled > 0, "no cancel found its invocation pending");
+    assert_eq!(
+        late.load(Ordering::SeqCst),
+        0,
+        "{} of {cancelled} cancelled invocations were first called after their cancel returned",
+        late.load(Ordering::SeqCst)
+    );
+    assert!(started.load(Ordering::SeqCst) as u32 >= JOBS - cancelled);
+}
+
+/// A worker of a handle configured with another partition count than the stored queue's ends
+/// with the refusal, and the set's shutdown returns it: after the worker ran a while, and when
+/// the shutdown comes before the worker's task first ran.
+pub async fn a_refused_partition_count_is_what_the_sets_shutdown_returns<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    let stored = queue(&ctx.db, 2);
+    stored
+        .publish(QueueEvent::new("k", Job { n: 1 }, now()))
+        .await
+        .unwrap();
+    for shut_at_once in [false, true] {
+        let other = Arc::new(Queue::new(
+            ctx.db.clone(),
+            QueueConfig::new(4, Duration::from_secs(3600)),
+        ));
+        let mut workers = tito::Workers::new();
+        workers.spawn_worker(
+            other,
+            tito::WorkerConfig::new(0..4),
+            |_event: QueueEvent<Job>| async { Ok(QueueHandlerOutcome::Acknowledge) },
+        );
+        if !shut_at_once {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+        let err = workers.shutdown().await.unwrap_err();
+        assert!(
+            matches!(&err, TitoError::InvalidArgument(m) if m.contains("partitions")),
+            "shut down at once: {shut_at_once}: {err:?}"
         );
     }
 }

@@ -8,7 +8,7 @@
 //! wake-up is lost between two waits, and two workers of different partitions never take each
 //! other's.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::Notify;
@@ -24,9 +24,16 @@ pub(crate) struct Wakeups {
     /// wait (a `watch` channel would wake them in a random order, and the simulation's runs
     /// must repeat exactly).
     notify: Notify,
-    /// Counts cancellations committed in this process (see [`Wakeups::cancelled`]).
+    /// Counts cancellations committed in this process (see [`Wakeups::cancels`]).
     cancels: std::sync::atomic::AtomicU64,
+    /// The pending rows cancelled in this process most recently (at most [`RECENT_CANCELS`]),
+    /// looked up by a handler's start ([`Wakeups::was_cancelled`]).
+    cancelled: Mutex<(HashSet<String>, VecDeque<String>)>,
 }
+
+/// How many of the latest cancelled rows a queue remembers in this process: far more than a
+/// worker can have between reading a row and starting it.
+pub(crate) const RECENT_CANCELS: usize = 16_384;
 
 impl Wakeups {
     /// How many cancellations of this queue committed in this process: a worker whose count
@@ -35,17 +42,41 @@ impl Wakeups {
         self.cancels.load(std::sync::atomic::Ordering::Acquire)
     }
 
-    /// Once `tx` has committed: counts a cancellation and wakes the workers (no partition is
-    /// polled for it).
-    pub(crate) fn cancelled_after_commit<X: TitoTransaction>(self: &Arc<Self>, tx: &X) {
+    /// Once `tx` has committed: records the pending rows `keys` it cancelled (before the cancel
+    /// returns), counts a cancellation and wakes the workers (no partition is polled for it).
+    pub(crate) fn cancelled_after_commit<X: TitoTransaction>(
+        self: &Arc<Self>,
+        tx: &X,
+        keys: Vec<String>,
+    ) {
         let wakeups = self.clone();
         tx.after_commit(Box::new(move || {
+            {
+                let mut cancelled = crate::util::lock(&wakeups.cancelled);
+                let (set, order) = &mut *cancelled;
+                for key in keys {
+                    if set.insert(key.clone()) {
+                        order.push_back(key);
+                    }
+                }
+                while order.len() > RECENT_CANCELS {
+                    if let Some(oldest) = order.pop_front() {
+                        set.remove(&oldest);
+                    }
+                }
+            }
             wakeups
                 .cancels
                 .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
             crate::util::lock(&wakeups.state).0 += 1;
             wakeups.notify.notify_waiters();
         }));
+    }
+
+    /// Whether the pending row `key` was cancelled in this process (among the latest
+    /// [`RECENT_CANCELS`]).
+    pub(crate) fn was_cancelled(&self, key: &str) -> bool {
+        crate::util::lock(&self.cancelled).0.contains(key)
     }
 
     /// Wakes the workers of `partition` (this process's, of this queue on this store).

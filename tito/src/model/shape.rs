@@ -196,7 +196,15 @@ pub(crate) fn decode_row<T: TitoModelTrait>(key: &str, bytes: &[u8]) -> TitoResu
                 .map_err(|message| ShapeError::conversion(version, T::VERSION, message))
         })
     };
-    read.map_err(|reason| row_shape::<T>(key, version, reason))
+    read.map_err(|reason| match reason {
+        // A row that does not deserialize as the shape of its own version is not a shape
+        // question either: it is not what the code of that version writes.
+        ShapeError::Decode { shape, message } => TitoError::Integrity(format!(
+            "value of {key:?} does not deserialize into {shape}, the shape of its version \
+             {version}: {message}"
+        )),
+        reason => row_shape::<T>(key, version, reason),
+    })
 }
 
 /// Whether a row converted from another shape kept the id its storage key names: a conversion

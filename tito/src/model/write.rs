@@ -82,6 +82,13 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
             .collect();
         let (mut stored, plan, claim_owners) =
             load(tx, &table, &id, &handle, &expected_claims).await?;
+        // An insert over any stored row is `AlreadyExists`, whether this code reads it or not
+        // (an idempotent import treats it as "already there").
+        if mode == Mode::Insert && stored.is_some() {
+            return Err(TitoError::AlreadyExists(format!(
+                "table {table:?} already has a row with id {id:?} (key {row_key})"
+            )));
+        }
         // A row stored in another shape version is read in the code's shape (upgraded through
         // the model's previous shapes) before anything compares or stamps it; one that does not
         // read refuses the write (a delete removes it).
@@ -93,11 +100,6 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         let mut prefetched: HashMap<String, Option<Vec<u8>>> =
             expected_claims.into_iter().zip(claim_owners).collect();
         match (mode, &stored) {
-            (Mode::Insert, Some(_)) => {
-                return Err(TitoError::AlreadyExists(format!(
-                    "table {table:?} already has a row with id {id:?} (key {row_key})"
-                )));
-            }
             (Mode::Update, None) => {
                 return Err(TitoError::NotFound(no_row(&table, &id)));
             }

@@ -115,7 +115,7 @@ async fn cancel_under<E: TitoEngine>(db: &E, root: &str, id: &str, why: &str) ->
                 let target = keys::key_str(&target)?.to_string();
                 let cancelled = cancel_row(&tx, &root, &target, &why).await?;
                 if cancelled {
-                    wakeups.cancelled_after_commit(&tx);
+                    wakeups.cancelled_after_commit(&tx, vec![target]);
                 }
                 Ok(cancelled)
             }
@@ -170,20 +170,21 @@ async fn cancel_owner_under<E: TitoEngine>(
                     let rows = tx
                         .scan(prefix.as_bytes(), end.as_bytes(), batch_rows)
                         .await?;
-                    let mut cancelled = 0;
+                    let mut cancelled = Vec::new();
                     for (owner_key, _) in &rows {
                         let target = keys::owner_key_target(keys::key_str(owner_key)?)?;
                         if cancel_row(&tx, &root, &target, &why).await? {
-                            cancelled += 1;
+                            cancelled.push(target);
                         } else {
                             // A dangling owner key: remove it so the scan moves on.
                             tx.delete(owner_key.clone()).await?;
                         }
                     }
-                    if cancelled > 0 {
-                        wakeups.cancelled_after_commit(&tx);
+                    let count = cancelled.len();
+                    if count > 0 {
+                        wakeups.cancelled_after_commit(&tx, cancelled);
                     }
-                    Ok::<_, TitoError>((cancelled, rows.len()))
+                    Ok::<_, TitoError>((count, rows.len()))
                 }
             })
             .await;

@@ -99,9 +99,37 @@ impl FirstPolled {
     }
 }
 
+/// What the task of one invocation knows about its start.
+struct Start {
+    /// The first-poll signal, taken by the first handler call.
+    polled: Option<FirstPolled>,
+    /// The queue's wake-ups in this process and the invocation's pending row: a cancel of it
+    /// committed in this process before the first call keeps the handler from being called.
+    wakeups: Arc<crate::event::wake::Wakeups>,
+    key: String,
+}
+
 tokio::task_local! {
-    /// The first-poll signal of the invocation this task runs, taken by its first handler call.
-    static FIRST_POLL: std::cell::RefCell<Option<FirstPolled>>;
+    static START: std::cell::RefCell<Option<Start>>;
+}
+
+/// Whether the invocation this task runs was cancelled in this process before its handler was
+/// first called (checked right before that call; `false` once it was called).
+fn cancelled_before_start() -> bool {
+    START
+        .try_with(|start| {
+            start.borrow().as_ref().is_some_and(|start| {
+                start.polled.is_some() && start.wakeups.was_cancelled(&start.key)
+            })
+        })
+        .unwrap_or(false)
+}
+
+/// The worker's evidence that an invocation was cancelled before its handler's first call.
+fn cancelled_unstarted(key: &str) -> TitoError {
+    TitoError::NotFound(format!(
+        "invocation {key} was cancelled before its handler started"
+    ))
 }
 
 /// Runs `work` (one invocation) once `previous` (the invocation of the same key started before
@@ -111,6 +139,7 @@ tokio::task_local! {
 pub(super) async fn in_start_order<F: Future>(
     previous: Option<FirstPolled>,
     polled: FirstPolled,
+    (wakeups, key): (Arc<crate::event::wake::Wakeups>, String),
     work: F,
 ) -> F::Output {
     /// Closes the signal when the invocation ends or is dropped, whatever it did.
@@ -125,8 +154,13 @@ pub(super) async fn in_start_order<F: Future>(
         // Closed, never granted: this returns once the previous handler was first polled.
         let _ = previous.0.acquire().await;
     }
-    FIRST_POLL
-        .scope(std::cell::RefCell::new(Some(polled)), work)
+    let start = Start {
+        polled: Some(polled),
+        wakeups,
+        key,
+    };
+    START
+        .scope(std::cell::RefCell::new(Some(start)), work)
         .await
 }
 
@@ -149,8 +183,8 @@ fn first_polled<F: Future>(work: F) -> impl Future<Output = F::Output> {
             out
         }
     }
-    let polled = FIRST_POLL
-        .try_with(|signal| signal.borrow_mut().take())
+    let polled = START
+        .try_with(|start| start.borrow_mut().as_mut().and_then(|s| s.polled.take()))
         .ok()
         .flatten();
     Signal {
@@ -175,6 +209,11 @@ where
     Arc::new(move |running, event| {
         let handler = handler.clone();
         Box::pin(async move {
+            // Checked in the same poll as the first call, with nothing awaited in between.
+            if cancelled_before_start() {
+                let evidence = cancelled_unstarted(&running.pulled.key);
+                return (running, Report::Failed(Failure::of_worker(evidence)));
+            }
             // The call that builds the future is supervised with it: a handler that panics
             // before it returns a future is an invocation that panicked, not a lost task.
             let report =
@@ -222,6 +261,9 @@ where
                     owner.clone(),
                 );
                 async move {
+                    if cancelled_before_start() {
+                        return Err(Rolled::Evidence(cancelled_unstarted(&pulled.key)));
+                    }
                     let outcome = first_polled(handler(event, tx.clone())).await?;
                     let next =
                         successor(&pulled.stored, &outcome).map_err(TitoError::InvalidArgument)?;

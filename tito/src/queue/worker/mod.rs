@@ -547,15 +547,16 @@ where
     S: Shutdown,
 {
     let mut stop = Stop::new(shutdown);
+    // A partition count that contradicts the queue's stored one is a mistake in the program,
+    // not a passing failure: the worker ends with it before it takes a lease, also when it is
+    // asked to stop before it started, so the set's shutdown says it. (An unreachable store is
+    // passing: the lease ticks retry.)
+    if let Err(err @ TitoError::InvalidArgument(_)) = check_partitions(&queue).await {
+        return Err(err);
+    }
     if stop.requested() {
         // Asked to stop before it started: take nothing, start nothing.
         return Ok(());
-    }
-    // A partition count that contradicts the queue's stored one is a mistake in the program,
-    // not a passing failure: the worker ends with it before it takes a lease. (An unreachable
-    // store is passing: the lease ticks retry.)
-    if let Err(err @ TitoError::InvalidArgument(_)) = check_partitions(&queue).await {
-        return Err(err);
     }
     // Owned by this future: dropped (the worker's task aborted, its future dropped), it aborts
     // the maintenance task, which would otherwise hold the store forever.

@@ -496,9 +496,11 @@ impl Pulling {
                 let previous = self
                     .first_polls
                     .insert(running.pulled.stored.key.clone(), polled.clone());
+                let start = (queue.wakeups.clone(), running.pulled.key.clone());
                 let work = super::handler::in_start_order(
                     previous,
                     polled,
+                    start,
                     with_cancellation(token, invoke(running, event)),
                 );
                 let figures = self.figures.clone();
