@@ -4,7 +4,8 @@
 //! or `--pd` with its keyspace, TLS files and timeout), names the queue whenever a command
 //! takes one (also the default queue among several), and quotes every word a POSIX shell would
 //! split or expand (a topic with a space, an event id with a quote). A positional argument
-//! that starts with `-` goes after `--`, so it is not read as an option.
+//! that starts with `-` goes after `--`, and an option's value that does is joined to its
+//! option (`--topic=-x`), so neither is read as an option.
 
 use crate::cli::StoreArgs;
 
@@ -47,12 +48,31 @@ impl Rerun {
         Rerun { store: words }
     }
 
-    /// `tito {store} {command} {options} [--] {positionals}`, each word quoted for a shell.
+    /// `tito {store} {command} {options} [--] {positionals}`, each word quoted for a shell. An
+    /// option's value that starts with `-` is joined to its option (`--topic=-x`), so it is not
+    /// read as an option of its own.
     pub(crate) fn line(&self, command: &[&str], options: &[&str], positionals: &[&str]) -> String {
         let mut words: Vec<String> = vec!["tito".to_string()];
-        words.extend(self.store.iter().cloned());
-        words.extend(command.iter().map(|w| w.to_string()));
-        words.extend(options.iter().map(|w| w.to_string()));
+        let mut rest = self
+            .store
+            .iter()
+            .map(String::as_str)
+            .chain(command.iter().copied())
+            .chain(options.iter().copied());
+        while let Some(word) = rest.next() {
+            if TAKES_A_VALUE.contains(&word)
+                && let Some(value) = rest.next()
+            {
+                if value.starts_with('-') {
+                    words.push(format!("{word}={value}"));
+                } else {
+                    words.push(word.to_string());
+                    words.push(value.to_string());
+                }
+            } else {
+                words.push(word.to_string());
+            }
+        }
         if positionals.iter().any(|p| p.starts_with('-')) {
             words.push("--".to_string());
         }
@@ -60,6 +80,25 @@ impl Rerun {
         words.iter().map(|w| quote(w)).collect::<Vec<_>>().join(" ")
     }
 }
+
+/// The options of the lines printed that take a value (the next word).
+const TAKES_A_VALUE: &[&str] = &[
+    "--path",
+    "--pd",
+    "--keyspace",
+    "--tls-ca",
+    "--tls-cert",
+    "--tls-key",
+    "--timeout",
+    "--topic",
+    "--why",
+    "--after",
+    "--limit",
+    "--cursor",
+    "--partition",
+    "--prefix",
+    "--group",
+];
 
 /// `word` as a POSIX shell reads it back: as it is when every character is plain, else in
 /// single quotes (a quote inside written `'\''`).
@@ -94,6 +133,10 @@ mod tests {
         assert_eq!(
             rerun.line(&["queue", "retry-dead"], &["--topic", "a b"], &["-x"]),
             "tito --path 'my store' queue retry-dead --topic 'a b' -- -x"
+        );
+        assert_eq!(
+            rerun.line(&["queue", "dead"], &["--topic", "-t", "--after", "--"], &[]),
+            "tito --path 'my store' queue dead --topic=-t --after=--"
         );
     }
 }

@@ -549,8 +549,15 @@ async fn the_cli_reads_a_seeded_store() {
     let text = String::from_utf8_lossy(&at(&["table", "scan", "user", "--limit", "2"]).stdout)
         .into_owned();
     assert!(
-        text.contains("u00") && text.contains("next page: --cursor c2."),
+        text.contains("u00") && text.contains(" --cursor c2."),
         "{text}"
+    );
+    // The next page's line, run as printed, reads the next page.
+    let next = line_after(&text, "next page: ");
+    let second = String::from_utf8_lossy(&run_line(&next).stdout).into_owned();
+    assert!(
+        second.starts_with("u02") && second.contains("next page: "),
+        "{next}: {second}"
     );
 
     let status = stdout_json(&at(&["index", "status", "user", "--json"]));
@@ -2464,6 +2471,9 @@ async fn every_printed_command_line_runs_as_printed() {
             QueueConfig::new(2, Duration::from_secs(3600)).topic("two words"),
         );
         let published = queue.publish(QueueEvent::now("odd", "text")).await.unwrap();
+        for more in ["more 1", "more 2"] {
+            queue.publish(QueueEvent::now("odd", more)).await.unwrap();
+        }
         let root = tito::keys::queue_root(Some("two words"));
         let note = tito::keys::undecodable_key(&root, &published.key).unwrap();
         let tx = db.begin().await.unwrap();
@@ -2574,6 +2584,27 @@ async fn every_printed_command_line_runs_as_printed() {
             &partition,
         ],
     ));
+    // The next page of a peek, a page at a time.
+    let first = text(at(
+        &a,
+        &[
+            "queue",
+            "peek",
+            "--topic",
+            "two words",
+            "--partition",
+            &partition,
+            "--limit",
+            "1",
+        ],
+    ));
+    let next = line_after(&first, "next page: ");
+    assert!(next.contains("--topic 'two words'"), "{next}");
+    let second = text(run_line(&next));
+    assert!(
+        second.starts_with("queue 'two words', partition ") && second.contains("next page: "),
+        "{second}"
+    );
     let aside = line_after(&peek, "set it aside: ");
     assert!(text(run_line(&aside)).contains("set aside"), "{aside}");
 

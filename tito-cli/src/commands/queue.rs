@@ -182,7 +182,20 @@ pub(crate) async fn run<E: TitoEngine>(
             print(json, &page, || {
                 let set_aside =
                     |key: &str| line(&["queue", "set-aside"], &["--why", "undecodable"], &[key]);
-                format!("queue {label}, {what}:\n{}", peek_text(&page, &set_aside))
+                let (partition, limit) = (partition.to_string(), limit.to_string());
+                let next = |cursor: &str| {
+                    let mut options = vec!["--limit", &limit, "--cursor", cursor];
+                    if completed {
+                        options.push("--completed");
+                    } else {
+                        options.extend_from_slice(&["--partition", &partition]);
+                    }
+                    line(&["queue", "peek"], &options, &[])
+                };
+                format!(
+                    "queue {label}, {what}:\n{}",
+                    peek_text(&page, &set_aside, &next)
+                )
             })
         }
         QueueCommand::SetAside { topic, key, why } => {
@@ -378,7 +391,18 @@ pub(crate) async fn run<E: TitoEngine>(
             let page =
                 inspect::queue_aside(&db, topic.as_deref(), cursor.as_deref(), limit).await?;
             print(json, &page, || {
-                format!("queue {label}, rows set aside:\n{}", aside_text(&page))
+                let limit = limit.to_string();
+                let next = |cursor: &str| {
+                    line(
+                        &["queue", "aside"],
+                        &["--limit", &limit, "--cursor", cursor],
+                        &[],
+                    )
+                };
+                format!(
+                    "queue {label}, rows set aside:\n{}",
+                    aside_text(&page, &next)
+                )
             })
         }
     }
@@ -515,6 +539,7 @@ fn stats_text(o: &inspect::QueueOverview, label: &str) -> String {
 fn peek_text(
     page: &tito::model::TitoPage<inspect::QueueRow>,
     set_aside: &dyn Fn(&str) -> String,
+    next: &dyn Fn(&str) -> String,
 ) -> String {
     let mut out = String::new();
     for row in &page.items {
@@ -547,7 +572,7 @@ fn peek_text(
             )),
         }
     }
-    out.push_str(&cursor_line(&page.cursor));
+    out.push_str(&cursor_line(&page.cursor, next));
     out
 }
 
@@ -587,7 +612,10 @@ fn dead_text(
 }
 
 /// `queue aside` as text: one line per row set aside.
-fn aside_text(page: &tito::model::TitoPage<inspect::AsideRow>) -> String {
+fn aside_text(
+    page: &tito::model::TitoPage<inspect::AsideRow>,
+    next: &dyn Fn(&str) -> String,
+) -> String {
     let mut out = String::new();
     for row in &page.items {
         match &row.record {
@@ -602,6 +630,6 @@ fn aside_text(page: &tito::model::TitoPage<inspect::AsideRow>) -> String {
             )),
         }
     }
-    out.push_str(&cursor_line(&page.cursor));
+    out.push_str(&cursor_line(&page.cursor, next));
     out
 }

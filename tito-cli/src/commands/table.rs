@@ -7,7 +7,12 @@ use crate::cli::TableCommand;
 use crate::{Failure, Outcome, counts, cursor_line, print};
 
 /// Runs one `tito table` command.
-pub(crate) async fn run<E: TitoEngine>(db: E, command: TableCommand, json: bool) -> Outcome {
+pub(crate) async fn run<E: TitoEngine>(
+    db: E,
+    command: TableCommand,
+    json: bool,
+    rerun: &crate::rerun::Rerun,
+) -> Outcome {
     match command {
         TableCommand::Ls => {
             let mut rows = Vec::new();
@@ -55,7 +60,14 @@ pub(crate) async fn run<E: TitoEngine>(db: E, command: TableCommand, json: bool)
                         )),
                     }
                 }
-                out.push_str(&cursor_line(&page.cursor));
+                let limit = limit.to_string();
+                out.push_str(&cursor_line(&page.cursor, |c| {
+                    rerun.line(
+                        &["table", "scan"],
+                        &["--limit", &limit, "--cursor", c],
+                        &[&table],
+                    )
+                }));
                 out
             })
         }
