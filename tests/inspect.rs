@@ -415,7 +415,8 @@ async fn a_queue_page_is_read_in_one_snapshot() {
         .await
         .unwrap_err();
     assert!(
-        err.to_string().contains("partition 1 of a queue of 1"),
+        err.to_string()
+            .contains("queue \"snap\" has 1 partition (0 to 0): no partition 1"),
         "{err}"
     );
     assert!(

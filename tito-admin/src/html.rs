@@ -304,7 +304,7 @@ fn row_table(rows: &[QueueRow], completed: bool) -> String {
                 // A worker could not decode it as its handler's type: say so on the row.
                 let undecodable = row.undecodable.as_ref().map_or(String::new(), |note| {
                     format!(
-                        "<div class=\"error\" data-undecodable=\"1\">undecodable as <code>{}</code>: {} (<code>tito queue set-aside</code> moves it aside)</div>",
+                        "<div class=\"error\" data-undecodable=\"1\">undecodable as <code>{}</code>: {} (the “Set row aside” form below moves it aside, with this row's key)</div>",
                         esc(&note.type_name),
                         esc(&note.error)
                     )
@@ -390,19 +390,10 @@ fn limits_summary(usage: &tito::queue::LimitUsage) -> String {
         parts.push(format!("{n} per key (busiest {busiest})"));
     }
     if let Some(r) = &l.rate {
-        parts.push(format!(
-            "{} of {} starts per {} s",
-            usage.recent_starts,
-            r.starts,
-            r.per.as_secs()
-        ));
+        parts.push(format!("{} started, rate {r}", usage.recent_starts));
     }
     if let Some(r) = &l.key_rate {
-        parts.push(format!(
-            "{} starts per key per {} s",
-            r.starts,
-            r.per.as_secs()
-        ));
+        parts.push(format!("per-key rate {r}"));
     }
     if parts.is_empty() {
         return "—".into();
@@ -751,12 +742,9 @@ fn operate(o: &tito::inspect::QueueOverview, topic: Option<&str>) -> String {
     let why = "<input name=\"why\" placeholder=\"why\">";
     let l = &o.limits.limits;
     let value = |v: Option<String>| v.map_or(String::new(), |v| esc(&v));
-    let rate = |r: &Option<tito::queue::Rate>| {
-        value(
-            r.as_ref()
-                .map(|r| format!("{}/{}s", r.starts, r.per.as_secs())),
-        )
-    };
+    // Exactly as stored (`10 per 1.5 s`), which the form parses back: a form sent unchanged
+    // stores what was there.
+    let rate = |r: &Option<tito::queue::Rate>| value(r.as_ref().map(|r| r.to_string()));
     let limits = format!(
         "<input name=\"concurrency\" placeholder=\"concurrency\" size=\"11\" value=\"{}\"> \
          <input name=\"key_concurrency\" placeholder=\"per key\" size=\"8\" value=\"{}\"> \
@@ -1246,6 +1234,33 @@ pub(crate) fn confirm(
             &BASE.try_with(Clone::clone).unwrap_or_else(|_| "/".into())
         )),
     );
+    page(title, &body, None)
+}
+
+/// The page after one batch of a long action: what it did, and, while work is left, a form that
+/// posts the next batch (`fields` already confirmed).
+pub(crate) fn batch_done(
+    title: &str,
+    message: &str,
+    next: Option<(&[(&str, String)], &str)>,
+) -> String {
+    let mut body = format!("<p id=\"result\">{}</p>", esc(message));
+    if let Some((fields, button)) = next {
+        body.push_str("<form method=\"post\" action=\"queue-action\" id=\"continue\">");
+        for (name, value) in fields {
+            let _ = write!(
+                body,
+                "<input type=\"hidden\" name=\"{name}\" value=\"{}\">",
+                esc(value)
+            );
+        }
+        let _ = write!(
+            body,
+            "<button type=\"submit\">{}</button></form>",
+            esc(button)
+        );
+    }
+    body.push_str("<p><a href=\"actions\">all actions</a></p>");
     page(title, &body, None)
 }
 

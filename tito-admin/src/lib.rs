@@ -24,8 +24,13 @@
 //! tables whose model was registered with [`Admin::model`]). Each first answers with a
 //! confirmation form; it runs only when posted with `confirm=yes`. Every action is logged
 //! (`tracing`, target `tito_admin`, with the peer address) and kept in the last [`KEPT_ACTIONS`]
-//! of `/actions`. A `POST` whose `Origin` header names another host than its `Host` header is
-//! refused (a page elsewhere cannot post to the dashboard).
+//! of `/actions`. A `POST` whose `Origin` header (or, without one, its `Referer`) names another
+//! host than its `Host` header, or whose `Sec-Fetch-Site` is anything but `same-origin`, is
+//! refused (a page elsewhere cannot post to the dashboard). Input an action can never accept (a
+//! partition the queue does not have, a zero or oversized limit, a rate out of bounds, a key
+//! that is not a pending row's) is refused before the confirmation, by the checks the action
+//! itself makes. "Retry all dead" and "discard all dead" handle [`DEAD_BATCH`] invocations per
+//! press and say how many are left.
 //!
 //! # Access
 //!
@@ -305,8 +310,9 @@ async fn guard<E: TitoEngine>(
 }
 
 /// Whether a post comes from this dashboard's own pages: a browser's `Sec-Fetch-Site` (when
-/// sent) says `same-origin` or `none` (typed by the user); the `Origin`, or without one the
-/// `Referer`, names the request's `Host`. A request with none of them (a script, `curl`) is not a
+/// sent) says `same-origin` (`none`, a request the user started outside any page, is refused:
+/// a form post never is one, while a typed address or a bookmark is a `GET`, which this check
+/// does not concern); the `Origin`, or without one the `Referer`, names the request's `Host`. A request with none of them (a script, `curl`) is not a
 /// browser's cross-site post and passes. The scheme is not compared: behind a proxy that ends
 /// TLS the page is `https` while the dashboard serves plain HTTP, and a page of another scheme
 /// on the same host and port cannot exist.
@@ -317,7 +323,7 @@ fn same_origin(headers: &HeaderMap) -> bool {
             .and_then(|v: &axum::http::HeaderValue| v.to_str().ok())
     };
     if let Some(site) = headers.get("sec-fetch-site")
-        && !matches!(site.to_str(), Ok("same-origin" | "none"))
+        && site.as_bytes() != b"same-origin"
     {
         return false;
     }
@@ -1019,6 +1025,9 @@ struct QueueActionForm {
     key_concurrency: Option<String>,
     rate: Option<String>,
     key_rate: Option<String>,
+    /// For "retry all" and "discard all": how many earlier presses handled (the progress the
+    /// next page shows).
+    so_far: Option<String>,
     confirm: Option<String>,
 }
 
@@ -1049,8 +1058,9 @@ fn number<T: std::str::FromStr>(
 /// How many pending rows of a key's partition a search reads at most.
 const FIND_LIMIT: usize = 1000;
 
-/// How many dead invocations one page of "retry all" or "discard all" handles at once.
-const DEAD_BATCH: usize = 100;
+/// How many dead invocations one press of "retry all" or "discard all" handles (one bounded
+/// transaction each); the page it answers with says how many are left and continues.
+pub const DEAD_BATCH: usize = 100;
 
 /// The queue page's operator actions: pause and resume (the queue or one partition), cancel
 /// one invocation or an owner's, set and lift limits, set a row aside, retry or discard every
@@ -1069,16 +1079,25 @@ async fn queue_action<E: TitoEngine>(
     let scope = partition.map_or(format!("queue {label:?}"), |p| {
         format!("queue {label:?}, partition {p}")
     });
+    // Input that can never succeed is refused now, by the checks the action itself makes,
+    // rather than after a confirmation.
+    if let ("pause" | "resume", Some(p)) = (form.action.as_str(), partition) {
+        tito::queue::check_partition(db, topic, p).await?;
+    }
     // What the action is, as the log and the confirmation say it; then the action itself.
     let (title, target, question) = match form.action.as_str() {
-        "pause" => (
-            "Pause",
-            scope.clone(),
-            format!("Pause {scope} (\"{why}\")? Workers start nothing there within 0.5 s."),
-        ),
+        "pause" => {
+            tito::queue::check_pause_reason(topic, why)?;
+            (
+                "Pause",
+                scope.clone(),
+                format!("Pause {scope} (\"{why}\")? Workers start nothing there within 0.5 s."),
+            )
+        }
         "resume" => ("Resume", scope.clone(), format!("Resume {scope}?")),
         "cancel" => {
             let id = required(&form.id, "an event id")?;
+            tito::queue::check_cancel_reason(topic, why)?;
             let target = format!("queue {label:?}, invocation {id:?}");
             (
                 "Cancel an invocation",
@@ -1092,6 +1111,7 @@ async fn queue_action<E: TitoEngine>(
                 required(&form.owner, "an owner id")?,
             );
             owner_check(&owner)?;
+            tito::queue::check_cancel_reason(topic, why)?;
             let target = format!("queue {label:?}, owner {}/{}", owner.kind, owner.id);
             (
                 "Cancel an owner's work",
@@ -1101,6 +1121,7 @@ async fn queue_action<E: TitoEngine>(
         }
         "limits" => {
             let limits = form_limits(&form)?;
+            tito::queue::check_limits(topic, &limits)?;
             let target = format!("queue {label:?}, limits");
             let what = if limits.is_none() {
                 "Lift every limit of".to_string()
@@ -1111,6 +1132,7 @@ async fn queue_action<E: TitoEngine>(
         }
         "set-aside" => {
             let key = required(&form.key, "the key of a pending row")?;
+            tito::queue::check_pending_key(topic, key)?;
             let target = format!("queue {label:?}, row {key:?}");
             (
                 "Set a row aside",
@@ -1203,30 +1225,62 @@ async fn queue_action<E: TitoEngine>(
             false => "not pending (nothing moved)".to_string(),
         },
         action => {
-            // Every dead invocation, in bounded pages: what moves or goes leaves the dead list,
-            // so each page starts from the front again.
+            // One batch per press: at most DEAD_BATCH rows, one bounded transaction each;
+            // what is left is counted and the page offers the next press.
             let retry = action == "retry-all-dead";
-            let mut handled = 0;
-            loop {
-                let page = tito::queue::dead(db, topic, None, DEAD_BATCH).await?;
-                let mut moved = 0;
-                for dead in &page {
-                    let done = if retry {
-                        tito::queue::retry_dead(db, topic, &dead.id).await?
-                    } else {
-                        tito::queue::discard_dead(db, topic, &dead.id).await?
-                    };
-                    moved += usize::from(done);
-                }
-                handled += moved;
-                if page.len() < DEAD_BATCH || moved == 0 {
-                    break;
-                }
+            let page = tito::queue::dead(db, topic, None, DEAD_BATCH).await?;
+            let mut handled = 0usize;
+            for dead in &page {
+                let done = if retry {
+                    tito::queue::retry_dead(db, topic, &dead.id).await?
+                } else {
+                    tito::queue::discard_dead(db, topic, &dead.id).await?
+                };
+                handled += usize::from(done);
             }
-            format!(
-                "{handled} {}",
-                if retry { "pending again" } else { "discarded" }
-            )
+            let so_far: usize = number(&form.so_far, "so_far")?.unwrap_or(0);
+            let total = so_far.saturating_add(handled);
+            let left = inspect::queue_dead_count(db, topic, inspect::COUNT_BOUND).await?;
+            let verb = if retry { "pending again" } else { "discarded" };
+            let result = format!(
+                "{} {verb}{}, {}",
+                thousands(handled),
+                if so_far > 0 {
+                    format!(" ({} in all)", thousands(total))
+                } else {
+                    String::new()
+                },
+                if left.value == 0 {
+                    "none left".to_string()
+                } else {
+                    format!("{} left", count_text(&left))
+                }
+            );
+            state.record(
+                peer,
+                &format!("queue-{}", form.action),
+                target.clone(),
+                result.clone(),
+            );
+            let next = (left.value > 0).then(|| {
+                let fields = [
+                    ("action", form.action.clone()),
+                    ("topic", topic.unwrap_or_default().to_string()),
+                    ("so_far", total.to_string()),
+                    ("confirm", "yes".to_string()),
+                ];
+                let button = format!(
+                    "Continue: the next {}",
+                    thousands(DEAD_BATCH.min(left.value as usize))
+                );
+                (fields, button)
+            });
+            return Ok(Html(html::batch_done(
+                title,
+                &format!("{target}: {result}."),
+                next.as_ref()
+                    .map(|(fields, button)| (&fields[..], button.as_str())),
+            )));
         }
     };
     state.record(
@@ -1238,9 +1292,9 @@ async fn queue_action<E: TitoEngine>(
     Ok(Html(html::done(title, &format!("{target}: {result}."))))
 }
 
-/// Limits in words: "concurrency 3, 1 per key, 100 starts per 60 s".
+/// Limits in words, each rate exactly and in readable units: "concurrency 3, 1 per key, rate
+/// 100 per 1 m, per-key rate 5 per 1.5 s".
 fn describe_limits(limits: &tito::queue::Limits) -> String {
-    let rate = |r: &tito::queue::Rate| format!("{} starts per {} s", r.starts, r.per.as_secs());
     let mut parts = Vec::new();
     if let Some(n) = limits.concurrency {
         parts.push(format!("concurrency {n}"));
@@ -1249,12 +1303,34 @@ fn describe_limits(limits: &tito::queue::Limits) -> String {
         parts.push(format!("{n} per key"));
     }
     if let Some(r) = &limits.rate {
-        parts.push(rate(r));
+        parts.push(format!("rate {r}"));
     }
     if let Some(r) = &limits.key_rate {
-        parts.push(format!("{} per key", rate(r)));
+        parts.push(format!("per-key rate {r}"));
     }
     parts.join(", ")
+}
+
+/// `1,200`: a number with thousands separators.
+fn thousands(n: usize) -> String {
+    let digits = n.to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// A bounded count in words: `1,200`, or `10,000+` past its bound.
+fn count_text(count: &inspect::Count) -> String {
+    format!(
+        "{}{}",
+        thousands(count.value as usize),
+        if count.more { "+" } else { "" }
+    )
 }
 
 /// The limits a "limits" form asks for: every field blank lifts them all.

@@ -4,6 +4,12 @@ use std::net::SocketAddr;
 
 use clap::{Args, Parser, Subcommand};
 
+/// `--timeout` when not given, in seconds.
+pub(crate) const DEFAULT_TIMEOUT: u64 = 5;
+
+/// The longest `--timeout` accepted, in seconds.
+pub(crate) const MAX_TIMEOUT: u64 = 3600;
+
 #[derive(Parser)]
 #[command(
     name = "tito",
@@ -16,8 +22,10 @@ pub(crate) struct Cli {
     /// Print JSON instead of text.
     #[arg(long, global = true)]
     pub(crate) json: bool,
-    /// How long to wait for TiKV to answer, in seconds.
-    #[arg(long, global = true, default_value_t = 5)]
+    /// How long to wait for TiKV to answer, in seconds (1 to 3600: a cluster that has not
+    /// answered within an hour is not going to).
+    #[arg(long, global = true, default_value_t = DEFAULT_TIMEOUT,
+          value_parser = clap::value_parser!(u64).range(1..=MAX_TIMEOUT))]
     pub(crate) timeout: u64,
     #[command(subcommand)]
     pub(crate) command: Command,
@@ -93,7 +101,8 @@ pub(crate) enum QueueCommand {
     /// completed rows and throughput; handler runs and failures of the last minutes and the
     /// workers that reported them (process, host, age).
     Stats {
-        /// The queue's topic (none: the default queue).
+        /// The queue's topic (`default` or `''` names the queue without a topic; `''` only,
+        /// when a queue's topic is `default`).
         #[arg(long)]
         topic: Option<String>,
     },

@@ -59,6 +59,7 @@ use tito_admin::InboxSource;
 
 mod cli;
 mod commands;
+mod rerun;
 mod typing;
 
 use cli::{Cli, Command, KeysCommand};
@@ -235,12 +236,7 @@ impl Tool {
 
     #[cfg(feature = "tikv")]
     async fn run_tikv(self, endpoints: Vec<String>, cli: Cli) -> Outcome {
-        let db = connect_tikv(
-            &endpoints,
-            &cli.store,
-            Duration::from_secs(cli.timeout.max(1)),
-        )
-        .await?;
+        let db = connect_tikv(&endpoints, &cli.store, Duration::from_secs(cli.timeout)).await?;
         if let Some(grace) = self.write_grace {
             tito::schema::set_write_grace(&db, grace)?;
         }
@@ -390,21 +386,24 @@ pub(crate) fn counts(
     })
 }
 
-pub(crate) fn cursor_line(cursor: &Option<String>) -> String {
+/// The line that reads the next page (`next`, given the cursor, prints the command), or
+/// `(last page)`.
+pub(crate) fn cursor_line(cursor: &Option<String>, next: impl Fn(&str) -> String) -> String {
     match cursor {
-        Some(c) => format!("next page: --cursor {c}"),
+        Some(c) => format!("next page: {}", next(c)),
         None => "(last page)".into(),
     }
 }
 
 async fn execute<E: TitoEngine>(db: E, typed: &Typing, cli: Cli) -> Outcome {
     let json = cli.json;
+    let rerun = rerun::Rerun::new(&cli.store, cli.timeout);
     match cli.command {
-        Command::Queue(command) => commands::queue::run(db, command, json).await,
-        Command::Table(command) => commands::table::run(db, command, json).await,
-        Command::Index(command) => commands::index::run(db, typed, command, json).await,
-        Command::Kv(command) => commands::kv::run(db, command, json).await,
-        Command::Inbox(command) => commands::inbox::run(typed, command, json).await,
+        Command::Queue(command) => commands::queue::run(db, command, json, &rerun).await,
+        Command::Table(command) => commands::table::run(db, command, json, &rerun).await,
+        Command::Index(command) => commands::index::run(db, typed, command, json, &rerun).await,
+        Command::Kv(command) => commands::kv::run(db, command, json, &rerun).await,
+        Command::Inbox(command) => commands::inbox::run(typed, command, json, &rerun).await,
         Command::Audit { table } => {
             commands::index::audit(typed.model(&table)?, &table, false, json).await
         }

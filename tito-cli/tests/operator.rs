@@ -365,7 +365,9 @@ async fn the_cli_reads_a_seeded_store() {
     // The answer names its queue, and its hints carry the flags they need.
     assert!(text.starts_with("queue flaky: "), "{text}");
     assert!(
-        text.contains("retry: tito queue retry-dead ID --topic flaky"),
+        text.contains(&format!(
+            "retry: tito --path {path} queue retry-dead --topic flaky flaky-0"
+        )),
         "{text}"
     );
     let refused = at(&["queue", "discard-dead", "--topic", "flaky", "flaky-1"]);
@@ -429,7 +431,10 @@ async fn the_cli_reads_a_seeded_store() {
     let typo = at(&["queue", "pause", "--topic", "flakey"]);
     refused_with(&typo, "no queue \"flakey\" in this store (its queues: ");
     let beyond = at(&["queue", "pause", "--topic", "flaky", "--partition", "999"]);
-    refused_with(&beyond, "partitions 0 to");
+    refused_with(
+        &beyond,
+        "queue \"flaky\" has 2 partitions (0 to 1): no partition 999",
+    );
     let resumed = stdout_json(&at(&["queue", "resume", "--topic", "flaky", "--json"]));
     assert_eq!(resumed["resumed"], true);
     let again = at(&["queue", "resume", "--topic", "flaky"]);
@@ -456,7 +461,7 @@ async fn the_cli_reads_a_seeded_store() {
     let stats =
         String::from_utf8_lossy(&at(&["queue", "stats", "--topic", "flaky"]).stdout).into_owned();
     assert!(
-        stats.contains("LIMITS: per key 1") && stats.contains("100 starts per 60s"),
+        stats.contains("LIMITS: per key 1") && stats.contains("rate 100 per 1 m"),
         "{stats}"
     );
     for (bad, says) in [
@@ -544,8 +549,15 @@ async fn the_cli_reads_a_seeded_store() {
     let text = String::from_utf8_lossy(&at(&["table", "scan", "user", "--limit", "2"]).stdout)
         .into_owned();
     assert!(
-        text.contains("u00") && text.contains("next page: --cursor c2."),
+        text.contains("u00") && text.contains(" --cursor c2."),
         "{text}"
+    );
+    // The next page's line, run as printed, reads the next page.
+    let next = line_after(&text, "next page: ");
+    let second = String::from_utf8_lossy(&run_line(&next).stdout).into_owned();
+    assert!(
+        second.starts_with("u02") && second.contains("next page: "),
+        "{next}: {second}"
     );
 
     let status = stdout_json(&at(&["index", "status", "user", "--json"]));
@@ -2374,4 +2386,566 @@ async fn support_pending<E: tito::TitoEngine>(queue: &Queue<E>) -> usize {
         total += queue.pending_count(p).await.unwrap();
     }
     total
+}
+
+// ---------------------------------------------------------------------------------------------
+// Lines printed for a person to run, refusals that name what they are about, and the
+// dashboard's checks before a confirmation.
+// ---------------------------------------------------------------------------------------------
+
+/// Runs a line the tool printed as a shell would: split into words (quotes honoured), `tito`
+/// being this build's binary.
+fn run_line(line: &str) -> Output {
+    let words = shlex::split(line).unwrap_or_else(|| panic!("no shell splits {line:?}"));
+    assert_eq!(words[0], "tito", "{line}");
+    tito()
+        .args(&words[1..])
+        .output()
+        .expect("the tito binary runs")
+}
+
+/// The rest of the first line of `text` that follows `label`.
+fn line_after(text: &str, label: &str) -> String {
+    let at = text
+        .find(label)
+        .unwrap_or_else(|| panic!("no {label:?} in {text}"));
+    text[at + label.len()..]
+        .lines()
+        .next()
+        .unwrap()
+        .trim()
+        .to_string()
+}
+
+/// Publishes one event per id on the queue `topic` and lets a worker whose every attempt fails
+/// under a one-attempt policy move them to the dead state.
+async fn make_dead(db: &Embedded, topic: Option<&str>, ids: &[String]) {
+    let mut config = QueueConfig::new(2, Duration::from_secs(3600));
+    config.topic = topic.map(str::to_string);
+    let queue = Arc::new(Queue::new(db.clone(), config));
+    for id in ids {
+        queue
+            .publish(QueueEvent::now(format!("k-{id}"), 1u32).with_id(id.clone()))
+            .await
+            .unwrap();
+    }
+    let mut workers = tito::Workers::new();
+    workers.spawn_worker(
+        queue.clone(),
+        WorkerConfig::new(0..2)
+            .max_idle_backoff(Duration::from_millis(20))
+            .failure_policy(tito::queue::FailurePolicy::new(1)),
+        |_: QueueEvent<u32>| async {
+            Err::<QueueHandlerOutcome<u32>, _>(tito::TitoError::handler("no"))
+        },
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let dead = tito::inspect::queue_dead_count(db, topic, 10_000)
+            .await
+            .unwrap();
+        if dead.value as usize >= ids.len() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "not every event went dead");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    workers.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_printed_command_line_runs_as_printed() {
+    // Store A: the queue without a topic beside a queue whose topic is `default` and one with
+    // a space; store B: the queue without a topic beside `mail`. Both under a path with a space.
+    let dir = tempfile::tempdir().unwrap();
+    let a = dir.path().join("store a");
+    let b = dir.path().join("store b");
+    {
+        let db = Embedded::open(&a).await.unwrap();
+        make_dead(&db, None, &["d-0".into(), "it's".into()]).await;
+        make_dead(&db, Some("default"), &["n-0".into()]).await;
+        make_dead(&db, Some("two words"), &["w-0".into(), "-w-1".into()]).await;
+        // A pending row a worker noted as undecodable.
+        let queue = Queue::new(
+            db.clone(),
+            QueueConfig::new(2, Duration::from_secs(3600)).topic("two words"),
+        );
+        let published = queue.publish(QueueEvent::now("odd", "text")).await.unwrap();
+        for more in ["more 1", "more 2"] {
+            queue.publish(QueueEvent::now("odd", more)).await.unwrap();
+        }
+        let root = tito::keys::queue_root(Some("two words"));
+        let note = tito::keys::undecodable_key(&root, &published.key).unwrap();
+        let tx = db.begin().await.unwrap();
+        tx.put(
+            note.into_bytes(),
+            br#"{"type_name":"u32","error":"not a number"}"#.to_vec(),
+        )
+        .await
+        .unwrap();
+        tx.commit().await.unwrap();
+        db.close().await.unwrap();
+    }
+    {
+        let db = Embedded::open(&b).await.unwrap();
+        make_dead(&db, None, &["b-0".into(), "b-1".into()]).await;
+        make_dead(&db, Some("mail"), &["m-0".into()]).await;
+        db.close().await.unwrap();
+    }
+    let at = |store: &Path, args: &[&str]| {
+        let mut all = vec!["--path", store.to_str().unwrap()];
+        all.extend_from_slice(args);
+        run(&all)
+    };
+    let text = |out: Output| {
+        assert!(out.status.success(), "{}", stderr(&out));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+
+    // Store A: `''` names the queue without a topic, `default` the queue of that topic.
+    let listed = text(at(&a, &["queue", "ls"]));
+    for name in ["\n''", "\ndefault", "\n'two words'"] {
+        assert!(listed.contains(name), "{name}: {listed}");
+    }
+    let several = at(&a, &["queue", "stats"]);
+    refused_with(&several, "(--topic '' for the queue without a topic)");
+    let stats = text(at(&a, &["queue", "stats", "--topic", "", "--json"]));
+    assert!(stats.contains("\"dead\""), "{stats}");
+    let without = text(at(&a, &["queue", "dead", "--topic", ""]));
+    assert!(
+        without.starts_with("queue '': ") && without.contains("d-0"),
+        "{without}"
+    );
+    let named = text(at(&a, &["queue", "dead", "--topic", "default"]));
+    assert!(
+        named.starts_with("queue default: ") && named.contains("n-0"),
+        "{named}"
+    );
+    // Every command that takes --topic takes `''`.
+    for args in [
+        &["queue", "stats"][..],
+        &["queue", "peek"],
+        &["queue", "dead"],
+        &["queue", "schedules"],
+        &["queue", "limits"],
+        &["queue", "aside"],
+    ] {
+        let out = at(&a, &[args, &["--topic", ""]].concat());
+        assert!(out.status.success(), "{args:?}: {}", stderr(&out));
+    }
+    for args in [
+        &["queue", "retry-dead", "nobody"][..],
+        &["queue", "discard-dead", "nobody", "--yes"],
+        &["queue", "cancel", "nobody"],
+        &["queue", "cancel-owner", "k", "nobody"],
+        &["queue", "resume"],
+    ] {
+        // Refused as changing nothing, on the queue without a topic (not as an unknown queue).
+        refused_with(&at(&a, &[args, &["--topic", ""]].concat()), "queue '': ");
+    }
+    let paused = at(&a, &["queue", "pause", "--topic", ""]);
+    assert!(paused.status.success(), "{}", stderr(&paused));
+    assert!(text(at(&a, &["queue", "resume", "--topic", ""])).contains("resumed"));
+
+    // The hints of `queue dead`, followed as printed: each retry and discard line.
+    let retry = line_after(&without, "retry: ");
+    assert!(retry.contains("--topic ''"), "{retry}");
+    assert!(text(run_line(&retry)).contains("pending again"), "{retry}");
+    let discard = line_after(&without[without.find("it's").unwrap()..], "discard: ");
+    assert!(text(run_line(&discard)).contains("discarded"), "{discard}");
+    // A topic with a space, an id that starts with a dash.
+    let spaced = text(at(&a, &["queue", "dead", "--topic", "two words"]));
+    let retry = line_after(&spaced[spaced.find("-w-1").unwrap()..], "retry: ");
+    assert!(retry.contains("--topic 'two words' -- -w-1"), "{retry}");
+    assert!(text(run_line(&retry)).contains("pending again"), "{retry}");
+    // "Run again with --yes", followed as printed.
+    let asked = at(
+        &a,
+        &["queue", "discard-dead", "--topic", "two words", "w-0"],
+    );
+    assert_eq!(asked.status.code(), Some(1));
+    let again = line_after(&stderr(&asked), "run again with --yes: ");
+    assert!(text(run_line(&again)).contains("discarded"), "{again}");
+    // "... lists the dead", followed as printed.
+    let gone = at(&a, &["queue", "retry-dead", "--topic", "", "d-0"]);
+    let list = line_after(&stderr(&gone), "(nothing moved; `");
+    let list = list.split('`').next().unwrap();
+    assert!(text(run_line(list)).starts_with("queue '': "), "{list}");
+    // The line that sets an undecodable row aside.
+    let partition = tito::queue::partition_for("odd", 2).to_string();
+    let peek = text(at(
+        &a,
+        &[
+            "queue",
+            "peek",
+            "--topic",
+            "two words",
+            "--partition",
+            &partition,
+        ],
+    ));
+    // The next page of a peek, a page at a time.
+    let first = text(at(
+        &a,
+        &[
+            "queue",
+            "peek",
+            "--topic",
+            "two words",
+            "--partition",
+            &partition,
+            "--limit",
+            "1",
+        ],
+    ));
+    let next = line_after(&first, "next page: ");
+    assert!(next.contains("--topic 'two words'"), "{next}");
+    let second = text(run_line(&next));
+    assert!(
+        second.starts_with("queue 'two words', partition ") && second.contains("next page: "),
+        "{second}"
+    );
+    let aside = line_after(&peek, "set it aside: ");
+    assert!(text(run_line(&aside)).contains("set aside"), "{aside}");
+
+    // Store B: the default queue among several is named in every hint.
+    let dead = text(at(&b, &["queue", "dead", "--topic", "default"]));
+    let retry = line_after(&dead, "retry: ");
+    assert!(retry.contains("--topic default"), "{retry}");
+    assert!(text(run_line(&retry)).contains("pending again"), "{retry}");
+    let asked = at(&b, &["queue", "discard-dead", "--topic", "default", "b-1"]);
+    let again = line_after(&stderr(&asked), "run again with --yes: ");
+    assert!(text(run_line(&again)).contains("discarded"), "{again}");
+    let again = run_line(&again);
+    let list = line_after(&stderr(&again), "(nothing deleted; `");
+    assert!(text(run_line(list.split('`').next().unwrap())).starts_with("queue default: "));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_name_the_queue_and_say_what_was_expected() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().to_str().unwrap().to_string();
+    {
+        let db = Embedded::open(dir.path()).await.unwrap();
+        make_dead(&db, Some("flaky"), &["f-0".into()]).await;
+        let users = db.clone().model::<User>();
+        for i in 0..7 {
+            users
+                .build(User {
+                    id: format!("u{i}"),
+                    team: "red".into(),
+                    email: format!("u{i}@example.com"),
+                })
+                .await
+                .unwrap();
+        }
+        // A rewrite that found every row in its version already.
+        users
+            .rewrite_shapes(tito::schema::RewriteOptions::default(), |_| {})
+            .await
+            .unwrap();
+        db.close().await.unwrap();
+    }
+    let at = |args: &[&str]| {
+        let mut all = vec!["--path", path.as_str()];
+        all.extend_from_slice(args);
+        run(&all)
+    };
+    // A partition the queue lacks: the same words from pause, resume and peek.
+    for command in ["pause", "resume", "peek"] {
+        refused_with(
+            &at(&["queue", command, "--topic", "flaky", "--partition", "99"]),
+            "queue \"flaky\" has 2 partitions (0 to 1): no partition 99",
+        );
+    }
+    // Refusals passed through from the library name the queue.
+    let long = "x".repeat(5000);
+    for (args, says) in [
+        (
+            &["queue", "limits", "--concurrency", "0"][..],
+            "queue \"flaky\": Limits::concurrency is 0",
+        ),
+        (
+            &["queue", "limits", "--key-rate", "5/9d"],
+            "queue \"flaky\": Limits::key_rate counts starts over 9 d; the interval must be \
+             from 1 s to 1 d",
+        ),
+        (
+            &["queue", "pause", "--why", &long],
+            "queue \"flaky\": a pause's reason holds at most",
+        ),
+        (
+            &["queue", "cancel", "f-0", "--why", &long],
+            "queue \"flaky\": a cancellation's reason holds at most",
+        ),
+    ] {
+        refused_with(&at(&[args, &["--topic", "flaky"]].concat()), says);
+    }
+    // A mistyped or cut-short key is the operator's mistake, and the answer says what a key
+    // looks like.
+    let root = tito::keys::queue_root(Some("flaky"));
+    let whole = tito::keys::pending_key(&root, 1, 1_700_000_000, 7, "e-1");
+    for key in [
+        "nonsense".to_string(),
+        whole[..whole.len() - 6].to_string(),
+        whole.replace(":pending:", ":pendin:"),
+    ] {
+        let out = at(&["queue", "set-aside", "--topic", "flaky", &key]);
+        refused_with(&out, "invalid argument: queue \"flaky\": ");
+        assert!(
+            stderr(&out).contains("such a key reads queue@flaky:pending:PPPP:"),
+            "{}",
+            stderr(&out)
+        );
+        assert!(!stderr(&out).contains("integrity"), "{}", stderr(&out));
+    }
+    // A mistyped table is not an empty one.
+    refused_with(
+        &at(&["table", "versions", "usr"]),
+        "no table \"usr\" in this store (its tables: user)",
+    );
+    // A rewrite that changed nothing says so.
+    let out = at(&["table", "versions", "user"]);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        text.contains(
+            "no row needed a rewrite: the last run to version 1 found all 7 rows read in that \
+             version already"
+        ) && !text.contains("rewritten"),
+        "{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn absurd_timeouts_and_write_graces_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().to_str().unwrap().to_string();
+    {
+        let db = Embedded::open(dir.path()).await.unwrap();
+        make_dead(&db, None, &["x".into()]).await;
+        db.close().await.unwrap();
+    }
+    for timeout in ["0", "3601"] {
+        let out = run(&["--path", &path, "--timeout", timeout, "queue", "ls"]);
+        assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+        assert!(
+            stderr(&out).contains(&format!("{timeout} is not in 1..=3600")),
+            "{}",
+            stderr(&out)
+        );
+    }
+    assert!(
+        run(&["--path", &path, "--timeout", "3600", "queue", "ls"])
+            .status
+            .success()
+    );
+    let refused = tito_cli::Tool::new()
+        .write_grace(Duration::from_secs(3601))
+        .execute(["--path", path.as_str(), "queue", "ls"])
+        .await
+        .unwrap_err();
+    assert!(refused.contains("write grace"), "{refused}");
+}
+
+/// Posts `form` to the queue page's actions from loopback, as this dashboard's own page does.
+async fn queue_post(router: &axum::Router, form: &str) -> (StatusCode, String) {
+    send(router, post("/queue-action", form), Some("127.0.0.1:50000")).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_refuses_what_can_never_succeed_before_confirming() {
+    let db = Embedded::temporary().await.unwrap();
+    make_dead(&db, Some("flaky"), &["f-0".into()]).await;
+    let router = tito_admin::Admin::new(db.clone()).router();
+    let root = tito::keys::queue_root(Some("flaky"));
+    let whole = tito::keys::pending_key(&root, 1, 1_700_000_000, 7, "e-1");
+    let cut = urlencode(&whole[..whole.len() - 6]);
+    let long = "x".repeat(2000);
+    for (form, says) in [
+        (
+            "action=pause&topic=flaky&partition=99".to_string(),
+            "queue \"flaky\" has 2 partitions (0 to 1): no partition 99",
+        ),
+        (
+            "action=resume&topic=flaky&partition=99".to_string(),
+            "no partition 99",
+        ),
+        (
+            "action=limits&topic=flaky&concurrency=0".to_string(),
+            "queue \"flaky\": Limits::concurrency is 0",
+        ),
+        (
+            "action=limits&topic=flaky&rate=0%2F1s".to_string(),
+            "Limits::rate allows 0 starts",
+        ),
+        (
+            "action=limits&topic=flaky&key_concurrency=5000".to_string(),
+            "Limits::key_concurrency is 5000",
+        ),
+        (
+            "action=limits&topic=flaky&key_rate=5%2F9d".to_string(),
+            "counts starts over 9 d",
+        ),
+        (
+            format!("action=pause&topic=flaky&why={long}"),
+            "queue \"flaky\": a pause's reason holds at most",
+        ),
+        (
+            format!("action=cancel&topic=flaky&id=f-0&why={long}"),
+            "queue \"flaky\": a cancellation's reason holds at most",
+        ),
+        (
+            "action=set-aside&topic=flaky&key=nonsense".to_string(),
+            "such a key reads",
+        ),
+        (
+            format!("action=set-aside&topic=flaky&key={cut}"),
+            "such a key reads",
+        ),
+    ] {
+        // Not asked to confirm: refused at once, as bad input.
+        let (status, body) = queue_post(&router, &form).await;
+        let body = body.replace("&quot;", "\"").replace("&#39;", "'");
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{form}: {body}");
+        assert!(body.contains(says), "{form}: {body}");
+        assert!(!body.contains("name=\"confirm\""), "{form}: {body}");
+        // Posted as confirmed (a forged or stale confirmation page): the same refusal.
+        let (status, body) = queue_post(&router, &format!("{form}&confirm=yes")).await;
+        let body = body.replace("&quot;", "\"").replace("&#39;", "'");
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{form}: {body}");
+        assert!(body.contains(says), "{form}: {body}");
+    }
+    // Nothing was changed.
+    assert!(
+        tito::queue::paused(&db, Some("flaky"))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert!(
+        tito::queue::limits(&db, Some("flaky"))
+            .await
+            .unwrap()
+            .is_none()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_shows_rates_exactly_and_an_unchanged_form_keeps_them() {
+    use tito::queue::{Limits, Rate};
+    let db = Embedded::temporary().await.unwrap();
+    make_dead(&db, Some("flaky"), &["f-0".into()]).await;
+    let limits = Limits::none()
+        .concurrency(2)
+        .rate(Rate::new(10, Duration::from_millis(1500)))
+        .key_rate(Rate::new(5, Duration::from_secs(5400)));
+    tito::queue::set_limits(&db, Some("flaky"), limits.clone())
+        .await
+        .unwrap();
+    let router = tito_admin::Admin::new(db.clone()).router();
+    let (_, page) = send(&router, get("/queue?topic=flaky"), Some("127.0.0.1:50000")).await;
+    let value = |name: &str| {
+        let at = page
+            .find(&format!("name=\"{name}\""))
+            .unwrap_or_else(|| panic!("no {name} field: {page}"));
+        let rest = &page[at..];
+        let open = rest.find("value=\"").unwrap() + "value=\"".len();
+        rest[open..open + rest[open..].find('"').unwrap()].to_string()
+    };
+    assert_eq!(value("rate"), "10 per 1.5 s");
+    assert_eq!(value("key_rate"), "5 per 1.5 h");
+    assert!(
+        page.contains("rate 10 per 1.5 s") && page.contains("per-key rate 5 per 1.5 h"),
+        "{page}"
+    );
+    // The form sent back with only the concurrency changed: the rates stay exactly as they were.
+    let form = format!(
+        "action=limits&topic=flaky&concurrency=3&key_concurrency={}&rate={}&key_rate={}",
+        urlencode(&value("key_concurrency")),
+        urlencode(&value("rate")),
+        urlencode(&value("key_rate")),
+    );
+    let (status, asked) = queue_post(&router, &form).await;
+    assert_eq!(status, StatusCode::OK, "{asked}");
+    assert!(
+        asked.contains("Set concurrency 3, rate 10 per 1.5 s, per-key rate 5 per 1.5 h on"),
+        "{asked}"
+    );
+    let (status, done) = queue_post(&router, &format!("{form}&confirm=yes")).await;
+    assert_eq!(status, StatusCode::OK, "{done}");
+    let stored = tito::queue::limits(&db, Some("flaky")).await.unwrap();
+    assert_eq!(stored, limits.concurrency(3));
+    let (_, log) = send(&router, get("/api/actions"), Some("127.0.0.1:50000")).await;
+    assert!(log.contains("per-key rate 5 per 1.5 h"), "{log}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_refuses_a_post_no_page_of_its_own_sent() {
+    let db = Embedded::temporary().await.unwrap();
+    make_dead(&db, Some("flaky"), &["f-0".into()]).await;
+    let router = tito_admin::Admin::new(db.clone()).router();
+    let mut request = post("/queue-action", "action=pause&topic=flaky&confirm=yes");
+    request
+        .headers_mut()
+        .insert("sec-fetch-site", "none".parse().unwrap());
+    let (status, body) = send(&router, request, Some("127.0.0.1:50000")).await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+    assert!(
+        tito::queue::paused(&db, Some("flaky"))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    // The dashboard's own page posts same-origin, and that is applied.
+    let mut request = post("/queue-action", "action=pause&topic=flaky&confirm=yes");
+    request
+        .headers_mut()
+        .insert("sec-fetch-site", "same-origin".parse().unwrap());
+    let (status, body) = send(&router, request, Some("127.0.0.1:50000")).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_all_dead_runs_in_bounded_batches_and_says_what_is_left() {
+    let db = Embedded::temporary().await.unwrap();
+    let ids: Vec<String> = (0..tito_admin::DEAD_BATCH + 30)
+        .map(|i| format!("d-{i:03}"))
+        .collect();
+    make_dead(&db, Some("flaky"), &ids).await;
+    let router = tito_admin::Admin::new(db.clone()).router();
+    let (status, first) =
+        queue_post(&router, "action=retry-all-dead&topic=flaky&confirm=yes").await;
+    assert_eq!(status, StatusCode::OK, "{first}");
+    assert!(first.contains("100 pending again, 30 left."), "{first}");
+    let dead = tito::inspect::queue_dead_count(&db, Some("flaky"), 1000)
+        .await
+        .unwrap();
+    assert_eq!(dead.value, 30);
+    // The page continues: its form posts the next batch, already confirmed, with the progress.
+    let at = first
+        .find("id=\"continue\"")
+        .expect("a form for the next batch");
+    assert!(first[at..].contains("Continue: the next 30"), "{first}");
+    let mut fields = Vec::new();
+    let mut rest = &first[at..first[at..].find("</form>").unwrap() + at];
+    while let Some(i) = rest.find("name=\"") {
+        rest = &rest[i + 6..];
+        let name = &rest[..rest.find('"').unwrap()];
+        let v = rest.find("value=\"").unwrap() + 7;
+        let value = &rest[v..v + rest[v..].find('"').unwrap()];
+        fields.push(format!("{name}={}", urlencode(value)));
+    }
+    let (status, second) = queue_post(&router, &fields.join("&")).await;
+    assert_eq!(status, StatusCode::OK, "{second}");
+    assert!(
+        second.contains("30 pending again (130 in all), none left."),
+        "{second}"
+    );
+    assert!(!second.contains("id=\"continue\""), "{second}");
+    let dead = tito::inspect::queue_dead_count(&db, Some("flaky"), 1000)
+        .await
+        .unwrap();
+    assert_eq!(dead.value, 0);
+    let (_, log) = send(&router, get("/api/actions"), Some("127.0.0.1:50000")).await;
+    assert!(log.contains("100 pending again, 30 left"), "{log}");
 }

@@ -202,6 +202,16 @@ pub async fn queue_exists<E: TitoEngine>(db: &E, topic: Option<&str>) -> TitoRes
     Ok(count_prefix(db, &prefix, 1).await?.value > 0)
 }
 
+/// How many dead invocations the queue named `topic` holds, counted up to `bound` (as
+/// [`QueueOverview::dead`] counts them, without the rest of the overview).
+pub async fn queue_dead_count<E: TitoEngine>(
+    db: &E,
+    topic: Option<&str>,
+    bound: u64,
+) -> TitoResult<Count> {
+    count_prefix(db, &keys::dead_prefix(&keys::queue_root(topic)), bound).await
+}
+
 async fn partitions_of<X: TitoTransaction>(tx: &X, root: &str) -> TitoResult<Option<u32>> {
     crate::queue::stored_partition_count(tx, root).await
 }
@@ -321,9 +331,11 @@ pub async fn queue_view<E: TitoEngine>(
         };
         let partition = match partition {
             Some(p) if p >= partitions => {
-                return Err(TitoError::invalid_argument(format!(
-                    "partition {p} of a queue of {partitions}"
-                )));
+                return Err(crate::queue::no_such_partition(
+                    &keys::queue_root(topic),
+                    partitions,
+                    p,
+                ));
             }
             Some(p) => p,
             None => overview
@@ -638,7 +650,8 @@ async fn owned_rows<E: TitoEngine>(
 
 /// A page of a queue's pending rows of one partition (in due order) or of its completed rows
 /// (newest first), at most `limit` (1 to [`MAX_PAGE_LIMIT`]), continuing from `cursor`.
-/// Malformed rows are returned with their raw bytes, never skipped.
+/// Malformed rows are returned with their raw bytes, never skipped. A partition the queue does
+/// not have is refused, naming the queue and its partitions (as [`crate::queue::pause`] does).
 pub async fn queue_scan<E: TitoEngine>(
     db: &E,
     topic: Option<&str>,
@@ -648,6 +661,14 @@ pub async fn queue_scan<E: TitoEngine>(
 ) -> TitoResult<TitoPage<QueueRow>> {
     let limit = check_limit(limit)?;
     read_only(db, async |tx| {
+        if let QueueState::Pending(partition) = state {
+            let root = keys::queue_root(topic);
+            if let Some(count) = partitions_of(tx, &root).await?
+                && partition >= count
+            {
+                return Err(crate::queue::no_such_partition(&root, count, partition));
+            }
+        }
         queue_scan_in(tx, topic, state, cursor, limit).await
     })
     .await

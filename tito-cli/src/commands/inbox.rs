@@ -5,7 +5,12 @@ use crate::typing::Typing;
 use crate::{Outcome, cursor_line, print};
 
 /// Runs one `tito inbox` command.
-pub(crate) async fn run(typed: &Typing, command: InboxCommand, json: bool) -> Outcome {
+pub(crate) async fn run(
+    typed: &Typing,
+    command: InboxCommand,
+    json: bool,
+    rerun: &crate::rerun::Rerun,
+) -> Outcome {
     match command {
         InboxCommand::Stats { table, group } => {
             let counts = typed.inbox(&table)?.counts(&group).await?;
@@ -43,7 +48,14 @@ pub(crate) async fn run(typed: &Typing, command: InboxCommand, json: bool) -> Ou
                         row.row
                     ));
                 }
-                out.push_str(&cursor_line(&rows.cursor));
+                let limit = limit.to_string();
+                out.push_str(&cursor_line(&rows.cursor, |c| {
+                    rerun.line(
+                        &["inbox", "dead"],
+                        &["--group", &group, "--limit", &limit, "--cursor", c],
+                        &[&table],
+                    )
+                }));
                 if !bad.is_empty() {
                     out.push_str(&format!("\nbad rows: {}", bad.join(", ")));
                 }

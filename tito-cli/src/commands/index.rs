@@ -17,6 +17,7 @@ pub(crate) async fn run<E: TitoEngine>(
     typed: &Typing,
     command: IndexCommand,
     json: bool,
+    rerun: &crate::rerun::Rerun,
 ) -> Outcome {
     match command {
         IndexCommand::Status { table } => {
@@ -77,7 +78,8 @@ pub(crate) async fn run<E: TitoEngine>(
             typed.model(&table)?.restart(index.clone()).await?;
             print(json, &serde_json::json!({ "restarted": index }), || {
                 format!(
-                    "the build of {table}.{index} starts again from the first row (run `index build`)"
+                    "the build of {table}.{index} starts again from the first row; run: {}",
+                    rerun.line(&["index", "build"], &[], &[&table])
                 )
             })
         }

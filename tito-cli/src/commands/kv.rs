@@ -7,7 +7,12 @@ use crate::cli::KvCommand;
 use crate::{Failure, Outcome, counts, cursor_line, print};
 
 /// Runs one `tito kv` command.
-pub(crate) async fn run<E: TitoEngine>(db: E, command: KvCommand, json: bool) -> Outcome {
+pub(crate) async fn run<E: TitoEngine>(
+    db: E,
+    command: KvCommand,
+    json: bool,
+    rerun: &crate::rerun::Rerun,
+) -> Outcome {
     match command {
         KvCommand::Ls => {
             let mut rows = Vec::new();
@@ -46,7 +51,14 @@ pub(crate) async fn run<E: TitoEngine>(db: E, command: KvCommand, json: bool) ->
                         e.key, e.value, e.version
                     ));
                 }
-                out.push_str(&cursor_line(&page.cursor));
+                let limit = limit.to_string();
+                out.push_str(&cursor_line(&page.cursor, |c| {
+                    rerun.line(
+                        &["kv", "list"],
+                        &["--prefix", &prefix, "--limit", &limit, "--cursor", c],
+                        &[&namespace],
+                    )
+                }));
                 out
             })
         }

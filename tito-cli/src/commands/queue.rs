@@ -4,6 +4,7 @@ use tito::TitoEngine;
 use tito::inspect::{self, QueueState};
 
 use crate::cli::QueueCommand;
+use crate::rerun::{Rerun, quote};
 use crate::{Failure, Outcome, cursor_line, print};
 
 /// The `--topic` of a command that works on one queue (every one but `ls`).
@@ -27,70 +28,112 @@ fn topic_of(command: &mut QueueCommand) -> Option<&mut Option<String>> {
     }
 }
 
-/// The queue a command works on, as its topic and its label: `--topic` when given (`default`
-/// names the queue without a topic, unless a queue has that topic); without it, the store's
-/// only queue. A store with several queues and no `--topic` is answered with their names,
-/// never silently about the default queue.
-async fn which<E: TitoEngine>(
-    db: &E,
+/// The queue a command works on.
+struct Target {
+    /// Its topic (`None`: the queue without a topic).
     topic: Option<String>,
-) -> Result<(Option<String>, String), Failure> {
+    /// What `--topic` takes to name it: its topic; for the queue without a topic `default`, or
+    /// `''` (no topic is empty) when a queue's topic is `default`.
+    arg: String,
+}
+
+impl Target {
+    fn new(topic: Option<String>, queues: &[inspect::QueueInfo]) -> Self {
+        let arg = match &topic {
+            Some(topic) => topic.clone(),
+            None if names_default(queues) => String::new(),
+            None => "default".to_string(),
+        };
+        Target { topic, arg }
+    }
+
+    /// Its name in text, as `--topic` takes it (quoted for a shell when it must be).
+    fn label(&self) -> String {
+        quote(&self.arg)
+    }
+}
+
+/// Whether a queue of the store has the topic `default` (then `--topic default` names it, and
+/// the queue without a topic is `--topic ''`).
+fn names_default(queues: &[inspect::QueueInfo]) -> bool {
+    queues.iter().any(|q| q.topic.as_deref() == Some("default"))
+}
+
+/// The store's queues as `--topic` names them: `default, 'two words', mail`.
+fn queue_names(queues: &[inspect::QueueInfo]) -> String {
+    let names: Vec<String> = queues
+        .iter()
+        .map(|q| Target::new(q.topic.clone(), queues).label())
+        .collect();
+    names.join(", ")
+}
+
+/// The queue a command works on: `--topic` when given (`''` names the queue without a topic,
+/// and so does `default` unless a queue has that topic); without it, the store's only queue. A
+/// store with several queues and no `--topic` is answered with their names, never silently
+/// about the default queue.
+async fn which<E: TitoEngine>(db: &E, topic: Option<String>) -> Result<Target, Failure> {
     let queues = inspect::queues(db, 1000).await?;
+    let without = if names_default(&queues) {
+        "--topic ''"
+    } else {
+        "--topic default"
+    };
     let resolved = match topic {
-        Some(t)
-            if t == "default" && !queues.iter().any(|q| q.topic.as_deref() == Some("default")) =>
-        {
-            (None, "default".to_string())
-        }
-        Some(t) => (Some(t.clone()), t),
+        Some(t) if t.is_empty() => None,
+        Some(t) if t == "default" && !names_default(&queues) => None,
+        Some(t) => Some(t),
         None => match queues.as_slice() {
             [] => return Err(Failure("this store has no queue".into())),
-            [only] => return Ok((only.topic.clone(), only.label.clone())),
+            [only] => return Ok(Target::new(only.topic.clone(), &queues)),
             several => {
-                let names: Vec<&str> = several.iter().map(|q| q.label.as_str()).collect();
                 return Err(Failure(format!(
-                    "this store has {} queues ({}): name one with --topic NAME (--topic default \
-                     for the queue without a topic)",
+                    "this store has {} queues ({}): name one with --topic NAME ({without} for \
+                     the queue without a topic)",
                     several.len(),
-                    names.join(", ")
+                    queue_names(&queues)
                 )));
             }
         },
     };
     // A mistyped name is not an empty queue: a queue exists once any key lives under its root.
-    if !inspect::queue_exists(db, resolved.0.as_deref()).await? {
-        let names: Vec<&str> = queues.iter().map(|q| q.label.as_str()).collect();
+    if !inspect::queue_exists(db, resolved.as_deref()).await? {
+        let given = resolved.as_deref().unwrap_or("");
         return Err(Failure(format!(
-            "no queue {:?} in this store ({})",
-            resolved.1,
-            if names.is_empty() {
+            "no queue {given:?} in this store ({})",
+            if queues.is_empty() {
                 "it has none".to_string()
             } else {
-                format!("its queues: {}", names.join(", "))
+                format!("its queues: {}", queue_names(&queues))
             }
         )));
     }
-    Ok(resolved)
-}
-
-/// `--topic NAME` for a hint, or nothing for the default queue.
-fn topic_flag(topic: &Option<String>, label: &str) -> String {
-    match topic {
-        Some(_) => format!(" --topic {label}"),
-        None => String::new(),
-    }
+    Ok(Target::new(resolved, &queues))
 }
 
 /// Runs one `tito queue` command.
-pub(crate) async fn run<E: TitoEngine>(db: E, mut command: QueueCommand, json: bool) -> Outcome {
-    let mut label = String::new();
-    let mut flag = String::new();
+pub(crate) async fn run<E: TitoEngine>(
+    db: E,
+    mut command: QueueCommand,
+    json: bool,
+    rerun: &Rerun,
+) -> Outcome {
+    let mut target = Target {
+        topic: None,
+        arg: String::new(),
+    };
     if let Some(topic) = topic_of(&mut command) {
-        let (resolved, name) = which(&db, topic.take()).await?;
-        flag = topic_flag(&resolved, &name);
-        *topic = resolved;
-        label = name;
+        target = which(&db, topic.take()).await?;
+        *topic = target.topic.clone();
     }
+    let label = target.label();
+    let name = target.arg.clone();
+    // A command line on this queue, as a person can run it.
+    let line = |command: &[&str], options: &[&str], positionals: &[&str]| {
+        let mut all = vec!["--topic", target.arg.as_str()];
+        all.extend_from_slice(options);
+        rerun.line(command, &all, positionals)
+    };
     // What an action that changed nothing says: on stderr, with a non-zero exit status.
     let nothing = |what: String| Err(Failure(format!("queue {label}: {what}")));
     match command {
@@ -100,7 +143,8 @@ pub(crate) async fn run<E: TitoEngine>(db: E, mut command: QueueCommand, json: b
                 let mut out = format!("{:<32} {:>10}", "QUEUE", "PARTITIONS");
                 for q in &queues {
                     let parts = q.partitions.map_or("?".into(), |p| p.to_string());
-                    out.push_str(&format!("\n{:<32} {:>10}", q.label, parts));
+                    let name = Target::new(q.topic.clone(), &queues).label();
+                    out.push_str(&format!("\n{name:<32} {parts:>10}"));
                 }
                 out
             })
@@ -113,7 +157,7 @@ pub(crate) async fn run<E: TitoEngine>(db: E, mut command: QueueCommand, json: b
                     o.info.label
                 )));
             }
-            print(json, &o, || stats_text(&o))
+            print(json, &o, || stats_text(&o, &label))
         }
         QueueCommand::Peek {
             topic,
@@ -122,21 +166,10 @@ pub(crate) async fn run<E: TitoEngine>(db: E, mut command: QueueCommand, json: b
             limit,
             cursor,
         } => {
+            // A partition the queue does not have is refused by the scan, naming the queue.
             let state = if completed {
                 QueueState::Completed
             } else {
-                let count = inspect::queues(&db, 1000)
-                    .await?
-                    .into_iter()
-                    .find(|q| q.topic == topic)
-                    .and_then(|q| q.partitions);
-                if let Some(count) = count.filter(|count| partition >= *count) {
-                    return Err(Failure(format!(
-                        "queue {label} has {count} partition{} (0 to {}): no partition {partition}",
-                        if count == 1 { "" } else { "s" },
-                        count - 1
-                    )));
-                }
                 QueueState::Pending(partition)
             };
             let page =
@@ -147,7 +180,22 @@ pub(crate) async fn run<E: TitoEngine>(db: E, mut command: QueueCommand, json: b
                 format!("partition {partition}, pending rows in run order")
             };
             print(json, &page, || {
-                format!("queue {label}, {what}:\n{}", peek_text(&page, &flag))
+                let set_aside =
+                    |key: &str| line(&["queue", "set-aside"], &["--why", "undecodable"], &[key]);
+                let (partition, limit) = (partition.to_string(), limit.to_string());
+                let next = |cursor: &str| {
+                    let mut options = vec!["--limit", &limit, "--cursor", cursor];
+                    if completed {
+                        options.push("--completed");
+                    } else {
+                        options.extend_from_slice(&["--partition", &partition]);
+                    }
+                    line(&["queue", "peek"], &options, &[])
+                };
+                format!(
+                    "queue {label}, {what}:\n{}",
+                    peek_text(&page, &set_aside, &next)
+                )
             })
         }
         QueueCommand::SetAside { topic, key, why } => {
@@ -157,7 +205,7 @@ pub(crate) async fn run<E: TitoEngine>(db: E, mut command: QueueCommand, json: b
             }
             print(
                 json,
-                &serde_json::json!({ "queue": label, "key": key, "set_aside": moved }),
+                &serde_json::json!({ "queue": name, "key": key, "set_aside": moved }),
                 || format!("queue {label}: {key}: set aside"),
             )
         }
@@ -168,19 +216,27 @@ pub(crate) async fn run<E: TitoEngine>(db: E, mut command: QueueCommand, json: b
         } => {
             let dead = tito::queue::dead(&db, topic.as_deref(), after.as_deref(), limit).await?;
             print(json, &dead, || {
-                format!("queue {label}: {}", dead_text(&dead, limit, &flag))
+                let hints = |id: &str| {
+                    (
+                        line(&["queue", "retry-dead"], &[], &[id]),
+                        line(&["queue", "discard-dead"], &["--yes"], &[id]),
+                    )
+                };
+                let next = |after: &str| line(&["queue", "dead"], &["--after", after], &[]);
+                format!("queue {label}: {}", dead_text(&dead, limit, &hints, &next))
             })
         }
         QueueCommand::RetryDead { topic, id } => {
             let moved = tito::queue::retry_dead(&db, topic.as_deref(), &id).await?;
             if !moved {
                 return nothing(format!(
-                    "{id}: not dead (nothing moved; `tito queue dead{flag}` lists the dead)"
+                    "{id}: not dead (nothing moved; `{}` lists the dead)",
+                    line(&["queue", "dead"], &[], &[])
                 ));
             }
             print(
                 json,
-                &serde_json::json!({ "queue": label, "id": id, "retried": moved }),
+                &serde_json::json!({ "queue": name, "id": id, "retried": moved }),
                 || format!("queue {label}: {id}: pending again (attempt 1, due now)"),
             )
         }
@@ -188,18 +244,20 @@ pub(crate) async fn run<E: TitoEngine>(db: E, mut command: QueueCommand, json: b
             if !yes {
                 return Err(Failure(format!(
                     "queue {label}: discarding dead invocation {id:?} deletes it for good; run \
-                     again with --yes: tito queue discard-dead {id}{flag} --yes"
+                     again with --yes: {}",
+                    line(&["queue", "discard-dead"], &["--yes"], &[&id])
                 )));
             }
             let deleted = tito::queue::discard_dead(&db, topic.as_deref(), &id).await?;
             if !deleted {
                 return nothing(format!(
-                    "{id}: not dead (nothing deleted; `tito queue dead{flag}` lists the dead)"
+                    "{id}: not dead (nothing deleted; `{}` lists the dead)",
+                    line(&["queue", "dead"], &[], &[])
                 ));
             }
             print(
                 json,
-                &serde_json::json!({ "queue": label, "id": id, "discarded": deleted }),
+                &serde_json::json!({ "queue": name, "id": id, "discarded": deleted }),
                 || format!("queue {label}: {id}: discarded"),
             )
         }
@@ -210,7 +268,7 @@ pub(crate) async fn run<E: TitoEngine>(db: E, mut command: QueueCommand, json: b
             }
             print(
                 json,
-                &serde_json::json!({ "queue": label, "id": id, "cancelled": cancelled }),
+                &serde_json::json!({ "queue": name, "id": id, "cancelled": cancelled }),
                 || format!("queue {label}: {id}: cancelled"),
             )
         }
@@ -230,7 +288,7 @@ pub(crate) async fn run<E: TitoEngine>(db: E, mut command: QueueCommand, json: b
             }
             print(
                 json,
-                &serde_json::json!({ "queue": label, "owner": who, "cancelled": cancelled }),
+                &serde_json::json!({ "queue": name, "owner": who, "cancelled": cancelled }),
                 || {
                     format!(
                         "queue {label}: {cancelled} pending invocations of {}/{} cancelled",
@@ -279,7 +337,7 @@ pub(crate) async fn run<E: TitoEngine>(db: E, mut command: QueueCommand, json: b
             }
             print(
                 json,
-                &serde_json::json!({ "queue": label, "partition": partition, "paused": paused }),
+                &serde_json::json!({ "queue": name, "partition": partition, "paused": paused }),
                 || {
                     format!(
                         "queue {label}: {what} paused: workers start nothing there within 0.5 s"
@@ -321,7 +379,7 @@ pub(crate) async fn run<E: TitoEngine>(db: E, mut command: QueueCommand, json: b
             }
             print(
                 json,
-                &serde_json::json!({ "queue": label, "partition": partition, "resumed": resumed }),
+                &serde_json::json!({ "queue": name, "partition": partition, "resumed": resumed }),
                 || format!("queue {label}: {what} resumed"),
             )
         }
@@ -333,7 +391,18 @@ pub(crate) async fn run<E: TitoEngine>(db: E, mut command: QueueCommand, json: b
             let page =
                 inspect::queue_aside(&db, topic.as_deref(), cursor.as_deref(), limit).await?;
             print(json, &page, || {
-                format!("queue {label}, rows set aside:\n{}", aside_text(&page))
+                let limit = limit.to_string();
+                let next = |cursor: &str| {
+                    line(
+                        &["queue", "aside"],
+                        &["--limit", &limit, "--cursor", cursor],
+                        &[],
+                    )
+                };
+                format!(
+                    "queue {label}, rows set aside:\n{}",
+                    aside_text(&page, &next)
+                )
             })
         }
     }
@@ -350,7 +419,6 @@ pub(crate) fn limits_text(usage: &tito::queue::LimitUsage) -> String {
     if l.is_none() {
         return "no limits".into();
     }
-    let rate = |r: &tito::queue::Rate| format!("{} starts per {:?}", r.starts, r.per);
     let mut lines = Vec::new();
     if let Some(n) = l.concurrency {
         lines.push(format!("concurrency {n}: {} running", usage.running));
@@ -364,13 +432,12 @@ pub(crate) fn limits_text(usage: &tito::queue::LimitUsage) -> String {
     }
     if let Some(r) = &l.rate {
         lines.push(format!(
-            "rate {}: {} in the current interval",
-            rate(r),
+            "rate {r}: {} in the current interval",
             usage.recent_starts
         ));
     }
     if let Some(r) = &l.key_rate {
-        lines.push(format!("per-key rate {}", rate(r)));
+        lines.push(format!("per-key rate {r}"));
     }
     lines.join("\n")
 }
@@ -380,11 +447,11 @@ fn scope(partition: Option<u32>) -> String {
     partition.map_or("the queue".to_string(), |p| format!("partition {p}"))
 }
 
-fn stats_text(o: &inspect::QueueOverview) -> String {
+fn stats_text(o: &inspect::QueueOverview, label: &str) -> String {
     let now_s = o.now_ms / 1000;
     let mut out = format!(
-        "queue {}: {} due now, {} due later, {} completed kept, {} dead",
-        o.info.label, o.due_now, o.future, o.completed, o.dead
+        "queue {label}: {} due now, {} due later, {} completed kept, {} dead",
+        o.due_now, o.future, o.completed, o.dead
     );
     if let Some(due) = o.oldest_due.filter(|_| o.due_now.value > 0) {
         out.push_str(&format!(
@@ -469,13 +536,20 @@ fn stats_text(o: &inspect::QueueOverview) -> String {
 }
 
 /// `queue peek` as text: one line per row, undecodable and malformed rows marked.
-fn peek_text(page: &tito::model::TitoPage<inspect::QueueRow>, flag: &str) -> String {
+fn peek_text(
+    page: &tito::model::TitoPage<inspect::QueueRow>,
+    set_aside: &dyn Fn(&str) -> String,
+    next: &dyn Fn(&str) -> String,
+) -> String {
     let mut out = String::new();
     for row in &page.items {
         if let Some(note) = &row.undecodable {
             out.push_str(&format!(
-                "{}  UNDECODABLE as {}: {} (tito queue set-aside{flag} KEY moves it aside)\n",
-                row.key, note.type_name, note.error
+                "{}  UNDECODABLE as {}: {}\n  set it aside: {}\n",
+                row.key,
+                note.type_name,
+                note.error,
+                set_aside(&row.key)
             ));
         }
         match (&row.event, &row.malformed) {
@@ -498,22 +572,27 @@ fn peek_text(page: &tito::model::TitoPage<inspect::QueueRow>, flag: &str) -> Str
             )),
         }
     }
-    out.push_str(&cursor_line(&page.cursor));
+    out.push_str(&cursor_line(&page.cursor, next));
     out
 }
 
-/// `queue dead` as text: one block per dead invocation, then how to continue.
-fn dead_text(dead: &[tito::queue::DeadInvocation], limit: usize, flag: &str) -> String {
+/// `queue dead` as text: one block per dead invocation with the lines that retry and discard
+/// it, then how to continue.
+fn dead_text(
+    dead: &[tito::queue::DeadInvocation],
+    limit: usize,
+    hints: &dyn Fn(&str) -> (String, String),
+    next: &dyn Fn(&str) -> String,
+) -> String {
     if dead.is_empty() {
         return "no dead invocations".into();
     }
     let mut out = String::from("\n");
     for d in dead {
+        let (retry, discard) = hints(&d.id);
         out.push_str(&format!(
-            "{}  key {}  {} attempts  died {}
-  error: {}
-  payload: {}
-",
+            "{}  key {}  {} attempts  died {}\n  error: {}\n  payload: {}\n  retry: {retry}\n  \
+             discard: {discard}\n",
             d.id,
             d.key,
             d.attempts,
@@ -527,20 +606,16 @@ fn dead_text(dead: &[tito::queue::DeadInvocation], limit: usize, flag: &str) -> 
     if dead.len() == limit
         && let Some(last) = dead.last()
     {
-        out.push_str(&format!(
-            "next page: --after {}
-",
-            last.id
-        ));
+        out.push_str(&format!("next page: {}\n", next(&last.id)));
     }
-    out.push_str(&format!(
-        "retry: tito queue retry-dead ID{flag}; discard: tito queue discard-dead ID{flag} --yes"
-    ));
-    out
+    out.trim_end().to_string()
 }
 
 /// `queue aside` as text: one line per row set aside.
-fn aside_text(page: &tito::model::TitoPage<inspect::AsideRow>) -> String {
+fn aside_text(
+    page: &tito::model::TitoPage<inspect::AsideRow>,
+    next: &dyn Fn(&str) -> String,
+) -> String {
     let mut out = String::new();
     for row in &page.items {
         match &row.record {
@@ -555,6 +630,6 @@ fn aside_text(page: &tito::model::TitoPage<inspect::AsideRow>) -> String {
             )),
         }
     }
-    out.push_str(&cursor_line(&page.cursor));
+    out.push_str(&cursor_line(&page.cursor, next));
     out
 }

@@ -7,7 +7,12 @@ use crate::cli::TableCommand;
 use crate::{Failure, Outcome, counts, cursor_line, print};
 
 /// Runs one `tito table` command.
-pub(crate) async fn run<E: TitoEngine>(db: E, command: TableCommand, json: bool) -> Outcome {
+pub(crate) async fn run<E: TitoEngine>(
+    db: E,
+    command: TableCommand,
+    json: bool,
+    rerun: &crate::rerun::Rerun,
+) -> Outcome {
     match command {
         TableCommand::Ls => {
             let mut rows = Vec::new();
@@ -55,12 +60,31 @@ pub(crate) async fn run<E: TitoEngine>(db: E, command: TableCommand, json: bool)
                         )),
                     }
                 }
-                out.push_str(&cursor_line(&page.cursor));
+                let limit = limit.to_string();
+                out.push_str(&cursor_line(&page.cursor, |c| {
+                    rerun.line(
+                        &["table", "scan"],
+                        &["--limit", &limit, "--cursor", c],
+                        &[&table],
+                    )
+                }));
                 out
             })
         }
         TableCommand::Versions { table, bound } => {
             let counts = tito::schema::shape_versions(&db, &table, bound).await?;
+            if counts.shapes.is_none() && counts.rows.is_empty() && counts.rewrite.is_none() {
+                // Nothing under that name: a mistyped table is not an empty one.
+                let tables = inspect::tables(&db, 1000).await?;
+                return Err(Failure(format!(
+                    "no table {table:?} in this store ({})",
+                    if tables.is_empty() {
+                        "it has none".to_string()
+                    } else {
+                        format!("its tables: {}", tables.join(", "))
+                    }
+                )));
+            }
             print(json, &counts, || {
                 let mut out = String::new();
                 match &counts.shapes {
@@ -116,6 +140,15 @@ pub(crate) async fn run<E: TitoEngine>(db: E, command: TableCommand, json: bool)
 /// A shape rewrite's progress as `tito table versions` prints it.
 fn rewrite_lines(rewrite: &tito::schema::RewriteProgress) -> String {
     let mut out = String::new();
+    let left = rewrite.unconvertible.count + rewrite.refused.count;
+    if rewrite.finished && rewrite.rewritten == 0 && left == 0 {
+        // A run that found every row in its version already changed nothing.
+        return format!(
+            "no row needed a rewrite: the last run to version {} found all {} rows read in that \
+             version already\n",
+            rewrite.target, rewrite.rows_done
+        );
+    }
     let of = match rewrite.rows_estimate {
         Some(estimate) => format!(" of about {estimate}"),
         None => String::new(),

@@ -61,12 +61,22 @@ pub async fn cancel_owner<E: TitoEngine>(
     cancel_owner_under(db, &keys::queue_root(topic), owner, why).await
 }
 
-fn check_reason(why: &str) -> TitoResult<()> {
+/// Refuses a cancellation's reason over [`MAX_CANCEL_REASON`] bytes for the queue named
+/// `topic` (`None`: the default queue), naming the queue, as [`cancel`] and [`cancel_owner`]
+/// do (for tools that check an operator's input before asking for confirmation).
+pub fn check_cancel_reason(topic: Option<&str>, why: &str) -> TitoResult<()> {
+    check_reason_under(&keys::queue_root(topic), why)
+}
+
+fn check_reason_under(root: &str, why: &str) -> TitoResult<()> {
     if why.len() > MAX_CANCEL_REASON {
-        return Err(TitoError::invalid_argument(format!(
-            "a cancellation's reason holds at most {MAX_CANCEL_REASON} bytes; {} given",
-            why.len()
-        )));
+        return Err(super::naming_queue(
+            root,
+            TitoError::invalid_argument(format!(
+                "a cancellation's reason holds at most {MAX_CANCEL_REASON} bytes; {} given",
+                why.len()
+            )),
+        ));
     }
     Ok(())
 }
@@ -97,7 +107,7 @@ async fn cancel_row<X: TitoTransaction>(
 }
 
 async fn cancel_under<E: TitoEngine>(db: &E, root: &str, id: &str, why: &str) -> TitoResult<bool> {
-    check_reason(why)?;
+    check_reason_under(root, why)?;
     if id.is_empty() {
         return Err(TitoError::invalid_argument("an event id is empty"));
     }
@@ -133,7 +143,7 @@ async fn cancel_owner_under<E: TitoEngine>(
     owner: &QueueOwner,
     why: &str,
 ) -> TitoResult<usize> {
-    check_reason(why)?;
+    check_reason_under(root, why)?;
     owner.check()?;
     let prefix = format!(
         "{}{}:",

@@ -61,40 +61,75 @@ impl Rate {
         Rate { starts, per }
     }
 
-    /// A rate written `STARTS/INTERVAL`, the interval a whole number with `s`, `m`, `h` or `d`:
-    /// `100/1m`, `5/1s` (what `tito queue limits --rate` and the dashboard take). The bounds
-    /// are checked when the limits are set.
+    /// A rate written `STARTS/INTERVAL` or `STARTS per INTERVAL`, the interval a number with
+    /// `ms`, `s`, `m`, `h` or `d` (a space between them is allowed, and a decimal point:
+    /// `1.5s`): `100/1m`, `5/1s`, `10 per 1.5 s` (what `tito queue limits --rate` and the
+    /// dashboard take). Every rate's [`Display`](std::fmt::Display) form parses back to the
+    /// same rate. An interval finer than a millisecond is refused here; the bounds are checked
+    /// when the limits are set.
     ///
     /// ```
     /// use std::time::Duration;
     /// use tito::queue::Rate;
     ///
     /// assert_eq!(Rate::parse("100/1m").unwrap(), Rate::new(100, Duration::from_secs(60)));
+    /// let rate = Rate::new(10, Duration::from_millis(1500));
+    /// assert_eq!(rate.to_string(), "10 per 1.5 s");
+    /// assert_eq!(Rate::parse(&rate.to_string()).unwrap(), rate);
     /// assert!(Rate::parse("100").is_err());
     /// ```
     pub fn parse(text: &str) -> TitoResult<Rate> {
         let bad = || {
             TitoError::invalid_argument(format!(
-                "{text:?} is not a rate: write STARTS/INTERVAL, such as 100/1m or 5/1s (s, m, h \
-                 or d)"
+                "{text:?} is not a rate: write STARTS/INTERVAL, such as 100/1m, 5/1s or 10/1.5s \
+                 (ms, s, m, h or d)"
             ))
         };
-        let (starts, per) = text.split_once('/').ok_or_else(bad)?;
+        let (starts, per) = text
+            .split_once('/')
+            .or_else(|| text.split_once(" per "))
+            .ok_or_else(bad)?;
         let starts: u32 = starts.trim().parse().map_err(|_| bad())?;
         let per = per.trim();
-        let unit = per.chars().last().ok_or_else(bad)?;
-        let amount: u64 = per[..per.len() - unit.len_utf8()]
-            .parse()
-            .map_err(|_| bad())?;
-        let seconds = match unit {
-            's' => Some(amount),
-            'm' => amount.checked_mul(60),
-            'h' => amount.checked_mul(3600),
-            'd' => amount.checked_mul(86_400),
-            _ => None,
+        let split = per
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .ok_or_else(bad)?;
+        let (amount, unit) = (&per[..split], per[split..].trim_start());
+        let unit_ms: u64 = match unit {
+            "ms" => 1,
+            "s" => 1000,
+            "m" => 60_000,
+            "h" => 3_600_000,
+            "d" => 86_400_000,
+            _ => return Err(bad()),
+        };
+        let (whole, fraction) = amount.split_once('.').unwrap_or((amount, ""));
+        if whole.is_empty()
+            || fraction.contains('.')
+            || (amount.contains('.') && fraction.is_empty())
+        {
+            return Err(bad());
         }
-        .ok_or_else(bad)?;
-        Ok(Rate::new(starts, Duration::from_secs(seconds)))
+        // Exact arithmetic: the fraction as a numerator over 10^digits.
+        let whole: u64 = whole.parse().map_err(|_| bad())?;
+        let digits = u32::try_from(fraction.len()).map_err(|_| bad())?;
+        let numerator: u64 = if fraction.is_empty() {
+            0
+        } else {
+            fraction.parse().map_err(|_| bad())?
+        };
+        let scale = 10u64.checked_pow(digits).ok_or_else(bad)?;
+        let fraction_ms = numerator.checked_mul(unit_ms).ok_or_else(bad)?;
+        if !fraction_ms.is_multiple_of(scale) {
+            return Err(TitoError::invalid_argument(format!(
+                "{text:?}: a rate's interval is counted in whole milliseconds"
+            )));
+        }
+        let ms = whole
+            .checked_mul(unit_ms)
+            .and_then(|ms| ms.checked_add(fraction_ms / scale))
+            .ok_or_else(bad)?;
+        Ok(Rate::new(starts, Duration::from_millis(ms)))
     }
 
     fn check(&self, name: &str) -> TitoResult<()> {
@@ -106,9 +141,10 @@ impl Rate {
         }
         if self.per < MIN_RATE_INTERVAL || self.per > MAX_RATE_INTERVAL {
             return Err(TitoError::invalid_argument(format!(
-                "Limits::{name} counts starts over {:?}; the interval must be from \
-                 {MIN_RATE_INTERVAL:?} to {MAX_RATE_INTERVAL:?}",
-                self.per
+                "Limits::{name} counts starts over {}; the interval must be from {} to {}",
+                interval_text(self.per),
+                interval_text(MIN_RATE_INTERVAL),
+                interval_text(MAX_RATE_INTERVAL),
             )));
         }
         Ok(())
@@ -117,6 +153,38 @@ impl Rate {
     fn per_ms(&self) -> u64 {
         crate::util::millis(self.per)
     }
+}
+
+/// `10 per 1.5 s`, `5 per 9 d`, `100 per 1 m`: the interval in the largest unit (d, h, m, s)
+/// that states it exactly in at most three decimals, else in milliseconds (or in seconds with
+/// every digit, for an interval finer than a millisecond). [`Rate::parse`] reads it back.
+impl std::fmt::Display for Rate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} per {}", self.starts, interval_text(self.per))
+    }
+}
+
+/// An interval in words, exactly: `1.5 s`, `9 d`, `90 ms`.
+fn interval_text(per: Duration) -> String {
+    if !per.subsec_nanos().is_multiple_of(1_000_000) {
+        let text = format!("{}.{:09}", per.as_secs(), per.subsec_nanos());
+        return format!("{} s", text.trim_end_matches('0'));
+    }
+    let ms = per.as_millis();
+    for (unit, name) in [
+        (86_400_000u128, "d"),
+        (3_600_000, "h"),
+        (60_000, "m"),
+        (1000, "s"),
+    ] {
+        if ms >= unit && (ms * 1000).is_multiple_of(unit) {
+            let thousandths = ms * 1000 / unit;
+            let text = format!("{}.{:03}", thousandths / 1000, thousandths % 1000);
+            let text = text.trim_end_matches('0').trim_end_matches('.');
+            return format!("{text} {name}");
+        }
+    }
+    format!("{ms} ms")
 }
 
 mod millis {
@@ -301,8 +369,19 @@ pub async fn limit_usage<E: TitoEngine>(db: &E, topic: Option<&str>) -> TitoResu
     usage_under(db, &keys::queue_root(topic)).await
 }
 
+/// [`Limits::check`] with the queue named `topic` (`None`: the default queue) named in the
+/// refusal, as [`set_limits`] refuses them: for tools that check an operator's input before
+/// asking for confirmation.
+pub fn check_limits(topic: Option<&str>, limits: &Limits) -> TitoResult<()> {
+    limits
+        .check()
+        .map_err(|err| super::naming_queue(&keys::queue_root(topic), err))
+}
+
 async fn set_limits_under<E: TitoEngine>(db: &E, root: &str, limits: Limits) -> TitoResult<()> {
-    limits.check()?;
+    limits
+        .check()
+        .map_err(|err| super::naming_queue(root, err))?;
     let root = root.to_string();
     let open = store_open(db);
     let before = db
@@ -1249,4 +1328,57 @@ pub(crate) async fn sweep_orphan_slots<E: TitoEngine>(
             Ok::<_, TitoError>(deleted)
         })
         .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rates_print_exactly_and_parse_back() {
+        for (ms, text) in [
+            (1000, "1 s"),
+            (1500, "1.5 s"),
+            (60_000, "1 m"),
+            (90_000, "1.5 m"),
+            (3_601_000, "3601 s"),
+            (86_400_000, "1 d"),
+            (777_600_000, "9 d"),
+            (250, "250 ms"),
+            (1001, "1.001 s"),
+        ] {
+            let rate = Rate::new(10, Duration::from_millis(ms));
+            assert_eq!(rate.to_string(), format!("10 per {text}"));
+            assert_eq!(Rate::parse(&rate.to_string()).unwrap(), rate, "{text}");
+        }
+        for (text, ms) in [
+            ("100/1m", 60_000),
+            ("5/1s", 1000),
+            ("10/1.5s", 1500),
+            ("10 / 1500ms", 1500),
+            ("3/0.25 h", 900_000),
+            ("10 per 1.5 s", 1500),
+        ] {
+            assert_eq!(
+                Rate::parse(text).unwrap().per,
+                Duration::from_millis(ms),
+                "{text}"
+            );
+        }
+        for bad in [
+            "100",
+            "x/1s",
+            "1/1w",
+            "1/1.s",
+            "1/.5s",
+            "1/1.2.3s",
+            "1/s",
+            "1/1.0001s",
+        ] {
+            assert!(
+                matches!(Rate::parse(bad), Err(TitoError::InvalidArgument(_))),
+                "{bad}"
+            );
+        }
+    }
 }

@@ -109,7 +109,9 @@ pub use crate::event::{
 pub use crate::event::{MAX_PRIORITY, PRIORITY_STEP};
 pub use crate::runtime::{Stop, Workers};
 pub(crate) use cancel::with_cancellation;
-pub use cancel::{Cancellation, MAX_CANCEL_REASON, cancel, cancel_owner, cancellation};
+pub use cancel::{
+    Cancellation, MAX_CANCEL_REASON, cancel, cancel_owner, cancellation, check_cancel_reason,
+};
 pub use cluster::{ClusterConfig, ClusterState, MIN_TTL, cluster_state};
 pub use dead::{DeadInvocation, dead, discard_dead, retry_dead};
 pub(crate) use limits::{
@@ -118,10 +120,12 @@ pub(crate) use limits::{
 };
 pub use limits::{
     LimitUsage, Limits, MAX_CONCURRENCY_LIMIT, MAX_RATE_INTERVAL, MAX_RATE_STARTS,
-    MIN_RATE_INTERVAL, Rate, limit_usage, limits, set_limits,
+    MIN_RATE_INTERVAL, Rate, check_limits, limit_usage, limits, set_limits,
 };
 pub(crate) use pause::read_paused;
-pub use pause::{PAUSE_CHECK, PauseRecord, Paused, pause, paused, resume};
+pub use pause::{
+    MAX_PAUSE_REASON, PAUSE_CHECK, PauseRecord, Paused, check_pause_reason, pause, paused, resume,
+};
 pub use periodic::{
     CRON_HORIZON, MAX_INTERVAL, PeriodicJob, Schedule, ScheduleView, TICK_TIMEOUT, run_periodic,
     schedules, tick_id,
@@ -164,6 +168,74 @@ pub(crate) async fn scan_prefix<X: TitoTransaction>(
             return Ok(rows);
         }
     }
+}
+
+/// `err` with the queue under `root` named in front of its message when it refuses an argument
+/// (`queue "mail": ...`): an operator's tool works on several queues, and a refusal must say
+/// which one it is about. Other errors are returned as they are.
+pub(crate) fn naming_queue(root: &str, err: TitoError) -> TitoError {
+    match err {
+        TitoError::InvalidArgument(message) => {
+            TitoError::InvalidArgument(format!("queue {:?}: {message}", keys::queue_name(root)))
+        }
+        other => other,
+    }
+}
+
+/// The refusal of a partition the queue under `root` does not have (`count` partitions), as
+/// every operator call and inspection says it.
+pub(crate) fn no_such_partition(root: &str, count: u32, partition: u32) -> TitoError {
+    TitoError::invalid_argument(format!(
+        "queue {:?} has {count} partition{} (0 to {}): no partition {partition}",
+        keys::queue_name(root),
+        if count == 1 { "" } else { "s" },
+        count.saturating_sub(1)
+    ))
+}
+
+/// Refuses `partition` unless the queue named `topic` (`None`: the default queue) has it, with
+/// the message [`pause`], [`resume`] and [`crate::inspect::queue_scan`] give, and `NotFound` for
+/// a queue nothing was ever published to or declared. For tools that check an operator's input
+/// before asking for confirmation.
+pub async fn check_partition<E: TitoEngine>(
+    db: &E,
+    topic: Option<&str>,
+    partition: u32,
+) -> TitoResult<()> {
+    let root = keys::queue_root(topic);
+    engine::read_only(db, async |tx| {
+        pause::check_partition(tx, &root, Some(partition)).await
+    })
+    .await
+}
+
+/// Refuses a `key` that is not the key of a pending row of the queue named `topic` (`None`:
+/// the default queue), with [`TitoError::InvalidArgument`] saying what such a key looks like:
+/// the check [`set_aside`] makes before it reads anything. For tools that check an operator's
+/// input before asking for confirmation.
+pub fn check_pending_key(topic: Option<&str>, key: &str) -> TitoResult<()> {
+    parse_pending_key_arg(&keys::queue_root(topic), key).map(|_| ())
+}
+
+/// `key` as a pending key of the queue under `root`; a key that is not one (mistyped, cut
+/// short, of another queue) is an operator's mistake, refused as an invalid argument that says
+/// what a pending key looks like.
+fn parse_pending_key_arg(root: &str, key: &str) -> TitoResult<keys::PendingKey> {
+    keys::parse_pending_key(root, key).map_err(|err| {
+        let why = match err {
+            TitoError::Integrity(message) => message,
+            other => other.to_string(),
+        };
+        TitoError::invalid_argument(format!(
+            "queue {:?}: {key:?} is not the key of one of its pending rows ({}); such a key \
+             reads {root}:pending:PPPP:TTTTTTTTTTTTTTTTTTTT:VVVVVVVVVVVVVVVVVVVV:EVENT-ID (a \
+             four-digit partition, a 20-digit due time and version, the event id), as an \
+             inspection of the queue's pending rows prints it",
+            keys::queue_name(root),
+            why.strip_prefix(&format!("pending key {key:?} "))
+                .unwrap_or(&why)
+        ))
+    })
 }
 
 /// How many completed rows one maintenance batch deletes at most.
@@ -739,9 +811,9 @@ async fn set_aside_under<E: TitoEngine>(
     key: &str,
     why: &str,
 ) -> TitoResult<bool> {
+    let parsed = parse_pending_key_arg(root, key)?;
     let aside = keys::aside_key(root, key)?;
     let note_key = keys::undecodable_key(root, key)?;
-    let parsed = keys::parse_pending_key(root, key)?;
     let (root, key, why) = (root.to_string(), key.to_string(), why.to_string());
     db.transaction(|tx| {
         let (root, key, why, aside, note_key) = (

@@ -97,7 +97,7 @@ pub async fn paused<E: TitoEngine>(db: &E, topic: Option<&str>) -> TitoResult<Pa
 
 /// The queue exists (something was published to it: a mistyped topic is not paused), and
 /// `partition`, if given, is one of its partitions.
-async fn check_partition<X: TitoTransaction>(
+pub(super) async fn check_partition<X: TitoTransaction>(
     tx: &X,
     root: &str,
     partition: Option<u32>,
@@ -106,15 +106,32 @@ async fn check_partition<X: TitoTransaction>(
     match (count, partition) {
         (Some(_), None) => Ok(()),
         (Some(count), Some(partition)) if partition < count => Ok(()),
-        (Some(count), Some(partition)) => Err(TitoError::invalid_argument(format!(
-            "the queue has partitions 0 to {}; {partition} asked",
-            count - 1
-        ))),
+        (Some(count), Some(partition)) => Err(super::no_such_partition(root, count, partition)),
         (None, _) => Err(TitoError::NotFound(format!(
             "no queue {:?} (nothing was ever published to it)",
             keys::queue_name(root)
         ))),
     }
+}
+
+/// Refuses a pause's reason over [`MAX_PAUSE_REASON`] bytes for the queue named `topic`
+/// (`None`: the default queue), naming the queue, as [`pause`] does (for tools that check an
+/// operator's input before asking for confirmation).
+pub fn check_pause_reason(topic: Option<&str>, why: &str) -> TitoResult<()> {
+    check_reason_under(&keys::queue_root(topic), why)
+}
+
+fn check_reason_under(root: &str, why: &str) -> TitoResult<()> {
+    if why.len() > MAX_PAUSE_REASON {
+        return Err(super::naming_queue(
+            root,
+            TitoError::invalid_argument(format!(
+                "a pause's reason holds at most {MAX_PAUSE_REASON} bytes; {} given",
+                why.len()
+            )),
+        ));
+    }
+    Ok(())
 }
 
 async fn pause_under<E: TitoEngine>(
@@ -123,12 +140,7 @@ async fn pause_under<E: TitoEngine>(
     partition: Option<u32>,
     why: &str,
 ) -> TitoResult<bool> {
-    if why.len() > MAX_PAUSE_REASON {
-        return Err(TitoError::invalid_argument(format!(
-            "a pause's reason holds at most {MAX_PAUSE_REASON} bytes; {} given",
-            why.len()
-        )));
-    }
+    check_reason_under(root, why)?;
     let key = keys::paused_key(root, partition);
     let (root, why) = (root.to_string(), why.to_string());
     let paused = db
