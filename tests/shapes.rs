@@ -2172,6 +2172,7 @@ pub async fn an_older_row_that_is_not_its_versions_json_is_an_integrity_error<E:
     // Broken JSON under a version-2 header and under none (version 1), read by version-3 code:
     // not a shape question.
     for (id, bytes) in [("2", &b"v2:{not json"[..]), ("3", b"{not json")] {
+        olds.build(old(id, "a", "Ada Lovelace")).await.unwrap();
         let key = row_key(id);
         ctx.db
             .transaction(|tx| {

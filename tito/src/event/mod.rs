@@ -144,8 +144,14 @@ pub const URGENCY_STEP: std::time::Duration = std::time::Duration::from_secs(60)
 #[deprecated(note = "renamed URGENCY_STEP")]
 pub const PRIORITY_STEP: std::time::Duration = URGENCY_STEP;
 
-/// Unix milliseconds as whole seconds, rounded up (a due time never comes before the moment).
-fn ceil_seconds(ms: i64) -> i64 {
+/// The whole second an event due `delay_ms` after the moment `now_ms` (Unix milliseconds) is
+/// due at: rounded up, so it never comes before the delay is over; an event due now is due at
+/// the moment's own second (rounded down: due already, not a fraction of a second later).
+fn due_second(now_ms: i64, delay_ms: u64) -> i64 {
+    if delay_ms == 0 {
+        return now_ms.div_euclid(1000);
+    }
+    let ms = now_ms.saturating_add(i64::try_from(delay_ms).unwrap_or(i64::MAX));
     ms.div_euclid(1000) + i64::from(ms.rem_euclid(1000) > 0)
 }
 
@@ -190,8 +196,7 @@ impl<T> QueueEvent<T> {
     fn due_in(mut self, delay: std::time::Duration) -> Self {
         let now_ms = chrono::Utc::now().timestamp_millis();
         let delay_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
-        self.timestamp =
-            ceil_seconds(now_ms.saturating_add(i64::try_from(delay_ms).unwrap_or(i64::MAX)));
+        self.timestamp = due_second(now_ms, delay_ms);
         self.relative = Some(Relative {
             estimate: self.timestamp,
             delay_ms,
@@ -484,10 +489,10 @@ impl StoredEvent {
     /// absolute.
     pub fn settle_due(&self, start_version: u64) -> Option<StoredEvent> {
         let delay_ms = self.due_in_ms?;
-        let now_ms = crate::engine::version_millis(start_version);
-        let due_ms = i64::try_from(now_ms.saturating_add(delay_ms)).unwrap_or(i64::MAX);
+        let now_ms =
+            i64::try_from(crate::engine::version_millis(start_version)).unwrap_or(i64::MAX);
         Some(StoredEvent {
-            timestamp: ceil_seconds(due_ms),
+            timestamp: due_second(now_ms, delay_ms),
             due_in_ms: None,
             ..self.clone()
         })
