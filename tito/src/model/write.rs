@@ -99,11 +99,8 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         }
         let mut prefetched: HashMap<String, Option<Vec<u8>>> =
             expected_claims.into_iter().zip(claim_owners).collect();
-        match (mode, &stored) {
-            (Mode::Update, None) => {
-                return Err(TitoError::NotFound(no_row(&table, &id)));
-            }
-            _ => {}
+        if mode == Mode::Update && stored.is_none() {
+            return Err(TitoError::NotFound(no_row(&table, &id)));
         }
         let did = match stored {
             Some(_) => TitoOperation::Update,
