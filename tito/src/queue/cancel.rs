@@ -69,16 +69,7 @@ pub fn check_cancel_reason(topic: Option<&str>, why: &str) -> TitoResult<()> {
 }
 
 fn check_reason_under(root: &str, why: &str) -> TitoResult<()> {
-    if why.len() > MAX_CANCEL_REASON {
-        return Err(super::naming_queue(
-            root,
-            TitoError::invalid_argument(format!(
-                "a cancellation's reason holds at most {MAX_CANCEL_REASON} bytes; {} given",
-                why.len()
-            )),
-        ));
-    }
-    Ok(())
+    super::check_reason(root, "a cancellation's reason", why, MAX_CANCEL_REASON)
 }
 
 /// Completes the pending row `key` as cancelled inside `tx`; `false` when it is not there.

@@ -170,6 +170,21 @@ pub(crate) async fn scan_prefix<X: TitoTransaction>(
     }
 }
 
+/// Refuses an operator's reason (`what`: "a pause's reason") over `max` bytes, naming the
+/// queue whose storage root is `root`.
+fn check_reason(root: &str, what: &str, why: &str, max: usize) -> TitoResult<()> {
+    if why.len() > max {
+        return Err(naming_queue(
+            root,
+            TitoError::invalid_argument(format!(
+                "{what} holds at most {max} bytes; {} given",
+                why.len()
+            )),
+        ));
+    }
+    Ok(())
+}
+
 /// `err` with the queue under `root` named in front of its message when it refuses an argument
 /// (`queue "mail": ...`): an operator's tool works on several queues, and a refusal must say
 /// which one it is about. Other errors are returned as they are.

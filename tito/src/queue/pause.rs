@@ -122,16 +122,7 @@ pub fn check_pause_reason(topic: Option<&str>, why: &str) -> TitoResult<()> {
 }
 
 fn check_reason_under(root: &str, why: &str) -> TitoResult<()> {
-    if why.len() > MAX_PAUSE_REASON {
-        return Err(super::naming_queue(
-            root,
-            TitoError::invalid_argument(format!(
-                "a pause's reason holds at most {MAX_PAUSE_REASON} bytes; {} given",
-                why.len()
-            )),
-        ));
-    }
-    Ok(())
+    super::check_reason(root, "a pause's reason", why, MAX_PAUSE_REASON)
 }
 
 async fn pause_under<E: TitoEngine>(
