@@ -3,7 +3,8 @@
 //! checked as it runs and after every worker drained.
 //!
 //! - One seed: `TITO_SIM_SEED=42 cargo test --test tito simulation::replay -- --nocapture`
-//!   (`TITO_SIM_STEPS` shortens the run to find the shortest failing prefix).
+//!   (`TITO_SIM_STEPS` shortens the run to find the shortest failing prefix; `TITO_SIM_TRACE=1`
+//!   prints each step as it starts and ends, which shows where a run hangs).
 //! - Many seeds: `TITO_SIM_SEEDS=10000 cargo test --release --test tito simulation::many --
 //!   --ignored --nocapture`.
 //!
@@ -14,7 +15,10 @@
 //! backoff, a dead state) or run longer than their lease; kv increments; model writes
 //! racing on a unique index; model writes (which publish their declared events) in callers'
 //! transactions that catch the write's error and commit anyway; faults from `FaultyEngine` (conflicts, unknown commit outcomes
-//! applied or not, storage errors, delays); time moving in jumps.
+//! applied or not, storage errors, delays); time moving in jumps; crash loops of the store's
+//! clock (restarting from its persisted mark up to four times in a row, as PD's timestamp
+//! oracle does after a leader change: its lead over the wall clock stays bounded, and no event
+//! starts before its due time, or before its delay less what the clock jumped meanwhile).
 //!
 //! Determinism: the seed is the only source of randomness (the engine's clock is the runtime's,
 //! retries jitter from the seed, event ids are chosen by the workload, every select in the
@@ -295,7 +299,23 @@ struct Tracker {
     priority_violations: Vec<String>,
     /// Starts checked against the priority order.
     priority_checks: u64,
+    /// The store itself (beneath the faults), to read its clock from a handler.
+    store: Option<Memory>,
+    /// Print each start as it happens (`TITO_SIM_TRACE=1`).
+    live_trace: bool,
+    /// When the store's clock last jumped ahead (simulated ms).
+    store_jump: Option<u128>,
+    /// How far crashes of the store's process moved its clock ahead, in all (ms).
+    store_jumps_ms: u128,
+    /// Events published with a delay relative to their publication and not started yet: when
+    /// published (simulated ms), the delay (ms), and `store_jumps_ms` then.
+    delayed: BTreeMap<u32, (u128, u64, u128)>,
 }
+
+/// How far ahead of the wall clock the store's clock may be, after any number of crashes of its
+/// process in a row: the oracle's window (three seconds), and a margin for the logical steps a
+/// crash while the clock is ahead may add (a quarter of a millisecond each).
+const CLOCK_LEAD_BOUND_MS: u64 = 3_100;
 
 /// How long a higher-priority row may be passed over after it became due and visible: a pass
 /// starts over at least every `MAX_PASS_AGE` (1 s), plus a pull and the idle backoff.
@@ -308,9 +328,11 @@ fn ordered_at(due: i64, priority: u8) -> u64 {
 }
 
 impl Tracker {
-    fn new(start: tokio::time::Instant) -> Arc<Mutex<Tracker>> {
+    fn new(start: tokio::time::Instant, store: Memory) -> Arc<Mutex<Tracker>> {
         Arc::new(Mutex::new(Tracker {
             start: Some(start),
+            store: Some(store),
+            live_trace: std::env::var_os("TITO_SIM_TRACE").is_some(),
             ..Tracker::default()
         }))
     }
@@ -389,7 +411,13 @@ fn limit_check(
             .iter()
             .filter(|(at, k)| *at + window > now && *at >= since && (!per_key || k == key))
             .count() as u32;
-        if count > rate.starts {
+        // Rates are kept on the store's clock: a jump of it within the window squeezes starts.
+        let squeezed = t
+            .store_jump
+            .is_some_and(|at| at + rate.per.as_millis() > now);
+        if count > rate.starts && squeezed {
+            t.limit_excused += 1;
+        } else if count > rate.starts {
             past.push(format!(
                 "{count} starts within {window} ms, rate {rate:?} (per key: {per_key})"
             ));
@@ -420,6 +448,14 @@ fn handler(
         let (tracker, who) = (tracker.clone(), who.clone());
         Box::pin(async move {
             let n = event.payload.n;
+            // The store's clock, read after the worker's pull (so no earlier than its time).
+            let store = tracker.lock().unwrap().store.clone();
+            let store_ms = match store {
+                Some(store) => Some(u128::from(tito::engine::version_millis(
+                    store.current_version().await.unwrap(),
+                ))),
+                None => None,
+            };
             let attempt = {
                 let mut t = tracker.lock().unwrap();
                 t.attempts.entry(n).or_default().push(event.attempt);
@@ -434,6 +470,12 @@ fn handler(
                     t.now(),
                     event.payload.behaviour
                 );
+                if t.live_trace {
+                    eprintln!(
+                        "{line} (timestamp {}, store {store_ms:?} ms)",
+                        event.timestamp
+                    );
+                }
                 t.log.push(line);
                 let (last_jump, now) = (t.last_jump, t.now());
                 let partition = tito::queue::partition_for(&event.key, PARTITIONS);
@@ -452,15 +494,29 @@ fn handler(
                     })
                     .collect();
                 t.pause_violations.extend(late);
-                // Never before its due time, whatever its priority (the engine's clock is the
-                // runtime's, from EPOCH_MS; one second of margin for where it is anchored).
-                let engine_ms = u128::from(EPOCH_MS) + now;
-                if engine_ms + 1000 < event.timestamp as u128 * 1000 {
+                // Never before its due time, whatever its priority, on the store's clock (ahead
+                // of the runtime's after crashes of the store's process).
+                let engine_ms = store_ms.unwrap_or(u128::from(EPOCH_MS) + now);
+                if engine_ms < event.timestamp as u128 * 1000 {
                     let line = format!(
                         "event {n} (priority {}) started on {who} at {engine_ms} ms, due at {} s",
                         event.urgency, event.timestamp
                     );
                     t.limit_violations.push(line);
+                }
+                // An event published with a delay starts no sooner than that delay after its
+                // publication on the wall clock, less what crashes of the store's process moved
+                // the store's clock ahead meanwhile (as a leader change moves PD's).
+                if let Some((published, delay, jumps)) = t.delayed.remove(&n) {
+                    let allowed = u128::from(delay).saturating_sub(t.store_jumps_ms - jumps);
+                    if now < published + allowed {
+                        let line = format!(
+                            "event {n} published at {published} ms with a delay of {delay} ms \
+                             started at {now} ms (clock jumps since: {} ms)",
+                            t.store_jumps_ms - jumps
+                        );
+                        t.limit_violations.push(line);
+                    }
                 }
                 if let Some((limits, since)) = t.limits.clone().filter(|(_, since)| now > *since) {
                     limit_check(&mut t, &limits, since, n, &event.key, &who);
@@ -702,6 +758,8 @@ struct Sim {
     /// Starts checked against the priority order.
     priority_checks: u64,
     shapes: ShapeSim,
+    /// Print each step as it starts and ends (`TITO_SIM_TRACE=1`, with `replay`).
+    live_trace: bool,
 }
 
 fn inbox_config() -> InboxConfig<Db, SimTask> {
@@ -735,6 +793,7 @@ impl Sim {
             }
         };
         let id = again.clone().unwrap_or_else(|| format!("e{n:05}"));
+        let mut relative = None;
         let job = match &again {
             Some(id) => self.queues[which].events[id].0.clone(),
             None => {
@@ -743,7 +802,15 @@ impl Sim {
                 } else {
                     0
                 };
-                let pick = BEHAVIOURS[self.rng.below(BEHAVIOURS.len() as u64) as usize];
+                let mut pick = BEHAVIOURS[self.rng.below(BEHAVIOURS.len() as u64) as usize];
+                // Half the delayed events count their delay from their publication (in ms).
+                if later > 0 && self.rng.chance(50) {
+                    relative = Some(1 + self.rng.below(later as u64 * 1000));
+                    // Its due time is settled at publication: no first due time to compare.
+                    if pick == Behaviour::RescheduleOnce {
+                        pick = Behaviour::Succeed;
+                    }
+                }
                 let always_fail = which == 1 && self.rng.chance(10);
                 Job {
                     n,
@@ -763,7 +830,16 @@ impl Sim {
         } else {
             format!("key-{}", n % 7)
         };
-        let mut event = QueueEvent::new(key, job.clone(), job.first_due).with_id(id.clone());
+        let mut event = match relative {
+            Some(delay_ms) => {
+                let mut tracker = self.queues[which].tracker.lock().unwrap();
+                let entry = (tracker.now(), delay_ms, tracker.store_jumps_ms);
+                tracker.delayed.insert(n, entry);
+                QueueEvent::after(key, job.clone(), Duration::from_millis(delay_ms))
+            }
+            None => QueueEvent::new(key, job.clone(), job.first_due),
+        }
+        .with_id(id.clone());
         if self.rng.chance(25) {
             event = event.with_owner(QueueOwner::new("account", format!("a{}", n % 5)));
         }
@@ -814,7 +890,13 @@ impl Sim {
                 let duplicate = published.duplicate;
                 {
                     let mut tracker = self.queues[which].tracker.lock().unwrap();
-                    if !duplicate && known.is_none() && !tracker.runs.contains_key(&n) {
+                    // (An event due after a delay is left out: its due time is settled at its
+                    // publication, on the store's clock, and `timestamp` is this host's guess.)
+                    if !duplicate
+                        && known.is_none()
+                        && relative.is_none()
+                        && !tracker.runs.contains_key(&n)
+                    {
                         let now = tracker.now();
                         tracker.waiting.insert(n, (order.0, order.1, order.2, now));
                     }
@@ -835,7 +917,10 @@ impl Sim {
             }
             Err(err) => error_kind(err),
         };
-        format!("publish q{which} {id} model={with_model} {outcome}")
+        let delay = relative
+            .map(|ms| format!(" after {ms}ms"))
+            .unwrap_or_default();
+        format!("publish q{which} {id}{delay} model={with_model} {outcome}")
     }
 
     async fn stop_worker(&mut self, slot: usize, node: bool) -> String {
@@ -1105,6 +1190,10 @@ impl Sim {
     async fn step(&mut self, step: u32) {
         let roll = self.rng.below(100);
         let started = sim_ms(self.start);
+        if self.live_trace {
+            // A step that never ends (a hang) shows here, before its line would.
+            eprintln!("step {step}: roll {roll} @{started}");
+        }
         let line = match roll {
             0..=29 => self.publish(step).await,
             30..=37 => {
@@ -1172,13 +1261,55 @@ impl Sim {
             86 => self.set_limits().await,
             87 => self.toggle_ticker().await,
             88..=91 => self.shape_step(step).await,
+            92 => self.crash_store().await,
             _ => {
                 let pause = 1 + self.rng.below(400);
                 tokio::time::sleep(Duration::from_millis(pause)).await;
                 format!("sleep {pause}")
             }
         };
+        if self.live_trace {
+            eprintln!("{step} {line} @{started}");
+        }
         self.trace.push(format!("{step} {line} @{started}"));
+    }
+
+    /// A crash loop of the store's clock: it restarts from the mark it persisted, one to four
+    /// times in a row with no time between, as PD's timestamp oracle does after leader changes
+    /// (the embedded and SQLite stores wait the lead out when they open, see `tests/crash.rs`).
+    /// The clock's lead over the wall clock stays within the oracle's window however many
+    /// crashes follow each other.
+    async fn crash_store(&mut self) -> String {
+        let store = self.db.inner().clone();
+        let before = self.now_ms().await;
+        let crashes = 1 + self.rng.below(4);
+        for _ in 0..crashes {
+            store.crash_clock();
+        }
+        let after = self.now_ms().await;
+        let wall = EPOCH_MS + sim_ms(self.start) as u64;
+        let lead = after.saturating_sub(wall);
+        self.check(lead <= CLOCK_LEAD_BOUND_MS, || {
+            format!(
+                "the store's clock is {lead} ms ahead of the wall clock after {crashes} crashes"
+            )
+        });
+        // Leases, memberships and concurrency slots may have expired in the jump, as in a clock
+        // jump; but the workers' own timers did not move, so they hold their leases fresh for
+        // up to two thirds of a period more: runs started until then count as before the jump.
+        // Rates are kept on the store's clock: starts around the jump are closer on the wall
+        // clock than the rate allows.
+        let jump = u128::from(after.saturating_sub(before));
+        for queue in &self.queues {
+            let mut tracker = queue.tracker.lock().unwrap();
+            tracker.store_jumps_ms += jump;
+            if jump > 0 {
+                let now = tracker.now();
+                tracker.last_jump = Some(now + NODE_TTL.as_millis() * 2 / 3 + 1);
+                tracker.store_jump = Some(now);
+            }
+        }
+        format!("crash store x{crashes} +{jump}ms, {lead}ms ahead")
     }
 
     /// Pauses a queue or one of its partitions, or resumes it when it is paused.
@@ -1401,6 +1532,7 @@ impl Sim {
     /// the end state.
     async fn finish(&mut self) {
         self.db.faults().clear();
+        self.phase("resume and lift limits");
         self.resume_all().await;
         // Whatever the limits held or moved (up to hours ahead) follows their lifting.
         for which in 0..2 {
@@ -1415,6 +1547,7 @@ impl Sim {
         for slot in 0..NODE_SLOTS {
             self.stop_worker(slot, true).await;
         }
+        self.phase("drain");
         let q = &self.queues[0];
         let drainer = start_worker(&q.queue, &q.tracker, "drainer".into());
         let q = &self.queues[1];
@@ -1432,6 +1565,7 @@ impl Sim {
             tokio::time::sleep(Duration::from_millis(200)).await;
             waited += Duration::from_millis(200);
         }
+        self.phase("balance");
         // Balance once membership is stable: P/N leases per node.
         tokio::time::sleep(NODE_TTL * 3).await;
         let state = cluster_state(&self.queues[1].queue).await.unwrap();
@@ -1452,13 +1586,25 @@ impl Sim {
                 "a final worker did not stop cleanly".into()
             });
         }
+        self.phase("check queues");
         for which in 0..2 {
             self.check_queue(which).await;
         }
+        self.phase("check models and kv");
         self.check_models_and_kv().await;
+        self.phase("check shapes");
         self.check_shapes_at_end().await;
+        self.phase("check inbox");
         self.check_inbox().await;
+        self.phase("check ticks");
         self.check_ticks().await;
+    }
+
+    /// Names a phase of the final checks (with `TITO_SIM_TRACE=1`).
+    fn phase(&self, name: &str) {
+        if self.live_trace {
+            eprintln!("finish: {name} @{}", sim_ms(self.start));
+        }
     }
 
     async fn check_queue(&mut self, which: usize) {
@@ -2105,6 +2251,7 @@ async fn simulate(seed: u64, steps: u32) -> Report {
             .retry_policy(RetryPolicy::default().max_attempts(20).jitter_seed(seed)),
     )
     .unwrap();
+    let memory_for_trackers = memory.clone();
     let db = FaultyEngine::new(memory);
     let start = tokio::time::Instant::now();
     let queue = |topic: Option<&str>| {
@@ -2114,7 +2261,7 @@ async fn simulate(seed: u64, steps: u32) -> Report {
         }
         SimQueue {
             queue: Arc::new(Queue::new(db.clone(), config)),
-            tracker: Tracker::new(start),
+            tracker: Tracker::new(start, memory_for_trackers.clone()),
             events: BTreeMap::new(),
             cancels: BTreeMap::new(),
         }
@@ -2151,6 +2298,7 @@ async fn simulate(seed: u64, steps: u32) -> Report {
         periodic_ticks: 0,
         priority_checks: 0,
         shapes: ShapeSim::default(),
+        live_trace: std::env::var_os("TITO_SIM_TRACE").is_some(),
     };
     // Rewrites start soon after the allowed version changes.
     tito::schema::set_write_grace(&sim.db, Duration::from_millis(200)).unwrap();

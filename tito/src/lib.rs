@@ -63,6 +63,7 @@ pub mod model;
 pub mod queue;
 mod runtime;
 pub mod schema;
+pub mod store;
 pub mod telemetry;
 mod util;
 

@@ -24,18 +24,19 @@
 //! mark back to the exact last version, so a reopened store continues from there, or from the
 //! wall clock when it is later: reopening any number of times does not move the clock ahead,
 //! and opening a store only to read it changes nothing. Only a crash (or a process that exits
-//! without closing the store, see [`Embedded::close`]) leaves the mark ahead: the next open
-//! starts from it, at most three seconds ahead of the wall clock, as PD's timestamp oracle does
-//! after a leader change. The mark is always three seconds ahead of the wall clock, never of
-//! the versions: a store whose versions are ahead of the wall clock persists marks only a
-//! quarter of a millisecond of version time past them, so any number of crashes in a row
-//! leaves the clock at most three seconds ahead (each crash could add that quarter of a
-//! millisecond, and a restart takes longer than that). Versions keep increasing across a
-//! restart either way, also when the clock moved back.
+//! without closing the store, see [`Embedded::close`]) leaves the mark ahead, at most three
+//! seconds ahead of the wall clock: the next open waits until the wall clock passes it (at most
+//! those three seconds, only after a crash), so the clock does not jump forward across a crash
+//! and a delay counted before it is not cut short (where PD's timestamp oracle, after a leader
+//! change, starts from its mark instead). The mark is always three seconds ahead of the wall
+//! clock, never of the versions: a store whose versions are ahead of the wall clock persists
+//! marks only a quarter of a millisecond of version time past them, so any number of crashes in
+//! a row leaves the clock at most three seconds ahead, also when the host's clock went back.
+//! Versions keep increasing across a restart either way.
 //!
 //! A version is the later of the wall clock and one above the last version. While the wall
-//! clock is behind the last version (after a crash, for at most three seconds, or after the
-//! host's clock was set back, for as long as that), versions rise by their logical counter
+//! clock is behind the last version (after the host's clock was set back, for as long as that;
+//! an open does not wait out more than three seconds), versions rise by their logical counter
 //! alone: the time they tell stands still until the wall clock passes it. Everything that reads
 //! time from versions waits with it: delayed events, retries' backoffs, leases, the key/value
 //! store's expiries; none of them comes early. Due times relative to now are counted from the
@@ -398,7 +399,7 @@ fn storage_err(what: &str, err: surrealkv::Error) -> TitoError {
     TitoError::storage(format!("embedded store: {what}"), err)
 }
 
-fn now_millis() -> u64 {
+pub(super) fn now_millis() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(crate::util::millis)
@@ -428,6 +429,24 @@ pub(super) fn blocking<R>(f: impl FnOnce() -> R) -> R {
     }
 }
 
+/// Waits, at an open, until the wall clock passes a persisted mark that a crash left at most
+/// [`ORACLE_WINDOW_MS`] ahead of it, so versions continue from the wall clock instead of from
+/// ahead of it: time read from versions (due times, delays, leases) does not jump forward
+/// across a crash. A mark further ahead (the host's clock went back) is not waited for: the
+/// versions continue from it and the time they tell stands still until the wall clock passes
+/// it. Returns how long it waited.
+pub(super) async fn wait_out_mark(mark: u64) -> Duration {
+    let mark_ms = crate::engine::version_millis(mark);
+    let now = now_millis();
+    if mark_ms < now || mark_ms - now > ORACLE_WINDOW_MS {
+        return Duration::ZERO;
+    }
+    // One millisecond past the mark's, so the first version is the wall clock's.
+    let wait = Duration::from_millis(mark_ms - now + 1);
+    tokio::time::sleep(wait).await;
+    wait
+}
+
 /// A local store's timestamp oracle (the embedded and the SQLite engine's): see "Versions" in
 /// the module docs. The store persists the mark [`Oracle::wanted`] asks for, then raises it.
 pub(super) struct Oracle {
@@ -446,15 +465,15 @@ impl Oracle {
         }
     }
 
-    /// The version to hand out next: the clock, or one above the last version if the clock
-    /// has not moved past it.
-    fn candidate(&self) -> u64 {
-        (now_millis() << LOGICAL_BITS).max(self.last + 1)
+    /// The version to hand out next: the clock (`now_ms`, Unix milliseconds), or one above the
+    /// last version if the clock has not moved past it.
+    fn candidate(&self, now_ms: u64) -> u64 {
+        (now_ms << LOGICAL_BITS).max(self.last + 1)
     }
 
     /// The next version when it is below the persisted mark (taken), else `None`.
-    pub(super) fn next(&mut self) -> Option<u64> {
-        let next = self.candidate();
+    pub(super) fn next(&mut self, now_ms: u64) -> Option<u64> {
+        let next = self.candidate(now_ms);
         (next < self.persisted_limit).then(|| {
             self.last = next;
             next
@@ -466,10 +485,10 @@ impl Oracle {
     /// versions. While the versions are ahead of the wall clock (a crash left the mark ahead),
     /// the mark covers only [`ORACLE_AHEAD_STEP`] versions past the next one, so a crash in
     /// that time cannot push the clock a window further ahead: the lead never compounds.
-    pub(super) fn wanted(&self) -> Option<u64> {
-        let next = self.candidate();
+    pub(super) fn wanted(&self, now_ms: u64) -> Option<u64> {
+        let next = self.candidate(now_ms);
         (next >= self.persisted_limit).then(|| {
-            let window = (now_millis() + ORACLE_WINDOW_MS) << LOGICAL_BITS;
+            let window = (now_ms + ORACLE_WINDOW_MS) << LOGICAL_BITS;
             window.max(next.saturating_add(ORACLE_AHEAD_STEP))
         })
     }
@@ -577,6 +596,7 @@ impl Embedded {
             .map_err(|err| storage_err(&format!("cannot open {}", path.display()), err))?;
 
         let stored_limit = read_meta(&tree, META_ORACLE)?.unwrap_or(0);
+        wait_out_mark(stored_limit).await;
         let inner = Inner {
             tree,
             open: Mutex::new(Some(open)),
@@ -652,12 +672,12 @@ impl Embedded {
     /// is ever handed out, so a reopened store (which starts at that mark) stays above them all.
     async fn next_version(&self) -> TitoResult<u64> {
         loop {
-            if let Some(next) = self.oracle().next() {
+            if let Some(next) = self.oracle().next(now_millis()) {
                 return Ok(next);
             }
             // Slow path, about once per window: move the mark ahead, then try again.
             let _persisting = self.inner.meta_writes.lock().await;
-            let Some(wanted) = self.oracle().wanted() else {
+            let Some(wanted) = self.oracle().wanted(now_millis()) else {
                 continue; // another task moved it meanwhile
             };
             self.write_meta(META_ORACLE, wanted).await?;
@@ -1087,12 +1107,12 @@ mod tests {
         for _ in 0..crashes {
             let mut oracle = Oracle::starting_at(mark);
             assert!(
-                oracle.next().is_none(),
+                oracle.next(now_millis()).is_none(),
                 "no version before a mark covers it"
             );
-            let wanted = oracle.wanted().unwrap();
+            let wanted = oracle.wanted(now_millis()).unwrap();
             oracle.raise(wanted);
-            let version = oracle.next().unwrap();
+            let version = oracle.next(now_millis()).unwrap();
             assert!(version > last && version < wanted);
             last = version;
             mark = wanted; // killed: the next open starts from the persisted mark
@@ -1105,9 +1125,10 @@ mod tests {
         );
         // Once the wall clock passed the lead, marks are a window ahead of it again.
         let mut oracle = Oracle::starting_at(version_from_millis(now_millis() - 10_000));
-        let lead_ms = version_millis(oracle.wanted().unwrap()).saturating_sub(now_millis());
+        let lead_ms =
+            version_millis(oracle.wanted(now_millis()).unwrap()).saturating_sub(now_millis());
         assert!((ORACLE_WINDOW_MS - 100..=ORACLE_WINDOW_MS).contains(&lead_ms));
         oracle.raise(u64::MAX);
-        assert!(oracle.next().is_some());
+        assert!(oracle.next(now_millis()).is_some());
     }
 }

@@ -43,6 +43,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use crate::backend::embedded::Oracle;
 use crate::engine::{
     self, KvPair, LOGICAL_BITS, RetryPolicy, TitoEngine, TitoTransaction, check_retention,
     check_scan,
@@ -117,10 +118,11 @@ struct Version {
     lock_only: bool,
 }
 
-#[derive(Default)]
 struct State {
     data: BTreeMap<Vec<u8>, Vec<Version>>,
-    last_version: u64,
+    /// The same timestamp oracle as the embedded and SQLite stores' (its marks "persisted" in
+    /// memory), so a simulated crash moves the clock as a real one does.
+    oracle: Oracle,
     safe_point: u64,
     /// Start versions of open transactions, with how many share one (never more than one).
     open: BTreeMap<u64, usize>,
@@ -206,7 +208,12 @@ impl Memory {
         };
         Ok(Memory {
             inner: Arc::new(Inner {
-                state: Mutex::default(),
+                state: Mutex::new(State {
+                    data: BTreeMap::new(),
+                    oracle: Oracle::starting_at(0),
+                    safe_point: 0,
+                    open: BTreeMap::new(),
+                }),
                 clock,
                 partitions,
                 id: STORES.fetch_add(1, Ordering::Relaxed),
@@ -238,6 +245,18 @@ impl Memory {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// Moves the store's clock as a restart of a timestamp oracle that does not wait out its
+    /// lead moves it (PD's after a leader change): versions continue from the mark the oracle
+    /// last persisted, up to three seconds ahead of the clock (see
+    /// [`crate::backend::embedded`]); the data stays. For simulations of crash loops: the
+    /// clock's lead must stay bounded however many restarts follow each other.
+    #[cfg(feature = "test-util")]
+    pub fn crash_clock(&self) {
+        let mut state = self.inner.lock();
+        let mark = state.oracle.persisted_limit;
+        state.oracle = Oracle::starting_at(mark);
+    }
 }
 
 impl Inner {
@@ -248,9 +267,18 @@ impl Inner {
 
     /// The next version: the clock, or one above the last version handed out.
     fn next_version(&self, state: &mut State) -> u64 {
-        let next = (self.clock.now_ms() << LOGICAL_BITS).max(state.last_version + 1);
-        state.last_version = next;
-        next
+        let now_ms = self.clock.now_ms();
+        loop {
+            if let Some(next) = state.oracle.next(now_ms) {
+                return next;
+            }
+            // The mark is kept, not written: it is what a crash would resume from.
+            let mark = state
+                .oracle
+                .wanted(now_ms)
+                .expect("a version refused by the oracle asks for a mark");
+            state.oracle.raise(mark);
+        }
     }
 }
 

@@ -28,7 +28,8 @@
 //!   nothing, a power loss may lose the last commits).
 //! - **Versions** come from the same kind of oracle as the embedded engine's: the wall clock in
 //!   the layout of TiKV's timestamps, strictly increasing, with a high-water mark persisted up to
-//!   three seconds ahead and written back exactly at [`Sqlite::close`].
+//!   three seconds ahead and written back exactly at [`Sqlite::close`]; an open after a crash
+//!   waits until the wall clock passes it (at most those three seconds).
 //! - **Unknown outcomes.** A failure of SQLite's `COMMIT` of a batch (an I/O error while the log
 //!   is written or synced) is [`TitoError::CommitOutcomeUnknown`] for every commit of the batch;
 //!   a failure before it (a read of the conflict check, a write into the open transaction) rolls
@@ -45,7 +46,9 @@ use std::time::Duration;
 
 use rusqlite::{Connection, OpenFlags, OptionalExtension, params};
 
-use crate::backend::embedded::{Durability, OpenInProcess, Oracle, blocking, read};
+use crate::backend::embedded::{
+    Durability, OpenInProcess, Oracle, blocking, now_millis, read, wait_out_mark,
+};
 use crate::engine::{
     self, KvPair, LOGICAL_BITS, RetryPolicy, TitoEngine, TitoTransaction, check_retention,
     check_scan,
@@ -251,7 +254,11 @@ impl Sqlite {
 
     /// Opens (or creates) a store in `path` with options.
     pub async fn open_with(path: impl AsRef<Path>, options: SqliteOptions) -> TitoResult<Self> {
-        Self::open_inner(path.as_ref().to_path_buf(), None, options)
+        let db = Self::open_inner(path.as_ref().to_path_buf(), None, options)?;
+        // After a crash, the clock continues from the wall clock, not from ahead of it.
+        let mark = crate::util::lock(&db.inner.oracle).persisted_limit;
+        wait_out_mark(mark).await;
+        Ok(db)
     }
 
     /// A fresh store in a new temporary directory, removed with the last handle; commits are
@@ -408,14 +415,14 @@ impl Sqlite {
 
     async fn next_version(&self) -> TitoResult<u64> {
         loop {
-            if let Some(next) = crate::util::lock(&self.inner.oracle).next() {
+            if let Some(next) = crate::util::lock(&self.inner.oracle).next(now_millis()) {
                 return Ok(next);
             }
             let _persisting = self.inner.meta_writes.lock().await;
             if self.inner.closed.load(Ordering::SeqCst) {
                 return Err(closed());
             }
-            let Some(wanted) = crate::util::lock(&self.inner.oracle).wanted() else {
+            let Some(wanted) = crate::util::lock(&self.inner.oracle).wanted(now_millis()) else {
                 continue; // another task moved it meanwhile
             };
             self.send(|reply| Request::Meta {

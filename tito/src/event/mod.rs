@@ -71,8 +71,9 @@ impl QueueOwner {
 /// `timestamp` holds this host's estimate until then; setting it yourself makes it the due
 /// time. An absolute due time ([`QueueEvent::at`], [`QueueEvent::new`],
 /// [`QueueEvent::rescheduled`], [`QueueEvent::advanced`]) is read on the store's clock, which
-/// follows the wall clock (the embedded and SQLite stores' at most three seconds ahead of it
-/// after a crash, see [`crate::backend::embedded`]).
+/// follows the wall clock (PD's may jump up to three seconds ahead of it after a leader change;
+/// the embedded and SQLite stores wait out such a lead when they open after a crash, see
+/// [`crate::backend::embedded`]).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct QueueEvent<T> {
     /// The logical id; kept across [`QueueEvent::rescheduled`] replacements.

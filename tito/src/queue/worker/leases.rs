@@ -165,6 +165,14 @@ impl<E: TitoEngine> LeaseKeeper<E> {
         self.fresh_until
     }
 
+    /// After the store refused an outcome because a lease of this worker is no longer held:
+    /// nothing starts until the leases are renewed, at the next tick, which is due at once.
+    pub fn renew_now(&mut self) {
+        let now = Instant::now();
+        self.fresh_until = now;
+        self.next_at = now;
+    }
+
     /// The partitions handlers may start on, with their lease generations.
     pub fn runnable(&self) -> impl Iterator<Item = (u32, u64)> + '_ {
         self.held

@@ -611,7 +611,7 @@ where
             );
         }
         if !ready.is_empty() {
-            let done = outcome::commit(
+            let committed = outcome::commit(
                 &queue,
                 leases.id(),
                 leases.is_cluster(),
@@ -619,8 +619,14 @@ where
                 std::mem::take(&mut ready),
             )
             .await;
-            for key in done {
+            for key in committed.done {
                 in_flight.remove(&key);
+            }
+            if committed.lease_lost {
+                // This host's timer says the leases are fresh, the store's clock says one is
+                // not (it jumped ahead): starting more handlers would run them for nothing
+                // (their outcomes refused) until the next renewal, which comes now.
+                leases.renew_now();
             }
             continue;
         }

@@ -46,7 +46,7 @@ pub(super) async fn commit<E: TitoEngine>(
     cluster: bool,
     batch_size: usize,
     outcomes: Vec<Outcome>,
-) -> Vec<String> {
+) -> Committed {
     let counters = queue.counters();
     let mut batches: Vec<Vec<Outcome>> = Vec::new();
     for outcome in outcomes {
@@ -63,11 +63,13 @@ pub(super) async fn commit<E: TitoEngine>(
         }
     }
     let mut done = Vec::new();
+    let mut lease_lost = false;
     for batch in batches {
         metrics::histogram!(names::QUEUE_OUTCOME_BATCH, "queue" => queue.label().to_string())
             .record(batch.len() as f64);
         match apply(queue, owner, cluster, &batch).await {
-            Ok(applied) => {
+            Ok((applied, lost)) => {
+                lease_lost |= lost;
                 for outcome in &batch {
                     if !applied.contains(&outcome.running.pulled.key) {
                         continue;
@@ -101,7 +103,17 @@ pub(super) async fn commit<E: TitoEngine>(
         }
         done.extend(batch.into_iter().map(|o| o.running.pulled.key));
     }
-    done
+    Committed { done, lease_lost }
+}
+
+/// What [`commit`] did.
+pub(super) struct Committed {
+    /// Every key it handled, applied or not.
+    pub done: Vec<String>,
+    /// Whether the store said a lease of this worker is no longer held (its expiry passed on
+    /// the store's clock, which may have jumped ahead of this host's): no handler may start
+    /// before the worker renewed its leases.
+    pub lease_lost: bool,
 }
 
 /// One outcome transaction; returns the keys of the invocations it completed. It reads
@@ -113,7 +125,7 @@ async fn apply<E: TitoEngine>(
     owner: &str,
     cluster: bool,
     batch: &[Outcome],
-) -> TitoResult<HashSet<String>> {
+) -> TitoResult<(HashSet<String>, bool)> {
     let root = queue.root();
     let partitions = queue.config().partitions;
     // One check per partition and lease generation (a partition lost and taken again between
@@ -145,11 +157,13 @@ async fn apply<E: TitoEngine>(
             let values = tx.batch_get(reads).await?;
             let (lease_values, pending) = values.split_at(lease_reads);
             let mut held: HashMap<(u32, u64), bool> = HashMap::new();
+            let mut lost = false;
             let per_check = lease_values.chunks(HeldCheck::KEYS);
             for (&((partition, generation), ref check), values) in checks.iter().zip(per_check) {
                 let ok = check.decide(&tx, generation, values).await?;
                 if !ok {
                     tracing::warn!(partition, "partition lease lost; outcomes left pending");
+                    lost = true;
                 }
                 held.insert((partition, generation), ok);
             }
@@ -177,7 +191,7 @@ async fn apply<E: TitoEngine>(
                 }
                 applied.insert(pulled.key.clone());
             }
-            Ok::<_, TitoError>(applied)
+            Ok::<_, TitoError>((applied, lost))
         })
         .await
 }

@@ -1,0 +1,834 @@
+//! Moving a store: [`copy`] every key of one store into another, on any two engines (the
+//! embedded store, SQLite, TiKV, memory), and [`verify`] that two stores hold the same keys.
+//!
+//! A copy is a sequence of passes. A pass reads the source in one snapshot (one read-only
+//! transaction), range after range of at most [`CopyOptions::batch`] keys, compares each range
+//! with the destination's and writes the difference (new and changed keys, and deletes of keys
+//! the source no longer has) in one destination transaction per range, with the pass's cursor.
+//! So:
+//! - **Resumable.** The cursor lives in the destination (key `store-copy`), written with the
+//!   range it ends. A copy killed at any moment continues, with [`Existing::Resume`], from the
+//!   range after the last one committed; it reads the rest in a new snapshot, then the ranges
+//!   before the cursor again in that same snapshot, so the finished pass is one consistent
+//!   snapshot of the source whatever happened before.
+//! - **Catching up.** Another pass over a destination that holds an earlier copy (again with
+//!   [`Existing::Resume`]) writes only what changed since: every pass leaves the destination
+//!   equal to the source as of the pass's snapshot (when nothing else writes the destination).
+//! - **Bounded.** Memory holds two ranges (the source's and the destination's), whatever the
+//!   store's size; a range stops early at [`CopyOptions::batch_bytes`].
+//! - **Clocks.** Rows hold times and versions of the source's clock (due times, leases, kv
+//!   versions, commit markers). A copy finishes only when the destination's clock is past the
+//!   source's snapshot, waiting up to [`CopyOptions::clock_wait`] for it (a local store may be
+//!   up to three seconds ahead of the wall clock after a crash, see
+//!   [`crate::backend::embedded`]), and fails naming the gap otherwise.
+//!
+//! The copy is of keys, not of meaning: leases, cluster memberships and heartbeats are copied
+//! as they are, so an invocation that was running in the source is taken over in the
+//! destination when its lease expires, as after a crash (nothing runs twice while a lease is
+//! live). Copy a store while its application is stopped, or run passes while it writes and
+//! stop it for the last one: a write committed to the source after the last pass's snapshot is
+//! not in the destination. [`verify`] after the last pass proves the destination equal.
+//!
+//! ```
+//! use tito::backend::memory::Memory;
+//! use tito::store::{CopyOptions, VerifyOptions, copy, verify};
+//! use tito::{TitoEngine, TitoError, TitoTransaction};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), TitoError> {
+//! let (from, to) = (Memory::new(), Memory::new());
+//! from.transaction(|tx| async move { tx.put(b"k".to_vec(), b"v".to_vec()).await })
+//!     .await?;
+//! let report = copy(&from, &to, CopyOptions::new(), |_| {}).await?;
+//! assert_eq!(report.keys_written, 1);
+//! assert!(verify(&from, &to, VerifyOptions::new(), |_| {}).await?.equal());
+//! # Ok(())
+//! # }
+//! ```
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use crate::engine::{KvPair, MAX_SCAN_LIMIT, TitoEngine, TitoTransaction, version_millis};
+use crate::error::{TitoError, TitoResult};
+use crate::keys::{display_key, key_after_bytes};
+
+/// The destination key that holds an unfinished copy's progress (a copy's cursor). It is not
+/// copied, compared or counted as data.
+pub const COPY_RECORD_KEY: &[u8] = b"store-copy";
+
+/// The most keys a copy or a verification reads per range.
+pub const MAX_BATCH: usize = MAX_SCAN_LIMIT;
+
+/// What [`copy`] does with a destination that holds keys.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Existing {
+    /// Refuse it (the default): a copy starts only into an empty store.
+    #[default]
+    Refuse,
+    /// Continue an interrupted copy from its cursor, or bring an earlier copy up to date (a
+    /// catch-up pass); a destination with keys but no copy record is compared from its first
+    /// key. The destination ends equal to the source either way.
+    Resume,
+    /// Make the destination equal to the source from its first key, deleting every key the
+    /// source does not have (an interrupted copy's cursor is ignored).
+    Overwrite,
+}
+
+/// Options of [`copy`].
+#[derive(Clone, Debug)]
+pub struct CopyOptions {
+    batch: usize,
+    batch_bytes: usize,
+    existing: Existing,
+    keys_per_second: Option<u64>,
+    clock_wait: Duration,
+    count_first: bool,
+}
+
+impl Default for CopyOptions {
+    fn default() -> Self {
+        CopyOptions {
+            batch: 1000,
+            batch_bytes: 4 << 20,
+            existing: Existing::Refuse,
+            keys_per_second: None,
+            clock_wait: Duration::from_secs(10),
+            count_first: false,
+        }
+    }
+}
+
+impl CopyOptions {
+    /// Ranges of 1,000 keys or 4 MiB, an empty destination, no throttle, up to 10 s for the
+    /// destination's clock.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Keys per range (1 to [`MAX_BATCH`]): one destination transaction each.
+    pub fn batch(mut self, keys: usize) -> Self {
+        self.batch = keys;
+        self
+    }
+
+    /// Bytes of keys and values per range (at least 1): a range ends at the first key that
+    /// reaches it (a range holds at least one key).
+    pub fn batch_bytes(mut self, bytes: usize) -> Self {
+        self.batch_bytes = bytes;
+        self
+    }
+
+    /// What to do with a destination that holds keys.
+    pub fn existing(mut self, existing: Existing) -> Self {
+        self.existing = existing;
+        self
+    }
+
+    /// Reads at most this many source keys per second on average (at least 1), to spare a
+    /// store that serves an application.
+    pub fn keys_per_second(mut self, rate: u64) -> Self {
+        self.keys_per_second = Some(rate);
+        self
+    }
+
+    /// How long a finished copy waits for the destination's clock to pass the source's.
+    pub fn clock_wait(mut self, wait: Duration) -> Self {
+        self.clock_wait = wait;
+        self
+    }
+
+    /// Counts the source's keys (one more read of them) before copying, so progress has a
+    /// total and an estimate of the time left.
+    pub fn count_first(mut self, count: bool) -> Self {
+        self.count_first = count;
+        self
+    }
+
+    fn check(&self) -> TitoResult<()> {
+        check_batch(self.batch)?;
+        if self.batch_bytes == 0 {
+            return Err(TitoError::invalid_argument(
+                "a copy's batch_bytes must be at least 1",
+            ));
+        }
+        if self.keys_per_second == Some(0) {
+            return Err(TitoError::invalid_argument(
+                "a copy's keys_per_second must be at least 1 (leave it unset for no throttle)",
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn check_batch(batch: usize) -> TitoResult<()> {
+    if batch == 0 || batch > MAX_BATCH {
+        return Err(TitoError::invalid_argument(format!(
+            "a batch must be between 1 and {MAX_BATCH} keys, got {batch}"
+        )));
+    }
+    Ok(())
+}
+
+/// Where a copy is, after each range it committed.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CopyProgress {
+    /// Passes started by this call (1 for a copy into an empty store).
+    pub pass: u32,
+    /// Source keys read by this call.
+    pub keys_read: u64,
+    /// Keys written to the destination (new or changed) by this call.
+    pub keys_written: u64,
+    /// Keys deleted from the destination (the source does not have them) by this call.
+    pub keys_deleted: u64,
+    /// Bytes of keys and values written by this call.
+    pub bytes_written: u64,
+    /// The source's keys, when counted first ([`CopyOptions::count_first`]).
+    pub total_keys: Option<u64>,
+    /// Whether this call started from an interrupted copy's cursor.
+    pub resumed: bool,
+    /// The last key of the last range committed (shown as text).
+    pub cursor: Option<String>,
+}
+
+/// What a finished [`copy`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CopyReport {
+    /// The counts of the whole call.
+    #[serde(flatten)]
+    pub progress: CopyProgress,
+    /// The source's snapshot version the destination now equals.
+    pub snapshot_version: u64,
+    /// How long the destination's clock took to pass the source's, in milliseconds.
+    pub clock_waited_ms: u64,
+    /// How long the call took, in milliseconds.
+    pub elapsed_ms: u64,
+}
+
+/// An interrupted copy's progress, kept in the destination.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct CopyRecord {
+    /// Ranges up to and including this key are copied in the current pass.
+    cursor: Vec<u8>,
+    /// The snapshot the pass started with (for the message of a refused destination).
+    snapshot_version: u64,
+}
+
+/// Copies every key of `from` into `to`, in passes of ranges (see the module docs), calling
+/// `progress` after each range. Refuses a destination that holds keys unless
+/// [`CopyOptions::existing`] says otherwise, and fails when the destination's clock does not
+/// pass the source's in [`CopyOptions::clock_wait`].
+pub async fn copy<S: TitoEngine, D: TitoEngine>(
+    from: &S,
+    to: &D,
+    options: CopyOptions,
+    mut progress: impl FnMut(&CopyProgress),
+) -> TitoResult<CopyReport> {
+    options.check()?;
+    let started = Instant::now();
+    let record = read_record(to).await?;
+    let mut state = CopyProgress::default();
+    // Where this pass starts: an interrupted copy's cursor, or the first key.
+    let start = match (options.existing, &record) {
+        (Existing::Refuse, Some(record)) => {
+            return Err(TitoError::invalid_argument(format!(
+                "the destination holds an interrupted copy (its last range ends at {}, of the \
+                 source's snapshot at {} ms): resume it, or overwrite the destination",
+                display_key(&record.cursor),
+                version_millis(record.snapshot_version)
+            )));
+        }
+        (Existing::Refuse, None) => {
+            if let Some(first) = first_data_key(to).await? {
+                return Err(TitoError::invalid_argument(format!(
+                    "the destination holds data (its first key is {}): copy into an empty \
+                     store, resume an earlier copy into it, or overwrite it",
+                    display_key(&first)
+                )));
+            }
+            None
+        }
+        (Existing::Resume, Some(record)) => {
+            state.resumed = true;
+            Some(key_after_bytes(&record.cursor))
+        }
+        (Existing::Resume | Existing::Overwrite, _) => None,
+    };
+    if options.count_first {
+        state.total_keys = Some(count_keys(from, options.batch).await?);
+    }
+    let throttle = Throttle::new(options.keys_per_second);
+    state.pass = 1;
+    let source = from.begin().await?;
+    let snapshot = source.start_version();
+    let result = async {
+        match start {
+            // From the cursor to the end, then from the first key to the cursor, in one
+            // snapshot: the pass is consistent although its first part ran in another.
+            Some(cursor) => {
+                copy_range(
+                    &source,
+                    to,
+                    &options,
+                    (&cursor, &[]),
+                    &throttle,
+                    &mut state,
+                    &mut progress,
+                )
+                .await?;
+                copy_range(
+                    &source,
+                    to,
+                    &options,
+                    (&[], &cursor),
+                    &throttle,
+                    &mut state,
+                    &mut progress,
+                )
+                .await
+            }
+            None => {
+                copy_range(
+                    &source,
+                    to,
+                    &options,
+                    (&[], &[]),
+                    &throttle,
+                    &mut state,
+                    &mut progress,
+                )
+                .await
+            }
+        }
+    }
+    .await;
+    let _ = source.rollback().await;
+    result?;
+    let clock_waited = wait_for_clock(to, snapshot, options.clock_wait).await?;
+    // The pass is whole: the record goes (a later copy is a catch-up pass, or refused).
+    to.transaction(|tx| async move { tx.delete(COPY_RECORD_KEY.to_vec()).await })
+        .await?;
+    Ok(CopyReport {
+        progress: state,
+        snapshot_version: snapshot,
+        clock_waited_ms: crate::util::millis(clock_waited),
+        elapsed_ms: crate::util::millis(started.elapsed()),
+    })
+}
+
+/// Copies `range` (an empty end: the end of the key space) of the source's snapshot into the
+/// destination, range after range.
+async fn copy_range<X: TitoTransaction, D: TitoEngine>(
+    source: &X,
+    to: &D,
+    options: &CopyOptions,
+    (start, end): (&[u8], &[u8]),
+    throttle: &Throttle,
+    state: &mut CopyProgress,
+    progress: &mut impl FnMut(&CopyProgress),
+) -> TitoResult<()> {
+    let mut from = start.to_vec();
+    loop {
+        if !end.is_empty() && from.as_slice() >= end {
+            return Ok(());
+        }
+        let pairs = source_range(source, &from, end, options).await?;
+        // The span this range covers: up to its last key, or (the source has nothing left)
+        // to the end, so the destination's keys past the source's last go too.
+        let upto = match pairs.last() {
+            Some((last, _)) => key_after_bytes(last),
+            None => end.to_vec(),
+        };
+        let tail = pairs.is_empty();
+        let synced = sync_range(to, pairs, &from, &upto, source.start_version()).await?;
+        state.keys_read += synced.source_keys;
+        state.keys_written += synced.written;
+        state.keys_deleted += synced.deleted;
+        state.bytes_written += synced.bytes;
+        if let Some(reached) = &synced.reached {
+            state.cursor = Some(display_key(reached));
+            progress(state);
+        }
+        throttle.wait(state.keys_read).await;
+        match synced.reached {
+            // Stopped early (too many deletes for one transaction): continue after it.
+            Some(reached) if !synced.whole => from = key_after_bytes(&reached),
+            _ if tail => return Ok(()),
+            _ => from = upto,
+        }
+    }
+}
+
+/// The next range of the source: up to `batch` keys from `from`, ending early at the key that
+/// reaches `batch_bytes`; the copy record is skipped.
+async fn source_range<X: TitoTransaction>(
+    source: &X,
+    from: &[u8],
+    end: &[u8],
+    options: &CopyOptions,
+) -> TitoResult<Vec<KvPair>> {
+    let mut pairs = source.scan(from, end, options.batch).await?;
+    pairs.retain(|(key, _)| key.as_slice() != COPY_RECORD_KEY);
+    let mut bytes = 0usize;
+    if let Some(cut) = pairs.iter().position(|(key, value)| {
+        bytes += key.len() + value.len();
+        bytes >= options.batch_bytes
+    }) {
+        pairs.truncate(cut + 1);
+    }
+    Ok(pairs)
+}
+
+/// The most deletes one destination transaction of a copy holds (a destination with far more
+/// keys than the source in one span is cleared over several).
+const MAX_DELETES: u64 = 10_000;
+
+/// What one destination transaction of a copy did.
+#[derive(Default)]
+struct Synced {
+    written: u64,
+    deleted: u64,
+    bytes: u64,
+    /// Source keys handled (written or found equal).
+    source_keys: u64,
+    /// The last key handled (every key up to it is equal in both stores).
+    reached: Option<Vec<u8>>,
+    /// Whether the whole span was handled.
+    whole: bool,
+}
+
+/// Makes the destination's `from..upto` (an empty `upto`: the end) equal to `pairs` in one
+/// transaction, with the copy record's cursor at the last key handled; stops early after
+/// [`MAX_DELETES`] deletes.
+async fn sync_range<D: TitoEngine>(
+    to: &D,
+    pairs: Vec<KvPair>,
+    from: &[u8],
+    upto: &[u8],
+    snapshot: u64,
+) -> TitoResult<Synced> {
+    let (from, upto) = (from.to_vec(), upto.to_vec());
+    to.transaction(|tx| {
+        let (pairs, from, upto) = (pairs.clone(), from.clone(), upto.clone());
+        async move {
+            let mut theirs = Pager::new(tx.clone(), from, upto);
+            let mut ours = pairs.into_iter().peekable();
+            let mut synced = Synced {
+                whole: true,
+                ..Synced::default()
+            };
+            loop {
+                if synced.deleted >= MAX_DELETES {
+                    synced.whole = false;
+                    break;
+                }
+                let there = theirs.peek().await?.cloned();
+                let Some((key, value)) = ours.peek().cloned() else {
+                    // The source has no more keys here: the destination's rest goes.
+                    let Some((other, _)) = there else { break };
+                    tx.delete(other.clone()).await?;
+                    theirs.advance();
+                    synced.deleted += 1;
+                    synced.reached = Some(other);
+                    continue;
+                };
+                match there {
+                    Some((other, _)) if other < key => {
+                        tx.delete(other.clone()).await?;
+                        theirs.advance();
+                        synced.deleted += 1;
+                        synced.reached = Some(other);
+                        continue;
+                    }
+                    Some((other, other_value)) if other == key => {
+                        theirs.advance();
+                        if other_value != value {
+                            synced.written += 1;
+                            synced.bytes += (key.len() + value.len()) as u64;
+                            tx.put(key.clone(), value).await?;
+                        }
+                    }
+                    _ => {
+                        synced.written += 1;
+                        synced.bytes += (key.len() + value.len()) as u64;
+                        tx.put(key.clone(), value).await?;
+                    }
+                }
+                ours.next();
+                synced.source_keys += 1;
+                synced.reached = Some(key);
+            }
+            if let Some(cursor) = &synced.reached {
+                let record = CopyRecord {
+                    cursor: cursor.clone(),
+                    snapshot_version: snapshot,
+                };
+                tx.put(COPY_RECORD_KEY.to_vec(), serde_json::to_vec(&record)?)
+                    .await?;
+            }
+            Ok::<_, TitoError>(synced)
+        }
+    })
+    .await
+}
+
+/// Pages through a range of one transaction, skipping the copy record.
+struct Pager<X: TitoTransaction> {
+    tx: X,
+    next: Vec<u8>,
+    end: Vec<u8>,
+    buffer: VecDeque<KvPair>,
+    done: bool,
+}
+
+/// Keys a pager reads per request.
+const PAGE: usize = 1000;
+
+impl<X: TitoTransaction> Pager<X> {
+    fn new(tx: X, start: Vec<u8>, end: Vec<u8>) -> Self {
+        Pager {
+            tx,
+            next: start,
+            end,
+            buffer: VecDeque::new(),
+            done: false,
+        }
+    }
+
+    async fn peek(&mut self) -> TitoResult<Option<&KvPair>> {
+        while self.buffer.is_empty() && !self.done {
+            if !self.end.is_empty() && self.next >= self.end {
+                self.done = true;
+                break;
+            }
+            let page = self.tx.scan(&self.next, &self.end, PAGE).await?;
+            if page.len() < PAGE {
+                self.done = true;
+            }
+            if let Some((last, _)) = page.last() {
+                self.next = key_after_bytes(last);
+            }
+            self.buffer.extend(
+                page.into_iter()
+                    .filter(|(key, _)| key.as_slice() != COPY_RECORD_KEY),
+            );
+        }
+        Ok(self.buffer.front())
+    }
+
+    fn advance(&mut self) {
+        self.buffer.pop_front();
+    }
+}
+
+async fn read_record<D: TitoEngine>(to: &D) -> TitoResult<Option<CopyRecord>> {
+    crate::engine::read_only(to, async |tx| match tx.get(COPY_RECORD_KEY).await? {
+        Some(bytes) => serde_json::from_slice(&bytes).map(Some).map_err(|err| {
+            TitoError::Integrity(format!("the destination's copy record is damaged: {err}"))
+        }),
+        None => Ok(None),
+    })
+    .await
+}
+
+async fn first_data_key<D: TitoEngine>(to: &D) -> TitoResult<Option<Vec<u8>>> {
+    crate::engine::read_only(to, async |tx| {
+        let mut pager = Pager::new(tx.clone(), Vec::new(), Vec::new());
+        Ok(pager.peek().await?.map(|(key, _)| key.clone()))
+    })
+    .await
+}
+
+async fn count_keys<S: TitoEngine>(from: &S, batch: usize) -> TitoResult<u64> {
+    crate::engine::read_only(from, async |tx| {
+        let mut count = 0u64;
+        let mut next = Vec::new();
+        loop {
+            let page = tx.scan(&next, &[], batch).await?;
+            count += page
+                .iter()
+                .filter(|(key, _)| key.as_slice() != COPY_RECORD_KEY)
+                .count() as u64;
+            match page.last() {
+                Some((last, _)) if page.len() == batch => next = key_after_bytes(last),
+                _ => return Ok(count),
+            }
+        }
+    })
+    .await
+}
+
+/// Waits until the destination hands out versions past `version` (the source's snapshot).
+async fn wait_for_clock<D: TitoEngine>(
+    to: &D,
+    version: u64,
+    wait: Duration,
+) -> TitoResult<Duration> {
+    let started = Instant::now();
+    loop {
+        let now = to.current_version().await?;
+        if now > version {
+            return Ok(started.elapsed());
+        }
+        if started.elapsed() >= wait {
+            return Err(TitoError::invalid_argument(format!(
+                "the destination's clock is {} ms behind the source's (the copied rows hold \
+                 times of the source's clock): waited {wait:?}; wait until the destination's \
+                 clock passes {} ms and copy again with resume (a catch-up pass)",
+                version_millis(version).saturating_sub(version_millis(now)),
+                version_millis(version)
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Spaces out ranges to an average rate of keys per second.
+struct Throttle {
+    rate: Option<u64>,
+    started: Instant,
+}
+
+impl Throttle {
+    fn new(rate: Option<u64>) -> Self {
+        Throttle {
+            rate,
+            started: Instant::now(),
+        }
+    }
+
+    async fn wait(&self, keys: u64) {
+        if let Some(rate) = self.rate {
+            let due = Duration::from_secs_f64(keys as f64 / rate as f64);
+            let elapsed = self.started.elapsed();
+            if due > elapsed {
+                tokio::time::sleep(due - elapsed).await;
+            }
+        }
+    }
+}
+
+/// Options of [`verify`].
+#[derive(Clone, Debug)]
+pub struct VerifyOptions {
+    batch: usize,
+    report: usize,
+}
+
+impl Default for VerifyOptions {
+    fn default() -> Self {
+        VerifyOptions {
+            batch: 1000,
+            report: 10,
+        }
+    }
+}
+
+impl VerifyOptions {
+    /// Ranges of 1,000 keys; the first 10 differing keys named.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Keys per compared range (1 to [`MAX_BATCH`]).
+    pub fn batch(mut self, keys: usize) -> Self {
+        self.batch = keys;
+        self
+    }
+
+    /// How many differing keys the report names (the rest are counted).
+    pub fn report(mut self, keys: usize) -> Self {
+        self.report = keys;
+        self
+    }
+}
+
+/// One compared range: the keys of store A from `first` to `last`, and the keys B holds in the
+/// same span, with their counts and hashes.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RangeSummary {
+    /// The range's first key (A's, or B's when A has none left), as text.
+    pub first: String,
+    /// The range's last key, as text.
+    pub last: String,
+    /// Keys of A in the range.
+    pub count_a: u64,
+    /// Keys of B in the range.
+    pub count_b: u64,
+    /// A hash of A's keys and values in the range (FNV-1a, 64 bits).
+    pub hash_a: u64,
+    /// The same hash of B's.
+    pub hash_b: u64,
+}
+
+impl RangeSummary {
+    /// Whether both stores hold the same keys and values in the range.
+    pub fn equal(&self) -> bool {
+        self.count_a == self.count_b && self.hash_a == self.hash_b
+    }
+}
+
+/// How one key differs between the stores.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Difference {
+    /// Only store A has the key.
+    OnlyInA(String),
+    /// Only store B has the key.
+    OnlyInB(String),
+    /// Both have it, with different values.
+    Changed(String),
+}
+
+/// What [`verify`] found.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VerifyReport {
+    /// Keys in store A (the copy record left out).
+    pub keys_a: u64,
+    /// Keys in store B.
+    pub keys_b: u64,
+    /// Bytes of keys and values in A.
+    pub bytes_a: u64,
+    /// Ranges compared.
+    pub ranges: u64,
+    /// Ranges whose counts or hashes differ.
+    pub ranges_differing: u64,
+    /// Keys that differ, in all.
+    pub differing_keys: u64,
+    /// The first differing keys, in key order (up to [`VerifyOptions::report`]).
+    pub first_differences: Vec<Difference>,
+    /// The snapshot version of A compared.
+    pub version_a: u64,
+    /// The snapshot version of B compared.
+    pub version_b: u64,
+}
+
+impl VerifyReport {
+    /// Whether the stores hold the same keys with the same values.
+    pub fn equal(&self) -> bool {
+        self.differing_keys == 0
+    }
+}
+
+/// Compares two stores key by key, each in one snapshot, range by range (counts and hashes per
+/// range, passed to `range` as they are done), in bounded memory; names the first differing
+/// keys. Changes nothing. The copy record ([`COPY_RECORD_KEY`]) is left out.
+pub async fn verify<A: TitoEngine, B: TitoEngine>(
+    a: &A,
+    b: &B,
+    options: VerifyOptions,
+    mut range: impl FnMut(&RangeSummary),
+) -> TitoResult<VerifyReport> {
+    check_batch(options.batch)?;
+    let (ta, tb) = (a.begin().await?, b.begin().await?);
+    let mut report = VerifyReport {
+        version_a: ta.start_version(),
+        version_b: tb.start_version(),
+        ..VerifyReport::default()
+    };
+    let result = compare(&ta, &tb, &options, &mut report, &mut range).await;
+    let _ = ta.rollback().await;
+    let _ = tb.rollback().await;
+    result.map(|()| report)
+}
+
+async fn compare<A: TitoTransaction, B: TitoTransaction>(
+    ta: &A,
+    tb: &B,
+    options: &VerifyOptions,
+    report: &mut VerifyReport,
+    range: &mut impl FnMut(&RangeSummary),
+) -> TitoResult<()> {
+    let mut pa = Pager::new(ta.clone(), Vec::new(), Vec::new());
+    let mut pb = Pager::new(tb.clone(), Vec::new(), Vec::new());
+    let mut summary: Option<RangeSummary> = None;
+    let mut in_range = 0usize;
+    let differs = |report: &mut VerifyReport, difference: Difference| {
+        report.differing_keys += 1;
+        if report.first_differences.len() < options.report {
+            report.first_differences.push(difference);
+        }
+    };
+    loop {
+        let next_a = pa.peek().await?.cloned();
+        let next_b = pb.peek().await?.cloned();
+        let (key, value_a, value_b) = match (next_a, next_b) {
+            (None, None) => break,
+            (Some((ka, va)), None) => (ka, Some(va), None),
+            (None, Some((kb, vb))) => (kb, None, Some(vb)),
+            (Some((ka, va)), Some((kb, vb))) => match ka.cmp(&kb) {
+                std::cmp::Ordering::Less => (ka, Some(va), None),
+                std::cmp::Ordering::Greater => (kb, None, Some(vb)),
+                std::cmp::Ordering::Equal => (ka, Some(va), Some(vb)),
+            },
+        };
+        if value_a.is_some() {
+            pa.advance();
+        }
+        if value_b.is_some() {
+            pb.advance();
+        }
+        let shown = display_key(&key);
+        let current = summary.get_or_insert_with(|| RangeSummary {
+            first: shown.clone(),
+            last: shown.clone(),
+            count_a: 0,
+            count_b: 0,
+            hash_a: FNV_OFFSET,
+            hash_b: FNV_OFFSET,
+        });
+        current.last = shown.clone();
+        if let Some(value) = &value_a {
+            current.count_a += 1;
+            current.hash_a = fnv(fnv(current.hash_a, &key), value);
+            report.keys_a += 1;
+            report.bytes_a += (key.len() + value.len()) as u64;
+        }
+        if let Some(value) = &value_b {
+            current.count_b += 1;
+            current.hash_b = fnv(fnv(current.hash_b, &key), value);
+            report.keys_b += 1;
+        }
+        match (&value_a, &value_b) {
+            (Some(_), None) => differs(report, Difference::OnlyInA(shown)),
+            (None, Some(_)) => differs(report, Difference::OnlyInB(shown)),
+            (Some(va), Some(vb)) if va != vb => differs(report, Difference::Changed(shown)),
+            _ => {}
+        }
+        in_range += 1;
+        if in_range == options.batch {
+            finish_range(&mut summary, report, range);
+            in_range = 0;
+        }
+    }
+    finish_range(&mut summary, report, range);
+    Ok(())
+}
+
+fn finish_range(
+    summary: &mut Option<RangeSummary>,
+    report: &mut VerifyReport,
+    range: &mut impl FnMut(&RangeSummary),
+) {
+    if let Some(done) = summary.take() {
+        report.ranges += 1;
+        if !done.equal() {
+            report.ranges_differing += 1;
+        }
+        range(&done);
+    }
+}
+
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+
+/// FNV-1a over a length-prefixed field, so ("ab", "c") and ("a", "bc") hash apart.
+fn fnv(mut hash: u64, bytes: &[u8]) -> u64 {
+    for byte in (bytes.len() as u64).to_le_bytes().iter().chain(bytes) {
+        hash ^= u64::from(*byte);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    hash
+}
