@@ -254,7 +254,7 @@ async fn commit_until_killed<E: TitoEngine>(db: E, cycle: u64) {
                 Duration::from_millis(delay_ms),
             );
             queue.publish(event).await.unwrap();
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            tokio::time::sleep(Duration::from_millis(2)).await;
         }
     });
     let tasks: Vec<_> = (0..TASKS)
@@ -341,6 +341,7 @@ where
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(3);
+    let started = tokio::sync::mpsc::unbounded_channel();
     let mut max_lead_ms = 0u64;
     let mut longest_open = Duration::ZERO;
     let mut shortest_delay = Duration::MAX;
@@ -440,14 +441,32 @@ where
         tx.rollback().await.unwrap();
         // An event due a second after its publication starts a second later at the soonest,
         // with the clock ahead as the crash left it.
+        // The children's delayed events run meanwhile, right after the crash.
+        let children = run_children_delayed(&db, started.0.clone());
         shortest_delay = shortest_delay.min(delayed_start(&db, cycle).await);
+        children.shutdown().await.unwrap();
         close(db).await;
     }
     // The events the children published with a delay, across the crashes that followed: none
     // starts before its delay has passed on the wall clock.
     let db = open(dir.to_path_buf()).await;
-    let (ran, earliest) = run_children_delayed(&db).await;
+    let children = run_children_delayed(&db, started.0.clone());
+    let queue = child_delayed_queue(&db);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let pending = queue.pending_count(0).await.unwrap() + queue.pending_count(1).await.unwrap();
+        if pending == 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{pending} delayed events left after 60 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    children.shutdown().await.unwrap();
     close(db).await;
+    let (ran, earliest) = check_children_delayed(started.1);
     println!(
         "crash loop ({engine}): {cycles} cycles, {acknowledged} commits acknowledged, {lost} keys \
          of them lost; the clock at most {max_lead_ms} ms ahead of the wall clock after a crash \
@@ -458,38 +477,37 @@ where
     assert_eq!(lost, 0);
 }
 
-/// Runs the events the crash loop's children published with a delay; checks that none started
-/// before its delay had passed (on the wall clock, from before its publication). Returns how
-/// many ran and how long after its delay the soonest one started (ms).
-async fn run_children_delayed<E: TitoEngine>(db: &E) -> (usize, i64) {
-    let queue = child_delayed_queue(db);
-    let (sender, mut started) = tokio::sync::mpsc::unbounded_channel();
+/// Started handlers of the events the crash loop's children published with a delay: the key,
+/// the payload (the wall clock before the publication, the delay) and the wall clock at the start.
+type DelayedStart = (String, (u64, u64), u64);
+
+/// A worker running the events the crash loop's children published with a delay, reporting
+/// every start.
+fn run_children_delayed<E: TitoEngine>(
+    db: &E,
+    report: tokio::sync::mpsc::UnboundedSender<DelayedStart>,
+) -> tito::Workers {
     let mut workers = tito::Workers::new();
     workers.spawn_worker(
-        queue.clone(),
+        child_delayed_queue(db),
         tito::WorkerConfig::new(0..2).concurrency(64),
         move |event: tito::QueueEvent<(u64, u64)>| {
-            let sender = sender.clone();
+            let report = report.clone();
             async move {
-                let _ = sender.send((event.key, event.payload, wall_ms()));
+                let _ = report.send((event.key, event.payload, wall_ms()));
                 Ok(tito::QueueHandlerOutcome::Acknowledge)
             }
         },
     );
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let pending =
-            (queue.pending_count(0).await.unwrap()) + (queue.pending_count(1).await.unwrap());
-        if pending == 0 {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{pending} delayed events left after 60 s"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    workers.shutdown().await.unwrap();
+    workers
+}
+
+/// Checks that no event a child published with a delay started before its delay had passed (on
+/// the wall clock, from before its publication). Returns how many ran and how long after its
+/// delay the soonest one started (ms).
+fn check_children_delayed(
+    mut started: tokio::sync::mpsc::UnboundedReceiver<DelayedStart>,
+) -> (usize, i64) {
     let mut ran = 0;
     let mut earliest = i64::MAX;
     while let Ok((key, (published_ms, delay_ms), at_ms)) = started.try_recv() {
