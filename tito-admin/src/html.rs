@@ -197,12 +197,13 @@ pub(crate) fn overview(data: &Overview, started: Instant) -> String {
         let late = queue.oldest_due.map_or(0, |d| now_s.saturating_sub(d));
         let _ = write!(
             b,
-            "<tr data-queue=\"{label}\"><td><a href=\"queue?{topic}\">{label}</a></td><td class=\"num\">{parts}</td>\
+            "<tr data-queue=\"{key}\"><td><a href=\"queue?{topic}\">{label}</a></td><td class=\"num\">{parts}</td>\
              <td class=\"num\" data-figure=\"due-now\">{due}</td><td class=\"num\">{later}</td><td>{oldest}</td><td>{late}</td>\
              <td class=\"num\">{completed}</td><td class=\"num\">{minute}</td>\
              <td class=\"num{dead_class}\" data-figure=\"dead\">{dead}</td><td data-figure=\"state\">{state}</td>\
              <td data-figure=\"limits\">{limits}</td></tr>",
-            label = esc(&queue.info.label),
+            key = esc(&queue.info.label),
+            label = queue_cell(queue.info.topic.as_deref()),
             topic = topic_query(queue.info.topic.as_deref()),
             parts = queue.info.partitions.map_or("?".into(), |p| p.to_string()),
             due = count(&queue.due_now),
@@ -585,7 +586,11 @@ pub(crate) fn queue(data: &QueueData, started: Instant) -> String {
          <button class=\"danger\" type=\"submit\">Erase…</button></form>",
         esc(topic.unwrap_or(""))
     );
-    page(&format!("Queue {}", o.info.label), &b, Some(started))
+    let title = match o.info.topic.as_deref() {
+        Some(topic) => format!("Queue {topic}"),
+        None => "Queue without a topic".to_string(),
+    };
+    page(&title, &b, Some(started))
 }
 
 /// Under a per-key concurrency limit, the keys running now, busiest first (at most 20): the
@@ -1273,4 +1278,13 @@ pub(crate) fn done(title: &str, message: &str) -> String {
         ),
         None,
     )
+}
+
+/// A queue's name in a listing: its topic, or (the queue without a topic) "no topic" in italics,
+/// which no topic's cell looks like.
+fn queue_cell(topic: Option<&str>) -> String {
+    match topic {
+        Some(topic) => esc(topic),
+        None => "<em>no topic</em>".to_string(),
+    }
 }

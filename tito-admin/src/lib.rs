@@ -804,8 +804,8 @@ async fn erase_owner<E: TitoEngine>(
     let owner = tito::QueueOwner::new(form.kind.clone(), form.id.clone());
     owner_check(&owner)?;
     let target = format!(
-        "queue {:?}, owner {}/{}",
-        topic.as_deref().unwrap_or("default"),
+        "{}, owner {}/{}",
+        queue_named(topic.as_deref()),
         owner.kind,
         owner.id
     );
@@ -916,8 +916,8 @@ impl DeadForm {
 
     fn target(&self) -> String {
         format!(
-            "queue {:?}, dead invocation {:?}",
-            self.topic().unwrap_or("default"),
+            "{}, dead invocation {:?}",
+            queue_named(self.topic()),
             self.id
         )
     }
@@ -1066,6 +1066,16 @@ pub const DEAD_BATCH: usize = 100;
 /// one invocation or an owner's, set and lift limits, set a row aside, retry or discard every
 /// dead invocation. Each asks for confirmation first, then runs and is logged as the other
 /// actions are.
+/// How confirmations, results and the action log name a queue: a topic quoted, the queue
+/// without a topic in words (no topic reads like that), so a queue whose topic is `default`
+/// and the queue without a topic are told apart.
+pub(crate) fn queue_named(topic: Option<&str>) -> String {
+    match topic {
+        Some(topic) => format!("queue {topic:?}"),
+        None => "the queue without a topic".to_string(),
+    }
+}
+
 async fn queue_action<E: TitoEngine>(
     State(state): State<Arc<Inner<E>>>,
     Extension(Peer(peer)): Extension<Peer>,
@@ -1073,11 +1083,11 @@ async fn queue_action<E: TitoEngine>(
 ) -> Page {
     let db = &state.db;
     let topic = field(&form.topic);
-    let label = topic.unwrap_or("default");
+    let named = queue_named(topic);
     let partition: Option<u32> = number(&form.partition, "the partition")?;
     let why = field(&form.why).unwrap_or("from the dashboard");
-    let scope = partition.map_or(format!("queue {label:?}"), |p| {
-        format!("queue {label:?}, partition {p}")
+    let scope = partition.map_or(format!("{named}"), |p| {
+        format!("{named}, partition {p}")
     });
     // Input that can never succeed is refused now, by the checks the action itself makes,
     // rather than after a confirmation.
@@ -1098,7 +1108,7 @@ async fn queue_action<E: TitoEngine>(
         "cancel" => {
             let id = required(&form.id, "an event id")?;
             tito::queue::check_cancel_reason(topic, why)?;
-            let target = format!("queue {label:?}, invocation {id:?}");
+            let target = format!("{named}, invocation {id:?}");
             (
                 "Cancel an invocation",
                 target.clone(),
@@ -1112,7 +1122,7 @@ async fn queue_action<E: TitoEngine>(
             );
             owner_check(&owner)?;
             tito::queue::check_cancel_reason(topic, why)?;
-            let target = format!("queue {label:?}, owner {}/{}", owner.kind, owner.id);
+            let target = format!("{named}, owner {}/{}", owner.kind, owner.id);
             (
                 "Cancel an owner's work",
                 target.clone(),
@@ -1122,18 +1132,18 @@ async fn queue_action<E: TitoEngine>(
         "limits" => {
             let limits = form_limits(&form)?;
             tito::queue::check_limits(topic, &limits)?;
-            let target = format!("queue {label:?}, limits");
+            let target = format!("{named}, limits");
             let what = if limits.is_none() {
                 "Lift every limit of".to_string()
             } else {
                 format!("Set {} on", describe_limits(&limits))
             };
-            ("Set limits", target, format!("{what} queue {label:?}?"))
+            ("Set limits", target, format!("{what} {named}?"))
         }
         "set-aside" => {
             let key = required(&form.key, "the key of a pending row")?;
-            tito::queue::check_pending_key(topic, key)?;
-            let target = format!("queue {label:?}, row {key:?}");
+            tito::queue::check_set_aside_key(db, topic, key).await?;
+            let target = format!("{named}, row {key:?}");
             (
                 "Set a row aside",
                 target.clone(),
@@ -1142,15 +1152,15 @@ async fn queue_action<E: TitoEngine>(
         }
         "retry-all-dead" => (
             "Retry every dead invocation",
-            format!("queue {label:?}, every dead invocation"),
+            format!("{named}, every dead invocation"),
             format!(
-                "Move every dead invocation of queue {label:?} back to pending (attempt 1, due now)?"
+                "Move every dead invocation of {named} back to pending (attempt 1, due now)?"
             ),
         ),
         "discard-all-dead" => (
             "Discard every dead invocation",
-            format!("queue {label:?}, every dead invocation"),
-            format!("Delete every dead invocation of queue {label:?} for good?"),
+            format!("{named}, every dead invocation"),
+            format!("Delete every dead invocation of {named} for good?"),
         ),
         other => {
             return Err(TitoError::invalid_argument(format!("no queue action {other:?}")).into());

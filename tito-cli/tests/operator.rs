@@ -2760,6 +2760,7 @@ async fn the_dashboard_refuses_what_can_never_succeed_before_confirming() {
     let root = tito::keys::queue_root(Some("flaky"));
     let whole = tito::keys::pending_key(&root, 1, 1_700_000_000, 7, "e-1");
     let cut = urlencode(&whole[..whole.len() - 6]);
+    let beyond = tito::keys::pending_key(&root, 9, 1_700_000_000, 7, "e-1");
     let long = "x".repeat(2000);
     for (form, says) in [
         (
@@ -2802,6 +2803,11 @@ async fn the_dashboard_refuses_what_can_never_succeed_before_confirming() {
             format!("action=set-aside&topic=flaky&key={cut}"),
             "such a key reads",
         ),
+        // Well formed, in a partition the queue lacks: it can never name a row.
+        (
+            format!("action=set-aside&topic=flaky&key={}", urlencode(&beyond)),
+            "queue \"flaky\" has 2 partitions (0 to 1): no partition 9",
+        ),
     ] {
         // Not asked to confirm: refused at once, as bad input.
         let (status, body) = queue_post(&router, &form).await;
@@ -2815,6 +2821,16 @@ async fn the_dashboard_refuses_what_can_never_succeed_before_confirming() {
         assert_eq!(status, StatusCode::BAD_REQUEST, "{form}: {body}");
         assert!(body.contains(says), "{form}: {body}");
     }
+    // The library call refuses the same key with the same words, and a well-formed key in a
+    // partition the queue has that names no row moves nothing.
+    let refused = tito::queue::set_aside(&db, Some("flaky"), &beyond, "x")
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(refused, tito::TitoError::InvalidArgument(_)) && refused.to_string().contains("no partition 9"),
+        "{refused}"
+    );
+    assert!(!tito::queue::set_aside(&db, Some("flaky"), &whole, "x").await.unwrap());
     // Nothing was changed.
     assert!(
         tito::queue::paused(&db, Some("flaky"))
@@ -2948,4 +2964,48 @@ async fn retry_all_dead_runs_in_bounded_batches_and_says_what_is_left() {
     assert_eq!(dead.value, 0);
     let (_, log) = send(&router, get("/api/actions"), Some("127.0.0.1:50000")).await;
     assert!(log.contains("100 pending again, 30 left"), "{log}");
+}
+
+/// A store with the queue without a topic and a queue whose topic is `default`: the dashboard
+/// names them apart in its listing, its titles, its confirmations and its action log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_tells_the_queue_without_a_topic_from_one_named_default() {
+    let db = Embedded::temporary().await.unwrap();
+    for topic in [None, Some("default")] {
+        let mut config = QueueConfig::new(2, Duration::from_secs(3600));
+        config.topic = topic.map(str::to_string);
+        Queue::new(db.clone(), config)
+            .publish(QueueEvent::now("k", 1u32))
+            .await
+            .unwrap();
+    }
+    let router = tito_admin::Admin::new(db.clone()).router();
+    let local = Some("127.0.0.1:50000");
+    let (_, overview) = send(&router, get("/"), local).await;
+    assert!(overview.contains("<em>no topic</em>"), "{overview}");
+    assert!(overview.contains(">default</a>"), "{overview}");
+    let (_, page) = send(&router, get("/queue"), local).await;
+    assert!(page.contains("Queue without a topic"), "{page}");
+    let (_, page) = send(&router, get("/queue?topic=default"), local).await;
+    assert!(page.contains("Queue default"), "{page}");
+    let (_, asked) = queue_post(&router, "action=pause&topic=&why=maint").await;
+    let asked = asked.replace("&quot;", "\"");
+    assert!(asked.contains("the queue without a topic"), "{asked}");
+    for topic in ["", "default"] {
+        let form = format!("action=pause&topic={topic}&why=maint&confirm=yes");
+        let (status, body) = queue_post(&router, &form).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+    }
+    let (_, body) = send(&router, get("/api/actions"), local).await;
+    let actions: Value = serde_json::from_str(&body).unwrap();
+    let targets: Vec<String> = actions
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.to_string())
+        .collect();
+    assert_eq!(targets.len(), 2, "{targets:?}");
+    assert!(targets[0].contains("queue \\\"default\\\""), "{targets:?}");
+    assert!(targets[1].contains("the queue without a topic"), "{targets:?}");
+    assert!(!targets[1].contains("\\\"default\\\""), "{targets:?}");
 }

@@ -232,6 +232,19 @@ pub fn check_pending_key(topic: Option<&str>, key: &str) -> TitoResult<()> {
     parse_pending_key_arg(&keys::queue_root(topic), key).map(|_| ())
 }
 
+/// [`check_pending_key`], and the key's partition one the queue has ([`check_partition`]'s
+/// refusal otherwise): every check [`set_aside`] makes before it reads the row. A well-formed
+/// key that names no row passes (the row may have run meanwhile: [`set_aside`] then says it
+/// moved nothing).
+pub async fn check_set_aside_key<E: TitoEngine>(
+    db: &E,
+    topic: Option<&str>,
+    key: &str,
+) -> TitoResult<()> {
+    let parsed = parse_pending_key_arg(&keys::queue_root(topic), key)?;
+    check_partition(db, topic, parsed.partition).await
+}
+
 /// `key` as a pending key of the queue under `root`; a key that is not one (mistyped, cut
 /// short, of another queue) is an operator's mistake, refused as an invalid argument that says
 /// what a pending key looks like.
@@ -838,8 +851,10 @@ async fn set_aside_under<E: TitoEngine>(
             aside.clone(),
             note_key.clone(),
         );
-        let event_id = parsed.event_id.clone();
+        let (event_id, partition) = (parsed.event_id.clone(), parsed.partition);
         async move {
+            // A partition the queue lacks can never hold the row: refused, not "not pending".
+            pause::check_partition(&tx, &root, Some(partition)).await?;
             let Some(value) = tx.get(key.as_bytes()).await? else {
                 return Ok(false);
             };
