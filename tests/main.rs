@@ -31,6 +31,7 @@ mod rpc_counts;
 mod schema;
 mod shapes;
 mod simulation;
+mod store_copy;
 mod suites;
 mod telemetry;
 mod tikv_server;

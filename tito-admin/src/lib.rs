@@ -1086,9 +1086,7 @@ async fn queue_action<E: TitoEngine>(
     let named = queue_named(topic);
     let partition: Option<u32> = number(&form.partition, "the partition")?;
     let why = field(&form.why).unwrap_or("from the dashboard");
-    let scope = partition.map_or(format!("{named}"), |p| {
-        format!("{named}, partition {p}")
-    });
+    let scope = partition.map_or(format!("{named}"), |p| format!("{named}, partition {p}"));
     // Input that can never succeed is refused now, by the checks the action itself makes,
     // rather than after a confirmation.
     if let ("pause" | "resume", Some(p)) = (form.action.as_str(), partition) {
@@ -1153,9 +1151,7 @@ async fn queue_action<E: TitoEngine>(
         "retry-all-dead" => (
             "Retry every dead invocation",
             format!("{named}, every dead invocation"),
-            format!(
-                "Move every dead invocation of {named} back to pending (attempt 1, due now)?"
-            ),
+            format!("Move every dead invocation of {named} back to pending (attempt 1, due now)?"),
         ),
         "discard-all-dead" => (
             "Discard every dead invocation",

@@ -2827,10 +2827,15 @@ async fn the_dashboard_refuses_what_can_never_succeed_before_confirming() {
         .await
         .unwrap_err();
     assert!(
-        matches!(refused, tito::TitoError::InvalidArgument(_)) && refused.to_string().contains("no partition 9"),
+        matches!(refused, tito::TitoError::InvalidArgument(_))
+            && refused.to_string().contains("no partition 9"),
         "{refused}"
     );
-    assert!(!tito::queue::set_aside(&db, Some("flaky"), &whole, "x").await.unwrap());
+    assert!(
+        !tito::queue::set_aside(&db, Some("flaky"), &whole, "x")
+            .await
+            .unwrap()
+    );
     // Nothing was changed.
     assert!(
         tito::queue::paused(&db, Some("flaky"))
@@ -3006,6 +3011,9 @@ async fn the_dashboard_tells_the_queue_without_a_topic_from_one_named_default() 
         .collect();
     assert_eq!(targets.len(), 2, "{targets:?}");
     assert!(targets[0].contains("queue \\\"default\\\""), "{targets:?}");
-    assert!(targets[1].contains("the queue without a topic"), "{targets:?}");
+    assert!(
+        targets[1].contains("the queue without a topic"),
+        "{targets:?}"
+    );
     assert!(!targets[1].contains("\\\"default\\\""), "{targets:?}");
 }

@@ -1,0 +1,417 @@
+//! Moving a store (`tito::store`): a copy between engines leaves a destination the application
+//! runs on as it ran on the source; it is refused into a store that holds data, resumes after an
+//! interruption, catches up with what changed, and `verify` names what differs.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tito::backend::memory::{Memory, MemoryClock, MemoryOptions};
+use tito::store::{CopyOptions, Difference, Existing, VerifyOptions, copy, verify};
+use tito::{Embedded, TitoEngine, TitoError, TitoModel, TitoTransaction};
+
+use crate::support::{pending_total, test_server_ctx};
+
+#[derive(TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(table = "copied_user")]
+#[tito(unique_index = "by_email: email")]
+#[tito(index = "by_team: team")]
+struct CopiedUser {
+    #[tito(id)]
+    id: String,
+    email: String,
+    team: String,
+}
+
+fn user(i: usize) -> CopiedUser {
+    CopiedUser {
+        id: format!("u{i:05}"),
+        email: format!("u{i}@example.com"),
+        team: format!("t{}", i % 7),
+    }
+}
+
+/// A store with rows, index entries, pending queue rows and kv keys.
+async fn fill<E: TitoEngine>(db: &E, users: usize, events: usize) {
+    let model = db.clone().model::<CopiedUser>();
+    for chunk in (0..users).collect::<Vec<_>>().chunks(100) {
+        let (model, chunk) = (model.clone(), chunk.to_vec());
+        db.transaction(|tx| {
+            let (model, chunk) = (model.clone(), chunk.clone());
+            async move {
+                for i in chunk {
+                    model
+                        .build_with_options(user(i), Default::default(), &tx)
+                        .await?;
+                }
+                Ok::<_, TitoError>(())
+            }
+        })
+        .await
+        .unwrap();
+    }
+    let queue = crate::support::queue(db, 4);
+    for i in 0..events {
+        queue
+            .publish(tito::QueueEvent::now(format!("k{}", i % 5), i as u64))
+            .await
+            .unwrap();
+    }
+    let kv = tito::kv::Kv::new(db.clone());
+    kv.put("settings", "theme", "dark", None, None)
+        .await
+        .unwrap();
+}
+
+/// What the application sees: every user by id and by its unique index, a team's members, the
+/// queue's backlog and a kv key.
+async fn seen<E: TitoEngine>(
+    db: &E,
+    users: usize,
+) -> (Vec<CopiedUser>, usize, usize, Option<String>) {
+    let model = db.clone().model::<CopiedUser>();
+    let mut found = Vec::new();
+    for i in 0..users {
+        let by_id = model.get(&user(i).id).await.unwrap();
+        let by_email = model.get_by_email(&user(i).email).await.unwrap();
+        assert_eq!(by_id.as_ref(), by_email.as_ref());
+        if let Some(u) = by_id {
+            found.push(u);
+        }
+    }
+    let team = model
+        .by_team("t3")
+        .limit(Some(1000))
+        .execute()
+        .await
+        .unwrap()
+        .items
+        .len();
+    let backlog = pending_total(&crate::support::queue(db, 4)).await;
+    let kv = tito::kv::Kv::new(db.clone());
+    let theme = kv
+        .get("settings", "theme")
+        .await
+        .unwrap()
+        .map(|entry| entry.value.to_string());
+    (found, team, backlog, theme)
+}
+
+async fn copy_and_check<S: TitoEngine, D: TitoEngine>(from: &S, to: &D) {
+    fill(from, 300, 40).await;
+    let mut ranges = 0;
+    let report = copy(from, to, CopyOptions::new().batch(97), |_| ranges += 1)
+        .await
+        .unwrap();
+    assert!(report.progress.keys_read > 300 && ranges >= 3, "{report:?}");
+    assert_eq!(report.progress.keys_read, report.progress.keys_written);
+    assert_eq!(report.progress.keys_deleted, 0);
+    let verified = verify(from, to, VerifyOptions::new().batch(50), |_| {})
+        .await
+        .unwrap();
+    assert!(verified.equal(), "{verified:?}");
+    assert_eq!(verified.keys_a, report.progress.keys_read);
+    assert_eq!(seen(from, 300).await, seen(to, 300).await);
+    // The application goes on on the destination: its workers run the copied backlog.
+    let queue = crate::support::queue(to, 4);
+    let mut workers = tito::Workers::new();
+    workers.spawn_worker(
+        queue.clone(),
+        tito::WorkerConfig::new(0..4),
+        |_: tito::QueueEvent<u64>| async { Ok(tito::QueueHandlerOutcome::Acknowledge) },
+    );
+    crate::support::wait_for("the copied backlog runs", Duration::from_secs(30), || {
+        let queue = queue.clone();
+        async move { pending_total(&queue).await == 0 }
+    })
+    .await;
+    workers.shutdown().await.unwrap();
+    // And writes through its indexes as on the source.
+    let model = to.clone().model::<CopiedUser>();
+    let clash = model.build(CopiedUser {
+        id: "new".into(),
+        email: user(5).email,
+        team: "t1".into(),
+    });
+    assert!(clash.await.is_err(), "the unique index came along");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_embedded_store_copied_to_tikv_runs_as_before() {
+    let from = Embedded::temporary().await.unwrap();
+    let to = test_server_ctx().await;
+    copy_and_check(&from, &to.db).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tikv_store_copied_to_sqlite_runs_as_before() {
+    let from = test_server_ctx().await;
+    let to = tito::backend::sqlite::Sqlite::temporary().await.unwrap();
+    copy_and_check(&from.db, &to).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_is_refused_into_a_store_that_holds_data_and_overwrites_on_request() {
+    let (from, to) = (Memory::new(), Memory::new());
+    fill(&from, 20, 3).await;
+    to.transaction(|tx| async move { tx.put(b"zz-other".to_vec(), b"1".to_vec()).await })
+        .await
+        .unwrap();
+    let refused = copy(&from, &to, CopyOptions::new(), |_| {})
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(refused, TitoError::InvalidArgument(_))
+            && refused
+                .to_string()
+                .contains("holds data (its first key is \"zz-other\")"),
+        "{refused}"
+    );
+    assert_eq!(to.len(), 1, "nothing was written");
+    let report = copy(
+        &from,
+        &to,
+        CopyOptions::new().existing(Existing::Overwrite),
+        |_| {},
+    )
+    .await
+    .unwrap();
+    assert_eq!(report.progress.keys_deleted, 1);
+    assert!(
+        verify(&from, &to, VerifyOptions::new(), |_| {})
+            .await
+            .unwrap()
+            .equal()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_interrupted_copy_resumes_and_ends_equal() {
+    let (from, to) = (Memory::new(), Memory::new());
+    fill(&from, 500, 10).await;
+    // Killed after three ranges committed (the callback panics, as a kill would stop it).
+    let task = {
+        let (from, to) = (from.clone(), to.clone());
+        tokio::spawn(async move {
+            let mut ranges = 0;
+            copy(&from, &to, CopyOptions::new().batch(50), move |_| {
+                ranges += 1;
+                assert!(ranges < 3, "killed");
+            })
+            .await
+        })
+    };
+    assert!(task.await.unwrap_err().is_panic());
+    // The source changes meanwhile, before and after the cursor.
+    let model = from.clone().model::<CopiedUser>();
+    model.delete_by_id(&user(1).id).await.unwrap();
+    model
+        .update(CopiedUser {
+            team: "moved".into(),
+            ..user(499)
+        })
+        .await
+        .unwrap();
+    // Not taken for an empty store, nor silently restarted.
+    let refused = copy(&from, &to, CopyOptions::new(), |_| {})
+        .await
+        .unwrap_err();
+    assert!(
+        refused.to_string().contains("interrupted copy"),
+        "{refused}"
+    );
+    let report = copy(
+        &from,
+        &to,
+        CopyOptions::new().batch(50).existing(Existing::Resume),
+        |_| {},
+    )
+    .await
+    .unwrap();
+    assert!(report.progress.resumed);
+    let verified = verify(&from, &to, VerifyOptions::new(), |_| {})
+        .await
+        .unwrap();
+    assert!(verified.equal(), "{verified:?}");
+    assert_eq!(seen(&from, 500).await, seen(&to, 500).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_catch_up_pass_writes_only_what_changed() {
+    let (from, to) = (Memory::new(), Memory::new());
+    fill(&from, 200, 0).await;
+    copy(&from, &to, CopyOptions::new(), |_| {}).await.unwrap();
+    let model = from.clone().model::<CopiedUser>();
+    model.delete_by_id(&user(7).id).await.unwrap();
+    model.build(user(1000)).await.unwrap();
+    let before = verify(&from, &to, VerifyOptions::new(), |_| {})
+        .await
+        .unwrap();
+    assert!(!before.equal());
+    let report = copy(
+        &from,
+        &to,
+        CopyOptions::new().existing(Existing::Resume),
+        |_| {},
+    )
+    .await
+    .unwrap();
+    // The deleted row, its index entries, claim and manifest; the new row's.
+    assert_eq!(report.progress.keys_deleted, 5, "{report:?}");
+    assert_eq!(report.progress.keys_written, 5, "{report:?}");
+    assert!(
+        verify(&from, &to, VerifyOptions::new(), |_| {})
+            .await
+            .unwrap()
+            .equal()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_names_the_first_differing_keys_in_order() {
+    let (a, b) = (Memory::new(), Memory::new());
+    for db in [&a, &b] {
+        db.transaction(|tx| async move {
+            for i in 0..2500u32 {
+                tx.put(format!("k{i:05}").into_bytes(), b"v".to_vec())
+                    .await?;
+            }
+            Ok::<_, TitoError>(())
+        })
+        .await
+        .unwrap();
+    }
+    b.transaction(|tx| async move {
+        tx.put(b"k00010".to_vec(), b"changed".to_vec()).await?;
+        tx.delete(b"k01500".to_vec()).await?;
+        tx.put(b"k01500x".to_vec(), b"v".to_vec()).await
+    })
+    .await
+    .unwrap();
+    let mut ranges = Vec::new();
+    let report = verify(&a, &b, VerifyOptions::new().batch(1000).report(2), |r| {
+        ranges.push(r.clone())
+    })
+    .await
+    .unwrap();
+    assert_eq!(report.differing_keys, 3);
+    assert_eq!(
+        report.first_differences,
+        [
+            Difference::Changed("\"k00010\"".into()),
+            Difference::OnlyInA("\"k01500\"".into())
+        ]
+    );
+    assert_eq!((report.keys_a, report.keys_b), (2500, 2500));
+    assert_eq!(report.ranges, 3);
+    assert_eq!(report.ranges_differing, 2);
+    assert!(!ranges[0].equal() && !ranges[1].equal() && ranges[2].equal());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_destination_with_far_more_keys_is_cleared_in_bounded_transactions() {
+    let (from, to) = (Memory::new(), Memory::new());
+    from.transaction(|tx| async move { tx.put(b"a".to_vec(), b"1".to_vec()).await })
+        .await
+        .unwrap();
+    for chunk in 0..25u32 {
+        to.transaction(|tx| async move {
+            for i in 0..1000u32 {
+                tx.put(format!("b{chunk:02}{i:04}").into_bytes(), b"x".to_vec())
+                    .await?;
+            }
+            Ok::<_, TitoError>(())
+        })
+        .await
+        .unwrap();
+    }
+    let mut steps = 0;
+    let report = copy(
+        &from,
+        &to,
+        CopyOptions::new().existing(Existing::Overwrite),
+        |_| steps += 1,
+    )
+    .await
+    .unwrap();
+    assert_eq!(report.progress.keys_deleted, 25_000);
+    assert!(steps >= 3, "{steps} transactions for 25,000 deletes");
+    assert!(
+        verify(&from, &to, VerifyOptions::new(), |_| {})
+            .await
+            .unwrap()
+            .equal()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_waits_for_a_destination_clock_behind_the_sources_or_says_by_how_much() {
+    // A source whose clock runs 1.5 s ahead of the destination's.
+    let ahead = tito::engine::version_millis(Memory::new().current_version().await.unwrap()) + 1500;
+    let from =
+        Memory::with_options(MemoryOptions::new().clock(MemoryClock::Runtime { epoch_ms: ahead }))
+            .unwrap();
+    fill(&from, 5, 1).await;
+    let to = Memory::new();
+    let refused = copy(
+        &from,
+        &to,
+        CopyOptions::new().clock_wait(Duration::from_millis(100)),
+        |_| {},
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        refused.to_string().contains("ms behind the source's"),
+        "{refused}"
+    );
+    // The keys are there; a catch-up pass once the clock passed finishes the copy.
+    let report = copy(
+        &from,
+        &to,
+        CopyOptions::new().existing(Existing::Resume),
+        |_| {},
+    )
+    .await
+    .unwrap();
+    assert!(report.clock_waited_ms > 0, "{report:?}");
+    assert_eq!(report.progress.keys_written, 0);
+    assert!(to.current_version().await.unwrap() > report.snapshot_version);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_copy_and_verify_options_are_refused() {
+    let (a, b) = (Memory::new(), Memory::new());
+    for options in [
+        CopyOptions::new().batch(0),
+        CopyOptions::new().batch(tito::store::MAX_BATCH + 1),
+        CopyOptions::new().batch_bytes(0),
+        CopyOptions::new().keys_per_second(0),
+    ] {
+        let err = copy(&a, &b, options, |_| {}).await.unwrap_err();
+        assert!(matches!(err, TitoError::InvalidArgument(_)), "{err}");
+    }
+    let err = verify(&a, &b, VerifyOptions::new().batch(0), |_| {})
+        .await
+        .unwrap_err();
+    assert!(matches!(err, TitoError::InvalidArgument(_)), "{err}");
+    // A throttled copy keeps to its rate: 40 keys at 100 per second take 0.3 s at least.
+    a.transaction(|tx| async move {
+        for i in 0..40u32 {
+            tx.put(format!("k{i:02}").into_bytes(), b"v".to_vec())
+                .await?;
+        }
+        Ok::<_, TitoError>(())
+    })
+    .await
+    .unwrap();
+    let started = std::time::Instant::now();
+    copy(
+        &a,
+        &b,
+        CopyOptions::new().batch(10).keys_per_second(100),
+        |_| {},
+    )
+    .await
+    .unwrap();
+    assert!(started.elapsed() >= Duration::from_millis(300));
+}
