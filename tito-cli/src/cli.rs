@@ -84,6 +84,12 @@ pub(crate) enum Command {
     /// Keys: show a storage key as its decoded segments.
     #[command(subcommand)]
     Keys(KeysCommand),
+    /// Moving a store: copy it into another store (any engine into any engine) and verify two
+    /// stores hold the same keys. Stores are named `embedded:DIR`, `sqlite:DIR` or
+    /// `tikv:HOST:PORT[,HOST:PORT..]` (with `?keyspace=NAME`, and `ca=FILE&cert=FILE&key=FILE`
+    /// for TLS); --path and --pd are not used.
+    #[command(subcommand)]
+    Store(StoreCommand),
     /// Serves the admin dashboard (tito-admin) for this store.
     Serve {
         /// The address to listen on. Without an authorization hook the dashboard only answers
@@ -326,6 +332,43 @@ pub(crate) enum KvCommand {
         limit: usize,
         #[arg(long)]
         cursor: Option<String>,
+    },
+}
+
+#[derive(Subcommand)]
+pub(crate) enum StoreCommand {
+    /// Copies every key of FROM into TO, range by range, with a progress bar; refuses a TO that
+    /// holds data unless --resume or --overwrite. Run it again with --resume after a kill (it
+    /// continues from its cursor) or to copy what changed since (a catch-up pass).
+    Copy {
+        /// The store to read (it must exist).
+        from: String,
+        /// The store to write (made when missing).
+        to: String,
+        /// Continue an interrupted copy, or bring an earlier copy up to date.
+        #[arg(long, conflicts_with = "overwrite")]
+        resume: bool,
+        /// Make TO equal to FROM from its first key, deleting what FROM does not have.
+        #[arg(long)]
+        overwrite: bool,
+        /// Keys per range (one transaction on TO each), 1 to 10000.
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..=10_000))]
+        batch: u64,
+        /// Read at most this many keys per second (to spare a store that serves an application).
+        #[arg(long, value_name = "KEYS", value_parser = clap::value_parser!(u64).range(1..))]
+        rate: Option<u64>,
+        /// Do not count FROM's keys first (no total and no time left on the progress bar).
+        #[arg(long)]
+        no_count: bool,
+    },
+    /// Compares two stores key by key, range by range (counts and hashes), in bounded memory;
+    /// names the first differing keys; exit status 1 when they differ.
+    Verify {
+        a: String,
+        b: String,
+        /// Keys per compared range, 1 to 10000.
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..=10_000))]
+        batch: u64,
     },
 }
 

@@ -62,7 +62,7 @@ mod commands;
 mod rerun;
 mod typing;
 
-use cli::{Cli, Command, KeysCommand};
+use cli::{Cli, Command, KeysCommand, StoreCommand};
 use typing::{ModelOps, Typed, Typing};
 
 /// What a command failed with, as the user should read it.
@@ -194,6 +194,46 @@ impl Tool {
             // Needs no store.
             let segments = inspect::key_segments(key.as_bytes())?;
             return print(cli.json, &segments, || segments.join("\n"));
+        }
+        if let Command::Store(command) = cli.command {
+            // Names its stores itself.
+            if cli.store.path.is_some() || cli.store.pd.is_some() {
+                return Err(Failure(
+                    "tito store names its stores as arguments (embedded:DIR, sqlite:DIR, \
+                     tikv:HOST:PORT): leave out --path and --pd"
+                        .into(),
+                ));
+            }
+            let timeout = Duration::from_secs(cli.timeout);
+            return match command {
+                StoreCommand::Copy {
+                    from,
+                    to,
+                    resume,
+                    overwrite,
+                    batch,
+                    rate,
+                    no_count,
+                } => {
+                    let existing = match (resume, overwrite) {
+                        (true, _) => tito::store::Existing::Resume,
+                        (_, true) => tito::store::Existing::Overwrite,
+                        _ => tito::store::Existing::Refuse,
+                    };
+                    let args = commands::moving::CopyArgs {
+                        from,
+                        to,
+                        existing,
+                        batch: batch as usize,
+                        rate,
+                        count: !no_count,
+                    };
+                    commands::moving::copy(args, cli.json, timeout).await
+                }
+                StoreCommand::Verify { a, b, batch } => {
+                    commands::moving::verify(a, b, batch as usize, cli.json, timeout).await
+                }
+            };
         }
         if let Some(path) = &cli.store.path {
             let db = open_embedded(path).await?;
@@ -414,7 +454,7 @@ async fn execute<E: TitoEngine>(db: E, typed: &Typing, cli: Cli) -> Outcome {
             commands::store::gc(&db, Duration::from_secs(retention), json).await
         }
         Command::Serve { listen } => commands::store::serve(db, typed, listen).await,
-        Command::Keys(_) => unreachable!("answered before the store is opened"),
+        Command::Keys(_) | Command::Store(_) => unreachable!("answered before a store is opened"),
     }
 }
 

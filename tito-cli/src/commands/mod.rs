@@ -3,6 +3,7 @@
 pub(crate) mod inbox;
 pub(crate) mod index;
 pub(crate) mod kv;
+pub(crate) mod moving;
 pub(crate) mod queue;
 pub(crate) mod store;
 pub(crate) mod table;
