@@ -2,6 +2,7 @@
 //! runs on as it ran on the source; it is refused into a store that holds data, resumes after an
 //! interruption, catches up with what changed, and `verify` names what differs.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -414,4 +415,124 @@ async fn bad_copy_and_verify_options_are_refused() {
     .await
     .unwrap();
     assert!(started.elapsed() >= Duration::from_millis(300));
+}
+
+/// A backup taken from inside the process while writers commit: opened as a store, it holds
+/// every transaction acknowledged before the backup began, each whole, and its audit is clean.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backup_under_load_restores_every_acknowledged_commit() {
+    let db = Embedded::temporary().await.unwrap();
+    fill(&db, 50, 0).await;
+    let acknowledged = Arc::new(std::sync::Mutex::new(Vec::<usize>::new()));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writers: Vec<_> = (0..2)
+        .map(|w| {
+            let (db, acknowledged, stop) = (db.clone(), acknowledged.clone(), stop.clone());
+            tokio::spawn(async move {
+                let model = db.clone().model::<CopiedUser>();
+                let mut i = 10_000 + w * 100_000;
+                while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                    model.build(user(i)).await.unwrap();
+                    acknowledged.lock().unwrap().push(i);
+                    i += 1;
+                }
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let before: Vec<usize> = acknowledged.lock().unwrap().clone();
+    let dir = tempfile::tempdir().unwrap();
+    let target = dir.path().join("backup");
+    let report = tito::store::backup(&db, &target, CopyOptions::new().batch(64), |_| {})
+        .await
+        .unwrap();
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    for writer in writers {
+        writer.await.unwrap();
+    }
+    let restored = Embedded::open(&target).await.unwrap();
+    let model = restored.clone().model::<CopiedUser>();
+    for i in before.iter().copied().chain(0..50) {
+        let row = model.get(&user(i).id).await.unwrap();
+        assert_eq!(
+            row,
+            Some(user(i)),
+            "user {i}, acknowledged before the backup"
+        );
+    }
+    let audit = model.audit(|_| {}).await.unwrap();
+    assert!(audit.is_clean(), "{audit:?}");
+    assert!(report.progress.keys_read > 0);
+    // A second backup into the same directory is refused, and the backup stays as it was.
+    restored.close().await.unwrap();
+    drop((model, restored));
+    let refused = tito::store::backup(&db, &target, CopyOptions::new(), |_| {})
+        .await
+        .unwrap_err();
+    assert!(
+        refused.to_string().contains("already holds a store"),
+        "{refused}"
+    );
+}
+
+/// `TITO_COPY_USERS=1000000 cargo test --release --test tito store_copy::copy_at_size --
+/// --ignored --nocapture`: copies a store of that many users (five keys each) from the embedded
+/// engine to another embedded store and to the TiKV test server, and verifies both; prints the
+/// rates.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: TITO_COPY_USERS users (default 100,000)"]
+async fn copy_at_size() {
+    let users: usize = std::env::var("TITO_COPY_USERS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(100_000);
+    let from = Embedded::temporary().await.unwrap();
+    let started = std::time::Instant::now();
+    fill(&from, users, 0).await;
+    println!(
+        "seeded {users} users in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let embedded = Embedded::open(dir.path().join("copy")).await.unwrap();
+    let tikv = test_server_ctx().await;
+    for (name, result) in [
+        ("embedded", {
+            let started = std::time::Instant::now();
+            let report = copy(&from, &embedded, CopyOptions::new(), |_| {})
+                .await
+                .unwrap();
+            let copied = started.elapsed();
+            let started = std::time::Instant::now();
+            let verified = verify(&from, &embedded, VerifyOptions::new(), |_| {})
+                .await
+                .unwrap();
+            (report, copied, verified, started.elapsed())
+        }),
+        ("TiKV test server", {
+            let started = std::time::Instant::now();
+            let report = copy(&from, &tikv.db, CopyOptions::new(), |_| {})
+                .await
+                .unwrap();
+            let copied = started.elapsed();
+            let started = std::time::Instant::now();
+            let verified = verify(&from, &tikv.db, VerifyOptions::new(), |_| {})
+                .await
+                .unwrap();
+            (report, copied, verified, started.elapsed())
+        }),
+    ] {
+        let (report, copied, verified, verify_time) = result;
+        assert!(verified.equal());
+        let keys = report.progress.keys_read as f64;
+        println!(
+            "embedded -> {name}: {keys} keys ({:.1} MiB) copied in {:.1} s ({:.0} keys/s), \
+             verified in {:.1} s ({:.0} keys/s)",
+            report.progress.bytes_written as f64 / (1 << 20) as f64,
+            copied.as_secs_f64(),
+            keys / copied.as_secs_f64(),
+            verify_time.as_secs_f64(),
+            keys / verify_time.as_secs_f64()
+        );
+    }
 }

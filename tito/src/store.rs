@@ -319,6 +319,33 @@ pub async fn copy<S: TitoEngine, D: TitoEngine>(
     })
 }
 
+/// Backs up a running store into a new embedded store at `dir` (which must not hold a store):
+/// one [`copy`] pass, so the backup is the store as of one snapshot, every commit acknowledged
+/// before the call began included, whatever commits meanwhile; then closes the backup. For
+/// stores an application holds open (the embedded and SQLite stores have one owner): call it
+/// from that process. To restore, open the backup's directory (or [`copy`] it into a fresh
+/// store of another engine). Returns the copy's report.
+pub async fn backup<S: TitoEngine>(
+    from: &S,
+    dir: impl AsRef<std::path::Path>,
+    options: CopyOptions,
+    progress: impl FnMut(&CopyProgress),
+) -> TitoResult<CopyReport> {
+    let dir = dir.as_ref();
+    if crate::backend::embedded::Embedded::is_store(dir) {
+        return Err(TitoError::invalid_argument(format!(
+            "{} already holds a store: back up into a new directory",
+            dir.display()
+        )));
+    }
+    let to = crate::backend::embedded::Embedded::open(dir).await?;
+    let report = copy(from, &to, options.existing(Existing::Refuse), progress).await;
+    let closed = to.close().await;
+    let report = report?;
+    closed?;
+    Ok(report)
+}
+
 /// Copies `range` (an empty end: the end of the key space) of the source's snapshot into the
 /// destination, range after range.
 async fn copy_range<X: TitoTransaction, D: TitoEngine>(
