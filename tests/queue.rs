@@ -1085,9 +1085,17 @@ pub async fn a_lost_lease_applies_no_outcome<E: TitoEngine>(ctx: Ctx<E>) {
         pending_total(&queue).await,
         queue.completed_count().await.unwrap(),
     );
-    assert_eq!(pending + completed, 1, "pending {pending}, completed {completed}");
+    assert_eq!(
+        pending + completed,
+        1,
+        "pending {pending}, completed {completed}"
+    );
     if completed == 1 {
-        assert_eq!(started.load(Ordering::SeqCst), 2, "completed by a second run");
+        assert_eq!(
+            started.load(Ordering::SeqCst),
+            2,
+            "completed by a second run"
+        );
     }
 }
 

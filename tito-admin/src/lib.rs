@@ -1086,7 +1086,7 @@ async fn queue_action<E: TitoEngine>(
     let named = queue_named(topic);
     let partition: Option<u32> = number(&form.partition, "the partition")?;
     let why = field(&form.why).unwrap_or("from the dashboard");
-    let scope = partition.map_or(format!("{named}"), |p| format!("{named}, partition {p}"));
+    let scope = partition.map_or(named.clone(), |p| format!("{named}, partition {p}"));
     // Input that can never succeed is refused now, by the checks the action itself makes,
     // rather than after a confirmation.
     if let ("pause" | "resume", Some(p)) = (form.action.as_str(), partition) {
