@@ -40,7 +40,7 @@
 //! from.transaction(|tx| async move { tx.put(b"k".to_vec(), b"v".to_vec()).await })
 //!     .await?;
 //! let report = copy(&from, &to, CopyOptions::new(), |_| {}).await?;
-//! assert_eq!(report.keys_written, 1);
+//! assert_eq!(report.progress.keys_written, 1);
 //! assert!(verify(&from, &to, VerifyOptions::new(), |_| {}).await?.equal());
 //! # Ok(())
 //! # }
