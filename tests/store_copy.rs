@@ -536,3 +536,111 @@ async fn copy_at_size() {
         );
     }
 }
+
+/// Leases, heartbeats, reports and slots stay behind by default: a worker on the destination
+/// starts the invocation that was running in the source at once, not when the source worker's
+/// 60 s lease would have expired; verify leaves them out the same way unless asked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_stay_behind_so_the_destinations_workers_take_over_at_once() {
+    let from = Embedded::temporary().await.unwrap();
+    let queue = crate::support::queue(&from, 2);
+    queue
+        .publish(tito::QueueEvent::now("k", 1u64))
+        .await
+        .unwrap();
+    queue
+        .set_limits(tito::queue::Limits::none().concurrency(5))
+        .await
+        .unwrap();
+    let (started_tx, mut started) = tokio::sync::mpsc::unbounded_channel();
+    let mut source_workers = tito::Workers::new();
+    source_workers.spawn_worker(
+        queue.clone(),
+        tito::WorkerConfig::new(0..2).lease_duration(Duration::from_secs(60)),
+        move |_: tito::QueueEvent<u64>| {
+            let started_tx = started_tx.clone();
+            async move {
+                let _ = started_tx.send(());
+                std::future::pending::<()>().await;
+                Ok(tito::QueueHandlerOutcome::Acknowledge)
+            }
+        },
+    );
+    started.recv().await.unwrap();
+    let to = test_server_ctx().await;
+    copy(&from, &to.db, CopyOptions::new(), |_| {})
+        .await
+        .unwrap();
+    let tx = to.db.begin().await.unwrap();
+    let copied = tx.scan(b"queue:", b"queue;", 1000).await.unwrap();
+    tx.rollback().await.unwrap();
+    let left: Vec<String> = copied
+        .iter()
+        .filter(|(k, _)| tito::store::is_holder_key(k))
+        .map(|(k, _)| String::from_utf8_lossy(k).into_owned())
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+    assert!(
+        verify(&from, &to.db, VerifyOptions::new(), |_| {})
+            .await
+            .unwrap()
+            .equal()
+    );
+    let with_holders = verify(&from, &to.db, VerifyOptions::new().holders(true), |_| {})
+        .await
+        .unwrap();
+    assert!(with_holders.differing_keys >= 3, "{with_holders:?}");
+    // The destination's worker runs the invocation now.
+    let moved = crate::support::queue(&to.db, 2);
+    let (ran_tx, mut ran) = tokio::sync::mpsc::unbounded_channel();
+    let mut workers = tito::Workers::new();
+    workers.spawn_worker(
+        moved.clone(),
+        tito::WorkerConfig::new(0..2),
+        move |_: tito::QueueEvent<u64>| {
+            let ran_tx = ran_tx.clone();
+            async move {
+                let _ = ran_tx.send(());
+                Ok(tito::QueueHandlerOutcome::Acknowledge)
+            }
+        },
+    );
+    tokio::time::timeout(Duration::from_secs(20), ran.recv())
+        .await
+        .expect("started long before the source's 60 s lease would expire")
+        .unwrap();
+    workers.shutdown().await.unwrap();
+    drop(source_workers);
+}
+
+#[test]
+fn holder_keys_are_told_from_the_rest() {
+    use tito::store::is_holder_key;
+    for key in [
+        "queue:lease:0003",
+        "queue:lease-expiry:0003",
+        "queue:worker:w1",
+        "queue:report:w1",
+        "queue:node:n1",
+        "queue:coordinator",
+        "queue:members",
+        "queue:running:all:0001",
+        "queue@mail:running:key:k:0000",
+        "queue@mail:lease:0000",
+        "inbox-lease:email_job:j1",
+    ] {
+        assert!(is_holder_key(key.as_bytes()), "{key}");
+    }
+    for key in [
+        "queue:pending:0000:00000000001700000000:00000000000000000001:e",
+        "queue@lease:pending:0000:00000000001700000000:00000000000000000001:e",
+        "queue@worker:meta",
+        "queue:limits",
+        "queue:paused:all",
+        "table:lease:1",
+        "kv:queue:lease",
+        "queue",
+    ] {
+        assert!(!is_holder_key(key.as_bytes()), "{key}");
+    }
+}

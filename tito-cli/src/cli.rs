@@ -360,6 +360,10 @@ pub(crate) enum StoreCommand {
         /// Do not count FROM's keys first (no total and no time left on the progress bar).
         #[arg(long)]
         no_count: bool,
+        /// Copy leases, heartbeats, worker reports, memberships, concurrency slots and inbox
+        /// claims too (left out by default, so TO's workers take over at once).
+        #[arg(long)]
+        holders: bool,
     },
     /// Compares two stores key by key, range by range (counts and hashes), in bounded memory;
     /// names the first differing keys; exit status 1 when they differ.
@@ -369,6 +373,10 @@ pub(crate) enum StoreCommand {
         /// Keys per compared range, 1 to 10000.
         #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..=10_000))]
         batch: u64,
+        /// Compare leases, heartbeats, worker reports, memberships, concurrency slots and inbox
+        /// claims too (left out by default, as a copy leaves them out).
+        #[arg(long)]
+        holders: bool,
     },
 }
 

@@ -214,6 +214,7 @@ impl Tool {
                     batch,
                     rate,
                     no_count,
+                    holders,
                 } => {
                     let existing = match (resume, overwrite) {
                         (true, _) => tito::store::Existing::Resume,
@@ -227,11 +228,20 @@ impl Tool {
                         batch: batch as usize,
                         rate,
                         count: !no_count,
+                        holders,
                     };
                     commands::moving::copy(args, cli.json, timeout).await
                 }
-                StoreCommand::Verify { a, b, batch } => {
-                    commands::moving::verify(a, b, batch as usize, cli.json, timeout).await
+                StoreCommand::Verify {
+                    a,
+                    b,
+                    batch,
+                    holders,
+                } => {
+                    let options = tito::store::VerifyOptions::new()
+                        .batch(batch as usize)
+                        .holders(holders);
+                    commands::moving::verify(a, b, options, cli.json, timeout).await
                 }
             };
         }

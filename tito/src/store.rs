@@ -22,12 +22,15 @@
 //!   up to three seconds ahead of the wall clock after a crash, see
 //!   [`crate::backend::embedded`]), and fails naming the gap otherwise.
 //!
-//! The copy is of keys, not of meaning: leases, cluster memberships and heartbeats are copied
-//! as they are, so an invocation that was running in the source is taken over in the
-//! destination when its lease expires, as after a crash (nothing runs twice while a lease is
-//! live). Copy a store while its application is stopped, or run passes while it writes and
-//! stop it for the last one: a write committed to the source after the last pass's snapshot is
-//! not in the destination. [`verify`] after the last pass proves the destination equal.
+//! What a copy leaves out by default: what only says who runs what now ([`is_holder_key`]:
+//! queue partition leases and their expiries, workers' heartbeats and reports, cluster
+//! memberships and the coordinator, concurrency slots, inbox claims' leases). The processes
+//! that held them are stopped before the last pass, so the destination's workers take over at
+//! once instead of waiting for leases to expire; the destination's own such keys are left as
+//! they are. [`CopyOptions::holders`] copies them too. Copy a store while its application is
+//! stopped, or run passes while it writes and stop it for the last one: a write committed to
+//! the source after the last pass's snapshot is not in the destination. [`verify`] after the
+//! last pass proves the destination equal (holder keys left out the same way).
 //!
 //! ```
 //! use tito::backend::memory::Memory;
@@ -59,6 +62,48 @@ use crate::keys::{display_key, key_after_bytes};
 /// copied, compared or counted as data.
 pub const COPY_RECORD_KEY: &[u8] = b"store-copy";
 
+/// Whether a key only says who runs what now, and is left out of copies and verifications by
+/// default: a queue's partition leases and their expiries, its workers' heartbeats and reports,
+/// its cluster memberships and coordinator, its concurrency slots (`{queue}:lease:`,
+/// `:lease-expiry:`, `:worker:`, `:report:`, `:node:`, `:coordinator`, `:members`, `:running:`),
+/// and inbox claims' leases (`inbox-lease:`). See `docs/storage-layout.md`.
+pub fn is_holder_key(key: &[u8]) -> bool {
+    let Ok(key) = std::str::from_utf8(key) else {
+        return false;
+    };
+    if key.starts_with("inbox-lease:") {
+        return true;
+    }
+    // `queue:` (the queue without a topic) or `queue@{topic}:` (the topic ends at its first
+    // `:`, which an encoded topic never holds).
+    let rest = match (key.strip_prefix("queue:"), key.strip_prefix("queue@")) {
+        (Some(rest), _) => rest,
+        (None, Some(named)) => match named.split_once(':') {
+            Some((_, rest)) => rest,
+            None => return false,
+        },
+        (None, None) => return false,
+    };
+    matches!(
+        rest.split(':').next(),
+        Some(
+            "lease"
+                | "lease-expiry"
+                | "worker"
+                | "report"
+                | "node"
+                | "coordinator"
+                | "members"
+                | "running"
+        )
+    )
+}
+
+/// Whether a copy or a verification leaves `key` out.
+fn skipped(key: &[u8], holders: bool) -> bool {
+    key == COPY_RECORD_KEY || (!holders && is_holder_key(key))
+}
+
 /// The most keys a copy or a verification reads per range.
 pub const MAX_BATCH: usize = MAX_SCAN_LIMIT;
 
@@ -87,6 +132,7 @@ pub struct CopyOptions {
     keys_per_second: Option<u64>,
     clock_wait: Duration,
     count_first: bool,
+    holders: bool,
 }
 
 impl Default for CopyOptions {
@@ -98,6 +144,7 @@ impl Default for CopyOptions {
             keys_per_second: None,
             clock_wait: Duration::from_secs(10),
             count_first: false,
+            holders: false,
         }
     }
 }
@@ -145,6 +192,13 @@ impl CopyOptions {
     /// total and an estimate of the time left.
     pub fn count_first(mut self, count: bool) -> Self {
         self.count_first = count;
+        self
+    }
+
+    /// Copies the keys that say who runs what now ([`is_holder_key`]) too: leases are then
+    /// taken over in the destination only when they expire.
+    pub fn holders(mut self, copy: bool) -> Self {
+        self.holders = copy;
         self
     }
 
@@ -258,7 +312,7 @@ pub async fn copy<S: TitoEngine, D: TitoEngine>(
         (Existing::Resume | Existing::Overwrite, _) => None,
     };
     if options.count_first {
-        state.total_keys = Some(count_keys(from, options.batch).await?);
+        state.total_keys = Some(count_keys(from, options.batch, options.holders).await?);
     }
     let throttle = Throttle::new(options.keys_per_second);
     state.pass = 1;
@@ -370,7 +424,14 @@ async fn copy_range<X: TitoTransaction, D: TitoEngine>(
             None => end.to_vec(),
         };
         let tail = pairs.is_empty();
-        let synced = sync_range(to, pairs, &from, &upto, source.start_version()).await?;
+        let synced = sync_range(
+            to,
+            pairs,
+            (&from, &upto),
+            source.start_version(),
+            options.holders,
+        )
+        .await?;
         state.keys_read += synced.source_keys;
         state.keys_written += synced.written;
         state.keys_deleted += synced.deleted;
@@ -398,7 +459,7 @@ async fn source_range<X: TitoTransaction>(
     options: &CopyOptions,
 ) -> TitoResult<Vec<KvPair>> {
     let mut pairs = source.scan(from, end, options.batch).await?;
-    pairs.retain(|(key, _)| key.as_slice() != COPY_RECORD_KEY);
+    pairs.retain(|(key, _)| !skipped(key, options.holders));
     let mut bytes = 0usize;
     if let Some(cut) = pairs.iter().position(|(key, value)| {
         bytes += key.len() + value.len();
@@ -433,15 +494,15 @@ struct Synced {
 async fn sync_range<D: TitoEngine>(
     to: &D,
     pairs: Vec<KvPair>,
-    from: &[u8],
-    upto: &[u8],
+    (from, upto): (&[u8], &[u8]),
     snapshot: u64,
+    holders: bool,
 ) -> TitoResult<Synced> {
     let (from, upto) = (from.to_vec(), upto.to_vec());
     to.transaction(|tx| {
         let (pairs, from, upto) = (pairs.clone(), from.clone(), upto.clone());
         async move {
-            let mut theirs = Pager::new(tx.clone(), from, upto);
+            let mut theirs = Pager::new(tx.clone(), from, upto, holders);
             let mut ours = pairs.into_iter().peekable();
             let mut synced = Synced {
                 whole: true,
@@ -502,26 +563,29 @@ async fn sync_range<D: TitoEngine>(
     .await
 }
 
-/// Pages through a range of one transaction, skipping the copy record.
+/// Pages through a range of one transaction, skipping the copy record (and, unless `holders`,
+/// the holder keys).
 struct Pager<X: TitoTransaction> {
     tx: X,
     next: Vec<u8>,
     end: Vec<u8>,
     buffer: VecDeque<KvPair>,
     done: bool,
+    holders: bool,
 }
 
 /// Keys a pager reads per request.
 const PAGE: usize = 1000;
 
 impl<X: TitoTransaction> Pager<X> {
-    fn new(tx: X, start: Vec<u8>, end: Vec<u8>) -> Self {
+    fn new(tx: X, start: Vec<u8>, end: Vec<u8>, holders: bool) -> Self {
         Pager {
             tx,
             next: start,
             end,
             buffer: VecDeque::new(),
             done: false,
+            holders,
         }
     }
 
@@ -538,10 +602,9 @@ impl<X: TitoTransaction> Pager<X> {
             if let Some((last, _)) = page.last() {
                 self.next = key_after_bytes(last);
             }
-            self.buffer.extend(
-                page.into_iter()
-                    .filter(|(key, _)| key.as_slice() != COPY_RECORD_KEY),
-            );
+            let holders = self.holders;
+            self.buffer
+                .extend(page.into_iter().filter(|(key, _)| !skipped(key, holders)));
         }
         Ok(self.buffer.front())
     }
@@ -563,13 +626,14 @@ async fn read_record<D: TitoEngine>(to: &D) -> TitoResult<Option<CopyRecord>> {
 
 async fn first_data_key<D: TitoEngine>(to: &D) -> TitoResult<Option<Vec<u8>>> {
     crate::engine::read_only(to, async |tx| {
-        let mut pager = Pager::new(tx.clone(), Vec::new(), Vec::new());
+        // Every key counts as data here, holder keys too.
+        let mut pager = Pager::new(tx.clone(), Vec::new(), Vec::new(), true);
         Ok(pager.peek().await?.map(|(key, _)| key.clone()))
     })
     .await
 }
 
-async fn count_keys<S: TitoEngine>(from: &S, batch: usize) -> TitoResult<u64> {
+async fn count_keys<S: TitoEngine>(from: &S, batch: usize, holders: bool) -> TitoResult<u64> {
     crate::engine::read_only(from, async |tx| {
         let mut count = 0u64;
         let mut next = Vec::new();
@@ -577,7 +641,7 @@ async fn count_keys<S: TitoEngine>(from: &S, batch: usize) -> TitoResult<u64> {
             let page = tx.scan(&next, &[], batch).await?;
             count += page
                 .iter()
-                .filter(|(key, _)| key.as_slice() != COPY_RECORD_KEY)
+                .filter(|(key, _)| !skipped(key, holders))
                 .count() as u64;
             match page.last() {
                 Some((last, _)) if page.len() == batch => next = key_after_bytes(last),
@@ -643,6 +707,7 @@ impl Throttle {
 pub struct VerifyOptions {
     batch: usize,
     report: usize,
+    holders: bool,
 }
 
 impl Default for VerifyOptions {
@@ -650,6 +715,7 @@ impl Default for VerifyOptions {
         VerifyOptions {
             batch: 1000,
             report: 10,
+            holders: false,
         }
     }
 }
@@ -669,6 +735,12 @@ impl VerifyOptions {
     /// How many differing keys the report names (the rest are counted).
     pub fn report(mut self, keys: usize) -> Self {
         self.report = keys;
+        self
+    }
+
+    /// Compares the keys that say who runs what now ([`is_holder_key`]) too.
+    pub fn holders(mut self, compare: bool) -> Self {
+        self.holders = compare;
         self
     }
 }
@@ -742,7 +814,8 @@ impl VerifyReport {
 
 /// Compares two stores key by key, each in one snapshot, range by range (counts and hashes per
 /// range, passed to `range` as they are done), in bounded memory; names the first differing
-/// keys. Changes nothing. The copy record ([`COPY_RECORD_KEY`]) is left out.
+/// keys. Changes nothing. The copy record ([`COPY_RECORD_KEY`]) is left out, and so are holder
+/// keys ([`is_holder_key`]) unless [`VerifyOptions::holders`].
 pub async fn verify<A: TitoEngine, B: TitoEngine>(
     a: &A,
     b: &B,
@@ -769,8 +842,8 @@ async fn compare<A: TitoTransaction, B: TitoTransaction>(
     report: &mut VerifyReport,
     range: &mut impl FnMut(&RangeSummary),
 ) -> TitoResult<()> {
-    let mut pa = Pager::new(ta.clone(), Vec::new(), Vec::new());
-    let mut pb = Pager::new(tb.clone(), Vec::new(), Vec::new());
+    let mut pa = Pager::new(ta.clone(), Vec::new(), Vec::new(), options.holders);
+    let mut pb = Pager::new(tb.clone(), Vec::new(), Vec::new(), options.holders);
     let mut summary: Option<RangeSummary> = None;
     let mut in_range = 0usize;
     let differs = |report: &mut VerifyReport, difference: Difference| {

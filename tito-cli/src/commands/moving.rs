@@ -182,6 +182,7 @@ pub(crate) struct CopyArgs {
     pub batch: usize,
     pub rate: Option<u64>,
     pub count: bool,
+    pub holders: bool,
 }
 
 pub(crate) async fn copy(args: CopyArgs, json: bool, timeout: Duration) -> Outcome {
@@ -195,7 +196,8 @@ pub(crate) async fn copy(args: CopyArgs, json: bool, timeout: Duration) -> Outco
     let mut options = CopyOptions::new()
         .batch(args.batch)
         .existing(args.existing)
-        .count_first(args.count);
+        .count_first(args.count)
+        .holders(args.holders);
     if let Some(rate) = args.rate {
         options = options.keys_per_second(rate);
     }
@@ -259,7 +261,7 @@ pub(crate) async fn copy(args: CopyArgs, json: bool, timeout: Duration) -> Outco
 pub(crate) async fn verify(
     a: String,
     b: String,
-    batch: usize,
+    options: VerifyOptions,
     json: bool,
     timeout: Duration,
 ) -> Outcome {
@@ -275,7 +277,7 @@ pub(crate) async fn verify(
     let progress = bar(None, json, "comparing".into());
     let mut differing_ranges = Vec::new();
     let result = with_store!(&opened_a, x => with_store!(&opened_b, y => {
-        tito::store::verify(x, y, VerifyOptions::new().batch(batch), |range| {
+        tito::store::verify(x, y, options.clone(), |range| {
             progress.inc(range.count_a);
             if !range.equal() && differing_ranges.len() < 10 {
                 differing_ranges.push(range.clone());
