@@ -104,6 +104,7 @@ macro_rules! with_store {
 
 impl Opened {
     /// Opens a store: an existing one (`create` false), or one made when missing.
+    #[cfg_attr(not(feature = "tikv"), allow(unused_variables))]
     async fn open(spec: &Spec, create: bool, timeout: Duration) -> Result<Opened, Failure> {
         match spec {
             Spec::Embedded(dir) => {
