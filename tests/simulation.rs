@@ -946,6 +946,12 @@ impl Sim {
         format!("stop {}{slot} {ok}", if node { "n" } else { "w" })
     }
 
+    /// How far the store's clock is ahead of the simulated wall clock (ms).
+    async fn store_lead_ms(&self) -> u64 {
+        let wall = EPOCH_MS + sim_ms(self.start) as u64;
+        self.now_ms().await.saturating_sub(wall)
+    }
+
     async fn now_ms(&self) -> u64 {
         tito::engine::version_millis(self.db.inner().current_version().await.unwrap())
     }
@@ -1292,8 +1298,7 @@ impl Sim {
             store.crash_clock();
         }
         let after = self.now_ms().await;
-        let wall = EPOCH_MS + sim_ms(self.start) as u64;
-        let lead = after.saturating_sub(wall);
+        let lead = after.saturating_sub(EPOCH_MS + sim_ms(self.start) as u64);
         self.check(lead <= CLOCK_LEAD_BOUND_MS, || {
             format!(
                 "the store's clock is {lead} ms ahead of the wall clock after {crashes} crashes"
@@ -1573,10 +1578,7 @@ impl Sim {
         self.phase("balance");
         // Balance once membership is stable: P/N leases per node. (Memberships live on the
         // store's clock, which stands still while it is ahead of the wall clock after a jump.)
-        let lead = self
-            .now_ms()
-            .await
-            .saturating_sub(EPOCH_MS + sim_ms(self.start) as u64);
+        let lead = self.store_lead_ms().await;
         tokio::time::sleep(NODE_TTL * 3 + Duration::from_millis(lead)).await;
         let state = cluster_state(&self.queues[1].queue).await.unwrap();
         let mut held: BTreeMap<&str, u32> = BTreeMap::new();
@@ -2195,10 +2197,7 @@ impl Sim {
     async fn check_inbox(&mut self) {
         // A store's clock that jumped ahead stands still until the wall clock passes it: the
         // leases it gave out meanwhile end that much later on the wall clock.
-        let lead = self
-            .now_ms()
-            .await
-            .saturating_sub(EPOCH_MS + sim_ms(self.start) as u64);
+        let lead = self.store_lead_ms().await;
         tokio::time::sleep(LEASE * 2 + Duration::from_millis(lead)).await;
         let now = self.now_ms().await as i64;
         let tasks = self.db.clone().model::<SimTask>();

@@ -97,6 +97,14 @@ async fn seen<E: TitoEngine>(
     (found, team, backlog, theme)
 }
 
+/// Whether `verify` finds the two stores equal.
+async fn same<A: TitoEngine, B: TitoEngine>(a: &A, b: &B) -> bool {
+    verify(a, b, VerifyOptions::new(), |_| {})
+        .await
+        .unwrap()
+        .equal()
+}
+
 async fn copy_and_check<S: TitoEngine, D: TitoEngine>(from: &S, to: &D) {
     fill(from, 300, 40).await;
     let mut ranges = 0;
@@ -177,12 +185,7 @@ async fn a_copy_is_refused_into_a_store_that_holds_data_and_overwrites_on_reques
     .await
     .unwrap();
     assert_eq!(report.progress.keys_deleted, 1);
-    assert!(
-        verify(&from, &to, VerifyOptions::new(), |_| {})
-            .await
-            .unwrap()
-            .equal()
-    );
+    assert!(same(&from, &to).await);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -259,12 +262,7 @@ async fn a_catch_up_pass_writes_only_what_changed() {
     // The deleted row, its index entries, claim and manifest; the new row's.
     assert_eq!(report.progress.keys_deleted, 5, "{report:?}");
     assert_eq!(report.progress.keys_written, 5, "{report:?}");
-    assert!(
-        verify(&from, &to, VerifyOptions::new(), |_| {})
-            .await
-            .unwrap()
-            .equal()
-    );
+    assert!(same(&from, &to).await);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -336,12 +334,7 @@ async fn a_destination_with_far_more_keys_is_cleared_in_bounded_transactions() {
     .unwrap();
     assert_eq!(report.progress.keys_deleted, 25_000);
     assert!(steps >= 3, "{steps} transactions for 25,000 deletes");
-    assert!(
-        verify(&from, &to, VerifyOptions::new(), |_| {})
-            .await
-            .unwrap()
-            .equal()
-    );
+    assert!(same(&from, &to).await);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -580,12 +573,7 @@ async fn leases_stay_behind_so_the_destinations_workers_take_over_at_once() {
         .map(|(k, _)| String::from_utf8_lossy(k).into_owned())
         .collect();
     assert!(left.is_empty(), "{left:?}");
-    assert!(
-        verify(&from, &to.db, VerifyOptions::new(), |_| {})
-            .await
-            .unwrap()
-            .equal()
-    );
+    assert!(same(&from, &to.db).await);
     let with_holders = verify(&from, &to.db, VerifyOptions::new().holders(true), |_| {})
         .await
         .unwrap();

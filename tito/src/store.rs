@@ -312,51 +312,33 @@ pub async fn copy<S: TitoEngine, D: TitoEngine>(
         (Existing::Resume | Existing::Overwrite, _) => None,
     };
     if options.count_first {
-        state.total_keys = Some(count_keys(from, options.batch, options.holders).await?);
+        state.total_keys = Some(count_keys(from, options.holders).await?);
     }
     let throttle = Throttle::new(options.keys_per_second);
     state.pass = 1;
     let source = from.begin().await?;
     let snapshot = source.start_version();
+    // From the cursor to the end, then from the first key to the cursor, in one snapshot: the
+    // pass is consistent although its first part ran in another.
+    let spans = match start {
+        Some(cursor) => vec![(cursor.clone(), Vec::new()), (Vec::new(), cursor)],
+        None => vec![(Vec::new(), Vec::new())],
+    };
     let result = async {
-        match start {
-            // From the cursor to the end, then from the first key to the cursor, in one
-            // snapshot: the pass is consistent although its first part ran in another.
-            Some(cursor) => {
-                copy_range(
-                    &source,
-                    to,
-                    &options,
-                    (&cursor, &[]),
-                    &throttle,
-                    &mut state,
-                    &mut progress,
-                )
-                .await?;
-                copy_range(
-                    &source,
-                    to,
-                    &options,
-                    (&[], &cursor),
-                    &throttle,
-                    &mut state,
-                    &mut progress,
-                )
-                .await
-            }
-            None => {
-                copy_range(
-                    &source,
-                    to,
-                    &options,
-                    (&[], &[]),
-                    &throttle,
-                    &mut state,
-                    &mut progress,
-                )
-                .await
-            }
+        for (start, end) in &spans {
+            let span = (start.as_slice(), end.as_slice());
+            copy_range(
+                &source,
+                to,
+                &options,
+                span,
+                &throttle,
+                &mut state,
+                &mut progress,
+            )
+            .await?;
         }
+        Ok::<_, TitoError>(())
     }
     .await;
     let _ = source.rollback().await;
@@ -514,36 +496,28 @@ async fn sync_range<D: TitoEngine>(
                     break;
                 }
                 let there = theirs.peek().await?.cloned();
-                let Some((key, value)) = ours.peek().cloned() else {
-                    // The source has no more keys here: the destination's rest goes.
-                    let Some((other, _)) = there else { break };
+                let ours_next = ours.peek().cloned();
+                // A destination key before the source's next (or past its last) goes.
+                if let Some((other, _)) = there
+                    .as_ref()
+                    .filter(|(other, _)| ours_next.as_ref().is_none_or(|(key, _)| other < key))
+                {
                     tx.delete(other.clone()).await?;
                     theirs.advance();
                     synced.deleted += 1;
-                    synced.reached = Some(other);
+                    synced.reached = Some(other.clone());
                     continue;
-                };
-                match there {
-                    Some((other, _)) if other < key => {
-                        tx.delete(other.clone()).await?;
-                        theirs.advance();
-                        synced.deleted += 1;
-                        synced.reached = Some(other);
-                        continue;
-                    }
-                    Some((other, other_value)) if other == key => {
-                        theirs.advance();
-                        if other_value != value {
-                            synced.written += 1;
-                            synced.bytes += (key.len() + value.len()) as u64;
-                            tx.put(key.clone(), value).await?;
-                        }
-                    }
-                    _ => {
-                        synced.written += 1;
-                        synced.bytes += (key.len() + value.len()) as u64;
-                        tx.put(key.clone(), value).await?;
-                    }
+                }
+                let Some((key, value)) = ours_next else { break };
+                // The source's key: written unless the destination holds it with its value.
+                let matched = there.filter(|(other, _)| *other == key);
+                if matched.is_some() {
+                    theirs.advance();
+                }
+                if matched.is_none_or(|(_, other_value)| other_value != value) {
+                    synced.written += 1;
+                    synced.bytes += (key.len() + value.len()) as u64;
+                    tx.put(key.clone(), value).await?;
                 }
                 ours.next();
                 synced.source_keys += 1;
@@ -633,21 +607,15 @@ async fn first_data_key<D: TitoEngine>(to: &D) -> TitoResult<Option<Vec<u8>>> {
     .await
 }
 
-async fn count_keys<S: TitoEngine>(from: &S, batch: usize, holders: bool) -> TitoResult<u64> {
+async fn count_keys<S: TitoEngine>(from: &S, holders: bool) -> TitoResult<u64> {
     crate::engine::read_only(from, async |tx| {
+        let mut pager = Pager::new(tx.clone(), Vec::new(), Vec::new(), holders);
         let mut count = 0u64;
-        let mut next = Vec::new();
-        loop {
-            let page = tx.scan(&next, &[], batch).await?;
-            count += page
-                .iter()
-                .filter(|(key, _)| !skipped(key, holders))
-                .count() as u64;
-            match page.last() {
-                Some((last, _)) if page.len() == batch => next = key_after_bytes(last),
-                _ => return Ok(count),
-            }
+        while pager.peek().await?.is_some() {
+            pager.advance();
+            count += 1;
         }
+        Ok(count)
     })
     .await
 }

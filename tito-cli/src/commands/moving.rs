@@ -159,6 +159,23 @@ impl Opened {
         }
     }
 
+    /// Opens two stores: the first an existing one, the second made when missing if `create`;
+    /// the first is closed again when the second cannot be opened.
+    async fn open_pair(
+        (first, second): (&Spec, &Spec),
+        create: bool,
+        timeout: Duration,
+    ) -> Result<(Opened, Opened), Failure> {
+        let first = Opened::open(first, false, timeout).await?;
+        match Opened::open(second, create, timeout).await {
+            Ok(second) => Ok((first, second)),
+            Err(err) => {
+                first.close().await;
+                Err(err)
+            }
+        }
+    }
+
     /// Closes a local store so the next command opens it at once.
     async fn close(self) {
         match self {
@@ -202,14 +219,7 @@ pub(crate) async fn copy(args: CopyArgs, json: bool, timeout: Duration) -> Outco
     if let Some(rate) = args.rate {
         options = options.keys_per_second(rate);
     }
-    let from = Opened::open(&from_spec, false, timeout).await?;
-    let to = match Opened::open(&to_spec, true, timeout).await {
-        Ok(to) => to,
-        Err(err) => {
-            from.close().await;
-            return Err(err);
-        }
-    };
+    let (from, to) = Opened::open_pair((&from_spec, &to_spec), true, timeout).await?;
     let started = Instant::now();
     let progress = bar(None, json, "copying".into());
     let result = with_store!(&from, a => with_store!(&to, b => {
@@ -267,14 +277,7 @@ pub(crate) async fn verify(
     timeout: Duration,
 ) -> Outcome {
     let (spec_a, spec_b) = (Spec::parse(&a)?, Spec::parse(&b)?);
-    let opened_a = Opened::open(&spec_a, false, timeout).await?;
-    let opened_b = match Opened::open(&spec_b, false, timeout).await {
-        Ok(db) => db,
-        Err(err) => {
-            opened_a.close().await;
-            return Err(err);
-        }
-    };
+    let (opened_a, opened_b) = Opened::open_pair((&spec_a, &spec_b), false, timeout).await?;
     let progress = bar(None, json, "comparing".into());
     let mut differing_ranges = Vec::new();
     let result = with_store!(&opened_a, x => with_store!(&opened_b, y => {

@@ -41,7 +41,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Bound;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use crate::backend::embedded::Oracle;
 use crate::engine::{
@@ -147,10 +147,7 @@ enum Clock {
 impl Clock {
     fn now_ms(&self) -> u64 {
         match self {
-            Clock::Host => SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map(crate::util::millis)
-                .unwrap_or(0),
+            Clock::Host => crate::backend::embedded::now_millis(),
             Clock::Runtime { epoch_ms, start } => {
                 epoch_ms.saturating_add(crate::util::millis(start.elapsed()))
             }
