@@ -632,3 +632,275 @@ fn holder_keys_are_told_from_the_rest() {
         assert!(!is_holder_key(key.as_bytes()), "{key}");
     }
 }
+
+/// What writers acknowledged while a store moved: the last state of each user they touched
+/// (`None`: deleted).
+type Acknowledged = Arc<std::sync::Mutex<std::collections::BTreeMap<usize, Option<CopiedUser>>>>;
+
+/// Writers that insert, change and delete users of `db` until the store refuses them (it
+/// moved), recording each acknowledged write; any other failure fails the test. Each writer
+/// returns the refusal it met.
+fn movers<E: TitoEngine>(
+    db: &E,
+    writers: std::ops::Range<usize>,
+    acknowledged: &Acknowledged,
+) -> Vec<tokio::task::JoinHandle<TitoError>> {
+    writers
+        .map(|w| {
+            let (db, acknowledged) = (db.clone(), acknowledged.clone());
+            tokio::spawn(async move {
+                let model = db.clone().model::<CopiedUser>();
+                let mut n = 0usize;
+                loop {
+                    n += 1;
+                    let fresh = 100_000 * (w + 1) + n;
+                    // Writers change disjoint users (w modulo 3), so the last acknowledged
+                    // change of a user is the one stored.
+                    let old = (n * 7 % 100) * 3 + w % 3;
+                    let result = match n % 3 {
+                        0 => model
+                            .build(user(fresh))
+                            .await
+                            .map(|_| (fresh, Some(user(fresh)))),
+                        1 => {
+                            let mut changed = user(old);
+                            changed.team = format!("moved-{n}");
+                            model
+                                .update(changed.clone())
+                                .await
+                                .map(|_| (old, Some(changed)))
+                        }
+                        _ => {
+                            // Deletes only rows this writer made (never one another writes).
+                            let doomed = 100_000 * (w + 1) + n - 2;
+                            model
+                                .delete_by_id(&user(doomed).id)
+                                .await
+                                .map(|_| (doomed, None))
+                        }
+                    };
+                    match result {
+                        Ok((id, state)) => {
+                            acknowledged.lock().unwrap().insert(id, state);
+                        }
+                        Err(err @ TitoError::StoreMoved { .. }) => return err,
+                        Err(TitoError::NotFound(_)) => {}
+                        Err(err) => panic!("writer {w}: {err}"),
+                    }
+                    tokio::task::yield_now().await;
+                }
+            })
+        })
+        .collect()
+}
+
+/// Moves `from` (filled, under two writers) to `to` and checks: the writers are refused only
+/// by the switch, with the new store's name; every acknowledged write is in `to`; the stores
+/// verify equal; `to` audits clean and takes writes; the source still reads.
+async fn move_under_writers<S: TitoEngine, D: TitoEngine>(
+    from: &S,
+    to: &D,
+) -> tito::store::MigrateReport {
+    fill(from, 300, 20).await;
+    let acknowledged = Acknowledged::default();
+    let writers = movers(from, 0..2, &acknowledged);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut passes = 0u32;
+    let report = tito::store::migrate(
+        from,
+        to,
+        tito::store::MigrateOptions::new("the new store")
+            .copy(CopyOptions::new().batch(97))
+            .settle_keys(5),
+        |p| passes = passes.max(p.pass),
+    )
+    .await
+    .unwrap();
+    for writer in writers {
+        let refusal = writer.await.unwrap();
+        assert!(refusal.to_string().contains("the new store"), "{refusal}");
+    }
+    assert_eq!(passes, report.progress.pass, "{report:?}");
+    assert!(report.progress.pass >= 2, "{report:?}");
+    let model = to.clone().model::<CopiedUser>();
+    let acknowledged = acknowledged.lock().unwrap().clone();
+    assert!(acknowledged.len() > 10, "the writers wrote during the move");
+    for (id, state) in &acknowledged {
+        let found = model.get(&user(*id).id).await.unwrap();
+        assert_eq!(&found, state, "user {id}, acknowledged before the switch");
+    }
+    let verified = verify(from, to, VerifyOptions::new(), |_| {})
+        .await
+        .unwrap();
+    assert!(verified.equal(), "{verified:?}");
+    let audit = model.audit(|_| {}).await.unwrap();
+    assert!(audit.is_clean(), "{audit:?}");
+    model.build(user(999_999)).await.unwrap();
+    // The source: reads work, writes are refused, a move elsewhere is refused.
+    let source = from.clone().model::<CopiedUser>();
+    assert_eq!(
+        source.get(&user(1).id).await.unwrap(),
+        model.get(&user(1).id).await.unwrap()
+    );
+    let refused = source.build(user(999_998)).await.unwrap_err();
+    assert!(matches!(refused, TitoError::StoreMoved { .. }), "{refused}");
+    let elsewhere = tito::store::migrate(
+        from,
+        &Memory::new(),
+        tito::store::MigrateOptions::new("another store"),
+        |_| {},
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        elsewhere
+            .to_string()
+            .contains("already moved to the new store"),
+        "{elsewhere}"
+    );
+    report
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_embedded_store_moves_to_tikv_under_writers_and_refuses_writes_after() {
+    let dir = tempfile::tempdir().unwrap();
+    let from = Embedded::open(dir.path().join("store")).await.unwrap();
+    let to = test_server_ctx().await;
+    let report = move_under_writers(&from, &to.db).await;
+    assert!(report.tracked, "{report:?}");
+    assert!(report.last_pass_keys <= report.progress.keys_written + report.progress.keys_deleted);
+    // The marker outlives the process: a reopened source still refuses writes, until reopened
+    // for writes on purpose.
+    from.close().await.unwrap();
+    drop(from);
+    let from = Embedded::open(dir.path().join("store")).await.unwrap();
+    let model = from.clone().model::<CopiedUser>();
+    let refused = model.build(user(999_997)).await.unwrap_err();
+    assert!(
+        refused.to_string().contains("moved to the new store"),
+        "{refused}"
+    );
+    let removed = tito::store::reopen(&from).await.unwrap();
+    assert_eq!(removed.map(|m| m.to).as_deref(), Some("the new store"));
+    model.build(user(999_997)).await.unwrap();
+    assert_eq!(tito::store::reopen(&from).await.unwrap(), None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sqlite_store_moves_to_an_embedded_one_under_writers() {
+    let from = tito::backend::sqlite::Sqlite::temporary().await.unwrap();
+    let to = Embedded::temporary().await.unwrap();
+    let report = move_under_writers(&from, &to).await;
+    assert!(report.tracked, "{report:?}");
+}
+
+/// On TiKV, another process (a second connection: its own gate) keeps writing; it sees the
+/// marker at its next check, and nothing it had acknowledged is missing from the destination.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tikv_store_moves_while_another_process_writes() {
+    let from = test_server_ctx().await;
+    let other = tito::backend::tikv::TiKV::connect(from.cluster.as_ref().unwrap().pd_endpoints())
+        .await
+        .unwrap();
+    let to = Memory::new();
+    let acknowledged = Acknowledged::default();
+    let others = movers(&other, 2..3, &acknowledged);
+    let report = move_under_writers(&from.db, &to).await;
+    assert!(!report.tracked, "{report:?}");
+    for writer in others {
+        let refusal = writer.await.unwrap();
+        assert!(refusal.to_string().contains("the new store"), "{refusal}");
+    }
+    let model = to.clone().model::<CopiedUser>();
+    let acknowledged = acknowledged.lock().unwrap().clone();
+    assert!(!acknowledged.is_empty());
+    for (id, state) in &acknowledged {
+        assert_eq!(&model.get(&user(*id).id).await.unwrap(), state, "user {id}");
+    }
+    // Reopened for writes, the other process writes again after its next check.
+    tito::store::reopen(&from.db).await.unwrap();
+    crate::support::wait_for(
+        "the other process takes writes again",
+        Duration::from_secs(10),
+        || {
+            let model = other.clone().model::<CopiedUser>();
+            async move { model.build(user(888_888)).await.is_ok() }
+        },
+    )
+    .await;
+}
+
+/// A move called again after its switch (a failed last pass, a killed mover) finishes with a
+/// full last pass; a range delete during a move makes the next pass compare every key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_called_again_after_its_switch_finishes() {
+    let from = Memory::new();
+    fill(&from, 200, 10).await;
+    let to = Memory::new();
+    let first = tito::store::migrate(&from, &to, tito::store::MigrateOptions::new("b"), |_| {})
+        .await
+        .unwrap();
+    assert_eq!(
+        (first.progress.pass, first.last_pass_keys),
+        (2, 0),
+        "nothing changed: no catch-up pass, nothing in the last"
+    );
+    // The destination loses keys (as if the last pass had failed half way).
+    to.delete_range(b"table:copied_user:", b"table:copied_user;")
+        .await
+        .unwrap();
+    assert!(!same(&from, &to).await);
+    let again = tito::store::migrate(&from, &to, tito::store::MigrateOptions::new("b"), |_| {})
+        .await
+        .unwrap();
+    assert_eq!(again.progress.pass, 1);
+    assert!(again.last_pass_keys >= 200, "{again:?}");
+    assert!(same(&from, &to).await);
+    // Range deletes are refused on a moved store.
+    let refused = from
+        .delete_range(b"table:copied_user:", b"table:copied_user;")
+        .await
+        .unwrap_err();
+    assert!(matches!(refused, TitoError::StoreMoved { .. }), "{refused}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_move_options_are_refused() {
+    let (from, to) = (Memory::new(), Memory::new());
+    for (options, says) in [
+        (
+            tito::store::MigrateOptions::new(" "),
+            "needs the new store's name",
+        ),
+        (
+            tito::store::MigrateOptions::new("x".repeat(1025)),
+            "over 1,024 bytes",
+        ),
+        (
+            tito::store::MigrateOptions::new("b").settle_keys(0),
+            "settle_keys",
+        ),
+        (
+            tito::store::MigrateOptions::new("b").max_passes(0),
+            "max_passes",
+        ),
+        (
+            tito::store::MigrateOptions::new("b").max_passes(101),
+            "max_passes",
+        ),
+        (
+            tito::store::MigrateOptions::new("b").copy(CopyOptions::new().batch(0)),
+            "batch",
+        ),
+    ] {
+        let err = tito::store::migrate(&from, &to, options, |_| {})
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains(says), "{err}");
+    }
+    // Nothing was marked.
+    assert_eq!(tito::store::moved(&from).await.unwrap(), None);
+    from.transaction(|tx| async move { tx.put(b"k".to_vec(), b"v".to_vec()).await })
+        .await
+        .unwrap();
+}

@@ -206,6 +206,20 @@ pub enum TitoError {
         source: BoxError,
     },
 
+    /// The store's data moved to another store ([`crate::store::migrate`]): it refuses writes
+    /// through Tito, and nothing of this transaction was written. Point the application at
+    /// the store named here; [`crate::store::reopen`] takes writes on this one again.
+    #[error(
+        "this store moved to {to} (at {at_ms} ms) and takes no more writes: point the \
+         application at {to}, or reopen this store for writes if the move is abandoned"
+    )]
+    StoreMoved {
+        /// The store the data moved to, as the move named it.
+        to: String,
+        /// When the switch began, in the store's milliseconds.
+        at_ms: u64,
+    },
+
     /// The storage backend failed for a reason that is not a conflict.
     #[error("storage error: {message}{}", cause(message, .source))]
     Storage {

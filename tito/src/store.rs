@@ -54,7 +54,10 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::engine::{KvPair, MAX_SCAN_LIMIT, TitoEngine, TitoTransaction, version_millis};
+use crate::engine::gate::{Gate, MOVED_CHECK_INTERVAL, MOVED_COMMIT_DEADLINE, Tracked};
+use crate::engine::{
+    KvPair, MAX_SCAN_LIMIT, MOVED_KEY, Moved, TitoEngine, TitoTransaction, version_millis,
+};
 use crate::error::{TitoError, TitoResult};
 use crate::keys::{display_key, key_after_bytes};
 
@@ -99,9 +102,10 @@ pub fn is_holder_key(key: &[u8]) -> bool {
     )
 }
 
-/// Whether a copy or a verification leaves `key` out.
+/// Whether a copy or a verification leaves `key` out: the copy record, a moved store's marker,
+/// and (unless `holders`) the holder keys.
 fn skipped(key: &[u8], holders: bool) -> bool {
-    key == COPY_RECORD_KEY || (!holders && is_holder_key(key))
+    key == COPY_RECORD_KEY || key == MOVED_KEY || (!holders && is_holder_key(key))
 }
 
 /// The most keys a copy or a verification reads per range.
@@ -380,6 +384,363 @@ pub async fn backup<S: TitoEngine>(
     let report = report?;
     closed?;
     Ok(report)
+}
+
+/// Options of [`migrate`].
+#[derive(Clone, Debug)]
+pub struct MigrateOptions {
+    to: String,
+    copy: CopyOptions,
+    settle_keys: u64,
+    max_passes: u32,
+}
+
+impl MigrateOptions {
+    /// A move to the store named `to` (the name the source's refusals show, for example
+    /// `tikv:pd1:2379`): the copy's defaults, catch-up passes until one changes fewer than
+    /// 1,000 keys, at most 10 passes before the switch.
+    pub fn new(to: impl Into<String>) -> Self {
+        MigrateOptions {
+            to: to.into(),
+            copy: CopyOptions::new(),
+            settle_keys: 1000,
+            max_passes: 10,
+        }
+    }
+
+    /// The options of every pass (batch, throttle, holders, what to do with a destination
+    /// that holds data on the first pass).
+    pub fn copy(mut self, copy: CopyOptions) -> Self {
+        self.copy = copy;
+        self
+    }
+
+    /// Switch once a catch-up pass changed fewer keys than this (at least 1): the switch's
+    /// last pass then copies about as many.
+    pub fn settle_keys(mut self, keys: u64) -> Self {
+        self.settle_keys = keys;
+        self
+    }
+
+    /// Switch after this many passes (1 to 100) even if writes kept up with the copy.
+    pub fn max_passes(mut self, passes: u32) -> Self {
+        self.max_passes = passes;
+        self
+    }
+
+    fn check(&self) -> TitoResult<()> {
+        self.copy.check()?;
+        if self.to.trim().is_empty() {
+            return Err(TitoError::invalid_argument(
+                "a move needs the new store's name (the source's refusals show it)",
+            ));
+        }
+        if self.to.len() > 1024 {
+            return Err(TitoError::invalid_argument(
+                "the new store's name is over 1,024 bytes",
+            ));
+        }
+        if self.settle_keys == 0 {
+            return Err(TitoError::invalid_argument(
+                "a move's settle_keys must be at least 1",
+            ));
+        }
+        if !(1..=100).contains(&self.max_passes) {
+            return Err(TitoError::invalid_argument(format!(
+                "a move's max_passes must be from 1 to 100, got {}",
+                self.max_passes
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// What a finished [`migrate`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MigrateReport {
+    /// The counts of every pass together (`pass`: how many ran, the last one included).
+    #[serde(flatten)]
+    pub progress: CopyProgress,
+    /// Keys the last pass (during the switch) wrote or deleted.
+    pub last_pass_keys: u64,
+    /// Whether catch-up passes copied only the keys written since the pass before (a store
+    /// with one owner), rather than comparing every key.
+    pub tracked: bool,
+    /// How long the source refused writes before the destination held everything: from the
+    /// switch's start to the end of the last pass, in milliseconds.
+    pub downtime_ms: u64,
+    /// The source's snapshot version the destination now equals.
+    pub snapshot_version: u64,
+    /// How long the call took, in milliseconds.
+    pub elapsed_ms: u64,
+}
+
+/// Moves a store that an application keeps writing: copies it into `to` ([`copy`]), runs
+/// catch-up passes while writes go on, then switches: the source refuses writes through Tito
+/// from then on ([`TitoError::StoreMoved`], naming [`MigrateOptions::new`]'s store), and a last
+/// pass copies what the writers committed before. Returns when `to` holds every write the
+/// source acknowledged; point the application at `to` then.
+///
+/// - On a store with one owner (embedded, SQLite, memory), call it in the process that holds
+///   the store. Every commit passes the store's write gate, which records the keys written
+///   while the move runs: catch-up passes and the last one copy only those keys, so the switch
+///   refuses writes for about as long as it takes to copy the keys written during the pass
+///   before it.
+/// - On TiKV (other processes write too) each pass compares every key, and the switch waits
+///   for every process to see the marker: [`MOVED_CHECK_INTERVAL`] plus
+///   [`MOVED_COMMIT_DEADLINE`] (11 s) before its last pass.
+///
+/// Reads keep working on the source. A call that fails during the switch leaves the source
+/// refusing writes: call it again (it runs a last full pass and finishes), or [`reopen`] the
+/// source to abandon the move.
+pub async fn migrate<S: TitoEngine, D: TitoEngine>(
+    from: &S,
+    to: &D,
+    options: MigrateOptions,
+    mut progress: impl FnMut(&CopyProgress),
+) -> TitoResult<MigrateReport> {
+    options.check()?;
+    let started = Instant::now();
+    let gate = from.extensions().get::<Gate>();
+    let local = gate.is_local();
+    let resume = options.copy.clone().existing(Existing::Resume);
+    let mut totals = CopyProgress::default();
+    let mut run_pass = async |tracked: Option<Tracked>,
+                              first: bool,
+                              totals: &mut CopyProgress|
+           -> TitoResult<(u64, u64)> {
+        let this = totals.pass + 1;
+        let mut report_progress = |p: &CopyProgress| {
+            let mut shown = p.clone();
+            shown.pass = this;
+            progress(&shown);
+        };
+        let report = match tracked {
+            Some(Tracked::Keys(keys)) => {
+                copy_keys(from, to, keys, &options.copy, &mut report_progress).await?
+            }
+            _ => {
+                let options = if first {
+                    options.copy.clone()
+                } else {
+                    resume.clone()
+                };
+                copy(from, to, options, &mut report_progress).await?
+            }
+        };
+        let p = &report.progress;
+        totals.pass = this;
+        totals.keys_read += p.keys_read;
+        totals.keys_written += p.keys_written;
+        totals.keys_deleted += p.keys_deleted;
+        totals.bytes_written += p.bytes_written;
+        totals.total_keys = totals.total_keys.or(p.total_keys);
+        totals.resumed |= p.resumed;
+        totals.cursor = p.cursor.clone();
+        Ok((p.keys_written + p.keys_deleted, report.snapshot_version))
+    };
+    let marked = read_moved(from).await?;
+    if let Some(moved) = &marked
+        && moved.to != options.to
+    {
+        return Err(TitoError::invalid_argument(format!(
+            "this store already moved to {} (at {} ms): finish that move, or reopen the \
+             store for writes before moving it elsewhere",
+            moved.to, moved.at_ms
+        )));
+    }
+    if marked.is_none() {
+        if local {
+            gate.flip(|state| state.take_tracked()).await;
+        }
+        let result = async {
+            let (mut changed, _) = run_pass(None, true, &mut totals).await?;
+            while totals.pass < options.max_passes {
+                if local {
+                    // What the next pass would copy: the keys written since the last one.
+                    match gate.tracked_keys() {
+                        Some(keys) if keys < options.settle_keys => break,
+                        _ => {}
+                    }
+                    let tracked = gate.flip(|state| state.take_tracked()).await;
+                    run_pass(Some(tracked), false, &mut totals).await?;
+                } else {
+                    if changed < options.settle_keys {
+                        break;
+                    }
+                    changed = run_pass(None, false, &mut totals).await?.0;
+                }
+            }
+            Ok::<_, TitoError>(())
+        }
+        .await;
+        if let Err(err) = result {
+            if local {
+                gate.flip(|state| state.stop_tracking()).await;
+            }
+            return Err(err);
+        }
+    }
+    // The switch: from here the source refuses writes through Tito.
+    let switch = Instant::now();
+    let moved = match marked {
+        Some(moved) => moved,
+        None => Moved {
+            to: options.to.clone(),
+            at_ms: version_millis(from.current_version().await?),
+        },
+    };
+    let tracked = {
+        let moved = moved.clone();
+        gate.flip(move |state| {
+            state.set_moved(Some(moved));
+            state.stop_tracking()
+        })
+        .await
+    };
+    let marker = serde_json::to_vec(&moved)?;
+    let finished = async {
+        from.transaction(|tx| {
+            let marker = marker.clone();
+            async move { tx.put(MOVED_KEY.to_vec(), marker).await }
+        })
+        .await?;
+        if !local {
+            // Every process sees the marker at its next check, and every commit let through
+            // before has its version by then (see `engine::gate`).
+            tokio::time::sleep(MOVED_CHECK_INTERVAL + MOVED_COMMIT_DEADLINE).await;
+        }
+        // A pass that found nothing recorded still runs: it waits for the clocks.
+        let tracked = match tracked {
+            Tracked::Keys(keys) if local => Some(Tracked::Keys(keys)),
+            _ => None,
+        };
+        run_pass(tracked, false, &mut totals).await
+    }
+    .await;
+    let (last_pass_keys, snapshot_version) = finished.map_err(|err| TitoError::Storage {
+        message: format!(
+            "the move's switch failed after the source began refusing writes (it names \
+                 {}): call the move again to finish it, or reopen the source for writes to \
+                 abandon it",
+            moved.to
+        ),
+        source: Some(Box::new(err)),
+    })?;
+    Ok(MigrateReport {
+        progress: totals,
+        last_pass_keys,
+        tracked: local,
+        downtime_ms: crate::util::millis(switch.elapsed()),
+        snapshot_version,
+        elapsed_ms: crate::util::millis(started.elapsed()),
+    })
+}
+
+/// Takes writes through Tito on a store a [`migrate`] marked as moved again: deletes the
+/// marker. Other processes of a TiKV store take writes again within [`MOVED_CHECK_INTERVAL`].
+/// Returns the marker it removed (`None`: the store was not marked).
+pub async fn reopen<S: TitoEngine>(store: &S) -> TitoResult<Option<Moved>> {
+    let moved = read_moved(store).await?;
+    if moved.is_some() {
+        store
+            .transaction(|tx| async move { tx.delete(MOVED_KEY.to_vec()).await })
+            .await?;
+    }
+    store
+        .extensions()
+        .get::<Gate>()
+        .flip(|state| state.set_moved(None))
+        .await;
+    Ok(moved)
+}
+
+/// The store's moved marker, read now.
+pub async fn moved<S: TitoEngine>(store: &S) -> TitoResult<Option<Moved>> {
+    read_moved(store).await
+}
+
+async fn read_moved<S: TitoEngine>(store: &S) -> TitoResult<Option<Moved>> {
+    crate::engine::read_only(store, async |tx| {
+        tx.get(MOVED_KEY)
+            .await?
+            .as_deref()
+            .map(crate::engine::gate::decode)
+            .transpose()
+    })
+    .await
+}
+
+/// Copies the keys a store's gate recorded, as of one snapshot of the source: each is written
+/// with the source's value, or deleted where the source has none, in transactions of at most
+/// [`CopyOptions::batch`] keys; then waits for the destination's clock like [`copy`].
+async fn copy_keys<S: TitoEngine, D: TitoEngine>(
+    from: &S,
+    to: &D,
+    keys: std::collections::BTreeSet<Vec<u8>>,
+    options: &CopyOptions,
+    progress: &mut impl FnMut(&CopyProgress),
+) -> TitoResult<CopyReport> {
+    let started = Instant::now();
+    let mut state = CopyProgress {
+        pass: 1,
+        ..CopyProgress::default()
+    };
+    let throttle = Throttle::new(options.keys_per_second);
+    let source = from.begin().await?;
+    let snapshot = source.start_version();
+    let keys: Vec<Vec<u8>> = keys
+        .into_iter()
+        .filter(|key| !skipped(key, options.holders))
+        .collect();
+    let result = async {
+        for chunk in keys.chunks(options.batch) {
+            let mut pairs = Vec::with_capacity(chunk.len());
+            for key in chunk {
+                pairs.push((key.clone(), source.get(key).await?));
+            }
+            let (written, deleted, bytes) = to
+                .transaction(|tx| {
+                    let pairs = pairs.clone();
+                    async move {
+                        let (mut written, mut deleted, mut bytes) = (0u64, 0u64, 0u64);
+                        for (key, value) in pairs {
+                            match value {
+                                Some(value) => {
+                                    bytes += (key.len() + value.len()) as u64;
+                                    written += 1;
+                                    tx.put(key, value).await?;
+                                }
+                                None => {
+                                    deleted += 1;
+                                    tx.delete(key).await?;
+                                }
+                            }
+                        }
+                        Ok::<_, TitoError>((written, deleted, bytes))
+                    }
+                })
+                .await?;
+            state.keys_read += chunk.len() as u64;
+            state.keys_written += written;
+            state.keys_deleted += deleted;
+            state.bytes_written += bytes;
+            state.cursor = chunk.last().map(|key| display_key(key));
+            progress(&state);
+            throttle.wait(state.keys_read).await;
+        }
+        Ok::<_, TitoError>(())
+    }
+    .await;
+    let _ = source.rollback().await;
+    result?;
+    let clock_waited = wait_for_clock(to, snapshot, options.clock_wait).await?;
+    Ok(CopyReport {
+        progress: state,
+        snapshot_version: snapshot,
+        clock_waited_ms: crate::util::millis(clock_waited),
+        elapsed_ms: crate::util::millis(started.elapsed()),
+    })
 }
 
 /// Copies `range` (an empty end: the end of the key space) of the source's snapshot into the

@@ -615,10 +615,12 @@ impl Embedded {
             .extensions
             .get::<engine::ExclusiveOpen>()
             .set(engine::random::random_u64());
-        Ok(Embedded {
+        let db = Embedded {
             inner: Arc::new(inner),
             retry: options.retry,
-        })
+        };
+        engine::gate::load(&db).await?;
+        Ok(db)
     }
 
     /// Whether `path` is a directory that holds an embedded store (one that
@@ -771,6 +773,8 @@ impl TitoEngine for Embedded {
             inner: Arc::new(TxInner {
                 start_version,
                 state: Mutex::new(TxState::Active(tx)),
+                written: Mutex::new(Vec::new()),
+                gate: self.inner.extensions.get::<engine::gate::Gate>(),
                 failed: engine::FirstFailure::default(),
                 hooks: engine::AfterCommit::default(),
             }),
@@ -799,6 +803,11 @@ impl TitoEngine for Embedded {
 
     async fn delete_range(&self, start: &[u8], end: &[u8]) -> TitoResult<()> {
         crate::engine::check_destroy_range(start, end)?;
+        let _pass = self
+            .inner
+            .extensions
+            .get::<engine::gate::Gate>()
+            .enter_untracked()?;
         let mut from = data_key(start);
         let to = data_end(end);
         loop {
@@ -870,6 +879,9 @@ pub struct EmbeddedTransaction {
 struct TxInner {
     start_version: u64,
     state: Mutex<TxState>,
+    /// The keys put or deleted, for the store's write gate.
+    written: Mutex<Vec<Vec<u8>>>,
+    gate: Arc<engine::gate::Gate>,
     failed: engine::FirstFailure,
     /// Run after a successful commit.
     hooks: engine::AfterCommit,
@@ -991,19 +1003,27 @@ impl TitoTransaction for EmbeddedTransaction {
 
     async fn put(&self, key: Vec<u8>, value: Vec<u8>) -> TitoResult<()> {
         crate::engine::check_write(&key, &value)?;
-        let key = data_key(&key);
+        let stored = data_key(&key);
         let mut state = self.lock();
         match &mut *state {
-            TxState::Active(tx) => tx.set(key, value).map_err(|e| storage_err("put", e)),
+            TxState::Active(tx) => {
+                tx.set(stored, value).map_err(|e| storage_err("put", e))?;
+                crate::util::lock(&self.inner.written).push(key);
+                Ok(())
+            }
             TxState::Finished(how) => Err(TitoError::TransactionFinished(how)),
         }
     }
 
     async fn delete(&self, key: Vec<u8>) -> TitoResult<()> {
-        let key = data_key(&key);
+        let stored = data_key(&key);
         let mut state = self.lock();
         match &mut *state {
-            TxState::Active(tx) => tx.delete(key).map_err(|e| storage_err("delete", e)),
+            TxState::Active(tx) => {
+                tx.delete(stored).map_err(|e| storage_err("delete", e))?;
+                crate::util::lock(&self.inner.written).push(key);
+                Ok(())
+            }
             TxState::Finished(how) => Err(TitoError::TransactionFinished(how)),
         }
     }
@@ -1034,6 +1054,20 @@ impl TitoTransaction for EmbeddedTransaction {
                 TxState::Finished(how) => {
                     *state = TxState::Finished(how);
                     return Err(TitoError::TransactionFinished(how));
+                }
+            }
+        };
+        let written = std::mem::take(&mut *crate::util::lock(&self.inner.written));
+        // Held until the commit applied (a move waits for it).
+        let _pass = if written.is_empty() {
+            None
+        } else {
+            match self.inner.gate.enter(written.iter().map(Vec::as_slice)) {
+                Ok(pass) => Some(pass),
+                Err(refused) => {
+                    tx.rollback();
+                    self.inner.hooks.finish(false);
+                    return Err(refused);
                 }
             }
         };

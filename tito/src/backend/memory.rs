@@ -214,7 +214,11 @@ impl Memory {
                 clock,
                 partitions,
                 id: STORES.fetch_add(1, Ordering::Relaxed),
-                extensions: engine::Extensions::new(),
+                extensions: {
+                    let extensions = engine::Extensions::new();
+                    extensions.get::<engine::gate::Gate>().mark_local();
+                    extensions
+                },
             }),
             retry: options.retry,
         })
@@ -355,6 +359,11 @@ impl TitoEngine for Memory {
 
     async fn delete_range(&self, start: &[u8], end: &[u8]) -> TitoResult<()> {
         engine::check_destroy_range(start, end)?;
+        let _pass = self
+            .inner
+            .extensions
+            .get::<engine::gate::Gate>()
+            .enter_untracked()?;
         let mut state = self.inner.lock();
         let doomed: Vec<Vec<u8>> = state
             .data
@@ -597,6 +606,26 @@ impl TitoTransaction for MemoryTransaction {
         let (writes, locks) = match &mut *state {
             TxState::Active { writes, locks } => (std::mem::take(writes), std::mem::take(locks)),
             TxState::Finished(how) => return Err(TitoError::TransactionFinished(how)),
+        };
+        // Held until the commit applied (a move waits for it).
+        let _pass = if writes.is_empty() {
+            None
+        } else {
+            match self
+                .inner
+                .db
+                .extensions
+                .get::<engine::gate::Gate>()
+                .enter(writes.keys().map(Vec::as_slice))
+            {
+                Ok(pass) => Some(pass),
+                Err(refused) => {
+                    self.inner.close(&mut state, "rolled back");
+                    drop(state);
+                    self.inner.hooks.finish(false);
+                    return Err(refused);
+                }
+            }
         };
         let result = {
             let mut db = self.inner.db.lock();

@@ -258,6 +258,7 @@ impl Sqlite {
         // After a crash, the clock continues from the wall clock, not from ahead of it.
         let mark = crate::util::lock(&db.inner.oracle).persisted_limit;
         wait_out_mark(mark).await;
+        engine::gate::load(&db).await?;
         Ok(db)
     }
 
@@ -269,11 +270,13 @@ impl Sqlite {
             .tempdir()
             .map_err(|err| TitoError::storage("cannot create a temporary directory", err))?;
         let path = dir.path().to_path_buf();
-        Self::open_inner(
+        let db = Self::open_inner(
             path,
             Some(dir),
             SqliteOptions::default().durability(Durability::Buffered),
-        )
+        )?;
+        db.inner.extensions.get::<engine::gate::Gate>().mark_local();
+        Ok(db)
     }
 
     fn open_inner(
@@ -1077,6 +1080,25 @@ impl TitoTransaction for SqliteTransaction {
         // number); the snapshot stays registered until the handle goes, so the tombstones the
         // check needs stay.
         self.inner.release(*active);
+        // Held until the commit applied (a move waits for it).
+        let _pass = if writes.is_empty() {
+            None
+        } else {
+            match self
+                .inner
+                .engine
+                .inner
+                .extensions
+                .get::<engine::gate::Gate>()
+                .enter(writes.iter().map(|(key, _)| key.as_slice()))
+            {
+                Ok(pass) => Some(pass),
+                Err(refused) => {
+                    self.inner.hooks.finish(false);
+                    return Err(refused);
+                }
+            }
+        };
         let result = if writes.is_empty() && locks.is_empty() {
             Ok(())
         } else {

@@ -593,6 +593,7 @@ impl TitoEngine for TiKV {
                 written: std::sync::Mutex::new(Written::default()),
                 deferred_locks: std::sync::Mutex::new(Vec::new()),
                 tx: tokio::sync::Mutex::new(Some(tx)),
+                gate: self.extensions.get::<engine::gate::Gate>(),
                 failed: crate::engine::FirstFailure::default(),
                 hooks: crate::engine::AfterCommit::default(),
             }),
@@ -680,6 +681,8 @@ struct TxInner {
     /// transaction only buffers them, so deferring changes nothing but the primary's choice).
     deferred_locks: std::sync::Mutex<Vec<Vec<u8>>>,
     tx: tokio::sync::Mutex<Option<tikv_client::Transaction>>,
+    /// The store's write gate (a moved store refuses writes).
+    gate: Arc<engine::gate::Gate>,
     failed: crate::engine::FirstFailure,
     /// Run after a successful commit.
     hooks: crate::engine::AfterCommit,
@@ -724,6 +727,28 @@ enum ReadBack {
 }
 
 impl TxInner {
+    /// Lets a commit of `keys` through the store's write gate, reading the moved marker first
+    /// when this process's last read of it is older than [`engine::gate::MOVED_CHECK_INTERVAL`].
+    async fn pass_gate(&self, keys: &[Vec<u8>]) -> TitoResult<engine::gate::Pass> {
+        if self.gate.needs_check() {
+            let at = std::time::Instant::now();
+            let ts = self
+                .client
+                .current_timestamp()
+                .await
+                .map_err(|err| classify_read(err, "timestamp"))?;
+            let value = self
+                .client
+                .snapshot(ts, TransactionOptions::new_optimistic().read_only())
+                .get(engine::gate::MOVED_KEY.to_vec())
+                .await
+                .map_err(|err| classify_read(err, "reading the moved marker"))?;
+            let moved = value.as_deref().map(engine::gate::decode).transpose()?;
+            self.gate.checked(at, moved);
+        }
+        self.gate.enter(keys.iter().map(Vec::as_slice))
+    }
+
     /// Notes a put (`Some`) or delete (`None`) of `key`: the first one names the primary, and a
     /// later write of a key changes what it must hold.
     fn track(&self, key: &[u8], value: Option<&[u8]>) {
@@ -1106,7 +1131,35 @@ impl TitoTransaction for TiKVTransaction {
             self.inner.hooks.finish(false);
             return Err(classify_read(err, "lock_keys"));
         }
-        match tx.commit().await {
+        let keys = crate::util::lock(&self.inner.written).order.clone();
+        // Held until the commit returned (a move waits for it).
+        let _pass = if keys.is_empty() {
+            None
+        } else {
+            match self.inner.pass_gate(&keys).await {
+                Ok(pass) => Some(pass),
+                Err(refused) => {
+                    let _ = tx.rollback().await;
+                    self.inner.hooks.finish(false);
+                    return Err(refused);
+                }
+            }
+        };
+        let committed =
+            match tokio::time::timeout(engine::gate::MOVED_COMMIT_DEADLINE, tx.commit()).await {
+                Ok(committed) => committed,
+                Err(_) => {
+                    // Abandoned: a commit must get its version within the deadline of passing the
+                    // gate, or a move's last pass could miss it (see `engine::gate`).
+                    self.inner.hooks.finish(false);
+                    return Err(TitoError::commit_outcome_unknown(format!(
+                        "the commit did not finish within {} s; it was abandoned and may or may \
+                     not have taken effect",
+                        engine::gate::MOVED_COMMIT_DEADLINE.as_secs()
+                    )));
+                }
+            };
+        match committed {
             Ok(commit_ts) => {
                 let written = std::mem::take(&mut *crate::util::lock(&self.inner.written));
                 if let Some(commit_ts) = commit_ts

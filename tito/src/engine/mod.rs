@@ -121,12 +121,14 @@ use crate::error::{TitoError, TitoResult};
 
 #[cfg(any(test, feature = "test-util"))]
 mod fault;
+pub(crate) mod gate;
 mod outcome;
 pub(crate) mod random;
 mod retry;
 
 #[cfg(any(test, feature = "test-util"))]
 pub use fault::{Fault, FaultPoint, FaultRule, Faults, FaultyEngine, FaultyTransaction};
+pub use gate::{MAX_TRACKED_KEYS, MOVED_CHECK_INTERVAL, MOVED_COMMIT_DEADLINE, MOVED_KEY, Moved};
 pub use outcome::{
     COMMIT_MARKER_RETENTION, COMMIT_MARKER_SWEEP_BATCH, DEFAULT_RESOLUTION_BOUND,
     MAX_RESOLUTION_BOUND, resolve_commit, sweep_commit_markers,
