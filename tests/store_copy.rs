@@ -653,7 +653,7 @@ fn movers<E: TitoEngine>(
                 let mut n = 0usize;
                 loop {
                     n += 1;
-                    let fresh = 100_000 * (w + 1) + n;
+                    let fresh = 10_000_000 * (w + 1) + n;
                     // Writers change disjoint users (w modulo 3), so the last acknowledged
                     // change of a user is the one stored.
                     let old = (n * 7 % 100) * 3 + w % 3;
@@ -672,7 +672,7 @@ fn movers<E: TitoEngine>(
                         }
                         _ => {
                             // Deletes only rows this writer made (never one another writes).
-                            let doomed = 100_000 * (w + 1) + n - 2;
+                            let doomed = 10_000_000 * (w + 1) + n - 2;
                             model
                                 .delete_by_id(&user(doomed).id)
                                 .await
@@ -903,4 +903,65 @@ async fn bad_move_options_are_refused() {
     from.transaction(|tx| async move { tx.put(b"k".to_vec(), b"v".to_vec()).await })
         .await
         .unwrap();
+}
+
+/// `TITO_COPY_USERS=1000000 cargo test --release --test tito store_copy::move_at_size --
+/// --ignored --nocapture`: moves a store of that many users from the embedded engine to
+/// another embedded store and to the TiKV test server while two writers insert and change
+/// users, and prints each move's passes, the keys of its last pass and its downtime (how long
+/// the writers were refused before the destination held every acknowledged write).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: TITO_COPY_USERS users (default 100,000)"]
+async fn move_at_size() {
+    let users: usize = std::env::var("TITO_COPY_USERS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(100_000);
+    let tikv = test_server_ctx().await;
+    let dir = tempfile::tempdir().unwrap();
+    for name in ["embedded", "TiKV test server"] {
+        let from = Embedded::open(dir.path().join(format!("from-{}", name.len())))
+            .await
+            .unwrap();
+        let started = std::time::Instant::now();
+        fill(&from, users, 0).await;
+        println!(
+            "seeded {users} users in {:.1} s",
+            started.elapsed().as_secs_f64()
+        );
+        let acknowledged = Acknowledged::default();
+        let writers = movers(&from, 0..2, &acknowledged);
+        let started = std::time::Instant::now();
+        let report = if name == "embedded" {
+            let to = Embedded::open(dir.path().join("to")).await.unwrap();
+            tito::store::migrate(&from, &to, tito::store::MigrateOptions::new(name), |_| {})
+                .await
+                .unwrap()
+        } else {
+            tito::store::migrate(
+                &from,
+                &tikv.db,
+                tito::store::MigrateOptions::new(name),
+                |_| {},
+            )
+            .await
+            .unwrap()
+        };
+        let took = started.elapsed();
+        for writer in writers {
+            writer.await.unwrap();
+        }
+        let writes = acknowledged.lock().unwrap().len();
+        println!(
+            "embedded -> {name}: {} keys read in {} passes, {:.1} s in all; writers \
+             acknowledged {writes} users' writes ({:.0}/s) during the move; the last pass \
+             copied {} keys; downtime {} ms",
+            report.progress.keys_read,
+            report.progress.pass,
+            took.as_secs_f64(),
+            writes as f64 / took.as_secs_f64(),
+            report.last_pass_keys,
+            report.downtime_ms
+        );
+    }
 }

@@ -106,7 +106,7 @@ pub(crate) fn page(title: &str, body: &str, started: Option<Instant>) -> String 
          <meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\
          <base href=\"{base}\"><title>{title} · Tito</title><style>{STYLE}</style></head><body>\
          <header><a class=\"brand\" href=\"{home}\">Tito</a><a href=\"{home}\">Overview</a>\
-         <a href=\"actions\">Actions</a></header><main><h1>{title}</h1>{body}{timing}</main></body></html>",
+         <a href=\"actions\">Actions</a><a href=\"backup\">Backup</a></header><main><h1>{title}</h1>{body}{timing}</main></body></html>",
         title = esc(title),
         base = esc(&base),
         home = esc(&home),
@@ -1210,6 +1210,51 @@ fn dead_table(dead: &[tito::queue::DeadInvocation], topic: Option<&str>) -> Stri
     }
     b.push_str("</table>");
     b
+}
+
+pub(crate) fn backup(status: &crate::BackupStatus) -> String {
+    let mut b = String::new();
+    let Some(dir) = &status.directory else {
+        b.push_str(
+            "<p>Backups are not enabled: the application sets their directory with \
+             <code>Admin::backups</code>.</p>",
+        );
+        return page("Backup", &b, None);
+    };
+    let _ = write!(
+        b,
+        "<p>Each backup is a consistent copy of the store as of one moment, written while the \
+         application runs, into a new directory under <code>{}</code>. Restore by opening it \
+         as an embedded store, or copy it into another engine with <code>tito store copy</code>.</p>",
+        esc(dir)
+    );
+    let run_row = |b: &mut String, label: &str, run: &crate::BackupRun| {
+        let _ = write!(
+            b,
+            "<tr><th scope=\"row\">{}</th><td>{}</td><td>{}</td><td data-figure=\"backup-keys\">{}</td><td>{}</td></tr>",
+            esc(label),
+            esc(&run.path),
+            utc_ms(run.started_at_ms.max(0) as u64),
+            run.keys,
+            esc(run.result.as_deref().unwrap_or("running")),
+        );
+    };
+    b.push_str(
+        "<table><tr><th></th><th>directory</th><th>started</th><th>keys</th><th>result</th></tr>",
+    );
+    if let Some(run) = &status.running {
+        run_row(&mut b, "running", run);
+    }
+    if let Some(run) = &status.last {
+        run_row(&mut b, "last", run);
+    }
+    b.push_str("</table>");
+    if status.running.is_none() {
+        b.push_str(
+            "<form method=\"post\" action=\"backup\"><button type=\"submit\" id=\"backup\">Back up now</button></form>",
+        );
+    }
+    page("Backup", &b, None)
 }
 
 pub(crate) fn actions(actions: &[ActionRecord]) -> String {

@@ -11,6 +11,7 @@
 //! | `/table?name=T` | `/api/table?name=T` | row count, indexes with state and build progress, the last audit, a page of rows (`cursor`) |
 //! | `/kv?namespace=N` | `/api/kv?namespace=N` | key count and a page of keys (`cursor`) |
 //! | `/actions` | `/api/actions` | the actions taken through this router |
+//! | `/backup` | `/api/backup` | the running backup's progress and the last one's result (with [`Admin::backups`]) |
 //!
 //! Without `topic` the queue page shows the default queue. Every read is bounded: counts stop at
 //! [`tito::inspect::COUNT_BOUND`] per partition or table and show `10000+` past it, pages hold
@@ -20,8 +21,10 @@
 //!
 //! `POST /erase-owner` (one owner's invocations, pending and completed), `POST /dead-retry` and
 //! `POST /dead-discard` (a dead invocation back to pending, or deleted), `POST /requeue` (an
-//! inbox row back into a group as a fresh job) and `POST /audit` (for
-//! tables whose model was registered with [`Admin::model`]). Each first answers with a
+//! inbox row back into a group as a fresh job), `POST /audit` (for
+//! tables whose model was registered with [`Admin::model`]) and `POST /backup` (a consistent
+//! backup of the store, while it serves, into a new directory under the one set with
+//! [`Admin::backups`]; it runs in the background, `/backup` shows its progress). Each first answers with a
 //! confirmation form; it runs only when posted with `confirm=yes`. Every action is logged
 //! (`tracing`, target `tito_admin`, with the peer address) and kept in the last [`KEPT_ACTIONS`]
 //! of `/actions`. A `POST` whose `Origin` header (or, without one, its `Referer`) names another
@@ -68,6 +71,7 @@ mod sources;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -112,6 +116,7 @@ pub struct Admin<E: TitoEngine> {
     inboxes: Vec<Arc<dyn InboxSource>>,
     auditors: BTreeMap<String, Arc<dyn Auditor>>,
     authorize: Option<Hook>,
+    backups: Option<PathBuf>,
 }
 
 /// One action taken through the router.
@@ -135,6 +140,37 @@ struct Inner<E: TitoEngine> {
     auditors: BTreeMap<String, Arc<dyn Auditor>>,
     authorize: Option<Hook>,
     actions: Mutex<VecDeque<ActionRecord>>,
+    backups: Option<PathBuf>,
+    backup: Mutex<BackupStatus>,
+}
+
+/// The dashboard's backups: where they go, the running one, the last one.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct BackupStatus {
+    /// The directory backups go into (each in a new directory under it); `None`: backups are
+    /// not enabled ([`Admin::backups`]).
+    pub directory: Option<String>,
+    /// The backup running now.
+    pub running: Option<BackupRun>,
+    /// The last backup that ended.
+    pub last: Option<BackupRun>,
+}
+
+/// One backup through the dashboard.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct BackupRun {
+    /// The backup's directory (an embedded store; open it to restore).
+    pub path: String,
+    /// When it started (Unix ms, host clock).
+    pub started_at_ms: i64,
+    /// Keys copied so far.
+    pub keys: u64,
+    /// Bytes of keys and values copied so far.
+    pub bytes: u64,
+    /// How it ended: `None` while it runs.
+    pub result: Option<String>,
+    /// Whether it ended well.
+    pub ok: bool,
 }
 
 impl<E: TitoEngine> Admin<E> {
@@ -145,7 +181,18 @@ impl<E: TitoEngine> Admin<E> {
             inboxes: Vec::new(),
             auditors: BTreeMap::new(),
             authorize: None,
+            backups: None,
         }
+    }
+
+    /// Lets operators back the store up from the dashboard (`POST /backup`): each backup is a
+    /// consistent copy of the store as of one moment ([`tito::store::backup`]), written while
+    /// the application runs into a new directory `backup-{UTC time}` under `dir` (created if
+    /// missing). Restore by opening that directory with `Embedded::open`, or copy it into a
+    /// store of another engine with `tito store copy`.
+    pub fn backups(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.backups = Some(dir.into());
+        self
     }
 
     /// Shows an inbox's `groups` (inboxes are typed by their model, so they are registered).
@@ -215,6 +262,11 @@ impl<E: TitoEngine> Admin<E> {
             auditors: self.auditors,
             authorize: self.authorize,
             actions: Mutex::new(VecDeque::new()),
+            backup: Mutex::new(BackupStatus {
+                directory: self.backups.as_ref().map(|d| d.display().to_string()),
+                ..BackupStatus::default()
+            }),
+            backups: self.backups,
         });
         Router::new()
             .route("/", get(overview_page::<E>))
@@ -235,6 +287,8 @@ impl<E: TitoEngine> Admin<E> {
             .route("/dead-discard", post(dead_discard::<E>))
             .route("/queue-action", post(queue_action::<E>))
             .route("/audit", post(audit::<E>))
+            .route("/backup", get(backup_page::<E>).post(backup::<E>))
+            .route("/api/backup", get(backup_json::<E>))
             .layer(middleware::from_fn_with_state(state.clone(), guard::<E>))
             .with_state(state)
     }
@@ -1393,5 +1447,120 @@ async fn audit<E: TitoEngine>(
     Ok(Html(html::done(
         "Audit finished",
         &format!("{target}: {result}."),
+    )))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backups
+// ---------------------------------------------------------------------------------------------
+
+async fn backup_page<E: TitoEngine>(State(state): State<Arc<Inner<E>>>) -> Page {
+    let status = lock(&state.backup).clone();
+    Ok(Html(html::backup(&status)))
+}
+
+async fn backup_json<E: TitoEngine>(State(state): State<Arc<Inner<E>>>) -> Data {
+    let status = lock(&state.backup).clone();
+    json(&status)
+}
+
+#[derive(Deserialize)]
+struct BackupForm {
+    confirm: Option<String>,
+}
+
+async fn backup<E: TitoEngine>(
+    State(state): State<Arc<Inner<E>>>,
+    Extension(Peer(peer)): Extension<Peer>,
+    Form(form): Form<BackupForm>,
+) -> Page {
+    let Some(dir) = state.backups.clone() else {
+        return Err(Failure(TitoError::invalid_argument(
+            "backups are not enabled: the application sets their directory with \
+             Admin::backups",
+        )));
+    };
+    if let Some(running) = &lock(&state.backup).running {
+        return Err(Failure(TitoError::invalid_argument(format!(
+            "a backup is running (into {}): wait for it to end",
+            running.path
+        ))));
+    }
+    if !confirmed(&form.confirm) {
+        return Ok(Html(html::confirm(
+            "Back up the store",
+            &format!(
+                "Back up the store into a new directory under {}? It copies every key as of \
+                 one moment while the application goes on.",
+                dir.display()
+            ),
+            "backup",
+            &[],
+        )));
+    }
+    let now = chrono::Utc::now();
+    let path = dir.join(format!("backup-{}", now.format("%Y%m%d-%H%M%S-%3f")));
+    let run = BackupRun {
+        path: path.display().to_string(),
+        started_at_ms: now.timestamp_millis(),
+        ..BackupRun::default()
+    };
+    {
+        let mut status = lock(&state.backup);
+        if let Some(running) = &status.running {
+            return Err(Failure(TitoError::invalid_argument(format!(
+                "a backup is running (into {}): wait for it to end",
+                running.path
+            ))));
+        }
+        status.running = Some(run.clone());
+    }
+    std::fs::create_dir_all(&dir).map_err(|err| {
+        lock(&state.backup).running = None;
+        Failure(TitoError::storage(
+            format!("cannot create the backup directory {}", dir.display()),
+            err,
+        ))
+    })?;
+    state.record(peer, "backup", run.path.clone(), "started".into());
+    let task = state.clone();
+    tokio::spawn(async move {
+        let started = Instant::now();
+        let progress_state = task.clone();
+        let result =
+            tito::store::backup(&task.db, &path, tito::store::CopyOptions::new(), move |p| {
+                if let Some(running) = &mut lock(&progress_state.backup).running {
+                    running.keys = p.keys_written;
+                    running.bytes = p.bytes_written;
+                }
+            })
+            .await;
+        let (result, ok) = match result {
+            Ok(report) => (
+                format!(
+                    "{} keys ({} bytes) in {:.1} s",
+                    report.progress.keys_written,
+                    report.progress.bytes_written,
+                    started.elapsed().as_secs_f64()
+                ),
+                true,
+            ),
+            Err(err) => (format!("failed: {err}"), false),
+        };
+        let mut status = lock(&task.backup);
+        if let Some(mut run) = status.running.take() {
+            run.result = Some(result.clone());
+            run.ok = ok;
+            status.last = Some(run);
+        }
+        drop(status);
+        task.record(peer, "backup", path.display().to_string(), result);
+    });
+    Ok(Html(html::done(
+        "Backup started",
+        &format!(
+            "The backup into {} runs in the background: its progress is on the backup page.",
+            run.path
+        ),
     )))
 }

@@ -3100,3 +3100,103 @@ async fn the_cli_copies_a_store_between_engines_and_verifies_it() {
     let zero = run(&["store", "copy", "--batch", "0", &from, &to_sqlite]);
     assert_eq!(zero.status.code(), Some(2), "{}", stderr(&zero));
 }
+
+/// A backup from the dashboard while writers run: confirmed, run in the background with its
+/// progress on `/backup` and `/api/backup`, refused while one runs; the backup opens as a
+/// store that holds every write acknowledged before it started, and audits clean.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_backs_a_live_store_up_and_the_backup_restores() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = Embedded::open(dir.path().join("store")).await.unwrap();
+    let backups = dir.path().join("backups");
+    let local = Some("127.0.0.1:50000");
+    // Not enabled: the page says how; the action is refused.
+    let plain = tito_admin::Admin::new(db.clone()).router();
+    let (_, page) = send(&plain, get("/backup"), local).await;
+    assert!(page.contains("Admin::backups"), "{page}");
+    let (status, refused) = send(&plain, post("/backup", "confirm=yes"), local).await;
+    assert_ne!(status, StatusCode::OK);
+    assert!(refused.contains("not enabled"), "{refused}");
+
+    let users = db.clone().model::<User>();
+    for i in 0..2000 {
+        users
+            .build(User {
+                id: format!("u{i}"),
+                team: format!("t{}", i % 5),
+                email: format!("u{i}@example.com"),
+            })
+            .await
+            .unwrap();
+    }
+    let acknowledged = Arc::new(std::sync::Mutex::new(Vec::<usize>::new()));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let (users, acknowledged, stop) = (users.clone(), acknowledged.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut i = 10_000;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                users
+                    .build(User {
+                        id: format!("u{i}"),
+                        team: "late".into(),
+                        email: format!("u{i}@example.com"),
+                    })
+                    .await
+                    .unwrap();
+                acknowledged.lock().unwrap().push(i);
+                i += 1;
+            }
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let router = tito_admin::Admin::new(db.clone())
+        .backups(&backups)
+        .router();
+    let (_, confirm) = send(&router, post("/backup", ""), local).await;
+    assert!(confirm.contains("Yes, do it"), "{confirm}");
+    let before: Vec<usize> = acknowledged.lock().unwrap().clone();
+    let (status, started) = send(&router, post("/backup", "confirm=yes"), local).await;
+    assert_eq!(status, StatusCode::OK, "{started}");
+    assert!(started.contains("runs in the background"), "{started}");
+    // Finished: the JSON says where, and how many keys.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let last = loop {
+        let (_, body) = send(&router, get("/api/backup"), local).await;
+        let status: Value = serde_json::from_str(&body).unwrap();
+        if status["running"].is_null() && !status["last"].is_null() {
+            break status["last"].clone();
+        }
+        if !status["running"].is_null() {
+            // One at a time.
+            let (_, again) = send(&router, post("/backup", "confirm=yes"), local).await;
+            assert!(
+                again.contains("a backup is running") || again.contains("started"),
+                "{again}"
+            );
+        }
+        assert!(Instant::now() < deadline, "the backup did not end: {body}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    writer.await.unwrap();
+    assert_eq!(last["ok"], Value::Bool(true), "{last}");
+    assert!(last["keys"].as_u64().unwrap() > 2000 * 3, "{last}");
+    let (_, page) = send(&router, get("/backup"), local).await;
+    assert!(page.contains("Back up now"), "{page}");
+    let (_, actions) = send(&router, get("/api/actions"), local).await;
+    assert!(actions.contains("\"backup\""), "{actions}");
+
+    let restored = Embedded::open(last["path"].as_str().unwrap())
+        .await
+        .unwrap();
+    let model = restored.clone().model::<User>();
+    for i in (0..2000).chain(before.iter().copied()) {
+        assert!(
+            model.get(&format!("u{i}")).await.unwrap().is_some(),
+            "user {i}, acknowledged before the backup"
+        );
+    }
+    let audit = model.audit(|_| {}).await.unwrap();
+    assert!(audit.is_clean(), "{audit:?}");
+}

@@ -77,6 +77,7 @@ pub(crate) enum Tracked {
 struct State {
     moved: Option<Moved>,
     /// When a TiKV process last read the marker (absent: never).
+    #[cfg_attr(not(feature = "tikv"), allow(dead_code))]
     checked: Option<Instant>,
     epoch: u64,
     /// Commits in flight, per epoch they passed the gate in.
@@ -200,6 +201,7 @@ impl Gate {
         }
     }
 
+    #[cfg_attr(not(feature = "tikv"), allow(dead_code))]
     /// Whether a TiKV process must read the marker again before letting a commit through.
     pub(crate) fn needs_check(&self) -> bool {
         crate::util::lock(&self.state)
@@ -207,6 +209,7 @@ impl Gate {
             .is_none_or(|at| at.elapsed() >= MOVED_CHECK_INTERVAL)
     }
 
+    #[cfg_attr(not(feature = "tikv"), allow(dead_code))]
     /// Records a read of the marker begun at `at`.
     pub(crate) fn checked(&self, at: Instant, moved: Option<Moved>) {
         let mut state = crate::util::lock(&self.state);
