@@ -24,6 +24,7 @@ mod keyspaces;
 mod kv;
 mod layers;
 mod models;
+mod nudges;
 mod queue;
 mod queue_composed;
 mod queue_declared;

@@ -67,8 +67,9 @@ pub const COPY_RECORD_KEY: &[u8] = b"store-copy";
 
 /// Whether a key only says who runs what now, and is left out of copies and verifications by
 /// default: a queue's partition leases and their expiries, its workers' heartbeats and reports,
-/// its cluster memberships and coordinator, its concurrency slots (`{queue}:lease:`,
-/// `:lease-expiry:`, `:worker:`, `:report:`, `:node:`, `:coordinator`, `:members`, `:running:`),
+/// its cluster memberships and coordinator, its concurrency slots, its workers' nudge addresses
+/// (`{queue}:lease:`, `:lease-expiry:`, `:worker:`, `:report:`, `:node:`, `:coordinator`,
+/// `:members`, `:running:`, `:nudge:`),
 /// and inbox claims' leases (`inbox-lease:`). See `docs/storage-layout.md`.
 pub fn is_holder_key(key: &[u8]) -> bool {
     let Ok(key) = std::str::from_utf8(key) else {
@@ -98,6 +99,7 @@ pub fn is_holder_key(key: &[u8]) -> bool {
                 | "coordinator"
                 | "members"
                 | "running"
+                | "nudge"
         )
     )
 }

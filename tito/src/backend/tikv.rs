@@ -139,6 +139,13 @@ pub struct TiKVOptions {
     pub tls: Option<TlsFiles>,
     /// The API v2 keyspace to work in, or none (API v1: the cluster's whole key space).
     pub keyspace: Option<String>,
+    /// The UDP address this handle's nudge socket listens on (the port 0: any free one), or
+    /// none to turn nudges off: workers in other processes then see new work at their next
+    /// poll. See "Waking workers in other processes" in [`crate::queue`].
+    pub nudge_bind: Option<std::net::SocketAddr>,
+    /// The address other processes send nudges to (its port is the bound one); by default the
+    /// address of the interface this host reaches the first PD endpoint through.
+    pub nudge_advertise: Option<std::net::IpAddr>,
 }
 
 impl Default for TiKVOptions {
@@ -150,6 +157,8 @@ impl Default for TiKVOptions {
             connect_timeout: Duration::from_secs(10),
             tls: None,
             keyspace: None,
+            nudge_bind: Some((std::net::Ipv4Addr::UNSPECIFIED, 0).into()),
+            nudge_advertise: None,
         }
     }
 }
@@ -186,6 +195,24 @@ impl TiKVOptions {
     /// [Keyspaces](self#keyspaces) for what differs (garbage collection).
     pub fn keyspace(mut self, name: impl Into<String>) -> Self {
         self.keyspace = Some(name.into());
+        self
+    }
+
+    /// Listens for nudges on `address` (for example a fixed port a firewall lets through).
+    pub fn nudge_bind(mut self, address: std::net::SocketAddr) -> Self {
+        self.nudge_bind = Some(address);
+        self
+    }
+
+    /// Tells other processes to send nudges to `ip` (behind NAT, or with several interfaces).
+    pub fn nudge_advertise(mut self, ip: std::net::IpAddr) -> Self {
+        self.nudge_advertise = Some(ip);
+        self
+    }
+
+    /// Turns nudges off: workers in other processes see new work at their next poll.
+    pub fn no_nudges(mut self) -> Self {
+        self.nudge_bind = None;
         self
     }
 }
@@ -403,13 +430,37 @@ impl TiKV {
                 ));
             }
         };
+        let extensions = engine::Extensions::new();
+        if let Some(bind) = options.nudge_bind {
+            let advertise = match options.nudge_advertise {
+                Some(ip) => ip,
+                None => {
+                    let probe = match joined.split(',').next() {
+                        Some(first) => tokio::net::lookup_host(
+                            first
+                                .trim()
+                                .trim_start_matches("http://")
+                                .trim_start_matches("https://"),
+                        )
+                        .await
+                        .ok()
+                        .and_then(|mut found| found.next()),
+                        None => None,
+                    };
+                    crate::event::nudge::advertised_ip(probe)
+                }
+            };
+            extensions
+                .get::<crate::event::nudge::Nudges>()
+                .configure(crate::event::nudge::NudgeConfig { bind, advertise });
+        }
         Ok(TiKV {
             client: Arc::new(client),
             partitions,
             retry: RetryPolicy::default(),
             endpoints: joined.into(),
             keyspace: options.keyspace.map(Into::into),
-            extensions: Arc::new(engine::Extensions::new()),
+            extensions: Arc::new(extensions),
         })
     }
 

@@ -14,6 +14,7 @@ use serde_json::Value;
 
 use crate::error::{TitoError, TitoResult};
 
+pub(crate) mod nudge;
 pub(crate) mod publish;
 pub(crate) mod readers;
 pub(crate) mod wake;

@@ -18,6 +18,15 @@ use crate::engine::{TitoEngine, TitoTransaction};
 /// The wake-ups of one queue on one store.
 #[derive(Debug, Default)]
 pub(crate) struct Wakeups {
+    /// The queue's root (its key prefix), and a hash of it (what nudges name it by).
+    root: String,
+    root_hash: u64,
+    /// The addresses of other processes' workers of this queue (see `nudge`).
+    peers: Mutex<super::nudge::Peers>,
+    /// Whether a worker of this process listens to nudges for the queue.
+    listen: super::nudge::Listen,
+    /// Where this store's nudges go out (set when the store has nudges on).
+    sender: std::sync::OnceLock<super::nudge::Sender>,
     /// The latest generation, and the generation of each partition's latest wake-up.
     state: Mutex<(u64, HashMap<u32, u64>)>,
     /// Wakes the workers waiting in [`Wakeups::changed_since`], in the order they began to
@@ -36,6 +45,64 @@ pub(crate) struct Wakeups {
 pub(crate) const RECENT_CANCELS: usize = 16_384;
 
 impl Wakeups {
+    fn new(root: &str) -> Self {
+        Wakeups {
+            root: root.to_string(),
+            root_hash: crate::keys::fnv1a(root.as_bytes()),
+            ..Wakeups::default()
+        }
+    }
+
+    /// The queue's root.
+    pub(crate) fn root(&self) -> &str {
+        &self.root
+    }
+
+    /// The other processes' listening addresses, as last read.
+    pub(crate) fn peers(&self) -> Arc<Vec<std::net::SocketAddr>> {
+        crate::util::lock(&self.peers).addresses()
+    }
+
+    /// Whether the addresses must be read again; `true` claims the read.
+    pub(crate) fn peers_stale(&self) -> bool {
+        crate::util::lock(&self.peers).stale_and_claim()
+    }
+
+    /// The addresses read (`None`: the read failed; read again at the next send).
+    pub(crate) fn set_peers(&self, addresses: Option<Vec<std::net::SocketAddr>>) {
+        crate::util::lock(&self.peers).set(addresses);
+    }
+
+    /// Sets where nudges go out (once).
+    pub(crate) fn set_sender(&self, sender: super::nudge::Sender) {
+        let _ = self.sender.set(sender);
+    }
+
+    /// Nudges the other processes' workers of the queue (`None`: a cancellation).
+    fn nudge(&self, partition: Option<u32>) {
+        if let Some(sender) = self.sender.get() {
+            sender.send(self.root_hash, &self.peers(), partition);
+        }
+    }
+
+    /// Marks that a worker of this process listens to the queue's nudges.
+    pub(crate) fn listen(&self, on: bool) {
+        self.listen.set(on);
+    }
+
+    /// Whether a worker of this process listens to the queue's nudges.
+    pub(crate) fn listening(&self) -> bool {
+        self.listen.get()
+    }
+
+    /// Another process committed a cancellation: workers check their running invocations.
+    pub(crate) fn cancel_elsewhere(&self) {
+        self.cancels
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        crate::util::lock(&self.state).0 += 1;
+        self.notify.notify_waiters();
+    }
+
     /// How many cancellations of this queue committed in this process: a worker whose count
     /// is behind checks its running invocations at once.
     pub(crate) fn cancels(&self) -> u64 {
@@ -70,6 +137,7 @@ impl Wakeups {
                 .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
             crate::util::lock(&wakeups.state).0 += 1;
             wakeups.notify.notify_waiters();
+            wakeups.nudge(None);
         }));
     }
 
@@ -124,21 +192,38 @@ impl Wakeups {
     /// Wakes `partition` once `tx` has committed.
     pub(crate) fn wake_after_commit<X: TitoTransaction>(self: &Arc<Self>, tx: &X, partition: u32) {
         let wakeups = self.clone();
-        tx.after_commit(Box::new(move || wakeups.wake(partition)));
+        tx.after_commit(Box::new(move || {
+            wakeups.wake(partition);
+            wakeups.nudge(Some(partition));
+        }));
     }
 }
 
 /// Every queue's wake-ups on one store.
-#[derive(Default)]
-struct StoreWakeups(Mutex<HashMap<String, Arc<Wakeups>>>);
+#[derive(Debug, Default)]
+pub(crate) struct StoreWakeups(Mutex<HashMap<String, Arc<Wakeups>>>);
+
+impl StoreWakeups {
+    /// The wake-ups of the queue whose root hashes to `hash`.
+    pub(crate) fn by_hash(&self, hash: u64) -> Option<Arc<Wakeups>> {
+        crate::util::lock(&self.0)
+            .values()
+            .find(|wakeups| wakeups.root_hash == hash)
+            .cloned()
+    }
+}
 
 /// The wake-ups of the queue at `root` on store `db`.
+/// On a store with nudges, commits that wake its workers nudge other processes' workers too,
+/// and the list of those is read again when stale ([`super::nudge::prepare`]).
 pub(crate) fn wakeups<E: TitoEngine>(db: &E, root: &str) -> Arc<Wakeups> {
     let all = db.extensions().get::<StoreWakeups>();
-    crate::util::lock(&all.0)
+    let wakeups = crate::util::lock(&all.0)
         .entry(root.to_string())
-        .or_default()
-        .clone()
+        .or_insert_with(|| Arc::new(Wakeups::new(root)))
+        .clone();
+    super::nudge::prepare(db, &wakeups);
+    wakeups
 }
 
 /// The wake-ups of the queue at `root` on store `db`, only if something asked for them already

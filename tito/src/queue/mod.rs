@@ -99,6 +99,9 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+pub use crate::event::nudge::{
+    NUDGE_EXPIRY, NUDGE_REFRESH, NudgeFigures, PEERS_FRESH, RECEIVE_RATE, figures as nudge_figures,
+};
 use crate::event::publish::{check_meta, forget_event_id};
 pub use crate::event::{
     MAX_OWNER_BYTES, MAX_QUEUE_EVENT_BYTES, MAX_URGENCY, ModelEvent, Published, QueueEvent,
@@ -498,6 +501,7 @@ impl<E: TitoEngine> Queue<E> {
         let bytes = stored.to_bytes()?;
         let unique = unique::Keyed::of(unique, &stored)?;
         self.check_config()?;
+        crate::event::nudge::prepare(&self.db, &self.wakeups);
         let root = self.root.clone();
         let partitions = self.config.partitions;
         let known = self.meta_known.load(Ordering::Relaxed);
@@ -547,6 +551,7 @@ impl<E: TitoEngine> Queue<E> {
         let stored = StoredEvent::from_event(event)?;
         let bytes = stored.to_bytes()?;
         let unique = unique::Keyed::of(unique, &stored)?;
+        crate::event::nudge::prepare(&self.db, &self.wakeups);
         // Reads first, then every write checked and buffered together: an error leaves nothing
         // of this publication in the caller's transaction.
         let mut writes = engine::Writes::default();

@@ -570,6 +570,7 @@ where
         leases.holder(),
     );
     let mut reporter = report::Reporter::new(leases.id());
+    let mut listening = crate::event::nudge::Registration::new(leases.id());
     pulling.figures = reporter.figures.clone();
     // Invocations handed to handlers and not yet settled (running, or outcome not committed),
     // with their partitions: the partitions that cannot be released yet.
@@ -584,6 +585,9 @@ where
         let busy: HashSet<u32> = in_flight.values().copied().collect();
         leases.tick(&busy, stopping).await;
         reporter.write_if_due(&queue).await;
+        if !stopping {
+            listening.write_if_due(queue.engine(), &queue.wakeups).await;
+        }
         stopping = stopping || stop.requested();
         if !stopping {
             pulling.sync(leases.runnable());
@@ -668,6 +672,7 @@ where
     let _ = stop_maintenance.send(true);
     maintenance.join_within(MAINTENANCE_DRAIN).await;
     leases.release_all().await;
+    listening.remove(queue.engine(), &queue.wakeups).await;
     reporter.write(&queue, true).await;
     Ok(())
 }
