@@ -53,7 +53,10 @@ async fn listening_address(db: &TiKV) -> std::net::SocketAddr {
             let value: serde_json::Value = serde_json::from_slice(value).unwrap();
             return value["address"].as_str().unwrap().parse().unwrap();
         }
-        assert!(Instant::now() < deadline, "the worker never wrote its nudge address");
+        assert!(
+            Instant::now() < deadline,
+            "the worker never wrote its nudge address"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }

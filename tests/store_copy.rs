@@ -615,6 +615,8 @@ fn holder_keys_are_told_from_the_rest() {
         "queue:running:all:0001",
         "queue@mail:running:key:k:0000",
         "queue@mail:lease:0000",
+        "queue:nudge:w1",
+        "queue@mail:nudge:w2",
         "inbox-lease:email_job:j1",
     ] {
         assert!(is_holder_key(key.as_bytes()), "{key}");
@@ -627,6 +629,7 @@ fn holder_keys_are_told_from_the_rest() {
         "queue:paused:all",
         "table:lease:1",
         "kv:queue:lease",
+        "queue@nudge:meta",
         "queue",
     ] {
         assert!(!is_holder_key(key.as_bytes()), "{key}");
