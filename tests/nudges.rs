@@ -103,7 +103,8 @@ async fn a_commit_in_one_process_starts_work_in_another_without_a_poll() {
     round_trips(&ctx.db, &mut starts, 0, 20).await;
     let received = tito::queue::nudge_figures(&worker_side);
     assert!(received.received >= 20, "{received:?}");
-    assert!(tito::queue::nudge_figures(&ctx.db).sent >= 20);
+    // Datagrams: nudges queued together share one.
+    assert!(tito::queue::nudge_figures(&ctx.db).sent > 0);
     workers.shutdown().await.unwrap();
     // A stopped worker takes its address out of the store.
     let tx = ctx.db.begin().await.unwrap();

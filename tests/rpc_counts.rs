@@ -87,7 +87,7 @@ async fn tikv_model_operations_cost_the_counted_requests() {
     for split in ["index:", "reverse-index:", "schema:", "table:", "unique:"] {
         cluster.split(split);
     }
-    let db = TiKV::connect(cluster.pd_endpoints()).await.unwrap();
+    let db = counted_handle(&cluster).await;
     let users = db.clone().model::<User>();
     // First use: the catalog is registered, then every operation runs warm.
     users.build(user(0, "core")).await.unwrap();
@@ -358,7 +358,7 @@ async fn tikv_queue_outcomes_cost_the_counted_requests() {
     ] {
         cluster.split(split);
     }
-    let db = TiKV::connect(cluster.pd_endpoints()).await.unwrap();
+    let db = counted_handle(&cluster).await;
     // Keys of events that land in partition 0 and in partition 1.
     let in_partition = |p: u32, n: usize, tag: &str| -> Vec<String> {
         (0..)
@@ -480,7 +480,7 @@ async fn tikv_a_limited_start_costs_one_gate_and_one_release_commit() {
     use tito::queue::{Limits, Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, WorkerConfig};
 
     let cluster = TestCluster::start().await.unwrap();
-    let db = TiKV::connect(cluster.pd_endpoints()).await.unwrap();
+    let db = counted_handle(&cluster).await;
     let mut counted = Vec::new();
     for (topic, limits) in [
         ("plain", Limits::none()),
@@ -545,4 +545,18 @@ async fn tikv_a_limited_start_costs_one_gate_and_one_release_commit() {
     assert_eq!(plain, (Some(3), Some(5)), "{counted:?}");
     assert_eq!(limited, (Some(5), Some(8)), "{counted:?}");
     assert_eq!(both.0, Some(5), "{counted:?}");
+}
+
+/// A handle whose requests are counted per operation: without nudges (a worker writes its
+/// address every 5 s, not per invocation) and without the once-a-second read of the moved
+/// marker (one `KvGet` a second per process, not per operation).
+async fn counted_handle(cluster: &tito_tikv_test_server::TestCluster) -> TiKV {
+    let db = TiKV::connect_with(
+        cluster.pd_endpoints(),
+        tito::backend::tikv::TiKVOptions::default().no_nudges(),
+    )
+    .await
+    .unwrap();
+    db.pause_moved_checks();
+    db
 }

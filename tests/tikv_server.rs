@@ -275,8 +275,11 @@ async fn a_killed_server_fails_the_transaction_instead_of_hanging() {
     // The bound is generous: the client backs off and retries before it gives up.
     let outcome = tokio::time::timeout(Duration::from_secs(60), tx.commit()).await;
     let err = outcome.expect("the commit gave up").unwrap_err();
+    // Unknown when the commit was sent; a plain failure when the check of the moved marker
+    // that precedes it (once a second) could not reach the cluster, and nothing was sent.
     assert!(
-        matches!(err, TitoError::CommitOutcomeUnknown { .. }),
+        matches!(err, TitoError::CommitOutcomeUnknown { .. })
+            || matches!(&err, TitoError::Storage { message, .. } if message.contains("timestamp") || message.contains("moved marker")),
         "got {err:?}"
     );
     // Nothing was applied.

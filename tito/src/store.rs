@@ -517,6 +517,8 @@ pub async fn migrate<S: TitoEngine, D: TitoEngine>(
             shown.pass = this;
             progress(&shown);
         };
+        // Shown once as the pass starts, so a pass with nothing to copy is seen too.
+        report_progress(&CopyProgress::default());
         let report = match tracked {
             Some(Tracked::Keys(keys)) => {
                 copy_keys(from, to, keys, &options.copy, &mut report_progress).await?

@@ -20,13 +20,13 @@
 
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use super::wake::{StoreWakeups, Wakeups};
+use super::wake::{KIND_CANCEL, KIND_WORK, Outgoing, Sender, StoreWakeups, Wakeups};
 use crate::engine::{TitoEngine, TitoTransaction, version_millis};
 use crate::error::TitoResult;
 
@@ -36,8 +36,7 @@ pub const NUDGE_REFRESH: Duration = Duration::from_secs(5);
 /// How long after its last write a worker's nudge address is used.
 pub const NUDGE_EXPIRY: Duration = Duration::from_secs(30);
 
-/// How old a process's list of a queue's listening addresses may be when it sends.
-pub const PEERS_FRESH: Duration = Duration::from_secs(1);
+pub use super::wake::PEERS_FRESH;
 
 /// How many nudge entries a store's socket accepts per second (a token bucket of as many).
 pub const RECEIVE_RATE: u64 = 2000;
@@ -47,8 +46,6 @@ const ENTRIES_PER_DATAGRAM: usize = 64;
 
 const MAGIC: &[u8; 4] = b"TNu1";
 const ENTRY: usize = 8 + 1 + 4;
-const KIND_WORK: u8 = 0;
-const KIND_CANCEL: u8 = 1;
 
 /// Nudges of one store: its configuration (set by the engine), its socket once opened, what
 /// it sent and received.
@@ -73,22 +70,6 @@ struct Socket {
     address: SocketAddr,
     out: tokio::sync::mpsc::Sender<Outgoing>,
     figures: Arc<TaskFigures>,
-}
-
-#[derive(Debug)]
-struct Outgoing {
-    peers: Arc<Vec<SocketAddr>>,
-    root_hash: u64,
-    kind: u8,
-    partition: u32,
-}
-
-/// What a process knows of the workers listening to one queue.
-#[derive(Debug, Default)]
-pub(crate) struct Peers {
-    addresses: Arc<Vec<SocketAddr>>,
-    read_at: Option<Instant>,
-    reading: bool,
 }
 
 /// A worker's nudge address as stored.
@@ -397,35 +378,13 @@ fn socket_address<E: TitoEngine>(db: &E) -> Option<SocketAddr> {
     nudges.socket(&wakeups).map(|socket| socket.address)
 }
 
-/// Where a store's nudges go out: its socket's queue.
-#[derive(Clone, Debug)]
-pub(crate) struct Sender {
-    out: tokio::sync::mpsc::Sender<Outgoing>,
-}
-
-impl Sender {
-    /// Queues a nudge of the queue `root_hash` (`None`: a cancellation) to `peers`. A full
-    /// queue drops it: the receivers poll as they would without it.
-    pub(crate) fn send(
-        &self,
-        root_hash: u64,
-        peers: &Arc<Vec<SocketAddr>>,
-        partition: Option<u32>,
-    ) {
-        if peers.is_empty() {
-            return;
-        }
-        let (kind, partition) = match partition {
-            Some(partition) => (KIND_WORK, partition),
-            None => (KIND_CANCEL, 0),
-        };
-        let _ = self.out.try_send(Outgoing {
-            peers: peers.clone(),
-            root_hash,
-            kind,
-            partition,
-        });
-    }
+/// The wake-ups of the queue at `root` on store `db`, shared by every handle and writer of
+/// the queue in this process. On a store with nudges, commits that wake its workers nudge other
+/// processes' workers too, and the list of those is read again when stale ([`prepare`]).
+pub(crate) fn wakeups<E: TitoEngine>(db: &E, root: &str) -> Arc<Wakeups> {
+    let wakeups = super::wake::local_wakeups(db, root);
+    prepare(db, &wakeups);
+    wakeups
 }
 
 /// On a store with nudges on: opens its socket (once), lets `wakeups` send through it, and
@@ -475,42 +434,6 @@ fn refresh_peers<E: TitoEngine>(db: &E, wakeups: &Arc<Wakeups>, own: SocketAddr)
         .await;
         wakeups.set_peers(read.ok());
     });
-}
-
-impl Peers {
-    pub(crate) fn stale_and_claim(&mut self) -> bool {
-        if self.reading || self.read_at.is_some_and(|at| at.elapsed() < PEERS_FRESH) {
-            return false;
-        }
-        self.reading = true;
-        true
-    }
-
-    pub(crate) fn set(&mut self, addresses: Option<Vec<SocketAddr>>) {
-        self.reading = false;
-        if let Some(addresses) = addresses {
-            self.addresses = Arc::new(addresses);
-            self.read_at = Some(Instant::now());
-        }
-    }
-
-    pub(crate) fn addresses(&self) -> Arc<Vec<SocketAddr>> {
-        self.addresses.clone()
-    }
-}
-
-/// Whether this process's workers listen to nudges on the queue (`true` once one registered).
-#[derive(Debug, Default)]
-pub(crate) struct Listen(AtomicBool);
-
-impl Listen {
-    pub(crate) fn set(&self, on: bool) {
-        self.0.store(on, Ordering::Relaxed);
-    }
-
-    pub(crate) fn get(&self) -> bool {
-        self.0.load(Ordering::Relaxed)
-    }
 }
 
 /// The address other processes reach this host at, towards `probe` (the route the system

@@ -9,7 +9,10 @@
 //! other's.
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use tokio::sync::Notify;
 
@@ -22,11 +25,11 @@ pub(crate) struct Wakeups {
     root: String,
     root_hash: u64,
     /// The addresses of other processes' workers of this queue (see `nudge`).
-    peers: Mutex<super::nudge::Peers>,
+    peers: Mutex<Peers>,
     /// Whether a worker of this process listens to nudges for the queue.
-    listen: super::nudge::Listen,
+    listen: Listen,
     /// Where this store's nudges go out (set when the store has nudges on).
-    sender: std::sync::OnceLock<super::nudge::Sender>,
+    sender: std::sync::OnceLock<Sender>,
     /// The latest generation, and the generation of each partition's latest wake-up.
     state: Mutex<(u64, HashMap<u32, u64>)>,
     /// Wakes the workers waiting in [`Wakeups::changed_since`], in the order they began to
@@ -74,7 +77,7 @@ impl Wakeups {
     }
 
     /// Sets where nudges go out (once).
-    pub(crate) fn set_sender(&self, sender: super::nudge::Sender) {
+    pub(crate) fn set_sender(&self, sender: Sender) {
         let _ = self.sender.set(sender);
     }
 
@@ -214,16 +217,14 @@ impl StoreWakeups {
 }
 
 /// The wake-ups of the queue at `root` on store `db`.
-/// On a store with nudges, commits that wake its workers nudge other processes' workers too,
-/// and the list of those is read again when stale ([`super::nudge::prepare`]).
-pub(crate) fn wakeups<E: TitoEngine>(db: &E, root: &str) -> Arc<Wakeups> {
+/// The wake-ups of the queue at `root` on store `db`, without nudges (see
+/// `super::nudge::wakeups`, which every writer uses).
+pub(crate) fn local_wakeups<E: TitoEngine>(db: &E, root: &str) -> Arc<Wakeups> {
     let all = db.extensions().get::<StoreWakeups>();
-    let wakeups = crate::util::lock(&all.0)
+    crate::util::lock(&all.0)
         .entry(root.to_string())
         .or_insert_with(|| Arc::new(Wakeups::new(root)))
-        .clone();
-    super::nudge::prepare(db, &wakeups);
-    wakeups
+        .clone()
 }
 
 /// The wake-ups of the queue at `root` on store `db`, only if something asked for them already
@@ -236,6 +237,98 @@ pub(crate) fn existing_wakeups<E: TitoEngine>(db: &E, root: &str) -> Option<Arc<
 /// The wake-ups key of a table whose new rows an inbox subscription waits for.
 pub(crate) fn table_rows(table: &str) -> String {
     format!("rows of {table}")
+}
+
+// What nudges need of each queue's wake-ups (`super::nudge` sends and receives them).
+
+/// How old a process's list of a queue's listening addresses may be when it sends.
+pub const PEERS_FRESH: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// A nudge's kinds: new work in a partition, or a cancellation.
+pub(crate) const KIND_WORK: u8 = 0;
+pub(crate) const KIND_CANCEL: u8 = 1;
+
+#[derive(Debug)]
+pub(crate) struct Outgoing {
+    pub(crate) peers: Arc<Vec<SocketAddr>>,
+    pub(crate) root_hash: u64,
+    pub(crate) kind: u8,
+    pub(crate) partition: u32,
+}
+
+/// What a process knows of the workers listening to one queue.
+#[derive(Debug, Default)]
+pub(crate) struct Peers {
+    addresses: Arc<Vec<SocketAddr>>,
+    read_at: Option<Instant>,
+    reading: bool,
+}
+
+impl Peers {
+    pub(crate) fn stale_and_claim(&mut self) -> bool {
+        if self.reading || self.read_at.is_some_and(|at| at.elapsed() < PEERS_FRESH) {
+            return false;
+        }
+        self.reading = true;
+        true
+    }
+
+    pub(crate) fn set(&mut self, addresses: Option<Vec<SocketAddr>>) {
+        self.reading = false;
+        if let Some(addresses) = addresses {
+            self.addresses = Arc::new(addresses);
+            self.read_at = Some(Instant::now());
+        }
+    }
+
+    pub(crate) fn addresses(&self) -> Arc<Vec<SocketAddr>> {
+        self.addresses.clone()
+    }
+}
+
+/// Whether this process's workers listen to nudges on the queue (`true` once one registered).
+#[derive(Debug, Default)]
+pub(crate) struct Listen(AtomicBool);
+
+impl Listen {
+    pub(crate) fn set(&self, on: bool) {
+        self.0.store(on, Ordering::Relaxed);
+    }
+
+    pub(crate) fn get(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// Where a store's nudges go out: its socket's queue.
+#[derive(Clone, Debug)]
+pub(crate) struct Sender {
+    pub(crate) out: tokio::sync::mpsc::Sender<Outgoing>,
+}
+
+impl Sender {
+    /// Queues a nudge of the queue `root_hash` (`None`: a cancellation) to `peers`. A full
+    /// queue drops it: the receivers poll as they would without it.
+    pub(crate) fn send(
+        &self,
+        root_hash: u64,
+        peers: &Arc<Vec<SocketAddr>>,
+        partition: Option<u32>,
+    ) {
+        if peers.is_empty() {
+            return;
+        }
+        let (kind, partition) = match partition {
+            Some(partition) => (KIND_WORK, partition),
+            None => (KIND_CANCEL, 0),
+        };
+        let _ = self.out.try_send(Outgoing {
+            peers: peers.clone(),
+            root_hash,
+            kind,
+            partition,
+        });
+    }
 }
 
 #[cfg(test)]
@@ -282,7 +375,7 @@ mod tests {
         // Another handle of the same queue shares the wake-ups; another queue does not.
         let twin = Queue::new(db.clone(), QueueConfig::new(1, Duration::from_secs(60)));
         assert!(Arc::ptr_eq(&wakeups, &twin.wakeups));
-        let notes = super::wakeups(&db, &crate::keys::queue_root(Some("notes")));
+        let notes = super::local_wakeups(&db, &crate::keys::queue_root(Some("notes")));
         assert!(!Arc::ptr_eq(&wakeups, &notes));
 
         // In a caller's transaction: nothing before the commit, the partition after it.

@@ -124,7 +124,7 @@ where
     // New rows of the table written in this process wake the subscription after their commit
     // (rows written elsewhere are found by the next claim, within `max_idle`).
     let new_rows =
-        crate::event::wake::wakeups(&inbox.db, &crate::event::wake::table_rows(&inbox.table));
+        crate::event::nudge::wakeups(&inbox.db, &crate::event::wake::table_rows(&inbox.table));
     loop {
         // Read before the claim: a row committed between the claim and the wait is not missed.
         let seen = new_rows.generation();

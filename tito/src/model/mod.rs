@@ -863,7 +863,7 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
     /// Wakes this process's workers of each (queue root, partition) once `tx` commits.
     fn wake_after_commit(&self, tx: &E::Transaction, wakes: Vec<(String, u32)>) {
         for (root, partition) in wakes {
-            crate::event::wake::wakeups(&self.db, &root).wake_after_commit(tx, partition);
+            crate::event::nudge::wakeups(&self.db, &root).wake_after_commit(tx, partition);
         }
     }
 

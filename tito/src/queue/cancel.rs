@@ -103,7 +103,7 @@ async fn cancel_under<E: TitoEngine>(db: &E, root: &str, id: &str, why: &str) ->
         return Err(TitoError::invalid_argument("an event id is empty"));
     }
     let id_key = keys::event_id_key(root, id);
-    let wakeups = crate::event::wake::wakeups(db, root);
+    let wakeups = crate::event::nudge::wakeups(db, root);
     let (root, why) = (root.to_string(), why.to_string());
     let cancelled = db
         .transaction(|tx| {
@@ -142,7 +142,7 @@ async fn cancel_owner_under<E: TitoEngine>(
         keys::OWNER_PENDING
     );
     let end = keys::prefix_end(prefix.clone());
-    let wakeups = crate::event::wake::wakeups(db, root);
+    let wakeups = crate::event::nudge::wakeups(db, root);
     // A batch is one transaction. Workers complete and lock rows of the same owner meanwhile,
     // and a large transaction loses every race against them: a batch whose transaction keeps
     // conflicting is halved (down to one row, which conflicts only with the worker completing

@@ -149,7 +149,7 @@ async fn remove_dead<X: TitoTransaction>(
 
 async fn retry_dead_under<E: TitoEngine>(db: &E, root: &str, id: &str) -> TitoResult<bool> {
     let (root, id) = (root.to_string(), id.to_string());
-    let wakeups = crate::event::wake::wakeups(db, &root);
+    let wakeups = crate::event::nudge::wakeups(db, &root);
     db.transaction(|tx| {
         let (root, id, wakeups) = (root.clone(), id.clone(), wakeups.clone());
         async move {

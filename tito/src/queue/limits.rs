@@ -1080,7 +1080,7 @@ const RESTORE_BATCH: usize = 256;
 /// moved follows the new one (the gate moves it again if the new limit still refuses it).
 /// Returns how many rows moved back.
 async fn restore_moved<E: TitoEngine>(db: &E, root: &str) -> TitoResult<usize> {
-    let wakeups = crate::event::wake::wakeups(db, root);
+    let wakeups = crate::event::nudge::wakeups(db, root);
     let prefix = keys::moved_prefix(root);
     let end = keys::prefix_end(prefix.clone());
     let root = root.to_string();

@@ -367,7 +367,7 @@ impl<E: TitoEngine> Queue<E> {
         let root = keys::queue_root(config.topic.as_deref());
         Queue {
             label: crate::telemetry::queue_label(config.topic.as_deref()),
-            wakeups: crate::event::wake::wakeups(&db, &root),
+            wakeups: crate::event::nudge::wakeups(&db, &root),
             db,
             config,
             root,

@@ -164,7 +164,7 @@ async fn resume_under<E: TitoEngine>(
     partition: Option<u32>,
 ) -> TitoResult<bool> {
     let key = keys::paused_key(root, partition);
-    let wakeups = crate::event::wake::wakeups(db, root);
+    let wakeups = crate::event::nudge::wakeups(db, root);
     let owned_root = root.to_string();
     let resumed = db
         .transaction(|tx| {
