@@ -117,6 +117,79 @@ pub struct Admin<E: TitoEngine> {
     auditors: BTreeMap<String, Arc<dyn Auditor>>,
     authorize: Option<Hook>,
     backups: Option<PathBuf>,
+    commands: Option<(Token, Arc<dyn Commands>)>,
+}
+
+/// The version of the JSON API this router serves under `/api/v1/` (and, unversioned, under
+/// `/api/`): fields are only ever added within a version; a change that removes or changes one
+/// gets a new version, served beside this one.
+pub const API_VERSION: u32 = 1;
+
+/// The shortest token [`Admin::commands`] accepts, in bytes.
+pub const MIN_TOKEN_LEN: usize = 16;
+
+/// Runs `tito` command lines in the application's process, for `tito --url`
+/// (`tito_cli::Tool::commands` makes one with the application's models).
+pub trait Commands: Send + Sync + 'static {
+    /// Runs one command line (the words after `tito`, as the operator typed them, without
+    /// the token); never panics on bad input: a line the tool does not parse is a reply with
+    /// exit status 2.
+    fn run(&self, args: Vec<String>) -> futures::future::BoxFuture<'_, CommandReply>;
+}
+
+/// What a command line run through [`Commands`] printed, and its exit status (0 done, 1
+/// failed, 2 bad usage), as `POST /api/v1/command` answers it.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct CommandReply {
+    /// The exit status `tito` exits with.
+    pub exit: u8,
+    /// What it printed on standard output.
+    pub stdout: String,
+    /// What it printed on standard error (the reason of a failure).
+    pub stderr: String,
+}
+
+/// `POST /api/v1/command`'s body.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct CommandRequest {
+    /// The command line's words after `tito`.
+    pub args: Vec<String>,
+}
+
+/// `GET /api/v1`: what this router serves.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ApiInfo {
+    /// [`API_VERSION`].
+    pub api: u32,
+    /// This crate's version.
+    pub tito_admin: String,
+    /// Whether `POST /api/v1/command` runs command lines ([`Admin::commands`]).
+    pub commands: bool,
+}
+
+/// The application's secret for `tito --url`: compared in constant time, never logged.
+#[derive(Clone)]
+struct Token(Arc<[u8]>);
+
+impl Token {
+    /// Whether `request` carries this token as `Authorization: Bearer TOKEN`.
+    fn admits(&self, request: &Request) -> bool {
+        let Some(given) = request
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+        else {
+            return false;
+        };
+        let mine = &self.0[..];
+        // Every byte compared whatever the first difference, so the time taken says nothing
+        // about how much of a guess was right.
+        let mut differ = (given.len() != mine.len()) as u8;
+        for (i, byte) in mine.iter().enumerate() {
+            differ |= byte ^ given.get(i).copied().unwrap_or(!byte);
+        }
+        differ == 0
+    }
 }
 
 /// One action taken through the router.
@@ -142,6 +215,7 @@ struct Inner<E: TitoEngine> {
     actions: Mutex<VecDeque<ActionRecord>>,
     backups: Option<PathBuf>,
     backup: Mutex<BackupStatus>,
+    commands: Option<(Token, Arc<dyn Commands>)>,
 }
 
 /// The dashboard's backups: where they go, the running one, the last one.
@@ -182,7 +256,40 @@ impl<E: TitoEngine> Admin<E> {
             auditors: BTreeMap::new(),
             authorize: None,
             backups: None,
+            commands: None,
         }
+    }
+
+    /// Lets operators run `tito` commands against this store from another process or host:
+    /// `tito --url http://HOST:PORT/tito --token TOKEN queue stats` (or `TITO_TOKEN` in the
+    /// environment) posts the command line to `POST /api/v1/command`, and `runner` (from
+    /// `tito_cli::Tool::new().model::<User>().commands(db)`) runs it here, with the same
+    /// messages, confirmations and exit statuses as on a store path. Every request that carries
+    /// `Authorization: Bearer TOKEN` is served from any peer (reads of the JSON API too); the
+    /// command endpoint serves nothing else, not even loopback peers. Send the token over a
+    /// network you trust or through TLS you terminate in front of the router: `tito --url`
+    /// speaks plain HTTP.
+    ///
+    /// # Errors
+    ///
+    /// A token shorter than [`MIN_TOKEN_LEN`] bytes, or with a byte a header cannot carry
+    /// (a control character, a space at either end).
+    pub fn commands(mut self, token: &str, runner: Arc<dyn Commands>) -> Result<Self, TitoError> {
+        if token.len() < MIN_TOKEN_LEN {
+            return Err(TitoError::invalid_argument(format!(
+                "the admin token is {} bytes long: give at least {MIN_TOKEN_LEN} (a random one, \
+                 such as the output of `openssl rand -hex 16`)",
+                token.len()
+            )));
+        }
+        if token.trim() != token || token.bytes().any(|b| b.is_ascii_control() || !b.is_ascii()) {
+            return Err(TitoError::invalid_argument(
+                "the admin token must be printable ASCII without spaces at its ends (it travels \
+                 in an HTTP header)",
+            ));
+        }
+        self.commands = Some((Token(token.as_bytes().into()), runner));
+        Ok(self)
     }
 
     /// Lets operators back the store up from the dashboard (`POST /backup`): each backup is a
@@ -267,20 +374,29 @@ impl<E: TitoEngine> Admin<E> {
                 ..BackupStatus::default()
             }),
             backups: self.backups,
+            commands: self.commands,
         });
-        Router::new()
+        let mut router = Router::new()
             .route("/", get(overview_page::<E>))
-            .route("/api/overview", get(overview_json::<E>))
             .route("/queue", get(queue_page::<E>))
-            .route("/api/queue", get(queue_json::<E>))
             .route("/inbox", get(inbox_page::<E>))
-            .route("/api/inbox", get(inbox_json::<E>))
             .route("/table", get(table_page::<E>))
-            .route("/api/table", get(table_json::<E>))
             .route("/kv", get(kv_page::<E>))
-            .route("/api/kv", get(kv_json::<E>))
             .route("/actions", get(actions_page::<E>))
-            .route("/api/actions", get(actions_json::<E>))
+            .route("/api/v1", get(api_info::<E>))
+            .route("/api/v1/command", post(command::<E>));
+        // The JSON API: versioned, and unversioned as it was first served (the same answers).
+        for prefix in ["/api", "/api/v1"] {
+            router = router
+                .route(&format!("{prefix}/overview"), get(overview_json::<E>))
+                .route(&format!("{prefix}/queue"), get(queue_json::<E>))
+                .route(&format!("{prefix}/inbox"), get(inbox_json::<E>))
+                .route(&format!("{prefix}/table"), get(table_json::<E>))
+                .route(&format!("{prefix}/kv"), get(kv_json::<E>))
+                .route(&format!("{prefix}/actions"), get(actions_json::<E>))
+                .route(&format!("{prefix}/backup"), get(backup_json::<E>));
+        }
+        router
             .route("/erase-owner", post(erase_owner::<E>))
             .route("/requeue", post(requeue::<E>))
             .route("/dead-retry", post(dead_retry::<E>))
@@ -288,7 +404,6 @@ impl<E: TitoEngine> Admin<E> {
             .route("/queue-action", post(queue_action::<E>))
             .route("/audit", post(audit::<E>))
             .route("/backup", get(backup_page::<E>).post(backup::<E>))
-            .route("/api/backup", get(backup_json::<E>))
             .layer(middleware::from_fn_with_state(state.clone(), guard::<E>))
             .with_state(state)
     }
@@ -325,10 +440,19 @@ async fn guard<E: TitoEngine>(
     request: Request,
     next: Next,
 ) -> Response {
-    let allowed = match &state.authorize {
-        Some(hook) => hook(&request),
-        None => peer(&request).is_some_and(|p| p.ip().is_loopback()),
-    };
+    let token = state
+        .commands
+        .as_ref()
+        .is_some_and(|(token, _)| token.admits(&request));
+    if request.uri().path().ends_with("/api/v1/command") && !token {
+        // Runs every operator action: the token only, whoever the peer is.
+        return command_refusal(&state, &request);
+    }
+    let allowed = token
+        || match &state.authorize {
+            Some(hook) => hook(&request),
+            None => peer(&request).is_some_and(|p| p.ip().is_loopback()),
+        };
     if !allowed && state.authorize.is_none() && peer(&request).is_none() {
         tracing::warn!(target: "tito_admin", path = %request.uri().path(), "admin request refused: the peer address is unknown");
         return (
@@ -1563,4 +1687,75 @@ async fn backup<E: TitoEngine>(
             run.path
         ),
     )))
+}
+
+// ---------------------------------------------------------------------------------------------
+// The versioned API and `tito --url`
+// ---------------------------------------------------------------------------------------------
+
+async fn api_info<E: TitoEngine>(State(state): State<Arc<Inner<E>>>) -> Json<ApiInfo> {
+    Json(ApiInfo {
+        api: API_VERSION,
+        tito_admin: env!("CARGO_PKG_VERSION").to_string(),
+        commands: state.commands.is_some(),
+    })
+}
+
+/// A JSON error: `{"error": message}` with `status`.
+fn json_error(status: StatusCode, message: &str) -> Response {
+    (status, Json(serde_json::json!({ "error": message }))).into_response()
+}
+
+/// Why a command request without the right token is refused.
+fn command_refusal<E: TitoEngine>(state: &Inner<E>, request: &Request) -> Response {
+    tracing::warn!(target: "tito_admin", peer = ?peer(request), "admin command refused: no valid token");
+    if state.commands.is_none() {
+        return json_error(
+            StatusCode::FORBIDDEN,
+            "this application's admin router runs no commands: it enables them with \
+             Admin::commands(token, tito_cli::Tool::new().commands(db))",
+        );
+    }
+    let given = request.headers().contains_key(header::AUTHORIZATION);
+    json_error(
+        StatusCode::UNAUTHORIZED,
+        if given {
+            "refused: the token is not this application's (tito --token TOKEN, or TITO_TOKEN in \
+             the environment)"
+        } else {
+            "refused: commands need the application's token (tito --token TOKEN, or TITO_TOKEN \
+             in the environment)"
+        },
+    )
+}
+
+async fn command<E: TitoEngine>(
+    State(state): State<Arc<Inner<E>>>,
+    Extension(Peer(peer)): Extension<Peer>,
+    body: axum::body::Bytes,
+) -> Response {
+    let Some((_, runner)) = &state.commands else {
+        return json_error(StatusCode::FORBIDDEN, "this router runs no commands");
+    };
+    let request: CommandRequest = match serde_json::from_slice(&body) {
+        Ok(request) => request,
+        Err(err) => {
+            return json_error(
+                StatusCode::BAD_REQUEST,
+                &format!("the body is not a command request ({{\"args\": [..]}}): {err}"),
+            );
+        }
+    };
+    let line = request.args.join(" ");
+    let reply = runner.run(request.args).await;
+    let result = match reply.exit {
+        0 => "done".to_string(),
+        status => format!(
+            "exit {status}: {}",
+            reply.stderr.lines().next().unwrap_or_default()
+        ),
+    };
+    tracing::info!(target: "tito_admin", peer = ?peer, command = %line, %result, "admin command");
+    state.record(peer, "command", line, result);
+    Json(reply).into_response()
 }

@@ -34,8 +34,16 @@ pub(crate) struct Cli {
 #[derive(Args)]
 pub(crate) struct StoreArgs {
     /// An embedded store's directory (no other process may hold it open).
-    #[arg(long, global = true, conflicts_with_all = ["pd", "keyspace", "tls_ca", "tls_cert", "tls_key"])]
+    #[arg(long, global = true, conflicts_with_all = ["pd", "keyspace", "tls_ca", "tls_cert", "tls_key", "url"])]
     pub(crate) path: Option<std::path::PathBuf>,
+    /// A running application's admin router (`http://HOST:PORT/tito`): the command runs in
+    /// that process, on its store (the application enables it with `Admin::commands`).
+    #[arg(long, global = true, value_name = "URL", conflicts_with_all = ["pd", "keyspace", "tls_ca", "tls_cert", "tls_key"])]
+    pub(crate) url: Option<String>,
+    /// With --url: the application's admin token (better: TITO_TOKEN in the environment, which
+    /// other users of this machine cannot read from the process list).
+    #[arg(long, global = true, value_name = "TOKEN", requires = "url")]
+    pub(crate) token: Option<String>,
     /// TiKV: PD endpoints, comma-separated (host:port).
     #[arg(long, global = true, value_delimiter = ',')]
     pub(crate) pd: Option<Vec<String>>,

@@ -40,6 +40,7 @@
 #![warn(missing_docs)]
 #![cfg_attr(not(test), warn(clippy::unwrap_used))]
 
+use std::any::Any;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -59,10 +60,12 @@ use tito_admin::InboxSource;
 
 mod cli;
 mod commands;
+mod remote;
 mod rerun;
 mod typing;
 
 use cli::{Cli, Command, KeysCommand, StoreCommand};
+use remote::Remote;
 use typing::{ModelOps, Typed, Typing};
 
 /// What a command failed with, as the user should read it.
@@ -77,6 +80,26 @@ impl From<TitoError> for Failure {
 /// What a command prints on success.
 pub(crate) type Outcome = Result<String, Failure>;
 
+/// How a command line that did not succeed ended: failed (exit status 1) or, as the
+/// application that ran it for `tito --url` said, misused (exit status 2, clap's text).
+#[derive(Debug)]
+pub(crate) enum Ended {
+    Failed(String),
+    Usage(String),
+}
+
+impl From<Failure> for Ended {
+    fn from(Failure(message): Failure) -> Self {
+        Ended::Failed(message)
+    }
+}
+
+impl From<TitoError> for Ended {
+    fn from(err: TitoError) -> Self {
+        Ended::Failed(err.to_string())
+    }
+}
+
 /// The command line, with the models and inboxes of an application registered.
 #[derive(Default)]
 pub struct Tool {
@@ -85,19 +108,36 @@ pub struct Tool {
     write_grace: Option<std::time::Duration>,
 }
 
-/// A model registered for both engines the tool can open.
+/// Makes a registered model's operations on a store of any engine the tool knows (`None`
+/// for an engine it does not).
+type MakeModel = Box<dyn Fn(&dyn Any) -> Option<Arc<dyn ModelOps>> + Send + Sync>;
+
+/// Makes a registered inbox model's source on a store, as [`MakeModel`].
+type MakeInbox = Box<dyn Fn(&dyn Any) -> Option<TitoResult<Arc<dyn InboxSource>>> + Send + Sync>;
+
+/// A model registered for every engine the tool can open.
 struct Registered {
     table: String,
-    embedded: Box<dyn Fn(Embedded) -> Arc<dyn ModelOps> + Send + Sync>,
-    #[cfg(feature = "tikv")]
-    tikv: Box<dyn Fn(TiKV) -> Arc<dyn ModelOps> + Send + Sync>,
+    make: MakeModel,
 }
 
 struct RegisteredInbox {
     table: String,
-    embedded: Box<dyn Fn(Embedded) -> TitoResult<Arc<dyn InboxSource>> + Send + Sync>,
-    #[cfg(feature = "tikv")]
-    tikv: Box<dyn Fn(TiKV) -> TitoResult<Arc<dyn InboxSource>> + Send + Sync>,
+    make: MakeInbox,
+}
+
+/// `T`'s operations on `db` when it is an `E` store.
+fn model_on<E: TitoEngine, T: TitoModelTrait>(db: &dyn Any) -> Option<Arc<dyn ModelOps>> {
+    let db = db.downcast_ref::<E>()?;
+    Some(Arc::new(Typed::<E, T>(db.clone().model::<T>())))
+}
+
+/// `M`'s inbox source on `db` when it is an `E` store.
+fn inbox_on<E: TitoEngine, M: InboxModel>(
+    db: &dyn Any,
+) -> Option<TitoResult<Arc<dyn InboxSource>>> {
+    let db = db.downcast_ref::<E>()?;
+    Some(Inbox::<_, M>::new(db.clone()).map(|inbox| tito_admin::inbox_source(Arc::new(inbox), &[])))
 }
 
 impl Tool {
@@ -110,9 +150,15 @@ impl Tool {
     pub fn model<T: TitoModelTrait>(mut self) -> Self {
         self.models.push(Registered {
             table: T::default().table(),
-            embedded: Box::new(|db| Arc::new(Typed::<Embedded, T>(db.model::<T>()))),
-            #[cfg(feature = "tikv")]
-            tikv: Box::new(|db| Arc::new(Typed::<TiKV, T>(db.model::<T>()))),
+            make: Box::new(|db| {
+                let made = model_on::<Embedded, T>(db)
+                    .or_else(|| model_on::<tito::backend::memory::Memory, T>(db));
+                #[cfg(feature = "tikv")]
+                let made = made.or_else(|| model_on::<TiKV, T>(db));
+                #[cfg(feature = "sqlite")]
+                let made = made.or_else(|| model_on::<tito::backend::sqlite::Sqlite, T>(db));
+                made
+            }),
         });
         self
     }
@@ -130,27 +176,66 @@ impl Tool {
     pub fn inbox<M: InboxModel>(mut self) -> Self {
         self.inboxes.push(RegisteredInbox {
             table: M::default().table(),
-            embedded: Box::new(|db| {
-                Ok(tito_admin::inbox_source(
-                    Arc::new(Inbox::<_, M>::new(db)?),
-                    &[],
-                ))
-            }),
-            #[cfg(feature = "tikv")]
-            tikv: Box::new(|db| {
-                Ok(tito_admin::inbox_source(
-                    Arc::new(Inbox::<_, M>::new(db)?),
-                    &[],
-                ))
+            make: Box::new(|db| {
+                let made = inbox_on::<Embedded, M>(db)
+                    .or_else(|| inbox_on::<tito::backend::memory::Memory, M>(db));
+                #[cfg(feature = "tikv")]
+                let made = made.or_else(|| inbox_on::<TiKV, M>(db));
+                #[cfg(feature = "sqlite")]
+                let made = made.or_else(|| inbox_on::<tito::backend::sqlite::Sqlite, M>(db));
+                made
             }),
         });
         self
     }
 
+    /// The runner of `tito --url` command lines for an application's admin router: mount it
+    /// with [`tito_admin::Admin::commands`], and operators run this tool's commands (with these
+    /// models and inboxes) against `db` from anywhere the router is reachable:
+    ///
+    /// ```no_run
+    /// # use serde::{Deserialize, Serialize};
+    /// # use tito::TitoModel;
+    /// # #[derive(TitoModel, Default, Clone, Debug, Serialize, Deserialize)]
+    /// # #[tito(table = "user")]
+    /// # struct User { id: String }
+    /// # async fn app(db: tito::backend::embedded::Embedded) -> Result<(), Box<dyn std::error::Error>> {
+    /// let token = std::env::var("TITO_ADMIN_TOKEN")?;
+    /// let commands = tito_cli::Tool::new().model::<User>().commands(db.clone());
+    /// let admin = tito_admin::Admin::new(db).commands(&token, commands)?;
+    /// let app = axum::Router::new().merge(admin.mount("/tito"));
+    /// # let _ = app; Ok(()) }
+    /// ```
+    ///
+    /// Then `TITO_TOKEN=... tito --url http://HOST:PORT/tito queue stats`. Commands that
+    /// name their own stores (`store copy`, `store verify`) and `serve` are refused; the
+    /// [write grace](Self::write_grace) is the application's, not this tool's.
+    pub fn commands<E: TitoEngine>(self, db: E) -> Arc<dyn tito_admin::Commands> {
+        Arc::new(Remote(Arc::new((self, db))))
+    }
+
+    /// The registered models and inboxes, opened on `db`.
+    fn typing<E: TitoEngine>(&self, db: &E) -> TitoResult<Typing> {
+        let any = db as &dyn Any;
+        let models = self
+            .models
+            .iter()
+            .filter_map(|m| Some((m.table.clone(), (m.make)(any)?)))
+            .collect();
+        let inboxes = self
+            .inboxes
+            .iter()
+            .filter_map(|i| Some((i.table.clone(), (i.make)(any)?)))
+            .map(|(table, source)| Ok((table, source?)))
+            .collect::<TitoResult<_>>()?;
+        Ok(Typing { models, inboxes })
+    }
+
     /// Parses the process's arguments, runs the command, prints its output (errors on stderr)
     /// and returns the exit status.
     pub fn main(self) -> ExitCode {
-        let cli = Cli::parse();
+        let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+        let cli = Cli::parse_from(std::iter::once("tito".into()).chain(args.iter().cloned()));
         let runtime = match tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
@@ -162,16 +247,20 @@ impl Tool {
                 return ExitCode::FAILURE;
             }
         };
-        match runtime.block_on(self.run(cli)) {
+        match runtime.block_on(self.run(cli, args)) {
             Ok(output) => {
                 if !output.is_empty() {
                     say(&output);
                 }
                 ExitCode::SUCCESS
             }
-            Err(Failure(message)) => {
+            Err(Ended::Failed(message)) => {
                 eprintln!("tito: {message}");
                 ExitCode::FAILURE
+            }
+            Err(Ended::Usage(text)) => {
+                eprint!("{text}");
+                ExitCode::from(2)
             }
         }
     }
@@ -183,29 +272,32 @@ impl Tool {
         I: IntoIterator<Item = S>,
         S: Into<std::ffi::OsString> + Clone,
     {
-        let all = std::iter::once(std::ffi::OsString::from("tito"))
-            .chain(args.into_iter().map(Into::into));
+        let args: Vec<std::ffi::OsString> = args.into_iter().map(Into::into).collect();
+        let all = std::iter::once(std::ffi::OsString::from("tito")).chain(args.iter().cloned());
         let cli = Cli::try_parse_from(all).map_err(|e| e.to_string())?;
-        self.run(cli).await.map_err(|Failure(m)| m)
+        self.run(cli, args).await.map_err(|ended| match ended {
+            Ended::Failed(m) | Ended::Usage(m) => m,
+        })
     }
 
-    async fn run(self, cli: Cli) -> Outcome {
+    /// Runs `cli`, parsed from `args` (the words after `tito`).
+    async fn run(self, cli: Cli, args: Vec<std::ffi::OsString>) -> Result<String, Ended> {
         if let Command::Keys(KeysCommand::Decode { key }) = &cli.command {
             // Needs no store.
             let segments = inspect::key_segments(key.as_bytes())?;
-            return print(cli.json, &segments, || segments.join("\n"));
+            return Ok(print(cli.json, &segments, || segments.join("\n"))?);
         }
         if let Command::Store(command) = cli.command {
             // Names its stores itself.
-            if cli.store.path.is_some() || cli.store.pd.is_some() {
-                return Err(Failure(
+            if cli.store.path.is_some() || cli.store.pd.is_some() || cli.store.url.is_some() {
+                return Err(Ended::Failed(
                     "tito store names its stores as arguments (embedded:DIR, sqlite:DIR, \
-                     tikv:HOST:PORT): leave out --path and --pd"
+                     tikv:HOST:PORT): leave out --path, --pd and --url"
                         .into(),
                 ));
             }
             let timeout = Duration::from_secs(cli.timeout);
-            return match command {
+            let done = match command {
                 StoreCommand::Copy {
                     from,
                     to,
@@ -244,35 +336,42 @@ impl Tool {
                     commands::moving::verify(a, b, options, cli.json, timeout).await
                 }
             };
+            return Ok(done?);
+        }
+        if let Some(url) = &cli.store.url {
+            if let Command::Serve { .. } = cli.command {
+                return Err(Ended::Failed(format!(
+                    "tito serve serves a store this process opens; the application at {url} \
+                     serves its own dashboard there"
+                )));
+            }
+            let token = cli
+                .store
+                .token
+                .clone()
+                .or_else(|| std::env::var("TITO_TOKEN").ok().filter(|t| !t.is_empty()));
+            let timeout = Duration::from_secs(cli.timeout);
+            return remote::send(url, token.as_deref(), remote::without_token(args)?, timeout)
+                .await;
         }
         if let Some(path) = &cli.store.path {
             let db = open_embedded(path).await?;
             if let Some(grace) = self.write_grace {
                 tito::schema::set_write_grace(&db, grace)?;
             }
-            let models = self
-                .models
-                .iter()
-                .map(|m| (m.table.clone(), (m.embedded)(db.clone())))
-                .collect();
-            let inboxes = self
-                .inboxes
-                .iter()
-                .map(|i| Ok((i.table.clone(), (i.embedded)(db.clone())?)))
-                .collect::<TitoResult<_>>()?;
-            let typed = Typing { models, inboxes };
+            let typed = self.typing(&db)?;
             let result = execute(db.clone(), &typed, cli).await;
             drop(typed);
             // Closed before the process exits, so the next command can open the store at once.
             let _ = db.close().await;
-            return result;
+            return Ok(result?);
         }
         let Some(endpoints) = cli.store.pd.clone() else {
-            return Err(Failure(
+            return Err(Ended::Failed(
                 "which store? give --path DIR (embedded) or --pd HOST:PORT (TiKV)".into(),
             ));
         };
-        self.run_tikv(endpoints, cli).await
+        Ok(self.run_tikv(endpoints, cli).await?)
     }
 
     #[cfg(not(feature = "tikv"))]
@@ -290,17 +389,8 @@ impl Tool {
         if let Some(grace) = self.write_grace {
             tito::schema::set_write_grace(&db, grace)?;
         }
-        let models = self
-            .models
-            .iter()
-            .map(|m| (m.table.clone(), (m.tikv)(db.clone())))
-            .collect();
-        let inboxes = self
-            .inboxes
-            .iter()
-            .map(|i| Ok((i.table.clone(), (i.tikv)(db.clone())?)))
-            .collect::<TitoResult<_>>()?;
-        execute(db, &Typing { models, inboxes }, cli).await
+        let typed = self.typing(&db)?;
+        execute(db, &typed, cli).await
     }
 }
 
@@ -327,8 +417,10 @@ async fn open_embedded(path: &std::path::Path) -> Result<Embedded, Failure> {
         } else if text.contains("already locked") {
             Failure(format!(
                 "the store at {} is held by another process (an embedded store has one owner). \
-                 Inspect it live by mounting the admin router in that process: \
-                 app.merge(tito_admin::Admin::new(db).mount(\"/tito\"))",
+                 Operate it live through that process's admin router: mount it there with \
+                 commands (app.merge(tito_admin::Admin::new(db.clone()).commands(&token, \
+                 tito_cli::Tool::new().commands(db))?.mount(\"/tito\"))) and run \
+                 tito --url http://HOST:PORT/tito with TITO_TOKEN set",
                 path.display()
             ))
         } else {
@@ -487,7 +579,7 @@ pub(crate) async fn until_short(
 /// A progress bar on stderr (hidden when stderr is not a terminal or output is JSON).
 pub(crate) fn bar(len: Option<u64>, json: bool, message: String) -> ProgressBar {
     let bar = match len {
-        _ if json => ProgressBar::hidden(),
+        _ if json || remote::running_remotely() => ProgressBar::hidden(),
         Some(len) => ProgressBar::new(len),
         None => ProgressBar::new_spinner(),
     };

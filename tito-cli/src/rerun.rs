@@ -23,6 +23,11 @@ impl Rerun {
             words.push("--path".to_string());
             words.push(path.to_string_lossy().into_owned());
         }
+        if let Some(url) = &store.url {
+            // Never the token: it comes from TITO_TOKEN, or is typed again.
+            words.push("--url".to_string());
+            words.push(url.clone());
+        }
         if let Some(pd) = &store.pd {
             words.push("--pd".to_string());
             words.push(pd.join(","));
@@ -41,7 +46,7 @@ impl Rerun {
                 words.push(file.to_string_lossy().into_owned());
             }
         }
-        if store.pd.is_some() && timeout != crate::cli::DEFAULT_TIMEOUT {
+        if (store.pd.is_some() || store.url.is_some()) && timeout != crate::cli::DEFAULT_TIMEOUT {
             words.push("--timeout".to_string());
             words.push(timeout.to_string());
         }
@@ -84,6 +89,7 @@ impl Rerun {
 /// The options of the lines printed that take a value (the next word).
 const TAKES_A_VALUE: &[&str] = &[
     "--path",
+    "--url",
     "--pd",
     "--keyspace",
     "--tls-ca",

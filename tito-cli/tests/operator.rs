@@ -303,10 +303,116 @@ async fn the_cli_reads_a_seeded_store() {
         seed(&db).await;
         db.close().await.unwrap();
     }
+    let store = ["--path", path.as_str()];
+    reads_a_seeded_store(&store, &run_line);
+}
+
+/// The token the live applications of these tests set.
+const TOKEN: &str = "a-token-of-this-test-app";
+
+/// An application that holds its embedded store and serves its admin router (with `tool`'s
+/// commands, behind [`TOKEN`]) on a runtime of its own, as a service does; stopped and its
+/// store closed on drop.
+struct LiveApp {
+    url: String,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl LiveApp {
+    fn start(dir: &std::path::Path, seeded: bool, tool: fn() -> tito_cli::Tool) -> LiveApp {
+        let dir = dir.to_path_buf();
+        let (url_tx, url_rx) = std::sync::mpsc::channel();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async move {
+                let db = Embedded::open(&dir).await.unwrap();
+                if seeded {
+                    seed(&db).await;
+                }
+                let commands = tool().commands(db.clone());
+                let admin = tito_admin::Admin::new(db.clone())
+                    .commands(TOKEN, commands)
+                    .unwrap();
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+                let addr = listener.local_addr().unwrap();
+                url_tx.send(format!("http://{addr}/ops/tito")).unwrap();
+                let app = axum::Router::new().merge(admin.mount("/ops/tito"));
+                tito_admin::serve(listener, app, async move {
+                    let _ = stopped.await;
+                })
+                .await
+                .unwrap();
+                db.close().await.unwrap();
+            });
+        });
+        let url = url_rx.recv().expect("the application starts");
+        LiveApp {
+            url,
+            stop: Some(stop),
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for LiveApp {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// The tool a live application mounts: the stock commands and this test's models.
+fn app_tool() -> tito_cli::Tool {
+    tito_cli::Tool::new().model::<User>().inbox::<Job>()
+}
+
+/// A line printed for a person, run with the live application's token in the environment.
+fn run_line_with_token(line: &str) -> Output {
+    let words = shlex::split(line).unwrap_or_else(|| panic!("no shell splits {line:?}"));
+    assert_eq!(words[0], "tito", "{line}");
+    tito()
+        .env("TITO_TOKEN", TOKEN)
+        .args(&words[1..])
+        .output()
+        .expect("the tito binary runs")
+}
+
+#[test]
+fn the_cli_reads_a_live_application_through_its_admin_router() {
+    let dir = tempfile::tempdir().unwrap();
+    let app = LiveApp::start(dir.path(), true, app_tool);
+    // The store is held: the path is refused, and the hint names --url.
+    let held = run(&["--path", dir.path().to_str().unwrap(), "queue", "ls"]);
+    refused_with(&held, "held by another process");
+    assert!(stderr(&held).contains("tito --url"), "{}", stderr(&held));
+    let store = ["--url", app.url.as_str()];
+    reads_a_seeded_store(&store, &run_line_with_token);
+}
+
+/// The seeded store read and operated through `store` (`--path DIR` or `--url URL`), its
+/// printed lines run with `run_line`.
+fn reads_a_seeded_store(store: &[&str], run_line: &dyn Fn(&str) -> Output) {
+    let prefix = store.join(" ");
     let at = |args: &[&str]| {
-        let mut all = vec!["--path", path.as_str()];
+        let mut all = store.to_vec();
         all.extend_from_slice(args);
-        run(&all)
+        run_line(&format!(
+            "tito {}",
+            all.iter()
+                .map(|w| shlex::try_quote(w).unwrap().into_owned())
+                .collect::<Vec<_>>()
+                .join(" ")
+        ))
     };
 
     // A mistyped topic is refused by every queue command, never answered as an empty queue;
@@ -366,7 +472,7 @@ async fn the_cli_reads_a_seeded_store() {
     assert!(text.starts_with("queue flaky: "), "{text}");
     assert!(
         text.contains(&format!(
-            "retry: tito --path {path} queue retry-dead --topic flaky flaky-0"
+            "retry: tito {prefix} queue retry-dead --topic flaky flaky-0"
         )),
         "{text}"
     );
@@ -3199,4 +3305,209 @@ async fn the_dashboard_backs_a_live_store_up_and_the_backup_restores() {
     }
     let audit = model.audit(|_| {}).await.unwrap();
     assert!(audit.is_clean(), "{audit:?}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// `tito --url`: the commands of a running application, through its admin router.
+// ---------------------------------------------------------------------------------------------
+
+/// A raw request to a live application's router: (status, body).
+fn http(url: &str, method: &str, path: &str, headers: &[&str], body: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let rest = url.strip_prefix("http://").unwrap();
+    let (authority, base) = rest.split_at(rest.find('/').unwrap());
+    let mut stream = std::net::TcpStream::connect(authority).unwrap();
+    let mut request = format!("{method} {base}{path} HTTP/1.1\r\nHost: {authority}\r\n");
+    for header in headers {
+        request.push_str(header);
+        request.push_str("\r\n");
+    }
+    request.push_str(&format!(
+        "Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    ));
+    stream.write_all(request.as_bytes()).unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    let status = response[9..12].parse().unwrap();
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (status, body)
+}
+
+#[test]
+fn tito_url_runs_the_models_commands_in_the_application_and_refuses_without_its_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let app = LiveApp::start(dir.path(), true, app_tool);
+    let url = app.url.as_str();
+    let with_token = |args: &[&str]| {
+        let mut all = vec!["--url", url];
+        all.extend_from_slice(args);
+        tito().env("TITO_TOKEN", TOKEN).args(&all).output().unwrap()
+    };
+
+    // The application's models: audits, repairs, index status and inboxes run there.
+    let audit = stdout_json(&with_token(&["audit", "user", "--json"]));
+    assert_eq!(audit["rows"], USERS as u64, "{audit}");
+    let repair = with_token(&["repair", "user"]);
+    assert!(
+        String::from_utf8_lossy(&repair.stdout).starts_with("repair of user: 30 rows"),
+        "{}",
+        stderr(&repair)
+    );
+    let status = stdout_json(&with_token(&["index", "status", "user", "--json"]));
+    assert_eq!(status["schema"]["indexes"][0]["state"], "ready");
+    let inbox = stdout_json(&with_token(&[
+        "inbox", "stats", "job", "--group", "mail", "--json",
+    ]));
+    assert_eq!(inbox["ready"], 3, "{inbox}");
+    refused_with(
+        &with_token(&["audit", "note"]),
+        "has no model in this binary",
+    );
+    // --token works as TITO_TOKEN does.
+    let given = tito()
+        .args(["--url", url, "--token", TOKEN, "queue", "ls", "--json"])
+        .env_remove("TITO_TOKEN")
+        .output()
+        .unwrap();
+    assert_eq!(stdout_json(&given).as_array().unwrap().len(), 3);
+
+    // A confirmation: asked for with a line that runs as printed, with the token from the
+    // environment (never in the line).
+    let ask = with_token(&["queue", "discard-dead", "--topic", "flaky", "flaky-1"]);
+    assert_eq!(ask.status.code(), Some(1));
+    let line = line_after(&stderr(&ask), "run again with --yes: ");
+    assert!(line.starts_with(&format!("tito --url {url} ")), "{line}");
+    assert!(!line.contains(TOKEN), "{line}");
+    let done = run_line_with_token(&line);
+    assert!(done.status.success(), "{line}: {}", stderr(&done));
+    refused_with(&run_line_with_token(&line), "not dead");
+
+    // Refusals, each saying what to do.
+    let bare = tito()
+        .args(["--url", url, "queue", "ls"])
+        .env_remove("TITO_TOKEN")
+        .output()
+        .unwrap();
+    refused_with(&bare, "give the application's token in TITO_TOKEN");
+    let wrong = tito()
+        .args(["--url", url, "queue", "ls"])
+        .env("TITO_TOKEN", "not-the-token-of-this-app")
+        .output()
+        .unwrap();
+    refused_with(&wrong, "the token is not this application's");
+    let https = url.replace("http://", "https://");
+    refused_with(&with_token_at(&https, &["queue", "ls"]), "plain HTTP");
+    let elsewhere = url.replace("/ops/tito", "/tito");
+    refused_with(
+        &with_token_at(&elsewhere, &["queue", "ls"]),
+        "no Tito admin router at",
+    );
+    refused_with(
+        &with_token(&["store", "verify", "embedded:/a", "embedded:/b"]),
+        "leave out --path, --pd and --url",
+    );
+    refused_with(&with_token(&["serve"]), "serves its own dashboard");
+    let mixed = run(&["--url", url, "--path", "/x", "queue", "ls"]);
+    assert_eq!(mixed.status.code(), Some(2), "{}", stderr(&mixed));
+    let closed = with_token_at("http://127.0.0.1:9/tito", &["queue", "ls"]);
+    refused_with(
+        &closed,
+        "cannot reach the admin router at http://127.0.0.1:9/tito",
+    );
+
+    // The router itself: the command endpoint takes the token only (a loopback peer without
+    // it is refused); the versioned API says what it serves; each command is in the actions.
+    let (code, body) = http(
+        url,
+        "POST",
+        "/api/v1/command",
+        &[],
+        r#"{"args":["queue","ls"]}"#,
+    );
+    assert_eq!(code, 401, "{body}");
+    let (code, body) = http(
+        url,
+        "POST",
+        "/api/v1/command",
+        &[&format!("Authorization: Bearer {TOKEN}")],
+        "{not json",
+    );
+    assert_eq!(code, 400, "{body}");
+    let (code, body) = http(url, "GET", "/api/v1", &[], "");
+    assert_eq!(code, 200, "{body}");
+    let info: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        (info["api"].as_u64(), info["commands"].as_bool()),
+        (Some(1), Some(true))
+    );
+    let (code, v1) = http(url, "GET", "/api/v1/actions", &[], "");
+    assert_eq!(code, 200, "{v1}");
+    let actions: Value = serde_json::from_str(&v1).unwrap();
+    let lines: Vec<&str> = actions
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|a| a["action"] == "command")
+        .map(|a| a["target"].as_str().unwrap())
+        .collect();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.ends_with("queue discard-dead --topic flaky --yes flaky-1")),
+        "{lines:?}"
+    );
+    assert!(lines.iter().all(|l| !l.contains(TOKEN)), "{lines:?}");
+    let (_, unversioned) = http(url, "GET", "/api/overview", &[], "");
+    let (_, versioned) = http(url, "GET", "/api/v1/overview", &[], "");
+    let keys = |text: &str| {
+        serde_json::from_str::<Value>(text)
+            .unwrap()
+            .as_object()
+            .unwrap()
+            .keys()
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(keys(&unversioned), keys(&versioned));
+}
+
+fn with_token_at(url: &str, args: &[&str]) -> Output {
+    let mut all = vec!["--url", url];
+    all.extend_from_slice(args);
+    tito().env("TITO_TOKEN", TOKEN).args(&all).output().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_without_commands_or_with_a_weak_token_runs_none() {
+    let db = tito::backend::memory::Memory::new();
+    let short = tito_admin::Admin::new(db.clone())
+        .commands("short", tito_cli::Tool::new().commands(db.clone()))
+        .err()
+        .unwrap();
+    assert!(short.to_string().contains("at least 16"), "{short}");
+    let spaced = tito_admin::Admin::new(db.clone())
+        .commands(
+            " a-token-with-a-space ",
+            tito_cli::Tool::new().commands(db.clone()),
+        )
+        .err()
+        .unwrap();
+    assert!(spaced.to_string().contains("printable ASCII"), "{spaced}");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let router = tito_admin::Admin::new(db).mount("/tito");
+    let server = tokio::spawn(tito_admin::serve(listener, router, std::future::pending()));
+    let url = format!("http://{addr}/tito");
+    let refused = tokio::task::spawn_blocking(move || with_token_at(&url, &["queue", "ls"]))
+        .await
+        .unwrap();
+    refused_with(
+        &refused,
+        "runs no commands: it enables them with Admin::commands",
+    );
+    server.abort();
 }

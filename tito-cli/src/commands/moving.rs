@@ -142,6 +142,8 @@ impl Opened {
             } => {
                 let args = crate::cli::StoreArgs {
                     path: None,
+                    url: None,
+                    token: None,
                     pd: Some(endpoints.clone()),
                     keyspace: keyspace.clone(),
                     tls_ca: tls.as_ref().map(|t| t[0].clone()),

@@ -92,6 +92,7 @@ pub struct NudgeFigures {
 
 impl Nudges {
     /// Turns nudges on for this store (the TiKV engine's connect does).
+    #[cfg_attr(not(feature = "tikv"), allow(dead_code))]
     pub(crate) fn configure(&self, config: NudgeConfig) {
         let _ = self.config.set(config);
     }
@@ -438,6 +439,7 @@ fn refresh_peers<E: TitoEngine>(db: &E, wakeups: &Arc<Wakeups>, own: SocketAddr)
 
 /// The address other processes reach this host at, towards `probe` (the route the system
 /// would take there), or loopback.
+#[cfg_attr(not(feature = "tikv"), allow(dead_code))]
 pub(crate) fn advertised_ip(probe: Option<SocketAddr>) -> IpAddr {
     probe
         .and_then(|probe| {
