@@ -32,6 +32,7 @@ mod rpc_counts;
 mod schema;
 mod shapes;
 mod simulation;
+mod soak;
 mod store_copy;
 mod suites;
 mod telemetry;

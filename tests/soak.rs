@@ -1,0 +1,566 @@
+//! Many processes, for real: several OS processes (this test binary, started with `soak_child`
+//! selected) publish and handle on one TiKV store (the test server), with a queue-wide
+//! concurrency limit, unique jobs, cancels across processes, a failure policy, a periodic
+//! schedule run by cluster-mode workers and nudges between processes; they are SIGKILLed and
+//! restarted in a loop, and in the middle the store moves to another cluster
+//! (`tito::store::migrate`) while they run. At the end: nothing acknowledged is lost, no
+//! transactional effect committed twice, no start after a committed cancel, the limit never
+//! exceeded, each unique key published once, each tick run once unless its runner was killed.
+//!
+//! `TITO_SOAK_SECS` sets the run's length (20 s by default; the move happens halfway),
+//! `TITO_SOAK_PROCS` the processes (3).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{BufRead, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tito::backend::tikv::TiKV;
+use tito::queue::{
+    ClusterConfig, FailurePolicy, Limits, PeriodicJob, Schedule, Unique, UniqueStates,
+};
+use tito::{
+    Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, TitoEngine, TitoError, TitoTransaction,
+    WorkerConfig, Workers,
+};
+use tito_tikv_test_server::TestCluster;
+
+const DIR_VAR: &str = "TITO_SOAK_CHILD_DIR";
+const PD_VAR: &str = "TITO_SOAK_CHILD_PD";
+const NAME_VAR: &str = "TITO_SOAK_CHILD_NAME";
+
+/// The queue-wide concurrency limit the soak sets.
+const LIMIT: usize = 3;
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct Job {
+    /// The first attempt fails (the failure policy retries it).
+    fail_first: bool,
+}
+
+fn now_us() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_micros()
+}
+
+fn soak_queue<E: TitoEngine>(db: &E) -> Arc<Queue<E>> {
+    Arc::new(Queue::new(
+        db.clone(),
+        QueueConfig::new(4, Duration::from_secs(3600)).topic("soak"),
+    ))
+}
+
+fn tick_queue<E: TitoEngine>(db: &E) -> Arc<Queue<E>> {
+    Arc::new(Queue::new(
+        db.clone(),
+        QueueConfig::new(2, Duration::from_secs(3600)).topic("ticks"),
+    ))
+}
+
+/// A child's log: one line per event, each written with one `write` on a file opened for
+/// appending, so what a killed process wrote is there whole.
+#[derive(Clone)]
+struct Log(Arc<std::sync::Mutex<std::fs::File>>);
+
+impl Log {
+    fn line(&self, text: String) {
+        let mut file = self.0.lock().unwrap();
+        file.write_all(format!("{text} {}\n", now_us()).as_bytes())
+            .unwrap();
+    }
+}
+
+/// One soak process: a publisher (transactions that publish an event, some unique, with a
+/// `soak:pub:` row), cancels of its own earlier events, a transactional worker whose effect is
+/// a `soak:run:` row, a cluster-mode worker of the periodic `ticks` queue and its schedule.
+/// Does nothing unless started by the soak.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "started as a child process by the soak"]
+async fn soak_child() {
+    let (Ok(dir), Ok(pd), Ok(name)) = (
+        std::env::var(DIR_VAR),
+        std::env::var(PD_VAR),
+        std::env::var(NAME_VAR),
+    ) else {
+        return;
+    };
+    let dir = PathBuf::from(dir);
+    let log = Log(Arc::new(std::sync::Mutex::new(
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join(format!("{name}.log")))
+            .unwrap(),
+    )));
+    let db = TiKV::connect(vec![pd]).await.unwrap();
+    let queue = soak_queue(&db);
+    let ticks = tick_queue(&db);
+    let mut workers = Workers::new();
+    let runs = Arc::new(AtomicU64::new(0));
+    let (handler_log, handler_name) = (log.clone(), name.clone());
+    workers.spawn_transactional_worker(
+        queue.clone(),
+        WorkerConfig::new(0..4)
+            .max_idle_backoff(Duration::from_millis(500))
+            .failure_policy(FailurePolicy::new(5)),
+        move |event: QueueEvent<Job>, tx| {
+            handler_log.line(format!("start {} {}", event.id, event.attempt));
+            let (log, name, runs) = (handler_log.clone(), handler_name.clone(), runs.clone());
+            async move {
+                tokio::time::sleep(Duration::from_millis(3 + event.id.len() as u64 % 7)).await;
+                if event.payload.fail_first && event.attempt == 1 {
+                    log.line(format!("end {}", event.id));
+                    return Err(TitoError::handler("the first attempt fails"));
+                }
+                let run = runs.fetch_add(1, Ordering::Relaxed);
+                tx.put(
+                    format!("soak:run:{}:{name}:{run}", event.id).into_bytes(),
+                    Vec::new(),
+                )
+                .await?;
+                log.line(format!("end {}", event.id));
+                Ok(QueueHandlerOutcome::Acknowledge)
+            }
+        },
+    );
+    let tick_log = log.clone();
+    workers.spawn_cluster_worker(
+        ticks.clone(),
+        WorkerConfig::new(0..2).max_idle_backoff(Duration::from_millis(500)),
+        ClusterConfig::new().node_id(name.clone()),
+        move |event: QueueEvent<u32>| {
+            tick_log.line(format!("tick {}", event.id));
+            let log = tick_log.clone();
+            async move {
+                log.line(format!("tickend {}", event.id));
+                Ok(QueueHandlerOutcome::Acknowledge)
+            }
+        },
+    );
+    workers.spawn_periodic(
+        ticks.clone(),
+        vec![PeriodicJob::new(
+            Schedule::every("second", Duration::from_secs(1)).unwrap(),
+            0u32,
+        )],
+    );
+    let mut n = 0u64;
+    while !dir.join("stop").exists() {
+        n += 1;
+        let id = format!("{name}-{n}");
+        let unique = (n % 4 == 0).then(|| format!("u{}", (n * 7 + name.len() as u64) % 40));
+        let event = QueueEvent::now(
+            format!("k{}", n % 13),
+            Job {
+                fail_first: n % 7 == 0,
+            },
+        )
+        .with_id(id.clone());
+        let q = queue.clone();
+        let published = db
+            .transaction(|tx| {
+                let (q, event, unique, id) = (q.clone(), event.clone(), unique.clone(), id.clone());
+                async move {
+                    let published = match &unique {
+                        Some(key) => {
+                            let rule = Unique::key(key.clone(), Duration::from_secs(3600))
+                                .covering(UniqueStates::Any);
+                            q.publish_unique_in_tx(&event, &rule, &tx).await?
+                        }
+                        None => q.publish_in_tx(&event, &tx).await?,
+                    };
+                    if !published.duplicate {
+                        tx.put(
+                            format!("soak:pub:{id}").into_bytes(),
+                            unique.unwrap_or_default().into_bytes(),
+                        )
+                        .await?;
+                    }
+                    Ok::<_, TitoError>(())
+                }
+            })
+            .await;
+        match published {
+            Ok(()) => {}
+            Err(TitoError::StoreMoved { .. }) => {
+                log.line("moved".into());
+                std::process::exit(3);
+            }
+            Err(err) => log.line(format!(
+                "publish-failed {id} {}",
+                err.to_string().replace(' ', "_")
+            )),
+        }
+        // Every tenth event cancels one published two before (often run by another process).
+        if n % 10 == 3 {
+            let victim = format!("{name}-{}", n - 2);
+            if let Ok(true) = queue.cancel(&victim, "soak").await {
+                log.line(format!("cancelled {victim}"));
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(15)).await;
+    }
+    // Publishing stopped: handle until killed.
+    std::future::pending::<()>().await;
+}
+
+/// A running child, its log and when it was killed.
+struct Proc {
+    name: String,
+    child: Child,
+}
+
+fn spawn_child(dir: &Path, pd: &str, name: &str) -> Proc {
+    let child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "soak::soak_child",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(DIR_VAR, dir)
+        .env(PD_VAR, pd)
+        .env(NAME_VAR, name)
+        .env_remove("RUST_LOG")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    Proc {
+        name: name.to_string(),
+        child,
+    }
+}
+
+/// Kills `proc` with SIGKILL; returns the time of the kill (µs), for its open intervals.
+fn kill(proc: &mut Proc, killed: &mut BTreeMap<String, u128>) {
+    let _ = proc.child.kill();
+    let _ = proc.child.wait();
+    killed.insert(proc.name.clone(), now_us());
+}
+
+/// Every key of `db` under `prefix`.
+async fn keys_under<E: TitoEngine>(db: &E, prefix: &str) -> Vec<(String, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut from = prefix.as_bytes().to_vec();
+    let end = tito::keys::prefix_end(prefix.to_string());
+    loop {
+        let tx = db.begin().await.unwrap();
+        let rows = tx.scan(&from, end.as_bytes(), 1000).await.unwrap();
+        let _ = tx.rollback().await;
+        let done = rows.len() < 1000;
+        for (key, value) in rows {
+            from = key.clone();
+            from.push(0);
+            out.push((String::from_utf8(key).unwrap(), value));
+        }
+        if done {
+            return out;
+        }
+    }
+}
+
+/// A child's log lines: (what, id, attempt or 0, µs).
+type Lines = Vec<(String, String, u32, u128)>;
+
+fn parse_logs(dir: &Path) -> BTreeMap<String, Lines> {
+    let mut logs = BTreeMap::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        let Some(name) = path
+            .file_name()
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .strip_suffix(".log")
+            .map(str::to_string)
+        else {
+            continue;
+        };
+        let mut lines = Vec::new();
+        for line in std::io::BufReader::new(std::fs::File::open(&path).unwrap()).lines() {
+            let line = line.unwrap();
+            let words: Vec<&str> = line.split(' ').collect();
+            // A line cut by the kill has no time at its end: it is not counted.
+            let Some(at) = words.last().and_then(|w| w.parse::<u128>().ok()) else {
+                continue;
+            };
+            let what = words[0].to_string();
+            let id = if words.len() > 2 {
+                words[1].to_string()
+            } else {
+                String::new()
+            };
+            let attempt = if words.len() > 3 {
+                words[2].parse().unwrap_or(0)
+            } else {
+                0
+            };
+            lines.push((what, id, attempt, at));
+        }
+        logs.insert(name, lines);
+    }
+    logs
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_processes_publish_handle_get_killed_and_move_stores() {
+    let secs: u64 = std::env::var("TITO_SOAK_SECS").map_or(20, |v| v.parse().unwrap());
+    let procs: usize = std::env::var("TITO_SOAK_PROCS").map_or(3, |v| v.parse().unwrap());
+    let dir = tempfile::tempdir().unwrap();
+    let first = TestCluster::start().await.unwrap();
+    let second = TestCluster::start().await.unwrap();
+    let a = TiKV::connect(first.pd_endpoints()).await.unwrap();
+    let b = TiKV::connect(second.pd_endpoints()).await.unwrap();
+    // Declared with its limit before anything is published, as a service's first boot does.
+    const SOAK: tito::queue::Topic<Job> = tito::queue::Topic::new("soak");
+    SOAK.spec(4, Duration::from_secs(3600))
+        .limits(Limits::none().concurrency(LIMIT as u32))
+        .open(a.clone())
+        .await
+        .unwrap();
+    let mut pd = first.pd_endpoints()[0].clone();
+    let mut generation = 0u64;
+    let mut running: Vec<Proc> = (0..procs)
+        .map(|slot| spawn_child(dir.path(), &pd, &format!("p{slot}g0")))
+        .collect();
+    let mut killed: BTreeMap<String, u128> = BTreeMap::new();
+    let mut kills = 0u64;
+    let started = Instant::now();
+    let mut moved = None;
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    while started.elapsed() < Duration::from_secs(secs) {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        tokio::time::sleep(Duration::from_millis(1500 + seed % 2500)).await;
+        if moved.is_none() && started.elapsed() >= Duration::from_secs(secs / 2) {
+            // The move, while every process writes: then each is killed and started on the
+            // new store (its publisher already stopped at the refusal).
+            let report = tito::store::migrate(
+                &a,
+                &b,
+                tito::store::MigrateOptions::new("the second cluster"),
+                |_| {},
+            )
+            .await
+            .unwrap();
+            pd = second.pd_endpoints()[0].clone();
+            generation += 1;
+            for (slot, proc) in running.iter_mut().enumerate() {
+                kill(proc, &mut killed);
+                *proc = spawn_child(dir.path(), &pd, &format!("p{slot}g{generation}"));
+            }
+            moved = Some(report);
+            continue;
+        }
+        let slot = (seed % procs as u64) as usize;
+        kill(&mut running[slot], &mut killed);
+        kills += 1;
+        generation += 1;
+        running[slot] = spawn_child(dir.path(), &pd, &format!("p{slot}g{generation}"));
+    }
+    let moved = moved.expect("the store moved halfway");
+    // Publishing stops; every acknowledged publication settles (run, or cancelled).
+    std::fs::write(dir.path().join("stop"), b"").unwrap();
+    let queue = soak_queue(&b);
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let published = loop {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let published = keys_under(&b, "soak:pub:").await;
+        let ran: BTreeSet<String> = keys_under(&b, "soak:run:")
+            .await
+            .into_iter()
+            .map(|(k, _)| run_id(&k))
+            .collect();
+        let mut open = 0;
+        for (key, _) in &published {
+            let id = &key["soak:pub:".len()..];
+            if !ran.contains(id) && !cancelled_in_store(&b, id).await {
+                open += 1;
+            }
+        }
+        if open == 0 {
+            break published;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{open} acknowledged publications neither ran nor were cancelled"
+        );
+    };
+    for proc in &mut running {
+        kill(proc, &mut killed);
+    }
+    let pending: usize = {
+        let mut total = 0;
+        for p in 0..4 {
+            total += queue.pending_count(p).await.unwrap();
+        }
+        total
+    };
+    assert_eq!(
+        pending, 0,
+        "work left pending after every publication settled"
+    );
+
+    // Nothing lost and no effect twice: each acknowledged publication ran exactly once or
+    // was cancelled (and then never ran).
+    let mut runs: BTreeMap<String, usize> = BTreeMap::new();
+    for (key, _) in keys_under(&b, "soak:run:").await {
+        *runs.entry(run_id(&key)).or_default() += 1;
+    }
+    let logs = parse_logs(dir.path());
+    let mut cancelled_at: BTreeMap<String, u128> = BTreeMap::new();
+    for lines in logs.values() {
+        for (what, id, _, at) in lines {
+            if what == "cancelled" {
+                cancelled_at.insert(id.clone(), *at);
+            }
+        }
+    }
+    let mut unique_keys: BTreeMap<String, usize> = BTreeMap::new();
+    let mut cancelled = 0;
+    for (key, unique) in &published {
+        let id = &key["soak:pub:".len()..];
+        let ran = runs.get(id).copied().unwrap_or(0);
+        if cancelled_in_store(&b, id).await {
+            cancelled += 1;
+            assert_eq!(ran, 0, "{id} was cancelled and its effect committed");
+        } else {
+            assert_eq!(ran, 1, "{id}: its effect committed {ran} times");
+        }
+        if !unique.is_empty() {
+            *unique_keys
+                .entry(String::from_utf8(unique.clone()).unwrap())
+                .or_default() += 1;
+        }
+    }
+    for (key, count) in &unique_keys {
+        assert_eq!(*count, 1, "unique key {key} was published {count} times");
+    }
+    for id in runs.keys() {
+        assert!(
+            published.iter().any(|(k, _)| &k["soak:pub:".len()..] == id),
+            "{id} ran but its publication was not acknowledged"
+        );
+    }
+    // No start after a cancel returned, in any process: a start later than the cancel is
+    // allowed only as the replay of a delivery (same process, same attempt) that started
+    // before it (a transactional handler is replayed after a conflict; the cancel is that
+    // conflict, and the replay finds the invocation gone).
+    let mut starts = 0;
+    let mut late = Vec::new();
+    let mut intervals: Vec<(u128, i32)> = Vec::new();
+    let mut ticks: BTreeMap<String, Vec<(u128, String)>> = BTreeMap::new();
+    for (name, lines) in &logs {
+        let mut open: BTreeMap<&str, u128> = BTreeMap::new();
+        let mut first_start: BTreeMap<(&str, u32), u128> = BTreeMap::new();
+        for (what, id, attempt, at) in lines {
+            match what.as_str() {
+                "start" => {
+                    starts += 1;
+                    let first = *first_start.entry((id.as_str(), *attempt)).or_insert(*at);
+                    if cancelled_at.get(id).is_some_and(|c| first > *c) {
+                        late.push(format!("{id} (attempt {attempt}, {name})"));
+                    }
+                    open.insert(id, *at);
+                }
+                "end" => {
+                    if let Some(from) = open.remove(id.as_str()) {
+                        intervals.push((from, 1));
+                        intervals.push((*at, -1));
+                    }
+                }
+                "tick" => ticks
+                    .entry(id.clone())
+                    .or_default()
+                    .push((*at, name.clone())),
+                _ => {}
+            }
+        }
+        // A handler that was running when its process was killed ran until the kill.
+        let end = killed.get(name).copied().unwrap_or_else(now_us);
+        for from in open.values() {
+            intervals.push((*from, 1));
+            intervals.push((end, -1));
+        }
+    }
+    assert!(
+        late.is_empty(),
+        "started after their cancel returned: {late:?}"
+    );
+    // The queue-wide limit over every process.
+    intervals.sort();
+    let (mut now_running, mut most) = (0i32, 0i32);
+    for (_, delta) in &intervals {
+        now_running += delta;
+        most = most.max(now_running);
+    }
+    assert!(
+        most as usize <= LIMIT,
+        "{most} handlers ran at once across processes, over the limit of {LIMIT}"
+    );
+    // Ticks: one invocation per period by construction (its id is the period's); handlers
+    // are at least once, so a tick runs again after its runner was killed or lost its
+    // partition to a rebalance: counted, not refused.
+    let mut reruns = 0;
+    let mut reruns_after_kill = 0;
+    for (_, mut runs) in ticks.clone() {
+        runs.sort();
+        for (_, name) in &runs[..runs.len() - 1] {
+            reruns += 1;
+            if killed.contains_key(name) {
+                reruns_after_kill += 1;
+            }
+        }
+    }
+    assert!(
+        ticks.len() as u64 >= secs / 3,
+        "only {} ticks ran in {secs} s",
+        ticks.len()
+    );
+    println!(
+        "soak: {procs} processes, {secs} s, {} processes started, {kills} kills (plus {procs} \
+         at the move), {} publications acknowledged ({cancelled} cancelled), {} effects \
+         checked, {starts} handler starts checked, at most {most} running at once (limit \
+         {LIMIT}), {} unique keys, {} ticks ({reruns} run again, {reruns_after_kill} of them after their \
+         runner was killed); move: {} keys in {} passes, downtime {} ms",
+        logs.len(),
+        published.len(),
+        runs.len(),
+        unique_keys.len(),
+        ticks.len(),
+        moved.progress.keys_read,
+        moved.progress.pass,
+        moved.downtime_ms,
+    );
+    assert!(published.len() > 50, "the processes published too little");
+    assert!(starts > 50, "the processes handled too little");
+}
+
+/// The event id of a `soak:run:{id}:{process}:{n}` key.
+fn run_id(key: &str) -> String {
+    let rest = &key["soak:run:".len()..];
+    let mut parts: Vec<&str> = rest.rsplitn(3, ':').collect();
+    parts.pop().unwrap().to_string()
+}
+
+/// Whether the invocation of `id` completed as cancelled.
+async fn cancelled_in_store<E: TitoEngine>(db: &E, id: &str) -> bool {
+    tito::inspect::queue_find(db, Some("soak"), id, 10)
+        .await
+        .unwrap()
+        .iter()
+        .any(|row| {
+            row.event
+                .as_ref()
+                .is_some_and(|e| e.id == id && e.cancelled.is_some())
+        })
+}
