@@ -154,11 +154,13 @@ async fn soak_child() {
     while !dir.join("stop").exists() {
         n += 1;
         let id = format!("{name}-{n}");
-        let unique = (n % 4 == 0).then(|| format!("u{}", (n * 7 + name.len() as u64) % 40));
+        let unique = n
+            .is_multiple_of(4)
+            .then(|| format!("u{}", (n * 7 + name.len() as u64) % 40));
         let event = QueueEvent::now(
             format!("k{}", n % 13),
             Job {
-                fail_first: n % 7 == 0,
+                fail_first: n.is_multiple_of(7),
             },
         )
         .with_id(id.clone());
