@@ -837,6 +837,8 @@ async fn a_tikv_store_moves_while_another_process_writes() {
 /// full last pass; a range delete during a move makes the next pass compare every key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_move_called_again_after_its_switch_finishes() {
+    // A finished move called again copies nothing: the new store may hold writes of its own
+    // by then, and they stay.
     let from = Memory::new();
     fill(&from, 200, 10).await;
     let to = Memory::new();
@@ -848,11 +850,42 @@ async fn a_move_called_again_after_its_switch_finishes() {
         (2, 0),
         "nothing changed: no catch-up pass, nothing in the last"
     );
-    // The destination loses keys (as if the last pass had failed half way).
-    to.delete_range(b"table:copied_user:", b"table:copied_user;")
+    let marker = tito::store::moved(&from).await.unwrap().unwrap();
+    assert!(marker.finished_ms.is_some(), "{marker:?}");
+    to.clone()
+        .model::<CopiedUser>()
+        .build(user(9_999))
         .await
         .unwrap();
-    assert!(!same(&from, &to).await);
+    for _ in 0..2 {
+        let again = tito::store::migrate(&from, &to, tito::store::MigrateOptions::new("b"), |_| {})
+            .await
+            .unwrap_err();
+        assert!(
+            again.to_string().contains("finished") && again.to_string().contains("reopen"),
+            "{again}"
+        );
+    }
+    let kept = to
+        .clone()
+        .model::<CopiedUser>()
+        .get(&user(9_999).id)
+        .await
+        .unwrap();
+    assert_eq!(kept, Some(user(9_999)), "the new store's own write stays");
+
+    // A mover killed after its switch began (the marker written, no last pass): called again,
+    // it runs a full last pass and the stores end equal.
+    let from = Memory::new();
+    fill(&from, 200, 10).await;
+    let to = Memory::new();
+    let switched = serde_json::json!({ "to": "b", "at_ms": 1 });
+    from.transaction(|tx| {
+        let marker = serde_json::to_vec(&switched).unwrap();
+        async move { tx.put(tito::engine::MOVED_KEY.to_vec(), marker).await }
+    })
+    .await
+    .unwrap();
     let again = tito::store::migrate(&from, &to, tito::store::MigrateOptions::new("b"), |_| {})
         .await
         .unwrap();
@@ -865,6 +898,60 @@ async fn a_move_called_again_after_its_switch_finishes() {
         .await
         .unwrap_err();
     assert!(matches!(refused, TitoError::StoreMoved { .. }), "{refused}");
+    // Reopened, the store moves again (here onward to a third store), and so does the second.
+    tito::store::reopen(&from).await.unwrap();
+    from.clone()
+        .model::<CopiedUser>()
+        .build(user(7_777))
+        .await
+        .unwrap();
+    let third = Memory::new();
+    tito::store::migrate(&from, &third, tito::store::MigrateOptions::new("c"), |_| {})
+        .await
+        .unwrap();
+    assert!(same(&from, &third).await);
+    let fourth = Memory::new();
+    tito::store::migrate(
+        &third,
+        &fourth,
+        tito::store::MigrateOptions::new("d"),
+        |_| {},
+    )
+    .await
+    .unwrap();
+    assert!(same(&third, &fourth).await);
+}
+
+/// A move whose first pass failed (a destination that refused a commit) is called again with
+/// the same options: its first pass resumes from the cursor the failed one left, and the move
+/// finishes with the stores equal; the source took writes all along.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_whose_first_pass_failed_resumes_when_called_again() {
+    use tito::engine::{Fault, FaultPoint, FaultRule, FaultyEngine};
+    let from = Memory::new();
+    fill(&from, 300, 20).await;
+    let to = FaultyEngine::new(Memory::new());
+    to.faults().add(
+        FaultRule::new(FaultPoint::Commit, Fault::Storage)
+            .skip(3)
+            .times(1),
+    );
+    let options = || tito::store::MigrateOptions::new("b").copy(CopyOptions::new().batch(50));
+    let failed = tito::store::migrate(&from, &to, options(), |_| {})
+        .await
+        .unwrap_err();
+    assert!(failed.to_string().contains("injected"), "{failed}");
+    assert_eq!(tito::store::moved(&from).await.unwrap(), None);
+    from.clone()
+        .model::<CopiedUser>()
+        .build(user(8_888))
+        .await
+        .unwrap();
+    let report = tito::store::migrate(&from, &to, options(), |_| {})
+        .await
+        .unwrap();
+    assert!(report.progress.resumed, "{report:?}");
+    assert!(same(&from, to.inner()).await);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -878,6 +965,10 @@ async fn bad_move_options_are_refused() {
         (
             tito::store::MigrateOptions::new("x".repeat(1025)),
             "over 1,024 bytes",
+        ),
+        (
+            tito::store::MigrateOptions::new("tikv:a\nb"),
+            "control character",
         ),
         (
             tito::store::MigrateOptions::new("b").settle_keys(0),

@@ -382,12 +382,12 @@ impl<E: TitoEngine> Admin<E> {
             .route("/inbox", get(inbox_page::<E>))
             .route("/table", get(table_page::<E>))
             .route("/kv", get(kv_page::<E>))
-            .route("/actions", get(actions_page::<E>))
-            .route("/api/v1", get(api_info::<E>))
-            .route("/api/v1/command", post(command::<E>));
+            .route("/actions", get(actions_page::<E>));
         // The JSON API: versioned, and unversioned as it was first served (the same answers).
         for prefix in ["/api", "/api/v1"] {
             router = router
+                .route(prefix, get(api_info::<E>))
+                .route(&format!("{prefix}/command"), post(command::<E>))
                 .route(&format!("{prefix}/overview"), get(overview_json::<E>))
                 .route(&format!("{prefix}/queue"), get(queue_json::<E>))
                 .route(&format!("{prefix}/inbox"), get(inbox_json::<E>))
@@ -444,7 +444,8 @@ async fn guard<E: TitoEngine>(
         .commands
         .as_ref()
         .is_some_and(|(token, _)| token.admits(&request));
-    if request.uri().path().ends_with("/api/v1/command") && !token {
+    let path = request.uri().path();
+    if (path.ends_with("/api/v1/command") || path.ends_with("/api/command")) && !token {
         // Runs every operator action: the token only, whoever the peer is.
         return command_refusal(&state, &request);
     }
@@ -1746,7 +1747,13 @@ async fn command<E: TitoEngine>(
             );
         }
     };
-    let line = request.args.join(" ");
+    // Quoted as a shell reads it back, so the log shows which words were one argument.
+    let line = request
+        .args
+        .iter()
+        .map(|word| shell_word(word))
+        .collect::<Vec<_>>()
+        .join(" ");
     let reply = runner.run(request.args).await;
     let result = match reply.exit {
         0 => "done".to_string(),
@@ -1758,4 +1765,18 @@ async fn command<E: TitoEngine>(
     tracing::info!(target: "tito_admin", peer = ?peer, command = %line, %result, "admin command");
     state.record(peer, "command", line, result);
     Json(reply).into_response()
+}
+
+/// `word` as a POSIX shell reads it back: as it is when every character is plain, else in
+/// single quotes (a quote inside written `'\''`).
+fn shell_word(word: &str) -> String {
+    let plain = !word.is_empty()
+        && word
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_./:=,@+%".contains(c));
+    if plain {
+        word.to_string()
+    } else {
+        format!("'{}'", word.replace('\'', "'\\''"))
+    }
 }

@@ -42,7 +42,7 @@ pub(crate) struct StoreArgs {
     pub(crate) url: Option<String>,
     /// With --url: the application's admin token (better: TITO_TOKEN in the environment, which
     /// other users of this machine cannot read from the process list).
-    #[arg(long, global = true, value_name = "TOKEN", requires = "url")]
+    #[arg(long, global = true, value_name = "TOKEN")]
     pub(crate) token: Option<String>,
     /// TiKV: PD endpoints, comma-separated (host:port).
     #[arg(long, global = true, value_delimiter = ',')]

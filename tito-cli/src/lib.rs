@@ -338,6 +338,13 @@ impl Tool {
             };
             return Ok(done?);
         }
+        if cli.store.token.is_some() && cli.store.url.is_none() {
+            return Err(Ended::Failed(
+                "--token goes with --url (the token of the application whose admin router runs \
+                 the command)"
+                    .into(),
+            ));
+        }
         if let Some(url) = &cli.store.url {
             if let Command::Serve { .. } = cli.command {
                 return Err(Ended::Failed(format!(
@@ -345,10 +352,12 @@ impl Tool {
                      serves its own dashboard there"
                 )));
             }
+            // An empty token is no token (an unset variable exported empty).
             let token = cli
                 .store
                 .token
                 .clone()
+                .filter(|t| !t.is_empty())
                 .or_else(|| std::env::var("TITO_TOKEN").ok().filter(|t| !t.is_empty()));
             let timeout = Duration::from_secs(cli.timeout);
             return remote::send(url, token.as_deref(), remote::without_token(args)?, timeout)

@@ -3411,6 +3411,21 @@ fn tito_url_runs_the_models_commands_in_the_application_and_refuses_without_its_
         "leave out --path, --pd and --url",
     );
     refused_with(&with_token(&["serve"]), "serves its own dashboard");
+    // --token anywhere on the line; an empty one is no token; without --url it is refused.
+    let late = tito()
+        .args(["--url", url, "queue", "ls", "--json", "--token", TOKEN])
+        .env_remove("TITO_TOKEN")
+        .output()
+        .unwrap();
+    assert_eq!(stdout_json(&late).as_array().unwrap().len(), 3);
+    let empty = tito()
+        .args(["--url", url, "--token", "", "queue", "ls"])
+        .env_remove("TITO_TOKEN")
+        .output()
+        .unwrap();
+    refused_with(&empty, "give the application's token in TITO_TOKEN");
+    let stray = run(&["--path", "/x", "--token", TOKEN, "queue", "ls"]);
+    refused_with(&stray, "--token goes with --url");
     let mixed = run(&["--url", url, "--path", "/x", "queue", "ls"]);
     assert_eq!(mixed.status.code(), Some(2), "{}", stderr(&mixed));
     let closed = with_token_at("http://127.0.0.1:9/tito", &["queue", "ls"]);
@@ -3437,13 +3452,34 @@ fn tito_url_runs_the_models_commands_in_the_application_and_refuses_without_its_
         "{not json",
     );
     assert_eq!(code, 400, "{body}");
-    let (code, body) = http(url, "GET", "/api/v1", &[], "");
-    assert_eq!(code, 200, "{body}");
-    let info: Value = serde_json::from_str(&body).unwrap();
-    assert_eq!(
-        (info["api"].as_u64(), info["commands"].as_bool()),
-        (Some(1), Some(true))
+    for info_path in ["/api/v1", "/api"] {
+        let (code, body) = http(url, "GET", info_path, &[], "");
+        assert_eq!(code, 200, "{info_path}: {body}");
+        let info: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(
+            (info["api"].as_u64(), info["commands"].as_bool()),
+            (Some(1), Some(true))
+        );
+    }
+    // The unversioned command path answers as the versioned one, token and all.
+    let (code, body) = http(
+        url,
+        "POST",
+        "/api/command",
+        &[],
+        r#"{"args":["queue","ls"]}"#,
     );
+    assert_eq!(code, 401, "{body}");
+    let (code, body) = http(
+        url,
+        "POST",
+        "/api/command",
+        &[&format!("Authorization: Bearer {TOKEN}")],
+        r#"{"args":["queue","stats","--topic","two words"]}"#,
+    );
+    assert_eq!(code, 200, "{body}");
+    let reply: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(reply["exit"], 1, "{reply}");
     let (code, v1) = http(url, "GET", "/api/v1/actions", &[], "");
     assert_eq!(code, 200, "{v1}");
     let actions: Value = serde_json::from_str(&v1).unwrap();
@@ -3461,6 +3497,11 @@ fn tito_url_runs_the_models_commands_in_the_application_and_refuses_without_its_
         "{lines:?}"
     );
     assert!(lines.iter().all(|l| !l.contains(TOKEN)), "{lines:?}");
+    // Logged as a shell reads it back: which words were one argument shows.
+    assert!(
+        lines.contains(&"queue stats --topic 'two words'"),
+        "{lines:?}"
+    );
     let (_, unversioned) = http(url, "GET", "/api/overview", &[], "");
     let (_, versioned) = http(url, "GET", "/api/v1/overview", &[], "");
     let keys = |text: &str| {

@@ -442,6 +442,13 @@ impl MigrateOptions {
                 "the new store's name is over 1,024 bytes",
             ));
         }
+        if self.to.chars().any(char::is_control) {
+            return Err(TitoError::invalid_argument(format!(
+                "the new store's name {:?} holds a control character (a line break, a tab): \
+                 every refusal of the source shows it, on one line",
+                self.to
+            )));
+        }
         if self.settle_keys == 0 {
             return Err(TitoError::invalid_argument(
                 "a move's settle_keys must be at least 1",
@@ -553,12 +560,26 @@ pub async fn migrate<S: TitoEngine, D: TitoEngine>(
             moved.to, moved.at_ms
         )));
     }
+    if let Some(moved) = &marked
+        && let Some(finished_ms) = moved.finished_ms
+    {
+        return Err(TitoError::invalid_argument(format!(
+            "this store's move to {} finished (at {finished_ms} ms): the new store took over \
+             and may hold writes of its own, so nothing is copied again. To move this store \
+             again, reopen it for writes first (tito::store::reopen)",
+            moved.to
+        )));
+    }
     if marked.is_none() {
         if local {
             gate.flip(|state| state.take_tracked()).await;
         }
+        // A first pass that stopped before (an error, a killed mover) left its cursor in the
+        // destination: this one resumes it.
+        let resume_first =
+            options.copy.existing == Existing::Refuse && read_record(to).await?.is_some();
         let result = async {
-            let (mut changed, _) = run_pass(None, true, &mut totals).await?;
+            let (mut changed, _) = run_pass(None, !resume_first, &mut totals).await?;
             while totals.pass < options.max_passes {
                 if local {
                     // What the next pass would copy: the keys written since the last one.
@@ -592,6 +613,7 @@ pub async fn migrate<S: TitoEngine, D: TitoEngine>(
         None => Moved {
             to: options.to.clone(),
             at_ms: version_millis(from.current_version().await?),
+            finished_ms: None,
         },
     };
     let tracked = {
@@ -622,6 +644,23 @@ pub async fn migrate<S: TitoEngine, D: TitoEngine>(
         run_pass(tracked, false, &mut totals).await
     }
     .await;
+    let finished = match finished {
+        // The marker says the move finished, so a call made again later (the application
+        // already writes to the new store) copies nothing over the new store's writes.
+        Ok(done) => {
+            let marker = serde_json::to_vec(&Moved {
+                finished_ms: Some(version_millis(from.current_version().await?)),
+                ..moved.clone()
+            })?;
+            from.transaction(|tx| {
+                let marker = marker.clone();
+                async move { tx.put(MOVED_KEY.to_vec(), marker).await }
+            })
+            .await
+            .map(|()| done)
+        }
+        Err(err) => Err(err),
+    };
     let (last_pass_keys, snapshot_version) = finished.map_err(|err| TitoError::Storage {
         message: format!(
             "the move's switch failed after the source began refusing writes (it names \

@@ -49,6 +49,10 @@ pub struct Moved {
     pub to: String,
     /// When the switch began, in the source's milliseconds.
     pub at_ms: u64,
+    /// When the move's last pass finished (`None` while the switch runs, or after it failed):
+    /// a finished move is not run again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished_ms: Option<u64>,
 }
 
 impl Moved {
