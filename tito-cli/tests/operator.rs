@@ -3436,22 +3436,22 @@ fn tito_url_runs_the_models_commands_in_the_application_and_refuses_without_its_
 
     // The router itself: the command endpoint takes the token only (a loopback peer without
     // it is refused); the versioned API says what it serves; each command is in the actions.
-    let (code, body) = http(
-        url,
-        "POST",
-        "/api/v1/command",
-        &[],
-        r#"{"args":["queue","ls"]}"#,
-    );
-    assert_eq!(code, 401, "{body}");
-    let (code, body) = http(
-        url,
-        "POST",
-        "/api/v1/command",
-        &[&format!("Authorization: Bearer {TOKEN}")],
-        "{not json",
-    );
-    assert_eq!(code, 400, "{body}");
+    // The unversioned paths answer as the versioned ones, token rule and all.
+    let bearer = format!("Authorization: Bearer {TOKEN}");
+    for command in ["/api/v1/command", "/api/command"] {
+        let post = |headers: &[&str], body: &str| http(url, "POST", command, headers, body);
+        let (code, body) = post(&[], r#"{"args":["queue","ls"]}"#);
+        assert_eq!(code, 401, "{command}: {body}");
+        let (code, body) = post(&[&bearer], "{not json");
+        assert_eq!(code, 400, "{command}: {body}");
+        let (code, body) = post(
+            &[&bearer],
+            r#"{"args":["queue","stats","--topic","two words"]}"#,
+        );
+        assert_eq!(code, 200, "{command}: {body}");
+        let reply: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(reply["exit"], 1, "{command}: {reply}");
+    }
     for info_path in ["/api/v1", "/api"] {
         let (code, body) = http(url, "GET", info_path, &[], "");
         assert_eq!(code, 200, "{info_path}: {body}");
@@ -3461,25 +3461,6 @@ fn tito_url_runs_the_models_commands_in_the_application_and_refuses_without_its_
             (Some(1), Some(true))
         );
     }
-    // The unversioned command path answers as the versioned one, token and all.
-    let (code, body) = http(
-        url,
-        "POST",
-        "/api/command",
-        &[],
-        r#"{"args":["queue","ls"]}"#,
-    );
-    assert_eq!(code, 401, "{body}");
-    let (code, body) = http(
-        url,
-        "POST",
-        "/api/command",
-        &[&format!("Authorization: Bearer {TOKEN}")],
-        r#"{"args":["queue","stats","--topic","two words"]}"#,
-    );
-    assert_eq!(code, 200, "{body}");
-    let reply: Value = serde_json::from_str(&body).unwrap();
-    assert_eq!(reply["exit"], 1, "{reply}");
     let (code, v1) = http(url, "GET", "/api/v1/actions", &[], "");
     assert_eq!(code, 200, "{v1}");
     let actions: Value = serde_json::from_str(&v1).unwrap();
