@@ -69,6 +69,16 @@ fn tick_queue<E: TitoEngine>(db: &E) -> Arc<Queue<E>> {
 struct Log(Arc<std::sync::Mutex<std::fs::File>>);
 
 impl Log {
+    /// The append-only log at `path`, created when missing.
+    fn open(path: &Path) -> Log {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .unwrap();
+        Log(Arc::new(std::sync::Mutex::new(file)))
+    }
+
     fn line(&self, text: String) {
         let mut file = self.0.lock().unwrap();
         file.write_all(format!("{text} {}\n", now_us()).as_bytes())
@@ -91,13 +101,7 @@ async fn soak_child() {
         return;
     };
     let dir = PathBuf::from(dir);
-    let log = Log(Arc::new(std::sync::Mutex::new(
-        std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(dir.join(format!("{name}.log")))
-            .unwrap(),
-    )));
+    let log = Log::open(&dir.join(format!("{name}.log")));
     let db = TiKV::connect(vec![pd]).await.unwrap();
     let queue = soak_queue(&db);
     let ticks = tick_queue(&db);
@@ -588,13 +592,7 @@ async fn wake_child() {
     let (Ok(dir), Ok(pd)) = (std::env::var(WAKE_DIR_VAR), std::env::var(PD_VAR)) else {
         return;
     };
-    let log = Log(Arc::new(std::sync::Mutex::new(
-        std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(Path::new(&dir).join("wake.log"))
-            .unwrap(),
-    )));
+    let log = Log::open(&Path::new(&dir).join("wake.log"));
     let db = TiKV::connect(vec![pd]).await.unwrap();
     let queue = wake_queue(&db);
     let mut workers = Workers::new();

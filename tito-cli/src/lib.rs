@@ -126,6 +126,20 @@ struct RegisteredInbox {
     make: MakeInbox,
 }
 
+/// `$on::<E, $t>(db)` for the first engine `E` this tool was built with that `db` is: the one
+/// list of engines a registration tries.
+macro_rules! on_any_engine {
+    ($on:ident, $t:ty, $db:expr) => {{
+        let db: &dyn Any = $db;
+        let made = $on::<Embedded, $t>(db).or_else(|| $on::<tito::backend::memory::Memory, $t>(db));
+        #[cfg(feature = "tikv")]
+        let made = made.or_else(|| $on::<TiKV, $t>(db));
+        #[cfg(feature = "sqlite")]
+        let made = made.or_else(|| $on::<tito::backend::sqlite::Sqlite, $t>(db));
+        made
+    }};
+}
+
 /// `T`'s operations on `db` when it is an `E` store.
 fn model_on<E: TitoEngine, T: TitoModelTrait>(db: &dyn Any) -> Option<Arc<dyn ModelOps>> {
     let db = db.downcast_ref::<E>()?;
@@ -150,15 +164,7 @@ impl Tool {
     pub fn model<T: TitoModelTrait>(mut self) -> Self {
         self.models.push(Registered {
             table: T::default().table(),
-            make: Box::new(|db| {
-                let made = model_on::<Embedded, T>(db)
-                    .or_else(|| model_on::<tito::backend::memory::Memory, T>(db));
-                #[cfg(feature = "tikv")]
-                let made = made.or_else(|| model_on::<TiKV, T>(db));
-                #[cfg(feature = "sqlite")]
-                let made = made.or_else(|| model_on::<tito::backend::sqlite::Sqlite, T>(db));
-                made
-            }),
+            make: Box::new(|db| on_any_engine!(model_on, T, db)),
         });
         self
     }
@@ -176,15 +182,7 @@ impl Tool {
     pub fn inbox<M: InboxModel>(mut self) -> Self {
         self.inboxes.push(RegisteredInbox {
             table: M::default().table(),
-            make: Box::new(|db| {
-                let made = inbox_on::<Embedded, M>(db)
-                    .or_else(|| inbox_on::<tito::backend::memory::Memory, M>(db));
-                #[cfg(feature = "tikv")]
-                let made = made.or_else(|| inbox_on::<TiKV, M>(db));
-                #[cfg(feature = "sqlite")]
-                let made = made.or_else(|| inbox_on::<tito::backend::sqlite::Sqlite, M>(db));
-                made
-            }),
+            make: Box::new(|db| on_any_engine!(inbox_on, M, db)),
         });
         self
     }
