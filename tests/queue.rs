@@ -65,6 +65,8 @@ macro_rules! queue_suite {
                 unique_keys_hold_for_their_period_in_the_states_covered,
                 priorities_run_first_and_lower_ones_age,
                 a_keys_handlers_first_run_in_the_order_of_its_rows,
+                publish_many_commits_in_bounded_transactions_and_resumes_after_a_failure,
+                publish_many_honours_ids_unique_keys_owners_and_the_callers_transaction,
             ]
         );
     };
@@ -2661,4 +2663,205 @@ pub async fn a_keys_handlers_first_run_in_the_order_of_its_rows<E: TitoEngine>(c
             );
         }
     }
+}
+
+/// Every pending row's payload `n`, over every partition (read in pages).
+async fn pending_ns<E: TitoEngine>(db: &E, topic: Option<&str>) -> Vec<u32> {
+    let root = tito::keys::queue_root(topic);
+    let prefix = format!("{root}:pending:");
+    let end = tito::prefix_end_bytes(prefix.as_bytes());
+    let mut from = prefix.as_bytes().to_vec();
+    let mut ns = Vec::new();
+    loop {
+        let tx = db.begin().await.unwrap();
+        let rows = tx.scan(&from, &end, 1000).await.unwrap();
+        tx.rollback().await.unwrap();
+        let Some((last, _)) = rows.last() else {
+            break;
+        };
+        from = [last.as_slice(), &[0]].concat();
+        for (_, value) in &rows {
+            let row: serde_json::Value = serde_json::from_slice(value).unwrap();
+            ns.push(row["payload"]["n"].as_u64().unwrap() as u32);
+        }
+    }
+    ns.sort_unstable();
+    ns
+}
+
+pub async fn publish_many_commits_in_bounded_transactions_and_resumes_after_a_failure<
+    E: TitoEngine,
+>(
+    ctx: Ctx<E>,
+) {
+    let faulty = FaultyEngine::new(ctx.db.clone());
+    let queue = Arc::new(Queue::new(
+        faulty.clone(),
+        QueueConfig::new(4, Duration::from_secs(3600)).topic("many"),
+    ));
+    let at = now();
+    // One event of the list is published already; two of the list share an id.
+    let mut events: Vec<QueueEvent<Job>> = (0..2_500)
+        .map(|n| QueueEvent::new(format!("k{}", n % 97), Job { n }, at))
+        .collect();
+    events[11] = events[10].clone();
+    let before = queue.publish(events[0].clone()).await.unwrap();
+    // The second of three transactions (1,000 + 1,000 + 500 events) fails.
+    let commits = faulty.faults().calls(FaultPoint::Commit);
+    faulty.faults().add(
+        FaultRule::new(FaultPoint::Commit, Fault::Storage)
+            .skip(1)
+            .times(1),
+    );
+    let err = queue.publish_many(&events).await.unwrap_err();
+    match &err {
+        TitoError::PartiallyPublished {
+            published, total, ..
+        } => assert_eq!((*published, *total), (1_000, 2_500), "{err}"),
+        other => panic!("expected PartiallyPublished, got {other:?}"),
+    }
+    assert!(
+        err.to_string().contains("publishing the same events again"),
+        "{err}"
+    );
+    assert_eq!(faulty.faults().calls(FaultPoint::Commit) - commits, 2);
+    // The first transaction's events, less the two duplicates: the one published before and
+    // the second of the shared id.
+    let first: Vec<u32> = (0..1_000).filter(|n| *n != 11).collect();
+    assert_eq!(pending_ns(&ctx.db, Some("many")).await, first);
+
+    // Published again, whole: the first thousand answer as duplicates, the rest are new, in
+    // three transactions of one batched read each.
+    faulty.faults().clear();
+    let (commits, reads) = (
+        faulty.faults().calls(FaultPoint::Commit),
+        faulty.faults().calls(FaultPoint::Get),
+    );
+    let answers = queue.publish_many(&events).await.unwrap();
+    assert_eq!(faulty.faults().calls(FaultPoint::Commit) - commits, 3);
+    assert_eq!(faulty.faults().calls(FaultPoint::Get) - reads, 3);
+    assert_eq!(answers.len(), 2_500);
+    assert!(answers[..1_000].iter().all(|a| a.duplicate));
+    assert!(answers[1_000..].iter().all(|a| !a.duplicate));
+    assert_eq!(answers[0].key, before.key);
+    assert_eq!(answers[11].key, answers[10].key);
+    let all: Vec<u32> = (0..2_500).filter(|n| *n != 11).collect();
+    assert_eq!(pending_ns(&ctx.db, Some("many")).await, all);
+    // Every answer names its own event's row (the duplicates the first one's).
+    let distinct: std::collections::HashSet<&str> =
+        answers.iter().map(|a| a.key.as_str()).collect();
+    assert_eq!(distinct.len(), 2_499);
+
+    // Nothing is written when one event is bad, and the error names it.
+    let mut bad = vec![QueueEvent::new("fine", Job { n: 9_000 }, at)];
+    bad.push(QueueEvent::new("bad", Job { n: 9_001 }, at).with_max_attempts(0));
+    let err = queue.publish_many(&bad).await.unwrap_err();
+    assert!(
+        matches!(&err, TitoError::InvalidArgument(why) if why.contains("event 1 of 2") && why.contains("nothing was published")),
+        "{err}"
+    );
+    assert_eq!(pending_ns(&ctx.db, Some("many")).await.len(), 2_499);
+    // An empty list publishes nothing and costs nothing.
+    let commits = faulty.faults().calls(FaultPoint::Commit);
+    assert!(queue.publish_many::<Job>(&[]).await.unwrap().is_empty());
+    assert_eq!(faulty.faults().calls(FaultPoint::Commit), commits);
+}
+
+pub async fn publish_many_honours_ids_unique_keys_owners_and_the_callers_transaction<
+    E: TitoEngine,
+>(
+    ctx: Ctx<E>,
+) {
+    #[derive(Clone, Debug, Serialize, Deserialize)]
+    struct Mail {
+        user: String,
+        n: u32,
+    }
+    let queue = Arc::new(Queue::new(
+        ctx.db.clone(),
+        QueueConfig::new(2, Duration::from_secs(3600)).topic("many-unique"),
+    ));
+    let at = now();
+    let mail = |user: &str, n: u32| {
+        QueueEvent::new(
+            user.to_string(),
+            Mail {
+                user: user.into(),
+                n,
+            },
+            at,
+        )
+    };
+    let rule = tito::queue::Unique::fields(["user"], Duration::from_secs(3600));
+    let held = queue.publish_unique(mail("d", 0), &rule).await.unwrap();
+    let owner = QueueOwner::new("account", "acc-1");
+    let events = vec![
+        mail("a", 1),
+        mail("b", 2),
+        mail("a", 3),
+        mail("c", 4).with_owner(owner.clone()),
+        mail("d", 5),
+        mail("e", 6).with_owner(owner.clone()),
+    ];
+    let answers = queue.publish_many_unique(&events, &rule).await.unwrap();
+    let duplicate: Vec<bool> = answers.iter().map(|a| a.duplicate).collect();
+    assert_eq!(duplicate, [false, false, true, false, true, false]);
+    // The second "a" collided with the first of the list, "d" with the one published before.
+    assert_eq!(answers[2].key, answers[0].key);
+    assert_eq!(
+        answers[2].collided_id.as_deref(),
+        Some(events[0].id.as_str())
+    );
+    assert_eq!(answers[4].key, held.key);
+    // The same rule one by one agrees with the list: every key is held now.
+    for user in ["a", "b", "c", "d", "e"] {
+        let again = queue.publish_unique(mail(user, 9), &rule).await.unwrap();
+        assert!(again.duplicate, "{user}");
+    }
+    // Owners move with their rows: cancelling the owner takes exactly its two.
+    assert_eq!(queue.cancel_owner(&owner, "closed").await.unwrap(), 2);
+
+    // In the caller's transaction: with its data, or not at all.
+    let later: Vec<QueueEvent<Mail>> = (10..20).map(|n| mail(&format!("u{n}"), n)).collect();
+    let failed: Result<(), TitoError> = ctx
+        .db
+        .transaction(|tx| {
+            let (queue, later) = (queue.clone(), later.clone());
+            async move {
+                queue.publish_many_in_tx(&later, &tx).await?;
+                tx.put(b"many:row".to_vec(), b"1".to_vec()).await?;
+                Err(TitoError::invalid_argument("the caller changed its mind"))
+            }
+        })
+        .await;
+    assert!(failed.is_err());
+    assert!(read(&ctx.db, b"many:row").await.is_none());
+    let answers = ctx
+        .db
+        .transaction(|tx| {
+            let (queue, later) = (queue.clone(), later.clone());
+            async move {
+                let answers = queue.publish_many_in_tx(&later, &tx).await?;
+                tx.put(b"many:row".to_vec(), b"1".to_vec()).await?;
+                Ok::<_, TitoError>(answers)
+            }
+        })
+        .await
+        .unwrap();
+    assert!(answers.iter().all(|a| !a.duplicate));
+    assert!(read(&ctx.db, b"many:row").await.is_some());
+    // Each published once: 10 of the later ones, a, b, d (held before) from the list.
+    assert_eq!(pending_total(&queue).await, 13);
+
+    // More than a caller's transaction takes is refused, naming the call that takes it.
+    let huge: Vec<QueueEvent<Mail>> = (0..tito::queue::MAX_PUBLISH_IN_TX as u32 + 1)
+        .map(|n| mail("h", n))
+        .collect();
+    let tx = ctx.db.begin().await.unwrap();
+    let err = queue.publish_many_in_tx(&huge, &tx).await.unwrap_err();
+    tx.rollback().await.unwrap();
+    assert!(
+        matches!(&err, TitoError::InvalidArgument(why) if why.contains("publish_many")),
+        "{err}"
+    );
 }

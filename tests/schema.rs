@@ -823,7 +823,10 @@ pub async fn queue_maintenance_builds_indexes<E: TitoEngine>(ctx: Ctx<E>) {
     let (stop, rx) = tokio::sync::watch::channel(false);
     let worker = tokio::spawn(tito::queue::run_worker(
         queue,
-        tito::WorkerConfig::new(0..1).max_idle_backoff(Duration::from_millis(50)),
+        // A pass every 100 ms: the build takes a pass after the write grace.
+        tito::WorkerConfig::new(0..1)
+            .max_idle_backoff(Duration::from_millis(50))
+            .maintenance_interval(Duration::from_millis(100)),
         |_event: tito::QueueEvent<serde_json::Value>| async move {
             Ok(tito::QueueHandlerOutcome::Acknowledge)
         },

@@ -1059,3 +1059,112 @@ async fn move_at_size() {
         );
     }
 }
+
+/// Fills the filesystem of `dir` with a ballast file until a write fails, then gives back
+/// `leave` bytes: the next writes there find the disk full after about that much.
+fn fill_disk(dir: &std::path::Path, leave: u64) -> std::path::PathBuf {
+    use std::io::Write;
+    let ballast = dir.join("ballast");
+    let mut file = std::fs::File::create(&ballast).unwrap();
+    let chunk = vec![0x5au8; 1 << 20];
+    let mut written = 0u64;
+    loop {
+        match file.write(&chunk) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => written += n as u64,
+        }
+    }
+    let _ = file.sync_all();
+    file.set_len(written.saturating_sub(leave)).unwrap();
+    file.sync_all().unwrap();
+    ballast
+}
+
+/// `TITO_FULL_DISK_DIR=/mnt/small cargo test --test tito store_copy::a_copy_onto_a_full_disk
+/// -- --ignored`, where `/mnt/small` is an empty directory on a small filesystem of its own
+/// (`mount -t tmpfs -o size=64m tmpfs /mnt/small`): a copy into an embedded and into a SQLite
+/// store on a disk that fills up fails with the device's error, leaves the source as it was,
+/// and once space is freed a resumed copy ends equal to the source.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs TITO_FULL_DISK_DIR: an empty directory on a small filesystem of its own"]
+async fn a_copy_onto_a_full_disk_fails_clearly_and_resumes_once_space_is_freed() {
+    let Ok(dir) = std::env::var("TITO_FULL_DISK_DIR") else {
+        panic!("set TITO_FULL_DISK_DIR to an empty directory on a small filesystem");
+    };
+    let dir = std::path::PathBuf::from(dir);
+    // A source of about 12 MiB: users and kv values of 4 KiB.
+    let from = Memory::new();
+    fill(&from, 2_000, 20).await;
+    let kv = tito::kv::Kv::new(from.clone());
+    let value = "v".repeat(4096);
+    for i in 0..3_000 {
+        kv.put("blobs", &format!("b{i:05}"), &value, None, None)
+            .await
+            .unwrap();
+    }
+    let before = Memory::new();
+    copy(&from, &before, CopyOptions::new(), |_| {})
+        .await
+        .unwrap();
+    for engine in ["embedded", "sqlite"] {
+        let path = dir.join(engine);
+        let ballast = fill_disk(&dir, 4 << 20);
+        let refused = match engine {
+            "embedded" => {
+                let to = Embedded::open(&path).await.unwrap();
+                let result = copy(&from, &to, CopyOptions::new().batch(200), |_| {}).await;
+                let _ = to.close().await;
+                result
+            }
+            _ => {
+                let to = tito::backend::sqlite::Sqlite::open(&path).await.unwrap();
+                let result = copy(&from, &to, CopyOptions::new().batch(200), |_| {}).await;
+                let _ = to.close().await;
+                result
+            }
+        };
+        let err = refused.expect_err("a copy larger than the free space must fail");
+        let message = err.to_string();
+        println!("{engine}: {message}");
+        assert!(
+            message.contains("No space left on device")
+                || message.contains("disk is full")
+                || message.contains("database or disk is full"),
+            "{engine}: the device's error is named: {message}"
+        );
+        assert!(same(&from, &before).await, "the source is untouched");
+        std::fs::remove_file(&ballast).unwrap();
+        // Space freed: the destination opens again and the copy resumes to the end.
+        let report = match engine {
+            "embedded" => {
+                let to = Embedded::open(&path).await.unwrap();
+                let resumed = CopyOptions::new().batch(200).existing(Existing::Resume);
+                let report = copy(&from, &to, resumed, |_| {}).await.unwrap();
+                let verified = verify(&from, &to, VerifyOptions::new(), |_| {})
+                    .await
+                    .unwrap();
+                assert!(verified.equal(), "{engine}: {verified:?}");
+                assert_eq!(seen(&from, 2_000).await, seen(&to, 2_000).await);
+                to.close().await.unwrap();
+                report
+            }
+            _ => {
+                let to = tito::backend::sqlite::Sqlite::open(&path).await.unwrap();
+                let resumed = CopyOptions::new().batch(200).existing(Existing::Resume);
+                let report = copy(&from, &to, resumed, |_| {}).await.unwrap();
+                let verified = verify(&from, &to, VerifyOptions::new(), |_| {})
+                    .await
+                    .unwrap();
+                assert!(verified.equal(), "{engine}: {verified:?}");
+                assert_eq!(seen(&from, 2_000).await, seen(&to, 2_000).await);
+                to.close().await.unwrap();
+                report
+            }
+        };
+        println!(
+            "{engine}: resumed ({}), {} keys written after the disk was freed",
+            report.progress.resumed, report.progress.keys_written
+        );
+        std::fs::remove_dir_all(&path).unwrap();
+    }
+}

@@ -220,6 +220,24 @@ pub enum TitoError {
         at_ms: u64,
     },
 
+    /// [`crate::Queue::publish_many`] committed the first `published` of `total` events (in
+    /// transactions of their own), then a transaction failed with `cause`: the rest were not
+    /// published. Publishing the same events again is safe and publishes only the rest (the
+    /// published ones are answered as duplicates by their ids).
+    #[error(
+        "published the first {published} of {total} events, then: {cause}; publishing the same \
+         events again publishes only the rest"
+    )]
+    PartiallyPublished {
+        /// How many events, from the first, were published.
+        published: usize,
+        /// How many events the call was given.
+        total: usize,
+        /// Why the next transaction failed.
+        #[source]
+        cause: Box<TitoError>,
+    },
+
     /// The storage backend failed for a reason that is not a conflict.
     #[error("storage error: {message}{}", cause(message, .source))]
     Storage {

@@ -5,7 +5,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{ModelEvent, Published, QueueEvent, StoredEvent, partition_for};
+use super::{ModelEvent, QueueEvent, StoredEvent, partition_for};
 use crate::engine::{self, TitoTransaction};
 use crate::error::{TitoError, TitoResult};
 use crate::keys;
@@ -72,33 +72,10 @@ pub(crate) async fn stored_partitions<X: TitoTransaction>(
     }
 }
 
-/// Plans a pending invocation (with its owner key and its event-id key) unless the event id
-/// already has a live invocation in this queue: then nothing is planned and the answer says
-/// `duplicate`. Reads now; writes nothing. Returns the invocation's key and partition.
-pub(crate) async fn plan_pending<X: TitoTransaction>(
-    tx: &X,
-    root: &str,
-    partitions: u32,
-    stored: &StoredEvent,
-    bytes: Vec<u8>,
-    writes: &mut engine::Writes,
-) -> TitoResult<(Published, u32)> {
-    let partition = partition_for(&stored.key, partitions);
-    let id_key = keys::event_id_key(root, &stored.id);
-    if let Some(live) = tx.get(id_key.as_bytes()).await? {
-        let key = String::from_utf8(live).map_err(|_| {
-            TitoError::Integrity(format!("event id key {id_key:?} does not hold a key"))
-        })?;
-        return Ok((Published::duplicate_of(key), partition));
-    }
-    let key = plan_insert(tx.start_version(), root, partitions, stored, bytes, writes)?;
-    Ok((Published::new(key), partition))
-}
-
 /// Plans a pending row, its owner key and its event-id key (pointing at the row), with no
 /// duplicate check. Returns the row's key. A due time relative to the publication is counted
 /// here, from the transaction's time: the clock workers compare it with.
-fn plan_insert(
+pub(crate) fn plan_insert(
     start_version: u64,
     root: &str,
     partitions: u32,

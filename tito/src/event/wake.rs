@@ -192,7 +192,22 @@ impl Wakeups {
         (state.0, partitions)
     }
 
-    /// Wakes `partition` once `tx` has committed.
+    /// After `tx` commits, wakes (and nudges) the workers of each of `partitions`.
+    pub(crate) fn wake_all_after_commit<X: TitoTransaction>(
+        self: &Arc<Self>,
+        tx: &X,
+        partitions: Vec<u32>,
+    ) {
+        let wakeups = self.clone();
+        tx.after_commit(Box::new(move || {
+            for partition in partitions {
+                wakeups.wake(partition);
+                wakeups.nudge(Some(partition));
+            }
+        }));
+    }
+
+    /// After `tx` commits, wakes (and nudges) the workers of `partition`.
     pub(crate) fn wake_after_commit<X: TitoTransaction>(self: &Arc<Self>, tx: &X, partition: u32) {
         let wakeups = self.clone();
         tx.after_commit(Box::new(move || {

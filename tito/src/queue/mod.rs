@@ -490,55 +490,65 @@ impl<E: TitoEngine> Queue<E> {
         self.publish_under_in_tx(event, None, tx).await
     }
 
+    /// Publishes `events` in transactions of their own, in their order, each transaction
+    /// holding at most [`PUBLISH_BATCH`] events and [`PUBLISH_BATCH_BYTES`] of payload: one
+    /// commit (and, on TiKV, one batched read of the event ids) per transaction instead of one
+    /// per event. Returns one answer per event, in order; each is idempotent per event id as
+    /// in [`Queue::publish`], also against an event earlier in the list.
+    ///
+    /// Every event is checked before anything is written. When a transaction fails, the ones
+    /// before it stay committed and the error says how many events were published: publishing
+    /// the same events again is safe, since those already published are answered as duplicates
+    /// by their ids.
+    pub async fn publish_many<T: Serialize>(
+        &self,
+        events: &[QueueEvent<T>],
+    ) -> TitoResult<Vec<Published>> {
+        self.publish_many_under(events, None).await
+    }
+
+    /// [`Queue::publish_many`] inside `tx`, atomically with the rest of it: all or none. At
+    /// most [`MAX_PUBLISH_IN_TX`] events (a larger list belongs in `publish_many`'s bounded
+    /// transactions).
+    pub async fn publish_many_in_tx<T: Serialize>(
+        &self,
+        events: &[QueueEvent<T>],
+        tx: &E::Transaction,
+    ) -> TitoResult<Vec<Published>> {
+        self.publish_many_under_in_tx(events, None, tx).await
+    }
+
+    /// [`Queue::publish_many`] under one uniqueness rule, checked for each event (see
+    /// [`Queue::publish_unique`]); two events of the list with one unique key publish the
+    /// first, the second is its duplicate.
+    pub async fn publish_many_unique<T: Serialize>(
+        &self,
+        events: &[QueueEvent<T>],
+        unique: &unique::Unique,
+    ) -> TitoResult<Vec<Published>> {
+        self.publish_many_under(events, Some(unique)).await
+    }
+
+    /// [`Queue::publish_many_unique`] inside `tx`, atomically with the rest of it.
+    pub async fn publish_many_unique_in_tx<T: Serialize>(
+        &self,
+        events: &[QueueEvent<T>],
+        unique: &unique::Unique,
+        tx: &E::Transaction,
+    ) -> TitoResult<Vec<Published>> {
+        self.publish_many_under_in_tx(events, Some(unique), tx)
+            .await
+    }
+
     /// [`Queue::publish`], or with a uniqueness rule [`Queue::publish_unique`].
     async fn publish_under<T: Serialize>(
         &self,
         event: &QueueEvent<T>,
         unique: Option<&unique::Unique>,
     ) -> TitoResult<Published> {
-        // Checked before any transaction, so a bad event costs nothing.
-        let stored = StoredEvent::from_event(event)?;
-        let bytes = stored.to_bytes()?;
-        let unique = unique::Keyed::of(unique, &stored)?;
-        self.check_config()?;
-        crate::event::nudge::prepare(&self.db, &self.wakeups);
-        let root = self.root.clone();
-        let partitions = self.config.partitions;
-        let known = self.meta_known.load(Ordering::Relaxed);
-        let wakeups = self.wakeups.clone();
-        // The closure owns what it uses (no borrow of `self`), so the future stays `Send` for
-        // callers with a concrete engine.
-        let (published, _) = self
-            .db
-            .transaction(|tx| {
-                let (root, stored, bytes) = (root.clone(), stored.clone(), bytes.clone());
-                let (wakeups, unique) = (wakeups.clone(), unique.clone());
-                async move {
-                    let mut writes = engine::Writes::default();
-                    if !known {
-                        check_meta(&tx, &root, partitions, &mut writes).await?;
-                    }
-                    let planned = unique::plan(
-                        &tx,
-                        &root,
-                        partitions,
-                        &stored,
-                        bytes,
-                        unique.as_ref(),
-                        &mut writes,
-                    )
-                    .await?;
-                    writes.apply(&tx).await?;
-                    if !planned.0.duplicate {
-                        wakeups.wake_after_commit(&tx, planned.1);
-                    }
-                    Ok::<_, TitoError>(planned)
-                }
-            })
-            .await?;
-        self.meta_known.store(true, Ordering::Relaxed);
-        self.published(&published);
-        Ok(published)
+        let item = unique::ToPublish::of(event, unique)?;
+        let mut published = self.publish_checked(std::slice::from_ref(&item)).await?;
+        Ok(published.remove(0))
     }
 
     /// [`Queue::publish_in_tx`], or with a uniqueness rule [`Queue::publish_unique_in_tx`].
@@ -548,32 +558,153 @@ impl<E: TitoEngine> Queue<E> {
         unique: Option<&unique::Unique>,
         tx: &E::Transaction,
     ) -> TitoResult<Published> {
-        let stored = StoredEvent::from_event(event)?;
-        let bytes = stored.to_bytes()?;
-        let unique = unique::Keyed::of(unique, &stored)?;
+        let item = unique::ToPublish::of(event, unique)?;
+        let mut published = self
+            .publish_checked_in_tx(std::slice::from_ref(&item), tx)
+            .await?;
+        Ok(published.remove(0))
+    }
+
+    /// Checks every event of a list before anything is written, naming the first bad one.
+    fn check_all<T: Serialize>(
+        events: &[QueueEvent<T>],
+        unique: Option<&unique::Unique>,
+    ) -> TitoResult<Vec<unique::ToPublish>> {
+        events
+            .iter()
+            .enumerate()
+            .map(|(at, event)| {
+                unique::ToPublish::of(event, unique).map_err(|err| {
+                    if events.len() == 1 {
+                        return err;
+                    }
+                    match err {
+                        TitoError::InvalidArgument(why) => TitoError::InvalidArgument(format!(
+                            "event {at} of {} (id {:?}): {why}; nothing was published",
+                            events.len(),
+                            event.id
+                        )),
+                        other => other,
+                    }
+                })
+            })
+            .collect()
+    }
+
+    async fn publish_many_under<T: Serialize>(
+        &self,
+        events: &[QueueEvent<T>],
+        unique: Option<&unique::Unique>,
+    ) -> TitoResult<Vec<Published>> {
+        let items = Self::check_all(events, unique)?;
+        self.check_config()?;
+        let mut published = Vec::with_capacity(items.len());
+        let mut rest = &items[..];
+        while !rest.is_empty() {
+            // At least one event per transaction, however large.
+            let mut take = 1;
+            let mut bytes = rest[0].bytes.len();
+            while take < rest.len()
+                && take < PUBLISH_BATCH
+                && bytes + rest[take].bytes.len() <= PUBLISH_BATCH_BYTES
+            {
+                bytes += rest[take].bytes.len();
+                take += 1;
+            }
+            let (chunk, after) = rest.split_at(take);
+            match self.publish_checked(chunk).await {
+                Ok(answers) => published.extend(answers),
+                Err(err) if published.is_empty() => return Err(err),
+                Err(err) => {
+                    return Err(TitoError::PartiallyPublished {
+                        published: published.len(),
+                        total: items.len(),
+                        cause: Box::new(err),
+                    });
+                }
+            }
+            rest = after;
+        }
+        Ok(published)
+    }
+
+    async fn publish_many_under_in_tx<T: Serialize>(
+        &self,
+        events: &[QueueEvent<T>],
+        unique: Option<&unique::Unique>,
+        tx: &E::Transaction,
+    ) -> TitoResult<Vec<Published>> {
+        if events.len() > MAX_PUBLISH_IN_TX {
+            return Err(TitoError::invalid_argument(format!(
+                "{} events published in one transaction; at most {MAX_PUBLISH_IN_TX}: \
+                 publish_many writes a longer list in bounded transactions of its own",
+                events.len()
+            )));
+        }
+        let items = Self::check_all(events, unique)?;
+        self.publish_checked_in_tx(&items, tx).await
+    }
+
+    /// Publishes checked events in one transaction of their own.
+    async fn publish_checked(&self, items: &[unique::ToPublish]) -> TitoResult<Vec<Published>> {
+        self.check_config()?;
+        crate::event::nudge::prepare(&self.db, &self.wakeups);
+        let root = self.root.clone();
+        let partitions = self.config.partitions;
+        let known = self.meta_known.load(Ordering::Relaxed);
+        let wakeups = self.wakeups.clone();
+        let items: Arc<[unique::ToPublish]> = items.into();
+        // The closure owns what it uses (no borrow of `self` or of `items`), so the future
+        // stays `Send` for callers with a concrete engine.
+        let planned = self
+            .db
+            .transaction(|tx| {
+                let (root, wakeups, items) = (root.clone(), wakeups.clone(), items.clone());
+                async move {
+                    let mut writes = engine::Writes::default();
+                    if !known {
+                        check_meta(&tx, &root, partitions, &mut writes).await?;
+                    }
+                    let planned = unique::plan(&tx, &root, partitions, &items, &mut writes).await?;
+                    writes.apply(&tx).await?;
+                    wake_planned(&wakeups, &tx, &planned);
+                    Ok::<_, TitoError>(planned)
+                }
+            })
+            .await?;
+        self.meta_known.store(true, Ordering::Relaxed);
+        Ok(self.answered(planned))
+    }
+
+    /// Publishes checked events inside `tx`.
+    async fn publish_checked_in_tx(
+        &self,
+        items: &[unique::ToPublish],
+        tx: &E::Transaction,
+    ) -> TitoResult<Vec<Published>> {
         crate::event::nudge::prepare(&self.db, &self.wakeups);
         // Reads first, then every write checked and buffered together: an error leaves nothing
         // of this publication in the caller's transaction.
         let mut writes = engine::Writes::default();
         self.plan_meta(tx, &mut writes).await?;
-        let (published, partition) = unique::plan(
-            tx,
-            &self.root,
-            self.config.partitions,
-            &stored,
-            bytes,
-            unique.as_ref(),
-            &mut writes,
-        )
-        .await?;
+        let planned =
+            unique::plan(tx, &self.root, self.config.partitions, items, &mut writes).await?;
         writes.apply(tx).await?;
-        if !published.duplicate {
-            // After the caller's commit, never before: a worker woken earlier would poll for a
-            // row it cannot see yet and back off.
-            self.wakeups.wake_after_commit(tx, partition);
-        }
-        self.published(&published);
-        Ok(published)
+        // After the caller's commit, never before: a worker woken earlier would poll for a
+        // row it cannot see yet and back off.
+        wake_planned(&self.wakeups, tx, &planned);
+        Ok(self.answered(planned))
+    }
+
+    /// Counts planned publications and returns their answers.
+    fn answered(&self, planned: Vec<(Published, u32)>) -> Vec<Published> {
+        planned
+            .into_iter()
+            .map(|(published, _)| {
+                self.published(&published);
+                published
+            })
+            .collect()
     }
 
     /// How many invocations are pending in a partition (counted in bounded scans).
@@ -826,6 +957,32 @@ pub async fn set_aside<E: TitoEngine>(
 }
 
 /// The partition count stored for the queue under `root` (`None`: nothing published yet).
+/// The most events [`Queue::publish_many`] commits in one transaction.
+pub const PUBLISH_BATCH: usize = 1_000;
+/// The most payload bytes (as stored) [`Queue::publish_many`] commits in one transaction; an
+/// event larger than this goes alone.
+pub const PUBLISH_BATCH_BYTES: usize = 4 << 20;
+/// The most events [`Queue::publish_many_in_tx`] publishes in a caller's transaction.
+pub const MAX_PUBLISH_IN_TX: usize = 10_000;
+
+/// After `tx` commits, wakes the workers of every partition that received an invocation.
+fn wake_planned<X: TitoTransaction>(
+    wakeups: &Arc<crate::event::wake::Wakeups>,
+    tx: &X,
+    planned: &[(Published, u32)],
+) {
+    let mut woken: Vec<u32> = planned
+        .iter()
+        .filter(|(published, _)| !published.duplicate)
+        .map(|(_, partition)| *partition)
+        .collect();
+    woken.sort_unstable();
+    woken.dedup();
+    if !woken.is_empty() {
+        wakeups.wake_all_after_commit(tx, woken);
+    }
+}
+
 pub(crate) async fn stored_partition_count<X: TitoTransaction>(
     tx: &X,
     root: &str,

@@ -302,6 +302,41 @@ impl<E: TitoEngine, T: Serialize> TopicQueue<E, T> {
     ) -> TitoResult<Published> {
         self.queue.publish_in_tx(event, tx).await
     }
+
+    /// [`Queue::publish_many`], typed: bounded transactions of their own.
+    pub async fn publish_many(&self, events: &[QueueEvent<T>]) -> TitoResult<Vec<Published>> {
+        self.queue.publish_many(events).await
+    }
+
+    /// [`Queue::publish_many_in_tx`], typed: all in the caller's transaction.
+    pub async fn publish_many_in_tx(
+        &self,
+        events: &[QueueEvent<T>],
+        tx: &E::Transaction,
+    ) -> TitoResult<Vec<Published>> {
+        self.queue.publish_many_in_tx(events, tx).await
+    }
+
+    /// [`Queue::publish_many_unique`], typed.
+    pub async fn publish_many_unique(
+        &self,
+        events: &[QueueEvent<T>],
+        unique: &super::Unique,
+    ) -> TitoResult<Vec<Published>> {
+        self.queue.publish_many_unique(events, unique).await
+    }
+
+    /// [`Queue::publish_many_unique_in_tx`], typed.
+    pub async fn publish_many_unique_in_tx(
+        &self,
+        events: &[QueueEvent<T>],
+        unique: &super::Unique,
+        tx: &E::Transaction,
+    ) -> TitoResult<Vec<Published>> {
+        self.queue
+            .publish_many_unique_in_tx(events, unique, tx)
+            .await
+    }
 }
 
 /// What [`Workers`](crate::Workers) start a worker on: a queue handle, `Arc<Queue<E>>`, whose

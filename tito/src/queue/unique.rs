@@ -10,6 +10,7 @@
 //! `{queue}:unique-exp:{until_ms}:{key}` indexes the records by expiry; maintenance deletes the
 //! expired ones.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -18,7 +19,7 @@ use serde_json::Value;
 use super::{Queue, RETENTION_BATCH};
 use crate::engine::{self, TitoEngine, TitoTransaction};
 use crate::error::{TitoError, TitoResult};
-use crate::event::publish::plan_pending;
+use crate::event::publish::plan_insert;
 use crate::event::{Published, QueueEvent, StoredEvent};
 use crate::keys;
 
@@ -226,60 +227,180 @@ impl Keyed {
     }
 }
 
-/// Plans a publication: without a rule, the event's pending row (unless its id is a
-/// duplicate); with one, a duplicate when the key is held in a covered state, else the row and
-/// the key's new record.
+/// One event of a publication, checked and encoded before any transaction: its stored form,
+/// its bytes, and its uniqueness rule with the key it gives the event.
+#[derive(Clone, Debug)]
+pub(super) struct ToPublish {
+    pub stored: StoredEvent,
+    pub bytes: Vec<u8>,
+    pub unique: Option<Keyed>,
+}
+
+impl ToPublish {
+    /// `event` checked (its key, payload, due time, owner; the unique key of `unique`).
+    pub(super) fn of<T: Serialize>(
+        event: &QueueEvent<T>,
+        unique: Option<&Unique>,
+    ) -> TitoResult<ToPublish> {
+        let stored = StoredEvent::from_event(event)?;
+        let bytes = stored.to_bytes()?;
+        let unique = Keyed::of(unique, &stored)?;
+        Ok(ToPublish {
+            stored,
+            bytes,
+            unique,
+        })
+    }
+}
+
+/// Reads `keys` (each once, however often named) in one batched read.
+async fn read_once<X: TitoTransaction>(
+    tx: &X,
+    keys: impl IntoIterator<Item = String>,
+) -> TitoResult<HashMap<String, Option<Vec<u8>>>> {
+    let mut wanted: Vec<String> = keys.into_iter().collect();
+    wanted.sort_unstable();
+    wanted.dedup();
+    match wanted.as_slice() {
+        [] => return Ok(HashMap::new()),
+        // One key: a plain read (on TiKV a `KvGet`, the same round trip).
+        [key] => {
+            let value = tx.get(key.as_bytes()).await?;
+            return Ok(HashMap::from([(key.clone(), value)]));
+        }
+        _ => {}
+    }
+    let raw: Vec<Vec<u8>> = wanted.iter().map(|k| k.clone().into_bytes()).collect();
+    let values = tx.batch_get(&raw).await?;
+    Ok(wanted.into_iter().zip(values).collect())
+}
+
+/// Plans publications in their order: without a rule, an event's pending row (unless its id is
+/// a duplicate); with one, a duplicate when the key is held in a covered state, else the row
+/// and the key's new record. What they check is read in at most two batched reads (the event
+/// ids and unique records, then the invocations of the records that hold a key), and each event
+/// sees the ones planned before it: an id or a unique key taken earlier in the list makes a
+/// duplicate of that invocation, as a second publication would after the first committed.
 pub(super) async fn plan<X: TitoTransaction>(
     tx: &X,
     root: &str,
     partitions: u32,
-    stored: &StoredEvent,
-    bytes: Vec<u8>,
-    unique: Option<&Keyed>,
+    items: &[ToPublish],
     writes: &mut engine::Writes,
-) -> TitoResult<(Published, u32)> {
-    let Some(Keyed {
-        rule: unique,
-        key: unique_key,
-    }) = unique
-    else {
-        return plan_pending(tx, root, partitions, stored, bytes, writes).await;
-    };
+) -> TitoResult<Vec<(Published, u32)>> {
     let now = engine::version_millis(tx.start_version());
-    let record_key = keys::unique_key(root, unique_key);
-    let record = tx
-        .get(record_key.as_bytes())
-        .await?
-        .and_then(|bytes| serde_json::from_slice::<UniqueRecord>(&bytes).ok());
-    if let Some(record) = &record
-        && now < record.until_ms
-        && record.id != stored.id
-        && let Some(live) = tx
-            .get(keys::event_id_key(root, &record.id).as_bytes())
-            .await?
-        && let Ok(live) = String::from_utf8(live)
-    {
-        let pending = live.starts_with(&format!("{root}:pending:"));
-        if pending || unique.states == UniqueStates::Any {
-            let partition = crate::event::partition_for(&stored.key, partitions);
-            let mut published = Published::duplicate_of(live);
-            published.collided_id = Some(record.id.clone());
-            return Ok((published, partition));
-        }
-    }
-    let planned = plan_pending(tx, root, partitions, stored, bytes, writes).await?;
-    if planned.0.duplicate {
-        return Ok(planned);
-    }
-    if let Some(old) = &record {
-        writes.delete(keys::unique_exp_key(root, old.until_ms, unique_key));
-    }
-    let until_ms = now.saturating_add(crate::util::millis(unique.period));
-    let fresh = UniqueRecord {
-        id: stored.id.clone(),
-        until_ms,
+    let id_key = |id: &str| keys::event_id_key(root, id);
+    let first = read_once(
+        tx,
+        items.iter().flat_map(|item| {
+            let record = item.unique.as_ref().map(|u| keys::unique_key(root, &u.key));
+            std::iter::once(id_key(&item.stored.id)).chain(record)
+        }),
+    )
+    .await?;
+    let record_of = |unique_key: &str| {
+        first
+            .get(&keys::unique_key(root, unique_key))
+            .cloned()
+            .flatten()
+            .and_then(|bytes| serde_json::from_slice::<UniqueRecord>(&bytes).ok())
     };
-    writes.put(record_key, serde_json::to_vec(&fresh)?);
-    writes.put(keys::unique_exp_key(root, until_ms, unique_key), Vec::new());
+    // The invocations of the records that hold their key now (not read already).
+    let second = read_once(
+        tx,
+        items
+            .iter()
+            .filter_map(|item| record_of(&item.unique.as_ref()?.key))
+            .filter(|record| now < record.until_ms)
+            .map(|record| id_key(&record.id))
+            .filter(|key| !first.contains_key(key)),
+    )
+    .await?;
+    let stored_live = |id: &str| -> Option<Vec<u8>> {
+        let key = id_key(id);
+        first
+            .get(&key)
+            .or_else(|| second.get(&key))
+            .cloned()
+            .flatten()
+    };
+    // What this plan took so far: ids (their pending keys) and unique keys (the id taking it).
+    let mut taken_ids: HashMap<&str, String> = HashMap::new();
+    let mut taken_keys: HashMap<&str, &str> = HashMap::new();
+    let mut planned = Vec::with_capacity(items.len());
+    for item in items {
+        let stored = &item.stored;
+        let partition = crate::event::partition_for(&stored.key, partitions);
+        // The invocation holding `id`: one planned here, or a live one in the store.
+        let live = |id: &str| -> Option<String> {
+            match taken_ids.get(id) {
+                Some(key) => Some(key.clone()),
+                None => stored_live(id).and_then(|bytes| String::from_utf8(bytes).ok()),
+            }
+        };
+        let mut record = None;
+        if let Some(Keyed {
+            rule,
+            key: unique_key,
+        }) = &item.unique
+        {
+            // The key's holder: taken earlier in this plan (live until past `now`), or the
+            // store's record.
+            let holder = match taken_keys.get(unique_key.as_str()) {
+                Some(id) => Some(((*id).to_string(), u64::MAX)),
+                None => {
+                    record = record_of(unique_key);
+                    record.as_ref().map(|r| (r.id.clone(), r.until_ms))
+                }
+            };
+            if let Some((holder, until_ms)) = holder
+                && now < until_ms
+                && holder != stored.id
+                && let Some(live) = live(&holder)
+            {
+                let pending = live.starts_with(&format!("{root}:pending:"));
+                if pending || rule.states == UniqueStates::Any {
+                    let mut published = Published::duplicate_of(live);
+                    published.collided_id = Some(holder);
+                    planned.push((published, partition));
+                    continue;
+                }
+            }
+        }
+        if let Some(key) = live(&stored.id) {
+            planned.push((Published::duplicate_of(key), partition));
+            continue;
+        }
+        let key = plan_insert(
+            tx.start_version(),
+            root,
+            partitions,
+            stored,
+            item.bytes.clone(),
+            writes,
+        )?;
+        taken_ids.insert(&stored.id, key.clone());
+        if let Some(Keyed {
+            rule,
+            key: unique_key,
+        }) = &item.unique
+        {
+            if let Some(old) = &record {
+                writes.delete(keys::unique_exp_key(root, old.until_ms, unique_key));
+            }
+            let until_ms = now.saturating_add(crate::util::millis(rule.period));
+            let fresh = UniqueRecord {
+                id: stored.id.clone(),
+                until_ms,
+            };
+            writes.put(
+                keys::unique_key(root, unique_key),
+                serde_json::to_vec(&fresh)?,
+            );
+            writes.put(keys::unique_exp_key(root, until_ms, unique_key), Vec::new());
+            taken_keys.insert(unique_key, &stored.id);
+        }
+        planned.push((Published::new(key), partition));
+    }
     Ok(planned)
 }
