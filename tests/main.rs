@@ -17,6 +17,7 @@ mod engine_embedded;
 mod engine_memory;
 mod engine_sqlite;
 mod engine_tikv;
+mod forms;
 mod guarantees;
 mod inbox;
 mod inspect;

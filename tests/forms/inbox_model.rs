@@ -52,13 +52,17 @@ pub struct EmailJob {
     pub payload: Email,
 }
 
-fn main() {
+#[test]
+fn an_inbox_models_roles_and_claim_index() {
     let spec = EmailJob::inbox_spec();
     assert_eq!(spec.group.as_deref(), Some("queueName"));
     assert_eq!(spec.retry_after.as_deref(), Some("retryAfter"));
     let indexes = EmailJob::default().indexes();
     assert_eq!(indexes[0].name, "email_job_inbox_claim");
     assert!(indexes[0].condition);
-    let done = EmailJob { processed_at: Some(1), ..Default::default() };
+    let done = EmailJob {
+        processed_at: Some(1),
+        ..Default::default()
+    };
     assert!(!done.indexes()[0].condition);
 }

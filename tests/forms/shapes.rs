@@ -20,7 +20,11 @@ struct UserV2 {
 
 fn split(v1: UserV1) -> Result<UserV2, String> {
     let (first, last) = v1.name.split_once(' ').ok_or("no space")?;
-    Ok(UserV2 { id: v1.id, first: first.into(), last: last.into() })
+    Ok(UserV2 {
+        id: v1.id,
+        first: first.into(),
+        last: last.into(),
+    })
 }
 
 #[derive(TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -33,16 +37,29 @@ struct User {
 
 impl From<UserV2> for User {
     fn from(v2: UserV2) -> Self {
-        User { id: v2.id, first: v2.first, last: v2.last }
+        User {
+            id: v2.id,
+            first: v2.first,
+            last: v2.last,
+        }
     }
 }
 
 fn to_v2(user: &User) -> UserV2 {
-    UserV2 { id: user.id.clone(), first: user.first.clone(), last: user.last.clone() }
+    UserV2 {
+        id: user.id.clone(),
+        first: user.first.clone(),
+        last: user.last.clone(),
+    }
 }
 
-fn main() {
-    let user = User { id: "1".into(), first: "Ada".into(), last: "King".into() };
+#[test]
+fn shapes_upgrade_and_downgrade_through_their_conversions() {
+    let user = User {
+        id: "1".into(),
+        first: "Ada".into(),
+        last: "King".into(),
+    };
     assert!(user.downgrade(1).is_none());
     let v2 = user.downgrade(2).unwrap().unwrap();
     assert_eq!(v2, br#"{"id":"1","first":"Ada","last":"King"}"#);
@@ -56,6 +73,12 @@ fn main() {
         User::upgrade(1, br#"{"id":"1","name":"Plato"}"#).unwrap_err(),
         ShapeError::conversion(1, 2, "no space")
     );
-    assert!(matches!(UserV1::read_version(2, b"{}"), Err(ShapeError::Newer { newest: 1 })));
-    assert!(matches!(User::upgrade(1, b"[]"), Err(ShapeError::Decode { .. })));
+    assert!(matches!(
+        UserV1::read_version(2, b"{}"),
+        Err(ShapeError::Newer { newest: 1 })
+    ));
+    assert!(matches!(
+        User::upgrade(1, b"[]"),
+        Err(ShapeError::Decode { .. })
+    ));
 }

@@ -1,6 +1,11 @@
 //! Every attribute form of `#[derive(TitoModel)]` compiles, and every public item it generates
 //! is documented (this crate denies missing docs).
 #![deny(missing_docs)]
+// clippy reads two `condition = ..` (or `at = ..`) of different attributes as one attribute
+// given twice (rust-clippy#12923).
+#![allow(clippy::duplicated_attributes)]
+// The query methods take values and references alike; these calls pass references on purpose.
+#![allow(clippy::needless_borrows_for_generic_args)]
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
@@ -15,7 +20,11 @@ use tito::{TitoEngine, TitoModel};
 #[tito(index = "by_team_created: team_id, created_at")]
 #[tito(index = "active_by_team: team_id", condition = "is_active")]
 #[tito(unique_index = "by_handle: handle")]
-#[tito(unique_index = "active_by_handle: handle", condition = "is_active", condition_version = 2)]
+#[tito(
+    unique_index = "active_by_handle: handle",
+    condition = "is_active",
+    condition_version = 2
+)]
 #[tito(index = "by_tag: tags")]
 #[tito(index = "by_nickname: nickname", entries = "keys")]
 #[tito(index = "by_score_joined: score, joined, verified")]
@@ -82,8 +91,8 @@ pub struct Imported {
     pub created_at: i64,
 }
 
-#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
-async fn main() {
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_attribute_form_compiles_and_behaves() {
     assert_eq!(AuditEntry::default().table(), "audit_entry");
     assert_eq!(User::default().table(), "people");
     assert!(User::default().managed_timestamps());
@@ -92,7 +101,11 @@ async fn main() {
     let conditions = User::default().conditions();
     assert_eq!(conditions.len(), 2);
     assert_eq!(
-        (conditions[0].index.as_str(), conditions[0].name.as_str(), conditions[0].version),
+        (
+            conditions[0].index.as_str(),
+            conditions[0].name.as_str(),
+            conditions[0].version
+        ),
         ("active_by_team", "is_active", 1)
     );
     assert_eq!(
@@ -116,14 +129,38 @@ async fn main() {
     let db = Embedded::temporary().await.unwrap();
     let users = db.model::<User>();
     let joined = DateTime::<Utc>::from_timestamp(0, 0).unwrap();
-    let _ = users.by_email("a@b").limit(Some(5)).execute().await.unwrap();
-    let _ = users.by_team_created("t").created_at(0..10).execute().await.unwrap();
-    let _ = users.by_team_created("t").created_at_eq(&3).execute().await.unwrap();
-    let _ = users.by_team_created_range("a".."b").execute().await.unwrap();
+    let _ = users
+        .by_email("a@b")
+        .limit(Some(5))
+        .execute()
+        .await
+        .unwrap();
+    let _ = users
+        .by_team_created("t")
+        .created_at(0..10)
+        .execute()
+        .await
+        .unwrap();
+    let _ = users
+        .by_team_created("t")
+        .created_at_eq(&3)
+        .execute()
+        .await
+        .unwrap();
+    let _ = users
+        .by_team_created_range("a".."b")
+        .execute()
+        .await
+        .unwrap();
     let _ = users.active_by_team("t").execute().await.unwrap();
     let _ = users.by_handle("h").execute().await.unwrap();
     let _ = users.by_tag("x").cursor(None).execute().await.unwrap();
-    let _ = users.by_nickname("n").reverse(true).execute().await.unwrap();
+    let _ = users
+        .by_nickname("n")
+        .reverse(true)
+        .execute()
+        .await
+        .unwrap();
     let _ = users
         .by_score_joined(&1.5)
         .joined_eq(&joined)
