@@ -1109,20 +1109,26 @@ async fn a_copy_onto_a_full_disk_fails_clearly_and_resumes_once_space_is_freed()
     for engine in ["embedded", "sqlite"] {
         let path = dir.join(engine);
         let ballast = fill_disk(&dir, 4 << 20);
-        let refused = match engine {
-            "embedded" => {
-                let to = Embedded::open(&path).await.unwrap();
-                let result = copy(&from, &to, CopyOptions::new().batch(200), |_| {}).await;
-                let _ = to.close().await;
-                result
-            }
-            _ => {
-                let to = tito::backend::sqlite::Sqlite::open(&path).await.unwrap();
-                let result = copy(&from, &to, CopyOptions::new().batch(200), |_| {}).await;
-                let _ = to.close().await;
-                result
-            }
-        };
+        // The copy into the store at `path` of this engine (opened, then closed after it).
+        macro_rules! on_store {
+            (|$to:ident| $body:expr) => {
+                match engine {
+                    "embedded" => {
+                        let $to = Embedded::open(&path).await.unwrap();
+                        let result = $body;
+                        let _ = $to.close().await;
+                        result
+                    }
+                    _ => {
+                        let $to = tito::backend::sqlite::Sqlite::open(&path).await.unwrap();
+                        let result = $body;
+                        let _ = $to.close().await;
+                        result
+                    }
+                }
+            };
+        }
+        let refused = on_store!(|to| copy(&from, &to, CopyOptions::new().batch(200), |_| {}).await);
         let err = refused.expect_err("a copy larger than the free space must fail");
         let message = err.to_string();
         println!("{engine}: {message}");
@@ -1135,32 +1141,16 @@ async fn a_copy_onto_a_full_disk_fails_clearly_and_resumes_once_space_is_freed()
         assert!(same(&from, &before).await, "the source is untouched");
         std::fs::remove_file(&ballast).unwrap();
         // Space freed: the destination opens again and the copy resumes to the end.
-        let report = match engine {
-            "embedded" => {
-                let to = Embedded::open(&path).await.unwrap();
-                let resumed = CopyOptions::new().batch(200).existing(Existing::Resume);
-                let report = copy(&from, &to, resumed, |_| {}).await.unwrap();
-                let verified = verify(&from, &to, VerifyOptions::new(), |_| {})
-                    .await
-                    .unwrap();
-                assert!(verified.equal(), "{engine}: {verified:?}");
-                assert_eq!(seen(&from, 2_000).await, seen(&to, 2_000).await);
-                to.close().await.unwrap();
-                report
-            }
-            _ => {
-                let to = tito::backend::sqlite::Sqlite::open(&path).await.unwrap();
-                let resumed = CopyOptions::new().batch(200).existing(Existing::Resume);
-                let report = copy(&from, &to, resumed, |_| {}).await.unwrap();
-                let verified = verify(&from, &to, VerifyOptions::new(), |_| {})
-                    .await
-                    .unwrap();
-                assert!(verified.equal(), "{engine}: {verified:?}");
-                assert_eq!(seen(&from, 2_000).await, seen(&to, 2_000).await);
-                to.close().await.unwrap();
-                report
-            }
-        };
+        let report = on_store!(|to| {
+            let resumed = CopyOptions::new().batch(200).existing(Existing::Resume);
+            let report = copy(&from, &to, resumed, |_| {}).await.unwrap();
+            let verified = verify(&from, &to, VerifyOptions::new(), |_| {})
+                .await
+                .unwrap();
+            assert!(verified.equal(), "{engine}: {verified:?}");
+            assert_eq!(seen(&from, 2_000).await, seen(&to, 2_000).await);
+            report
+        });
         println!(
             "{engine}: resumed ({}), {} keys written after the disk was freed",
             report.progress.resumed, report.progress.keys_written
