@@ -264,6 +264,33 @@ async fn delays_are_waited_out() {
     assert!(started.elapsed() >= Duration::from_millis(300));
 }
 
+/// A latency set on the cluster delays every request, timestamps included: a read-write
+/// transaction (a timestamp, a read, a prewrite, a timestamp, a commit) takes at least five of
+/// them (at least three without the timestamps).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_latency_delays_every_request() {
+    let ctx = test_server_ctx().await;
+    let cluster = cluster(&ctx);
+    let round = |n: u32| {
+        let db = ctx.db.clone();
+        let key = ctx.key(&format!("lat-{n}"));
+        async move {
+            let started = Instant::now();
+            let tx = db.begin().await.unwrap();
+            assert!(tx.get(&key).await.unwrap().is_none());
+            tx.put(key, b"v".to_vec()).await.unwrap();
+            tx.commit().await.unwrap();
+            started.elapsed()
+        }
+    };
+    // Warmed up (regions cached, connections open) before measuring.
+    round(0).await;
+    cluster.set_latency(Duration::from_millis(40));
+    let slow = round(1).await;
+    assert!(slow >= Duration::from_millis(5 * 40), "{slow:?}");
+    cluster.set_latency(Duration::ZERO);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_server_fails_the_transaction_instead_of_hanging() {
     let ctx = test_server_ctx().await;

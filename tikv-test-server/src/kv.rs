@@ -229,6 +229,7 @@ where
     Resp: Reply,
 {
     let mut region_fault = None;
+    shared.delay().await;
     let lose = match shared.on_call(method, &request.keys()) {
         None => false,
         Some(Fault::Unavailable) => {

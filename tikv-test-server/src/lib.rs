@@ -285,6 +285,8 @@ pub(crate) struct Shared {
     faults: Mutex<Vec<ArmedFault>>,
     region_faults: Mutex<Vec<(String, RegionFault, u32)>>,
     calls: Mutex<HashMap<String, u64>>,
+    /// Added to every request before it is served (see [`TestCluster::set_latency`]).
+    latency: Mutex<Duration>,
     pub tikv_address: Mutex<String>,
     pub pd_address: Mutex<String>,
 }
@@ -292,6 +294,15 @@ pub(crate) struct Shared {
 impl Shared {
     pub fn state(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Waits the latency set for every request, if any: on a thread of the blocking pool, whose
+    /// sleep keeps sub-millisecond delays (tokio's timers count whole milliseconds).
+    pub async fn delay(&self) {
+        let latency = *self.latency.lock().unwrap_or_else(|e| e.into_inner());
+        if !latency.is_zero() {
+            let _ = tokio::task::spawn_blocking(move || std::thread::sleep(latency)).await;
+        }
     }
 
     /// Counts a call of `method` and returns the fault it must suffer, if any.
@@ -389,6 +400,7 @@ impl TestCluster {
             faults: Mutex::default(),
             region_faults: Mutex::default(),
             calls: Mutex::default(),
+            latency: Mutex::default(),
             tikv_address: Mutex::default(),
             pd_address: Mutex::default(),
         });
@@ -480,6 +492,17 @@ impl TestCluster {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push((method.to_string(), fault, times));
+    }
+
+    /// Delays every request (TiKV's and PD's, timestamps included) by `latency` before it is
+    /// served, as a network between the client and the cluster would: 0.5 ms is about a LAN,
+    /// 2 ms a zone apart. Zero (the default) serves at once.
+    pub fn set_latency(&self, latency: Duration) {
+        *self
+            .shared
+            .latency
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = latency;
     }
 
     /// How many calls of each method (PD and TiKV) the servers received, by method name.

@@ -69,6 +69,7 @@ fn store(shared: &Shared) -> metapb::Store {
 /// Applies a fault before a PD call: `Err` to fail it, `Ok(lose)` to serve it (and, when `lose`
 /// is set, fail it afterwards).
 async fn before(shared: &Shared, method: &str) -> Result<bool, Status> {
+    shared.delay().await;
     match shared.on_call(method, &[]) {
         None => Ok(false),
         Some(Fault::Unavailable) => Err(Status::unavailable(format!("injected fault on {method}"))),
@@ -106,23 +107,35 @@ fn tso_stream(
     requests: tonic::codec::Streaming<pdpb::TsoRequest>,
 ) -> BoxStream<'static, Result<pdpb::TsoResponse, Status>> {
     requests
-        .map(move |request| {
-            let request = request?;
-            if request.count == 0 {
-                return Err(Status::invalid_argument("a TSO request for 0 timestamps"));
+        .then(move |request| {
+            let shared = shared.clone();
+            async move {
+                shared.delay().await;
+                tso_reply(&shared, request)
             }
-            let (physical, logical) = shared.state().timestamps(request.count);
-            Ok(pdpb::TsoResponse {
-                header: header(),
-                count: request.count,
-                timestamp: Some(pdpb::Timestamp {
-                    physical: physical as i64,
-                    logical: logical as i64,
-                    suffix_bits: 0,
-                }),
-            })
         })
         .boxed()
+}
+
+/// One timestamp request's answer.
+fn tso_reply(
+    shared: &Shared,
+    request: Result<pdpb::TsoRequest, Status>,
+) -> Result<pdpb::TsoResponse, Status> {
+    let request = request?;
+    if request.count == 0 {
+        return Err(Status::invalid_argument("a TSO request for 0 timestamps"));
+    }
+    let (physical, logical) = shared.state().timestamps(request.count);
+    Ok(pdpb::TsoResponse {
+        header: header(),
+        count: request.count,
+        timestamp: Some(pdpb::Timestamp {
+            physical: physical as i64,
+            logical: logical as i64,
+            suffix_bits: 0,
+        }),
+    })
 }
 
 pub(crate) fn router(shared: Arc<Shared>) -> Router {

@@ -738,6 +738,13 @@ impl Pulling {
             return;
         }
         self.tokens_checked = Instant::now();
+        // Cancelled in this process: known for certain, whatever snapshot a read would get.
+        for (key, token) in &self.tokens {
+            if !token.is_cancelled() && queue.wakeups.was_cancelled(key) {
+                tracing::info!(key, "a running invocation was cancelled: its handler is told");
+                token.cancel();
+            }
+        }
         let keys: Vec<Vec<u8>> = self
             .tokens
             .iter()
