@@ -741,7 +741,10 @@ impl Pulling {
         // Cancelled in this process: known for certain, whatever snapshot a read would get.
         for (key, token) in &self.tokens {
             if !token.is_cancelled() && queue.wakeups.was_cancelled(key) {
-                tracing::info!(key, "a running invocation was cancelled: its handler is told");
+                tracing::info!(
+                    key,
+                    "a running invocation was cancelled: its handler is told"
+                );
                 token.cancel();
             }
         }
