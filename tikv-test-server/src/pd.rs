@@ -118,6 +118,8 @@ fn tso_stream(
 }
 
 /// One timestamp request's answer.
+// The stream's items are tonic's `Result<_, Status>`: the error is the protocol's, not ours.
+#[allow(clippy::result_large_err)]
 fn tso_reply(
     shared: &Shared,
     request: Result<pdpb::TsoRequest, Status>,
