@@ -445,9 +445,13 @@ async fn main() {
     match std::env::var("TITO_BENCH_ONLY").as_deref() {
         Ok("latency") => commit_to_handler_table().await,
         Ok("limits") => limits_table().await,
+        Ok("batching") => batching_table().await,
+        Ok("tikv") => tikv_table().await,
         _ => {
             throughput_lateness_idle().await;
+            batching_table().await;
             limits_table().await;
+            tikv_table().await;
             commit_to_handler_table().await;
         }
     }
@@ -620,4 +624,207 @@ async fn commit_to_handler_table() {
         }
     }
     embedded.close().await.unwrap();
+}
+
+/// How one batching run publishes and runs its events.
+#[derive(Clone, Copy)]
+struct Run {
+    partitions: u32,
+    concurrency: usize,
+    /// `publish_many` (bounded transactions of 1,000) instead of one `publish` per event.
+    many: bool,
+    /// The worker's outcome window.
+    delay: Duration,
+}
+
+/// Publishes `n` events as `run` says, then drains them with one worker; the phases' rates.
+async fn queue_run<E: TitoEngine>(db: &E, topic: &str, n: u64, run: Run) -> Throughput {
+    let queue = Arc::new(Queue::new(
+        db.clone(),
+        QueueConfig::new(run.partitions, Duration::from_secs(3600)).topic(topic),
+    ));
+    let due = chrono::Utc::now().timestamp();
+    let events: Vec<QueueEvent<Job>> = (0..n)
+        .map(|i| QueueEvent::new(format!("user:{i}"), job(i), due))
+        .collect();
+    let start = Instant::now();
+    if run.many {
+        queue.publish_many(&events).await.unwrap();
+    } else {
+        for event in events {
+            queue.publish(event).await.unwrap();
+        }
+    }
+    let published = start.elapsed();
+    let (stop, rx) = watch::channel(false);
+    let drain_start = Instant::now();
+    let worker = tokio::spawn(run_worker(
+        queue.clone(),
+        WorkerConfig::new(0..run.partitions)
+            .concurrency(run.concurrency)
+            .page_size(run.concurrency)
+            .outcome_delay(run.delay),
+        |_event: QueueEvent<Job>| async { Ok(QueueHandlerOutcome::Acknowledge) },
+        rx,
+    ));
+    while queue.stats().acknowledged < n {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let drained = drain_start.elapsed();
+    stop.send(true).unwrap();
+    worker.await.unwrap().unwrap();
+    Throughput {
+        publish: n as f64 / published.as_secs_f64(),
+        drain: n as f64 / drained.as_secs_f64(),
+        end_to_end: n as f64 / (published + drained).as_secs_f64(),
+    }
+}
+
+/// Publication one at a time and in bulk, outcome windows, concurrency 4 and 16, on the
+/// embedded engine beside the SQLite job table; commits per event counted at the engine.
+async fn batching_table() {
+    let n = events();
+    println!(
+        "batching: {n} events, one worker (4 partitions), no-op handler; commits per event counted at the engine (publication included)"
+    );
+    println!(
+        "{:<9} {:<10} {:>4} {:>7} {:>11} {:>11} {:>11} {:>9} {:>11} {:>8}",
+        "durable",
+        "publish",
+        "conc",
+        "window",
+        "publish/s",
+        "drain/s",
+        "end to end",
+        "commits",
+        "sqlite e2e",
+        "ratio"
+    );
+    for (label, durability) in [
+        ("buffered", Durability::Buffered),
+        ("durable", Durability::Immediate),
+    ] {
+        let sql_dir = tempfile::tempdir().unwrap();
+        let sql = sqlite_throughput(sql_dir.path(), durability == Durability::Immediate, n);
+        let dir = tempfile::tempdir().unwrap();
+        let db = tito::engine::FaultyEngine::new(open(dir.path(), durability).await);
+        let mut cell = 0;
+        for many in [false, true] {
+            for concurrency in [4, 16] {
+                for delay in [Duration::ZERO, Duration::from_millis(2)] {
+                    if !many && delay > Duration::ZERO {
+                        continue;
+                    }
+                    cell += 1;
+                    let before = db.faults().calls(tito::engine::FaultPoint::Commit);
+                    let run = Run {
+                        partitions: 4,
+                        concurrency,
+                        many,
+                        delay,
+                    };
+                    let t = queue_run(&db, &format!("batching-{cell}"), n, run).await;
+                    let commits = db.faults().calls(tito::engine::FaultPoint::Commit) - before;
+                    println!(
+                        "{label:<9} {:<10} {concurrency:>4} {:>5}ms {:>11.0} {:>11.0} {:>11.0} {:>9.3} {:>11.0} {:>8.2}",
+                        if many { "many" } else { "one by one" },
+                        delay.as_millis(),
+                        t.publish,
+                        t.drain,
+                        t.end_to_end,
+                        commits as f64 / n as f64,
+                        sql.end_to_end,
+                        t.end_to_end / sql.end_to_end
+                    );
+                }
+            }
+        }
+        db.inner().close().await.unwrap();
+    }
+}
+
+/// The queue on the TiKV test server with a delay added to every request (none, 0.5 ms as
+/// within a LAN, 2 ms as between zones): events per second and requests per event, counted by
+/// the server per gRPC method (timestamps from PD's stream counted once).
+async fn tikv_table() {
+    use tito::backend::tikv::TiKV;
+    use tito_tikv_test_server::TestCluster;
+    let n: u64 = std::env::var("TITO_BENCH_TIKV_EVENTS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1000);
+    println!(
+        "tikv (test server, every request delayed): {n} events, one worker, 64 handlers in flight, no-op handler; requests and commits per event over both phases"
+    );
+    println!(
+        "{:>7} {:<10} {:>5} {:>7} {:>10} {:>10} {:>10} {:>12} {:>9} {:>9}",
+        "latency",
+        "publish",
+        "parts",
+        "window",
+        "publish/s",
+        "drain/s",
+        "end to end",
+        "per part/s",
+        "requests",
+        "commits"
+    );
+    for latency in [
+        Duration::ZERO,
+        Duration::from_micros(500),
+        Duration::from_millis(2),
+    ] {
+        let cluster = TestCluster::start().await.unwrap();
+        cluster.set_latency(latency);
+        let db = TiKV::connect(cluster.pd_endpoints()).await.unwrap();
+        let mut cell = 0;
+        for (many, partitions, delay) in [
+            (false, 4, Duration::ZERO),
+            (true, 1, Duration::ZERO),
+            (true, 4, Duration::ZERO),
+            (true, 4, Duration::from_millis(5)),
+        ] {
+            cell += 1;
+            let count = |calls: &std::collections::BTreeMap<String, u64>| {
+                let requests: u64 = calls
+                    .iter()
+                    .filter(|(m, _)| m.starts_with("Kv"))
+                    .map(|(_, n)| n)
+                    .sum();
+                let commits = calls.get("KvCommit").copied().unwrap_or(0);
+                (requests, commits)
+            };
+            let (r0, c0) = count(&cluster.all_calls());
+            let run = Run {
+                partitions,
+                concurrency: 64,
+                many,
+                delay,
+            };
+            let calls_before = cluster.all_calls();
+            let t = queue_run(&db, &format!("tikv-{cell}"), n, run).await;
+            let calls_after = cluster.all_calls();
+            if std::env::var("TITO_BENCH_DEBUG").is_ok() {
+                for (method, count) in &calls_after {
+                    let delta = count - calls_before.get(method).copied().unwrap_or(0);
+                    if delta > 0 {
+                        eprintln!("  {method}: {delta}");
+                    }
+                }
+            }
+            let (r1, c1) = count(&calls_after);
+            println!(
+                "{:>5.1}ms {:<10} {partitions:>5} {:>5}ms {:>10.0} {:>10.0} {:>10.0} {:>12.0} {:>9.2} {:>9.2}",
+                latency.as_secs_f64() * 1000.0,
+                if many { "many" } else { "one by one" },
+                delay.as_millis(),
+                t.publish,
+                t.drain,
+                t.end_to_end,
+                t.drain / partitions as f64,
+                (r1 - r0) as f64 / n as f64,
+                (c1 - c0) as f64 / n as f64
+            );
+        }
+    }
 }

@@ -46,6 +46,10 @@ macro_rules! queue_composed_suite {
                 cancel_owner_gets_through_a_busy_worker,
                 a_cancelled_invocation_is_never_first_called_after_the_cancel_returned,
                 a_refused_partition_count_is_what_the_sets_shutdown_returns,
+                an_outcome_window_holds_its_limit_slot_and_reports_nothing_before_its_commit,
+                a_cancel_or_a_pause_inside_an_outcome_window_is_never_overtaken,
+                failure_policies_and_advance_commit_through_an_outcome_window,
+                a_crash_inside_an_outcome_window_runs_the_handler_again_and_completes_once,
             ]
         );
     };
@@ -809,4 +813,257 @@ pub async fn a_refused_partition_count_is_what_the_sets_shutdown_returns<E: Tito
             "shut down at once: {shut_at_once}: {err:?}"
         );
     }
+}
+
+/// Start and end of each handler run (payload number).
+type Spans = Arc<Mutex<Vec<(u32, tokio::time::Instant, tokio::time::Instant)>>>;
+
+pub async fn an_outcome_window_holds_its_limit_slot_and_reports_nothing_before_its_commit<
+    E: TitoEngine,
+>(
+    ctx: Ctx<E>,
+) {
+    let queue = queue(&ctx.db, 1);
+    for n in 0..2 {
+        queue
+            .publish(QueueEvent::new("serial", Job { n }, now()))
+            .await
+            .unwrap();
+    }
+    queue
+        .set_limits(Limits::none().key_concurrency(1))
+        .await
+        .unwrap();
+    let spans: Spans = Arc::default();
+    let log = spans.clone();
+    let window = Duration::from_secs(1);
+    let worker = start(
+        &queue,
+        fast(0..1).outcome_delay(window),
+        move |event: QueueEvent<Job>| {
+            let log = log.clone();
+            async move {
+                let at = tokio::time::Instant::now();
+                log.lock().unwrap().push((event.payload.n, at, at));
+                Ok(QueueHandlerOutcome::Acknowledge)
+            }
+        },
+    );
+    let s = spans.clone();
+    wait_for("the first handler", Duration::from_secs(10), move || {
+        let s = s.clone();
+        async move { !s.lock().unwrap().is_empty() }
+    })
+    .await;
+    // Inside the window: the outcome is held, so it is neither counted nor stored.
+    let (first, ended, _) = spans.lock().unwrap()[0];
+    if ended.elapsed() < window / 2 {
+        assert_eq!(queue.stats().acknowledged, 0, "counted before its commit");
+        assert_eq!(
+            pending_total(&queue).await,
+            2,
+            "applied before the window ended"
+        );
+    }
+    drained(&queue, 2).await;
+    worker.stop().await;
+    let spans = spans.lock().unwrap().clone();
+    assert_eq!(spans.len(), 2, "{spans:?}");
+    let (second, started, _) = spans[1];
+    assert_ne!(first, second);
+    // The key's one slot was held until the first outcome committed, a window after the
+    // handler ended (less a timer's tick).
+    assert!(
+        started.duration_since(ended) >= window - Duration::from_millis(50),
+        "the second run started {:?} after the first ended",
+        started.duration_since(ended)
+    );
+}
+
+pub async fn a_cancel_or_a_pause_inside_an_outcome_window_is_never_overtaken<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    let queue = queue(&ctx.db, 1);
+    let cancelled = QueueEvent::new("a", Job { n: 0 }, now());
+    let cancelled_id = cancelled.id.clone();
+    queue.publish(cancelled).await.unwrap();
+    queue
+        .publish(QueueEvent::new("b", Job { n: 1 }, now()))
+        .await
+        .unwrap();
+    let seen: Arc<Mutex<Vec<u32>>> = Arc::default();
+    let log = seen.clone();
+    let worker = start(
+        &queue,
+        fast(0..1).outcome_delay(Duration::from_secs(1)),
+        move |event: QueueEvent<Job>| {
+            let log = log.clone();
+            async move {
+                log.lock().unwrap().push(event.payload.n);
+                Ok(QueueHandlerOutcome::Acknowledge)
+            }
+        },
+    );
+    let s = seen.clone();
+    wait_for("both handlers", Duration::from_secs(10), move || {
+        let s = s.clone();
+        async move { s.lock().unwrap().len() == 2 }
+    })
+    .await;
+    // Both outcomes wait in the window (or committed already, when this task was slow: then
+    // the cancel finds nothing pending and says so).
+    let cancel_won = queue
+        .cancel(&cancelled_id, "changed our mind")
+        .await
+        .unwrap();
+    assert!(queue.pause(None, "maintenance").await.unwrap());
+    // Once every worker has read the pause, publish one more: it must wait for the resume.
+    tokio::time::sleep(tito::queue::PAUSE_CHECK + Duration::from_millis(100)).await;
+    queue
+        .publish(QueueEvent::new("c", Job { n: 2 }, now()))
+        .await
+        .unwrap();
+    // The held outcomes commit while the queue is paused (a pause stops starts, not outcomes).
+    let q = queue.clone();
+    let expected = if cancel_won { 1 } else { 2 };
+    wait_for("the held outcomes", Duration::from_secs(10), move || {
+        let q = q.clone();
+        async move { q.stats().acknowledged == expected }
+    })
+    .await;
+    assert_eq!(queue.completed_count().await.unwrap(), 2);
+    assert_eq!(pending_total(&queue).await, 1, "the paused one waits");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut ran = seen.lock().unwrap().clone();
+    ran.sort_unstable();
+    assert_eq!(ran, vec![0, 1], "nothing ran while paused");
+    assert!(queue.resume(None).await.unwrap());
+    drained(&queue, 3).await;
+    worker.stop().await;
+    let mut seen = seen.lock().unwrap().clone();
+    seen.sort_unstable();
+    assert_eq!(seen, vec![0, 1, 2], "the cancelled one never ran again");
+    assert_eq!(queue.stats().acknowledged, expected + 1);
+}
+
+pub async fn failure_policies_and_advance_commit_through_an_outcome_window<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    let queue = queue(&ctx.db, 2);
+    let n = 12u32;
+    let events: Vec<QueueEvent<Job>> = (0..n)
+        .map(|i| QueueEvent::new(format!("k{i}"), Job { n: i }, now()))
+        .collect();
+    queue.publish_many(&events).await.unwrap();
+    // By n % 4: 0 acknowledges; 1 fails its first attempt; 2 always fails (dead after two);
+    // 3 advances to a step (n + 100) that acknowledges.
+    let runs: Arc<Mutex<Vec<(u32, u32)>>> = Arc::default();
+    let log = runs.clone();
+    let policy =
+        FailurePolicy::new(2).backoff(Duration::from_millis(10), Duration::from_millis(10));
+    let worker = start(
+        &queue,
+        fast(0..2)
+            .outcome_delay(Duration::from_millis(200))
+            .outcome_batch(4)
+            .failure_policy(policy),
+        move |event: QueueEvent<Job>| {
+            let log = log.clone();
+            async move {
+                let n = event.payload.n;
+                log.lock().unwrap().push((n, event.attempt));
+                if n >= 100 {
+                    return Ok(QueueHandlerOutcome::Acknowledge);
+                }
+                match n % 4 {
+                    1 if event.attempt == 1 => Err(TitoError::invalid_argument("first try")),
+                    2 => Err(TitoError::invalid_argument("always")),
+                    3 => {
+                        let due = event.timestamp;
+                        Ok(QueueHandlerOutcome::Advance(
+                            event.advanced(Job { n: n + 100 }, due),
+                        ))
+                    }
+                    _ => Ok(QueueHandlerOutcome::Acknowledge),
+                }
+            }
+        },
+    );
+    let dead = (0..n).filter(|i| i % 4 == 2).count();
+    let q = queue.clone();
+    wait_for("every invocation settled", Duration::from_secs(30), move || {
+        let q = q.clone();
+        async move {
+            q.dead(None, 100).await.unwrap().len() == dead && pending_total(&q).await == 0
+        }
+    })
+    .await;
+    worker.stop().await;
+    let mut runs = runs.lock().unwrap().clone();
+    runs.sort_unstable();
+    let mut expected = Vec::new();
+    for i in 0..n {
+        match i % 4 {
+            0 => expected.push((i, 1)),
+            1 | 2 => expected.extend([(i, 1), (i, 2)]),
+            _ => expected.extend([(i, 1), (i + 100, 1)]),
+        }
+    }
+    expected.sort_unstable();
+    assert_eq!(runs, expected, "each attempt and step ran once");
+    let stats = queue.stats();
+    assert_eq!(stats.dead, dead as u64);
+    assert_eq!(stats.retried, 2 * (n / 4) as u64);
+}
+
+pub async fn a_crash_inside_an_outcome_window_runs_the_handler_again_and_completes_once<
+    E: TitoEngine,
+>(
+    ctx: Ctx<E>,
+) {
+    let queue = queue(&ctx.db, 1);
+    queue
+        .publish(QueueEvent::new("k", Job { n: 7 }, now()))
+        .await
+        .unwrap();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let handler = |runs: Arc<AtomicUsize>| {
+        move |_event: QueueEvent<Job>| {
+            let runs = runs.clone();
+            async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok(QueueHandlerOutcome::Acknowledge)
+            }
+        }
+    };
+    let lease = Duration::from_millis(900);
+    let crashed = start(
+        &queue,
+        fast(0..1)
+            .lease_duration(lease)
+            .outcome_delay(Duration::from_millis(300)),
+        handler(runs.clone()),
+    );
+    let r = runs.clone();
+    wait_for("the first run", Duration::from_secs(10), move || {
+        let r = r.clone();
+        async move { r.load(Ordering::SeqCst) == 1 }
+    })
+    .await;
+    // Gone inside the window, without a word: the held outcome is lost with it.
+    crashed.task.abort();
+    let _ = crashed.task.await;
+    let outcome_committed = queue.stats().acknowledged == 1;
+    let next = start(
+        &queue,
+        fast(0..1).lease_duration(lease),
+        handler(runs.clone()),
+    );
+    drained(&queue, 1).await;
+    next.stop().await;
+    assert_eq!(queue.completed_count().await.unwrap(), 1, "completed once");
+    if !outcome_committed {
+        assert_eq!(runs.load(Ordering::SeqCst), 2, "the handler ran again");
+    }
+    assert_eq!(pending_total(&queue).await, 0);
 }

@@ -626,9 +626,41 @@ struct Worker {
     task: JoinHandle<tito::TitoResult<()>>,
 }
 
-fn start_node(queue: &Arc<Queue<Db>>, tracker: &Arc<Mutex<Tracker>>, id: String) -> Worker {
+/// How a started worker commits its outcomes: a window (zero half the time, else up to 90 ms,
+/// under a third of the shortest lease) and a batch bound.
+#[derive(Clone, Copy, Debug)]
+struct Window {
+    delay: Duration,
+    batch: usize,
+}
+
+impl Window {
+    const NONE: Window = Window {
+        delay: Duration::ZERO,
+        batch: 64,
+    };
+
+    fn pick(rng: &mut Rng) -> Window {
+        if rng.chance(50) {
+            return Window::NONE;
+        }
+        Window {
+            delay: Duration::from_millis(1 + rng.below(90)),
+            batch: 1 + rng.below(8) as usize,
+        }
+    }
+}
+
+fn start_node(
+    queue: &Arc<Queue<Db>>,
+    tracker: &Arc<Mutex<Tracker>>,
+    id: String,
+    window: Window,
+) -> Worker {
     let (stop, rx) = watch::channel(false);
     let config = WorkerConfig::new(0..PARTITIONS)
+        .outcome_delay(window.delay)
+        .outcome_batch(window.batch)
         .handler_timeout(HANDLER_TIMEOUT)
         .max_idle_backoff(Duration::from_millis(50))
         .concurrency(4)
@@ -648,9 +680,16 @@ fn start_node(queue: &Arc<Queue<Db>>, tracker: &Arc<Mutex<Tracker>>, id: String)
     Worker { stop, task }
 }
 
-fn start_worker(queue: &Arc<Queue<Db>>, tracker: &Arc<Mutex<Tracker>>, id: String) -> Worker {
+fn start_worker(
+    queue: &Arc<Queue<Db>>,
+    tracker: &Arc<Mutex<Tracker>>,
+    id: String,
+    window: Window,
+) -> Worker {
     let (stop, rx) = watch::channel(false);
     let config = WorkerConfig::new(0..PARTITIONS)
+        .outcome_delay(window.delay)
+        .outcome_batch(window.batch)
         .lease_duration(LEASE)
         .handler_timeout(HANDLER_TIMEOUT)
         .max_idle_backoff(Duration::from_millis(50))
@@ -1213,17 +1252,24 @@ impl Sim {
                 match slots.iter().position(Option::is_none) {
                     Some(slot) => {
                         self.generation += 1;
+                        let window = Window::pick(&mut self.rng);
                         if node {
                             // A restarted node is a new member (a new id, as a new pod would be).
                             let id = format!("n{slot}.{}", self.generation);
                             let q = &self.queues[1];
-                            self.nodes[slot] = Some(start_node(&q.queue, &q.tracker, id));
+                            self.nodes[slot] = Some(start_node(&q.queue, &q.tracker, id, window));
                         } else {
                             let id = format!("w{slot}.{}", self.generation);
                             let q = &self.queues[0];
-                            self.workers[slot] = Some(start_worker(&q.queue, &q.tracker, id));
+                            self.workers[slot] =
+                                Some(start_worker(&q.queue, &q.tracker, id, window));
                         }
-                        format!("start {}{slot}", if node { "n" } else { "w" })
+                        format!(
+                            "start {}{slot} window {:?}/{}",
+                            if node { "n" } else { "w" },
+                            window.delay,
+                            window.batch
+                        )
                     }
                     None => "start none".into(),
                 }
@@ -1559,11 +1605,11 @@ impl Sim {
         }
         self.phase("drain");
         let q = &self.queues[0];
-        let drainer = start_worker(&q.queue, &q.tracker, "drainer".into());
+        let drainer = start_worker(&q.queue, &q.tracker, "drainer".into(), Window::NONE);
         let q = &self.queues[1];
         let nodes = [
-            start_node(&q.queue, &q.tracker, "final-a".into()),
-            start_node(&q.queue, &q.tracker, "final-b".into()),
+            start_node(&q.queue, &q.tracker, "final-a".into(), Window::NONE),
+            start_node(&q.queue, &q.tracker, "final-b".into(), Window::NONE),
         ];
         let mut waited = Duration::ZERO;
         loop {

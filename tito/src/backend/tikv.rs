@@ -52,10 +52,11 @@
 //! Tito checks every commit the client reports applied before it reports it: each key the
 //! transaction put or deleted is read back at the commit's version, through a snapshot that
 //! reports locks instead of resolving them (`lock_keys` are handed to the client at the commit
-//! so that a written key is the primary). The primary first: anything but the written value
+//! so that a written key is the primary); up to 17 keys all at once (one round trip), a larger
+//! set the primary first and then the rest in batches. The primary's answer decides first: anything but the written value
 //! (this transaction's lock: the commit never reached it; another value; no answer within
 //! 5 s) means the transaction may be applied in any part, since the client commits the
-//! secondaries regardless. Then the others, in parallel: each must hold the written value or
+//! secondaries regardless. Then the others': each must hold the written value or
 //! this transaction's lock (prewritten, committed by the client after its reply); another
 //! value, or another transaction's lock below the commit's version (which could not be there
 //! had this transaction's prewrite reached the key), means the key was left out. Either way
@@ -893,9 +894,12 @@ impl TxInner {
     /// Checks a commit the client reported applied by reading every written key back at the
     /// commit's version (see the module docs for why, and what each answer proves).
     ///
-    /// The primary first: a commit that never reached it leaves this transaction's lock there
+    /// Up to 17 keys are read at once (one round trip), a larger set the primary first and the
+    /// rest in batches after it; the primary's answer decides first: a
+    /// commit that never reached it leaves this transaction's lock there
     /// (its TTL has not run out this soon), another value, or no answer, and the commit is
-    /// [`TitoError::CommitOutcomeUnknown`]. Then every other key: each must hold what was
+    /// [`TitoError::PartialCommit`] naming every key (any of them may hold the write). Then
+    /// every other key: each must hold what was
     /// written or this transaction's lock (prewritten; the client commits secondaries after
     /// its reply); a key that holds something else, or another transaction's lock, was left out
     /// of the prewrite and the commit is [`TitoError::PartialCommit`], as it is when a key
@@ -906,13 +910,37 @@ impl TxInner {
             return Ok(());
         };
         let shown = crate::keys::display_key(primary);
+        let others: Vec<(Vec<u8>, Expected)> = written.order[1..]
+            .iter()
+            .map(|key| (key.clone(), written.holds[key]))
+            .collect();
+        // Up to VERIFY_ONE_BY_ONE other keys are read together with the primary (one round trip
+        // for the whole check; their answers count only once the primary holds the write). A
+        // larger set is read in batches after the primary's answer: by then the client has
+        // mostly committed the secondaries, and a batch that meets this transaction's locks
+        // falls back to one read per key.
+        let one_by_one = async {
+            futures::future::join_all(others.iter().map(|(key, expected)| async {
+                (
+                    key.clone(),
+                    self.read_back(&commit_ts, key, *expected).await,
+                )
+            }))
+            .await
+        };
+        let expected = written.holds[primary];
+        let (primary_read, early): (ReadBack, Option<Vec<(Vec<u8>, ReadBack)>>) =
+            if others.len() <= VERIFY_ONE_BY_ONE {
+                let (primary, others) =
+                    futures::join!(self.read_back(&commit_ts, primary, expected), one_by_one);
+                (primary, Some(others))
+            } else {
+                (self.read_back(&commit_ts, primary, expected).await, None)
+            };
         // The primary decides the transaction. When it does not hold the write, the commit
         // never reached it (its lock is rolled back once its TTL runs out), yet the client
         // commits the other keys after its reply: any key may end up holding the write.
-        let primary_failed = match self
-            .read_back(&commit_ts, primary, written.holds[primary])
-            .await
-        {
+        let primary_failed = match primary_read {
             ReadBack::Holds => None,
             ReadBack::Differs => Some("does not hold the write at that version".to_string()),
             ReadBack::Locked(ours) => Some(format!(
@@ -943,24 +971,15 @@ impl TxInner {
                 keys: written.order,
             });
         }
-        let others: Vec<(Vec<u8>, Expected)> = written.order[1..]
-            .iter()
-            .map(|key| (key.clone(), written.holds[key]))
-            .collect();
-        let reads: Vec<(Vec<u8>, ReadBack)> = if others.len() <= VERIFY_ONE_BY_ONE {
-            futures::future::join_all(others.iter().map(|(key, expected)| async {
-                (
-                    key.clone(),
-                    self.read_back(&commit_ts, key, *expected).await,
-                )
-            }))
-            .await
-        } else {
-            let mut reads = Vec::with_capacity(others.len());
-            for chunk in others.chunks(VERIFY_BATCH) {
-                reads.extend(self.read_back_batch(&commit_ts, chunk).await);
+        let reads = match early {
+            Some(reads) => reads,
+            None => {
+                let mut reads = Vec::with_capacity(others.len());
+                for chunk in others.chunks(VERIFY_BATCH) {
+                    reads.extend(self.read_back_batch(&commit_ts, chunk).await);
+                }
+                reads
             }
-            reads
         };
         let mut missing = Vec::new();
         let mut unchecked = Vec::new();

@@ -5,8 +5,8 @@
 //! version). Rows are keyed by their due time less their urgency's boost
 //! ([`crate::queue::URGENCY_STEP`] per step); a row whose own due time is still past the
 //! boundary is stepped over, and its due time bounds the wait before the next pass. The pass
-//! then walks rows in key order (due time, then enqueue version) in scans of at most
-//! [`SCAN_ROWS`] rows. A row enqueued at or after the horizon (for example one a handler just
+//! then walks rows in key order (due time, then enqueue version) in scans of the rows it still
+//! wants (at least [`SCAN_ROWS`], at most [`MAX_SCAN_ROWS`]). A row enqueued at or after the horizon (for example one a handler just
 //! created for "now") makes the cursor jump past its whole due-time bucket, so newly created
 //! same-time work can never keep later buckets waiting. Malformed rows are counted, logged, left
 //! in place and stepped over. When a scan finds nothing more, the pass is over.
@@ -37,8 +37,12 @@ use crate::keys::{self, PendingKey};
 use super::QueueCounters;
 use crate::event::StoredEvent;
 
-/// At most this many rows per storage scan.
+/// At least this many rows per storage scan (a pull that wants more reads up to what it wants,
+/// at most [`MAX_SCAN_ROWS`]: on TiKV each scan is a round trip).
 pub const SCAN_ROWS: usize = 16;
+
+/// At most this many rows per storage scan.
+pub const MAX_SCAN_ROWS: usize = 256;
 
 /// The cursor goes back to the front of its partition at a pull when at most this many rows
 /// before it would be read again.
@@ -211,7 +215,8 @@ impl Cursor {
                 visited_below: None,
             });
             let end = keys::pending_bucket_prefix(root, self.partition, pass.boundary + 1);
-            let rows = tx.scan(&pass.next, end.as_bytes(), SCAN_ROWS).await?;
+            let limit = (want - result.items.len()).clamp(SCAN_ROWS, MAX_SCAN_ROWS);
+            let rows = tx.scan(&pass.next, end.as_bytes(), limit).await?;
             QueueCounters::bump(&stats.scans, 1);
             if rows.is_empty() {
                 let early = pass.early;

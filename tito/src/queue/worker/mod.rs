@@ -91,6 +91,16 @@ pub struct WorkerConfig {
     pub maintenance_interval: Duration,
     /// Outcomes committed together at most.
     pub outcome_batch: usize,
+    /// How long a finished handler's outcome may wait for others to join its transaction: the
+    /// worker commits the outcomes it holds once `outcome_batch` of them are ready, once the
+    /// first of them has waited this long, or when it stops, whichever comes first. Zero (the
+    /// default) commits at once what finished by then; handlers that finish while a commit
+    /// runs join the next one, so batches grow with the load without adding latency. A window
+    /// adds up to its length to the time from a handler's end to its outcome's commit (and to
+    /// the time a limit's slot is held); a crash inside it loses the outcomes it held, so
+    /// their handlers run again (at-least-once, as after any crash before a commit). At most a
+    /// third of `lease_duration`.
+    pub outcome_delay: Duration,
     /// The worker's identity in leases; a fresh one per run by default. A fixed id must be
     /// unique among running workers: two workers with one id would share its leases.
     pub worker_id: Option<String>,
@@ -104,7 +114,8 @@ pub struct WorkerConfig {
 impl WorkerConfig {
     /// A worker for these partitions, with the defaults: 16 handlers in flight, pages of 16, a
     /// ten-minute handler timeout, 15-second leases, idle partitions polled at most every 2 s,
-    /// maintenance every 30 s, outcome batches of 64.
+    /// maintenance every 30 s, outcome batches of 64 committed as soon as they are ready (no
+    /// outcome window).
     pub fn new(partitions: Range<u32>) -> Self {
         WorkerConfig {
             partitions,
@@ -115,6 +126,7 @@ impl WorkerConfig {
             max_idle_backoff: Duration::from_secs(2),
             maintenance_interval: Duration::from_secs(30),
             outcome_batch: 64,
+            outcome_delay: Duration::ZERO,
             worker_id: None,
             sweep_kv: false,
             failure_policy: None,
@@ -163,6 +175,13 @@ impl WorkerConfig {
         self
     }
 
+    /// The outcome window: how long a finished handler's outcome may wait for others to commit
+    /// with it (see [`Self::outcome_delay`](WorkerConfig#structfield.outcome_delay)).
+    pub fn outcome_delay(mut self, delay: Duration) -> Self {
+        self.outcome_delay = delay;
+        self
+    }
+
     /// The worker's identity in leases.
     pub fn worker_id(mut self, id: impl Into<String>) -> Self {
         self.worker_id = Some(id.into());
@@ -189,7 +208,8 @@ impl WorkerConfig {
     /// range or one that starts past the queue's partitions; zero `concurrency`, `page_size` or
     /// `outcome_batch`; a `lease_duration` under [`MIN_LEASE`] (renewals every third of it
     /// would spin); a zero `handler_timeout`, `maintenance_interval` or `max_idle_backoff`; any
-    /// of those durations over [`MAX_SETTING`]; an empty `worker_id`.
+    /// of those durations over [`MAX_SETTING`]; an `outcome_delay` over a third of
+    /// `lease_duration` (outcomes held past a renewal); an empty `worker_id`.
     pub fn check(&self, queue_partitions: u32) -> TitoResult<()> {
         let bad = |what: String| Err(TitoError::invalid_argument(what));
         if self.partitions.is_empty() || self.partitions.start >= queue_partitions {
@@ -234,6 +254,15 @@ impl WorkerConfig {
                      {shortest:?} and at most {MAX_SETTING:?}"
                 ));
             }
+        }
+        if self.outcome_delay > self.lease_duration / 3 {
+            return bad(format!(
+                "WorkerConfig::outcome_delay is {:?}; it must be at most a third of \
+                 lease_duration ({:?} / 3 = {:?}): lower the delay or lengthen the lease",
+                self.outcome_delay,
+                self.lease_duration,
+                self.lease_duration / 3
+            ));
         }
         if self.worker_id.as_deref() == Some("") {
             return bad("WorkerConfig::worker_id is empty".into());
@@ -577,6 +606,9 @@ where
     let mut in_flight: HashMap<String, u32> = HashMap::new();
     let mut handlers: JoinSet<(Running, Report<T>)> = JoinSet::new();
     let mut ready: Vec<Outcome> = Vec::new();
+    // When the outcomes in `ready` are committed at the latest (the first of them waited the
+    // outcome window).
+    let mut window_ends: Option<tokio::time::Instant> = None;
     let mut stopping = false;
 
     loop {
@@ -615,30 +647,40 @@ where
             );
         }
         if !ready.is_empty() {
-            let committed = outcome::commit(
-                &queue,
-                leases.id(),
-                leases.is_cluster(),
-                config.outcome_batch,
-                std::mem::take(&mut ready),
-            )
-            .await;
-            for key in committed.done {
-                in_flight.remove(&key);
+            let now = tokio::time::Instant::now();
+            let ends = *window_ends.get_or_insert(now + config.outcome_delay);
+            // While the window is open the loop goes on (starting handlers, collecting those
+            // that finish) and wakes at its end at the latest.
+            if ready.len() >= config.outcome_batch || stopping || now >= ends {
+                window_ends = None;
+                let committed = outcome::commit(
+                    &queue,
+                    leases.id(),
+                    leases.is_cluster(),
+                    config.outcome_batch,
+                    std::mem::take(&mut ready),
+                )
+                .await;
+                for key in committed.done {
+                    in_flight.remove(&key);
+                }
+                if committed.lease_lost {
+                    // This host's timer says the leases are fresh, the store's clock says one is
+                    // not (it jumped ahead): starting more handlers would run them for nothing
+                    // (their outcomes refused) until the next renewal, which comes now.
+                    leases.renew_now();
+                }
+                continue;
             }
-            if committed.lease_lost {
-                // This host's timer says the leases are fresh, the store's clock says one is
-                // not (it jumped ahead): starting more handlers would run them for nothing
-                // (their outcomes refused) until the next renewal, which comes now.
-                leases.renew_now();
-            }
-            continue;
         }
         if stopping && handlers.is_empty() {
             pulling.release_settled(&queue, &in_flight).await;
             break;
         }
         let mut wake_at = leases.next_at();
+        if let Some(ends) = window_ends {
+            wake_at = wake_at.min(ends);
+        }
         if let Some(check) = pulling.next_cancel_check() {
             wake_at = wake_at.min(check);
         }
@@ -646,7 +688,7 @@ where
         let fresh = tokio::time::Instant::now() < leases.fresh_until();
         if !stopping
             && fresh
-            && let Some(poll) = pulling.next_wake(in_flight.len())
+            && let Some(poll) = pulling.next_wake(handlers.len())
         {
             wake_at = wake_at.min(poll);
         }

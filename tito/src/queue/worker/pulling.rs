@@ -147,9 +147,10 @@ impl Pulling {
         }
     }
 
-    /// The earliest poll due, when a handler slot is free.
-    pub fn next_wake(&self, in_flight: usize) -> Option<Instant> {
-        if in_flight >= self.concurrency {
+    /// The earliest poll due, when a handler slot is free (`running`: handlers running; an
+    /// outcome waiting for its commit holds no handler slot).
+    pub fn next_wake(&self, running: usize) -> Option<Instant> {
+        if running >= self.concurrency {
             return None;
         }
         self.partitions.values().map(|s| s.next_poll).min()
@@ -221,7 +222,9 @@ impl Pulling {
         let counters = queue.counters();
         self.cooling.prune(self.max_idle_backoff);
         for partition in due {
-            let free = self.concurrency.saturating_sub(in_flight.len());
+            // Handler slots: outcomes waiting in the outcome window hold none (their rows stay
+            // in flight, so no pull returns them again).
+            let free = self.concurrency.saturating_sub(handlers.len());
             if free == 0 || stop.requested() || Instant::now() >= fresh_until {
                 return;
             }
