@@ -14,6 +14,11 @@
 //! done), where inserts are measured too. Every cell runs in four turns per store, the stores
 //! taking turns, so that a slow minute of the disk or another store's compaction falls on all.
 //!
+//! `TITO_BENCH_ONLY=burst`: the load a service gives a new table instead, one row per
+//! transaction (20,000 users, `TITO_BENCH_ROWS` sets how many), then 20,000 gets and 2,000
+//! "team's 10 newest" queries at once, and the same reads again after 15 s idle
+//! (`TITO_BENCH_IDLE_SECS`), Tito beside SQLite at equal durability.
+//!
 //! `cargo bench --bench models`. `TITO_BENCH_SECS` sets the seconds per cell (default 2),
 //! `TITO_BENCH_RAW=0` leaves the raw engine out (Tito and SQLite alone in the process),
 //! `TITO_BENCH_ROWS` the sizes (default `20000,200000,1000000`), `TITO_BENCH_NAME_BYTES` the
@@ -1180,6 +1185,9 @@ async fn bench() {
     if let Ok(what) = std::env::var("TITO_BENCH_PROFILE") {
         return profile(&what).await;
     }
+    if std::env::var("TITO_BENCH_ONLY").as_deref() == Ok("burst") {
+        return burst().await;
+    }
     println!(
         "models on the {ENGINE}: users with a unique email and a (team, created) index, \
          {PER_TEAM} per team, names of {} characters; operations per second, one task, {:?} per \
@@ -1249,4 +1257,103 @@ async fn bench() {
          (--features bench-fjall) or redb 2 (--features bench-redb) with the raw engine's keys \
          and clones.)"
     );
+}
+
+/// One-row transactions as a service writes a new table, then reads right after the burst and
+/// after an idle pause; Tito and SQLite at equal durability, rates in operations per second.
+async fn burst() {
+    let rows: u64 = std::env::var("TITO_BENCH_ROWS")
+        .ok()
+        .and_then(|s| s.split(',').next().and_then(|n| n.parse().ok()))
+        .unwrap_or(20_000);
+    let idle = Duration::from_secs(
+        std::env::var("TITO_BENCH_IDLE_SECS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(15),
+    );
+    let teams = (rows / PER_TEAM).max(1);
+    let gets = rows;
+    let queries = (rows / 10).max(1);
+    println!(
+        "burst on the {ENGINE}: {rows} users inserted one per transaction, then {gets} gets and \
+         {queries} team queries at once and after {idle:?} idle; operations per second"
+    );
+    println!(
+        "{:<9} {:<28} {:>10} {:>10} {:>8}",
+        "", "operation", "tito", "sqlite", "ratio"
+    );
+    for (label, durability) in [
+        ("buffered", Durability::Buffered),
+        ("durable", Durability::Immediate),
+    ] {
+        let (tito_dir, sql_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let db = open(tito_dir.path(), durability).await;
+        let users = db.clone().model::<User>();
+        let conn = sqlite(sql_dir.path(), durability == Durability::Immediate);
+        let all: Vec<User> = (0..rows).map(|i| user(i, teams)).collect();
+        let start = Instant::now();
+        for row in &all {
+            users.build(row.clone()).await.unwrap();
+        }
+        let tito_insert = rows as f64 / start.elapsed().as_secs_f64();
+        let start = Instant::now();
+        for row in &all {
+            sqlite_insert(&conn, std::slice::from_ref(row));
+        }
+        let sql_insert = rows as f64 / start.elapsed().as_secs_f64();
+        println!(
+            "{label:<9} {:<28} {tito_insert:>10.0} {sql_insert:>10.0} {:>8}",
+            "insert (1 row per tx)",
+            ratio(tito_insert, sql_insert)
+        );
+        for when in ["right after", "after idle"] {
+            if when == "after idle" {
+                tokio::time::sleep(idle).await;
+            }
+            let mut rng = 0x2545_f491_4f6c_dd1du64;
+            let mut next = move |n: u64| {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                rng % n
+            };
+            let ids: Vec<String> = (0..gets).map(|_| format!("u{:09}", next(rows))).collect();
+            let team_names: Vec<String> = (0..queries)
+                .map(|_| format!("team-{:07}", next(teams)))
+                .collect();
+            let start = Instant::now();
+            for id in &ids {
+                let found = users.find_by_id(id, vec![]).await.unwrap();
+                assert_eq!(&found.id, id);
+            }
+            let tito_get = gets as f64 / start.elapsed().as_secs_f64();
+            let start = Instant::now();
+            for id in &ids {
+                assert_eq!(&sqlite_get(&conn, id).id, id);
+            }
+            let sql_get = gets as f64 / start.elapsed().as_secs_f64();
+            let start = Instant::now();
+            for team in &team_names {
+                tito_newest(&users, team).await;
+            }
+            let tito_team = queries as f64 / start.elapsed().as_secs_f64();
+            let start = Instant::now();
+            for team in &team_names {
+                assert_eq!(sqlite_newest(&conn, team).len(), 10);
+            }
+            let sql_team = queries as f64 / start.elapsed().as_secs_f64();
+            println!(
+                "{label:<9} {:<28} {tito_get:>10.0} {sql_get:>10.0} {:>8}",
+                format!("get, {when}"),
+                ratio(tito_get, sql_get)
+            );
+            println!(
+                "{label:<9} {:<28} {tito_team:>10.0} {sql_team:>10.0} {:>8}",
+                format!("team's 10 newest, {when}"),
+                ratio(tito_team, sql_team)
+            );
+        }
+        db.close().await.unwrap();
+    }
 }

@@ -560,7 +560,20 @@ pub async fn defect_17_bad_worker_settings_are_refused<E: TitoEngine>(ctx: Ctx<E
             "maintenance_interval",
         ),
         (fast(0..4).handler_timeout(Duration::MAX), "handler_timeout"),
+        // An outcome window past a third of the lease (15 s by default), or absurd.
+        (
+            fast(0..4).outcome_delay(Duration::from_millis(5001)),
+            "outcome_delay",
+        ),
+        (fast(0..4).outcome_delay(Duration::MAX), "outcome_delay"),
     ];
+    assert!(
+        fast(0..4)
+            .outcome_delay(Duration::from_secs(5))
+            .check(4)
+            .is_ok(),
+        "a window of a third of the lease is accepted"
+    );
     for (config, name) in cases {
         let (_stop, rx) = watch::channel(false);
         let result = run_worker(queue.clone(), config, slow(&runs, Duration::ZERO), rx).await;
