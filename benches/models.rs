@@ -1178,6 +1178,11 @@ async fn main() {
     // Everything runs in a task of the runtime, as the handlers of a server do: a commit of the
     // embedded engine wakes its group-commit task, and from a thread outside the runtime (this
     // main function's own) each wake-up crosses threads (about half the insert rate here).
+    // `TITO_BENCH_ONLY=burst TITO_BENCH_IN_MAIN=1`: the burst from the main function's own
+    // thread, as a `#[tokio::main]` body without a spawned task runs it.
+    if std::env::var("TITO_BENCH_IN_MAIN").is_ok() {
+        return burst().await;
+    }
     tokio::spawn(bench()).await.unwrap();
 }
 
@@ -1338,6 +1343,20 @@ async fn burst() {
                 tito_newest(&users, team).await;
             }
             let tito_team = queries as f64 / start.elapsed().as_secs_f64();
+            // The same queries all issued together from one task (a server answering a burst
+            // of requests).
+            let start = Instant::now();
+            futures::future::join_all(team_names.iter().map(|team| tito_newest(&users, team)))
+                .await;
+            let tito_team_together = queries as f64 / start.elapsed().as_secs_f64();
+            let start = Instant::now();
+            let users_ref = &users;
+            futures::future::join_all(ids.iter().map(|id| async move {
+                let found = users_ref.find_by_id(id, vec![]).await.unwrap();
+                assert_eq!(&found.id, id);
+            }))
+            .await;
+            let tito_get_together = gets as f64 / start.elapsed().as_secs_f64();
             let start = Instant::now();
             for team in &team_names {
                 assert_eq!(sqlite_newest(&conn, team).len(), 10);
@@ -1352,6 +1371,16 @@ async fn burst() {
                 "{label:<9} {:<28} {tito_team:>10.0} {sql_team:>10.0} {:>8}",
                 format!("team's 10 newest, {when}"),
                 ratio(tito_team, sql_team)
+            );
+            println!(
+                "{label:<9} {:<28} {tito_get_together:>10.0} {sql_get:>10.0} {:>8}",
+                format!("get together, {when}"),
+                ratio(tito_get_together, sql_get)
+            );
+            println!(
+                "{label:<9} {:<28} {tito_team_together:>10.0} {sql_team:>10.0} {:>8}",
+                format!("team together, {when}"),
+                ratio(tito_team_together, sql_team)
             );
         }
         db.close().await.unwrap();

@@ -67,6 +67,7 @@ macro_rules! queue_suite {
                 a_keys_handlers_first_run_in_the_order_of_its_rows,
                 publish_many_commits_in_bounded_transactions_and_resumes_after_a_failure,
                 publish_many_honours_ids_unique_keys_owners_and_the_callers_transaction,
+                a_published_list_starts_in_the_order_of_its_ids,
             ]
         );
     };
@@ -2866,4 +2867,27 @@ pub async fn publish_many_honours_ids_unique_keys_owners_and_the_callers_transac
         matches!(&err, TitoError::InvalidArgument(why) if why.contains("publish_many")),
         "{err}"
     );
+}
+
+pub async fn a_published_list_starts_in_the_order_of_its_ids<E: TitoEngine>(ctx: Ctx<E>) {
+    let queue = queue(&ctx.db, 1);
+    let due = now();
+    // Default ids, made in the list's order: the list's order.
+    let made: Vec<QueueEvent<Job>> = (0..30)
+        .map(|n| QueueEvent::new("k", Job { n }, due))
+        .collect();
+    // Ids of one's own that sort against the list: their order.
+    let own: Vec<QueueEvent<Job>> = (30..60)
+        .map(|n| QueueEvent::new("k", Job { n }, due).with_id(format!("z{:03}", 999 - n)))
+        .collect();
+    queue.publish_many(&made).await.unwrap();
+    queue.publish_many(&own).await.unwrap();
+    let (seen, handler) = recorder();
+    let worker = start(&queue, fast(0..1).concurrency(1).page_size(1), handler);
+    drained(&queue, 60).await;
+    worker.stop().await;
+    let order: Vec<u32> = seen.lock().unwrap().iter().map(|e| e.payload.n).collect();
+    let mut expected: Vec<u32> = (0..30).collect();
+    expected.extend((30..60).rev());
+    assert_eq!(order, expected);
 }

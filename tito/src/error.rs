@@ -220,16 +220,19 @@ pub enum TitoError {
         at_ms: u64,
     },
 
-    /// [`crate::Queue::publish_many`] committed the first `published` of `total` events (in
-    /// transactions of their own), then a transaction failed with `cause`: the rest were not
-    /// published. Publishing the same events again is safe and publishes only the rest (the
-    /// published ones are answered as duplicates by their ids).
+    /// [`crate::Queue::publish_many`] committed the transactions of the first `published` of
+    /// `total` events (each of those events is stored, or was answered as a duplicate of an
+    /// invocation already there: `published` counts events handled, not rows written), then a
+    /// transaction failed with `cause`, whose events may or may not be stored when the failure
+    /// was an unknown outcome. Publishing the same events again is safe and publishes only
+    /// what is missing (the stored ones are answered as duplicates by their ids).
     #[error(
         "published the first {published} of {total} events, then: {cause}; publishing the same \
          events again publishes only the rest"
     )]
     PartiallyPublished {
-        /// How many events, from the first, were published.
+        /// How many events, from the first, the committed transactions handled (written or
+        /// answered as duplicates).
         published: usize,
         /// How many events the call was given.
         total: usize,

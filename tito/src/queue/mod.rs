@@ -956,11 +956,11 @@ pub async fn set_aside<E: TitoEngine>(
     set_aside_under(db, &keys::queue_root(topic), key, why).await
 }
 
-/// The partition count stored for the queue under `root` (`None`: nothing published yet).
 /// The most events [`Queue::publish_many`] commits in one transaction.
 pub const PUBLISH_BATCH: usize = 1_000;
-/// The most payload bytes (as stored) [`Queue::publish_many`] commits in one transaction; an
-/// event larger than this goes alone.
+/// The most payload bytes (as stored) [`Queue::publish_many`] commits in one transaction (an
+/// event is at most [`MAX_QUEUE_EVENT_BYTES`], so at least
+/// four go together).
 pub const PUBLISH_BATCH_BYTES: usize = 4 << 20;
 /// The most events [`Queue::publish_many_in_tx`] publishes in a caller's transaction.
 pub const MAX_PUBLISH_IN_TX: usize = 10_000;
@@ -983,6 +983,7 @@ fn wake_planned<X: TitoTransaction>(
     }
 }
 
+/// The partition count stored for the queue under `root` (`None`: nothing published yet).
 pub(crate) async fn stored_partition_count<X: TitoTransaction>(
     tx: &X,
     root: &str,
