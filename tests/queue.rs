@@ -1407,7 +1407,9 @@ pub async fn unknown_acknowledgements_deliver_each_event_once<E: TitoEngine>(ctx
         QueueConfig::new(1, Duration::from_secs(3600)),
     ));
     let (seen, handler) = recorder();
-    let worker = start(&queue, fast(0..1).page_size(1).concurrency(1), handler);
+    // One outcome per commit (a commit runs beside the next handler, which could join it).
+    let config = fast(0..1).page_size(1).concurrency(1).outcome_batch(1);
+    let worker = start(&queue, config, handler);
 
     // Every acknowledgement applies but its reply is lost: each resolves as committed.
     faulty.faults().add(

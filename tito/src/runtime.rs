@@ -84,6 +84,17 @@ impl<T: Send + 'static> OwnedTask<T> {
     }
 }
 
+impl<T> Future for OwnedTask<T> {
+    type Output = Result<T, tokio::task::JoinError>;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        std::pin::Pin::new(&mut self.handle).poll(cx)
+    }
+}
+
 impl<T> Drop for OwnedTask<T> {
     fn drop(&mut self) {
         self.handle.abort();

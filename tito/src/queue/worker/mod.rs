@@ -609,6 +609,8 @@ where
     // When the outcomes in `ready` are committed at the latest (the first of them waited the
     // outcome window).
     let mut window_ends: Option<tokio::time::Instant> = None;
+    // The outcome commit in flight, with the keys it holds.
+    let mut committing: Option<(OwnedTask<outcome::Committed>, Vec<String>)> = None;
     let mut stopping = false;
 
     loop {
@@ -646,34 +648,33 @@ where
                 &mut pulling.cooling,
             );
         }
-        if !ready.is_empty() {
+        if !ready.is_empty() && committing.is_none() {
             let now = tokio::time::Instant::now();
             let ends = *window_ends.get_or_insert(now + config.outcome_delay);
             // While the window is open the loop goes on (starting handlers, collecting those
             // that finish) and wakes at its end at the latest.
             if ready.len() >= config.outcome_batch || stopping || now >= ends {
                 window_ends = None;
-                let committed = outcome::commit(
-                    &queue,
-                    leases.id(),
-                    leases.is_cluster(),
-                    config.outcome_batch,
-                    std::mem::take(&mut ready),
-                )
-                .await;
-                for key in committed.done {
-                    in_flight.remove(&key);
-                }
-                if committed.lease_lost {
-                    // This host's timer says the leases are fresh, the store's clock says one is
-                    // not (it jumped ahead): starting more handlers would run them for nothing
-                    // (their outcomes refused) until the next renewal, which comes now.
-                    leases.renew_now();
-                }
+                // Committed beside the loop, which goes on pulling and starting meanwhile (on
+                // TiKV a commit is several round trips): the keys stay in flight, so no pull
+                // returns them, their partitions stay held and their limit slots stay taken
+                // until the result is filed. One commit at a time: what finishes meanwhile
+                // joins the next.
+                let outcomes = std::mem::take(&mut ready);
+                let keys: Vec<String> = outcomes
+                    .iter()
+                    .map(|o| o.running.pulled.key.clone())
+                    .collect();
+                let (queue, owner) = (queue.clone(), leases.id().to_string());
+                let (cluster, batch) = (leases.is_cluster(), config.outcome_batch);
+                let task = OwnedTask::spawn(async move {
+                    outcome::commit(&queue, &owner, cluster, batch, outcomes).await
+                });
+                committing = Some((task, keys));
                 continue;
             }
         }
-        if stopping && handlers.is_empty() {
+        if stopping && handlers.is_empty() && ready.is_empty() && committing.is_none() {
             pulling.release_settled(&queue, &in_flight).await;
             break;
         }
@@ -701,6 +702,30 @@ where
                 if let Some(joined) = joined {
                     let cooling = &mut pulling.cooling;
                     collect(&queue, &config, joined, &mut ready, &mut in_flight, cooling);
+                }
+            }
+            committed = async { (&mut committing.as_mut().expect("guarded").0).await }, if committing.is_some() => {
+                let (_, keys) = committing.take().expect("guarded");
+                match committed {
+                    Ok(committed) => {
+                        for key in committed.done {
+                            in_flight.remove(&key);
+                        }
+                        if committed.lease_lost {
+                            // This host's timer says the leases are fresh, the store's clock
+                            // says one is not (it jumped ahead): starting more handlers would
+                            // run them for nothing (their outcomes refused) until the next
+                            // renewal, which comes now.
+                            leases.renew_now();
+                        }
+                    }
+                    Err(err) => {
+                        // Only a panic gets here: the outcomes' rows stay pending and run again.
+                        tracing::error!(error = %err, "an outcome commit was lost");
+                        for key in keys {
+                            in_flight.remove(&key);
+                        }
+                    }
                 }
             }
             _ = tokio::time::sleep_until(wake_at) => {}
