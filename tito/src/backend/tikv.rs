@@ -773,6 +773,9 @@ const VERIFY_BATCH: usize = 256;
 /// unreachable) before the key counts as unchecked.
 const VERIFY_PATIENCE: Duration = Duration::from_secs(5);
 
+/// A key and what reading it back found.
+type KeyRead = (Vec<u8>, ReadBack);
+
 /// A key read back at the commit's version.
 enum ReadBack {
     /// It holds what the transaction wrote.
@@ -929,7 +932,7 @@ impl TxInner {
             .await
         };
         let expected = written.holds[primary];
-        let (primary_read, early): (ReadBack, Option<Vec<(Vec<u8>, ReadBack)>>) =
+        let (primary_read, early): (ReadBack, Option<Vec<KeyRead>>) =
             if others.len() <= VERIFY_ONE_BY_ONE {
                 let (primary, others) =
                     futures::join!(self.read_back(&commit_ts, primary, expected), one_by_one);
