@@ -133,7 +133,7 @@ pub use periodic::{
     CRON_HORIZON, MAX_INTERVAL, PeriodicJob, Schedule, ScheduleView, TICK_TIMEOUT, run_periodic,
     schedules, tick_id,
 };
-pub use pull::{MAX_PASS_AGE, RESTART_BUDGET, SCAN_ROWS};
+pub use pull::{MAX_PASS_AGE, MAX_SCAN_ROWS, RESTART_BUDGET, SCAN_ROWS};
 pub use topic::{QueueSpec, TopicQueue, WorkerQueue};
 pub use unique::{MAX_UNIQUE_KEY_BYTES, MAX_UNIQUE_PERIOD, Unique, UniqueStates};
 pub(crate) use worker::AfterFailure;
