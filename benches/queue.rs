@@ -98,38 +98,13 @@ struct Throughput {
 }
 
 async fn tito_throughput(db: &Embedded, n: u64) -> Throughput {
-    let queue = Arc::new(Queue::new(
-        db.clone(),
-        QueueConfig::new(4, Duration::from_secs(3600)),
-    ));
-    let start = Instant::now();
-    let due = chrono::Utc::now().timestamp();
-    for i in 0..n {
-        queue
-            .publish(QueueEvent::new(format!("user:{i}"), job(i), due))
-            .await
-            .unwrap();
-    }
-    let published = start.elapsed();
-    let (stop, rx) = watch::channel(false);
-    let drain_start = Instant::now();
-    let worker = tokio::spawn(run_worker(
-        queue.clone(),
-        WorkerConfig::new(0..4).concurrency(64).page_size(64),
-        |_event: QueueEvent<Job>| async { Ok(QueueHandlerOutcome::Acknowledge) },
-        rx,
-    ));
-    while queue.stats().acknowledged < n {
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-    let drained = drain_start.elapsed();
-    stop.send(true).unwrap();
-    worker.await.unwrap().unwrap();
-    Throughput {
-        publish: n as f64 / published.as_secs_f64(),
-        drain: n as f64 / drained.as_secs_f64(),
-        end_to_end: n as f64 / (published + drained).as_secs_f64(),
-    }
+    let run = Run {
+        partitions: 4,
+        concurrency: 64,
+        many: false,
+        delay: Duration::ZERO,
+    };
+    queue_run(db, "throughput", n, run).await
 }
 
 async fn tito_lateness(db: &Embedded) -> (i64, i64) {
