@@ -27,7 +27,7 @@
 //! | `tito_queue_dead_total` | counter | `queue` | invocations a failure policy moved to the dead state |
 //! | `tito_queue_limited_total` | counter | `queue` | runnable invocations that waited for a concurrency slot |
 //! | `tito_queue_rate_limited_total` | counter | `queue` | invocations a rate limit moved to a later due time |
-//! | `tito_queue_outcome_failures_total` | counter | `queue` | outcomes whose transaction did not apply |
+//! | `tito_queue_outcome_failures_total` | counter | `queue` | outcomes not applied (transaction not committed, lease lost, row cancelled or erased meanwhile) |
 //! | `tito_queue_malformed_total` | counter | `queue` | pending rows that do not decode (left in place) |
 //! | `tito_queue_expired_total` | counter | `queue` | completed rows deleted by retention |
 //! | `tito_queue_handler_seconds` | histogram | `queue` | handler run time, to its report |

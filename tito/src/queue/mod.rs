@@ -319,8 +319,9 @@ crate::counters::counters! {
         retried,
         /// Invocations a failure policy moved to the dead state.
         dead,
-        /// Outcome transactions that did not commit (the invocations stayed pending or their
-        /// outcome is unknown).
+        /// Outcomes not applied: their transaction did not commit (the invocations stayed
+        /// pending, or the outcome is unknown), their lease was no longer held, or their row was
+        /// gone when it committed (cancelled or erased meanwhile).
         outcome_failures,
         /// Pending rows that could not be read as invocations of this queue (left in place).
         malformed,
