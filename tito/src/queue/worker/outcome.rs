@@ -356,7 +356,7 @@ pub(super) fn successor<T: Serialize>(
         QueueHandlerOutcome::Reschedule(next) => (
             next,
             true,
-            "a Reschedule replacement must keep the event's id, key, owner and payload (use QueueEvent::rescheduled)",
+            "a Reschedule replacement must keep the event's id, key, owner and payload: build it with QueueEvent::rescheduled, or return an Advance (QueueEvent::advanced) to run it again with another payload",
         ),
         QueueHandlerOutcome::Advance(next) => (
             next,
