@@ -444,3 +444,56 @@ async fn opening_a_store_this_process_holds_says_so() {
     let third = Embedded::open(&path).await.unwrap();
     third.close().await.unwrap();
 }
+
+/// A handler's result is stored with its completion: a store closed and opened again still
+/// answers it, to a queue handle that never ran a worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_result_is_there_after_the_store_is_opened_again() {
+    use std::sync::Arc;
+    use tito::queue::{Finished, run_worker};
+    use tito::{Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, WorkerConfig};
+    let dir = tempfile::tempdir().unwrap();
+    let event = QueueEvent::new("order-7", 7u32, chrono::Utc::now().timestamp());
+    let id = event.id.clone();
+    {
+        let db = Embedded::open(dir.path()).await.unwrap();
+        let queue = Arc::new(Queue::new(
+            db.clone(),
+            QueueConfig::new(1, std::time::Duration::from_secs(3600)),
+        ));
+        queue.publish(event).await.unwrap();
+        let (stop, rx) = tokio::sync::watch::channel(false);
+        let worker = tokio::spawn(run_worker(
+            queue.clone(),
+            WorkerConfig::new(0..1),
+            |event: QueueEvent<u32>| async move {
+                QueueHandlerOutcome::acknowledge_with(&format!("charged {}", event.payload * 100))
+            },
+            rx,
+        ));
+        let finished = queue
+            .await_result::<String>(&id, std::time::Duration::from_secs(30))
+            .await
+            .unwrap();
+        assert_eq!(
+            finished,
+            Some(Finished::Completed(Some("charged 700".into())))
+        );
+        stop.send(true).unwrap();
+        worker.await.unwrap().unwrap();
+        db.close().await.unwrap();
+    }
+    let db = Embedded::open(dir.path()).await.unwrap();
+    let queue = Queue::new(
+        db.clone(),
+        QueueConfig::new(1, std::time::Duration::from_secs(3600)),
+    );
+    assert_eq!(
+        queue
+            .await_result::<String>(&id, std::time::Duration::ZERO)
+            .await
+            .unwrap(),
+        Some(Finished::Completed(Some("charged 700".into())))
+    );
+    db.close().await.unwrap();
+}

@@ -68,6 +68,9 @@ macro_rules! queue_suite {
                 publish_many_commits_in_bounded_transactions_and_resumes_after_a_failure,
                 publish_many_honours_ids_unique_keys_owners_and_the_callers_transaction,
                 a_published_list_starts_in_the_order_of_its_ids,
+                results_are_kept_with_the_completion_and_awaited_from_any_handle,
+                a_result_over_the_bound_is_a_failed_attempt_that_names_the_fix,
+                a_transactional_handlers_result_commits_with_its_writes,
             ]
         );
     };
@@ -2918,4 +2921,218 @@ pub async fn a_published_list_starts_in_the_order_of_its_ids<E: TitoEngine>(ctx:
     let mut expected: Vec<u32> = (0..30).collect();
     expected.extend((30..60).rev());
     assert_eq!(order, expected);
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct Receipt {
+    n: u32,
+    note: String,
+}
+
+pub async fn results_are_kept_with_the_completion_and_awaited_from_any_handle<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    use tito::queue::{FailurePolicy, Finished, InvocationState};
+    let queue = queue(&ctx.db, 2);
+    // Another handle on the same store and queue: what another process sees.
+    let other = self::queue(&ctx.db, 2);
+    // By n % 4: 0 returns a receipt; 1 acknowledges plainly; 2 fails its only attempt (dead);
+    // 3 advances once, and the step returns a receipt.
+    let events: Vec<QueueEvent<Job>> = (0..12)
+        .map(|n| QueueEvent::new(format!("k{n}"), Job { n }, now()))
+        .collect();
+    let ids: Vec<String> = events.iter().map(|e| e.id.clone()).collect();
+    let later = QueueEvent::new("later", Job { n: 99 }, now() + 3600);
+    let later_id = later.id.clone();
+    let cancelled = QueueEvent::new("cancelled", Job { n: 98 }, now() + 3600);
+    let cancelled_id = cancelled.id.clone();
+    queue.publish_many(&events).await.unwrap();
+    queue.publish_many(&[later, cancelled]).await.unwrap();
+    assert_eq!(
+        other.invocation_state::<Receipt>(&ids[0]).await.unwrap(),
+        InvocationState::Pending { attempt: 1 }
+    );
+    assert!(queue.cancel(&cancelled_id, "not needed").await.unwrap());
+    let worker = start(
+        &queue,
+        fast(0..2)
+            .failure_policy(FailurePolicy::new(1))
+            .outcome_delay(Duration::from_millis(20)),
+        |event: QueueEvent<Job>| async move {
+            let n = event.payload.n;
+            if n >= 100 {
+                return QueueHandlerOutcome::acknowledge_with(&Receipt {
+                    n,
+                    note: "step two".into(),
+                });
+            }
+            match n % 4 {
+                0 => QueueHandlerOutcome::acknowledge_with(&Receipt {
+                    n,
+                    note: format!("receipt {n}"),
+                }),
+                1 => Ok(QueueHandlerOutcome::Acknowledge),
+                2 => Err(TitoError::handler(format!("job {n} cannot run"))),
+                _ => {
+                    let due = event.timestamp;
+                    Ok(QueueHandlerOutcome::Advance(
+                        event.advanced(Job { n: n + 100 }, due),
+                    ))
+                }
+            }
+        },
+    );
+    for (n, id) in ids.iter().enumerate() {
+        let n = n as u32;
+        let finished = other
+            .await_result::<Receipt>(id, Duration::from_secs(30))
+            .await
+            .unwrap()
+            .unwrap_or_else(|| panic!("event {n} did not finish"));
+        let expected = match n % 4 {
+            0 => Finished::Completed(Some(Receipt {
+                n,
+                note: format!("receipt {n}"),
+            })),
+            1 => Finished::Completed(None),
+            2 => Finished::Dead {
+                error: format!("handler error: job {n} cannot run"),
+                attempts: 1,
+            },
+            _ => Finished::Completed(Some(Receipt {
+                n: n + 100,
+                note: "step two".into(),
+            })),
+        };
+        match (&finished, &expected) {
+            // The dead letter's error is the handler's, however the error type prints it.
+            (Finished::Dead { error, attempts }, Finished::Dead { .. }) => {
+                assert!(error.contains(&format!("job {n} cannot run")), "{error}");
+                assert_eq!(*attempts, 1);
+            }
+            _ => assert_eq!(finished, expected, "event {n}"),
+        }
+    }
+    assert_eq!(
+        other
+            .await_result::<Receipt>(&cancelled_id, Duration::ZERO)
+            .await
+            .unwrap(),
+        Some(Finished::Cancelled("not needed".into()))
+    );
+    // Still pending when the timeout passes.
+    assert_eq!(
+        other
+            .await_result::<Receipt>(&later_id, Duration::from_millis(50))
+            .await
+            .unwrap(),
+        None
+    );
+    // An id nobody published.
+    assert!(matches!(
+        other
+            .await_result::<Receipt>("nobody", Duration::from_millis(10))
+            .await,
+        Err(TitoError::NotFound(_))
+    ));
+    assert_eq!(
+        other.invocation_state::<Receipt>("nobody").await.unwrap(),
+        InvocationState::Unknown
+    );
+    // A result read as another type says so.
+    assert!(matches!(
+        other.invocation_state::<u64>(&ids[0]).await,
+        Err(TitoError::Serialization { .. })
+    ));
+    // Read untyped, whatever it is.
+    match other
+        .invocation_state::<serde_json::Value>(&ids[0])
+        .await
+        .unwrap()
+    {
+        InvocationState::Finished(Finished::Completed(Some(value))) => {
+            assert_eq!(value["note"], "receipt 0")
+        }
+        other => panic!("{other:?}"),
+    }
+    worker.stop().await;
+}
+
+pub async fn a_result_over_the_bound_is_a_failed_attempt_that_names_the_fix<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    use tito::queue::{FailurePolicy, Finished, MAX_RESULT_BYTES};
+    let queue = queue(&ctx.db, 1);
+    let big = QueueEvent::new("k", Job { n: 1 }, now());
+    let id = big.id.clone();
+    queue.publish(big).await.unwrap();
+    let worker = start(
+        &queue,
+        fast(0..1).failure_policy(FailurePolicy::new(1)),
+        |_event: QueueEvent<Job>| async move {
+            QueueHandlerOutcome::acknowledge_with(&"x".repeat(MAX_RESULT_BYTES))
+        },
+    );
+    let finished = queue
+        .await_result::<String>(&id, Duration::from_secs(30))
+        .await
+        .unwrap();
+    worker.stop().await;
+    match finished {
+        Some(Finished::Dead { error, .. }) => {
+            assert!(error.contains("at most 65536"), "{error}");
+            assert!(error.contains("store a large result"), "{error}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // At the bound, accepted (a JSON string of n characters takes n + 2 bytes).
+    assert!(
+        QueueHandlerOutcome::<Job>::acknowledge_with(&"x".repeat(MAX_RESULT_BYTES - 2)).is_ok()
+    );
+}
+
+pub async fn a_transactional_handlers_result_commits_with_its_writes<E: TitoEngine>(ctx: Ctx<E>) {
+    use tito::queue::Finished;
+    let queue = queue(&ctx.db, 1);
+    let event = QueueEvent::new("k", Job { n: 3 }, now());
+    let id = event.id.clone();
+    queue.publish(event).await.unwrap();
+    let attempts = Arc::new(AtomicUsize::new(0));
+    let a = attempts.clone();
+    let effect = ctx.key("effect");
+    let written = effect.clone();
+    let (stop, rx) = watch::channel(false);
+    let worker = tokio::spawn(run_transactional_worker(
+        queue.clone(),
+        fast(0..1),
+        move |event: QueueEvent<Job>, tx: E::Transaction| {
+            let (a, effect) = (a.clone(), written.clone());
+            async move {
+                tx.put(effect, b"charged".to_vec()).await?;
+                // The first attempt fails after its write and its result: neither is kept.
+                if a.fetch_add(1, Ordering::SeqCst) == 0 {
+                    return Err(TitoError::invalid_argument("fails after the effect"));
+                }
+                QueueHandlerOutcome::acknowledge_with(&Receipt {
+                    n: event.payload.n,
+                    note: format!("attempt {}", a.load(Ordering::SeqCst)),
+                })
+            }
+        },
+        rx,
+    ));
+    let finished = queue
+        .await_result::<Receipt>(&id, Duration::from_secs(30))
+        .await
+        .unwrap();
+    stop.send(true).unwrap();
+    worker.await.unwrap().unwrap();
+    assert_eq!(
+        finished,
+        Some(Finished::Completed(Some(Receipt {
+            n: 3,
+            note: "attempt 2".into()
+        })))
+    );
+    assert_eq!(read(&ctx.db, &effect).await, Some(b"charged".to_vec()));
 }

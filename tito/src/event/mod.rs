@@ -361,6 +361,10 @@ impl<T> QueueEvent<T> {
 pub enum QueueHandlerOutcome<T> {
     /// Done: the invocation moves to completed.
     Acknowledge,
+    /// Done, with a result kept on the completed row for whoever awaits it
+    /// ([`Queue::await_result`](crate::Queue::await_result)) until retention deletes the row.
+    /// Build it with [`QueueHandlerOutcome::acknowledge_with`].
+    AcknowledgeWith(HandlerResult),
     /// Done, and the replacement (same id, key, owner and payload; see
     /// [`QueueEvent::rescheduled`]) is inserted in the same transaction.
     Reschedule(QueueEvent<T>),
@@ -369,6 +373,32 @@ pub enum QueueHandlerOutcome<T> {
     /// owner, a new payload and due time (see [`QueueEvent::advanced`]), starting again at
     /// attempt 1. For multi-step jobs: each step's payload says where the job is.
     Advance(QueueEvent<T>),
+}
+
+/// The most bytes a handler's result takes as JSON: a larger one is refused by
+/// [`QueueHandlerOutcome::acknowledge_with`].
+pub const MAX_RESULT_BYTES: usize = 64 * 1024;
+
+/// A handler's result as stored: JSON of at most [`MAX_RESULT_BYTES`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct HandlerResult(pub(crate) Value);
+
+impl<T> QueueHandlerOutcome<T> {
+    /// Done, with `result` kept on the completed row (serialized as JSON). Refused with
+    /// [`TitoError::InvalidArgument`] when it takes more than [`MAX_RESULT_BYTES`]: keep a large
+    /// result in a model or a kv key of your own and return its key. A handler that returns the
+    /// error (`acknowledge_with(&r)?`) makes a failed attempt of it.
+    pub fn acknowledge_with<R: Serialize>(result: &R) -> TitoResult<Self> {
+        let value = serde_json::to_value(result)?;
+        let bytes = serde_json::to_vec(&value)?.len();
+        if bytes > MAX_RESULT_BYTES {
+            return Err(TitoError::invalid_argument(format!(
+                "a handler's result takes {bytes} bytes as JSON; at most {MAX_RESULT_BYTES} are \
+                 kept: store a large result in a model or kv key of your own and return its key"
+            )));
+        }
+        Ok(QueueHandlerOutcome::AcknowledgeWith(HandlerResult(value)))
+    }
 }
 
 /// What a handler returns. An `Err` leaves the invocation pending, unchanged.
@@ -404,6 +434,9 @@ pub(crate) struct StoredEvent {
     /// Set on completed rows of cancelled invocations: why.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cancelled: Option<String>,
+    /// A completed row's handler result ([`QueueHandlerOutcome::AcknowledgeWith`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<Value>,
     /// The urgency (0 by default), stored under its former name.
     #[serde(default, skip_serializing_if = "is_zero_u8", rename = "priority")]
     pub urgency: u8,
@@ -468,6 +501,7 @@ impl StoredEvent {
             last_error: None,
             dead_at: None,
             cancelled: None,
+            result: None,
             urgency: event.urgency,
             moved_from: None,
             max_attempts: event.max_attempts,

@@ -93,7 +93,7 @@ async fn cancel_row<X: TitoTransaction>(
         parsed,
         stored,
     };
-    super::worker::complete(tx, root, partitions, &pulled, None).await?;
+    super::worker::complete(tx, root, partitions, &pulled, None, None).await?;
     Ok(true)
 }
 

@@ -86,6 +86,7 @@ mod limits;
 mod pause;
 mod periodic;
 mod pull;
+mod results;
 pub mod testing;
 mod topic;
 mod unique;
@@ -104,9 +105,9 @@ pub use crate::event::nudge::{
 };
 use crate::event::publish::{check_meta, forget_event_id};
 pub use crate::event::{
-    MAX_OWNER_BYTES, MAX_QUEUE_EVENT_BYTES, MAX_URGENCY, ModelEvent, Published, QueueEvent,
-    QueueHandlerOutcome, QueueHandlerResult, QueueOwner, TitoOperation, Topic, URGENCY_STEP,
-    partition_for,
+    HandlerResult, MAX_OWNER_BYTES, MAX_QUEUE_EVENT_BYTES, MAX_RESULT_BYTES, MAX_URGENCY,
+    ModelEvent, Published, QueueEvent, QueueHandlerOutcome, QueueHandlerResult, QueueOwner,
+    TitoOperation, Topic, URGENCY_STEP, partition_for,
 };
 #[allow(deprecated)]
 pub use crate::event::{MAX_PRIORITY, PRIORITY_STEP};
@@ -134,6 +135,7 @@ pub use periodic::{
     schedules, tick_id,
 };
 pub use pull::{MAX_PASS_AGE, MAX_SCAN_ROWS, RESTART_BUDGET, SCAN_ROWS};
+pub use results::{AWAIT_POLL_MAX, Finished, InvocationState};
 pub use topic::{QueueSpec, TopicQueue, WorkerQueue};
 pub use unique::{MAX_UNIQUE_KEY_BYTES, MAX_UNIQUE_PERIOD, Unique, UniqueStates};
 pub(crate) use worker::AfterFailure;

@@ -285,7 +285,16 @@ where
                             pulled.key
                         ))));
                     }
-                    complete(&tx, &root, partitions, &pulled, next.as_ref()).await?;
+                    let result = super::outcome::result_of(outcome);
+                    complete(
+                        &tx,
+                        &root,
+                        partitions,
+                        &pulled,
+                        next.as_ref(),
+                        result.as_ref(),
+                    )
+                    .await?;
                     Ok::<_, Rolled>(next.is_some())
                 }
             });

@@ -785,7 +785,9 @@ fn collect<E: TitoEngine, T: Serialize>(
         Report::Failed(failure) => Err(failure),
         Report::Done(handled) => match outcome::successor(&running.pulled.stored, &handled) {
             Ok(Some(next)) => Ok(OutcomeKind::Reschedule(Box::new(next))),
-            Ok(None) => Ok(OutcomeKind::Acknowledge),
+            Ok(None) => Ok(OutcomeKind::Acknowledge {
+                result: outcome::result_of(handled),
+            }),
             Err(why) => Err(Failure::of_handler(TitoError::InvalidArgument(why))),
         },
     };

@@ -25,8 +25,8 @@ pub(super) struct Outcome {
 
 /// What an outcome does to its invocation.
 pub(super) enum OutcomeKind {
-    /// Completed.
-    Acknowledge,
+    /// Completed, with the handler's result when it returned one.
+    Acknowledge { result: Option<serde_json::Value> },
     /// Completed, and the checked replacement inserted.
     Reschedule(Box<StoredEvent>),
     /// A failed attempt under a failure policy: replaced by the same invocation due after
@@ -75,7 +75,7 @@ pub(super) async fn commit<E: TitoEngine>(
                         continue;
                     }
                     match outcome.kind {
-                        OutcomeKind::Acknowledge => {
+                        OutcomeKind::Acknowledge { .. } => {
                             queue.count(&counters.acknowledged, names::QUEUE_ACKNOWLEDGED, 1)
                         }
                         OutcomeKind::Reschedule(_) => {
@@ -178,11 +178,11 @@ async fn apply<E: TitoEngine>(
                     continue;
                 }
                 match &outcome.kind {
-                    OutcomeKind::Acknowledge => {
-                        complete(&tx, root, partitions, pulled, None).await?
+                    OutcomeKind::Acknowledge { result } => {
+                        complete(&tx, root, partitions, pulled, None, result.as_ref()).await?
                     }
                     OutcomeKind::Reschedule(next) => {
-                        complete(&tx, root, partitions, pulled, Some(next)).await?
+                        complete(&tx, root, partitions, pulled, Some(next), None).await?
                     }
                     OutcomeKind::Retry { backoff, error } => {
                         retry(&tx, root, partitions, pulled, *backoff, error).await?
@@ -197,19 +197,21 @@ async fn apply<E: TitoEngine>(
 }
 
 /// Completes one invocation inside `tx`, whose pending row the caller read and found: deletes
-/// the pending row, writes the completed row, moves the owner key and the event-id key, and
-/// inserts the replacement.
+/// the pending row, writes the completed row (with the handler's `result`), moves the owner key
+/// and the event-id key, and inserts the replacement.
 pub(in crate::queue) async fn complete<X: TitoTransaction>(
     tx: &X,
     root: &str,
     partitions: u32,
     pulled: &Pulled,
     replacement: Option<&StoredEvent>,
+    result: Option<&serde_json::Value>,
 ) -> TitoResult<()> {
     remove_pending(tx, root, pulled).await?;
     let processed_at = tx.start_version();
     let mut completed = pulled.stored.clone();
     completed.processed_at = Some(processed_at);
+    completed.result = result.cloned();
     let completed_key = keys::completed_key(
         root,
         processed_at,
@@ -340,6 +342,14 @@ fn bounded_error(error: &str) -> String {
         end -= 1;
     }
     format!("{}…", &error[..end])
+}
+
+/// The result an outcome carries ([`QueueHandlerOutcome::AcknowledgeWith`]).
+pub(super) fn result_of<T>(outcome: QueueHandlerOutcome<T>) -> Option<serde_json::Value> {
+    match outcome {
+        QueueHandlerOutcome::AcknowledgeWith(result) => Some(result.0),
+        _ => None,
+    }
 }
 
 /// Checks the event a handler's outcome inserts after the invocation it completes: a
