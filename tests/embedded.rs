@@ -454,14 +454,14 @@ async fn a_result_is_there_after_the_store_is_opened_again() {
     use tito::{Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, WorkerConfig};
     let dir = tempfile::tempdir().unwrap();
     let event = QueueEvent::new("order-7", 7u32, chrono::Utc::now().timestamp());
-    let id = event.id.clone();
+    let id;
     {
         let db = Embedded::open(dir.path()).await.unwrap();
         let queue = Arc::new(Queue::new(
             db.clone(),
             QueueConfig::new(1, std::time::Duration::from_secs(3600)),
         ));
-        queue.publish(event).await.unwrap();
+        id = queue.publish(event).await.unwrap().id;
         let (stop, rx) = tokio::sync::watch::channel(false);
         let worker = tokio::spawn(run_worker(
             queue.clone(),

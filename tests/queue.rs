@@ -2434,9 +2434,13 @@ pub async fn unique_keys_hold_for_their_period_in_the_states_covered<E: TitoEngi
     assert!(again.duplicate);
     assert_eq!(again.key, published.key, "the invocation it collided with");
     assert_eq!(again.collided_id.as_deref(), Some(first.id.as_str()));
+    // The answer's id is the invocation's to await: the holder's.
+    assert_eq!(published.id, first.id);
+    assert_eq!(again.id, first.id);
     // The same id again is a duplicate by id (nothing collided by key).
     let same_id = queue.publish_unique(first.clone(), &by_user).await.unwrap();
     assert!(same_id.duplicate && same_id.collided_id.is_none());
+    assert_eq!(same_id.id, first.id);
     // By payload fields: equal `n`, same job; another `n`, another job.
     let by_n = Unique::fields(["n"], hour);
     let five = queue

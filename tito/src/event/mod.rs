@@ -693,6 +693,10 @@ impl<T> std::fmt::Debug for Topic<T> {
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Published {
+    /// The event id of the invocation `key` names: the published event's, or for a duplicate
+    /// by unique key the holder's (`collided_id`). Await its end with
+    /// [`Queue::await_result`](crate::Queue::await_result).
+    pub id: String,
     /// The storage key of the event's invocation: the new pending row, or, for a duplicate,
     /// the live invocation (pending or completed) that already holds the event id.
     pub key: String,
@@ -706,16 +710,18 @@ pub struct Published {
 }
 
 impl Published {
-    pub(crate) fn new(key: String) -> Self {
+    pub(crate) fn new(id: String, key: String) -> Self {
         Published {
+            id,
             key,
             duplicate: false,
             collided_id: None,
         }
     }
 
-    pub(crate) fn duplicate_of(key: String) -> Self {
+    pub(crate) fn duplicate_of(id: String, key: String) -> Self {
         Published {
+            id,
             key,
             duplicate: true,
             collided_id: None,

@@ -360,7 +360,7 @@ pub(super) async fn plan<X: TitoTransaction>(
             {
                 let pending = live.starts_with(&format!("{root}:pending:"));
                 if pending || rule.states == UniqueStates::Any {
-                    let mut published = Published::duplicate_of(live);
+                    let mut published = Published::duplicate_of(holder.clone(), live);
                     published.collided_id = Some(holder);
                     planned.push((published, partition));
                     continue;
@@ -368,7 +368,7 @@ pub(super) async fn plan<X: TitoTransaction>(
             }
         }
         if let Some(key) = live(&stored.id) {
-            planned.push((Published::duplicate_of(key), partition));
+            planned.push((Published::duplicate_of(stored.id.clone(), key), partition));
             continue;
         }
         let key = plan_insert(
@@ -400,7 +400,7 @@ pub(super) async fn plan<X: TitoTransaction>(
             writes.put(keys::unique_exp_key(root, until_ms, unique_key), Vec::new());
             taken_keys.insert(unique_key, &stored.id);
         }
-        planned.push((Published::new(key), partition));
+        planned.push((Published::new(stored.id.clone(), key), partition));
     }
     Ok(planned)
 }
