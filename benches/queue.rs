@@ -423,12 +423,14 @@ async fn main() {
         Ok("limits") => limits_table().await,
         Ok("batching") => batching_table().await,
         Ok("tikv") => tikv_table().await,
+        Ok("await") => await_table().await,
         _ => {
             throughput_lateness_idle().await;
             batching_table().await;
             limits_table().await;
             tikv_table().await;
             commit_to_handler_table().await;
+            await_table().await;
         }
     }
 }
@@ -810,4 +812,79 @@ async fn tikv_table() {
             );
         }
     }
+}
+
+/// From the end of a publication to `await_result` returning its handler's result, 40 events
+/// one after another, awaited on the publishing handle and on another handle of the same store
+/// (what another process does: both read the store); an idle worker in the same process.
+async fn await_table() {
+    println!("publish to awaited result (ms), 40 events one after another, idle worker:");
+    println!(
+        "  {:<9} {:<16} {:>8} {:>8} {:>8}",
+        "engine", "awaited on", "p50", "p99", "max"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let embedded = open(dir.path(), Durability::Buffered).await;
+    let memory = tito::backend::memory::Memory::new();
+    for other in [false, true] {
+        let name = if other { "another handle" } else { "the same handle" };
+        let l = await_latency(&embedded, other).await;
+        latency_row_await("embedded", name, &l);
+        let l = await_latency(&memory, other).await;
+        latency_row_await("memory", name, &l);
+    }
+    embedded.close().await.unwrap();
+}
+
+fn latency_row_await(engine: &str, on: &str, sorted: &[i64]) {
+    println!(
+        "  {engine:<9} {on:<16} {:>8} {:>8} {:>8}",
+        ms(percentile(sorted, 0.5)),
+        ms(percentile(sorted, 0.99)),
+        ms(sorted.last().copied().unwrap_or(0))
+    );
+}
+
+async fn await_latency<E: TitoEngine>(db: &E, other: bool) -> Vec<i64> {
+    static CELL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let topic = format!(
+        "await-{}",
+        CELL.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    );
+    let config = QueueConfig::new(4, Duration::from_secs(3600)).topic(topic);
+    let queue = Arc::new(Queue::new(db.clone(), config.clone()));
+    let reader = if other {
+        Arc::new(Queue::new(db.clone(), config))
+    } else {
+        queue.clone()
+    };
+    let (stop, rx) = watch::channel(false);
+    let worker = tokio::spawn(run_worker(
+        queue.clone(),
+        WorkerConfig::new(0..4),
+        |event: QueueEvent<Job>| async move {
+            QueueHandlerOutcome::acknowledge_with(&event.payload.n)
+        },
+        rx,
+    ));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut latencies = Vec::new();
+    for i in 0..40 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let published = queue
+            .publish(QueueEvent::new(format!("k{i}"), job(i), 0))
+            .await
+            .unwrap();
+        let start = Instant::now();
+        let done = reader
+            .await_result::<u64>(&published.id, Duration::from_secs(10))
+            .await
+            .unwrap();
+        assert_eq!(done, Some(tito::queue::Finished::Completed(Some(i))));
+        latencies.push(start.elapsed().as_micros() as i64);
+    }
+    stop.send(true).unwrap();
+    worker.await.unwrap().unwrap();
+    latencies.sort_unstable();
+    latencies
 }
