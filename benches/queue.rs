@@ -820,29 +820,24 @@ async fn tikv_table() {
 async fn await_table() {
     println!("publish to awaited result (ms), 40 events one after another, idle worker:");
     println!(
-        "  {:<9} {:<16} {:>8} {:>8} {:>8}",
-        "engine", "awaited on", "p50", "p99", "max"
+        "  {:<9} {:<20} {:<6} {:>8} {:>8} {:>8}",
+        "engine", "awaited on", "worker", "p50", "p99", "max"
     );
     let dir = tempfile::tempdir().unwrap();
     let embedded = open(dir.path(), Durability::Buffered).await;
     let memory = tito::backend::memory::Memory::new();
     for other in [false, true] {
-        let name = if other { "another handle" } else { "the same handle" };
+        let name = if other {
+            "another handle"
+        } else {
+            "the same handle"
+        };
         let l = await_latency(&embedded, other).await;
-        latency_row_await("embedded", name, &l);
+        latency_row("embedded", name, "idle", &l);
         let l = await_latency(&memory, other).await;
-        latency_row_await("memory", name, &l);
+        latency_row("memory", name, "idle", &l);
     }
     embedded.close().await.unwrap();
-}
-
-fn latency_row_await(engine: &str, on: &str, sorted: &[i64]) {
-    println!(
-        "  {engine:<9} {on:<16} {:>8} {:>8} {:>8}",
-        ms(percentile(sorted, 0.5)),
-        ms(percentile(sorted, 0.99)),
-        ms(sorted.last().copied().unwrap_or(0))
-    );
 }
 
 async fn await_latency<E: TitoEngine>(db: &E, other: bool) -> Vec<i64> {
@@ -862,9 +857,7 @@ async fn await_latency<E: TitoEngine>(db: &E, other: bool) -> Vec<i64> {
     let worker = tokio::spawn(run_worker(
         queue.clone(),
         WorkerConfig::new(0..4),
-        |event: QueueEvent<Job>| async move {
-            QueueHandlerOutcome::acknowledge_with(&event.payload.n)
-        },
+        |event: QueueEvent<Job>| async move { QueueHandlerOutcome::acknowledge_with(&event.payload.n) },
         rx,
     ));
     tokio::time::sleep(Duration::from_millis(300)).await;
