@@ -71,6 +71,7 @@ macro_rules! queue_suite {
                 results_are_kept_with_the_completion_and_awaited_from_any_handle,
                 a_result_over_the_bound_is_a_failed_attempt_that_names_the_fix,
                 a_transactional_handlers_result_commits_with_its_writes,
+                null_and_deep_results_read_back_and_deeper_ones_are_refused,
             ]
         );
     };
@@ -3139,4 +3140,109 @@ pub async fn a_transactional_handlers_result_commits_with_its_writes<E: TitoEngi
         })))
     );
     assert_eq!(read(&ctx.db, &effect).await, Some(b"charged".to_vec()));
+}
+
+/// A JSON value nested `depth` levels of arrays around `1`.
+fn nested(depth: usize) -> serde_json::Value {
+    let mut value = serde_json::json!(1);
+    for _ in 0..depth {
+        value = serde_json::json!([value]);
+    }
+    value
+}
+
+pub async fn null_and_deep_results_read_back_and_deeper_ones_are_refused<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    use tito::queue::{Finished, MAX_JSON_DEPTH};
+    let queue = queue(&ctx.db, 1);
+    // n: 0 returns (), 1 returns None, 2 the deepest result kept, 3 one level deeper.
+    let events: Vec<QueueEvent<Job>> = (0..4)
+        .map(|n| QueueEvent::new(format!("k{n}"), Job { n }, now()))
+        .collect();
+    let ids: Vec<String> = queue
+        .publish_many(&events)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|p| p.id)
+        .collect();
+    let refused = Arc::new(Mutex::new(None));
+    let seen = refused.clone();
+    let worker = start(&queue, fast(0..1), move |event: QueueEvent<Job>| {
+        let seen = seen.clone();
+        async move {
+            match event.payload.n {
+                0 => QueueHandlerOutcome::acknowledge_with(&()),
+                1 => QueueHandlerOutcome::acknowledge_with(&None::<u32>),
+                2 => QueueHandlerOutcome::acknowledge_with(&nested(MAX_JSON_DEPTH)),
+                _ => {
+                    match QueueHandlerOutcome::<Job>::acknowledge_with(&nested(MAX_JSON_DEPTH + 1))
+                    {
+                        Err(err) => {
+                            *seen.lock().unwrap() = Some(err.to_string());
+                            Ok(QueueHandlerOutcome::Acknowledge)
+                        }
+                        Ok(_) => panic!("a result deeper than the bound was accepted"),
+                    }
+                }
+            }
+        }
+    });
+    let wait = Duration::from_secs(30);
+    // A null result is a result, not the absence of one.
+    assert_eq!(
+        queue.await_result::<()>(&ids[0], wait).await.unwrap(),
+        Some(Finished::Completed(Some(())))
+    );
+    assert_eq!(
+        queue
+            .await_result::<Option<u32>>(&ids[1], wait)
+            .await
+            .unwrap(),
+        Some(Finished::Completed(Some(None)))
+    );
+    assert_eq!(
+        queue
+            .await_result::<serde_json::Value>(&ids[2], wait)
+            .await
+            .unwrap(),
+        Some(Finished::Completed(Some(nested(MAX_JSON_DEPTH))))
+    );
+    assert_eq!(
+        queue.await_result::<()>(&ids[3], wait).await.unwrap(),
+        Some(Finished::Completed(None))
+    );
+    let message = refused.lock().unwrap().clone().unwrap();
+    assert!(
+        message.contains("at most 64") && message.contains("flatten"),
+        "{message}"
+    );
+    // No limit: an answer at once for what finished, no overflow.
+    assert_eq!(
+        queue
+            .await_result::<()>(&ids[0], Duration::MAX)
+            .await
+            .unwrap(),
+        Some(Finished::Completed(Some(())))
+    );
+    worker.stop().await;
+    // A payload nested deeper than the bound is refused when published, naming the fix.
+    let deep = QueueEvent::new("deep", nested(MAX_JSON_DEPTH + 1), now());
+    match queue.publish(deep).await {
+        Err(TitoError::InvalidArgument(message)) => {
+            assert!(message.contains("flatten"), "{message}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        queue
+            .publish(QueueEvent::new(
+                "deep",
+                nested(MAX_JSON_DEPTH),
+                now() + 3600
+            ))
+            .await
+            .is_ok()
+    );
 }

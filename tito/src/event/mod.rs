@@ -379,17 +379,54 @@ pub enum QueueHandlerOutcome<T> {
 /// [`QueueHandlerOutcome::acknowledge_with`].
 pub const MAX_RESULT_BYTES: usize = 64 * 1024;
 
-/// A handler's result as stored: JSON of at most [`MAX_RESULT_BYTES`].
+/// The deepest nesting of arrays and objects an event's payload or a handler's result may have:
+/// rows are read back with JSON's usual recursion limit (128 levels, the row's own included),
+/// so deeper values are refused when they are given rather than stored unreadable.
+pub const MAX_JSON_DEPTH: usize = 64;
+
+/// How deeply `value` nests arrays and objects (a scalar is 0). Iterative: any depth is counted.
+pub(crate) fn json_depth(value: &Value) -> usize {
+    let mut deepest = 0;
+    let mut stack = vec![(value, 0usize)];
+    while let Some((value, depth)) = stack.pop() {
+        let children: Box<dyn Iterator<Item = &Value>> = match value {
+            Value::Array(items) => Box::new(items.iter()),
+            Value::Object(fields) => Box::new(fields.values()),
+            _ => continue,
+        };
+        deepest = deepest.max(depth + 1);
+        stack.extend(children.map(|child| (child, depth + 1)));
+    }
+    deepest
+}
+
+/// A handler's result as stored: JSON of at most [`MAX_RESULT_BYTES`] and [`MAX_JSON_DEPTH`]
+/// levels.
 #[derive(Clone, Debug, PartialEq)]
 pub struct HandlerResult(pub(crate) Value);
 
+/// A result on a completed row: wrapped, so that a result of JSON `null` (`()`, `None`) reads
+/// back as a result, not as none.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub(crate) struct StoredResult {
+    pub value: Value,
+}
+
 impl<T> QueueHandlerOutcome<T> {
-    /// Done, with `result` kept on the completed row (serialized as JSON). Refused with
-    /// [`TitoError::InvalidArgument`] when it takes more than [`MAX_RESULT_BYTES`]: keep a large
-    /// result in a model or a kv key of your own and return its key. A handler that returns the
-    /// error (`acknowledge_with(&r)?`) makes a failed attempt of it.
+    /// Done, with `result` kept on the completed row (serialized as JSON; JSON holds no NaN or
+    /// infinity, which are kept as `null`). Refused with [`TitoError::InvalidArgument`] when it
+    /// takes more than [`MAX_RESULT_BYTES`] (keep a large result in a model or a kv key of your
+    /// own and return its key) or nests deeper than [`MAX_JSON_DEPTH`]. A handler that returns
+    /// the error (`acknowledge_with(&r)?`) makes a failed attempt of it.
     pub fn acknowledge_with<R: Serialize>(result: &R) -> TitoResult<Self> {
         let value = serde_json::to_value(result)?;
+        let depth = json_depth(&value);
+        if depth > MAX_JSON_DEPTH {
+            return Err(TitoError::invalid_argument(format!(
+                "a handler's result nests {depth} levels of arrays and objects; at most \
+                 {MAX_JSON_DEPTH} are kept (a stored row must read back): flatten it"
+            )));
+        }
         let bytes = serde_json::to_vec(&value)?.len();
         if bytes > MAX_RESULT_BYTES {
             return Err(TitoError::invalid_argument(format!(
@@ -436,7 +473,7 @@ pub(crate) struct StoredEvent {
     pub cancelled: Option<String>,
     /// A completed row's handler result ([`QueueHandlerOutcome::AcknowledgeWith`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub result: Option<Value>,
+    pub result: Option<StoredResult>,
     /// The urgency (0 by default), stored under its former name.
     #[serde(default, skip_serializing_if = "is_zero_u8", rename = "priority")]
     pub urgency: u8,
@@ -495,7 +532,18 @@ impl StoredEvent {
             key: event.key.clone(),
             timestamp: event.timestamp,
             owner: event.owner.clone(),
-            payload: serde_json::to_value(&event.payload)?,
+            payload: {
+                let payload = serde_json::to_value(&event.payload)?;
+                let depth = json_depth(&payload);
+                if depth > MAX_JSON_DEPTH {
+                    return Err(TitoError::invalid_argument(format!(
+                        "event {:?}'s payload nests {depth} levels of arrays and objects; at \
+                         most {MAX_JSON_DEPTH} are kept (a stored row must read back): flatten it",
+                        event.id
+                    )));
+                }
+                payload
+            },
             processed_at: None,
             failures: 0,
             last_error: None,

@@ -94,7 +94,7 @@ impl<E: TitoEngine> Queue<E> {
             return Ok(InvocationState::Finished(Finished::Cancelled(why)));
         }
         let result = match stored.result {
-            Some(value) => Some(serde_json::from_value(value).map_err(|err| {
+            Some(stored) => Some(serde_json::from_value(stored.value).map_err(|err| {
                 TitoError::Serialization {
                     message: format!(
                         "the result of event {id:?} does not decode as the type asked for: {err}"
@@ -107,8 +107,8 @@ impl<E: TitoEngine> Queue<E> {
         Ok(InvocationState::Finished(Finished::Completed(result)))
     }
 
-    /// Waits until the invocation of event `id` finishes, at most `timeout`, and returns how
-    /// (`None`: still pending when the timeout passed). Reads the store, from any process,
+    /// Waits until the invocation of event `id` finishes, at most `timeout` (`Duration::MAX`:
+    /// no limit), and returns how (`None`: still pending when the timeout passed). Reads the store, from any process,
     /// with pauses from 2 ms doubling to [`AWAIT_POLL_MAX`]; an id no invocation holds is
     /// [`TitoError::NotFound`] (never published, or its completed row is past retention).
     pub async fn await_result<R: DeserializeOwned>(
@@ -116,7 +116,8 @@ impl<E: TitoEngine> Queue<E> {
         id: &str,
         timeout: Duration,
     ) -> TitoResult<Option<Finished<R>>> {
-        let deadline = tokio::time::Instant::now() + timeout;
+        // A timeout past what the clock can count (`Duration::MAX`) waits without a deadline.
+        let deadline = tokio::time::Instant::now().checked_add(timeout);
         let mut pause = AWAIT_POLL_FIRST;
         loop {
             match self.invocation_state::<R>(id).await? {
@@ -131,10 +132,12 @@ impl<E: TitoEngine> Queue<E> {
                 InvocationState::Pending { .. } => {}
             }
             let now = tokio::time::Instant::now();
-            if now >= deadline {
-                return Ok(None);
-            }
-            tokio::time::sleep(pause.min(deadline - now)).await;
+            let left = match deadline {
+                Some(deadline) if now >= deadline => return Ok(None),
+                Some(deadline) => deadline - now,
+                None => pause,
+            };
+            tokio::time::sleep(pause.min(left)).await;
             pause = (pause * 2).min(AWAIT_POLL_MAX);
         }
     }

@@ -211,7 +211,9 @@ pub(in crate::queue) async fn complete<X: TitoTransaction>(
     let processed_at = tx.start_version();
     let mut completed = pulled.stored.clone();
     completed.processed_at = Some(processed_at);
-    completed.result = result.cloned();
+    completed.result = result.map(|value| crate::event::StoredResult {
+        value: value.clone(),
+    });
     let completed_key = keys::completed_key(
         root,
         processed_at,
