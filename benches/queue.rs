@@ -44,11 +44,16 @@ struct Ping {
     id: String,
 }
 
-fn events() -> u64 {
-    std::env::var("TITO_BENCH_EVENTS")
+/// The number in environment variable `name`, or `default`.
+fn env_number<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(4000)
+        .unwrap_or(default)
+}
+
+fn events() -> u64 {
+    env_number("TITO_BENCH_EVENTS", 4000)
 }
 
 fn job(n: u64) -> Job {
@@ -574,10 +579,7 @@ async fn throughput_lateness_idle() {
 }
 
 async fn commit_to_handler_table() {
-    let samples: usize = std::env::var("TITO_BENCH_LATENCY_SAMPLES")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(40);
+    let samples: usize = env_number("TITO_BENCH_LATENCY_SAMPLES", 40);
     println!(
         "commit to handler start (ms), an idle worker in the same process, {samples} events each (goal: p99 within 10 ms):"
     );
@@ -734,10 +736,7 @@ async fn batching_table() {
 async fn tikv_table() {
     use tito::backend::tikv::TiKV;
     use tito_tikv_test_server::TestCluster;
-    let n: u64 = std::env::var("TITO_BENCH_TIKV_EVENTS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(1000);
+    let n: u64 = env_number("TITO_BENCH_TIKV_EVENTS", 1000);
     println!(
         "tikv (test server, every request delayed): {n} events, one worker, 64 handlers in flight, no-op handler; requests and commits per event over both phases"
     );

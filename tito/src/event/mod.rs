@@ -385,19 +385,30 @@ pub const MAX_RESULT_BYTES: usize = 64 * 1024;
 pub const MAX_JSON_DEPTH: usize = 64;
 
 /// How deeply `value` nests arrays and objects (a scalar is 0). Iterative: any depth is counted.
-pub(crate) fn json_depth(value: &Value) -> usize {
+fn json_depth(value: &Value) -> usize {
     let mut deepest = 0;
     let mut stack = vec![(value, 0usize)];
     while let Some((value, depth)) = stack.pop() {
-        let children: Box<dyn Iterator<Item = &Value>> = match value {
-            Value::Array(items) => Box::new(items.iter()),
-            Value::Object(fields) => Box::new(fields.values()),
+        match value {
+            Value::Array(items) => stack.extend(items.iter().map(|item| (item, depth + 1))),
+            Value::Object(fields) => stack.extend(fields.values().map(|field| (field, depth + 1))),
             _ => continue,
-        };
+        }
         deepest = deepest.max(depth + 1);
-        stack.extend(children.map(|child| (child, depth + 1)));
     }
     deepest
+}
+
+/// Refuses `value` when it nests deeper than [`MAX_JSON_DEPTH`]; `what` names it in the error.
+fn check_json_depth(value: &Value, what: impl std::fmt::Display) -> TitoResult<()> {
+    let depth = json_depth(value);
+    if depth > MAX_JSON_DEPTH {
+        return Err(TitoError::invalid_argument(format!(
+            "{what} nests {depth} levels of arrays and objects; at most {MAX_JSON_DEPTH} are kept \
+             (a stored row must read back): flatten it"
+        )));
+    }
+    Ok(())
 }
 
 /// A handler's result as stored: JSON of at most [`MAX_RESULT_BYTES`] and [`MAX_JSON_DEPTH`]
@@ -420,13 +431,7 @@ impl<T> QueueHandlerOutcome<T> {
     /// the error (`acknowledge_with(&r)?`) makes a failed attempt of it.
     pub fn acknowledge_with<R: Serialize>(result: &R) -> TitoResult<Self> {
         let value = serde_json::to_value(result)?;
-        let depth = json_depth(&value);
-        if depth > MAX_JSON_DEPTH {
-            return Err(TitoError::invalid_argument(format!(
-                "a handler's result nests {depth} levels of arrays and objects; at most \
-                 {MAX_JSON_DEPTH} are kept (a stored row must read back): flatten it"
-            )));
-        }
+        check_json_depth(&value, "a handler's result")?;
         let bytes = serde_json::to_vec(&value)?.len();
         if bytes > MAX_RESULT_BYTES {
             return Err(TitoError::invalid_argument(format!(
@@ -534,14 +539,7 @@ impl StoredEvent {
             owner: event.owner.clone(),
             payload: {
                 let payload = serde_json::to_value(&event.payload)?;
-                let depth = json_depth(&payload);
-                if depth > MAX_JSON_DEPTH {
-                    return Err(TitoError::invalid_argument(format!(
-                        "event {:?}'s payload nests {depth} levels of arrays and objects; at \
-                         most {MAX_JSON_DEPTH} are kept (a stored row must read back): flatten it",
-                        event.id
-                    )));
-                }
+                check_json_depth(&payload, format_args!("event {:?}'s payload", event.id))?;
                 payload
             },
             processed_at: None,
