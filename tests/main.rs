@@ -18,6 +18,7 @@ mod engine_memory;
 mod engine_sqlite;
 mod engine_tikv;
 mod forms;
+mod graphs;
 mod guarantees;
 mod inbox;
 mod inspect;

@@ -14,6 +14,9 @@ mod embedded {
     mod queue_composed {
         crate::queue_composed_suite!(crate::support::EmbeddedBackend);
     }
+    mod graphs {
+        crate::graphs_suite!(crate::support::EmbeddedBackend);
+    }
     mod queue_declared {
         crate::queue_declared_suite!(crate::support::EmbeddedBackend);
     }
@@ -49,6 +52,9 @@ mod tikv {
     }
     mod queue_composed {
         crate::queue_composed_suite!(crate::support::TikvBackend);
+    }
+    mod graphs {
+        crate::graphs_suite!(crate::support::TikvBackend);
     }
     mod queue_declared {
         crate::queue_declared_suite!(crate::support::TikvBackend);
@@ -106,6 +112,9 @@ mod memory {
     mod queue_composed {
         crate::queue_composed_suite!(crate::support::MemoryBackend);
     }
+    mod graphs {
+        crate::graphs_suite!(crate::support::MemoryBackend);
+    }
     mod queue_declared {
         crate::queue_declared_suite!(crate::support::MemoryBackend);
     }
@@ -141,6 +150,9 @@ mod sqlite {
     }
     mod queue_composed {
         crate::queue_composed_suite!(crate::support::SqliteBackend);
+    }
+    mod graphs {
+        crate::graphs_suite!(crate::support::SqliteBackend);
     }
     mod queue_declared {
         crate::queue_declared_suite!(crate::support::SqliteBackend);

@@ -820,6 +820,118 @@ pub fn owner_key_target(key: &str) -> TitoResult<String> {
         .map_err(|_| TitoError::Integrity(format!("owner key {key:?} is malformed")))
 }
 
+/// The owner key state of a workflow step waiting for its dependencies.
+pub const OWNER_WAITING: &str = "waiting";
+
+/// `{queue}:waiting:`, the prefix of the workflow steps of a queue that wait for their
+/// dependencies.
+pub fn waiting_prefix(root: &str) -> String {
+    format!("{root}:waiting:")
+}
+
+/// `{queue}:waiting:{workflow}:{step}`: a workflow step waiting for its dependencies (the row,
+/// with what it waits for in its link).
+pub fn waiting_key(root: &str, workflow: &str, step: &str) -> String {
+    let mut key = waiting_prefix(root);
+    encode_str(workflow, &mut key);
+    key.push(SEPARATOR);
+    encode_str(step, &mut key);
+    key
+}
+
+/// `workflow:`, the prefix of every workflow's record.
+pub fn workflow_prefix() -> String {
+    "workflow:".to_string()
+}
+
+/// `workflow:{id}`: a workflow's record (JSON: when it was published, how many steps).
+pub fn workflow_key(id: &str) -> String {
+    let mut key = workflow_prefix();
+    encode_str(id, &mut key);
+    key
+}
+
+/// `workflow-step:{id}:`, the prefix of a workflow's step records.
+pub fn workflow_step_prefix(id: &str) -> String {
+    let mut key = "workflow-step:".to_string();
+    encode_str(id, &mut key);
+    key.push(SEPARATOR);
+    key
+}
+
+/// `workflow-step:{id}:{step}`: a step's record (JSON: its queue, event id, dependencies and
+/// failure rule).
+pub fn workflow_step_key(id: &str, step: &str) -> String {
+    let mut key = workflow_step_prefix(id);
+    encode_str(step, &mut key);
+    key
+}
+
+/// `workflow-edge:{id}:{dependency}:`, the prefix of the edges from one step to the steps
+/// that wait for it.
+pub fn workflow_edge_prefix(id: &str, dependency: &str) -> String {
+    let mut key = "workflow-edge:".to_string();
+    encode_str(id, &mut key);
+    key.push(SEPARATOR);
+    encode_str(dependency, &mut key);
+    key.push(SEPARATOR);
+    key
+}
+
+/// `workflow-edge:{id}:{dependency}:{step}`: `step` waits for `dependency` (JSON: the waiting
+/// row's key, its queue and partition count); deleted when the dependency's end was applied.
+pub fn workflow_edge_key(id: &str, dependency: &str, step: &str) -> String {
+    let mut key = workflow_edge_prefix(id, dependency);
+    encode_str(step, &mut key);
+    key
+}
+
+/// `batch:`, the prefix of every batch's record.
+pub fn batch_prefix() -> String {
+    "batch:".to_string()
+}
+
+/// `batch:{id}`: a batch's record (JSON: closed, how many shards have open children, the
+/// callbacks and which fired).
+pub fn batch_key(id: &str) -> String {
+    let mut key = batch_prefix();
+    encode_str(id, &mut key);
+    key
+}
+
+/// `batch-shard:{id}:`, the prefix of a batch's shard counters.
+pub fn batch_shard_prefix(id: &str) -> String {
+    let mut key = "batch-shard:".to_string();
+    encode_str(id, &mut key);
+    key.push(SEPARATOR);
+    key
+}
+
+/// `batch-shard:{id}:{shard:04}`: the counts of a batch's children in one shard (a child's
+/// shard is its partition, so children of one shard end under one worker's lease and their
+/// counts never contend across workers).
+pub fn batch_shard_key(id: &str, shard: u32) -> String {
+    format!("{}{shard:04}", batch_shard_prefix(id))
+}
+
+/// `batch-child:{id}:`, the prefix of a batch's open children.
+pub fn batch_child_prefix(id: &str) -> String {
+    let mut key = "batch-child:".to_string();
+    encode_str(id, &mut key);
+    key.push(SEPARATOR);
+    key
+}
+
+/// `batch-child:{id}:{queue}:{event id}`: an open child of a batch (JSON: its queue and event
+/// id; the event id segment is bounded, see [`encode_bounded`]).
+pub fn batch_child_key(id: &str, root: &str, event_id: &str) -> String {
+    let mut key = batch_child_prefix(id);
+    encode_str(root, &mut key);
+    key.push(SEPARATOR);
+    encode_bounded(event_id, &mut key);
+    key
+}
+
 /// The lease key of a partition.
 pub fn lease_key(root: &str, partition: u32) -> String {
     format!("{root}:lease:{partition:04}")

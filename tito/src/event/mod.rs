@@ -109,6 +109,17 @@ pub struct QueueEvent<T> {
     /// replacements and steps.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_attempts: Option<u32>,
+    /// Set on delivery when the invocation is a step of a workflow
+    /// ([`Workflow`](crate::queue::graph::Workflow)): which workflow and step, to read its
+    /// dependencies' results with
+    /// [`Graphs::dependency`](crate::queue::graph::Graphs::dependency). Ignored when
+    /// publishing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workflow: Option<crate::queue::graph::StepOf>,
+    /// Set on delivery when the invocation is a child of a batch
+    /// ([`Batch`](crate::queue::graph::Batch)): the batch's id. Ignored when publishing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch: Option<String>,
     /// Set by the constructors of a due time relative to now ([`QueueEvent::now`],
     /// [`QueueEvent::after`], [`QueueEvent::retried_after`]): the delay, counted at
     /// publication from the store's clock (see "Due times" on [`QueueEvent`]).
@@ -189,6 +200,8 @@ impl<T> QueueEvent<T> {
             attempt: 1,
             urgency: 0,
             max_attempts: None,
+            workflow: None,
+            batch: None,
             relative: None,
         }
     }
@@ -489,6 +502,12 @@ pub(crate) struct StoredEvent {
     /// The event's own number of attempts ([`QueueEvent::max_attempts`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_attempts: Option<u32>,
+    /// A workflow step's link: its workflow, its name, and while it waits what it waits for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step: Option<crate::queue::graph::StepLink>,
+    /// A batch child's link: its batch and the shard its completion counts in.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch: Option<crate::queue::graph::BatchLink>,
     /// Before publication only: the due time is this delay after the publishing transaction's
     /// time ([`QueueEvent::delay_ms`]), set by [`StoredEvent::settle_due`].
     #[serde(skip)]
@@ -551,6 +570,8 @@ impl StoredEvent {
             urgency: event.urgency,
             moved_from: None,
             max_attempts: event.max_attempts,
+            step: None,
+            batch: None,
             due_in_ms: event.delay_ms(),
         })
     }
@@ -615,6 +636,11 @@ impl StoredEvent {
             attempt: self.failures.saturating_add(1),
             urgency: self.urgency,
             max_attempts: self.max_attempts,
+            workflow: self.step.as_ref().map(|link| crate::queue::graph::StepOf {
+                workflow: link.workflow.clone(),
+                step: link.step.clone(),
+            }),
+            batch: self.batch.as_ref().map(|link| link.id.clone()),
             relative: None,
         })
     }

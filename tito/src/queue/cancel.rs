@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::Queue;
+use super::graph::Wake;
 use super::pull::Pulled;
 use crate::engine::{TitoEngine, TitoTransaction};
 use crate::error::{TitoError, TitoResult};
@@ -72,18 +73,23 @@ fn check_reason_under(root: &str, why: &str) -> TitoResult<()> {
     super::check_reason(root, "a cancellation's reason", why, MAX_CANCEL_REASON)
 }
 
-/// Completes the pending row `key` as cancelled inside `tx`; `false` when it is not there.
-async fn cancel_row<X: TitoTransaction>(
+/// Completes the pending (or waiting) row `key` as cancelled inside `tx`; `None` when it is not
+/// there, else the partitions its end made rows due in (a workflow's dependents that run
+/// anyway), to wake once `tx` commits.
+pub(super) async fn cancel_row<X: TitoTransaction>(
     tx: &X,
     root: &str,
     key: &str,
     why: &str,
-) -> TitoResult<bool> {
+) -> TitoResult<Option<Vec<Wake>>> {
+    if key.starts_with(&keys::waiting_prefix(root)) {
+        return super::graph::cancel_waiting(tx, root, key, why).await;
+    }
     let Ok(parsed) = keys::parse_pending_key(root, key) else {
-        return Ok(false);
+        return Ok(None);
     };
     let Some(row) = tx.get(key.as_bytes()).await? else {
-        return Ok(false);
+        return Ok(None);
     };
     let mut stored = StoredEvent::parse(&row)?;
     stored.cancelled = Some(why.to_string());
@@ -93,8 +99,8 @@ async fn cancel_row<X: TitoTransaction>(
         parsed,
         stored,
     };
-    super::worker::complete(tx, root, partitions, &pulled, None, None).await?;
-    Ok(true)
+    let wakes = super::worker::complete(tx, root, partitions, &pulled, None, None).await?;
+    Ok(Some(wakes))
 }
 
 async fn cancel_under<E: TitoEngine>(db: &E, root: &str, id: &str, why: &str) -> TitoResult<bool> {
@@ -109,16 +115,18 @@ async fn cancel_under<E: TitoEngine>(db: &E, root: &str, id: &str, why: &str) ->
         .transaction(|tx| {
             let (root, why, id_key) = (root.clone(), why.clone(), id_key.clone());
             let wakeups = wakeups.clone();
+            let db = db.clone();
             async move {
                 let Some(target) = tx.get(id_key.as_bytes()).await? else {
                     return Ok::<_, TitoError>(false);
                 };
                 let target = keys::key_str(&target)?.to_string();
-                let cancelled = cancel_row(&tx, &root, &target, &why).await?;
-                if cancelled {
-                    wakeups.cancelled_after_commit(&tx, vec![target]);
-                }
-                Ok(cancelled)
+                let Some(wakes) = cancel_row(&tx, &root, &target, &why).await? else {
+                    return Ok(false);
+                };
+                super::graph::wake_after_commit(&db, &tx, wakes);
+                wakeups.cancelled_after_commit(&tx, vec![target]);
+                Ok(true)
             }
         })
         .await?;
@@ -136,10 +144,28 @@ async fn cancel_owner_under<E: TitoEngine>(
 ) -> TitoResult<usize> {
     check_reason_under(root, why)?;
     owner.check()?;
+    // Waiting workflow steps first: a pending one cancelled first could release them.
+    let mut total = 0;
+    for state in [keys::OWNER_WAITING, keys::OWNER_PENDING] {
+        total += cancel_owner_state(db, root, owner, state, why).await?;
+    }
+    if total > 0 {
+        tracing::info!(queue = root, owner = ?owner, total, why, "queue invocations cancelled");
+    }
+    Ok(total)
+}
+
+/// Cancels an owner's invocations whose owner keys are in `state` (pending or waiting).
+async fn cancel_owner_state<E: TitoEngine>(
+    db: &E,
+    root: &str,
+    owner: &QueueOwner,
+    state: &str,
+    why: &str,
+) -> TitoResult<usize> {
     let prefix = format!(
-        "{}{}:",
+        "{}{state}:",
         keys::owner_prefix(root, &owner.kind, &owner.id),
-        keys::OWNER_PENDING
     );
     let end = keys::prefix_end(prefix.clone());
     let wakeups = crate::event::nudge::wakeups(db, root);
@@ -167,6 +193,7 @@ async fn cancel_owner_under<E: TitoEngine>(
                 let (root, why, prefix, end) =
                     (root.clone(), why.clone(), prefix.clone(), end.clone());
                 let wakeups = wakeups.clone();
+                let db = db.clone();
                 async move {
                     let rows = tx
                         .scan(prefix.as_bytes(), end.as_bytes(), batch_rows)
@@ -174,7 +201,8 @@ async fn cancel_owner_under<E: TitoEngine>(
                     let mut cancelled = Vec::new();
                     for (owner_key, _) in &rows {
                         let target = keys::owner_key_target(keys::key_str(owner_key)?)?;
-                        if cancel_row(&tx, &root, &target, &why).await? {
+                        if let Some(wakes) = cancel_row(&tx, &root, &target, &why).await? {
+                            super::graph::wake_after_commit(&db, &tx, wakes);
                             cancelled.push(target);
                         } else {
                             // A dangling owner key: remove it so the scan moves on.
@@ -203,9 +231,6 @@ async fn cancel_owner_under<E: TitoEngine>(
         }
         // Grows back after a batch that went through.
         batch_rows = (batch_rows * 2).min(OWNER_BATCH);
-    }
-    if total > 0 {
-        tracing::info!(queue = root, owner = ?owner, total, why, "queue invocations cancelled");
     }
     Ok(total)
 }

@@ -171,6 +171,10 @@ async fn retry_dead_under<E: TitoEngine>(db: &E, root: &str, id: &str) -> TitoRe
             stored.failures = 0;
             stored.last_error = None;
             stored.dead_at = None;
+            // A batch counted the child dead when it died: run again, it is no child of it
+            // (the batch's callbacks fired or will fire on that count). A workflow step stays
+            // one: the steps holding for it run once it completes.
+            stored.batch = None;
             let bytes = stored.to_bytes()?;
             insert_pending(&tx, &root, partitions, &stored, bytes).await?;
             wakeups.wake_after_commit(&tx, crate::event::partition_for(&stored.key, partitions));

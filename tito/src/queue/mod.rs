@@ -81,6 +81,7 @@ pub mod cluster;
 #[cfg(not(feature = "test-util"))]
 mod cluster;
 mod dead;
+pub mod graph;
 pub(crate) mod lease;
 mod limits;
 mod pause;
@@ -760,6 +761,7 @@ impl<E: TitoEngine> Queue<E> {
         let prefix = keys::owner_prefix(&self.root, &owner.kind, &owner.id);
         let mut writes = engine::Writes::default();
         let mut deleted = 0;
+        let mut ended = Vec::new();
         for (owner_key, _) in scan_prefix(tx, &prefix).await? {
             let owner_key_text = keys::key_str(&owner_key)?;
             let target = keys::owner_key_target(owner_key_text)?;
@@ -775,6 +777,13 @@ impl<E: TitoEngine> Queue<E> {
                 continue;
             };
             if predicate(&event) {
+                // An erased invocation that had not ended ends for its workflow and batch as a
+                // cancelled one.
+                let live = target.starts_with(&format!("{}:pending:", self.root))
+                    || target.starts_with(&keys::waiting_prefix(&self.root));
+                if live && (stored.step.is_some() || stored.batch.is_some()) {
+                    ended.push(stored.clone());
+                }
                 // The id may be published again, unless a newer invocation holds it.
                 let id_key = keys::event_id_key(&self.root, &stored.id);
                 if tx.get(id_key.as_bytes()).await?.as_deref() == Some(target.as_bytes()) {
@@ -789,6 +798,17 @@ impl<E: TitoEngine> Queue<E> {
             }
         }
         writes.apply(tx).await?;
+        if !ended.is_empty() {
+            let root = &self.root;
+            engine::aborting(tx, async {
+                for stored in &ended {
+                    let wakes = graph::finished(tx, root, stored, graph::Finish::Cancelled).await?;
+                    graph::wake_after_commit(&self.db, tx, wakes);
+                }
+                Ok(())
+            })
+            .await?;
+        }
         Ok(deleted)
     }
 

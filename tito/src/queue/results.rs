@@ -20,6 +20,13 @@ pub enum InvocationState<R> {
     /// No invocation holds the id: never published, or its completed row was deleted by
     /// retention.
     Unknown,
+    /// A workflow step waiting for its dependencies: those whose end it has not seen yet
+    /// (empty when the ones left ended without completing and it holds, see
+    /// [`OnFailure::Hold`](crate::queue::graph::OnFailure::Hold)).
+    Waiting {
+        /// The steps it waits for.
+        on: Vec<String>,
+    },
     /// Pending: due later, waiting, running, or between attempts (`attempt` is its next one).
     /// An invocation that `Advance`d or was rescheduled is pending until its last step ends.
     Pending {
@@ -47,6 +54,50 @@ pub enum Finished<R> {
         /// How many attempts failed.
         attempts: u32,
     },
+}
+
+/// The state of the invocation of event `id` of the queue at `root`, whose event-id key names
+/// `at`, where `row` is stored.
+pub(crate) fn state_of<R: DeserializeOwned>(
+    root: &str,
+    id: &str,
+    at: &[u8],
+    row: &[u8],
+) -> TitoResult<InvocationState<R>> {
+    let stored = StoredEvent::parse(row)?;
+    let at = String::from_utf8_lossy(at);
+    if at.starts_with(&keys::dead_prefix(root)) {
+        return Ok(InvocationState::Finished(Finished::Dead {
+            error: stored.last_error.unwrap_or_default(),
+            attempts: stored.failures,
+        }));
+    }
+    if at.starts_with(&keys::waiting_prefix(root)) {
+        return Ok(InvocationState::Waiting {
+            on: stored.step.map(|link| link.waiting_on).unwrap_or_default(),
+        });
+    }
+    if !at.starts_with(&keys::completed_prefix(root)) {
+        return Ok(InvocationState::Pending {
+            attempt: stored.failures.saturating_add(1),
+        });
+    }
+    if let Some(why) = stored.cancelled {
+        return Ok(InvocationState::Finished(Finished::Cancelled(why)));
+    }
+    let result =
+        match stored.result {
+            Some(stored) => Some(serde_json::from_value(stored.value).map_err(|err| {
+                TitoError::Serialization {
+                    message: format!(
+                        "the result of event {id:?} does not decode as the type asked for: {err}"
+                    ),
+                    source: Some(Box::new(err)),
+                }
+            })?),
+            None => None,
+        };
+    Ok(InvocationState::Finished(Finished::Completed(result)))
 }
 
 /// The first pause of [`Queue::await_result`]'s reads; it doubles up to [`AWAIT_POLL_MAX`].
@@ -77,34 +128,7 @@ impl<E: TitoEngine> Queue<E> {
         let Some((at, row)) = found else {
             return Ok(InvocationState::Unknown);
         };
-        let stored = StoredEvent::parse(&row)?;
-        let at = String::from_utf8_lossy(&at);
-        if at.starts_with(&keys::dead_prefix(root)) {
-            return Ok(InvocationState::Finished(Finished::Dead {
-                error: stored.last_error.unwrap_or_default(),
-                attempts: stored.failures,
-            }));
-        }
-        if !at.starts_with(&keys::completed_prefix(root)) {
-            return Ok(InvocationState::Pending {
-                attempt: stored.failures.saturating_add(1),
-            });
-        }
-        if let Some(why) = stored.cancelled {
-            return Ok(InvocationState::Finished(Finished::Cancelled(why)));
-        }
-        let result = match stored.result {
-            Some(stored) => Some(serde_json::from_value(stored.value).map_err(|err| {
-                TitoError::Serialization {
-                    message: format!(
-                        "the result of event {id:?} does not decode as the type asked for: {err}"
-                    ),
-                    source: Some(Box::new(err)),
-                }
-            })?),
-            None => None,
-        };
-        Ok(InvocationState::Finished(Finished::Completed(result)))
+        state_of(root, id, &at, &row)
     }
 
     /// Waits until the invocation of event `id` finishes, at most `timeout` (`Duration::MAX`:
@@ -129,7 +153,7 @@ impl<E: TitoEngine> Queue<E> {
                         self.label()
                     )));
                 }
-                InvocationState::Pending { .. } => {}
+                InvocationState::Pending { .. } | InvocationState::Waiting { .. } => {}
             }
             let now = tokio::time::Instant::now();
             let left = match deadline {

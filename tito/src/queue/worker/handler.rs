@@ -252,7 +252,9 @@ where
         let (pulled, generation) = (running.pulled.clone(), running.generation);
         let policy = policy.clone();
         Box::pin(async move {
+            let waker = db.clone();
             let work = db.transaction_with(policy, |tx| {
+                let waker = waker.clone();
                 let (handler, event, pulled, root, owner) = (
                     handler.clone(),
                     event.clone(),
@@ -286,7 +288,7 @@ where
                         ))));
                     }
                     let result = super::outcome::result_of(outcome);
-                    complete(
+                    let wakes = complete(
                         &tx,
                         &root,
                         partitions,
@@ -295,6 +297,7 @@ where
                         result.as_ref(),
                     )
                     .await?;
+                    crate::queue::graph::wake_after_commit(&waker, &tx, wakes);
                     Ok::<_, Rolled>(next.is_some())
                 }
             });

@@ -13,6 +13,7 @@ use crate::event::publish::insert_pending;
 use crate::event::{QueueHandlerOutcome, StoredEvent};
 use crate::keys;
 use crate::queue::Queue;
+use crate::queue::graph::{self, Finish, Wake};
 use crate::queue::lease::HeldCheck;
 use crate::queue::pull::Pulled;
 use crate::telemetry::names;
@@ -177,7 +178,7 @@ async fn apply<E: TitoEngine>(
                 if row.is_none() {
                     continue;
                 }
-                match &outcome.kind {
+                let wakes = match &outcome.kind {
                     OutcomeKind::Acknowledge { result } => {
                         complete(&tx, root, partitions, pulled, None, result.as_ref()).await?
                     }
@@ -185,10 +186,12 @@ async fn apply<E: TitoEngine>(
                         complete(&tx, root, partitions, pulled, Some(next), None).await?
                     }
                     OutcomeKind::Retry { backoff, error } => {
-                        retry(&tx, root, partitions, pulled, *backoff, error).await?
+                        retry(&tx, root, partitions, pulled, *backoff, error).await?;
+                        Vec::new()
                     }
                     OutcomeKind::Dead { error } => bury(&tx, root, pulled, error).await?,
-                }
+                };
+                graph::wake_after_commit(queue.engine(), &tx, wakes);
                 applied.insert(pulled.key.clone());
             }
             Ok::<_, TitoError>((applied, lost))
@@ -198,7 +201,9 @@ async fn apply<E: TitoEngine>(
 
 /// Completes one invocation inside `tx`, whose pending row the caller read and found: deletes
 /// the pending row, writes the completed row (with the handler's `result`), moves the owner key
-/// and the event-id key, and inserts the replacement.
+/// and the event-id key, and inserts the replacement. Without a replacement the invocation
+/// ended, and its end is applied to its workflow and batch: returns the partitions that got
+/// due rows (to wake once `tx` commits).
 pub(in crate::queue) async fn complete<X: TitoTransaction>(
     tx: &X,
     root: &str,
@@ -206,14 +211,40 @@ pub(in crate::queue) async fn complete<X: TitoTransaction>(
     pulled: &Pulled,
     replacement: Option<&StoredEvent>,
     result: Option<&serde_json::Value>,
-) -> TitoResult<()> {
+) -> TitoResult<Vec<Wake>> {
     remove_pending(tx, root, pulled).await?;
-    let processed_at = tx.start_version();
     let mut completed = pulled.stored.clone();
-    completed.processed_at = Some(processed_at);
     completed.result = result.map(|value| crate::event::StoredResult {
         value: value.clone(),
     });
+    store_completed(tx, root, &mut completed, replacement.is_none()).await?;
+    match replacement {
+        // The replacement takes the event id over.
+        Some(next) => {
+            insert_pending(tx, root, partitions, next, next.to_bytes()?).await?;
+            Ok(Vec::new())
+        }
+        None => {
+            let how = match completed.cancelled {
+                Some(_) => Finish::Cancelled,
+                None => Finish::Completed,
+            };
+            graph::finished(tx, root, &completed, how).await
+        }
+    }
+}
+
+/// Writes `completed` as a completed row inside `tx` (its `processed_at` set to the
+/// transaction's version) with its owner key; `keeps_id`: the event-id key points at it (the
+/// completed row keeps the id until retention deletes it). Returns the row's key.
+pub(in crate::queue) async fn store_completed<X: TitoTransaction>(
+    tx: &X,
+    root: &str,
+    completed: &mut StoredEvent,
+    keeps_id: bool,
+) -> TitoResult<String> {
+    let processed_at = tx.start_version();
+    completed.processed_at = Some(processed_at);
     let completed_key = keys::completed_key(
         root,
         processed_at,
@@ -235,21 +266,14 @@ pub(in crate::queue) async fn complete<X: TitoTransaction>(
         );
         tx.put(completed_owner.into_bytes(), Vec::new()).await?;
     }
-    match replacement {
-        // The replacement takes the event id over.
-        Some(next) => {
-            insert_pending(tx, root, partitions, next, next.to_bytes()?).await?;
-        }
-        // The completed row keeps the id until retention deletes it.
-        None => {
-            tx.put(
-                keys::event_id_key(root, &completed.id).into_bytes(),
-                completed_key.into_bytes(),
-            )
-            .await?;
-        }
+    if keeps_id {
+        tx.put(
+            keys::event_id_key(root, &completed.id).into_bytes(),
+            completed_key.clone().into_bytes(),
+        )
+        .await?;
     }
-    Ok(())
+    Ok(completed_key)
 }
 
 /// Deletes a pending row, its pending owner key and its rate-limit move record inside `tx`.
@@ -309,7 +333,7 @@ pub(super) async fn bury<X: TitoTransaction>(
     root: &str,
     pulled: &Pulled,
     error: &str,
-) -> TitoResult<()> {
+) -> TitoResult<Vec<Wake>> {
     remove_pending(tx, root, pulled).await?;
     let mut dead = pulled.stored.clone();
     dead.moved_from = None;
@@ -328,7 +352,7 @@ pub(super) async fn bury<X: TitoTransaction>(
         dead_key.into_bytes(),
     )
     .await?;
-    Ok(())
+    graph::finished(tx, root, &dead, Finish::Dead).await
 }
 
 /// The longest error text kept beside a row.
@@ -380,6 +404,9 @@ pub(super) fn successor<T: Serialize>(
     let mut next = StoredEvent::from_event(next).map_err(|err| err.to_string())?;
     next.urgency = current.urgency;
     next.max_attempts = current.max_attempts;
+    // A workflow step or batch child stays one until its last step ends.
+    next.step = current.step.clone();
+    next.batch = current.batch.clone();
     next.to_bytes().map_err(|err| err.to_string())?;
     if next.id != current.id
         || next.key != current.key

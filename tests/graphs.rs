@@ -1,0 +1,831 @@
+//! Job graphs: workflows (steps after their dependencies, results handed on, failure rules,
+//! cancellation, erasure) and batches (callbacks exactly once with their counts, fan-in under
+//! concurrent completions). Written once, run on every backend.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tito::queue::graph::{Batch, BatchCallback, BatchDone, Graphs, OnFailure, StepName, Workflow};
+use tito::queue::{FailurePolicy, Finished, InvocationState, Workers};
+use tito::{
+    Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, QueueOwner, TitoEngine, TitoError,
+    TitoTransaction, WorkerConfig,
+};
+
+use crate::support::{Ctx, wait_for};
+
+/// Runs every case of this suite on one backend.
+#[macro_export]
+macro_rules! graphs_suite {
+    ($backend:ty) => {
+        $crate::engine_suite!(
+            $backend,
+            graphs,
+            [
+                an_order_pipeline_runs_each_step_after_its_dependencies_with_their_results,
+                bad_graphs_are_refused_naming_the_problem_and_write_nothing,
+                a_dependencys_death_or_cancel_follows_each_steps_rule,
+                a_workflow_is_cancelled_whole_by_id_by_owner_and_by_erasure,
+                a_workflow_joins_the_callers_transaction_and_publishes_once_per_id,
+                a_batch_calls_back_once_with_its_counts,
+                a_batch_filled_over_time_calls_back_only_after_its_close,
+                concurrent_last_children_start_each_callback_once,
+            ]
+        );
+    };
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Charge {
+    order: String,
+    cents: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Receipt {
+    charge_id: String,
+    cents: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Fulfil {
+    Reserve { order: String },
+    SendReceipt { order: String },
+    Notify { order: String },
+}
+
+const CHARGE: StepName<Receipt> = StepName::new("charge");
+const RESERVE: StepName<String> = StepName::new("reserve");
+const RECEIPT: StepName<String> = StepName::new("receipt");
+const NOTIFY: StepName<String> = StepName::new("notify");
+
+fn topic<E: TitoEngine>(db: &E, name: &str, partitions: u32) -> Arc<Queue<E>> {
+    Arc::new(Queue::new(
+        db.clone(),
+        QueueConfig::new(partitions, Duration::from_secs(3600)).topic(name),
+    ))
+}
+
+fn fast(partitions: std::ops::Range<u32>) -> WorkerConfig {
+    WorkerConfig::new(partitions).max_idle_backoff(Duration::from_millis(50))
+}
+
+/// A fresh id (stores of one TiKV test server may be shared between cases).
+fn fresh(what: &str) -> String {
+    format!("{what}-{}", QueueEvent::now("k", ()).id)
+}
+
+async fn await_finished<E: TitoEngine>(queue: &Queue<E>, id: &str) -> Finished<serde_json::Value> {
+    queue
+        .await_result::<serde_json::Value>(id, Duration::from_secs(30))
+        .await
+        .unwrap()
+        .unwrap_or_else(|| panic!("invocation {id} did not finish"))
+}
+
+pub async fn an_order_pipeline_runs_each_step_after_its_dependencies_with_their_results<
+    E: TitoEngine,
+>(
+    ctx: Ctx<E>,
+) {
+    let graphs = Graphs::new(ctx.db.clone());
+    let charges = topic(&ctx.db, "charges", 2);
+    let fulfil = topic(&ctx.db, "fulfil", 4);
+    let order = fresh("order");
+    let mut workflow = Workflow::new(order.clone());
+    workflow.step(
+        &CHARGE,
+        &charges,
+        QueueEvent::now(
+            &order,
+            Charge {
+                order: order.clone(),
+                cents: 4200,
+            },
+        ),
+    );
+    workflow
+        .step(
+            &RESERVE,
+            &fulfil,
+            QueueEvent::now(
+                "stock",
+                Fulfil::Reserve {
+                    order: order.clone(),
+                },
+            ),
+        )
+        .after([&CHARGE]);
+    workflow
+        .step(
+            &RECEIPT,
+            &fulfil,
+            QueueEvent::now(
+                "mail",
+                Fulfil::SendReceipt {
+                    order: order.clone(),
+                },
+            ),
+        )
+        .after([&CHARGE]);
+    workflow
+        .step(
+            &NOTIFY,
+            &fulfil,
+            QueueEvent::now(
+                "mail",
+                Fulfil::Notify {
+                    order: order.clone(),
+                },
+            ),
+        )
+        .after([RESERVE.name(), RECEIPT.name()]);
+    let published = graphs.publish_workflow(&workflow).await.unwrap();
+    assert!(!published.duplicate);
+    assert_eq!(published.steps.len(), 4);
+    // Nothing but the charge is due: the other steps wait.
+    let state = graphs.workflow(&order).await.unwrap().unwrap();
+    assert_eq!(
+        state.counts(),
+        [
+            ("waiting", 3),
+            ("pending", 1),
+            ("completed", 0),
+            ("cancelled", 0),
+            ("dead", 0)
+        ]
+    );
+    let notify_id = published.step_id("notify").unwrap().to_string();
+    assert_eq!(
+        fulfil.invocation_state::<String>(&notify_id).await.unwrap(),
+        InvocationState::Waiting {
+            on: vec!["reserve".into(), "receipt".into()]
+        }
+    );
+    let order_log: Arc<Mutex<Vec<String>>> = Arc::default();
+    let mut workers = Workers::new();
+    let log = order_log.clone();
+    workers.spawn_worker(
+        charges.clone(),
+        fast(0..2),
+        move |event: QueueEvent<Charge>| {
+            let log = log.clone();
+            async move {
+                assert_eq!(event.workflow.as_ref().unwrap().step, "charge");
+                log.lock().unwrap().push("charge".into());
+                QueueHandlerOutcome::acknowledge_with(&Receipt {
+                    charge_id: format!("ch-{}", event.payload.order),
+                    cents: event.payload.cents,
+                })
+            }
+        },
+    );
+    let (log, reads) = (order_log.clone(), graphs.clone());
+    workers.spawn_worker(
+        fulfil.clone(),
+        fast(0..4),
+        move |event: QueueEvent<Fulfil>| {
+            let (log, graphs) = (log.clone(), reads.clone());
+            async move {
+                let step = event.workflow.clone().unwrap().step;
+                match &event.payload {
+                    Fulfil::Reserve { .. } | Fulfil::SendReceipt { .. } => {
+                        // The charge completed before this step ran, and its result is here.
+                        let charge = graphs.dependency(&event, &CHARGE).await?;
+                        let Finished::Completed(Some(receipt)) = charge else {
+                            panic!("step {step} ran before the charge completed: {charge:?}")
+                        };
+                        assert_eq!(receipt.cents, 4200);
+                        // Not a dependency of this step: refused, naming the fix.
+                        let err = graphs.dependency(&event, &NOTIFY).await.unwrap_err();
+                        assert!(err.to_string().contains(".after([\"notify\"])"), "{err}");
+                    }
+                    Fulfil::Notify { .. } => {
+                        for dep in [&RESERVE, &RECEIPT] {
+                            let done = graphs.dependency(&event, dep).await?;
+                            assert_eq!(
+                                done,
+                                Finished::Completed(Some(format!("{} done", dep.name()))),
+                                "notify ran before {}",
+                                dep.name()
+                            );
+                        }
+                    }
+                }
+                log.lock().unwrap().push(step.clone());
+                QueueHandlerOutcome::acknowledge_with(&format!("{step} done"))
+            }
+        },
+    );
+    let finished = await_finished(&fulfil, &notify_id).await;
+    assert_eq!(
+        finished,
+        Finished::Completed(Some(serde_json::json!("notify done")))
+    );
+    workers.shutdown().await.unwrap();
+    let log = order_log.lock().unwrap().clone();
+    assert_eq!(log.first().map(String::as_str), Some("charge"), "{log:?}");
+    assert_eq!(log.last().map(String::as_str), Some("notify"), "{log:?}");
+    assert_eq!(log.len(), 4, "each step ran once: {log:?}");
+    let state = graphs.workflow(&order).await.unwrap().unwrap();
+    assert!(state.finished());
+    assert_eq!(state.counts()[2], ("completed", 4));
+    // The edges and waiting rows are gone: only records, steps and completed rows remain.
+    let tx = ctx.db.begin().await.unwrap();
+    let edges = tx
+        .scan(b"workflow-edge:", b"workflow-edge;", 10)
+        .await
+        .unwrap();
+    assert!(
+        edges
+            .iter()
+            .all(|(k, _)| !String::from_utf8_lossy(k).contains(&order))
+    );
+    tx.rollback().await.unwrap();
+}
+
+pub async fn bad_graphs_are_refused_naming_the_problem_and_write_nothing<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    let graphs = Graphs::new(ctx.db.clone());
+    let queue = topic(&ctx.db, "steps", 2);
+    let step = |name: &str| StepName::<()>::named(name);
+    let event = |n: u32| QueueEvent::now(format!("k{n}"), n);
+    let id = fresh("bad");
+    let refused = |wf: Workflow| {
+        let graphs = graphs.clone();
+        async move {
+            let err = graphs.publish_workflow(&wf).await.unwrap_err();
+            assert!(matches!(err, TitoError::InvalidArgument(_)), "{err:?}");
+            err.to_string()
+        }
+    };
+    // A cycle, named step by step.
+    let mut wf = Workflow::new(&id);
+    wf.step(&step("a"), &queue, event(1)).after(["c"]);
+    wf.step(&step("b"), &queue, event(2)).after(["a"]);
+    wf.step(&step("c"), &queue, event(3)).after(["b"]);
+    wf.step(&step("d"), &queue, event(4));
+    let err = refused(wf).await;
+    assert!(err.contains("waits for"), "{err}");
+    for name in ["\"a\"", "\"b\"", "\"c\""] {
+        assert!(err.contains(name), "{err}");
+    }
+    assert!(!err.contains("\"d\""), "{err}");
+    assert!(err.contains("nothing was published"), "{err}");
+    // An unknown dependency, a duplicate name, itself, twice, no step, a bad event.
+    let mut wf = Workflow::new(&id);
+    wf.step(&step("a"), &queue, event(1)).after(["ghost"]);
+    assert!(refused(wf).await.contains("\"ghost\", which is no step"));
+    let mut wf = Workflow::new(&id);
+    wf.step(&step("a"), &queue, event(1));
+    wf.step(&step("a"), &queue, event(2));
+    assert!(refused(wf).await.contains("two steps are named \"a\""));
+    let mut wf = Workflow::new(&id);
+    wf.step(&step("a"), &queue, event(1)).after(["a"]);
+    assert!(refused(wf).await.contains("depends on itself"));
+    let mut wf = Workflow::new(&id);
+    wf.step(&step("a"), &queue, event(1));
+    wf.step(&step("b"), &queue, event(2)).after(["a", "a"]);
+    assert!(refused(wf).await.contains("names \"a\" twice"));
+    assert!(refused(Workflow::new(&id)).await.contains("no step"));
+    let mut wf = Workflow::new(&id);
+    wf.step(&step("a"), &queue, event(1).with_urgency(200));
+    assert!(refused(wf).await.contains("step \"a\": "));
+    let mut wf = Workflow::new(&id);
+    wf.step(&step(""), &queue, event(1));
+    assert!(refused(wf).await.contains("a step name is empty"));
+    let mut wf = Workflow::new("x".repeat(257));
+    wf.step(&step("a"), &queue, event(1));
+    let err = graphs.publish_workflow(&wf).await.unwrap_err().to_string();
+    assert!(err.contains("257 bytes; at most 256"), "{err}");
+    // Two steps with one event id, and an event id a live invocation holds.
+    let mut wf = Workflow::new(&id);
+    wf.step(&step("a"), &queue, event(1).with_id("same"));
+    wf.step(&step("b"), &queue, event(2).with_id("same"));
+    assert!(refused(wf).await.contains("as another step of its queue"));
+    let taken = queue.publish(event(9)).await.unwrap().id;
+    let mut wf = Workflow::new(&id);
+    wf.step(&step("a"), &queue, event(1));
+    wf.step(&step("b"), &queue, event(2).with_id(taken))
+        .after(["a"]);
+    assert!(refused(wf).await.contains("held by a live invocation"));
+    // Nothing of them was written.
+    assert!(graphs.workflow(&id).await.unwrap().is_none());
+    assert_eq!(crate::support::pending_total(&queue).await, 1);
+}
+
+pub async fn a_dependencys_death_or_cancel_follows_each_steps_rule<E: TitoEngine>(ctx: Ctx<E>) {
+    let graphs = Graphs::new(ctx.db.clone());
+    let queue = topic(&ctx.db, "rules", 2);
+    let step = |name: &str| StepName::<String>::named(name);
+    let id = fresh("rules");
+    // "a" dies on its first run; "x" is cancelled before it runs (due in an hour).
+    let mut wf = Workflow::new(&id);
+    wf.step(&step("a"), &queue, QueueEvent::now("a", "a".to_string()));
+    wf.step(
+        &step("x"),
+        &queue,
+        QueueEvent::after("x", "x".to_string(), Duration::from_secs(3600)),
+    );
+    wf.step(
+        &step("cancel"),
+        &queue,
+        QueueEvent::now("b", "cancel".to_string()),
+    )
+    .after(["a"]);
+    wf.step(
+        &step("after-cancel"),
+        &queue,
+        QueueEvent::now("b", "after-cancel".to_string()),
+    )
+    .after(["cancel"])
+    .on_failure(OnFailure::RunAnyway);
+    wf.step(
+        &step("hold"),
+        &queue,
+        QueueEvent::now("c", "hold".to_string()),
+    )
+    .after(["a"])
+    .on_failure(OnFailure::Hold);
+    wf.step(
+        &step("anyway"),
+        &queue,
+        QueueEvent::now("d", "anyway".to_string()),
+    )
+    .after(["a", "x"])
+    .on_failure(OnFailure::RunAnyway);
+    wf.step(
+        &step("held-by-x"),
+        &queue,
+        QueueEvent::now("e", "held-by-x".to_string()),
+    )
+    .after(["x"])
+    .on_failure(OnFailure::Hold);
+    let published = graphs.publish_workflow(&wf).await.unwrap();
+    let id_of = |name: &str| published.step_id(name).unwrap().to_string();
+    assert!(queue.cancel(&id_of("x"), "not needed").await.unwrap());
+    let fail_a = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let ran: Arc<Mutex<Vec<String>>> = Arc::default();
+    let mut workers = Workers::new();
+    let (fail, log, reads) = (fail_a.clone(), ran.clone(), graphs.clone());
+    workers.spawn_worker(
+        queue.clone(),
+        fast(0..2).failure_policy(FailurePolicy::new(1)),
+        move |event: QueueEvent<String>| {
+            let (fail, log, graphs) = (fail.clone(), log.clone(), reads.clone());
+            async move {
+                log.lock().unwrap().push(event.payload.clone());
+                if event.payload == "a" && fail.load(Ordering::SeqCst) {
+                    return Err(TitoError::handler("a fails"));
+                }
+                if event.payload == "anyway" {
+                    let a = graphs
+                        .dependency(&event, &StepName::<String>::named("a"))
+                        .await?;
+                    assert!(matches!(a, Finished::Dead { .. }), "{a:?}");
+                    let x = graphs
+                        .dependency(&event, &StepName::<String>::named("x"))
+                        .await?;
+                    assert_eq!(x, Finished::Cancelled("not needed".into()));
+                }
+                QueueHandlerOutcome::acknowledge_with(&event.payload)
+            }
+        },
+    );
+    // "anyway" runs although both its dependencies failed.
+    let anyway = await_finished(&queue, &id_of("anyway")).await;
+    assert_eq!(
+        anyway,
+        Finished::Completed(Some(serde_json::json!("anyway")))
+    );
+    let cancelled = await_finished(&queue, &id_of("cancel")).await;
+    assert_eq!(
+        cancelled,
+        Finished::Cancelled("dependency \"a\" died".into())
+    );
+    // A step that runs anyway after a cancelled one runs.
+    let after = await_finished(&queue, &id_of("after-cancel")).await;
+    assert_eq!(
+        after,
+        Finished::Completed(Some(serde_json::json!("after-cancel")))
+    );
+    // "hold" waits for the dead "a"; "held-by-x" for the cancelled "x".
+    for held in ["hold", "held-by-x"] {
+        let state = queue
+            .invocation_state::<String>(&id_of(held))
+            .await
+            .unwrap();
+        assert!(
+            matches!(state, InvocationState::Waiting { .. }),
+            "{held}: {state:?}"
+        );
+    }
+    // Retried and completed, "a" releases the step that held for it.
+    fail_a.store(false, Ordering::SeqCst);
+    assert!(queue.retry_dead(&id_of("a")).await.unwrap());
+    let hold = await_finished(&queue, &id_of("hold")).await;
+    assert_eq!(hold, Finished::Completed(Some(serde_json::json!("hold"))));
+    // What holds for a cancelled step ends with its workflow.
+    assert_eq!(graphs.cancel_workflow(&id, "done here").await.unwrap(), 1);
+    let held = await_finished(&queue, &id_of("held-by-x")).await;
+    assert_eq!(held, Finished::Cancelled("done here".into()));
+    workers.shutdown().await.unwrap();
+    let ran = ran.lock().unwrap().clone();
+    for never in ["cancel", "held-by-x", "x"] {
+        assert!(!ran.contains(&never.to_string()), "{never} ran: {ran:?}");
+    }
+    assert_eq!(ran.iter().filter(|s| *s == "hold").count(), 1, "{ran:?}");
+    let state = graphs.workflow(&id).await.unwrap().unwrap();
+    assert!(state.finished(), "{state:?}");
+}
+
+pub async fn a_workflow_is_cancelled_whole_by_id_by_owner_and_by_erasure<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    let graphs = Graphs::new(ctx.db.clone());
+    let queue = topic(&ctx.db, "cancels", 2);
+    let step = |name: &str| StepName::<()>::named(name);
+    let later = |key: &str| QueueEvent::after(key, 0u32, Duration::from_secs(3600));
+    // A chain of 300 steps (more than one cancel transaction), the first due in an hour.
+    let id = fresh("chain");
+    let mut wf = Workflow::new(&id);
+    wf.step(&step("s0"), &queue, later("k"));
+    for n in 1..300 {
+        wf.step(&step(&format!("s{n}")), &queue, later("k"))
+            .after([format!("s{}", n - 1)]);
+    }
+    graphs.publish_workflow(&wf).await.unwrap();
+    assert_eq!(
+        graphs
+            .cancel_workflow(&id, "order withdrawn")
+            .await
+            .unwrap(),
+        300
+    );
+    let state = graphs.workflow(&id).await.unwrap().unwrap();
+    assert_eq!(state.counts()[3], ("cancelled", 300));
+    assert!(state.finished());
+    assert_eq!(graphs.cancel_workflow(&id, "again").await.unwrap(), 0);
+    assert_eq!(
+        graphs
+            .cancel_workflow("no-such-workflow", "x")
+            .await
+            .unwrap(),
+        0
+    );
+    // By owner: the owner's waiting steps are cancelled too, and their dependents with them.
+    let ada = QueueOwner::new("user", &fresh("ada"));
+    let id = fresh("owned");
+    let mut wf = Workflow::new(&id);
+    wf.step(&step("first"), &queue, later("k"));
+    wf.step(&step("owned"), &queue, later("k").with_owner(ada.clone()))
+        .after(["first"]);
+    wf.step(&step("after"), &queue, later("k")).after(["owned"]);
+    let published = graphs.publish_workflow(&wf).await.unwrap();
+    assert_eq!(queue.cancel_owner(&ada, "account closed").await.unwrap(), 1);
+    let after = published.step_id("after").unwrap();
+    assert_eq!(
+        queue.invocation_state::<()>(after).await.unwrap(),
+        InvocationState::Finished(Finished::Cancelled(
+            "dependency \"owned\" was cancelled".into()
+        ))
+    );
+    // By erasure: the waiting step's row is deleted, its dependents end as after a cancel.
+    let bob = QueueOwner::new("user", &fresh("bob"));
+    let id = fresh("erased");
+    let mut wf = Workflow::new(&id);
+    wf.step(&step("first"), &queue, later("k"));
+    wf.step(&step("owned"), &queue, later("k").with_owner(bob.clone()))
+        .after(["first"]);
+    wf.step(&step("after"), &queue, later("k")).after(["owned"]);
+    let published = graphs.publish_workflow(&wf).await.unwrap();
+    let tx = ctx.db.begin().await.unwrap();
+    let erased = queue
+        .delete_by_owner_matching_in_tx::<u32, _>(&bob, |_| true, &tx)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(erased, 1);
+    assert_eq!(
+        queue
+            .invocation_state::<()>(published.step_id("owned").unwrap())
+            .await
+            .unwrap(),
+        InvocationState::Unknown
+    );
+    assert!(matches!(
+        queue
+            .invocation_state::<()>(published.step_id("after").unwrap())
+            .await
+            .unwrap(),
+        InvocationState::Finished(Finished::Cancelled(_))
+    ));
+}
+
+pub async fn a_workflow_joins_the_callers_transaction_and_publishes_once_per_id<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    let graphs = Graphs::new(ctx.db.clone());
+    let queue = topic(&ctx.db, "joined", 2);
+    let id = fresh("joined");
+    let build = || {
+        let mut wf = Workflow::new(&id);
+        wf.step(
+            &StepName::<()>::new("one"),
+            &queue,
+            QueueEvent::now("k", 1u32),
+        );
+        wf.step(
+            &StepName::<()>::new("two"),
+            &queue,
+            QueueEvent::now("k", 2u32),
+        )
+        .after(["one"]);
+        wf
+    };
+    // Rolled back with the caller's data: nothing.
+    let tx = ctx.db.begin().await.unwrap();
+    tx.put(ctx.key("order"), b"paid".to_vec()).await.unwrap();
+    graphs.publish_workflow_in_tx(&build(), &tx).await.unwrap();
+    tx.rollback().await.unwrap();
+    assert!(graphs.workflow(&id).await.unwrap().is_none());
+    assert_eq!(crate::support::pending_total(&queue).await, 0);
+    // Committed with it: there, once.
+    let tx = ctx.db.begin().await.unwrap();
+    tx.put(ctx.key("order"), b"paid".to_vec()).await.unwrap();
+    let first = graphs.publish_workflow_in_tx(&build(), &tx).await.unwrap();
+    tx.commit().await.unwrap();
+    // Published again (fresh event ids): a duplicate answering the stored steps' ids.
+    let again = graphs.publish_workflow(&build()).await.unwrap();
+    assert!(again.duplicate);
+    assert_eq!(again.steps, first.steps);
+    assert_eq!(crate::support::pending_total(&queue).await, 1);
+    let listed = graphs.workflows(None, 1000).await.unwrap();
+    assert!(listed.iter().any(|w| w.id == id && w.steps == 2));
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Work {
+    n: u32,
+}
+
+/// Callbacks seen, by batch and callback.
+type Calls = Arc<Mutex<HashMap<(String, BatchCallback), Vec<BatchDone<String>>>>>;
+
+fn callback_worker<E: TitoEngine>(workers: &mut Workers, queue: &Arc<Queue<E>>, calls: &Calls) {
+    let calls = calls.clone();
+    workers.spawn_worker(
+        queue.clone(),
+        fast(0..2),
+        move |event: QueueEvent<BatchDone<String>>| {
+            let calls = calls.clone();
+            async move {
+                let done = event.payload;
+                calls
+                    .lock()
+                    .unwrap()
+                    .entry((done.batch.clone(), done.callback))
+                    .or_default()
+                    .push(done);
+                Ok(QueueHandlerOutcome::Acknowledge)
+            }
+        },
+    );
+}
+
+pub async fn a_batch_calls_back_once_with_its_counts<E: TitoEngine>(ctx: Ctx<E>) {
+    let graphs = Graphs::new(ctx.db.clone());
+    let jobs = topic(&ctx.db, "batch-jobs", 4);
+    let callbacks = topic(&ctx.db, "batch-callbacks", 2);
+    let id = fresh("batch");
+    let batch = Batch::new(&id)
+        .on_complete(&callbacks, QueueEvent::now("cb", "all ended".to_string()))
+        .on_success(
+            &callbacks,
+            QueueEvent::now("cb", "all completed".to_string()),
+        )
+        .on_death(&callbacks, QueueEvent::now("cb", "one died".to_string()));
+    // 60 children: n % 10 == 3 dies (two of them at least), n == 7 is cancelled.
+    let events: Vec<QueueEvent<Work>> = (0..60)
+        .map(|n| QueueEvent::now(format!("k{n}"), Work { n }))
+        .collect();
+    let cancel_id = events[7].id.clone();
+    let published = graphs
+        .publish_batch(&batch, &jobs, &events)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(published.len(), 60);
+    assert!(jobs.cancel(&cancel_id, "not needed").await.unwrap());
+    // Published again: nothing new.
+    assert!(
+        graphs
+            .publish_batch(&batch, &jobs, &events)
+            .await
+            .unwrap()
+            .is_none()
+    );
+    let calls: Calls = Arc::default();
+    let mut workers = Workers::new();
+    callback_worker(&mut workers, &callbacks, &calls);
+    workers.spawn_worker(
+        jobs.clone(),
+        fast(0..4).failure_policy(FailurePolicy::new(1)),
+        |event: QueueEvent<Work>| async move {
+            assert!(event.batch.is_some());
+            if event.payload.n % 10 == 3 {
+                return Err(TitoError::handler("it fails"));
+            }
+            Ok(QueueHandlerOutcome::Acknowledge)
+        },
+    );
+    let seen = calls.clone();
+    let key = id.clone();
+    wait_for(
+        "the complete callback",
+        Duration::from_secs(30),
+        move || {
+            let seen = seen.clone();
+            let key = key.clone();
+            async move {
+                seen.lock()
+                    .unwrap()
+                    .contains_key(&(key, BatchCallback::Complete))
+            }
+        },
+    )
+    .await;
+    // Let anything doubled show up before counting.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    workers.shutdown().await.unwrap();
+    let calls = calls.lock().unwrap().clone();
+    let complete = &calls[&(id.clone(), BatchCallback::Complete)];
+    assert_eq!(complete.len(), 1, "{complete:?}");
+    assert_eq!(complete[0].context, "all ended");
+    let counts = complete[0].counts;
+    assert_eq!(
+        (
+            counts.added,
+            counts.completed,
+            counts.cancelled,
+            counts.dead
+        ),
+        (60, 53, 1, 6)
+    );
+    let death = &calls[&(id.clone(), BatchCallback::Death)];
+    assert_eq!(
+        death.len(),
+        1,
+        "one death callback for six deaths: {death:?}"
+    );
+    assert!(death[0].counts.dead >= 1);
+    assert!(!calls.contains_key(&(id.clone(), BatchCallback::Success)));
+    let state = graphs.batch(&id).await.unwrap().unwrap();
+    assert!(state.finished());
+    assert_eq!(state.counts, counts);
+    assert_eq!(
+        state.callbacks,
+        vec![
+            (BatchCallback::Complete, true),
+            (BatchCallback::Success, false),
+            (BatchCallback::Death, true)
+        ]
+    );
+    // A child retried from the dead state runs again outside the batch: the counts stay.
+    let dead_id = &published[3].id;
+    assert!(jobs.retry_dead(dead_id).await.unwrap());
+    assert_eq!(graphs.batch(&id).await.unwrap().unwrap().counts, counts);
+    // An empty batch calls back at its close.
+    let empty = fresh("empty");
+    let batch = Batch::new(&empty).on_success(
+        &callbacks,
+        QueueEvent::now("cb", "nothing to do".to_string()),
+    );
+    graphs
+        .publish_batch::<Work>(&batch, &jobs, &[])
+        .await
+        .unwrap()
+        .unwrap();
+    let state = graphs.batch(&empty).await.unwrap().unwrap();
+    assert_eq!(state.callbacks, vec![(BatchCallback::Success, true)]);
+}
+
+pub async fn a_batch_filled_over_time_calls_back_only_after_its_close<E: TitoEngine>(ctx: Ctx<E>) {
+    let graphs = Graphs::new(ctx.db.clone());
+    let jobs = topic(&ctx.db, "filled-jobs", 2);
+    let callbacks = topic(&ctx.db, "filled-callbacks", 2);
+    let id = fresh("filled");
+    let batch = Batch::new(&id).on_success(&callbacks, QueueEvent::now("cb", "done".to_string()));
+    // Not open yet: refused.
+    let err = graphs
+        .add_to_batch(&id, &jobs, &[QueueEvent::now("k", Work { n: 0 })])
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("open it first"), "{err}");
+    assert!(graphs.open_batch(&batch).await.unwrap());
+    assert!(!graphs.open_batch(&batch).await.unwrap());
+    let calls: Calls = Arc::default();
+    let ran = Arc::new(AtomicUsize::new(0));
+    let mut workers = Workers::new();
+    callback_worker(&mut workers, &callbacks, &calls);
+    let counter = ran.clone();
+    workers.spawn_worker(jobs.clone(), fast(0..2), move |_: QueueEvent<Work>| {
+        let counter = counter.clone();
+        async move {
+            counter.fetch_add(1, Ordering::SeqCst);
+            Ok(QueueHandlerOutcome::Acknowledge)
+        }
+    });
+    for round in 0..3u32 {
+        let events: Vec<_> = (0..5)
+            .map(|n| QueueEvent::now(format!("k{n}"), Work { n: round * 10 + n }))
+            .collect();
+        graphs.add_to_batch(&id, &jobs, &events).await.unwrap();
+        let counter = ran.clone();
+        let want = (round as usize + 1) * 5;
+        wait_for("the children", Duration::from_secs(30), move || {
+            let counter = counter.clone();
+            async move { counter.load(Ordering::SeqCst) == want }
+        })
+        .await;
+        // Every child so far ended, the batch is open: no callback.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(
+            calls.lock().unwrap().is_empty(),
+            "called back before the close"
+        );
+    }
+    assert!(graphs.close_batch(&id).await.unwrap());
+    assert!(!graphs.close_batch(&id).await.unwrap());
+    let err = graphs
+        .add_to_batch(&id, &jobs, &[QueueEvent::now("k", Work { n: 0 })])
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("is closed"), "{err}");
+    let seen = calls.clone();
+    wait_for("the success callback", Duration::from_secs(30), move || {
+        let seen = seen.clone();
+        async move { !seen.lock().unwrap().is_empty() }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    workers.shutdown().await.unwrap();
+    let calls = calls.lock().unwrap().clone();
+    let success = &calls[&(id.clone(), BatchCallback::Success)];
+    assert_eq!(success.len(), 1);
+    assert_eq!(success[0].counts.completed, 15);
+    // Cancelling a finished batch cancels nothing.
+    assert_eq!(graphs.cancel_batch(&id, "late").await.unwrap(), 0);
+}
+
+pub async fn concurrent_last_children_start_each_callback_once<E: TitoEngine>(ctx: Ctx<E>) {
+    // Two workers on two handles (as two processes would be), each holding half the
+    // partitions: the children of a batch end in both at once, and its callback must start
+    // once. Many small batches make the race of the last two children common.
+    let graphs = Graphs::new(ctx.db.clone());
+    let jobs_a = topic(&ctx.db, "race-jobs", 4);
+    let jobs_b = topic(&ctx.db, "race-jobs", 4);
+    let callbacks = topic(&ctx.db, "race-callbacks", 2);
+    let calls: Calls = Arc::default();
+    let mut workers = Workers::new();
+    callback_worker(&mut workers, &callbacks, &calls);
+    for (jobs, partitions) in [(&jobs_a, 0..2), (&jobs_b, 2..4)] {
+        workers.spawn_worker(
+            jobs.clone(),
+            fast(partitions).concurrency(4),
+            |_: QueueEvent<Work>| async move { Ok(QueueHandlerOutcome::Acknowledge) },
+        );
+    }
+    let mut ids = Vec::new();
+    for b in 0..20 {
+        let id = fresh(&format!("race{b}"));
+        let batch = Batch::new(&id).on_complete(&callbacks, QueueEvent::now("cb", format!("{b}")));
+        let events: Vec<_> = (0..8)
+            .map(|n| QueueEvent::now(format!("k{n}"), Work { n }))
+            .collect();
+        graphs
+            .publish_batch(&batch, &jobs_a, &events)
+            .await
+            .unwrap()
+            .unwrap();
+        ids.push(id);
+    }
+    let seen = calls.clone();
+    wait_for("every callback", Duration::from_secs(60), move || {
+        let seen = seen.clone();
+        async move { seen.lock().unwrap().len() == 20 }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    workers.shutdown().await.unwrap();
+    let calls = calls.lock().unwrap().clone();
+    for id in &ids {
+        let complete = &calls[&(id.clone(), BatchCallback::Complete)];
+        assert_eq!(complete.len(), 1, "batch {id}: {complete:?}");
+        assert_eq!(complete[0].counts.completed, 8);
+    }
+}

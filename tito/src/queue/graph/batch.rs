@@ -1,0 +1,871 @@
+//! Batches: children added at once or over time, up to a close, and callbacks that run exactly
+//! once when every child ended, when every child completed, or when the first one died.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use super::{BatchLink, Finish, GraphQueue, Graphs, Target, Wake, check_name};
+use crate::engine::{self, TitoEngine, TitoTransaction};
+use crate::error::{TitoError, TitoResult};
+use crate::event::publish::{check_meta, insert_pending};
+use crate::event::{Published, QueueEvent, StoredEvent, partition_for};
+use crate::keys;
+use crate::queue::unique::{self, ToPublish};
+use crate::queue::{MAX_PUBLISH_IN_TX, scan_prefix};
+
+/// The most callbacks a batch has.
+pub const MAX_BATCH_CALLBACKS: usize = 16;
+
+/// Children cancelled per transaction by [`Graphs::cancel_batch`].
+const CANCEL_BATCH: usize = 128;
+
+/// When a batch's callback runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum BatchCallback {
+    /// Once the batch is closed and every child ended: completed, cancelled or dead.
+    Complete,
+    /// Once the batch is closed and every child completed (never, if one was cancelled or
+    /// died).
+    Success,
+    /// When the first child dies (a failure policy gave up on it), closed or not.
+    Death,
+}
+
+/// A batch's children by how they ended, as a callback is told them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct BatchCounts {
+    /// Children added.
+    pub added: u64,
+    /// Children that completed.
+    pub completed: u64,
+    /// Children cancelled (by a cancel, their owner's, their workflow's or the batch's).
+    pub cancelled: u64,
+    /// Children a failure policy moved to the dead state.
+    pub dead: u64,
+}
+
+impl BatchCounts {
+    /// Children that have not ended.
+    pub fn open(&self) -> u64 {
+        self.added
+            .saturating_sub(self.completed + self.cancelled + self.dead)
+    }
+}
+
+/// The payload of a batch's callback: which batch and callback, the counts when it fired, and
+/// the context given with the callback. A callback's queue takes `BatchDone<P>` events.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct BatchDone<P> {
+    /// The batch's id.
+    pub batch: String,
+    /// Which callback this is.
+    pub callback: BatchCallback,
+    /// The children by how they ended, when it fired.
+    pub counts: BatchCounts,
+    /// The payload of the event given with the callback.
+    pub context: P,
+}
+
+/// A batch: children published to queues of one store, added at once
+/// ([`Graphs::publish_batch`]) or over time ([`Graphs::add_to_batch`]) until it is closed,
+/// and callbacks, each an event published once when its condition holds, in the transaction
+/// that made it hold.
+#[derive(Clone, Debug)]
+pub struct Batch {
+    id: String,
+    callbacks: Vec<CallbackDecl>,
+    refused: Option<String>,
+}
+
+#[derive(Clone, Debug)]
+struct CallbackDecl {
+    kind: BatchCallback,
+    target: Target,
+    stored: Option<StoredEvent>,
+}
+
+impl Batch {
+    /// A batch named `id` (its name in the store) without callbacks.
+    pub fn new(id: impl Into<String>) -> Self {
+        Batch {
+            id: id.into(),
+            callbacks: Vec::new(),
+            refused: None,
+        }
+    }
+
+    /// The batch's id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Publishes `event` to `queue` once every child ended (see [`BatchCallback::Complete`]),
+    /// its payload wrapped in a [`BatchDone`].
+    pub fn on_complete<P: Serialize>(
+        self,
+        queue: &impl GraphQueue<BatchDone<P>>,
+        event: QueueEvent<P>,
+    ) -> Self {
+        self.callback(BatchCallback::Complete, queue.graph_target(), event)
+    }
+
+    /// Publishes `event` to `queue` once every child completed ([`BatchCallback::Success`]).
+    pub fn on_success<P: Serialize>(
+        self,
+        queue: &impl GraphQueue<BatchDone<P>>,
+        event: QueueEvent<P>,
+    ) -> Self {
+        self.callback(BatchCallback::Success, queue.graph_target(), event)
+    }
+
+    /// Publishes `event` to `queue` when the first child dies ([`BatchCallback::Death`]).
+    pub fn on_death<P: Serialize>(
+        self,
+        queue: &impl GraphQueue<BatchDone<P>>,
+        event: QueueEvent<P>,
+    ) -> Self {
+        self.callback(BatchCallback::Death, queue.graph_target(), event)
+    }
+
+    fn callback<P: Serialize>(
+        mut self,
+        kind: BatchCallback,
+        target: Target,
+        event: QueueEvent<P>,
+    ) -> Self {
+        let stored = match StoredEvent::from_event(&event) {
+            Ok(stored) => Some(stored),
+            Err(err) => {
+                self.refused
+                    .get_or_insert_with(|| format!("its {kind:?} callback: {err}"));
+                None
+            }
+        };
+        self.callbacks.push(CallbackDecl {
+            kind,
+            target,
+            stored,
+        });
+        self
+    }
+
+    /// Checks the batch; the callbacks' stored forms with room for any counts.
+    fn check(&self) -> TitoResult<Vec<StoredCallback>> {
+        let refuse = |why: String| {
+            TitoError::invalid_argument(format!("batch {:?}: {why}; nothing was written", self.id))
+        };
+        check_name("a batch id", &self.id)?;
+        if let Some(why) = &self.refused {
+            return Err(refuse(why.clone()));
+        }
+        if self.callbacks.len() > MAX_BATCH_CALLBACKS {
+            return Err(refuse(format!(
+                "{} callbacks; at most {MAX_BATCH_CALLBACKS}",
+                self.callbacks.len()
+            )));
+        }
+        let mut ids = HashSet::new();
+        let mut out = Vec::with_capacity(self.callbacks.len());
+        for callback in &self.callbacks {
+            let event = callback.stored.clone().expect("checked above");
+            if !ids.insert((callback.target.root.clone(), event.id.clone())) {
+                return Err(refuse(format!(
+                    "two callbacks have event id {:?} in one queue",
+                    event.id
+                )));
+            }
+            let stored = StoredCallback {
+                kind: callback.kind,
+                q: callback.target.root.clone(),
+                p: callback.target.partitions,
+                event,
+            };
+            // The event it will publish, with the largest counts: it must fit when it fires.
+            let most = BatchCounts {
+                added: u64::MAX,
+                completed: u64::MAX,
+                cancelled: u64::MAX,
+                dead: u64::MAX,
+            };
+            stored
+                .fired(&self.id, most, 0)
+                .to_bytes()
+                .map_err(|err| refuse(format!("its {:?} callback: {err}", callback.kind)))?;
+            out.push(stored);
+        }
+        Ok(out)
+    }
+}
+
+/// A batch's record: its callbacks, whether it is closed, how many shards have open children.
+#[derive(Serialize, Deserialize)]
+struct BatchRecord {
+    created_ms: u64,
+    #[serde(default)]
+    closed: bool,
+    /// Shards whose `open` count is above zero.
+    #[serde(default)]
+    busy: u32,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    callbacks: Vec<StoredCallback>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    fired: Vec<BatchCallback>,
+}
+
+/// A callback as the record keeps it: its kind, queue (root, partition count) and event.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct StoredCallback {
+    kind: BatchCallback,
+    q: String,
+    p: u32,
+    event: StoredEvent,
+}
+
+impl StoredCallback {
+    /// The event it publishes for batch `id` with `counts`, due at the later of its own due
+    /// time and `now_s`.
+    fn fired(&self, id: &str, counts: BatchCounts, now_s: i64) -> StoredEvent {
+        let mut event = self.event.clone();
+        event.payload = serde_json::json!({
+            "batch": id,
+            "callback": self.kind,
+            "counts": counts,
+            "context": event.payload,
+        });
+        event.timestamp = event.timestamp.max(now_s);
+        event
+    }
+}
+
+/// One shard's counts.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize)]
+struct ShardCounts {
+    open: u64,
+    #[serde(flatten)]
+    counts: BatchCounts,
+}
+
+/// An open child's record: its queue and event id.
+#[derive(Serialize, Deserialize)]
+struct ChildRecord {
+    q: String,
+    id: String,
+}
+
+fn malformed(what: &str, key: &[u8], err: impl std::fmt::Display) -> TitoError {
+    TitoError::Integrity(format!(
+        "{what} {} is malformed: {err}",
+        keys::display_key(key)
+    ))
+}
+
+fn parse<T: serde::de::DeserializeOwned>(what: &str, key: &[u8], bytes: &[u8]) -> TitoResult<T> {
+    serde_json::from_slice(bytes).map_err(|err| malformed(what, key, err))
+}
+
+/// The sum of a batch's shard counts.
+async fn totals<X: TitoTransaction>(tx: &X, id: &str) -> TitoResult<BatchCounts> {
+    let mut total = BatchCounts::default();
+    for (key, value) in scan_prefix(tx, &keys::batch_shard_prefix(id)).await? {
+        let shard: ShardCounts = parse("batch shard", &key, &value)?;
+        total.added += shard.counts.added;
+        total.completed += shard.counts.completed;
+        total.cancelled += shard.counts.cancelled;
+        total.dead += shard.counts.dead;
+    }
+    Ok(total)
+}
+
+/// Publishes the callbacks of batch `id` whose condition holds and that have not fired, and
+/// marks them fired in `record` (the caller writes it).
+async fn fire_due<X: TitoTransaction>(
+    tx: &X,
+    id: &str,
+    record: &mut BatchRecord,
+    wakes: &mut Vec<Wake>,
+) -> TitoResult<()> {
+    let all_ended = record.closed && record.busy == 0;
+    let waiting: Vec<StoredCallback> = record
+        .callbacks
+        .iter()
+        .filter(|c| !record.fired.contains(&c.kind))
+        .cloned()
+        .collect();
+    // Only the end or a death fires anything: no scan of the shards otherwise.
+    if waiting.is_empty() || !(all_ended || waiting.iter().any(|c| c.kind == BatchCallback::Death))
+    {
+        return Ok(());
+    }
+    let counts = totals(tx, id).await?;
+    let now_s = i64::try_from(engine::version_millis(tx.start_version()) / 1000).unwrap_or(0);
+    for callback in waiting {
+        let due = match callback.kind {
+            BatchCallback::Complete => all_ended,
+            BatchCallback::Success => all_ended && counts.cancelled == 0 && counts.dead == 0,
+            BatchCallback::Death => counts.dead > 0,
+        };
+        if !due {
+            continue;
+        }
+        record.fired.push(callback.kind);
+        let event = callback.fired(id, counts, now_s);
+        let id_key = keys::event_id_key(&callback.q, &event.id);
+        if tx.get(id_key.as_bytes()).await?.is_some() {
+            tracing::warn!(
+                batch = id,
+                callback = ?callback.kind,
+                event = event.id,
+                "a batch callback's event id is held by a live invocation; the callback is not published again"
+            );
+            continue;
+        }
+        insert_pending(tx, &callback.q, callback.p, &event, event.to_bytes()?).await?;
+        wakes.push(Wake {
+            root: callback.q.clone(),
+            partition: partition_for(&event.key, callback.p),
+        });
+    }
+    Ok(())
+}
+
+/// Applies the end of batch child `event_id` (of the queue at `root`) inside `tx`: its shard's
+/// counts, and when its shard emptied or it died, the record and the callbacks due.
+pub(super) async fn child_finished<X: TitoTransaction>(
+    tx: &X,
+    root: &str,
+    event_id: &str,
+    link: &BatchLink,
+    how: Finish,
+    wakes: &mut Vec<Wake>,
+) -> TitoResult<()> {
+    let shard_key = keys::batch_shard_key(&link.id, link.shard);
+    let Some(bytes) = tx.get(shard_key.as_bytes()).await? else {
+        // The batch was deleted.
+        return Ok(());
+    };
+    let mut shard: ShardCounts = parse("batch shard", shard_key.as_bytes(), &bytes)?;
+    if shard.open == 0 {
+        tracing::warn!(
+            batch = link.id,
+            shard = link.shard,
+            event = event_id,
+            "a batch child ended in a shard without open children; not counted"
+        );
+        return Ok(());
+    }
+    shard.open -= 1;
+    match how {
+        Finish::Completed => shard.counts.completed += 1,
+        Finish::Cancelled => shard.counts.cancelled += 1,
+        Finish::Dead => shard.counts.dead += 1,
+    }
+    tx.put(shard_key.into_bytes(), serde_json::to_vec(&shard)?)
+        .await?;
+    tx.delete(keys::batch_child_key(&link.id, root, event_id).into_bytes())
+        .await?;
+    if shard.open > 0 && how != Finish::Dead {
+        return Ok(());
+    }
+    let record_key = keys::batch_key(&link.id);
+    let Some(bytes) = tx.get(record_key.as_bytes()).await? else {
+        return Ok(());
+    };
+    let mut record: BatchRecord = parse("batch", record_key.as_bytes(), &bytes)?;
+    if shard.open == 0 {
+        record.busy = record.busy.saturating_sub(1);
+    }
+    fire_due(tx, &link.id, &mut record, wakes).await?;
+    tx.put(record_key.into_bytes(), serde_json::to_vec(&record)?)
+        .await?;
+    Ok(())
+}
+
+/// A batch as [`Graphs::batch`] reads it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct BatchState {
+    /// Its id.
+    pub id: String,
+    /// When it was opened (Unix ms, the store's clock).
+    pub created_ms: u64,
+    /// Whether it is closed (no more children).
+    pub closed: bool,
+    /// Its children by how they ended.
+    pub counts: BatchCounts,
+    /// Its callbacks, each with whether it fired.
+    pub callbacks: Vec<(BatchCallback, bool)>,
+}
+
+impl BatchState {
+    /// Whether it is closed and every child ended.
+    pub fn finished(&self) -> bool {
+        self.closed && self.counts.open() == 0
+    }
+}
+
+/// One batch of [`Graphs::batches`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct BatchSummary {
+    /// Its id.
+    pub id: String,
+    /// When it was opened (Unix ms).
+    pub created_ms: u64,
+    /// Whether it is closed.
+    pub closed: bool,
+}
+
+impl<E: TitoEngine> Graphs<E> {
+    /// Opens a batch in a transaction of its own; `false` (nothing written) when a batch of its
+    /// id is there already.
+    pub async fn open_batch(&self, batch: &Batch) -> TitoResult<bool> {
+        let batch = Arc::new(batch.clone());
+        let callbacks = Arc::new(batch.check()?);
+        self.db
+            .transaction(|tx| {
+                let (batch, callbacks) = (batch.clone(), callbacks.clone());
+                async move { open(&tx, &batch.id, &callbacks).await }
+            })
+            .await
+    }
+
+    /// [`Graphs::open_batch`] inside `tx`.
+    pub async fn open_batch_in_tx(&self, batch: &Batch, tx: &E::Transaction) -> TitoResult<bool> {
+        let callbacks = batch.check()?;
+        open(tx, &batch.id, &callbacks).await
+    }
+
+    /// Publishes `events` to `queue` as children of the open batch `id`, in one transaction
+    /// of its own (at most [`MAX_PUBLISH_IN_TX`]; add a longer list in several calls).
+    /// Idempotent per event id: a duplicate (answered as in
+    /// [`Queue::publish`](crate::Queue::publish)) is no new child. Refused for an unknown or
+    /// closed batch.
+    pub async fn add_to_batch<T: Serialize>(
+        &self,
+        id: &str,
+        queue: &impl GraphQueue<T>,
+        events: &[QueueEvent<T>],
+    ) -> TitoResult<Vec<Published>> {
+        let target = queue.graph_target();
+        let items = Arc::new(checked(events)?);
+        let (db, id) = (self.db.clone(), id.to_string());
+        self.db
+            .transaction(|tx| {
+                let (db, id, target, items) =
+                    (db.clone(), id.clone(), target.clone(), items.clone());
+                async move {
+                    let mut wakes = Vec::new();
+                    let published = add(&tx, &id, &target, &items, &mut wakes).await?;
+                    super::wake_after_commit(&db, &tx, wakes);
+                    Ok::<_, TitoError>(published)
+                }
+            })
+            .await
+    }
+
+    /// [`Graphs::add_to_batch`] inside `tx`, atomically with the rest of it.
+    pub async fn add_to_batch_in_tx<T: Serialize>(
+        &self,
+        id: &str,
+        queue: &impl GraphQueue<T>,
+        events: &[QueueEvent<T>],
+        tx: &E::Transaction,
+    ) -> TitoResult<Vec<Published>> {
+        let items = checked(events)?;
+        let mut wakes = Vec::new();
+        let published = add(tx, id, &queue.graph_target(), &items, &mut wakes).await?;
+        super::wake_after_commit(&self.db, tx, wakes);
+        Ok(published)
+    }
+
+    /// Closes batch `id`: no child can be added any more, and the callbacks whose condition
+    /// holds fire (at once when every child ended already). `false` when it was closed.
+    pub async fn close_batch(&self, id: &str) -> TitoResult<bool> {
+        let (db, id) = (self.db.clone(), id.to_string());
+        self.db
+            .transaction(|tx| {
+                let (db, id) = (db.clone(), id.clone());
+                async move {
+                    let mut wakes = Vec::new();
+                    let closed = close(&tx, &id, &mut wakes).await?;
+                    super::wake_after_commit(&db, &tx, wakes);
+                    Ok::<_, TitoError>(closed)
+                }
+            })
+            .await
+    }
+
+    /// [`Graphs::close_batch`] inside `tx`.
+    pub async fn close_batch_in_tx(&self, id: &str, tx: &E::Transaction) -> TitoResult<bool> {
+        let mut wakes = Vec::new();
+        let closed = close(tx, id, &mut wakes).await?;
+        super::wake_after_commit(&self.db, tx, wakes);
+        Ok(closed)
+    }
+
+    /// Opens `batch`, adds `events` to `queue` as its children and closes it, in one
+    /// transaction of its own. A batch of its id there already is answered with `None`
+    /// (nothing written).
+    pub async fn publish_batch<T: Serialize>(
+        &self,
+        batch: &Batch,
+        queue: &impl GraphQueue<T>,
+        events: &[QueueEvent<T>],
+    ) -> TitoResult<Option<Vec<Published>>> {
+        let callbacks = Arc::new(batch.check()?);
+        let items = Arc::new(checked(events)?);
+        let target = queue.graph_target();
+        let (db, id) = (self.db.clone(), batch.id.clone());
+        self.db
+            .transaction(|tx| {
+                let (db, id, target) = (db.clone(), id.clone(), target.clone());
+                let (callbacks, items) = (callbacks.clone(), items.clone());
+                async move {
+                    let published = publish(&tx, &id, &callbacks, &target, &items).await?;
+                    if let Some((_, wakes)) = &published {
+                        super::wake_after_commit(&db, &tx, wakes.clone());
+                    }
+                    Ok::<_, TitoError>(published.map(|(p, _)| p))
+                }
+            })
+            .await
+    }
+
+    /// [`Graphs::publish_batch`] inside `tx`, atomically with the rest of it (the data that
+    /// caused it).
+    pub async fn publish_batch_in_tx<T: Serialize>(
+        &self,
+        batch: &Batch,
+        queue: &impl GraphQueue<T>,
+        events: &[QueueEvent<T>],
+        tx: &E::Transaction,
+    ) -> TitoResult<Option<Vec<Published>>> {
+        let callbacks = batch.check()?;
+        let items = checked(events)?;
+        let published = publish(tx, &batch.id, &callbacks, &queue.graph_target(), &items).await?;
+        Ok(published.map(|(published, wakes)| {
+            super::wake_after_commit(&self.db, tx, wakes);
+            published
+        }))
+    }
+
+    /// Batch `id`: its counts and callbacks, read in one snapshot; `None` when there is none.
+    pub async fn batch(&self, id: &str) -> TitoResult<Option<BatchState>> {
+        check_name("a batch id", id)?;
+        engine::read_only(&self.db, async |tx| {
+            let key = keys::batch_key(id);
+            let Some(bytes) = tx.get(key.as_bytes()).await? else {
+                return Ok(None);
+            };
+            let record: BatchRecord = parse("batch", key.as_bytes(), &bytes)?;
+            let counts = totals(tx, id).await?;
+            Ok(Some(BatchState {
+                id: id.to_string(),
+                created_ms: record.created_ms,
+                closed: record.closed,
+                counts,
+                callbacks: record
+                    .callbacks
+                    .iter()
+                    .map(|c| (c.kind, record.fired.contains(&c.kind)))
+                    .collect(),
+            }))
+        })
+        .await
+    }
+
+    /// Up to `limit` (1 to 1000) batches in id order, after `after` when given.
+    pub async fn batches(
+        &self,
+        after: Option<&str>,
+        limit: usize,
+    ) -> TitoResult<Vec<BatchSummary>> {
+        if limit == 0 || limit > 1000 {
+            return Err(TitoError::invalid_argument(format!(
+                "a page of batches holds 1 to 1000; {limit} asked"
+            )));
+        }
+        let prefix = keys::batch_prefix();
+        let start = match after {
+            Some(id) => keys::key_after(keys::batch_key(id)),
+            None => prefix.clone(),
+        };
+        let end = keys::prefix_end(prefix.clone());
+        let rows = engine::read_only(&self.db, async |tx| {
+            tx.scan(start.as_bytes(), end.as_bytes(), limit).await
+        })
+        .await?;
+        rows.iter()
+            .map(|(key, value)| {
+                let record: BatchRecord = parse("batch", key, value)?;
+                Ok(BatchSummary {
+                    id: keys::decode_str(&keys::key_str(key)?[prefix.len()..])?,
+                    created_ms: record.created_ms,
+                    closed: record.closed,
+                })
+            })
+            .collect()
+    }
+
+    /// Cancels every open child of batch `id` (in transactions of up to 128), and closes it so
+    /// that its `Complete` callback fires once they are cancelled. Returns how many it
+    /// cancelled.
+    pub async fn cancel_batch(&self, id: &str, why: &str) -> TitoResult<usize> {
+        check_name("a batch id", id)?;
+        if why.len() > crate::queue::MAX_CANCEL_REASON {
+            return Err(TitoError::invalid_argument(format!(
+                "a cancellation's reason holds at most {} bytes; {} given",
+                crate::queue::MAX_CANCEL_REASON,
+                why.len()
+            )));
+        }
+        if self.batch(id).await?.is_none() {
+            return Ok(0);
+        }
+        self.close_batch(id).await?;
+        let prefix = keys::batch_child_prefix(id);
+        let mut total = 0;
+        loop {
+            let (db, why, prefix) = (self.db.clone(), why.to_string(), prefix.clone());
+            let (cancelled, seen) = self
+                .db
+                .transaction(|tx| {
+                    let (db, why, prefix) = (db.clone(), why.clone(), prefix.clone());
+                    async move {
+                        let end = keys::prefix_end(prefix.clone());
+                        let rows = tx
+                            .scan(prefix.as_bytes(), end.as_bytes(), CANCEL_BATCH)
+                            .await?;
+                        let mut cancelled = 0;
+                        for (key, value) in &rows {
+                            let child: ChildRecord = parse("batch child", key, value)?;
+                            let at = tx
+                                .get(keys::event_id_key(&child.q, &child.id).as_bytes())
+                                .await?;
+                            let done = match at {
+                                Some(at) => {
+                                    let at = keys::key_str(&at)?.to_string();
+                                    match crate::queue::cancel::cancel_row(&tx, &child.q, &at, &why)
+                                        .await?
+                                    {
+                                        Some(wakes) => {
+                                            super::wake_after_commit(&db, &tx, wakes);
+                                            crate::event::nudge::wakeups(&db, &child.q)
+                                                .cancelled_after_commit(&tx, vec![at]);
+                                            cancelled += 1;
+                                            true
+                                        }
+                                        None => false,
+                                    }
+                                }
+                                None => false,
+                            };
+                            if !done {
+                                // Not pending or waiting (dead, or gone): it no longer
+                                // holds the scan up.
+                                tx.delete(key.clone()).await?;
+                            }
+                        }
+                        Ok::<_, TitoError>((cancelled, rows.len()))
+                    }
+                })
+                .await?;
+            total += cancelled;
+            if seen < CANCEL_BATCH {
+                break;
+            }
+        }
+        if total > 0 {
+            tracing::info!(batch = id, total, why, "batch cancelled");
+        }
+        Ok(total)
+    }
+}
+
+/// Every event checked and encoded, the first bad one named.
+fn checked<T: Serialize>(events: &[QueueEvent<T>]) -> TitoResult<Vec<ToPublish>> {
+    if events.len() > MAX_PUBLISH_IN_TX {
+        return Err(TitoError::invalid_argument(format!(
+            "{} children added in one transaction; at most {MAX_PUBLISH_IN_TX}: add a longer \
+             list in several calls before closing the batch",
+            events.len()
+        )));
+    }
+    events
+        .iter()
+        .enumerate()
+        .map(|(at, event)| {
+            ToPublish::of(event, None).map_err(|err| match err {
+                TitoError::InvalidArgument(why) => TitoError::InvalidArgument(format!(
+                    "child {at} of {} (id {:?}): {why}; nothing was published",
+                    events.len(),
+                    event.id
+                )),
+                other => other,
+            })
+        })
+        .collect()
+}
+
+/// Writes batch `id`'s record inside `tx`; `false` when it is there already.
+async fn open<X: TitoTransaction>(
+    tx: &X,
+    id: &str,
+    callbacks: &[StoredCallback],
+) -> TitoResult<bool> {
+    let key = keys::batch_key(id);
+    if tx.get(key.as_bytes()).await?.is_some() {
+        return Ok(false);
+    }
+    let mut writes = engine::Writes::default();
+    let mut roots: BTreeMap<&str, u32> = BTreeMap::new();
+    for callback in callbacks {
+        roots.insert(&callback.q, callback.p);
+    }
+    for (root, partitions) in roots {
+        check_meta(tx, root, partitions, &mut writes).await?;
+    }
+    let record = BatchRecord {
+        created_ms: engine::version_millis(tx.start_version()),
+        closed: false,
+        busy: 0,
+        callbacks: callbacks.to_vec(),
+        fired: Vec::new(),
+    };
+    writes.put(key, serde_json::to_vec(&record)?);
+    writes.apply(tx).await?;
+    Ok(true)
+}
+
+/// Adds checked children to open batch `id` inside `tx`.
+async fn add<X: TitoTransaction>(
+    tx: &X,
+    id: &str,
+    target: &Target,
+    items: &[ToPublish],
+    wakes: &mut Vec<Wake>,
+) -> TitoResult<Vec<Published>> {
+    check_name("a batch id", id)?;
+    let record_key = keys::batch_key(id);
+    let Some(bytes) = tx.get(record_key.as_bytes()).await? else {
+        return Err(TitoError::NotFound(format!(
+            "no batch {id:?}: open it first (Graphs::open_batch), or publish it with its \
+             children (Graphs::publish_batch)"
+        )));
+    };
+    let mut record: BatchRecord = parse("batch", record_key.as_bytes(), &bytes)?;
+    if record.closed {
+        return Err(TitoError::invalid_argument(format!(
+            "batch {id:?} is closed: no child can be added; nothing was published"
+        )));
+    }
+    let Target { root, partitions } = target;
+    let items: Vec<ToPublish> = items
+        .iter()
+        .map(|item| {
+            let mut item = item.clone();
+            item.stored.batch = Some(BatchLink {
+                id: id.to_string(),
+                shard: partition_for(&item.stored.key, *partitions),
+            });
+            item.bytes = item.stored.to_bytes()?;
+            Ok(item)
+        })
+        .collect::<TitoResult<_>>()?;
+    let mut writes = engine::Writes::default();
+    check_meta(tx, root, *partitions, &mut writes).await?;
+    let planned = unique::plan(tx, root, *partitions, &items, &mut writes).await?;
+    let mut per_shard: BTreeMap<u32, u64> = BTreeMap::new();
+    for ((published, partition), item) in planned.iter().zip(&items) {
+        if published.duplicate {
+            continue;
+        }
+        *per_shard.entry(*partition).or_default() += 1;
+        writes.put(
+            keys::batch_child_key(id, root, &item.stored.id),
+            serde_json::to_vec(&ChildRecord {
+                q: root.clone(),
+                id: item.stored.id.clone(),
+            })?,
+        );
+        wakes.push(Wake {
+            root: root.clone(),
+            partition: *partition,
+        });
+    }
+    let shard_keys: Vec<Vec<u8>> = per_shard
+        .keys()
+        .map(|&s| keys::batch_shard_key(id, s).into_bytes())
+        .collect();
+    let shards = tx.batch_get(&shard_keys).await?;
+    let busy_before = record.busy;
+    for ((key, value), added) in shard_keys.into_iter().zip(shards).zip(per_shard.values()) {
+        let mut shard: ShardCounts = match value {
+            Some(bytes) => parse("batch shard", &key, &bytes)?,
+            None => ShardCounts::default(),
+        };
+        if shard.open == 0 {
+            record.busy += 1;
+        }
+        shard.open += added;
+        shard.counts.added += added;
+        writes.put(key, serde_json::to_vec(&shard)?);
+    }
+    if record.busy != busy_before {
+        writes.put(record_key, serde_json::to_vec(&record)?);
+    }
+    writes.apply(tx).await?;
+    wakes.sort_by(|a, b| (&a.root, a.partition).cmp(&(&b.root, b.partition)));
+    wakes.dedup();
+    Ok(planned
+        .into_iter()
+        .map(|(published, _)| published)
+        .collect())
+}
+
+/// Closes batch `id` inside `tx`, firing what is due; `false` when it was closed.
+async fn close<X: TitoTransaction>(tx: &X, id: &str, wakes: &mut Vec<Wake>) -> TitoResult<bool> {
+    check_name("a batch id", id)?;
+    let key = keys::batch_key(id);
+    let Some(bytes) = tx.get(key.as_bytes()).await? else {
+        return Err(TitoError::NotFound(format!("no batch {id:?}")));
+    };
+    let mut record: BatchRecord = parse("batch", key.as_bytes(), &bytes)?;
+    if record.closed {
+        return Ok(false);
+    }
+    record.closed = true;
+    let mut writes = Vec::new();
+    fire_due(tx, id, &mut record, &mut writes).await?;
+    tx.put(key.into_bytes(), serde_json::to_vec(&record)?)
+        .await?;
+    wakes.extend(writes);
+    Ok(true)
+}
+
+/// Opens, fills and closes batch `id` inside `tx`; `None` when it was there.
+async fn publish<X: TitoTransaction>(
+    tx: &X,
+    id: &str,
+    callbacks: &[StoredCallback],
+    target: &Target,
+    items: &[ToPublish],
+) -> TitoResult<Option<(Vec<Published>, Vec<Wake>)>> {
+    if !open(tx, id, callbacks).await? {
+        return Ok(None);
+    }
+    let mut wakes = Vec::new();
+    let published = engine::aborting(tx, async {
+        let published = add(tx, id, target, items, &mut wakes).await?;
+        close(tx, id, &mut wakes).await?;
+        Ok(published)
+    })
+    .await?;
+    Ok(Some((published, wakes)))
+}

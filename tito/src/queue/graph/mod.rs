@@ -1,0 +1,200 @@
+//! Job graphs: workflows (steps that become due when the steps they depend on completed) and
+//! batches (groups of invocations whose end runs callbacks exactly once).
+//!
+//! Both live in the store beside the queues and change in the transactions that change their
+//! invocations: publishing a graph is one transaction (the caller's, or one of its own), and
+//! a step's or a child's end is applied by the transaction that completes, buries or cancels
+//! it. A crash between two of those can neither lose nor double anything, since there is no
+//! "between".
+//!
+//! - A workflow step with dependencies waits as a row of its own (`{queue}:waiting:..`); one
+//!   edge key per dependency names it. The transaction that ends a dependency reads the edges
+//!   and rewrites (or releases) each waiting row it names, so two dependencies ending at once
+//!   in two processes both write that row and one of them retries: a step is never released
+//!   twice or missed (no write skew on any engine).
+//! - A batch counts its children per shard (a child's shard is its partition, whose
+//!   invocations end under one worker's lease), and its record counts the shards with open
+//!   children: a child's end writes its shard's counters, and the record only when its shard
+//!   empties. The transaction that empties the last shard of a closed batch inserts the
+//!   callbacks and marks them fired, in that transaction.
+
+mod batch;
+mod workflow;
+
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use crate::engine::{TitoEngine, TitoTransaction};
+use crate::error::{TitoError, TitoResult};
+use crate::event::StoredEvent;
+use crate::queue::{Queue, TopicQueue};
+
+pub(crate) use workflow::cancel_waiting;
+
+pub use batch::{
+    Batch, BatchCallback, BatchCounts, BatchDone, BatchState, BatchSummary, MAX_BATCH_CALLBACKS,
+};
+pub use workflow::{
+    MAX_STEP_DEPENDENCIES, MAX_WORKFLOW_STEPS, OnFailure, StepBuilder, StepName, StepState,
+    Workflow, WorkflowPublished, WorkflowState, WorkflowSummary,
+};
+
+/// The longest workflow id, step name or batch id, in bytes.
+pub const MAX_GRAPH_NAME: usize = 256;
+
+/// Which workflow and step a delivered invocation is ([`crate::QueueEvent::workflow`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct StepOf {
+    /// The workflow's id.
+    pub workflow: String,
+    /// The step's name.
+    pub step: String,
+}
+
+/// A workflow step's link, kept on its row.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct StepLink {
+    #[serde(rename = "wf")]
+    pub workflow: String,
+    pub step: String,
+    /// While it waits: the dependencies whose end it has not seen yet.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub waiting_on: Vec<String>,
+    /// What its dependencies' deaths and cancellations do to it.
+    #[serde(default, skip_serializing_if = "OnFailure::is_default")]
+    pub on_failure: OnFailure,
+}
+
+/// A batch child's link, kept on its row.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct BatchLink {
+    pub id: String,
+    pub shard: u32,
+}
+
+/// How an invocation ended, as its graph sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Finish {
+    Completed,
+    Cancelled,
+    Dead,
+}
+
+/// A partition to wake once the transaction that made its rows due has committed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Wake {
+    pub root: String,
+    pub partition: u32,
+}
+
+/// Applies an invocation's end to its graphs inside `tx` (the transaction that ended it):
+/// its batch's counters and callbacks, its workflow's dependents. Returns the partitions that
+/// got due rows.
+pub(crate) async fn finished<X: TitoTransaction>(
+    tx: &X,
+    root: &str,
+    stored: &StoredEvent,
+    how: Finish,
+) -> TitoResult<Vec<Wake>> {
+    let mut wakes = Vec::new();
+    if stored.step.is_none() && stored.batch.is_none() {
+        return Ok(wakes);
+    }
+    if let Some(link) = &stored.batch {
+        batch::child_finished(tx, root, &stored.id, link, how, &mut wakes).await?;
+    }
+    if let Some(link) = &stored.step {
+        workflow::step_finished(tx, link, how, &mut wakes).await?;
+    }
+    Ok(wakes)
+}
+
+/// Wakes this process's workers of `wakes` once `tx` commits.
+pub(crate) fn wake_after_commit<E: TitoEngine, X: TitoTransaction>(
+    db: &E,
+    tx: &X,
+    wakes: Vec<Wake>,
+) {
+    for wake in wakes {
+        crate::event::nudge::wakeups(db, &wake.root).wake_after_commit(tx, wake.partition);
+    }
+}
+
+/// A queue a graph's step or child (or a batch's callback) is published to: a [`Queue`]
+/// takes events of any type, a [`TopicQueue`] only its own, so a step of the wrong type does
+/// not compile.
+pub trait GraphQueue<T> {
+    #[doc(hidden)]
+    fn graph_target(&self) -> Target;
+}
+
+/// Where a graph's invocation goes (a queue's root and partition count).
+#[doc(hidden)]
+#[derive(Clone, Debug)]
+pub struct Target {
+    pub(crate) root: String,
+    pub(crate) partitions: u32,
+}
+
+impl<E: TitoEngine, T: Serialize> GraphQueue<T> for Queue<E> {
+    fn graph_target(&self) -> Target {
+        Target {
+            root: self.root().to_string(),
+            partitions: self.config().partitions,
+        }
+    }
+}
+
+impl<E: TitoEngine, T: Serialize> GraphQueue<T> for TopicQueue<E, T> {
+    fn graph_target(&self) -> Target {
+        GraphQueue::<T>::graph_target(&**self.queue())
+    }
+}
+
+impl<T, Q: GraphQueue<T> + ?Sized> GraphQueue<T> for Arc<Q> {
+    fn graph_target(&self) -> Target {
+        (**self).graph_target()
+    }
+}
+
+impl<T, Q: GraphQueue<T> + ?Sized> GraphQueue<T> for &Q {
+    fn graph_target(&self) -> Target {
+        (**self).graph_target()
+    }
+}
+
+/// Refuses an empty or overlong workflow id, step name or batch id.
+pub(crate) fn check_name(what: &str, name: &str) -> TitoResult<()> {
+    if name.is_empty() {
+        return Err(TitoError::invalid_argument(format!("{what} is empty")));
+    }
+    if name.len() > MAX_GRAPH_NAME {
+        return Err(TitoError::invalid_argument(format!(
+            "{what} {:?}… is {} bytes; at most {MAX_GRAPH_NAME}",
+            name.chars().take(32).collect::<String>(),
+            name.len()
+        )));
+    }
+    Ok(())
+}
+
+/// The store's workflows and batches: publish, read, cancel, and read a step's dependencies'
+/// results. Cheap to clone; every handle on one store sees the same graphs.
+#[derive(Clone, Debug)]
+pub struct Graphs<E> {
+    db: E,
+}
+
+impl<E: TitoEngine> Graphs<E> {
+    /// The graphs of the store `db`.
+    pub fn new(db: E) -> Self {
+        Graphs { db }
+    }
+
+    /// The store.
+    pub fn engine(&self) -> &E {
+        &self.db
+    }
+}
