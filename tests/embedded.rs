@@ -497,3 +497,152 @@ async fn a_result_is_there_after_the_store_is_opened_again() {
     );
     db.close().await.unwrap();
 }
+
+/// A workflow and a batch half done when the store closes go on after it opens again: the
+/// dependent reads its dependency's result, the waiting step runs after it, and the batch's
+/// callback fires once with the counts of both runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graphs_go_on_after_the_store_is_opened_again() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
+    use tito::queue::graph::{Batch, BatchDone, Graphs, StepName, Workflow};
+    use tito::queue::{Finished, InvocationState, Workers};
+    use tito::{Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, TitoError, WorkerConfig};
+
+    const A: StepName<String> = StepName::new("a");
+    const B: StepName<String> = StepName::new("b");
+    const C: StepName<String> = StepName::new("c");
+    let dir = tempfile::tempdir().unwrap();
+    let open = |db: &Embedded| {
+        let steps = Arc::new(Queue::new(
+            db.clone(),
+            QueueConfig::new(2, Duration::from_secs(3600)).topic("steps"),
+        ));
+        let done = Arc::new(Queue::new(
+            db.clone(),
+            QueueConfig::new(1, Duration::from_secs(3600)).topic("done"),
+        ));
+        (steps, done, Graphs::new(db.clone()))
+    };
+    // Steps fail (stay pending) while `hold` is set, except "a" and the first five children.
+    let start = |steps: &Arc<Queue<Embedded>>,
+                 done: &Arc<Queue<Embedded>>,
+                 graphs: &Graphs<Embedded>,
+                 hold: bool,
+                 calls: Arc<std::sync::Mutex<Vec<BatchDone<String>>>>| {
+        let mut workers = Workers::new();
+        let graphs = graphs.clone();
+        let hold = Arc::new(AtomicBool::new(hold));
+        let config = WorkerConfig::new(0..2).max_idle_backoff(Duration::from_millis(50));
+        workers.spawn_worker(steps.clone(), config, move |event: QueueEvent<u32>| {
+            let (graphs, hold) = (graphs.clone(), hold.clone());
+            async move {
+                let held = hold.load(Ordering::SeqCst);
+                match event.workflow.as_ref().map(|w| w.step.as_str()) {
+                    Some("a") => return QueueHandlerOutcome::acknowledge_with(&"A".to_string()),
+                    Some("b") if !held => {
+                        let a = graphs.dependency(&event, &A).await?;
+                        assert_eq!(a, Finished::Completed(Some("A".to_string())));
+                        return QueueHandlerOutcome::acknowledge_with(&"B".to_string());
+                    }
+                    Some("c") if !held => {
+                        let b = graphs.dependency(&event, &B).await?;
+                        assert_eq!(b, Finished::Completed(Some("B".to_string())));
+                        return QueueHandlerOutcome::acknowledge_with(&"C".to_string());
+                    }
+                    Some(_) => return Err(TitoError::handler("held")),
+                    None => {}
+                }
+                if held && event.payload >= 5 {
+                    return Err(TitoError::handler("held"));
+                }
+                Ok(QueueHandlerOutcome::Acknowledge)
+            }
+        });
+        workers.spawn_worker(
+            done.clone(),
+            WorkerConfig::new(0..1).max_idle_backoff(Duration::from_millis(50)),
+            move |event: QueueEvent<BatchDone<String>>| {
+                let calls = calls.clone();
+                async move {
+                    calls.lock().unwrap().push(event.payload);
+                    Ok(QueueHandlerOutcome::Acknowledge)
+                }
+            },
+        );
+        workers
+    };
+    let calls: Arc<std::sync::Mutex<Vec<BatchDone<String>>>> = Arc::default();
+    let (b_id, c_id);
+    {
+        let db = Embedded::open(dir.path()).await.unwrap();
+        let (steps, done, graphs) = open(&db);
+        let mut workflow = Workflow::new("order-7");
+        workflow.step(&A, &steps, QueueEvent::now("a", 0u32));
+        workflow.step(&B, &steps, QueueEvent::now("b", 0u32)).after([&A]);
+        workflow.step(&C, &steps, QueueEvent::now("c", 0u32)).after([&B]);
+        let published = graphs.publish_workflow(&workflow).await.unwrap();
+        (b_id, c_id) = (
+            published.step_id("b").unwrap().to_string(),
+            published.step_id("c").unwrap().to_string(),
+        );
+        let batch =
+            Batch::new("import-7").on_complete(&done, QueueEvent::now("cb", "import".to_string()));
+        let children: Vec<_> = (0..10u32)
+            .map(|n| QueueEvent::now(format!("k{n}"), n))
+            .collect();
+        graphs.publish_batch(&batch, &steps, &children).await.unwrap().unwrap();
+        let workers = start(&steps, &done, &graphs, true, calls.clone());
+        let watch = graphs.clone();
+        crate::support::wait_for("five children and step a", Duration::from_secs(30), move || {
+            let watch = watch.clone();
+            async move {
+                let batch = watch.batch("import-7").await.unwrap().unwrap();
+                let flow = watch.workflow("order-7").await.unwrap().unwrap();
+                batch.counts.completed == 5 && flow.counts()[2] == ("completed", 1)
+            }
+        })
+        .await;
+        workers.shutdown().await.unwrap();
+        db.close().await.unwrap();
+    }
+    assert!(calls.lock().unwrap().is_empty());
+    {
+        let db = Embedded::open(dir.path()).await.unwrap();
+        let (steps, done, graphs) = open(&db);
+        assert!(matches!(
+            steps.invocation_state::<String>(&c_id).await.unwrap(),
+            InvocationState::Waiting { .. }
+        ));
+        let workers = start(&steps, &done, &graphs, false, calls.clone());
+        let c = steps
+            .await_result::<String>(&c_id, Duration::from_secs(30))
+            .await
+            .unwrap();
+        assert_eq!(c, Some(Finished::Completed(Some("C".to_string()))));
+        let seen = calls.clone();
+        crate::support::wait_for("the callback", Duration::from_secs(30), move || {
+            let seen = seen.clone();
+            async move { !seen.lock().unwrap().is_empty() }
+        })
+        .await;
+        workers.shutdown().await.unwrap();
+        db.close().await.unwrap();
+    }
+    // Opened a third time: nothing more runs, the results and counts are kept.
+    let db = Embedded::open(dir.path()).await.unwrap();
+    let (steps, done, graphs) = open(&db);
+    let workers = start(&steps, &done, &graphs, false, calls.clone());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    workers.shutdown().await.unwrap();
+    let calls = calls.lock().unwrap().clone();
+    assert_eq!(calls.len(), 1, "{calls:?}");
+    assert_eq!(calls[0].counts.completed, 10);
+    assert_eq!(
+        steps.await_result::<String>(&b_id, Duration::ZERO).await.unwrap(),
+        Some(Finished::Completed(Some("B".to_string())))
+    );
+    assert!(graphs.workflow("order-7").await.unwrap().unwrap().finished());
+    db.close().await.unwrap();
+}
