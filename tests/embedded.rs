@@ -580,8 +580,12 @@ async fn graphs_go_on_after_the_store_is_opened_again() {
         let (steps, done, graphs) = open(&db);
         let mut workflow = Workflow::new("order-7");
         workflow.step(&A, &steps, QueueEvent::now("a", 0u32));
-        workflow.step(&B, &steps, QueueEvent::now("b", 0u32)).after([&A]);
-        workflow.step(&C, &steps, QueueEvent::now("c", 0u32)).after([&B]);
+        workflow
+            .step(&B, &steps, QueueEvent::now("b", 0u32))
+            .after([&A]);
+        workflow
+            .step(&C, &steps, QueueEvent::now("c", 0u32))
+            .after([&B]);
         let published = graphs.publish_workflow(&workflow).await.unwrap();
         (b_id, c_id) = (
             published.step_id("b").unwrap().to_string(),
@@ -592,17 +596,25 @@ async fn graphs_go_on_after_the_store_is_opened_again() {
         let children: Vec<_> = (0..10u32)
             .map(|n| QueueEvent::now(format!("k{n}"), n))
             .collect();
-        graphs.publish_batch(&batch, &steps, &children).await.unwrap().unwrap();
+        graphs
+            .publish_batch(&batch, &steps, &children)
+            .await
+            .unwrap()
+            .unwrap();
         let workers = start(&steps, &done, &graphs, true, calls.clone());
         let watch = graphs.clone();
-        crate::support::wait_for("five children and step a", Duration::from_secs(30), move || {
-            let watch = watch.clone();
-            async move {
-                let batch = watch.batch("import-7").await.unwrap().unwrap();
-                let flow = watch.workflow("order-7").await.unwrap().unwrap();
-                batch.counts.completed == 5 && flow.counts()[2] == ("completed", 1)
-            }
-        })
+        crate::support::wait_for(
+            "five children and step a",
+            Duration::from_secs(30),
+            move || {
+                let watch = watch.clone();
+                async move {
+                    let batch = watch.batch("import-7").await.unwrap().unwrap();
+                    let flow = watch.workflow("order-7").await.unwrap().unwrap();
+                    batch.counts.completed == 5 && flow.counts()[2] == ("completed", 1)
+                }
+            },
+        )
         .await;
         workers.shutdown().await.unwrap();
         db.close().await.unwrap();
@@ -640,9 +652,19 @@ async fn graphs_go_on_after_the_store_is_opened_again() {
     assert_eq!(calls.len(), 1, "{calls:?}");
     assert_eq!(calls[0].counts.completed, 10);
     assert_eq!(
-        steps.await_result::<String>(&b_id, Duration::ZERO).await.unwrap(),
+        steps
+            .await_result::<String>(&b_id, Duration::ZERO)
+            .await
+            .unwrap(),
         Some(Finished::Completed(Some("B".to_string())))
     );
-    assert!(graphs.workflow("order-7").await.unwrap().unwrap().finished());
+    assert!(
+        graphs
+            .workflow("order-7")
+            .await
+            .unwrap()
+            .unwrap()
+            .finished()
+    );
     db.close().await.unwrap();
 }
