@@ -429,6 +429,7 @@ async fn main() {
         Ok("batching") => batching_table().await,
         Ok("tikv") => tikv_table().await,
         Ok("await") => await_table().await,
+        Ok("graphs") => graphs_table().await,
         _ => {
             throughput_lateness_idle().await;
             batching_table().await;
@@ -436,6 +437,7 @@ async fn main() {
             tikv_table().await;
             commit_to_handler_table().await;
             await_table().await;
+            graphs_table().await;
         }
     }
 }
@@ -879,4 +881,159 @@ async fn await_latency<E: TitoEngine>(db: &E, other: bool) -> Vec<i64> {
     worker.await.unwrap().unwrap();
     latencies.sort_unstable();
     latencies
+}
+
+/// Job graphs on the embedded engine (buffered): a batch of N children (default 10,000,
+/// `TITO_BENCH_GRAPH_CHILDREN`) to its callback beside N independent jobs, and a 1,000-step
+/// workflow (wide: one step, 998 after it, one after all of those; deep: a chain) beside 1,000
+/// independent jobs; one worker (4 partitions) at 1, 4 and 16 handlers; commits per child or
+/// step counted at the engine, publication included.
+async fn graphs_table() {
+    use tito::queue::graph::{Batch, BatchDone, Graphs, StepName, Workflow};
+    let n: u64 = env_number("TITO_BENCH_GRAPH_CHILDREN", 10_000);
+    let steps: u64 = env_number("TITO_BENCH_GRAPH_STEPS", 1_000);
+    println!(
+        "graphs: embedded (buffered), one worker (4 partitions), no-op handlers; time from publication to the callback or last step; commits per child or step counted at the engine"
+    );
+    println!(
+        "{:<22} {:>4} {:>10} {:>10} {:>9} {:>12} {:>8}",
+        "shape", "conc", "items", "ms", "commits", "jobs ms", "ratio"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let db = tito::engine::FaultyEngine::new(open(dir.path(), Durability::Buffered).await);
+    let graphs = Graphs::new(db.clone());
+    let mut cell = 0;
+    for concurrency in [1usize, 4, 16] {
+        let config = || {
+            WorkerConfig::new(0..4)
+                .concurrency(concurrency)
+                .page_size(concurrency)
+                .max_idle_backoff(Duration::from_millis(20))
+        };
+        cell += 1;
+        let jobs_n = independent_jobs(&db, &format!("graphs-jobs-{cell}"), n, concurrency).await;
+        // The batch.
+        cell += 1;
+        let children = Arc::new(Queue::new(
+            db.clone(),
+            QueueConfig::new(4, Duration::from_secs(3600)).topic(format!("graphs-children-{cell}")),
+        ));
+        let callbacks = Arc::new(Queue::new(
+            db.clone(),
+            QueueConfig::new(1, Duration::from_secs(3600)).topic(format!("graphs-callbacks-{cell}")),
+        ));
+        let events: Vec<QueueEvent<Job>> = (0..n)
+            .map(|i| QueueEvent::now(format!("user:{i}"), job(i)))
+            .collect();
+        let before = db.faults().calls(tito::engine::FaultPoint::Commit);
+        let start = Instant::now();
+        let batch = Batch::new(format!("bench-{cell}"))
+            .on_complete(&callbacks, QueueEvent::now("cb", ()));
+        for chunk in events.chunks(10_000) {
+            graphs.open_batch(&batch).await.unwrap();
+            graphs.add_to_batch(batch.id(), &children, chunk).await.unwrap();
+        }
+        graphs.close_batch(batch.id()).await.unwrap();
+        let published = start.elapsed();
+        let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut workers = tito::queue::Workers::new();
+        workers.spawn_worker(children.clone(), config(), |_: QueueEvent<Job>| async {
+            Ok(QueueHandlerOutcome::Acknowledge)
+        });
+        workers.spawn_worker(
+            callbacks.clone(),
+            WorkerConfig::new(0..1).max_idle_backoff(Duration::from_millis(20)),
+            move |_: QueueEvent<BatchDone<()>>| {
+                let done_tx = done_tx.clone();
+                async move {
+                    let _ = done_tx.send(());
+                    Ok(QueueHandlerOutcome::Acknowledge)
+                }
+            },
+        );
+        done_rx.recv().await.unwrap();
+        let batch_time = start.elapsed();
+        let commits = db.faults().calls(tito::engine::FaultPoint::Commit) - before;
+        workers.shutdown().await.unwrap();
+        println!(
+            "{:<22} {concurrency:>4} {n:>10} {:>10.0} {:>9.3} {:>12.0} {:>8.2}  (published in {:.0} ms)",
+            "batch to callback",
+            batch_time.as_secs_f64() * 1000.0,
+            commits as f64 / n as f64,
+            jobs_n.as_secs_f64() * 1000.0,
+            batch_time.as_secs_f64() / jobs_n.as_secs_f64(),
+            published.as_secs_f64() * 1000.0
+        );
+        // Workflows, wide and deep.
+        cell += 1;
+        let jobs_steps =
+            independent_jobs(&db, &format!("graphs-jobs-{cell}"), steps, concurrency).await;
+        for shape in ["workflow wide", "workflow deep"] {
+            cell += 1;
+            let queue = Arc::new(Queue::new(
+                db.clone(),
+                QueueConfig::new(4, Duration::from_secs(3600)).topic(format!("graphs-steps-{cell}")),
+            ));
+            let mut workflow = Workflow::new(format!("bench-{cell}"));
+            let name = |i: u64| StepName::<()>::named(format!("s{i}"));
+            for i in 0..steps {
+                let event = QueueEvent::now(format!("user:{i}"), job(i));
+                let step = workflow.step(&name(i), &queue, event);
+                match (shape, i) {
+                    (_, 0) => {}
+                    ("workflow wide", i) if i == steps - 1 => {
+                        step.after((1..steps - 1).map(|d| format!("s{d}")));
+                    }
+                    ("workflow wide", _) => {
+                        step.after(["s0"]);
+                    }
+                    _ => {
+                        step.after([format!("s{}", i - 1)]);
+                    }
+                }
+            }
+            let before = db.faults().calls(tito::engine::FaultPoint::Commit);
+            let start = Instant::now();
+            let published = graphs.publish_workflow(&workflow).await.unwrap();
+            let last = published.step_id(format!("s{}", steps - 1)).unwrap().to_string();
+            let mut workers = tito::queue::Workers::new();
+            workers.spawn_worker(queue.clone(), config(), |_: QueueEvent<Job>| async {
+                Ok(QueueHandlerOutcome::Acknowledge)
+            });
+            queue
+                .await_result::<()>(&last, Duration::from_secs(600))
+                .await
+                .unwrap()
+                .unwrap();
+            let took = start.elapsed();
+            let commits = db.faults().calls(tito::engine::FaultPoint::Commit) - before;
+            workers.shutdown().await.unwrap();
+            println!(
+                "{shape:<22} {concurrency:>4} {steps:>10} {:>10.0} {:>9.3} {:>12.0} {:>8.2}",
+                took.as_secs_f64() * 1000.0,
+                commits as f64 / steps as f64,
+                jobs_steps.as_secs_f64() * 1000.0,
+                took.as_secs_f64() / jobs_steps.as_secs_f64()
+            );
+        }
+    }
+    db.inner().close().await.unwrap();
+}
+
+/// Time to publish (`publish_many`) and drain `count` independent jobs: the peer of a graph.
+async fn independent_jobs<E: TitoEngine>(
+    db: &E,
+    topic: &str,
+    count: u64,
+    concurrency: usize,
+) -> Duration {
+    let run = Run {
+        partitions: 4,
+        concurrency,
+        many: true,
+        delay: Duration::ZERO,
+    };
+    let start = Instant::now();
+    queue_run(db, topic, count, run).await;
+    start.elapsed()
 }
