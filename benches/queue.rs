@@ -920,18 +920,22 @@ async fn graphs_table() {
         ));
         let callbacks = Arc::new(Queue::new(
             db.clone(),
-            QueueConfig::new(1, Duration::from_secs(3600)).topic(format!("graphs-callbacks-{cell}")),
+            QueueConfig::new(1, Duration::from_secs(3600))
+                .topic(format!("graphs-callbacks-{cell}")),
         ));
         let events: Vec<QueueEvent<Job>> = (0..n)
             .map(|i| QueueEvent::now(format!("user:{i}"), job(i)))
             .collect();
         let before = db.faults().calls(tito::engine::FaultPoint::Commit);
         let start = Instant::now();
-        let batch = Batch::new(format!("bench-{cell}"))
-            .on_complete(&callbacks, QueueEvent::now("cb", ()));
+        let batch =
+            Batch::new(format!("bench-{cell}")).on_complete(&callbacks, QueueEvent::now("cb", ()));
         for chunk in events.chunks(10_000) {
             graphs.open_batch(&batch).await.unwrap();
-            graphs.add_to_batch(batch.id(), &children, chunk).await.unwrap();
+            graphs
+                .add_to_batch(batch.id(), &children, chunk)
+                .await
+                .unwrap();
         }
         graphs.close_batch(batch.id()).await.unwrap();
         let published = start.elapsed();
@@ -972,7 +976,8 @@ async fn graphs_table() {
             cell += 1;
             let queue = Arc::new(Queue::new(
                 db.clone(),
-                QueueConfig::new(4, Duration::from_secs(3600)).topic(format!("graphs-steps-{cell}")),
+                QueueConfig::new(4, Duration::from_secs(3600))
+                    .topic(format!("graphs-steps-{cell}")),
             ));
             let mut workflow = Workflow::new(format!("bench-{cell}"));
             let name = |i: u64| StepName::<()>::named(format!("s{i}"));
@@ -995,7 +1000,10 @@ async fn graphs_table() {
             let before = db.faults().calls(tito::engine::FaultPoint::Commit);
             let start = Instant::now();
             let published = graphs.publish_workflow(&workflow).await.unwrap();
-            let last = published.step_id(format!("s{}", steps - 1)).unwrap().to_string();
+            let last = published
+                .step_id(format!("s{}", steps - 1))
+                .unwrap()
+                .to_string();
             let mut workers = tito::queue::Workers::new();
             workers.spawn_worker(queue.clone(), config(), |_: QueueEvent<Job>| async {
                 Ok(QueueHandlerOutcome::Acknowledge)

@@ -478,7 +478,7 @@ pub async fn a_workflow_is_cancelled_whole_by_id_by_owner_and_by_erasure<E: Tito
         0
     );
     // By owner: the owner's waiting steps are cancelled too, and their dependents with them.
-    let ada = QueueOwner::new("user", &fresh("ada"));
+    let ada = QueueOwner::new("user", fresh("ada"));
     let id = fresh("owned");
     let mut wf = Workflow::new(&id);
     wf.step(&step("first"), &queue, later("k"));
@@ -495,7 +495,7 @@ pub async fn a_workflow_is_cancelled_whole_by_id_by_owner_and_by_erasure<E: Tito
         ))
     );
     // By erasure: the waiting step's row is deleted, its dependents end as after a cancel.
-    let bob = QueueOwner::new("user", &fresh("bob"));
+    let bob = QueueOwner::new("user", fresh("bob"));
     let id = fresh("erased");
     let mut wf = Workflow::new(&id);
     wf.step(&step("first"), &queue, later("k"));

@@ -78,6 +78,12 @@ pub(crate) enum Command {
     /// Inboxes (registered inbox models): counts by state, dead-lettered and bad rows.
     #[command(subcommand)]
     Inbox(InboxCommand),
+    /// Workflows: list them, show one's steps with their states, results and errors, cancel one.
+    #[command(subcommand)]
+    Workflow(WorkflowCommand),
+    /// Batches: list them, show one's counts and callbacks, cancel one.
+    #[command(subcommand)]
+    Batch(BatchCommand),
     /// Checks a table (registered model) against its ready indexes; changes nothing.
     Audit { table: String },
     /// Fixes what an audit finds, in bounded batches.
@@ -392,4 +398,44 @@ pub(crate) enum StoreCommand {
 pub(crate) enum KeysCommand {
     /// Decodes a key (as printed by the other commands).
     Decode { key: String },
+}
+
+#[derive(Subcommand)]
+pub(crate) enum WorkflowCommand {
+    /// A page of workflows in id order: steps, when published.
+    Ls {
+        #[arg(long, default_value_t = 20)]
+        limit: usize,
+        /// Continue after this workflow id (the last one a previous page printed).
+        #[arg(long)]
+        after: Option<String>,
+    },
+    /// One workflow: each step's queue, dependencies, state, and result or error.
+    Show { id: String },
+    /// Cancels every step of a workflow that has not finished. Prints how many.
+    Cancel {
+        id: String,
+        #[arg(long, default_value = "cancelled by an operator")]
+        why: String,
+    },
+}
+
+#[derive(Subcommand)]
+pub(crate) enum BatchCommand {
+    /// A page of batches in id order: closed or open, when opened.
+    Ls {
+        #[arg(long, default_value_t = 20)]
+        limit: usize,
+        /// Continue after this batch id (the last one a previous page printed).
+        #[arg(long)]
+        after: Option<String>,
+    },
+    /// One batch: its children by how they ended, its callbacks and whether each fired.
+    Show { id: String },
+    /// Closes a batch and cancels its open children. Prints how many.
+    Cancel {
+        id: String,
+        #[arg(long, default_value = "cancelled by an operator")]
+        why: String,
+    },
 }

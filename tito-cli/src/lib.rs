@@ -552,6 +552,8 @@ async fn execute<E: TitoEngine>(db: E, typed: &Typing, cli: Cli) -> Outcome {
         Command::Table(command) => commands::table::run(db, command, json, &rerun).await,
         Command::Index(command) => commands::index::run(db, typed, command, json, &rerun).await,
         Command::Kv(command) => commands::kv::run(db, command, json, &rerun).await,
+        Command::Workflow(command) => commands::graph::workflow(db, command, json, &rerun).await,
+        Command::Batch(command) => commands::graph::batch(db, command, json, &rerun).await,
         Command::Inbox(command) => commands::inbox::run(typed, command, json, &rerun).await,
         Command::Audit { table } => {
             commands::index::audit(typed.model(&table)?, &table, false, json).await
@@ -595,4 +597,11 @@ pub(crate) fn bar(len: Option<u64>, json: bool, message: String) -> ProgressBar 
     bar.set_style(style);
     bar.set_message(message);
     bar
+}
+
+/// Unix milliseconds as an RFC 3339 time to the second.
+pub(crate) fn millis_text(ms: u64) -> String {
+    chrono::DateTime::<chrono::Utc>::from_timestamp_millis(i64::try_from(ms).unwrap_or(i64::MAX))
+        .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true))
+        .unwrap_or_else(|| ms.to_string())
 }

@@ -3533,3 +3533,112 @@ async fn a_router_without_commands_or_with_a_weak_token_runs_none() {
     );
     server.abort();
 }
+
+/// `tito workflow` and `tito batch`: list (following the printed next-page line as printed),
+/// show with each step's state and result, cancel.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_lists_shows_and_cancels_workflows_and_batches() {
+    use tito::queue::graph::{Batch, Graphs, StepName, Workflow};
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let db = Embedded::open(dir.path()).await.unwrap();
+        let graphs = Graphs::new(db.clone());
+        let queue = tito::Queue::new(
+            db.clone(),
+            QueueConfig::new(2, Duration::from_secs(3600)).topic("steps"),
+        );
+        for id in ["order 1", "order 2", "order 3"] {
+            let mut workflow = Workflow::new(id);
+            workflow.step(
+                &StepName::<()>::new("charge"),
+                &queue,
+                QueueEvent::now("k", 1u32),
+            );
+            workflow
+                .step(
+                    &StepName::<()>::new("ship"),
+                    &queue,
+                    QueueEvent::now("k", 2u32),
+                )
+                .after(["charge"]);
+            graphs.publish_workflow(&workflow).await.unwrap();
+        }
+        let batch = Batch::new("import 1");
+        let children: Vec<_> = (0..3u32)
+            .map(|n| QueueEvent::now(format!("k{n}"), n))
+            .collect();
+        graphs
+            .publish_batch(&batch, &queue, &children)
+            .await
+            .unwrap();
+        db.close().await.unwrap();
+    }
+    let path = dir.path().to_str().unwrap().to_string();
+    let at = |args: &[&str]| {
+        let mut all = vec!["--path", path.as_str()];
+        all.extend_from_slice(args);
+        run(&all)
+    };
+    let text = |output: Output| {
+        assert!(
+            output.status.success(),
+            "{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    };
+    let first = text(at(&["workflow", "ls", "--limit", "2"]));
+    assert!(
+        first.contains("order 1") && first.contains("order 2"),
+        "{first}"
+    );
+    let next = line_after(&first, "next page: ");
+    let second = text(run_line(&next));
+    assert!(
+        second.contains("order 3") && !second.contains("order 1"),
+        "{next}: {second}"
+    );
+    assert!(second.contains("(last page)"), "{second}");
+    let shown = text(at(&["workflow", "show", "order 2"]));
+    assert!(shown.contains("ship [steps "), "{shown}");
+    assert!(
+        shown.contains("after charge: waiting for charge"),
+        "{shown}"
+    );
+    assert!(
+        shown.contains("charge [steps") && shown.contains("pending (attempt 1)"),
+        "{shown}"
+    );
+    let json = stdout_json(&at(&["workflow", "show", "order 2", "--json"]));
+    assert_eq!(json["steps"][1]["state"]["waiting"]["on"][0], "charge");
+    let cancelled = text(at(&["workflow", "cancel", "order 2", "--why", "withdrawn"]));
+    assert!(
+        cancelled.contains("cancelled 2 steps of workflow order 2"),
+        "{cancelled}"
+    );
+    let shown = text(at(&["workflow", "show", "order 2"]));
+    assert!(
+        shown.contains("2 cancelled") && shown.contains("cancelled: withdrawn"),
+        "{shown}"
+    );
+    let missing = at(&["workflow", "show", "order 9"]);
+    assert!(!missing.status.success());
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("no workflow \"order 9\""));
+    let batches = text(at(&["batch", "ls"]));
+    assert!(
+        batches.contains("import 1") && batches.contains("closed"),
+        "{batches}"
+    );
+    let shown = text(at(&["batch", "show", "import 1"]));
+    assert!(shown.contains("added 3, open 3, completed 0"), "{shown}");
+    let cancelled = text(at(&["batch", "cancel", "import 1"]));
+    assert!(
+        cancelled.contains("cancelled 3 children of batch import 1"),
+        "{cancelled}"
+    );
+    let shown = text(at(&["batch", "show", "import 1"]));
+    assert!(
+        shown.contains("open 0, completed 0, cancelled 3"),
+        "{shown}"
+    );
+}

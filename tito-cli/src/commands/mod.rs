@@ -1,5 +1,6 @@
 //! One module per command group, each with its output formatting.
 
+pub(crate) mod graph;
 pub(crate) mod inbox;
 pub(crate) mod index;
 pub(crate) mod kv;

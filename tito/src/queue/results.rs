@@ -14,7 +14,8 @@ use crate::event::StoredEvent;
 use crate::keys;
 
 /// Where the invocation of one event id is.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 #[non_exhaustive]
 pub enum InvocationState<R> {
     /// No invocation holds the id: never published, or its completed row was deleted by
@@ -38,7 +39,8 @@ pub enum InvocationState<R> {
 }
 
 /// How an invocation finished.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 #[non_exhaustive]
 pub enum Finished<R> {
     /// Acknowledged, with the result its handler returned

@@ -387,7 +387,7 @@ pub(super) async fn child_finished<X: TitoTransaction>(
 }
 
 /// A batch as [`Graphs::batch`] reads it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[non_exhaustive]
 pub struct BatchState {
     /// Its id.
@@ -410,7 +410,7 @@ impl BatchState {
 }
 
 /// One batch of [`Graphs::batches`].
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[non_exhaustive]
 pub struct BatchSummary {
     /// Its id.

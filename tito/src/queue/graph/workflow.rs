@@ -684,7 +684,7 @@ pub(crate) async fn cancel_waiting<X: TitoTransaction>(
 }
 
 /// A workflow as [`Graphs::workflow`] reads it.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 #[non_exhaustive]
 pub struct WorkflowState {
     /// Its id.
@@ -732,7 +732,7 @@ impl WorkflowState {
 }
 
 /// One step of a [`WorkflowState`].
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 #[non_exhaustive]
 pub struct StepState {
     /// Its name.
@@ -750,7 +750,7 @@ pub struct StepState {
 }
 
 /// One workflow of [`Graphs::workflows`].
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[non_exhaustive]
 pub struct WorkflowSummary {
     /// Its id.
