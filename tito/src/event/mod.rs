@@ -14,6 +14,7 @@ use serde_json::Value;
 
 use crate::error::{TitoError, TitoResult};
 
+pub(crate) mod links;
 pub(crate) mod nudge;
 pub(crate) mod publish;
 pub(crate) mod readers;
@@ -115,7 +116,7 @@ pub struct QueueEvent<T> {
     /// [`Graphs::dependency`](crate::queue::graph::Graphs::dependency). Ignored when
     /// publishing.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub workflow: Option<crate::queue::graph::StepOf>,
+    pub workflow: Option<crate::event::links::StepOf>,
     /// Set on delivery when the invocation is a child of a batch
     /// ([`Batch`](crate::queue::graph::Batch)): the batch's id. Ignored when publishing.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -504,10 +505,10 @@ pub(crate) struct StoredEvent {
     pub max_attempts: Option<u32>,
     /// A workflow step's link: its workflow, its name, and while it waits what it waits for.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub step: Option<crate::queue::graph::StepLink>,
+    pub step: Option<crate::event::links::StepLink>,
     /// A batch child's link: its batch and the shard its completion counts in.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub batch: Option<crate::queue::graph::BatchLink>,
+    pub batch: Option<crate::event::links::BatchLink>,
     /// Before publication only: the due time is this delay after the publishing transaction's
     /// time ([`QueueEvent::delay_ms`]), set by [`StoredEvent::settle_due`].
     #[serde(skip)]
@@ -636,7 +637,7 @@ impl StoredEvent {
             attempt: self.failures.saturating_add(1),
             urgency: self.urgency,
             max_attempts: self.max_attempts,
-            workflow: self.step.as_ref().map(|link| crate::queue::graph::StepOf {
+            workflow: self.step.as_ref().map(|link| crate::event::links::StepOf {
                 workflow: link.workflow.clone(),
                 step: link.step.clone(),
             }),

@@ -300,3 +300,136 @@ pub(crate) async fn with_cancellation<F: std::future::Future>(
 ) -> F::Output {
     CURRENT.scope(token, work).await
 }
+
+use super::graph::{self, Graphs, batch, workflow};
+use crate::engine;
+
+impl<E: TitoEngine> Graphs<E> {
+    /// Cancels every step of workflow `id` that has not finished (waiting or pending; a
+    /// running handler is told, see [`cancellation`](crate::queue::cancellation)), dependents
+    /// before what they depend on, in transactions of up to 128 steps. Returns how many it
+    /// cancelled; 0 for an unknown or finished workflow.
+    pub async fn cancel_workflow(&self, id: &str, why: &str) -> TitoResult<usize> {
+        graph::check_name("a workflow id", id)?;
+        if why.len() > crate::queue::MAX_CANCEL_REASON {
+            return Err(TitoError::invalid_argument(format!(
+                "a cancellation's reason holds at most {} bytes; {} given",
+                crate::queue::MAX_CANCEL_REASON,
+                why.len()
+            )));
+        }
+        let steps = engine::read_only(self.engine(), async |tx| {
+            workflow::step_records(tx, id).await
+        })
+        .await?;
+        // Dependents first: a dependency cancelled first would release the steps that run
+        // anyway, only for them to be cancelled next.
+        let order = workflow::reverse_topological(&steps);
+        let mut total = 0;
+        for chunk in order.chunks(workflow::CANCEL_BATCH) {
+            let chunk: Arc<Vec<workflow::StepRecord>> =
+                Arc::new(chunk.iter().map(|&i| steps[i].1.clone()).collect());
+            let (db, why) = (self.engine().clone(), why.to_string());
+            total += self
+                .engine()
+                .transaction(|tx| {
+                    let (chunk, db, why) = (chunk.clone(), db.clone(), why.clone());
+                    async move {
+                        let mut cancelled = 0;
+                        for record in chunk.iter() {
+                            let id_key = keys::event_id_key(&record.q, &record.id);
+                            let Some(at) = tx.get(id_key.as_bytes()).await? else {
+                                continue;
+                            };
+                            let at = keys::key_str(&at)?.to_string();
+                            if let Some(wakes) = cancel_row(&tx, &record.q, &at, &why).await? {
+                                graph::wake_after_commit(&db, &tx, wakes);
+                                crate::event::nudge::wakeups(&db, &record.q)
+                                    .cancelled_after_commit(&tx, vec![at]);
+                                cancelled += 1;
+                            }
+                        }
+                        Ok::<_, TitoError>(cancelled)
+                    }
+                })
+                .await?;
+        }
+        if total > 0 {
+            tracing::info!(workflow = id, total, why, "workflow cancelled");
+        }
+        Ok(total)
+    }
+
+    /// Cancels every open child of batch `id` (in transactions of up to 128), and closes it so
+    /// that its `Complete` callback fires once they are cancelled. Returns how many it
+    /// cancelled.
+    pub async fn cancel_batch(&self, id: &str, why: &str) -> TitoResult<usize> {
+        graph::check_name("a batch id", id)?;
+        if why.len() > crate::queue::MAX_CANCEL_REASON {
+            return Err(TitoError::invalid_argument(format!(
+                "a cancellation's reason holds at most {} bytes; {} given",
+                crate::queue::MAX_CANCEL_REASON,
+                why.len()
+            )));
+        }
+        if self.batch(id).await?.is_none() {
+            return Ok(0);
+        }
+        self.close_batch(id).await?;
+        let prefix = keys::batch_child_prefix(id);
+        let mut total = 0;
+        loop {
+            let (db, why, prefix) = (self.engine().clone(), why.to_string(), prefix.clone());
+            let (cancelled, seen) = self
+                .engine()
+                .transaction(|tx| {
+                    let (db, why, prefix) = (db.clone(), why.clone(), prefix.clone());
+                    async move {
+                        let end = keys::prefix_end(prefix.clone());
+                        let rows = tx
+                            .scan(prefix.as_bytes(), end.as_bytes(), batch::CANCEL_BATCH)
+                            .await?;
+                        let mut cancelled = 0;
+                        for (key, value) in &rows {
+                            let child: batch::ChildRecord =
+                                batch::parse("batch child", key, value)?;
+                            let at = tx
+                                .get(keys::event_id_key(&child.q, &child.id).as_bytes())
+                                .await?;
+                            let done = match at {
+                                Some(at) => {
+                                    let at = keys::key_str(&at)?.to_string();
+                                    match cancel_row(&tx, &child.q, &at, &why).await? {
+                                        Some(wakes) => {
+                                            graph::wake_after_commit(&db, &tx, wakes);
+                                            crate::event::nudge::wakeups(&db, &child.q)
+                                                .cancelled_after_commit(&tx, vec![at]);
+                                            cancelled += 1;
+                                            true
+                                        }
+                                        None => false,
+                                    }
+                                }
+                                None => false,
+                            };
+                            if !done {
+                                // Not pending or waiting (dead, or gone): it no longer
+                                // holds the scan up.
+                                tx.delete(key.clone()).await?;
+                            }
+                        }
+                        Ok::<_, TitoError>((cancelled, rows.len()))
+                    }
+                })
+                .await?;
+            total += cancelled;
+            if seen < batch::CANCEL_BATCH {
+                break;
+            }
+        }
+        if total > 0 {
+            tracing::info!(batch = id, total, why, "batch cancelled");
+        }
+        Ok(total)
+    }
+}

@@ -80,6 +80,7 @@ mod cancel;
 pub mod cluster;
 #[cfg(not(feature = "test-util"))]
 mod cluster;
+mod completed;
 mod dead;
 pub mod graph;
 pub(crate) mod lease;

@@ -19,7 +19,7 @@ use crate::queue::{MAX_PUBLISH_IN_TX, scan_prefix};
 pub const MAX_BATCH_CALLBACKS: usize = 16;
 
 /// Children cancelled per transaction by [`Graphs::cancel_batch`].
-const CANCEL_BATCH: usize = 128;
+pub(crate) const CANCEL_BATCH: usize = 128;
 
 /// When a batch's callback runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -253,9 +253,9 @@ struct ShardCounts {
 
 /// An open child's record: its queue and event id.
 #[derive(Serialize, Deserialize)]
-struct ChildRecord {
-    q: String,
-    id: String,
+pub(crate) struct ChildRecord {
+    pub(crate) q: String,
+    pub(crate) id: String,
 }
 
 fn malformed(what: &str, key: &[u8], err: impl std::fmt::Display) -> TitoError {
@@ -265,7 +265,11 @@ fn malformed(what: &str, key: &[u8], err: impl std::fmt::Display) -> TitoError {
     ))
 }
 
-fn parse<T: serde::de::DeserializeOwned>(what: &str, key: &[u8], bytes: &[u8]) -> TitoResult<T> {
+pub(crate) fn parse<T: serde::de::DeserializeOwned>(
+    what: &str,
+    key: &[u8],
+    bytes: &[u8],
+) -> TitoResult<T> {
     serde_json::from_slice(bytes).map_err(|err| malformed(what, key, err))
 }
 
@@ -611,80 +615,6 @@ impl<E: TitoEngine> Graphs<E> {
                 })
             })
             .collect()
-    }
-
-    /// Cancels every open child of batch `id` (in transactions of up to 128), and closes it so
-    /// that its `Complete` callback fires once they are cancelled. Returns how many it
-    /// cancelled.
-    pub async fn cancel_batch(&self, id: &str, why: &str) -> TitoResult<usize> {
-        check_name("a batch id", id)?;
-        if why.len() > crate::queue::MAX_CANCEL_REASON {
-            return Err(TitoError::invalid_argument(format!(
-                "a cancellation's reason holds at most {} bytes; {} given",
-                crate::queue::MAX_CANCEL_REASON,
-                why.len()
-            )));
-        }
-        if self.batch(id).await?.is_none() {
-            return Ok(0);
-        }
-        self.close_batch(id).await?;
-        let prefix = keys::batch_child_prefix(id);
-        let mut total = 0;
-        loop {
-            let (db, why, prefix) = (self.db.clone(), why.to_string(), prefix.clone());
-            let (cancelled, seen) = self
-                .db
-                .transaction(|tx| {
-                    let (db, why, prefix) = (db.clone(), why.clone(), prefix.clone());
-                    async move {
-                        let end = keys::prefix_end(prefix.clone());
-                        let rows = tx
-                            .scan(prefix.as_bytes(), end.as_bytes(), CANCEL_BATCH)
-                            .await?;
-                        let mut cancelled = 0;
-                        for (key, value) in &rows {
-                            let child: ChildRecord = parse("batch child", key, value)?;
-                            let at = tx
-                                .get(keys::event_id_key(&child.q, &child.id).as_bytes())
-                                .await?;
-                            let done = match at {
-                                Some(at) => {
-                                    let at = keys::key_str(&at)?.to_string();
-                                    match crate::queue::cancel::cancel_row(&tx, &child.q, &at, &why)
-                                        .await?
-                                    {
-                                        Some(wakes) => {
-                                            super::wake_after_commit(&db, &tx, wakes);
-                                            crate::event::nudge::wakeups(&db, &child.q)
-                                                .cancelled_after_commit(&tx, vec![at]);
-                                            cancelled += 1;
-                                            true
-                                        }
-                                        None => false,
-                                    }
-                                }
-                                None => false,
-                            };
-                            if !done {
-                                // Not pending or waiting (dead, or gone): it no longer
-                                // holds the scan up.
-                                tx.delete(key.clone()).await?;
-                            }
-                        }
-                        Ok::<_, TitoError>((cancelled, rows.len()))
-                    }
-                })
-                .await?;
-            total += cancelled;
-            if seen < CANCEL_BATCH {
-                break;
-            }
-        }
-        if total > 0 {
-            tracing::info!(batch = id, total, why, "batch cancelled");
-        }
-        Ok(total)
     }
 }
 

@@ -18,61 +18,32 @@
 //!   empties. The transaction that empties the last shard of a closed batch inserts the
 //!   callbacks and marks them fired, in that transaction.
 
-mod batch;
-mod workflow;
+pub(crate) mod batch;
+pub(crate) mod workflow;
 
 use std::sync::Arc;
 
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
 use crate::engine::{TitoEngine, TitoTransaction};
 use crate::error::{TitoError, TitoResult};
 use crate::event::StoredEvent;
 use crate::queue::{Queue, TopicQueue};
 
+pub(crate) use crate::event::links::{BatchLink, StepLink};
+pub use crate::event::links::{OnFailure, StepOf};
 pub(crate) use workflow::cancel_waiting;
 
 pub use batch::{
     Batch, BatchCallback, BatchCounts, BatchDone, BatchState, BatchSummary, MAX_BATCH_CALLBACKS,
 };
 pub use workflow::{
-    MAX_STEP_DEPENDENCIES, MAX_WORKFLOW_STEPS, OnFailure, StepBuilder, StepName, StepState,
-    Workflow, WorkflowPublished, WorkflowState, WorkflowSummary,
+    MAX_STEP_DEPENDENCIES, MAX_WORKFLOW_STEPS, StepBuilder, StepName, StepState, Workflow,
+    WorkflowPublished, WorkflowState, WorkflowSummary,
 };
 
 /// The longest workflow id, step name or batch id, in bytes.
 pub const MAX_GRAPH_NAME: usize = 256;
-
-/// Which workflow and step a delivered invocation is ([`crate::QueueEvent::workflow`]).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[non_exhaustive]
-pub struct StepOf {
-    /// The workflow's id.
-    pub workflow: String,
-    /// The step's name.
-    pub step: String,
-}
-
-/// A workflow step's link, kept on its row.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct StepLink {
-    #[serde(rename = "wf")]
-    pub workflow: String,
-    pub step: String,
-    /// While it waits: the dependencies whose end it has not seen yet.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub waiting_on: Vec<String>,
-    /// What its dependencies' deaths and cancellations do to it.
-    #[serde(default, skip_serializing_if = "OnFailure::is_default")]
-    pub on_failure: OnFailure,
-}
-
-/// A batch child's link, kept on its row.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct BatchLink {
-    pub id: String,
-    pub shard: u32,
-}
 
 /// How an invocation ended, as its graph sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use super::{Finish, GraphQueue, Graphs, StepLink, Target, Wake, check_name};
+use super::{Finish, GraphQueue, Graphs, OnFailure, StepLink, Target, Wake, check_name};
 use crate::engine::{self, TitoEngine, TitoTransaction};
 use crate::error::{TitoError, TitoResult};
 use crate::event::publish::{check_meta, insert_pending, plan_insert};
@@ -24,7 +24,7 @@ pub const MAX_WORKFLOW_STEPS: usize = 10_000;
 pub const MAX_STEP_DEPENDENCIES: usize = 1_000;
 
 /// The steps cancelled per transaction by [`Graphs::cancel_workflow`].
-const CANCEL_BATCH: usize = 128;
+pub(crate) const CANCEL_BATCH: usize = 128;
 
 /// A step's name, typed by the result its handler returns
 /// ([`QueueHandlerOutcome::acknowledge_with`](crate::QueueHandlerOutcome::acknowledge_with)):
@@ -84,31 +84,6 @@ impl<R> std::fmt::Debug for StepName<R> {
 impl<R> AsRef<str> for StepName<R> {
     fn as_ref(&self) -> &str {
         &self.name
-    }
-}
-
-/// What a step does when one of its dependencies dies (a failure policy gave up on it) or is
-/// cancelled, instead of completing.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-#[non_exhaustive]
-pub enum OnFailure {
-    /// The default: the step is cancelled too (its reason names the dependency), and so are
-    /// the steps after it that cancel on failure.
-    #[default]
-    Cancel,
-    /// The step keeps waiting: when the dead dependency is retried
-    /// ([`Queue::retry_dead`](crate::Queue::retry_dead)) and completes, it runs; a cancelled
-    /// dependency holds it until the workflow is cancelled.
-    Hold,
-    /// The step runs anyway, as if the dependency had completed; it reads the dependency's
-    /// end (`Finished::Dead` or `Finished::Cancelled`) with [`Graphs::dependency`].
-    RunAnyway,
-}
-
-impl OnFailure {
-    pub(crate) fn is_default(&self) -> bool {
-        *self == OnFailure::Cancel
     }
 }
 
@@ -383,11 +358,11 @@ struct WorkflowRecord {
 
 /// A step's record.
 #[derive(Clone, Serialize, Deserialize)]
-struct StepRecord {
+pub(crate) struct StepRecord {
     /// Its queue's root.
-    q: String,
+    pub(crate) q: String,
     /// Its event id.
-    id: String,
+    pub(crate) id: String,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     after: Vec<String>,
     #[serde(default, skip_serializing_if = "OnFailure::is_default")]
@@ -651,7 +626,7 @@ async fn cancel_waiting_row<X: TitoTransaction>(
     if let Some(link) = &mut stored.step {
         link.waiting_on.clear();
     }
-    crate::queue::worker::store_completed(tx, root, &mut stored, true).await?;
+    crate::queue::completed::store_completed(tx, root, &mut stored, true).await?;
     if let Some(batch) = &stored.batch {
         super::batch::child_finished(tx, root, &stored.id, batch, Finish::Cancelled, wakes).await?;
     }
@@ -762,7 +737,7 @@ pub struct WorkflowSummary {
 }
 
 /// The step records of workflow `id`, in the order they were added, with their names.
-async fn step_records<X: TitoTransaction>(
+pub(crate) async fn step_records<X: TitoTransaction>(
     tx: &X,
     id: &str,
 ) -> TitoResult<Vec<(String, StepRecord)>> {
@@ -899,60 +874,6 @@ impl<E: TitoEngine> Graphs<E> {
             .collect()
     }
 
-    /// Cancels every step of workflow `id` that has not finished (waiting or pending; a
-    /// running handler is told, see [`cancellation`](crate::queue::cancellation)), dependents
-    /// before what they depend on, in transactions of up to 128 steps. Returns how many it
-    /// cancelled; 0 for an unknown or finished workflow.
-    pub async fn cancel_workflow(&self, id: &str, why: &str) -> TitoResult<usize> {
-        check_name("a workflow id", id)?;
-        if why.len() > crate::queue::MAX_CANCEL_REASON {
-            return Err(TitoError::invalid_argument(format!(
-                "a cancellation's reason holds at most {} bytes; {} given",
-                crate::queue::MAX_CANCEL_REASON,
-                why.len()
-            )));
-        }
-        let steps = engine::read_only(&self.db, async |tx| step_records(tx, id).await).await?;
-        // Dependents first: a dependency cancelled first would release the steps that run
-        // anyway, only for them to be cancelled next.
-        let order = reverse_topological(&steps);
-        let mut total = 0;
-        for chunk in order.chunks(CANCEL_BATCH) {
-            let chunk: Arc<Vec<StepRecord>> =
-                Arc::new(chunk.iter().map(|&i| steps[i].1.clone()).collect());
-            let (db, why) = (self.db.clone(), why.to_string());
-            total += self
-                .db
-                .transaction(|tx| {
-                    let (chunk, db, why) = (chunk.clone(), db.clone(), why.clone());
-                    async move {
-                        let mut cancelled = 0;
-                        for record in chunk.iter() {
-                            let id_key = keys::event_id_key(&record.q, &record.id);
-                            let Some(at) = tx.get(id_key.as_bytes()).await? else {
-                                continue;
-                            };
-                            let at = keys::key_str(&at)?.to_string();
-                            if let Some(wakes) =
-                                crate::queue::cancel::cancel_row(&tx, &record.q, &at, &why).await?
-                            {
-                                super::wake_after_commit(&db, &tx, wakes);
-                                crate::event::nudge::wakeups(&db, &record.q)
-                                    .cancelled_after_commit(&tx, vec![at]);
-                                cancelled += 1;
-                            }
-                        }
-                        Ok::<_, TitoError>(cancelled)
-                    }
-                })
-                .await?;
-        }
-        if total > 0 {
-            tracing::info!(workflow = id, total, why, "workflow cancelled");
-        }
-        Ok(total)
-    }
-
     /// The end of dependency `step` of the workflow step `event` is (in its handler):
     /// `Completed` with its result decoded as `R`, or, for a step that runs anyway,
     /// `Dead`/`Cancelled`. Refused when `event` is no workflow step or `step` is not one of
@@ -1028,7 +949,7 @@ impl<E: TitoEngine> Graphs<E> {
 }
 
 /// The indexes of `steps`, each step before the steps it depends on (dependents first).
-fn reverse_topological(steps: &[(String, StepRecord)]) -> Vec<usize> {
+pub(crate) fn reverse_topological(steps: &[(String, StepRecord)]) -> Vec<usize> {
     let index: HashMap<&str, usize> = steps
         .iter()
         .enumerate()

@@ -21,7 +21,7 @@ mod policy;
 mod pulling;
 mod report;
 
-pub(in crate::queue) use outcome::{complete, remove_pending, store_completed};
+pub(in crate::queue) use outcome::{complete, remove_pending};
 pub(crate) use policy::AfterFailure;
 pub use policy::{FailurePolicy, MAX_ATTEMPTS};
 pub(crate) use report::report_prefix;
