@@ -311,13 +311,7 @@ impl<E: TitoEngine> Graphs<E> {
     /// cancelled; 0 for an unknown or finished workflow.
     pub async fn cancel_workflow(&self, id: &str, why: &str) -> TitoResult<usize> {
         graph::check_name("a workflow id", id)?;
-        if why.len() > crate::queue::MAX_CANCEL_REASON {
-            return Err(TitoError::invalid_argument(format!(
-                "a cancellation's reason holds at most {} bytes; {} given",
-                crate::queue::MAX_CANCEL_REASON,
-                why.len()
-            )));
-        }
+        graph::check_reason(why)?;
         let steps = engine::read_only(self.engine(), async |tx| {
             workflow::step_records(tx, id).await
         })
@@ -365,17 +359,11 @@ impl<E: TitoEngine> Graphs<E> {
     /// cancelled.
     pub async fn cancel_batch(&self, id: &str, why: &str) -> TitoResult<usize> {
         graph::check_name("a batch id", id)?;
-        if why.len() > crate::queue::MAX_CANCEL_REASON {
-            return Err(TitoError::invalid_argument(format!(
-                "a cancellation's reason holds at most {} bytes; {} given",
-                crate::queue::MAX_CANCEL_REASON,
-                why.len()
-            )));
-        }
-        if self.batch(id).await?.is_none() {
-            return Ok(0);
-        }
-        self.close_batch(id).await?;
+        graph::check_reason(why)?;
+        match self.close_batch(id).await {
+            Err(TitoError::NotFound(_)) => return Ok(0),
+            closed => closed?,
+        };
         let prefix = keys::batch_child_prefix(id);
         let mut total = 0;
         loop {
@@ -392,7 +380,7 @@ impl<E: TitoEngine> Graphs<E> {
                         let mut cancelled = 0;
                         for (key, value) in &rows {
                             let child: batch::ChildRecord =
-                                batch::parse("batch child", key, value)?;
+                                graph::parse("batch child", key, value)?;
                             let at = tx
                                 .get(keys::event_id_key(&child.q, &child.id).as_bytes())
                                 .await?;

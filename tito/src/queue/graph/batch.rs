@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use super::{BatchLink, Finish, GraphQueue, Graphs, Target, Wake, check_name};
+use super::{BatchLink, Finish, GraphQueue, Graphs, Target, Wake, check_name, page, parse};
 use crate::engine::{self, TitoEngine, TitoTransaction};
 use crate::error::{TitoError, TitoResult};
 use crate::event::publish::{check_meta, insert_pending};
@@ -256,21 +256,6 @@ struct ShardCounts {
 pub(crate) struct ChildRecord {
     pub(crate) q: String,
     pub(crate) id: String,
-}
-
-fn malformed(what: &str, key: &[u8], err: impl std::fmt::Display) -> TitoError {
-    TitoError::Integrity(format!(
-        "{what} {} is malformed: {err}",
-        keys::display_key(key)
-    ))
-}
-
-pub(crate) fn parse<T: serde::de::DeserializeOwned>(
-    what: &str,
-    key: &[u8],
-    bytes: &[u8],
-) -> TitoResult<T> {
-    serde_json::from_slice(bytes).map_err(|err| malformed(what, key, err))
 }
 
 /// The sum of a batch's shard counts.
@@ -590,26 +575,18 @@ impl<E: TitoEngine> Graphs<E> {
         after: Option<&str>,
         limit: usize,
     ) -> TitoResult<Vec<BatchSummary>> {
-        if limit == 0 || limit > 1000 {
-            return Err(TitoError::invalid_argument(format!(
-                "a page of batches holds 1 to 1000; {limit} asked"
-            )));
-        }
         let prefix = keys::batch_prefix();
         let start = match after {
             Some(id) => keys::key_after(keys::batch_key(id)),
             None => prefix.clone(),
         };
-        let end = keys::prefix_end(prefix.clone());
-        let rows = engine::read_only(&self.db, async |tx| {
-            tx.scan(start.as_bytes(), end.as_bytes(), limit).await
-        })
-        .await?;
-        rows.iter()
-            .map(|(key, value)| {
-                let record: BatchRecord = parse("batch", key, value)?;
+        page(&self.db, "batches", &prefix, start, limit)
+            .await?
+            .into_iter()
+            .map(|(id, key, value)| {
+                let record: BatchRecord = parse("batch", &key, &value)?;
                 Ok(BatchSummary {
-                    id: keys::decode_str(&keys::key_str(key)?[prefix.len()..])?,
+                    id,
                     created_ms: record.created_ms,
                     closed: record.closed,
                 })
@@ -771,11 +748,9 @@ async fn close<X: TitoTransaction>(tx: &X, id: &str, wakes: &mut Vec<Wake>) -> T
         return Ok(false);
     }
     record.closed = true;
-    let mut writes = Vec::new();
-    fire_due(tx, id, &mut record, &mut writes).await?;
+    fire_due(tx, id, &mut record, wakes).await?;
     tx.put(key.into_bytes(), serde_json::to_vec(&record)?)
         .await?;
-    wakes.extend(writes);
     Ok(true)
 }
 

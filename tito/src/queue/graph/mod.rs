@@ -28,6 +28,7 @@ use serde::Serialize;
 use crate::engine::{TitoEngine, TitoTransaction};
 use crate::error::{TitoError, TitoResult};
 use crate::event::StoredEvent;
+use crate::keys;
 use crate::queue::{Queue, TopicQueue};
 
 pub(crate) use crate::event::links::{BatchLink, StepLink};
@@ -70,9 +71,6 @@ pub(crate) async fn finished<X: TitoTransaction>(
     how: Finish,
 ) -> TitoResult<Vec<Wake>> {
     let mut wakes = Vec::new();
-    if stored.step.is_none() && stored.batch.is_none() {
-        return Ok(wakes);
-    }
     if let Some(link) = &stored.batch {
         batch::child_finished(tx, root, &stored.id, link, how, &mut wakes).await?;
     }
@@ -134,6 +132,64 @@ impl<T, Q: GraphQueue<T> + ?Sized> GraphQueue<T> for &Q {
     fn graph_target(&self) -> Target {
         (**self).graph_target()
     }
+}
+
+/// A graph record at `key` that does not decode.
+pub(crate) fn malformed(what: &str, key: &[u8], err: impl std::fmt::Display) -> TitoError {
+    TitoError::Integrity(format!(
+        "{what} {} is malformed: {err}",
+        keys::display_key(key)
+    ))
+}
+
+/// A graph record (`what`, stored at `key`) decoded, or an integrity error naming it.
+pub(crate) fn parse<T: serde::de::DeserializeOwned>(
+    what: &str,
+    key: &[u8],
+    bytes: &[u8],
+) -> TitoResult<T> {
+    serde_json::from_slice(bytes).map_err(|err| malformed(what, key, err))
+}
+
+/// Up to `limit` (1 to 1000) records under `prefix` (each key: the prefix, then an id encoded
+/// as a string segment), from `start`: their ids, keys and values. `what` names a page in
+/// errors.
+pub(crate) async fn page<E: TitoEngine>(
+    db: &E,
+    what: &str,
+    prefix: &str,
+    start: String,
+    limit: usize,
+) -> TitoResult<Vec<(String, Vec<u8>, Vec<u8>)>> {
+    if limit == 0 || limit > 1000 {
+        return Err(TitoError::invalid_argument(format!(
+            "a page of {what} holds 1 to 1000; {limit} asked"
+        )));
+    }
+    let end = keys::prefix_end(prefix.to_string());
+    let rows = crate::engine::read_only(db, async |tx| {
+        tx.scan(start.as_bytes(), end.as_bytes(), limit).await
+    })
+    .await?;
+    rows.into_iter()
+        .map(|(key, value)| {
+            let id = keys::decode_str(&keys::key_str(&key)?[prefix.len()..])?;
+            Ok((id, key, value))
+        })
+        .collect()
+}
+
+/// Refuses a graph cancellation's reason over
+/// [`MAX_CANCEL_REASON`](crate::queue::MAX_CANCEL_REASON) bytes.
+pub(crate) fn check_reason(why: &str) -> TitoResult<()> {
+    let max = crate::queue::MAX_CANCEL_REASON;
+    if why.len() > max {
+        return Err(TitoError::invalid_argument(format!(
+            "a cancellation's reason holds at most {max} bytes; {} given",
+            why.len()
+        )));
+    }
+    Ok(())
 }
 
 /// Refuses an empty or overlong workflow id, step name or batch id.

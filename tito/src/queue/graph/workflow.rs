@@ -8,7 +8,10 @@ use std::sync::Arc;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use super::{Finish, GraphQueue, Graphs, OnFailure, StepLink, Target, Wake, check_name};
+use super::{
+    Finish, GraphQueue, Graphs, OnFailure, StepLink, Target, Wake, check_name, malformed, page,
+    parse,
+};
 use crate::engine::{self, TitoEngine, TitoTransaction};
 use crate::error::{TitoError, TitoResult};
 use crate::event::publish::{check_meta, insert_pending, plan_insert};
@@ -379,13 +382,6 @@ struct Edge {
     p: u32,
 }
 
-fn malformed(what: &str, key: &[u8], err: impl std::fmt::Display) -> TitoError {
-    TitoError::Integrity(format!(
-        "{what} {} is malformed: {err}",
-        keys::display_key(key)
-    ))
-}
-
 /// Plans a checked workflow's writes inside `tx`; returns the answer and the partitions of its
 /// first steps.
 async fn plan<X: TitoTransaction>(
@@ -395,24 +391,12 @@ async fn plan<X: TitoTransaction>(
 ) -> TitoResult<(WorkflowPublished, Vec<Wake>)> {
     let id = &workflow.id;
     if tx.get(keys::workflow_key(id).as_bytes()).await?.is_some() {
-        let mut steps: Vec<(usize, String, String)> = Vec::new();
-        for (key, value) in scan_prefix(tx, &keys::workflow_step_prefix(id)).await? {
-            let record: StepRecord = serde_json::from_slice(&value)
-                .map_err(|err| malformed("workflow step", &key, err))?;
-            let name = keys::decode_str(
-                keys::key_str(&key)?
-                    .rsplit(keys::SEPARATOR)
-                    .next()
-                    .unwrap_or_default(),
-            )?;
-            steps.push((record.n, name, record.id));
-        }
-        steps.sort();
+        let steps = step_records(tx, id).await?;
         return Ok((
             WorkflowPublished {
                 id: id.clone(),
                 duplicate: true,
-                steps: steps.into_iter().map(|(_, n, i)| (n, i)).collect(),
+                steps: steps.into_iter().map(|(name, r)| (name, r.id)).collect(),
             },
             Vec::new(),
         ));
@@ -541,8 +525,7 @@ pub(super) async fn step_finished<X: TitoTransaction>(
         for (edge_key, value) in
             scan_prefix(tx, &keys::workflow_edge_prefix(workflow, &step)).await?
         {
-            let edge: Edge = serde_json::from_slice(&value)
-                .map_err(|err| malformed("workflow edge", &edge_key, err))?;
+            let edge: Edge = parse("workflow edge", &edge_key, &value)?;
             let Some(row) = tx.get(edge.w.as_bytes()).await? else {
                 // The waiting step ended already (cancelled, erased).
                 tx.delete(edge_key).await?;
@@ -743,8 +726,7 @@ pub(crate) async fn step_records<X: TitoTransaction>(
 ) -> TitoResult<Vec<(String, StepRecord)>> {
     let mut steps = Vec::new();
     for (key, value) in scan_prefix(tx, &keys::workflow_step_prefix(id)).await? {
-        let record: StepRecord =
-            serde_json::from_slice(&value).map_err(|err| malformed("workflow step", &key, err))?;
+        let record: StepRecord = parse("workflow step", &key, &value)?;
         let name = keys::key_str(&key)?
             .strip_prefix(&keys::workflow_step_prefix(id))
             .map(keys::decode_str)
@@ -800,8 +782,7 @@ impl<E: TitoEngine> Graphs<E> {
             let Some(bytes) = tx.get(keys::workflow_key(id).as_bytes()).await? else {
                 return Ok(None);
             };
-            let record: WorkflowRecord = serde_json::from_slice(&bytes)
-                .map_err(|err| malformed("workflow", id.as_bytes(), err))?;
+            let record: WorkflowRecord = parse("workflow", id.as_bytes(), &bytes)?;
             let steps = step_records(tx, id).await?;
             let id_keys: Vec<Vec<u8>> = steps
                 .iter()
@@ -845,26 +826,16 @@ impl<E: TitoEngine> Graphs<E> {
         after: Option<&str>,
         limit: usize,
     ) -> TitoResult<Vec<WorkflowSummary>> {
-        if limit == 0 || limit > 1000 {
-            return Err(TitoError::invalid_argument(format!(
-                "a page of workflows holds 1 to 1000; {limit} asked"
-            )));
-        }
         let prefix = keys::workflow_prefix();
         let start = match after {
             Some(id) => keys::key_after(keys::workflow_key(id)),
             None => prefix.clone(),
         };
-        let end = keys::prefix_end(prefix.clone());
-        let rows = engine::read_only(&self.db, async |tx| {
-            tx.scan(start.as_bytes(), end.as_bytes(), limit).await
-        })
-        .await?;
-        rows.iter()
-            .map(|(key, value)| {
-                let record: WorkflowRecord =
-                    serde_json::from_slice(value).map_err(|err| malformed("workflow", key, err))?;
-                let id = keys::decode_str(&keys::key_str(key)?[prefix.len()..])?;
+        page(&self.db, "workflows", &prefix, start, limit)
+            .await?
+            .into_iter()
+            .map(|(id, key, value)| {
+                let record: WorkflowRecord = parse("workflow", &key, &value)?;
                 Ok(WorkflowSummary {
                     id,
                     created_ms: record.created_ms,
@@ -901,10 +872,7 @@ impl<E: TitoEngine> Graphs<E> {
             let record = |i: usize| -> TitoResult<Option<StepRecord>> {
                 found[i]
                     .as_deref()
-                    .map(|bytes| {
-                        serde_json::from_slice(bytes)
-                            .map_err(|err| malformed("workflow step", &wanted[i], err))
-                    })
+                    .map(|bytes| parse("workflow step", &wanted[i], bytes))
                     .transpose()
             };
             let own = record(0)?;
