@@ -33,6 +33,7 @@ macro_rules! graphs_suite {
                 a_batch_calls_back_once_with_its_counts,
                 a_batch_filled_over_time_calls_back_only_after_its_close,
                 concurrent_last_children_start_each_callback_once,
+                finished_graphs_expire_and_unfinished_ones_stay,
             ]
         );
     };
@@ -828,4 +829,70 @@ pub async fn concurrent_last_children_start_each_callback_once<E: TitoEngine>(ct
         assert_eq!(complete.len(), 1, "batch {id}: {complete:?}");
         assert_eq!(complete[0].counts.completed, 8);
     }
+}
+
+pub async fn finished_graphs_expire_and_unfinished_ones_stay<E: TitoEngine>(ctx: Ctx<E>) {
+    // A sweep of the whole store: on a cluster shared by concurrent tests (TITO_PD_ENDPOINTS)
+    // it would delete their finished graphs under them. Every store here is the test's own.
+    if std::env::var("TITO_PD_ENDPOINTS").is_ok() {
+        return;
+    }
+    let graphs = Graphs::new(ctx.db.clone());
+    let queue = topic(&ctx.db, "expiring", 2);
+    let step = |name: &str| StepName::<()>::named(name);
+    // "done" finishes (its one step is cancelled); "open" waits for a step due in an hour.
+    let (done, open) = (fresh("done"), fresh("open"));
+    let mut wf = Workflow::new(&done);
+    wf.step(&step("a"), &queue, QueueEvent::now("k", 1u32));
+    wf.step(&step("b"), &queue, QueueEvent::now("k", 2u32))
+        .after(["a"]);
+    graphs.publish_workflow(&wf).await.unwrap();
+    assert_eq!(graphs.cancel_workflow(&done, "finished").await.unwrap(), 2);
+    let mut wf = Workflow::new(&open);
+    wf.step(
+        &step("a"),
+        &queue,
+        QueueEvent::after("k", 1u32, Duration::from_secs(3600)),
+    );
+    wf.step(&step("b"), &queue, QueueEvent::now("k", 2u32))
+        .after(["a"]);
+    graphs.publish_workflow(&wf).await.unwrap();
+    // An empty closed batch has finished; one still open has not.
+    let (ended, filling) = (fresh("ended"), fresh("filling"));
+    graphs
+        .publish_batch::<u32>(&Batch::new(&ended), &queue, &[])
+        .await
+        .unwrap();
+    graphs.open_batch(&Batch::new(&filling)).await.unwrap();
+    // Not old enough yet: nothing goes.
+    let kept = graphs.expire(Duration::from_secs(3600)).await.unwrap();
+    assert_eq!((kept.workflows, kept.batches), (0, 0));
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let expired = graphs.expire(Duration::ZERO).await.unwrap();
+    assert!(
+        expired.workflows >= 1 && expired.batches >= 1,
+        "{expired:?}"
+    );
+    assert!(graphs.workflow(&done).await.unwrap().is_none());
+    assert!(graphs.batch(&ended).await.unwrap().is_none());
+    assert!(graphs.workflow(&open).await.unwrap().is_some());
+    assert!(graphs.batch(&filling).await.unwrap().is_some());
+    // Nothing of the finished workflow is left behind.
+    let tx = ctx.db.begin().await.unwrap();
+    for prefix in ["workflow-step:", "workflow-edge:"] {
+        let end = format!("{}~", prefix);
+        let rows = tx
+            .scan(prefix.as_bytes(), end.as_bytes(), 10_000)
+            .await
+            .unwrap();
+        assert!(
+            rows.iter()
+                .all(|(k, _)| !String::from_utf8_lossy(k).contains(&done)),
+            "{prefix}"
+        );
+    }
+    tx.rollback().await.unwrap();
+    // The open workflow still runs to its end.
+    let state = graphs.workflow(&open).await.unwrap().unwrap();
+    assert_eq!(state.counts()[0], ("waiting", 1));
 }

@@ -867,12 +867,18 @@ pub fn workflow_step_key(id: &str, step: &str) -> String {
     key
 }
 
-/// `workflow-edge:{id}:{dependency}:`, the prefix of the edges from one step to the steps
-/// that wait for it.
-pub fn workflow_edge_prefix(id: &str, dependency: &str) -> String {
+/// `workflow-edge:{id}:`, the prefix of every edge of a workflow.
+pub fn workflow_edges_prefix(id: &str) -> String {
     let mut key = "workflow-edge:".to_string();
     encode_str(id, &mut key);
     key.push(SEPARATOR);
+    key
+}
+
+/// `workflow-edge:{id}:{dependency}:`, the prefix of the edges from one step to the steps
+/// that wait for it.
+pub fn workflow_edge_prefix(id: &str, dependency: &str) -> String {
+    let mut key = workflow_edges_prefix(id);
     encode_str(dependency, &mut key);
     key.push(SEPARATOR);
     key

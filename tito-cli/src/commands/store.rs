@@ -28,6 +28,12 @@ pub(crate) async fn gc<E: TitoEngine>(db: &E, retention: Duration, json: bool) -
         let unique = until_short(full, async || queue.sweep_unique().await).await?;
         report.insert(format!("queue {} unique keys", info.label), unique.into());
     }
+    // Workflows and batches that finished before the retention, as their completed rows.
+    let graphs = tito::queue::graph::Graphs::new(db.clone())
+        .expire(retention)
+        .await?;
+    report.insert("finished workflows".into(), graphs.workflows.into());
+    report.insert("finished batches".into(), graphs.batches.into());
     let kv = tito::kv::Kv::new(db.clone());
     let full = tito::kv::SWEEP_BATCH;
     let expired = until_short(full, async || kv.sweep(full).await).await?;

@@ -214,7 +214,114 @@ pub struct Graphs<E> {
     db: E,
 }
 
+/// Graph records [`Graphs::expire`] looks at per page.
+const EXPIRE_PAGE: usize = 256;
+
+/// What [`Graphs::expire`] deleted.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct Expired {
+    /// Finished workflows deleted with their step records.
+    pub workflows: usize,
+    /// Finished batches deleted with their counts.
+    pub batches: usize,
+}
+
 impl<E: TitoEngine> Graphs<E> {
+    /// Deletes the records of workflows and batches that finished and were published more
+    /// than `older_than` ago (on the store's clock): a workflow whose every step finished (or
+    /// whose completed rows retention deleted), a closed batch whose every child ended (its
+    /// callbacks fired with its last child). Unfinished ones are kept however old. Reads every
+    /// record in pages of 256; `tito gc` runs it with its retention.
+    pub async fn expire(&self, older_than: std::time::Duration) -> TitoResult<Expired> {
+        let now_ms = crate::engine::read_only(&self.db, async |tx| {
+            Ok(crate::engine::version_millis(tx.start_version()))
+        })
+        .await?;
+        let before_ms = now_ms.saturating_sub(crate::util::millis(older_than));
+        let mut expired = Expired::default();
+        let prefix = keys::workflow_prefix();
+        let mut start = prefix.clone();
+        loop {
+            let page = page(&self.db, "workflows", &prefix, start.clone(), EXPIRE_PAGE).await?;
+            for (id, key, _) in &page {
+                if self.expire_workflow(id, before_ms).await? {
+                    expired.workflows += 1;
+                }
+                start = keys::key_after(keys::key_str(key)?.to_string());
+            }
+            if page.len() < EXPIRE_PAGE {
+                break;
+            }
+        }
+        let prefix = keys::batch_prefix();
+        let mut start = prefix.clone();
+        loop {
+            let page = page(&self.db, "batches", &prefix, start.clone(), EXPIRE_PAGE).await?;
+            for (id, key, _) in &page {
+                if self.expire_batch(id, before_ms).await? {
+                    expired.batches += 1;
+                }
+                start = keys::key_after(keys::key_str(key)?.to_string());
+            }
+            if page.len() < EXPIRE_PAGE {
+                break;
+            }
+        }
+        Ok(expired)
+    }
+
+    /// Deletes workflow `id`'s records when it finished and was published before
+    /// `before_ms`.
+    async fn expire_workflow(&self, id: &str, before_ms: u64) -> TitoResult<bool> {
+        match self.workflow(id).await? {
+            Some(state) if state.created_ms < before_ms && state.finished() => {}
+            _ => return Ok(false),
+        }
+        let id = id.to_string();
+        self.db
+            .transaction(|tx| {
+                let id = id.clone();
+                async move {
+                    // Finished is final: nothing writes a finished workflow's records again.
+                    tx.delete(keys::workflow_key(&id).into_bytes()).await?;
+                    for prefix in [
+                        keys::workflow_step_prefix(&id),
+                        keys::workflow_edges_prefix(&id),
+                    ] {
+                        for (key, _) in crate::queue::scan_prefix(&tx, &prefix).await? {
+                            tx.delete(key).await?;
+                        }
+                    }
+                    Ok::<_, TitoError>(true)
+                }
+            })
+            .await
+    }
+
+    /// Deletes batch `id`'s records when it finished and was opened before `before_ms`.
+    async fn expire_batch(&self, id: &str, before_ms: u64) -> TitoResult<bool> {
+        match self.batch(id).await? {
+            Some(state) if state.created_ms < before_ms && state.finished() => {}
+            _ => return Ok(false),
+        }
+        let id = id.to_string();
+        self.db
+            .transaction(|tx| {
+                let id = id.clone();
+                async move {
+                    tx.delete(keys::batch_key(&id).into_bytes()).await?;
+                    for prefix in [keys::batch_shard_prefix(&id), keys::batch_child_prefix(&id)] {
+                        for (key, _) in crate::queue::scan_prefix(&tx, &prefix).await? {
+                            tx.delete(key).await?;
+                        }
+                    }
+                    Ok::<_, TitoError>(true)
+                }
+            })
+            .await
+    }
+
     /// The graphs of the store `db`.
     pub fn new(db: E) -> Self {
         Graphs { db }
