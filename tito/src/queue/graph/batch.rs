@@ -748,9 +748,13 @@ async fn close<X: TitoTransaction>(tx: &X, id: &str, wakes: &mut Vec<Wake>) -> T
         return Ok(false);
     }
     record.closed = true;
-    fire_due(tx, id, &mut record, wakes).await?;
-    tx.put(key.into_bytes(), serde_json::to_vec(&record)?)
-        .await?;
+    // The callbacks' rows and the record are written as they go: a failure part way marks
+    // the caller's transaction failed (it refuses to commit half a close).
+    engine::aborting(tx, async {
+        fire_due(tx, id, &mut record, wakes).await?;
+        tx.put(key.into_bytes(), serde_json::to_vec(&record)?).await
+    })
+    .await?;
     Ok(true)
 }
 
