@@ -35,6 +35,10 @@ use tito::engine::{Fault, FaultPoint, FaultRule, FaultyEngine};
 use tito::inbox::{Inbox, InboxClaim, InboxClock, InboxConfig, InboxOutcome};
 use tito::kv::Kv;
 use tito::model::{TitoOperation, TitoOptions};
+use tito::queue::graph::{
+    Batch, BatchCallback, BatchCounts, BatchDone, Graphs, OnFailure, StepName, Workflow,
+};
+use tito::queue::{Finished, InvocationState};
 
 const OPERATIONS: [TitoOperation; 4] = [
     TitoOperation::Insert,
@@ -799,6 +803,8 @@ struct Sim {
     shapes: ShapeSim,
     /// Print each step as it starts and ends (`TITO_SIM_TRACE=1`, with `replay`).
     live_trace: bool,
+    /// Workflows and batches, with a random stream of their own.
+    graphs: GraphSim,
 }
 
 fn inbox_config() -> InboxConfig<Db, SimTask> {
@@ -1321,8 +1327,15 @@ impl Sim {
             92 => self.crash_store().await,
             _ => {
                 let pause = 1 + self.rng.below(400);
+                // Now and then a graph action first (its own random stream).
+                let graph = if self.graphs.rng.chance(60) {
+                    let db = self.db.clone();
+                    format!("{}; ", self.graphs.step(&db).await)
+                } else {
+                    String::new()
+                };
                 tokio::time::sleep(Duration::from_millis(pause)).await;
-                format!("sleep {pause}")
+                format!("{graph}sleep {pause}")
             }
         };
         if self.live_trace {
@@ -1656,6 +1669,11 @@ impl Sim {
         self.check_inbox().await;
         self.phase("check ticks");
         self.check_ticks().await;
+        self.phase("check graphs");
+        let db = self.db.clone();
+        let (checks, violations) = self.graphs.finish(&db).await;
+        self.checks += checks;
+        self.violations.extend(violations);
     }
 
     /// Names a phase of the final checks (with `TITO_SIM_TRACE=1`).
@@ -2328,6 +2346,7 @@ async fn simulate(seed: u64, steps: u32) -> Report {
         }
     };
     let db_for_ticks = db.clone();
+    let db_for_graphs = db.clone();
     let mut sim = Sim {
         rng: Rng(seed),
         start,
@@ -2360,6 +2379,7 @@ async fn simulate(seed: u64, steps: u32) -> Report {
         priority_checks: 0,
         shapes: ShapeSim::default(),
         live_trace: std::env::var_os("TITO_SIM_TRACE").is_some(),
+        graphs: GraphSim::new(seed, &db_for_graphs),
     };
     // Rewrites start soon after the allowed version changes.
     tito::schema::set_write_grace(&sim.db, Duration::from_millis(200)).unwrap();
@@ -2546,4 +2566,412 @@ fn many() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(10_000);
     campaign(0..seeds);
+}
+
+/// The graphs' queue (steps and children) and the queue their batches call back to (no worker:
+/// the callbacks are counted where they wait).
+const GRAPH_TOPIC: &str = "g";
+const GRAPH_CALLBACKS: &str = "gcb";
+
+/// A workflow step or batch child of the graph simulation.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct GStep {
+    step: u32,
+    /// Fails every attempt (dead after the policy's last).
+    fail: bool,
+}
+
+/// What the graph worker's handler saw.
+#[derive(Default)]
+struct GraphTracker {
+    /// Runs started, by event id.
+    runs: BTreeMap<String, u32>,
+    violations: Vec<String>,
+    checks: u64,
+    /// Starts whose dependencies could not be read (an injected fault).
+    unchecked: u64,
+}
+
+/// A workflow as published: each step's dependencies, rule and whether it fails.
+struct GWorkflow {
+    steps: Vec<(Vec<u32>, OnFailure, bool)>,
+    certain: bool,
+}
+
+/// Workflows and batches published under faults beside the rest of the simulation, with their
+/// own random stream (the other steps' choices stay those of their seed).
+struct GraphSim {
+    rng: Rng,
+    queue: Arc<Queue<Db>>,
+    callbacks: Arc<Queue<Db>>,
+    graphs: Graphs<Db>,
+    tracker: Arc<Mutex<GraphTracker>>,
+    worker: Option<Worker>,
+    workflows: BTreeMap<String, GWorkflow>,
+    /// Batch id -> each child's `fail`, and whether its publication is known.
+    batches: BTreeMap<String, (Vec<bool>, bool)>,
+    next: u32,
+}
+
+/// A publication's outcome for the trace: `ok`, or the error's kind.
+fn outcome<T>(result: &Result<T, TitoError>) -> String {
+    match result {
+        Ok(_) => "ok".into(),
+        Err(err) => error_kind(err),
+    }
+}
+
+fn graph_handler(
+    tracker: Arc<Mutex<GraphTracker>>,
+    graphs: Graphs<Db>,
+) -> impl Fn(QueueEvent<GStep>) -> futures::future::BoxFuture<'static, tito::QueueHandlerResult<GStep>>
++ Send
++ Sync
++ 'static {
+    move |event: QueueEvent<GStep>| {
+        let (tracker, graphs) = (tracker.clone(), graphs.clone());
+        Box::pin(async move {
+            *tracker
+                .lock()
+                .unwrap()
+                .runs
+                .entry(event.id.clone())
+                .or_default() += 1;
+            // No step before its dependencies: each one ended as its rule requires.
+            if let Some(of) = &event.workflow {
+                match graphs.workflow(&of.workflow).await {
+                    Ok(Some(state)) => {
+                        let me = state.steps.iter().find(|s| s.name == of.step).unwrap();
+                        let mut t = tracker.lock().unwrap();
+                        for dep in &me.after {
+                            let d = state.steps.iter().find(|s| &s.name == dep).unwrap();
+                            let ok = match (&d.state, me.on_failure) {
+                                (InvocationState::Finished(Finished::Completed(_)), _) => true,
+                                (InvocationState::Finished(_), OnFailure::RunAnyway) => true,
+                                _ => false,
+                            };
+                            t.checks += 1;
+                            if !ok {
+                                t.violations.push(format!(
+                                    "step {} of {} started while its dependency {dep} was {:?}",
+                                    of.step, of.workflow, d.state
+                                ));
+                            }
+                        }
+                    }
+                    _ => tracker.lock().unwrap().unchecked += 1,
+                }
+            }
+            if event.payload.fail {
+                return Err(TitoError::handler("this step fails"));
+            }
+            QueueHandlerOutcome::acknowledge_with(&event.payload.step)
+        })
+    }
+}
+
+impl GraphSim {
+    fn new(seed: u64, db: &Db) -> Self {
+        let queue = |topic: &str| {
+            Arc::new(Queue::new(
+                db.clone(),
+                QueueConfig::new(PARTITIONS, Duration::from_secs(3600)).topic(topic),
+            ))
+        };
+        GraphSim {
+            rng: Rng(seed ^ 0x6a09_e667_f3bc_c908),
+            queue: queue(GRAPH_TOPIC),
+            callbacks: queue(GRAPH_CALLBACKS),
+            graphs: Graphs::new(db.clone()),
+            tracker: Arc::default(),
+            worker: None,
+            workflows: BTreeMap::new(),
+            batches: BTreeMap::new(),
+            next: 0,
+        }
+    }
+
+    fn start_worker(&mut self, window: Window) {
+        let (stop, rx) = watch::channel(false);
+        let config = WorkerConfig::new(0..PARTITIONS)
+            .outcome_delay(window.delay)
+            .outcome_batch(window.batch)
+            .lease_duration(LEASE)
+            .handler_timeout(HANDLER_TIMEOUT)
+            .max_idle_backoff(Duration::from_millis(50))
+            .concurrency(4)
+            .failure_policy(failure_policy());
+        let task = tokio::spawn(run_worker(
+            self.queue.clone(),
+            config,
+            graph_handler(self.tracker.clone(), self.graphs.clone()),
+            rx,
+        ));
+        self.worker = Some(Worker { stop, task });
+    }
+
+    /// One graph action: publish a workflow or a batch, start or crash the worker, or a fault
+    /// on the graphs' keys.
+    async fn step(&mut self, db: &Db) -> String {
+        self.next += 1;
+        let n = self.next;
+        match self.rng.below(100) {
+            0..=34 => {
+                let id = format!("wf{n}");
+                let count = 2 + self.rng.below(5) as u32;
+                let mut steps = Vec::new();
+                let mut workflow = Workflow::new(&id);
+                for i in 0..count {
+                    let mut after: Vec<u32> = (0..i).filter(|_| self.rng.chance(40)).collect();
+                    after.truncate(3);
+                    let rule = if self.rng.chance(30) {
+                        OnFailure::RunAnyway
+                    } else {
+                        OnFailure::Cancel
+                    };
+                    let fail = self.rng.chance(12);
+                    // Ids of its own: runs of one seed repeat exactly.
+                    let event = QueueEvent::now(
+                        format!("gk{}", self.rng.below(5)),
+                        GStep { step: i, fail },
+                    )
+                    .with_id(format!("{id}.s{i}"));
+                    workflow
+                        .step(&StepName::<u32>::named(format!("s{i}")), &self.queue, event)
+                        .after(after.iter().map(|d| format!("s{d}")))
+                        .on_failure(rule);
+                    steps.push((after, rule, fail));
+                }
+                let result = self.graphs.publish_workflow(&workflow).await;
+                let certain = result.is_ok();
+                self.workflows
+                    .insert(id.clone(), GWorkflow { steps, certain });
+                format!("graph workflow {id} ({count} steps): {}", outcome(&result))
+            }
+            35..=59 => {
+                let id = format!("b{n}");
+                let children: Vec<bool> = (0..1 + self.rng.below(6))
+                    .map(|_| self.rng.chance(15))
+                    .collect();
+                let callback =
+                    |kind: &str| QueueEvent::now("cb", id.clone()).with_id(format!("{id}.{kind}"));
+                let batch = Batch::new(&id)
+                    .on_complete(&self.callbacks, callback("complete"))
+                    .on_success(&self.callbacks, callback("success"))
+                    .on_death(&self.callbacks, callback("death"));
+                let events: Vec<QueueEvent<GStep>> = children
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &fail)| {
+                        QueueEvent::now(
+                            format!("gk{i}"),
+                            GStep {
+                                step: i as u32,
+                                fail,
+                            },
+                        )
+                        .with_id(format!("{id}.c{i}"))
+                    })
+                    .collect();
+                let result = self
+                    .graphs
+                    .publish_batch(&batch, &self.queue, &events)
+                    .await;
+                self.batches
+                    .insert(id.clone(), (children.clone(), result.is_ok()));
+                format!(
+                    "graph batch {id} ({} children): {}",
+                    children.len(),
+                    outcome(&result)
+                )
+            }
+            60..=74 => {
+                if self.worker.is_none() {
+                    let window = Window::pick(&mut self.rng);
+                    self.start_worker(window);
+                    format!("graph worker start {:?}/{}", window.delay, window.batch)
+                } else {
+                    "graph worker running".into()
+                }
+            }
+            75..=84 => match self.worker.take() {
+                Some(worker) => {
+                    worker.task.abort();
+                    "graph worker crash".into()
+                }
+                None => "graph worker none".into(),
+            },
+            _ => {
+                const KEYS: [&str; 4] = [
+                    "queue@g:pending:",
+                    "batch-shard:",
+                    "workflow-edge:",
+                    "queue@g:waiting:",
+                ];
+                let data = KEYS[self.rng.below(KEYS.len() as u64) as usize];
+                let fault = match self.rng.below(4) {
+                    0 => Fault::Conflict,
+                    1 => Fault::UnknownOutcomeCommitted,
+                    2 => Fault::UnknownOutcomeNotCommitted,
+                    _ => Fault::Storage,
+                };
+                let skip = self.rng.below(8);
+                db.faults().add(
+                    FaultRule::new(FaultPoint::Commit, fault)
+                        .skip(skip)
+                        .when_key_starts_with(data),
+                );
+                format!("graph fault {fault:?} after {skip} on {data}")
+            }
+        }
+    }
+
+    /// Without faults: a worker runs every graph to its end; then every invariant is checked.
+    async fn finish(&mut self, db: &Db) -> (u64, Vec<String>) {
+        if let Some(worker) = self.worker.take() {
+            worker.task.abort();
+        }
+        self.start_worker(Window::NONE);
+        let mut waited = Duration::ZERO;
+        loop {
+            let mut open = 0;
+            for id in self.workflows.keys() {
+                if let Some(state) = self.graphs.workflow(id).await.unwrap()
+                    && !state.finished()
+                {
+                    open += 1;
+                }
+            }
+            for id in self.batches.keys() {
+                if let Some(state) = self.graphs.batch(id).await.unwrap()
+                    && !state.finished()
+                {
+                    open += 1;
+                }
+            }
+            if open == 0 || waited >= Duration::from_secs(120) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            waited += Duration::from_millis(200);
+        }
+        let worker = self.worker.take().unwrap();
+        worker.stop.send(true).ok();
+        let _ = tokio::time::timeout(HANDLER_TIMEOUT * 20, worker.task).await;
+        let mut checks = 0;
+        let mut violations = std::mem::take(&mut self.tracker.lock().unwrap().violations);
+        let mut check = |holds: bool, what: &dyn Fn() -> String| {
+            checks += 1;
+            if !holds {
+                violations.push(what());
+            }
+        };
+        let runs = self.tracker.lock().unwrap().runs.clone();
+        for (id, published) in &self.workflows {
+            let Some(state) = self.graphs.workflow(id).await.unwrap() else {
+                check(!published.certain, &|| {
+                    format!("workflow {id} was published and is gone")
+                });
+                continue;
+            };
+            check(state.finished(), &|| {
+                format!("workflow {id} never finished: {state:?}")
+            });
+            for (i, (after, rule, fail)) in published.steps.iter().enumerate() {
+                let step = &state.steps[i];
+                let ran = runs.get(&step.event_id).copied().unwrap_or(0);
+                let deps_completed = after.iter().all(|d| {
+                    matches!(
+                        state.steps[*d as usize].state,
+                        InvocationState::Finished(Finished::Completed(_))
+                    )
+                });
+                match &step.state {
+                    InvocationState::Finished(Finished::Completed(result)) => {
+                        check(!fail && ran >= 1, &|| {
+                            format!("{id} step {i} completed (fail {fail}, {ran} runs)")
+                        });
+                        check(result == &Some(serde_json::json!(i)), &|| {
+                            format!("{id} step {i}'s result was lost: {result:?}")
+                        });
+                        check(deps_completed || *rule == OnFailure::RunAnyway, &|| {
+                            format!("{id} step {i} completed after a failed dependency")
+                        });
+                    }
+                    InvocationState::Finished(Finished::Cancelled(_)) => {
+                        check(
+                            ran == 0 && !deps_completed && *rule == OnFailure::Cancel,
+                            &|| format!("{id} step {i} cancelled ({ran} runs, rule {rule:?})"),
+                        );
+                    }
+                    InvocationState::Finished(Finished::Dead { .. }) => {
+                        check(*fail, &|| format!("{id} step {i} died though it succeeds"));
+                    }
+                    other => check(false, &|| format!("{id} step {i} ended {other:?}")),
+                }
+            }
+        }
+        // Callbacks, counted where they wait (the callback queue has no worker).
+        let mut calls: BTreeMap<(String, BatchCallback), Vec<BatchCounts>> = BTreeMap::new();
+        let tx = db.begin().await.unwrap();
+        let prefix = format!("queue@{GRAPH_CALLBACKS}:pending:");
+        for (_, value) in scan_all(&tx, prefix.as_bytes()).await {
+            let row: serde_json::Value = serde_json::from_slice(&value).unwrap();
+            let done: BatchDone<String> = serde_json::from_value(row["payload"].clone()).unwrap();
+            calls
+                .entry((done.batch, done.callback))
+                .or_default()
+                .push(done.counts);
+        }
+        tx.rollback().await.unwrap();
+        for (id, (children, certain)) in &self.batches {
+            let Some(state) = self.graphs.batch(id).await.unwrap() else {
+                check(!certain, &|| {
+                    format!("batch {id} was published and is gone")
+                });
+                continue;
+            };
+            let dead = children.iter().filter(|f| **f).count() as u64;
+            let c = state.counts;
+            check(
+                state.finished()
+                    && c.added == children.len() as u64
+                    && c.dead == dead
+                    && c.completed == children.len() as u64 - dead,
+                &|| format!("batch {id}: {state:?}, {dead} should die"),
+            );
+            let count = |kind| calls.get(&(id.clone(), kind)).map_or(0, Vec::len);
+            check(count(BatchCallback::Complete) == 1, &|| {
+                format!(
+                    "batch {id}: {} complete callbacks",
+                    count(BatchCallback::Complete)
+                )
+            });
+            check(
+                count(BatchCallback::Success) == usize::from(dead == 0),
+                &|| {
+                    format!(
+                        "batch {id}: {} success callbacks, {dead} dead",
+                        count(BatchCallback::Success)
+                    )
+                },
+            );
+            check(
+                count(BatchCallback::Death) == usize::from(dead > 0),
+                &|| {
+                    format!(
+                        "batch {id}: {} death callbacks, {dead} dead",
+                        count(BatchCallback::Death)
+                    )
+                },
+            );
+            if let Some(told) = calls.get(&(id.clone(), BatchCallback::Complete)) {
+                check(told[0] == c, &|| {
+                    format!("batch {id} told {:?}, has {c:?}", told[0])
+                });
+            }
+        }
+        let t = self.tracker.lock().unwrap();
+        (checks + t.checks, violations)
+    }
 }

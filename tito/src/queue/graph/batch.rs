@@ -22,7 +22,7 @@ pub const MAX_BATCH_CALLBACKS: usize = 16;
 pub(crate) const CANCEL_BATCH: usize = 128;
 
 /// When a batch's callback runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 #[non_exhaustive]
 pub enum BatchCallback {
