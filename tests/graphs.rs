@@ -372,14 +372,20 @@ pub async fn a_dependencys_death_or_cancel_follows_each_steps_rule<E: TitoEngine
     let fail_a = Arc::new(std::sync::atomic::AtomicBool::new(true));
     let ran: Arc<Mutex<Vec<String>>> = Arc::default();
     let mut workers = Workers::new();
-    let (fail, log, reads) = (fail_a.clone(), ran.clone(), graphs.clone());
+    let (fail, log, reads, own) = (fail_a.clone(), ran.clone(), graphs.clone(), queue.clone());
     workers.spawn_worker(
         queue.clone(),
         fast(0..2).failure_policy(FailurePolicy::new(1)),
         move |event: QueueEvent<String>| {
-            let (fail, log, graphs) = (fail.clone(), log.clone(), reads.clone());
+            let (fail, log, graphs, own) = (fail.clone(), log.clone(), reads.clone(), own.clone());
             async move {
                 log.lock().unwrap().push(event.payload.clone());
+                // A handler reads invocation states (its own is pending while it runs).
+                let state = own.invocation_state::<String>(&event.id).await?;
+                assert!(
+                    matches!(state, InvocationState::Pending { .. }),
+                    "{state:?}"
+                );
                 if event.payload == "a" && fail.load(Ordering::SeqCst) {
                     return Err(TitoError::handler("a fails"));
                 }
@@ -414,15 +420,18 @@ pub async fn a_dependencys_death_or_cancel_follows_each_steps_rule<E: TitoEngine
         after,
         Finished::Completed(Some(serde_json::json!("after-cancel")))
     );
-    // "hold" waits for the dead "a"; "held-by-x" for the cancelled "x".
-    for held in ["hold", "held-by-x"] {
+    // "hold" waits for the dead "a"; "held-by-x" for the cancelled "x": each still names it.
+    for (held, on) in [("hold", "a"), ("held-by-x", "x")] {
         let state = queue
             .invocation_state::<String>(&id_of(held))
             .await
             .unwrap();
-        assert!(
-            matches!(state, InvocationState::Waiting { .. }),
-            "{held}: {state:?}"
+        assert_eq!(
+            state,
+            InvocationState::Waiting {
+                on: vec![on.into()]
+            },
+            "{held}"
         );
     }
     // Retried and completed, "a" releases the step that held for it.

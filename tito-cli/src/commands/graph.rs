@@ -10,7 +10,6 @@ use crate::{Failure, Outcome, print};
 /// A step's state in a few words.
 fn state_text(state: &InvocationState<serde_json::Value>) -> String {
     match state {
-        InvocationState::Waiting { on } if on.is_empty() => "holding".into(),
         InvocationState::Waiting { on } => format!("waiting for {}", on.join(", ")),
         InvocationState::Pending { attempt } => format!("pending (attempt {attempt})"),
         InvocationState::Finished(Finished::Completed(Some(result))) => {

@@ -21,9 +21,10 @@ pub enum InvocationState<R> {
     /// No invocation holds the id: never published, or its completed row was deleted by
     /// retention.
     Unknown,
-    /// A workflow step waiting for its dependencies: those whose end it has not seen yet
-    /// (empty when the ones left ended without completing and it holds, see
-    /// [`OnFailure::Hold`](crate::queue::graph::OnFailure::Hold)).
+    /// A workflow step waiting for its dependencies: those that have not completed yet. A
+    /// step that holds ([`OnFailure::Hold`](crate::queue::graph::OnFailure::Hold)) keeps a dead
+    /// or cancelled dependency here until it is retried and completes (or the workflow is
+    /// cancelled).
     Waiting {
         /// The steps it waits for.
         on: Vec<String>,
@@ -118,15 +119,15 @@ impl<E: TitoEngine> Queue<E> {
     ) -> TitoResult<InvocationState<R>> {
         let root = self.root();
         // The row the event-id key names, read in one snapshot.
-        let found = self
-            .engine()
-            .transaction(|tx| async move {
-                let Some(at) = tx.get(keys::event_id_key(root, id).as_bytes()).await? else {
-                    return Ok::<_, TitoError>(None);
-                };
-                Ok(tx.get(&at).await?.map(|row| (at, row)))
-            })
-            .await?;
+        // A read-only snapshot (nothing to commit), whose future borrows nothing of the
+        // caller's for longer than the call: a handler can await it.
+        let found = crate::engine::read_only(self.engine(), async |tx| {
+            let Some(at) = tx.get(keys::event_id_key(root, id).as_bytes()).await? else {
+                return Ok(None);
+            };
+            Ok(tx.get(&at).await?.map(|row| (at, row)))
+        })
+        .await?;
         let Some((at, row)) = found else {
             return Ok(InvocationState::Unknown);
         };
