@@ -2645,11 +2645,11 @@ fn graph_handler(
                         let mut t = tracker.lock().unwrap();
                         for dep in &me.after {
                             let d = state.steps.iter().find(|s| &s.name == dep).unwrap();
-                            let ok = match (&d.state, me.on_failure) {
-                                (InvocationState::Finished(Finished::Completed(_)), _) => true,
-                                (InvocationState::Finished(_), OnFailure::RunAnyway) => true,
-                                _ => false,
-                            };
+                            let ok = matches!(
+                                (&d.state, me.on_failure),
+                                (InvocationState::Finished(Finished::Completed(_)), _)
+                                    | (InvocationState::Finished(_), OnFailure::RunAnyway)
+                            );
                             t.checks += 1;
                             if !ok {
                                 t.violations.push(format!(
