@@ -48,7 +48,7 @@ pub enum OnFailure {
     /// dependency holds it until the workflow is cancelled.
     Hold,
     /// The step runs anyway, as if the dependency had completed; it reads the dependency's
-    /// end (`Finished::Dead` or `Finished::Cancelled`) with [`Graphs::dependency`].
+    /// end (`Finished::Dead` or `Finished::Cancelled`) with [`Graphs::dependency`](crate::queue::graph::Graphs::dependency).
     RunAnyway,
 }
 

@@ -306,7 +306,7 @@ use crate::engine;
 
 impl<E: TitoEngine> Graphs<E> {
     /// Cancels every step of workflow `id` that has not finished (waiting or pending; a
-    /// running handler is told, see [`cancellation`](crate::queue::cancellation)), dependents
+    /// running handler is told, see [`cancellation`]), dependents
     /// before what they depend on, in transactions of up to 128 steps. Returns how many it
     /// cancelled; 0 for an unknown or finished workflow.
     pub async fn cancel_workflow(&self, id: &str, why: &str) -> TitoResult<usize> {
