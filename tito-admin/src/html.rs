@@ -106,7 +106,7 @@ pub(crate) fn page(title: &str, body: &str, started: Option<Instant>) -> String 
          <meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\
          <base href=\"{base}\"><title>{title} · Tito</title><style>{STYLE}</style></head><body>\
          <header><a class=\"brand\" href=\"{home}\">Tito</a><a href=\"{home}\">Overview</a>\
-         <a href=\"actions\">Actions</a><a href=\"backup\">Backup</a></header><main><h1>{title}</h1>{body}{timing}</main></body></html>",
+         <a href=\"graphs\">Graphs</a><a href=\"actions\">Actions</a><a href=\"backup\">Backup</a></header><main><h1>{title}</h1>{body}{timing}</main></body></html>",
         title = esc(title),
         base = esc(&base),
         home = esc(&home),
@@ -1149,6 +1149,242 @@ pub(crate) fn kv(data: &KvData, started: Instant) -> String {
         );
     }
     page(&format!("Namespace {}", data.namespace), &b, Some(started))
+}
+
+/// The workflows and batches, a page of each.
+pub(crate) fn graphs(
+    workflows: &[tito::queue::graph::WorkflowSummary],
+    batches: &[tito::queue::graph::BatchSummary],
+    started: Instant,
+) -> String {
+    let mut b = String::from(
+        "<h2>Workflows</h2><table id=\"workflows\"><tr><th>workflow</th><th class=\"num\">steps</th><th>published</th></tr>",
+    );
+    if workflows.is_empty() {
+        b.push_str("<tr><td colspan=\"3\" class=\"muted\">none</td></tr>");
+    }
+    for w in workflows {
+        let _ = write!(
+            b,
+            "<tr data-workflow=\"{id}\"><td><a href=\"workflow?id={}\"><code>{id}</code></a></td><td class=\"num\">{}</td><td>{}</td></tr>",
+            q(&w.id),
+            w.steps,
+            utc_ms(w.created_ms),
+            id = esc(&w.id),
+        );
+    }
+    b.push_str("</table>");
+    if let Some(last) = workflows.last().filter(|_| workflows.len() == crate::PAGE) {
+        let _ = write!(
+            b,
+            "<div class=\"pager\"><a href=\"graphs?after_workflow={}\">more workflows →</a></div>",
+            q(&last.id)
+        );
+    }
+    b.push_str("<h2>Batches</h2><table id=\"batches\"><tr><th>batch</th><th>state</th><th>opened</th></tr>");
+    if batches.is_empty() {
+        b.push_str("<tr><td colspan=\"3\" class=\"muted\">none</td></tr>");
+    }
+    for batch in batches {
+        let _ = write!(
+            b,
+            "<tr data-batch=\"{id}\"><td><a href=\"batch?id={}\"><code>{id}</code></a></td><td>{}</td><td>{}</td></tr>",
+            q(&batch.id),
+            if batch.closed { "closed" } else { "open" },
+            utc_ms(batch.created_ms),
+            id = esc(&batch.id),
+        );
+    }
+    b.push_str("</table>");
+    if let Some(last) = batches.last().filter(|_| batches.len() == crate::PAGE) {
+        let _ = write!(
+            b,
+            "<div class=\"pager\"><a href=\"graphs?after_batch={}\">more batches →</a></div>",
+            q(&last.id)
+        );
+    }
+    page("Workflows and batches", &b, Some(started))
+}
+
+/// A step's state as a word (its colour's name) and as a sentence.
+fn step_state(state: &tito::queue::InvocationState<serde_json::Value>) -> (&'static str, String) {
+    use tito::queue::{Finished, InvocationState};
+    match state {
+        InvocationState::Waiting { on } => ("waiting", format!("waiting for {}", on.join(", "))),
+        InvocationState::Pending { attempt } => ("pending", format!("pending, attempt {attempt}")),
+        InvocationState::Finished(Finished::Completed(Some(result))) => {
+            ("completed", format!("completed: {result}"))
+        }
+        InvocationState::Finished(Finished::Completed(None)) => ("completed", "completed".into()),
+        InvocationState::Finished(Finished::Cancelled(why)) => {
+            ("cancelled", format!("cancelled: {why}"))
+        }
+        InvocationState::Finished(Finished::Dead { error, attempts }) => {
+            ("dead", format!("dead after {attempts} attempts: {error}"))
+        }
+        _ => ("gone", "gone (past retention)".into()),
+    }
+}
+
+/// The most steps a workflow's drawing shows (the table below lists them all).
+const DRAWN_STEPS: usize = 400;
+
+/// A workflow drawn as an inline SVG (a column per depth, edges from each dependency, each
+/// step coloured by its state, its state and result in its title), then a table of its steps.
+pub(crate) fn workflow(state: &tito::queue::graph::WorkflowState, started: Instant) -> String {
+    let steps = &state.steps;
+    let mut b = String::from("<div class=\"cards\">");
+    for (what, n) in state.counts() {
+        b.push_str(&card(what, &n.to_string(), what));
+    }
+    b.push_str("</div>");
+    if steps.len() <= DRAWN_STEPS {
+        let index: std::collections::HashMap<&str, usize> = steps
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (s.name.as_str(), i))
+            .collect();
+        // Depth: 0 without dependencies, else one more than the deepest dependency (steps are
+        // stored in the order they were added, which is no topological order: iterate).
+        let mut depth = vec![0usize; steps.len()];
+        for _ in 0..steps.len() {
+            let mut changed = false;
+            for (i, s) in steps.iter().enumerate() {
+                let d = s
+                    .after
+                    .iter()
+                    .filter_map(|a| index.get(a.as_str()))
+                    .map(|&a| depth[a] + 1)
+                    .max()
+                    .unwrap_or(0);
+                if d != depth[i] {
+                    depth[i] = d;
+                    changed = true;
+                }
+            }
+            if !changed {
+                break;
+            }
+        }
+        let mut rows = vec![0usize; steps.len() + 1];
+        let mut place = vec![(0usize, 0usize); steps.len()];
+        for (i, &d) in depth.iter().enumerate() {
+            place[i] = (d, rows[d]);
+            rows[d] += 1;
+        }
+        let (w, h, gap_x, gap_y) = (150, 36, 60, 16);
+        let columns = depth.iter().max().map_or(0, |d| d + 1);
+        let tallest = rows.iter().copied().max().unwrap_or(0);
+        let width = columns * (w + gap_x) + 20;
+        let height = tallest * (h + gap_y) + 20;
+        let at = |i: usize| (10 + place[i].0 * (w + gap_x), 10 + place[i].1 * (h + gap_y));
+        let _ = write!(
+            b,
+            "<svg id=\"workflow-graph\" role=\"img\" aria-label=\"workflow {} as a graph\" width=\"{width}\" height=\"{height}\" viewBox=\"0 0 {width} {height}\" xmlns=\"http://www.w3.org/2000/svg\">",
+            esc(&state.id)
+        );
+        for (i, s) in steps.iter().enumerate() {
+            for a in &s.after {
+                if let Some(&d) = index.get(a.as_str()) {
+                    let ((x1, y1), (x2, y2)) = (at(d), at(i));
+                    let _ = write!(
+                        b,
+                        "<line class=\"edge\" x1=\"{}\" y1=\"{}\" x2=\"{x2}\" y2=\"{}\" stroke=\"#888\"/>",
+                        x1 + w,
+                        y1 + h / 2,
+                        y2 + h / 2
+                    );
+                }
+            }
+        }
+        for (i, s) in steps.iter().enumerate() {
+            let (class, sentence) = step_state(&s.state);
+            let (x, y) = at(i);
+            let fill = match class {
+                "waiting" => "#e0e0e0",
+                "pending" => "#ffe082",
+                "completed" => "#a5d6a7",
+                "cancelled" => "#bdbdbd",
+                "dead" => "#ef9a9a",
+                _ => "#f5f5f5",
+            };
+            let label: String = s.name.chars().take(18).collect();
+            let _ = write!(
+                b,
+                "<g class=\"step {class}\" data-step=\"{name}\" data-state=\"{class}\"><title>{name}: {}</title>\
+                 <rect x=\"{x}\" y=\"{y}\" width=\"{w}\" height=\"{h}\" rx=\"6\" fill=\"{fill}\" stroke=\"#555\"/>\
+                 <text x=\"{}\" y=\"{}\" font-size=\"12\">{}</text></g>",
+                esc(&sentence),
+                x + 8,
+                y + h / 2 + 4,
+                esc(&label),
+                name = esc(&s.name),
+            );
+        }
+        b.push_str("</svg>");
+    } else {
+        let _ = write!(
+            b,
+            "<p class=\"muted\">{} steps: too many to draw ({DRAWN_STEPS} at most); the table lists them.</p>",
+            steps.len()
+        );
+    }
+    b.push_str("<table id=\"steps\"><tr><th>step</th><th>queue</th><th>event id</th><th>after</th><th>on failure</th><th>state</th></tr>");
+    for s in steps {
+        let (class, sentence) = step_state(&s.state);
+        let _ = write!(
+            b,
+            "<tr data-step=\"{}\" data-state=\"{class}\"><td>{}</td><td>{}</td><td><code>{}</code></td><td>{}</td><td>{:?}</td><td class=\"{}\">{}</td></tr>",
+            esc(&s.name),
+            esc(&s.name),
+            esc(&s.queue),
+            esc(&s.event_id),
+            esc(&s.after.join(", ")),
+            s.on_failure,
+            if class == "dead" { "error" } else { "" },
+            esc(&sentence),
+        );
+    }
+    b.push_str("</table>");
+    page(&format!("Workflow {}", state.id), &b, Some(started))
+}
+
+/// A batch: its counts and callbacks.
+pub(crate) fn batch(state: &tito::queue::graph::BatchState, started: Instant) -> String {
+    let c = state.counts;
+    let mut b = String::from("<div class=\"cards\">");
+    for (label, value, id) in [
+        ("added", c.added, "added"),
+        ("open", c.open(), "open"),
+        ("completed", c.completed, "completed"),
+        ("cancelled", c.cancelled, "cancelled"),
+        ("dead", c.dead, "dead"),
+    ] {
+        b.push_str(&card(label, &value.to_string(), id));
+    }
+    b.push_str("</div>");
+    let _ = write!(
+        b,
+        "<p>{}, opened {}</p><table id=\"callbacks\"><tr><th>callback</th><th>fired</th></tr>",
+        if state.closed {
+            "closed"
+        } else {
+            "open (children may still be added)"
+        },
+        utc_ms(state.created_ms)
+    );
+    if state.callbacks.is_empty() {
+        b.push_str("<tr><td colspan=\"2\" class=\"muted\">none</td></tr>");
+    }
+    for (kind, fired) in &state.callbacks {
+        let _ = write!(
+            b,
+            "<tr data-callback=\"{kind:?}\"><td>{kind:?}</td><td>{}</td></tr>",
+            if *fired { "fired" } else { "not fired" }
+        );
+    }
+    b.push_str("</table>");
+    page(&format!("Batch {}", state.id), &b, Some(started))
 }
 
 fn actions_table(actions: &[ActionRecord]) -> String {

@@ -382,6 +382,9 @@ impl<E: TitoEngine> Admin<E> {
             .route("/inbox", get(inbox_page::<E>))
             .route("/table", get(table_page::<E>))
             .route("/kv", get(kv_page::<E>))
+            .route("/graphs", get(graphs_page::<E>))
+            .route("/workflow", get(workflow_page::<E>))
+            .route("/batch", get(batch_page::<E>))
             .route("/actions", get(actions_page::<E>));
         // The JSON API: versioned, and unversioned as it was first served (the same answers).
         for prefix in ["/api", "/api/v1"] {
@@ -393,6 +396,9 @@ impl<E: TitoEngine> Admin<E> {
                 .route(&format!("{prefix}/inbox"), get(inbox_json::<E>))
                 .route(&format!("{prefix}/table"), get(table_json::<E>))
                 .route(&format!("{prefix}/kv"), get(kv_json::<E>))
+                .route(&format!("{prefix}/graphs"), get(graphs_json::<E>))
+                .route(&format!("{prefix}/workflow"), get(workflow_json::<E>))
+                .route(&format!("{prefix}/batch"), get(batch_json::<E>))
                 .route(&format!("{prefix}/actions"), get(actions_json::<E>))
                 .route(&format!("{prefix}/backup"), get(backup_json::<E>));
         }
@@ -917,6 +923,110 @@ async fn kv_json<E: TitoEngine>(
     Query(params): Query<KvParams>,
 ) -> Data {
     json(&load_kv(&state, &params).await?)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Job graphs
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Deserialize)]
+struct GraphsParams {
+    /// Continue after this workflow id.
+    after_workflow: Option<String>,
+    /// Continue after this batch id.
+    after_batch: Option<String>,
+}
+
+#[derive(Serialize)]
+struct GraphsData {
+    workflows: Vec<tito::queue::graph::WorkflowSummary>,
+    batches: Vec<tito::queue::graph::BatchSummary>,
+}
+
+async fn load_graphs<E: TitoEngine>(
+    state: &Inner<E>,
+    params: &GraphsParams,
+) -> Result<GraphsData, TitoError> {
+    let graphs = tito::queue::graph::Graphs::new(state.db.clone());
+    Ok(GraphsData {
+        workflows: graphs
+            .workflows(params.after_workflow.as_deref(), PAGE)
+            .await?,
+        batches: graphs.batches(params.after_batch.as_deref(), PAGE).await?,
+    })
+}
+
+async fn graphs_page<E: TitoEngine>(
+    State(state): State<Arc<Inner<E>>>,
+    Query(params): Query<GraphsParams>,
+) -> Page {
+    let started = Instant::now();
+    let data = load_graphs(&state, &params).await?;
+    Ok(Html(html::graphs(&data.workflows, &data.batches, started)))
+}
+
+async fn graphs_json<E: TitoEngine>(
+    State(state): State<Arc<Inner<E>>>,
+    Query(params): Query<GraphsParams>,
+) -> Data {
+    json(&load_graphs(&state, &params).await?)
+}
+
+#[derive(Deserialize)]
+struct IdParams {
+    id: String,
+}
+
+async fn load_workflow<E: TitoEngine>(
+    state: &Inner<E>,
+    id: &str,
+) -> Result<tito::queue::graph::WorkflowState, TitoError> {
+    tito::queue::graph::Graphs::new(state.db.clone())
+        .workflow(id)
+        .await?
+        .ok_or_else(|| TitoError::NotFound(format!("no workflow {id:?}")))
+}
+
+async fn workflow_page<E: TitoEngine>(
+    State(state): State<Arc<Inner<E>>>,
+    Query(params): Query<IdParams>,
+) -> Page {
+    let started = Instant::now();
+    let data = load_workflow(&state, &params.id).await?;
+    Ok(Html(html::workflow(&data, started)))
+}
+
+async fn workflow_json<E: TitoEngine>(
+    State(state): State<Arc<Inner<E>>>,
+    Query(params): Query<IdParams>,
+) -> Data {
+    json(&load_workflow(&state, &params.id).await?)
+}
+
+async fn load_batch<E: TitoEngine>(
+    state: &Inner<E>,
+    id: &str,
+) -> Result<tito::queue::graph::BatchState, TitoError> {
+    tito::queue::graph::Graphs::new(state.db.clone())
+        .batch(id)
+        .await?
+        .ok_or_else(|| TitoError::NotFound(format!("no batch {id:?}")))
+}
+
+async fn batch_page<E: TitoEngine>(
+    State(state): State<Arc<Inner<E>>>,
+    Query(params): Query<IdParams>,
+) -> Page {
+    let started = Instant::now();
+    let data = load_batch(&state, &params.id).await?;
+    Ok(Html(html::batch(&data, started)))
+}
+
+async fn batch_json<E: TitoEngine>(
+    State(state): State<Arc<Inner<E>>>,
+    Query(params): Query<IdParams>,
+) -> Data {
+    json(&load_batch(&state, &params.id).await?)
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -3642,3 +3642,94 @@ async fn the_cli_lists_shows_and_cancels_workflows_and_batches() {
         "{shown}"
     );
 }
+
+/// The dashboard's graphs: the list, a workflow drawn as an inline SVG (a node per step,
+/// coloured by its state, an edge per dependency, the state and result in each node's title)
+/// with the steps' table, a batch's counts and callbacks, their JSON twins, and unknown ids.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_draws_workflows_and_shows_batches() {
+    use tito::queue::graph::{Batch, Graphs, StepName, Workflow};
+    let dir = tempfile::tempdir().unwrap();
+    let db = Embedded::open(dir.path()).await.unwrap();
+    let graphs = Graphs::new(db.clone());
+    let queue = tito::Queue::new(
+        db.clone(),
+        QueueConfig::new(2, Duration::from_secs(3600)).topic("steps"),
+    );
+    let mut workflow = Workflow::new("order <7>");
+    for (name, after) in [
+        ("charge", vec![]),
+        ("reserve", vec!["charge"]),
+        ("receipt", vec!["charge"]),
+        ("notify", vec!["reserve", "receipt"]),
+    ] {
+        workflow
+            .step(
+                &StepName::<()>::new(name),
+                &queue,
+                QueueEvent::now("k", 1u32),
+            )
+            .after(after);
+    }
+    graphs.publish_workflow(&workflow).await.unwrap();
+    let children: Vec<_> = (0..3u32)
+        .map(|n| QueueEvent::now(format!("k{n}"), n))
+        .collect();
+    graphs
+        .publish_batch(&Batch::new("import 1"), &queue, &children)
+        .await
+        .unwrap();
+    queue.cancel(&children[0].id, "not needed").await.unwrap();
+    let router = tito_admin::Admin::new(db.clone()).router();
+    let local = Some("127.0.0.1:50000");
+
+    let (status, list) = send(&router, get("/graphs"), local).await;
+    assert_eq!(status, StatusCode::OK, "{list}");
+    assert!(
+        list.contains("href=\"workflow?id=order%20%3C7%3E\""),
+        "{list}"
+    );
+    assert!(list.contains("data-batch=\"import 1\""), "{list}");
+    let (status, page) = send(&router, get("/workflow?id=order%20%3C7%3E"), local).await;
+    assert_eq!(status, StatusCode::OK, "{page}");
+    assert!(page.contains("<svg id=\"workflow-graph\""), "{page}");
+    assert_eq!(page.matches("<g class=\"step ").count(), 4, "{page}");
+    assert_eq!(page.matches("<line class=\"edge\"").count(), 4, "{page}");
+    assert!(
+        page.contains(
+            "data-step=\"charge\" data-state=\"pending\"><title>charge: pending, attempt 1</title>"
+        ),
+        "{page}"
+    );
+    assert!(
+        page.contains("data-step=\"notify\" data-state=\"waiting\"><title>notify: waiting for reserve, receipt</title>"),
+        "{page}"
+    );
+    // The name is escaped wherever it is shown.
+    assert!(
+        page.contains("Workflow order &lt;7&gt;") && !page.contains("order <7>"),
+        "{page}"
+    );
+    let (_, body) = send(&router, get("/api/workflow?id=order%20%3C7%3E"), local).await;
+    let json: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(json["steps"][3]["state"]["waiting"]["on"][1], "receipt");
+    // A cancel shows in the colours.
+    graphs
+        .cancel_workflow("order <7>", "withdrawn")
+        .await
+        .unwrap();
+    let (_, page) = send(&router, get("/workflow?id=order%20%3C7%3E"), local).await;
+    assert_eq!(
+        page.matches("data-state=\"cancelled\"><title>").count(),
+        4,
+        "{page}"
+    );
+    let (_, batch) = send(&router, get("/batch?id=import%201"), local).await;
+    assert!(batch.contains("data-figure=\"added\">3<"), "{batch}");
+    assert!(batch.contains("data-figure=\"cancelled\">1<"), "{batch}");
+    assert!(batch.contains("data-figure=\"open\">2<"), "{batch}");
+    let (status, _) = send(&router, get("/workflow?id=nope"), local).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let (status, _) = send(&router, get("/api/batch?id=nope"), local).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+}
