@@ -34,6 +34,7 @@ macro_rules! graphs_suite {
                 a_batch_filled_over_time_calls_back_only_after_its_close,
                 concurrent_last_children_start_each_callback_once,
                 finished_graphs_expire_and_unfinished_ones_stay,
+                cancel_batch_cancels_only_its_own_children,
             ]
         );
     };
@@ -904,4 +905,49 @@ pub async fn finished_graphs_expire_and_unfinished_ones_stay<E: TitoEngine>(ctx:
     // The open workflow still runs to its end.
     let state = graphs.workflow(&open).await.unwrap().unwrap();
     assert_eq!(state.counts()[0], ("waiting", 1));
+}
+
+pub async fn cancel_batch_cancels_only_its_own_children<E: TitoEngine>(ctx: Ctx<E>) {
+    let graphs = Graphs::new(ctx.db.clone());
+    let jobs = topic(&ctx.db, "own-children", 2);
+    let id = fresh("own");
+    // "x" dies at once; "y" waits an hour.
+    let (x, y) = (fresh("x"), fresh("y"));
+    let children = vec![
+        QueueEvent::now("k", Work { n: 1 }).with_id(&x),
+        QueueEvent::after("k", Work { n: 2 }, Duration::from_secs(3600)).with_id(&y),
+    ];
+    graphs
+        .publish_batch(&Batch::new(&id), &jobs, &children)
+        .await
+        .unwrap();
+    let mut workers = Workers::new();
+    workers.spawn_worker(
+        jobs.clone(),
+        fast(0..2).failure_policy(FailurePolicy::new(1)),
+        |_: QueueEvent<Work>| async move {
+            Err::<QueueHandlerOutcome<Work>, _>(TitoError::handler("dies"))
+        },
+    );
+    assert!(matches!(
+        await_finished(&jobs, &x).await,
+        Finished::Dead { .. }
+    ));
+    workers.shutdown().await.unwrap();
+    // Its id freed and published again outside the batch: no child of it.
+    assert!(jobs.discard_dead(&x).await.unwrap());
+    let again = QueueEvent::after("k", Work { n: 3 }, Duration::from_secs(3600)).with_id(&x);
+    assert!(!jobs.publish(again).await.unwrap().duplicate);
+    assert_eq!(graphs.cancel_batch(&id, "stop").await.unwrap(), 1);
+    assert_eq!(
+        jobs.invocation_state::<Work>(&x).await.unwrap(),
+        InvocationState::Pending { attempt: 1 }
+    );
+    assert_eq!(
+        jobs.invocation_state::<Work>(&y).await.unwrap(),
+        InvocationState::Finished(Finished::Cancelled("stop".into()))
+    );
+    let state = graphs.batch(&id).await.unwrap().unwrap();
+    assert_eq!((state.counts.dead, state.counts.cancelled), (1, 1));
+    assert!(state.finished());
 }

@@ -920,7 +920,7 @@ pub fn batch_shard_key(id: &str, shard: u32) -> String {
     format!("{}{shard:04}", batch_shard_prefix(id))
 }
 
-/// `batch-child:{id}:`, the prefix of a batch's open children.
+/// `batch-child:{id}:`, the prefix of a batch's children.
 pub fn batch_child_prefix(id: &str) -> String {
     let mut key = "batch-child:".to_string();
     encode_str(id, &mut key);
@@ -928,8 +928,8 @@ pub fn batch_child_prefix(id: &str) -> String {
     key
 }
 
-/// `batch-child:{id}:{queue}:{event id}`: an open child of a batch (JSON: its queue and event
-/// id; the event id segment is bounded, see [`encode_bounded`]).
+/// `batch-child:{id}:{queue}:{event id}`: a child of a batch, kept until the batch expires
+/// (JSON: its queue and event id; the event id segment is bounded, see [`encode_bounded`]).
 pub fn batch_child_key(id: &str, root: &str, event_id: &str) -> String {
     let mut key = batch_child_prefix(id);
     encode_str(root, &mut key);

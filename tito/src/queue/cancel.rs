@@ -365,18 +365,20 @@ impl<E: TitoEngine> Graphs<E> {
             closed => closed?,
         };
         let prefix = keys::batch_child_prefix(id);
+        let end = keys::prefix_end(prefix.clone());
+        let mut from = prefix.into_bytes();
         let mut total = 0;
         loop {
-            let (db, why, prefix) = (self.engine().clone(), why.to_string(), prefix.clone());
-            let (cancelled, seen) = self
+            let (db, why, start) = (self.engine().clone(), why.to_string(), from.clone());
+            let batch_id = id.to_string();
+            let (cancelled, last, seen) = self
                 .engine()
                 .transaction(|tx| {
-                    let (db, why, prefix) = (db.clone(), why.clone(), prefix.clone());
+                    let (db, why, start, end) =
+                        (db.clone(), why.clone(), start.clone(), end.clone());
+                    let batch_id = batch_id.clone();
                     async move {
-                        let end = keys::prefix_end(prefix.clone());
-                        let rows = tx
-                            .scan(prefix.as_bytes(), end.as_bytes(), batch::CANCEL_BATCH)
-                            .await?;
+                        let rows = tx.scan(&start, end.as_bytes(), batch::CANCEL_BATCH).await?;
                         let mut cancelled = 0;
                         for (key, value) in &rows {
                             let child: batch::ChildRecord =
@@ -384,35 +386,34 @@ impl<E: TitoEngine> Graphs<E> {
                             let at = tx
                                 .get(keys::event_id_key(&child.q, &child.id).as_bytes())
                                 .await?;
-                            let done = match at {
-                                Some(at) => {
-                                    let at = keys::key_str(&at)?.to_string();
-                                    match cancel_row(&tx, &child.q, &at, &why).await? {
-                                        Some(wakes) => {
-                                            graph::wake_after_commit(&db, &tx, wakes);
-                                            crate::event::nudge::wakeups(&db, &child.q)
-                                                .cancelled_after_commit(&tx, vec![at]);
-                                            cancelled += 1;
-                                            true
-                                        }
-                                        None => false,
-                                    }
-                                }
-                                None => false,
+                            let Some(at) = at else { continue };
+                            let at = keys::key_str(&at)?.to_string();
+                            // Still this batch's child (its id may name a later invocation).
+                            let Some(row) = tx.get(at.as_bytes()).await? else {
+                                continue;
                             };
-                            if !done {
-                                // Not pending or waiting (dead, or gone): it no longer
-                                // holds the scan up.
-                                tx.delete(key.clone()).await?;
+                            let stored = crate::event::StoredEvent::parse(&row)?;
+                            if stored.batch.as_ref().map(|link| link.id.as_str())
+                                != Some(batch_id.as_str())
+                            {
+                                continue;
+                            }
+                            if let Some(wakes) = cancel_row(&tx, &child.q, &at, &why).await? {
+                                graph::wake_after_commit(&db, &tx, wakes);
+                                crate::event::nudge::wakeups(&db, &child.q)
+                                    .cancelled_after_commit(&tx, vec![at]);
+                                cancelled += 1;
                             }
                         }
-                        Ok::<_, TitoError>((cancelled, rows.len()))
+                        let last = rows.last().map(|(key, _)| key.clone());
+                        Ok::<_, TitoError>((cancelled, last, rows.len()))
                     }
                 })
                 .await?;
             total += cancelled;
-            if seen < batch::CANCEL_BATCH {
-                break;
+            match last {
+                Some(last) if seen == batch::CANCEL_BATCH => from = keys::key_after_bytes(&last),
+                _ => break,
             }
         }
         if total > 0 {

@@ -800,10 +800,9 @@ impl<E: TitoEngine> Queue<E> {
         }
         writes.apply(tx).await?;
         if !ended.is_empty() {
-            let root = &self.root;
             engine::aborting(tx, async {
                 for stored in &ended {
-                    let wakes = graph::finished(tx, root, stored, graph::Finish::Cancelled).await?;
+                    let wakes = graph::finished(tx, stored, graph::Finish::Cancelled).await?;
                     graph::wake_after_commit(&self.db, tx, wakes);
                 }
                 Ok(())

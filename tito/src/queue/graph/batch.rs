@@ -251,7 +251,7 @@ struct ShardCounts {
     counts: BatchCounts,
 }
 
-/// An open child's record: its queue and event id.
+/// A child's record: its queue and event id (kept until the batch expires).
 #[derive(Serialize, Deserialize)]
 pub(crate) struct ChildRecord {
     pub(crate) q: String,
@@ -323,11 +323,10 @@ async fn fire_due<X: TitoTransaction>(
     Ok(())
 }
 
-/// Applies the end of batch child `event_id` (of the queue at `root`) inside `tx`: its shard's
-/// counts, and when its shard emptied or it died, the record and the callbacks due.
+/// Applies the end of batch child `event_id` inside `tx`: its shard's counts, and when its
+/// shard emptied or it died, the record and the callbacks due.
 pub(super) async fn child_finished<X: TitoTransaction>(
     tx: &X,
-    root: &str,
     event_id: &str,
     link: &BatchLink,
     how: Finish,
@@ -354,9 +353,8 @@ pub(super) async fn child_finished<X: TitoTransaction>(
         Finish::Cancelled => shard.counts.cancelled += 1,
         Finish::Dead => shard.counts.dead += 1,
     }
+    // The child's key stays until the batch expires: one write less per child's end.
     tx.put(shard_key.into_bytes(), serde_json::to_vec(&shard)?)
-        .await?;
-    tx.delete(keys::batch_child_key(&link.id, root, event_id).into_bytes())
         .await?;
     if shard.open > 0 && how != Finish::Dead {
         return Ok(());

@@ -66,13 +66,12 @@ pub(crate) struct Wake {
 /// got due rows.
 pub(crate) async fn finished<X: TitoTransaction>(
     tx: &X,
-    root: &str,
     stored: &StoredEvent,
     how: Finish,
 ) -> TitoResult<Vec<Wake>> {
     let mut wakes = Vec::new();
     if let Some(link) = &stored.batch {
-        batch::child_finished(tx, root, &stored.id, link, how, &mut wakes).await?;
+        batch::child_finished(tx, &stored.id, link, how, &mut wakes).await?;
     }
     if let Some(link) = &stored.step {
         workflow::step_finished(tx, link, how, &mut wakes).await?;

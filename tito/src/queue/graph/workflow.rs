@@ -611,7 +611,7 @@ async fn cancel_waiting_row<X: TitoTransaction>(
     }
     crate::queue::completed::store_completed(tx, root, &mut stored, true).await?;
     if let Some(batch) = &stored.batch {
-        super::batch::child_finished(tx, root, &stored.id, batch, Finish::Cancelled, wakes).await?;
+        super::batch::child_finished(tx, &stored.id, batch, Finish::Cancelled, wakes).await?;
     }
     Ok(())
 }

@@ -230,7 +230,7 @@ pub(in crate::queue) async fn complete<X: TitoTransaction>(
                 Some(_) => Finish::Cancelled,
                 None => Finish::Completed,
             };
-            graph::finished(tx, root, &completed, how).await
+            graph::finished(tx, &completed, how).await
         }
     }
 }
@@ -311,7 +311,7 @@ pub(super) async fn bury<X: TitoTransaction>(
         dead_key.into_bytes(),
     )
     .await?;
-    graph::finished(tx, root, &dead, Finish::Dead).await
+    graph::finished(tx, &dead, Finish::Dead).await
 }
 
 /// The longest error text kept beside a row.
