@@ -930,14 +930,11 @@ async fn graphs_table() {
         let start = Instant::now();
         let batch =
             Batch::new(format!("bench-{cell}")).on_complete(&callbacks, QueueEvent::now("cb", ()));
-        for chunk in events.chunks(10_000) {
-            graphs.open_batch(&batch).await.unwrap();
-            graphs
-                .add_to_batch(batch.id(), &children, chunk)
-                .await
-                .unwrap();
-        }
-        graphs.close_batch(batch.id()).await.unwrap();
+        graphs
+            .publish_batch(&batch, &children, &events)
+            .await
+            .unwrap()
+            .unwrap();
         let published = start.elapsed();
         let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel();
         let mut workers = tito::queue::Workers::new();

@@ -35,6 +35,7 @@ macro_rules! graphs_suite {
                 concurrent_last_children_start_each_callback_once,
                 finished_graphs_expire_and_unfinished_ones_stay,
                 cancel_batch_cancels_only_its_own_children,
+                publish_batch_writes_in_bounded_transactions_and_resumes,
             ]
         );
     };
@@ -950,4 +951,40 @@ pub async fn cancel_batch_cancels_only_its_own_children<E: TitoEngine>(ctx: Ctx<
     let state = graphs.batch(&id).await.unwrap().unwrap();
     assert_eq!((state.counts.dead, state.counts.cancelled), (1, 1));
     assert!(state.finished());
+}
+
+pub async fn publish_batch_writes_in_bounded_transactions_and_resumes<E: TitoEngine>(ctx: Ctx<E>) {
+    let graphs = Graphs::new(ctx.db.clone());
+    let jobs = topic(&ctx.db, "resumed", 4);
+    let id = fresh("resumed");
+    let batch = Batch::new(&id);
+    // 2,500 children (three transactions); a first attempt got 300 of them in and failed.
+    let events: Vec<QueueEvent<Work>> = (0..2_500)
+        .map(|n| QueueEvent::after(format!("k{n}"), Work { n }, Duration::from_secs(3600)))
+        .collect();
+    assert!(graphs.open_batch(&batch).await.unwrap());
+    graphs
+        .add_to_batch(&id, &jobs, &events[..300])
+        .await
+        .unwrap();
+    // Published again: the rest is added, the first 300 are duplicates, and it is closed.
+    let answers = graphs
+        .publish_batch(&batch, &jobs, &events)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(answers.len(), 2_500);
+    assert_eq!(answers.iter().filter(|a| a.duplicate).count(), 300);
+    let state = graphs.batch(&id).await.unwrap().unwrap();
+    assert!(state.closed);
+    assert_eq!((state.counts.added, state.counts.open()), (2_500, 2_500));
+    // Closed: published again, nothing.
+    assert!(
+        graphs
+            .publish_batch(&batch, &jobs, &events)
+            .await
+            .unwrap()
+            .is_none()
+    );
+    assert_eq!(crate::support::pending_total(&jobs).await, 2_500);
 }

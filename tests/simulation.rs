@@ -2671,6 +2671,29 @@ fn graph_handler(
 }
 
 impl GraphSim {
+    /// Batch `id` with its callbacks, and its children (each failing or not): the same every
+    /// time it is built (ids of their own), so a publication that failed can be repeated.
+    fn batch_of(&self, id: &str, children: &[bool]) -> (Batch, Vec<QueueEvent<GStep>>) {
+        let callback =
+            |kind: &str| QueueEvent::now("cb", id.to_string()).with_id(format!("{id}.{kind}"));
+        let batch = Batch::new(id)
+            .on_complete(&self.callbacks, callback("complete"))
+            .on_success(&self.callbacks, callback("success"))
+            .on_death(&self.callbacks, callback("death"));
+        let events = children
+            .iter()
+            .enumerate()
+            .map(|(i, &fail)| {
+                let step = GStep {
+                    step: i as u32,
+                    fail,
+                };
+                QueueEvent::now(format!("gk{i}"), step).with_id(format!("{id}.c{i}"))
+            })
+            .collect();
+        (batch, events)
+    }
+
     fn new(seed: u64, db: &Db) -> Self {
         let queue = |topic: &str| {
             Arc::new(Queue::new(
@@ -2753,26 +2776,7 @@ impl GraphSim {
                 let children: Vec<bool> = (0..1 + self.rng.below(6))
                     .map(|_| self.rng.chance(15))
                     .collect();
-                let callback =
-                    |kind: &str| QueueEvent::now("cb", id.clone()).with_id(format!("{id}.{kind}"));
-                let batch = Batch::new(&id)
-                    .on_complete(&self.callbacks, callback("complete"))
-                    .on_success(&self.callbacks, callback("success"))
-                    .on_death(&self.callbacks, callback("death"));
-                let events: Vec<QueueEvent<GStep>> = children
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &fail)| {
-                        QueueEvent::now(
-                            format!("gk{i}"),
-                            GStep {
-                                step: i as u32,
-                                fail,
-                            },
-                        )
-                        .with_id(format!("{id}.c{i}"))
-                    })
-                    .collect();
+                let (batch, events) = self.batch_of(&id, &children);
                 let result = self
                     .graphs
                     .publish_batch(&batch, &self.queue, &events)
@@ -2832,6 +2836,17 @@ impl GraphSim {
             worker.task.abort();
         }
         self.start_worker(Window::NONE);
+        // A batch whose publication failed part way is open: published again (as a caller
+        // retries), it gets what is missing and closes.
+        for (id, (children, certain)) in &self.batches {
+            if !certain && self.graphs.batch(id).await.unwrap().is_some() {
+                let (batch, events) = self.batch_of(id, children);
+                self.graphs
+                    .publish_batch(&batch, &self.queue, &events)
+                    .await
+                    .unwrap();
+            }
+        }
         let mut waited = Duration::ZERO;
         loop {
             let mut open = 0;

@@ -156,6 +156,28 @@ use crate::telemetry::names;
 
 /// Every row under `prefix`, read in scans of 1024 (one scan for the small record sets it is
 /// used for: pause records, concurrency slots).
+/// `items` in the transactions a bulk publication writes them in: at most [`PUBLISH_BATCH`]
+/// events and [`PUBLISH_BATCH_BYTES`] each, and at least one, however large.
+pub(in crate::queue) fn publish_chunks(items: &[unique::ToPublish]) -> Vec<&[unique::ToPublish]> {
+    let mut chunks = Vec::new();
+    let mut rest = items;
+    while !rest.is_empty() {
+        let mut take = 1;
+        let mut bytes = rest[0].bytes.len();
+        while take < rest.len()
+            && take < PUBLISH_BATCH
+            && bytes + rest[take].bytes.len() <= PUBLISH_BATCH_BYTES
+        {
+            bytes += rest[take].bytes.len();
+            take += 1;
+        }
+        let (chunk, after) = rest.split_at(take);
+        chunks.push(chunk);
+        rest = after;
+    }
+    chunks
+}
+
 pub(crate) async fn scan_prefix<X: TitoTransaction>(
     tx: &X,
     prefix: &str,
@@ -604,19 +626,7 @@ impl<E: TitoEngine> Queue<E> {
         let items = Self::check_all(events, unique)?;
         self.check_config()?;
         let mut published = Vec::with_capacity(items.len());
-        let mut rest = &items[..];
-        while !rest.is_empty() {
-            // At least one event per transaction, however large.
-            let mut take = 1;
-            let mut bytes = rest[0].bytes.len();
-            while take < rest.len()
-                && take < PUBLISH_BATCH
-                && bytes + rest[take].bytes.len() <= PUBLISH_BATCH_BYTES
-            {
-                bytes += rest[take].bytes.len();
-                take += 1;
-            }
-            let (chunk, after) = rest.split_at(take);
+        for chunk in publish_chunks(&items) {
             match self.publish_checked(chunk).await {
                 Ok(answers) => published.extend(answers),
                 Err(err) if published.is_empty() => return Err(err),
@@ -628,7 +638,6 @@ impl<E: TitoEngine> Queue<E> {
                     });
                 }
             }
-            rest = after;
         }
         Ok(published)
     }

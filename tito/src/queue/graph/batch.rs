@@ -440,7 +440,7 @@ impl<E: TitoEngine> Graphs<E> {
         events: &[QueueEvent<T>],
     ) -> TitoResult<Vec<Published>> {
         let target = queue.graph_target();
-        let items = Arc::new(checked(events)?);
+        let items = Arc::new(checked(events, true)?);
         let (db, id) = (self.db.clone(), id.to_string());
         self.db
             .transaction(|tx| {
@@ -464,7 +464,7 @@ impl<E: TitoEngine> Graphs<E> {
         events: &[QueueEvent<T>],
         tx: &E::Transaction,
     ) -> TitoResult<Vec<Published>> {
-        let items = checked(events)?;
+        let items = checked(events, true)?;
         let mut wakes = Vec::new();
         let published = add(tx, id, &queue.graph_target(), &items, &mut wakes).await?;
         super::wake_after_commit(&self.db, tx, wakes);
@@ -496,32 +496,61 @@ impl<E: TitoEngine> Graphs<E> {
         Ok(closed)
     }
 
-    /// Opens `batch`, adds `events` to `queue` as its children and closes it, in one
-    /// transaction of its own. A batch of its id there already is answered with `None`
-    /// (nothing written).
+    /// Opens `batch`, adds `events` to `queue` as its children and closes it, in transactions
+    /// of its own: the children in bulk publication's transactions (at most
+    /// [`PUBLISH_BATCH`](crate::queue::PUBLISH_BATCH) events and
+    /// [`PUBLISH_BATCH_BYTES`](crate::queue::PUBLISH_BATCH_BYTES) each), the close in the
+    /// last. No callback can fire before the close, so a failure part way leaves an open
+    /// batch: publishing the same batch and events again adds what is missing (the rest are
+    /// duplicates by their ids) and closes it. A batch of its id there and closed already is
+    /// answered with `None` (nothing written). For one transaction, with the data that caused
+    /// it, use [`Graphs::publish_batch_in_tx`].
     pub async fn publish_batch<T: Serialize>(
         &self,
         batch: &Batch,
         queue: &impl GraphQueue<T>,
         events: &[QueueEvent<T>],
     ) -> TitoResult<Option<Vec<Published>>> {
-        let callbacks = Arc::new(batch.check()?);
-        let items = Arc::new(checked(events)?);
+        batch.check()?;
+        let items = checked(events, false)?;
         let target = queue.graph_target();
-        let (db, id) = (self.db.clone(), batch.id.clone());
-        self.db
-            .transaction(|tx| {
-                let (db, id, target) = (db.clone(), id.clone(), target.clone());
-                let (callbacks, items) = (callbacks.clone(), items.clone());
-                async move {
-                    let published = publish(&tx, &id, &callbacks, &target, &items).await?;
-                    if let Some((_, wakes)) = &published {
-                        super::wake_after_commit(&db, &tx, wakes.clone());
+        let id = batch.id.clone();
+        // Opened now, or left open by a publication that failed part way: go on.
+        let opened = self.open_batch(batch).await?;
+        if !opened && self.batch(&id).await?.is_some_and(|state| state.closed) {
+            return Ok(None);
+        }
+        let mut chunks: Vec<Vec<ToPublish>> = crate::queue::publish_chunks(&items)
+            .into_iter()
+            .map(<[ToPublish]>::to_vec)
+            .collect();
+        if chunks.is_empty() {
+            chunks.push(Vec::new());
+        }
+        let last = chunks.len() - 1;
+        let mut published = Vec::with_capacity(items.len());
+        for (n, chunk) in chunks.into_iter().enumerate() {
+            let chunk = Arc::new(chunk);
+            let (db, id, target) = (self.db.clone(), id.clone(), target.clone());
+            let answers = self
+                .db
+                .transaction(|tx| {
+                    let (db, id, target, chunk) =
+                        (db.clone(), id.clone(), target.clone(), chunk.clone());
+                    async move {
+                        let mut wakes = Vec::new();
+                        let answers = add(&tx, &id, &target, &chunk, &mut wakes).await?;
+                        if n == last {
+                            close(&tx, &id, &mut wakes).await?;
+                        }
+                        super::wake_after_commit(&db, &tx, wakes);
+                        Ok::<_, TitoError>(answers)
                     }
-                    Ok::<_, TitoError>(published.map(|(p, _)| p))
-                }
-            })
-            .await
+                })
+                .await?;
+            published.extend(answers);
+        }
+        Ok(Some(published))
     }
 
     /// [`Graphs::publish_batch`] inside `tx`, atomically with the rest of it (the data that
@@ -534,7 +563,7 @@ impl<E: TitoEngine> Graphs<E> {
         tx: &E::Transaction,
     ) -> TitoResult<Option<Vec<Published>>> {
         let callbacks = batch.check()?;
-        let items = checked(events)?;
+        let items = checked(events, true)?;
         let published = publish(tx, &batch.id, &callbacks, &queue.graph_target(), &items).await?;
         Ok(published.map(|(published, wakes)| {
             super::wake_after_commit(&self.db, tx, wakes);
@@ -593,9 +622,10 @@ impl<E: TitoEngine> Graphs<E> {
     }
 }
 
-/// Every event checked and encoded, the first bad one named.
-fn checked<T: Serialize>(events: &[QueueEvent<T>]) -> TitoResult<Vec<ToPublish>> {
-    if events.len() > MAX_PUBLISH_IN_TX {
+/// Every event checked and encoded, the first bad one named; `one_tx`: at most
+/// [`MAX_PUBLISH_IN_TX`] (they go in one transaction).
+fn checked<T: Serialize>(events: &[QueueEvent<T>], one_tx: bool) -> TitoResult<Vec<ToPublish>> {
+    if one_tx && events.len() > MAX_PUBLISH_IN_TX {
         return Err(TitoError::invalid_argument(format!(
             "{} children added in one transaction; at most {MAX_PUBLISH_IN_TX}: add a longer \
              list in several calls before closing the batch",
