@@ -36,6 +36,7 @@ macro_rules! graphs_suite {
                 finished_graphs_expire_and_unfinished_ones_stay,
                 cancel_batch_cancels_only_its_own_children,
                 publish_batch_writes_in_bounded_transactions_and_resumes,
+                a_periodic_job_starts_a_workflow_once_per_tick,
             ]
         );
     };
@@ -987,4 +988,78 @@ pub async fn publish_batch_writes_in_bounded_transactions_and_resumes<E: TitoEng
             .is_none()
     );
     assert_eq!(crate::support::pending_total(&jobs).await, 2_500);
+}
+
+pub async fn a_periodic_job_starts_a_workflow_once_per_tick<E: TitoEngine>(ctx: Ctx<E>) {
+    use tito::queue::{PeriodicJob, Schedule};
+    let graphs = Graphs::new(ctx.db.clone());
+    let nightly = topic(&ctx.db, "nightly", 1);
+    let steps = topic(&ctx.db, "nightly-steps", 2);
+    let prefix = fresh("nightly");
+    let mut workers = Workers::new();
+    let every = Schedule::every("nightly", Duration::from_secs(1)).unwrap();
+    workers.spawn_periodic(nightly.clone(), vec![PeriodicJob::new(every, 0u32)]);
+    // Each tick's handler publishes a workflow in its own outcome transaction: a workflow per
+    // tick, and none for a tick whose outcome did not commit.
+    let (reads, into, tag) = (graphs.clone(), steps.clone(), prefix.clone());
+    workers.spawn_transactional_worker(
+        nightly.clone(),
+        fast(0..1),
+        move |event: QueueEvent<u32>, tx| {
+            let (graphs, steps, tag) = (reads.clone(), into.clone(), tag.clone());
+            async move {
+                let mut workflow = Workflow::new(format!("{tag}-{}", event.id));
+                workflow.step(
+                    &StepName::<()>::new("export"),
+                    &steps,
+                    QueueEvent::now("k", 1u32),
+                );
+                workflow
+                    .step(
+                        &StepName::<()>::new("report"),
+                        &steps,
+                        QueueEvent::now("k", 2u32),
+                    )
+                    .after(["export"]);
+                graphs.publish_workflow_in_tx(&workflow, &tx).await?;
+                Ok(QueueHandlerOutcome::Acknowledge)
+            }
+        },
+    );
+    workers.spawn_worker(steps.clone(), fast(0..2), |_: QueueEvent<u32>| async move {
+        Ok(QueueHandlerOutcome::Acknowledge)
+    });
+    let watch = (graphs.clone(), prefix.clone());
+    wait_for(
+        "two finished nightly workflows",
+        Duration::from_secs(30),
+        move || {
+            let (graphs, prefix) = watch.clone();
+            async move {
+                let mut finished = 0;
+                for w in graphs.workflows(None, 1000).await.unwrap() {
+                    if w.id.starts_with(&prefix)
+                        && graphs.workflow(&w.id).await.unwrap().unwrap().finished()
+                    {
+                        finished += 1;
+                    }
+                }
+                finished >= 2
+            }
+        },
+    )
+    .await;
+    workers.shutdown().await.unwrap();
+    // One workflow per tick completed by the nightly queue, each finished or still running.
+    let ours: Vec<_> = graphs
+        .workflows(None, 1000)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|w| w.id.starts_with(&prefix))
+        .collect();
+    assert_eq!(ours.len() as u64, nightly.stats().acknowledged, "{ours:?}");
+    for w in &ours {
+        assert_eq!(w.steps, 2);
+    }
 }
