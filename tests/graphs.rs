@@ -37,6 +37,7 @@ macro_rules! graphs_suite {
                 cancel_batch_cancels_only_its_own_children,
                 publish_batch_writes_in_bounded_transactions_and_resumes,
                 a_periodic_job_starts_a_workflow_once_per_tick,
+                graphs_run_on_cluster_nodes_across_a_crash,
             ]
         );
     };
@@ -1062,4 +1063,182 @@ pub async fn a_periodic_job_starts_a_workflow_once_per_tick<E: TitoEngine>(ctx: 
     for w in &ours {
         assert_eq!(w.steps, 2);
     }
+}
+
+/// The work of [`graphs_run_on_cluster_nodes_across_a_crash`]: a workflow's step (its layer and
+/// place) or a batch's child.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum Layered {
+    Step { layer: u32, i: u32 },
+    Child(u32),
+}
+
+const LAYERS: u32 = 5;
+const WIDTH: u32 = 3;
+
+fn layer_step(layer: u32, i: u32) -> StepName<u64> {
+    StepName::named(format!("l{layer}-{i}"))
+}
+
+pub async fn graphs_run_on_cluster_nodes_across_a_crash<E: TitoEngine>(ctx: Ctx<E>) {
+    use tito::queue::{ClusterConfig, cluster_state, run_cluster_worker};
+    // A workflow of five layers of three steps (each step after every step of the layer
+    // before, its result one more than the sum of theirs) and a 120-child batch, run by cluster
+    // nodes on their own handles; one node crashes part way and another joins. Each step reads
+    // its dependencies' results (completed, or the step is a violation); the batch calls back
+    // once with every child completed. Node a's handlers never finish: what it started must be
+    // run again by the others once its leases lapse.
+    let graphs = Graphs::new(ctx.db.clone());
+    let handle = || topic(&ctx.db, "cl-graph", 4);
+    let callbacks = topic(&ctx.db, "cl-graph-callbacks", 1);
+    let calls: Calls = Arc::default();
+    let violations: Arc<Mutex<Vec<String>>> = Arc::default();
+    let children_run: Arc<Mutex<std::collections::BTreeSet<u32>>> = Arc::default();
+    let hung = Arc::new(AtomicUsize::new(0));
+    let node = |name: &str| {
+        let queue = handle();
+        let (reads, violations, run) = (
+            Graphs::new(ctx.db.clone()),
+            violations.clone(),
+            children_run.clone(),
+        );
+        let (hangs, hung) = (name == "a", hung.clone());
+        let (stop, rx) = tokio::sync::watch::channel(false);
+        let task = tokio::spawn(run_cluster_worker(
+            queue,
+            fast(0..0).concurrency(2),
+            ClusterConfig::new()
+                .node_id(name)
+                .node_ttl(Duration::from_secs(2))
+                .coordinator_ttl(Duration::from_secs(2))
+                .drop_after(Duration::from_millis(600)),
+            move |event: QueueEvent<Layered>| {
+                let (graphs, violations, run) = (reads.clone(), violations.clone(), run.clone());
+                let hung = hung.clone();
+                async move {
+                    if hangs {
+                        hung.fetch_add(1, Ordering::SeqCst);
+                        std::future::pending::<()>().await;
+                    }
+                    tokio::time::sleep(Duration::from_millis(3)).await;
+                    match event.payload {
+                        Layered::Child(n) => {
+                            run.lock().unwrap().insert(n);
+                            Ok(QueueHandlerOutcome::Acknowledge)
+                        }
+                        Layered::Step { layer: 0, .. } => {
+                            QueueHandlerOutcome::acknowledge_with(&1u64)
+                        }
+                        Layered::Step { layer, i } => {
+                            let mut sum = 0u64;
+                            for d in 0..WIDTH {
+                                match graphs.dependency(&event, &layer_step(layer - 1, d)).await? {
+                                    Finished::Completed(Some(v)) => sum += v,
+                                    other => violations.lock().unwrap().push(format!(
+                                        "l{layer}-{i} ran with l{}-{d} {other:?}",
+                                        layer - 1
+                                    )),
+                                }
+                            }
+                            QueueHandlerOutcome::acknowledge_with(&(sum + 1))
+                        }
+                    }
+                }
+            },
+            rx,
+        ));
+        (stop, task)
+    };
+    let mut callback_workers = Workers::new();
+    callback_worker(&mut callback_workers, &callbacks, &calls);
+    let (a, b) = (node("a"), node("b"));
+    let publisher = handle();
+    let watch = publisher.clone();
+    wait_for(
+        "nodes a and b to share the partitions",
+        Duration::from_secs(30),
+        move || {
+            let q = watch.clone();
+            async move {
+                let s = cluster_state(&q).await.unwrap();
+                s.members.len() == 2 && s.assignment.len() == 4 && s.leases == s.assignment
+            }
+        },
+    )
+    .await;
+    let id = fresh("cl-wf");
+    let mut workflow = Workflow::new(&id);
+    for layer in 0..LAYERS {
+        for i in 0..WIDTH {
+            let step = workflow.step(
+                &layer_step(layer, i),
+                &publisher,
+                QueueEvent::now(format!("s{i}"), Layered::Step { layer, i }),
+            );
+            if layer > 0 {
+                step.after((0..WIDTH).map(|d| layer_step(layer - 1, d).name().to_string()));
+            }
+        }
+    }
+    let published = graphs.publish_workflow(&workflow).await.unwrap();
+    let batch_id = fresh("cl-batch");
+    let batch =
+        Batch::new(&batch_id).on_complete(&callbacks, QueueEvent::now("cb", "done".to_string()));
+    let children: Vec<_> = (0..120)
+        .map(|n| QueueEvent::now(format!("c{}", n % 7), Layered::Child(n)))
+        .collect();
+    graphs
+        .publish_batch(&batch, &publisher, &children)
+        .await
+        .unwrap()
+        .unwrap();
+    // Node a crashes with both its handlers in flight; node c joins.
+    let started = hung.clone();
+    wait_for(
+        "node a to start two handlers",
+        Duration::from_secs(60),
+        move || {
+            let started = started.clone();
+            async move { started.load(Ordering::SeqCst) >= 2 }
+        },
+    )
+    .await;
+    a.1.abort();
+    let c = node("c");
+    let last = published
+        .step_id(layer_step(LAYERS - 1, 0).name())
+        .unwrap()
+        .to_string();
+    let done = publisher
+        .await_result::<u64>(&last, Duration::from_secs(120))
+        .await
+        .unwrap();
+    // Each layer's result is WIDTH times the last one's, plus one: 1, 4, 13, 40, 121.
+    let want = (0..LAYERS).fold(0u64, |r, _| r * WIDTH as u64 + 1);
+    assert_eq!(done, Some(Finished::Completed(Some(want))));
+    let seen = calls.clone();
+    let key = (batch_id.clone(), BatchCallback::Complete);
+    let wanted = key.clone();
+    wait_for("the batch's callback", Duration::from_secs(60), move || {
+        let (seen, key) = (seen.clone(), wanted.clone());
+        async move { seen.lock().unwrap().contains_key(&key) }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for (stop, task) in [b, c] {
+        stop.send(true).unwrap();
+        task.await.unwrap().unwrap();
+    }
+    callback_workers.shutdown().await.unwrap();
+    assert_eq!(violations.lock().unwrap().clone(), Vec::<String>::new());
+    let complete = calls.lock().unwrap()[&key].clone();
+    assert_eq!(complete.len(), 1, "{complete:?}");
+    assert_eq!(
+        (complete[0].counts.completed, complete[0].counts.dead),
+        (120, 0)
+    );
+    // Every child ran to its end on b or c, those a held included.
+    assert_eq!(children_run.lock().unwrap().len(), 120);
+    let state = graphs.workflow(&id).await.unwrap().unwrap();
+    assert!(state.finished(), "{state:?}");
 }
