@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use tito::backend::tikv::TiKV;
 use tito::queue::{
-    ClusterConfig, FailurePolicy, Limits, PeriodicJob, Schedule, Unique, UniqueStates,
+    ClusterConfig, FailurePolicy, Finished, Limits, PeriodicJob, Schedule, Unique, UniqueStates,
 };
 use tito::{
     Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, TitoEngine, TitoError, TitoTransaction,
@@ -747,4 +747,158 @@ async fn cross_process_wake_latency() {
          {wc50:.2} ms, p99 {w99:.2} | {wc99:.2} ms, max {wmax:.2} | {wcmax:.2} ms\n  the \
          publish call itself:     p50 {c50:.2} ms, p99 {c99:.2} ms, max {cmax:.2} ms"
     );
+}
+
+const AWAIT_DIR_VAR: &str = "TITO_AWAIT_CHILD_DIR";
+
+fn await_queue<E: TitoEngine>(db: &E) -> Arc<Queue<E>> {
+    Arc::new(Queue::new(
+        db.clone(),
+        QueueConfig::new(2, Duration::from_secs(3600)).topic("awaited"),
+    ))
+}
+
+const FIRST: tito::queue::graph::StepName<u64> = tito::queue::graph::StepName::new("first");
+const SECOND: tito::queue::graph::StepName<u64> = tito::queue::graph::StepName::new("second");
+
+/// The awaited results' worker process: answers `n` with `2n`, and a workflow's `second` step
+/// with its `first` step's result plus one; idle polls back off to 60 s (nudges wake it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "started as a child process by the awaited results' test"]
+async fn await_child() {
+    let (Ok(dir), Ok(pd)) = (std::env::var(AWAIT_DIR_VAR), std::env::var(PD_VAR)) else {
+        return;
+    };
+    let log = Log::open(&Path::new(&dir).join("await.log"));
+    let db = TiKV::connect(vec![pd]).await.unwrap();
+    let graphs = tito::queue::graph::Graphs::new(db.clone());
+    let mut workers = Workers::new();
+    workers.spawn_worker(
+        await_queue(&db),
+        WorkerConfig::new(0..2).max_idle_backoff(Duration::from_secs(60)),
+        move |event: QueueEvent<u64>| {
+            let (graphs, log) = (graphs.clone(), log.clone());
+            async move {
+                log.line(format!("ran {}", event.id));
+                match &event.workflow {
+                    Some(of) if of.step == SECOND.name() => {
+                        let Finished::Completed(Some(first)) =
+                            graphs.dependency(&event, &FIRST).await?
+                        else {
+                            return Err(TitoError::invalid_argument("first did not complete"));
+                        };
+                        QueueHandlerOutcome::acknowledge_with(&(first + 1))
+                    }
+                    _ => QueueHandlerOutcome::acknowledge_with(&(event.payload * 2)),
+                }
+            }
+        },
+    );
+    std::future::pending::<()>().await;
+}
+
+/// Results awaited in this process from handlers that ran in another OS process (the TiKV test
+/// server between them): each event's result, and a workflow's second step's result computed
+/// from its first's in that process. `TITO_AWAIT_EVENTS` events (20; 300 for figures), one every
+/// 20 ms; prints p50, p99 and the worst from the end of the publish call to `await_result`'s
+/// return, beside the same with the worker in this process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn results_are_awaited_across_processes() {
+    use tito::queue::graph::{Graphs, Workflow};
+    let events: u64 = std::env::var("TITO_AWAIT_EVENTS").map_or(20, |v| v.parse().unwrap());
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = TestCluster::start().await.unwrap();
+    let db = TiKV::connect(cluster.pd_endpoints()).await.unwrap();
+    let queue = await_queue(&db);
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "soak::await_child",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(AWAIT_DIR_VAR, dir.path())
+        .env(PD_VAR, &cluster.pd_endpoints()[0])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // The first result tells the other process is up (its start is not measured).
+    let warm = queue.publish(QueueEvent::now("warm", 0u64)).await.unwrap();
+    let first = queue
+        .await_result::<u64>(&warm.id, Duration::from_secs(120))
+        .await;
+    assert_eq!(first.unwrap(), Some(Finished::Completed(Some(0))));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let across = awaited(&queue, events, 1).await;
+    // A workflow whose steps run over there: the second reads the first's result.
+    let graphs = Graphs::new(db.clone());
+    let mut workflow = Workflow::new(format!("across-{}", warm.id));
+    workflow.step(&FIRST, &queue, QueueEvent::now("a", 20u64));
+    workflow
+        .step(&SECOND, &queue, QueueEvent::now("b", 0u64))
+        .after([&FIRST]);
+    let published = graphs.publish_workflow(&workflow).await.unwrap();
+    let second = queue
+        .await_result::<u64>(
+            published.step_id(SECOND.name()).unwrap(),
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap();
+    assert_eq!(second, Some(Finished::Completed(Some(41))));
+    let _ = child.kill();
+    let _ = child.wait();
+    let ran = std::fs::read_to_string(dir.path().join("await.log")).unwrap();
+    assert!(
+        ran.lines().count() as u64 >= events + 3,
+        "every handler ran in the other process: {ran}"
+    );
+    // The same with the worker in this process.
+    let local = await_queue(&db);
+    let mut workers = Workers::new();
+    workers.spawn_worker(
+        local.clone(),
+        WorkerConfig::new(0..2).max_idle_backoff(Duration::from_secs(60)),
+        |event: QueueEvent<u64>| async move {
+            QueueHandlerOutcome::acknowledge_with(&(event.payload * 2))
+        },
+    );
+    // Once this worker answers, the killed process's leases are gone.
+    let warm = local.publish(QueueEvent::now("warm", 1u64)).await.unwrap();
+    let done = local
+        .await_result::<u64>(&warm.id, Duration::from_secs(120))
+        .await
+        .unwrap();
+    assert_eq!(done, Some(Finished::Completed(Some(2))));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let within = awaited(&local, events, 1_000_000).await;
+    workers.shutdown().await.unwrap();
+    let (a50, a99, amax) = percentiles(across);
+    let (w50, w99, wmax) = percentiles(within);
+    println!(
+        "publish to awaited result on the TiKV test server, {events} events, idle polls backed \
+         off to 60 s (nudged), awaited here:\n  handler in another OS process: p50 {a50:.2} ms, \
+         p99 {a99:.2} ms, max {amax:.2} ms\n  handler in this process:       p50 {w50:.2} ms, \
+         p99 {w99:.2} ms, max {wmax:.2} ms"
+    );
+}
+
+/// Publishes `events` events one after another (payloads from `from`), awaits each one's
+/// result, checks it, and answers the latencies (ms) from the end of each publish call.
+async fn awaited<E: TitoEngine>(queue: &Queue<E>, events: u64, from: u64) -> Vec<f64> {
+    let mut took = Vec::new();
+    for n in from..from + events {
+        let published = queue.publish(QueueEvent::now("e", n)).await.unwrap();
+        let start = Instant::now();
+        let done = queue
+            .await_result::<u64>(&published.id, Duration::from_secs(60))
+            .await
+            .unwrap();
+        took.push(start.elapsed().as_secs_f64() * 1e3);
+        assert_eq!(done, Some(Finished::Completed(Some(n * 2))), "event {n}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    took
 }
