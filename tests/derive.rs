@@ -24,6 +24,10 @@ macro_rules! derive_suite {
                 serde_renames_are_followed,
                 typed_query_arguments_take_what_converts,
                 an_empty_string_is_a_range_bound,
+                enums_newtypes_and_uuids_are_index_values,
+                enums_by_number_sort_by_number,
+                an_enum_whose_serde_form_is_not_its_kind_is_refused_at_first_use,
+                a_string_field_becomes_an_enum_over_the_same_stored_rows,
             ]
         );
     };
@@ -568,4 +572,398 @@ pub async fn an_empty_string_is_a_range_bound<E: TitoEngine>(ctx: Ctx<E>) {
             other => panic!("equality with \"\" is refused: {other:?}"),
         }
     }
+}
+
+/// A unit enum indexed by its serde name.
+#[derive(tito::IndexValue, Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Status {
+    #[default]
+    Pending,
+    Paid,
+    Shipped,
+    Cancelled,
+}
+
+/// A newtype over a string.
+#[derive(tito::IndexValue, Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct CustomerId(pub String);
+
+/// A newtype over a signed integer (negative amounts sort first).
+#[derive(tito::IndexValue, Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Cents(pub i64);
+
+/// A one-field struct made transparent.
+#[derive(tito::IndexValue, Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Sku {
+    pub code: String,
+}
+
+#[derive(TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(table = "desk_order")]
+#[tito(index = "desk_by_status: status")]
+#[tito(index = "desk_by_customer_status: customer, status")]
+#[tito(index = "desk_by_total: total")]
+#[tito(index = "desk_by_flag: flag")]
+#[tito(index = "desk_by_history: history")]
+#[tito(index = "desk_by_sku: sku")]
+#[tito(unique_index = "desk_by_reference: reference")]
+pub struct DeskOrder {
+    pub id: String,
+    pub customer: CustomerId,
+    pub status: Status,
+    pub total: Cents,
+    /// Sparse: `None` is in no entry.
+    pub flag: Option<Status>,
+    /// An entry per element.
+    pub history: Vec<Status>,
+    pub sku: Sku,
+    pub reference: uuid::Uuid,
+}
+
+fn desk(id: &str, customer: &str, status: Status, total: i64, n: u128) -> DeskOrder {
+    DeskOrder {
+        id: id.into(),
+        customer: CustomerId(customer.into()),
+        status,
+        total: Cents(total),
+        flag: (status == Status::Cancelled).then_some(Status::Cancelled),
+        history: vec![Status::Pending, status],
+        sku: Sku {
+            code: format!("sku-{id}"),
+        },
+        // Version-7-like: the time in the high bits, so references sort as they were made.
+        reference: uuid::Uuid::from_u128((n << 80) | 0x7000_0000_0000_8000_0000_0000_0000),
+    }
+}
+
+fn desk_ids(page: &tito::TitoPage<DeskOrder>) -> Vec<&str> {
+    page.items.iter().map(|o| o.id.as_str()).collect()
+}
+
+pub async fn enums_newtypes_and_uuids_are_index_values<E: TitoEngine>(ctx: Ctx<E>) {
+    let orders = ctx.db.clone().model::<DeskOrder>();
+    for order in [
+        desk("1", "ada", Status::Paid, 4200, 1),
+        desk("2", "ada", Status::Shipped, -100, 2),
+        desk("3", "bob", Status::Paid, 0, 3),
+        desk("4", "bob", Status::Cancelled, 99, 4),
+    ] {
+        orders.build(order).await.unwrap();
+    }
+    // By value and by reference; the stored key is the serde name.
+    let paid = orders.desk_by_status(Status::Paid).execute().await.unwrap();
+    assert_eq!(desk_ids(&paid), ["1", "3"]);
+    let shipped = orders
+        .desk_by_status(&Status::Shipped)
+        .execute()
+        .await
+        .unwrap();
+    assert_eq!(desk_ids(&shipped), ["2"]);
+    // The untyped builder takes the serde name: the same entries.
+    let by_name = orders
+        .query_by_index("desk_by_status")
+        .value("paid")
+        .execute()
+        .await
+        .unwrap();
+    assert_eq!(by_name.items, paid.items);
+    // A range over an enum is in its names' byte order: cancelled < paid < pending < shipped.
+    let upto_paid = orders
+        .desk_by_status_range(..=Status::Paid)
+        .execute()
+        .await
+        .unwrap();
+    assert_eq!(desk_ids(&upto_paid), ["4", "1", "3"]);
+    // Composite: a newtype then an enum.
+    let ada_paid = orders
+        .desk_by_customer_status(&CustomerId("ada".into()))
+        .status_eq(Status::Paid)
+        .execute()
+        .await
+        .unwrap();
+    assert_eq!(desk_ids(&ada_paid), ["1"]);
+    // A newtype over i64 sorts as numbers, negatives first.
+    let totals = orders
+        .desk_by_total_range(Cents(-1_000)..Cents(100))
+        .execute()
+        .await
+        .unwrap();
+    assert_eq!(desk_ids(&totals), ["2", "3", "4"]);
+    // Option is sparse; Vec is an entry per element.
+    let flagged = orders.desk_by_flag_range(..).execute().await.unwrap();
+    assert_eq!(desk_ids(&flagged), ["4"]);
+    let ever_pending = orders
+        .desk_by_history(Status::Pending)
+        .execute()
+        .await
+        .unwrap();
+    assert_eq!(ever_pending.items.len(), 4);
+    let sku = orders
+        .desk_by_sku(Sku {
+            code: "sku-3".into(),
+        })
+        .execute()
+        .await
+        .unwrap();
+    assert_eq!(desk_ids(&sku), ["3"]);
+    // A UUID: unique, looked up, and ranged in the order the references were made.
+    let third = desk("3", "bob", Status::Paid, 0, 3).reference;
+    let one = orders.desk_by_reference(third).execute().await.unwrap();
+    assert_eq!(desk_ids(&one), ["3"]);
+    let later = orders
+        .desk_by_reference_range(desk("", "", Status::Paid, 0, 2).reference..)
+        .execute()
+        .await
+        .unwrap();
+    assert_eq!(desk_ids(&later), ["2", "3", "4"]);
+    let mut taken = desk("5", "eve", Status::Pending, 1, 3);
+    taken.reference = third;
+    assert!(matches!(
+        orders.build(taken).await,
+        Err(TitoError::UniqueViolation { .. })
+    ));
+    // An update moves the entries; the old value's are gone.
+    let mut one = orders.find_by_id("1", vec![]).await.unwrap();
+    one.status = Status::Shipped;
+    orders.update(one).await.unwrap();
+    let paid = orders.desk_by_status(Status::Paid).execute().await.unwrap();
+    assert_eq!(desk_ids(&paid), ["3"]);
+}
+
+/// A unit enum indexed by its number (serialized as one by serde_repr).
+#[derive(
+    tito::IndexValue,
+    serde_repr::Serialize_repr,
+    serde_repr::Deserialize_repr,
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+)]
+#[repr(i8)]
+#[tito(index_as = "number")]
+pub enum Priority {
+    Backlog = -1,
+    #[default]
+    Normal = 0,
+    High = 5,
+    Urgent = 10,
+}
+
+#[derive(TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(table = "ticket")]
+#[tito(index = "ticket_by_priority: priority")]
+pub struct Ticket {
+    pub id: String,
+    pub priority: Priority,
+}
+
+pub async fn enums_by_number_sort_by_number<E: TitoEngine>(ctx: Ctx<E>) {
+    let tickets = ctx.db.clone().model::<Ticket>();
+    for (id, priority) in [
+        ("u", Priority::Urgent),
+        ("b", Priority::Backlog),
+        ("h", Priority::High),
+        ("n", Priority::Normal),
+    ] {
+        tickets
+            .build(Ticket {
+                id: id.into(),
+                priority,
+            })
+            .await
+            .unwrap();
+    }
+    // Declared numbers' order, the negative one first (by name it would be b, h, n, u).
+    let all = tickets
+        .ticket_by_priority_range(..)
+        .execute()
+        .await
+        .unwrap();
+    let ids: Vec<&str> = all.items.iter().map(|t| t.id.as_str()).collect();
+    assert_eq!(ids, ["b", "n", "h", "u"]);
+    let pressing = tickets
+        .ticket_by_priority_range(Priority::High..)
+        .reverse(true)
+        .execute()
+        .await
+        .unwrap();
+    let ids: Vec<&str> = pressing.items.iter().map(|t| t.id.as_str()).collect();
+    assert_eq!(ids, ["u", "h"]);
+    assert_eq!(
+        tickets
+            .query_by_index("ticket_by_priority")
+            .value(&5)
+            .execute()
+            .await
+            .unwrap()
+            .items[0]
+            .id,
+        "h"
+    );
+}
+
+/// Indexed by name, but serde makes each variant an object.
+#[derive(tito::IndexValue, Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind")]
+pub enum Tagged {
+    #[default]
+    First,
+    Second,
+}
+
+/// Two variants of one serde name (written by hand: serde's derive would warn of it).
+#[derive(tito::IndexValue, Clone, Debug, Default, PartialEq)]
+pub enum Twins {
+    #[default]
+    One,
+    Two,
+}
+
+impl Serialize for Twins {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str("One")
+    }
+}
+
+impl<'de> Deserialize<'de> for Twins {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d).map(|_| Twins::One)
+    }
+}
+
+/// Indexed by number, serialized by name.
+#[derive(tito::IndexValue, Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[repr(u8)]
+#[tito(index_as = "number")]
+pub enum NamedNotNumbered {
+    #[default]
+    Low = 1,
+    High = 2,
+}
+
+#[derive(TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(table = "bad_tagged")]
+#[tito(index = "bad_by_tag: tag")]
+pub struct BadTagged {
+    pub id: String,
+    pub tag: Tagged,
+}
+
+#[derive(TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(table = "bad_twins")]
+#[tito(index = "bad_by_twin: twin")]
+pub struct BadTwins {
+    pub id: String,
+    pub twin: Option<Twins>,
+}
+
+#[derive(TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(table = "bad_numbered")]
+#[tito(index = "bad_by_level: level")]
+pub struct BadNumbered {
+    pub id: String,
+    pub level: Vec<NamedNotNumbered>,
+}
+
+pub async fn an_enum_whose_serde_form_is_not_its_kind_is_refused_at_first_use<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    let tagged = ctx.db.clone().model::<BadTagged>();
+    let err = tagged.build(BadTagged::default()).await.unwrap_err();
+    let text = err.to_string();
+    assert!(matches!(err, TitoError::InvalidArgument(_)), "{err:?}");
+    assert!(
+        text.contains("field `tag` of index `bad_by_tag`")
+            && text.contains("`Tagged::First` serializes as {\"kind\":\"First\"}")
+            && text.contains("remove the serde attribute"),
+        "{text}"
+    );
+    // A query is refused the same way, and nothing was written.
+    let err = tagged
+        .bad_by_tag(Tagged::First)
+        .execute()
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("`Tagged::First`"), "{err}");
+    assert!(
+        crate::support::read(&ctx.db, tito::keys::row_key("bad_tagged", "").as_bytes())
+            .await
+            .is_none()
+    );
+    let twins = ctx.db.clone().model::<BadTwins>();
+    let text = twins
+        .build(BadTwins::default())
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        text.contains("`Twins::One` and `Twins::Two` both serialize as \"One\""),
+        "{text}"
+    );
+    let numbered = ctx.db.clone().model::<BadNumbered>();
+    let text = numbered
+        .build(BadNumbered::default())
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        text.contains("`NamedNotNumbered::Low` serializes as \"Low\"")
+            && text.contains("serde_repr"),
+        "{text}"
+    );
+}
+
+/// The first deploy: the status is a string.
+#[derive(TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(table = "shipment")]
+#[tito(index = "shipment_by_status: status")]
+pub struct ShipmentV1 {
+    pub id: String,
+    pub status: String,
+}
+
+/// The next deploy: the same rows, the status an enum of the same serde form.
+#[derive(TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(table = "shipment")]
+#[tito(index = "shipment_by_status: status")]
+pub struct Shipment {
+    pub id: String,
+    pub status: Status,
+}
+
+pub async fn a_string_field_becomes_an_enum_over_the_same_stored_rows<E: TitoEngine>(ctx: Ctx<E>) {
+    let old = ctx.db.clone().model::<ShipmentV1>();
+    for (id, status) in [("1", "paid"), ("2", "shipped"), ("3", "paid")] {
+        old.build(ShipmentV1 {
+            id: id.into(),
+            status: status.into(),
+        })
+        .await
+        .unwrap();
+    }
+    // The index's definition is the same (a string key), so the catalog takes the new code's
+    // declaration as it is: no new name, no rebuild, and the old entries answer.
+    let new = ctx.db.clone().model::<Shipment>();
+    let paid = new
+        .shipment_by_status(Status::Paid)
+        .execute()
+        .await
+        .unwrap();
+    let ids: Vec<&str> = paid.items.iter().map(|s| s.id.as_str()).collect();
+    assert_eq!(ids, ["1", "3"]);
+    new.build(Shipment {
+        id: "4".into(),
+        status: Status::Paid,
+    })
+    .await
+    .unwrap();
+    // The old code reads what the new one wrote, through the same index.
+    let paid = old.shipment_by_status("paid").execute().await.unwrap();
+    assert_eq!(paid.items.len(), 3);
+    let report = new.audit(|_| {}).await.unwrap();
+    assert!(report.is_clean(), "{report:?}");
 }

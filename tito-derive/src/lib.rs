@@ -10,6 +10,7 @@ mod ast;
 mod attr;
 mod check;
 mod expand;
+mod value;
 
 use proc_macro::TokenStream;
 
@@ -27,4 +28,13 @@ pub fn derive_tito_model(input: TokenStream) -> TokenStream {
 pub fn derive_tito_shape(input: TokenStream) -> TokenStream {
     let input = syn::parse_macro_input!(input as syn::DeriveInput);
     expand::shape::derive(&input).into()
+}
+
+/// Derives `tito::IndexValue` for a unit enum (stored as its serde name, or with
+/// `#[tito(index_as = "number")]` as its number) or a newtype over an index value, so that it
+/// can be an index field. See `tito::model::value`.
+#[proc_macro_derive(IndexValue, attributes(tito))]
+pub fn derive_index_value(input: TokenStream) -> TokenStream {
+    let input = syn::parse_macro_input!(input as syn::DeriveInput);
+    value::derive(&input).into()
 }

@@ -75,6 +75,9 @@ pub use engine::{RetryPolicy, TitoEngine, TitoTransaction};
 pub use error::{BoxError, TitoError, TitoResult};
 #[allow(deprecated)]
 pub use keys::{key_after, next_string_lexicographically, prefix_end, prefix_end_bytes};
+/// The trait of index field types; derive it with `#[derive(tito::IndexValue)]` for unit enums
+/// and newtypes (see [`model::value`]).
+pub use model::IndexValue;
 pub use model::{
     TitoEventConfig, TitoIndexBlockType, TitoIndexConfig, TitoIndexField, TitoModel,
     TitoModelTrait, TitoOperation, TitoOptions, TitoPage,
@@ -85,7 +88,7 @@ pub use queue::{
 };
 /// Derives [`TitoModelTrait`] and typed index queries from `#[tito(...)]` attributes; see
 /// [`model`].
-pub use tito_derive::{TitoModel, TitoShape};
+pub use tito_derive::{IndexValue, TitoModel, TitoShape};
 
 pub use backend::embedded::Embedded;
 #[cfg(feature = "tikv")]

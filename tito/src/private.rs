@@ -3,65 +3,8 @@
 //! rustc on the user's own tokens.
 
 use chrono::{DateTime, Utc};
-use serde::Serialize;
 
-use crate::model::TitoIndexBlockType;
-
-/// A Rust type an index field may have, with its key encoding and the argument types of the
-/// typed query methods.
-#[diagnostic::on_unimplemented(
-    message = "`{Self}` cannot be an index field",
-    label = "unsupported index field type",
-    note = "index fields are `String`, integers, floats, `bool`, `chrono::DateTime<Utc>`, or an `Option` or `Vec` of those"
-)]
-pub trait IndexField {
-    /// The block type of the index configuration.
-    const BLOCK_TYPE: TitoIndexBlockType;
-    /// What a typed query takes by reference to bind the field.
-    type Arg: ?Sized + Serialize;
-    /// What a typed query's range is made of.
-    type RangeArg<'a>: Serialize;
-}
-
-/// An index field type that is a single value (what `Vec<T>` may hold).
-pub trait ScalarIndexField: IndexField {}
-
-impl IndexField for String {
-    const BLOCK_TYPE: TitoIndexBlockType = TitoIndexBlockType::String;
-    type Arg = str;
-    type RangeArg<'a> = &'a str;
-}
-impl ScalarIndexField for String {}
-
-macro_rules! scalar {
-    ($kind:ident: $($t:ty),*) => {$(
-        impl IndexField for $t {
-            const BLOCK_TYPE: TitoIndexBlockType = TitoIndexBlockType::$kind;
-            type Arg = $t;
-            type RangeArg<'a> = $t;
-        }
-        impl ScalarIndexField for $t {}
-    )*};
-}
-
-scalar!(Integer: i8, i16, i32, i64, isize);
-scalar!(Unsigned: u8, u16, u32, u64, usize);
-scalar!(Number: f32, f64);
-scalar!(Boolean: bool);
-scalar!(Timestamp: DateTime<Utc>);
-
-impl<T: IndexField> IndexField for Option<T> {
-    const BLOCK_TYPE: TitoIndexBlockType = T::BLOCK_TYPE;
-    type Arg = T::Arg;
-    type RangeArg<'a> = T::RangeArg<'a>;
-}
-impl<T: ScalarIndexField> ScalarIndexField for Option<T> {}
-
-impl<T: ScalarIndexField> IndexField for Vec<T> {
-    const BLOCK_TYPE: TitoIndexBlockType = T::BLOCK_TYPE;
-    type Arg = T::Arg;
-    type RangeArg<'a> = T::RangeArg<'a>;
-}
+pub use serde_json;
 
 /// A Rust type a model id may have.
 #[diagnostic::on_unimplemented(

@@ -67,20 +67,20 @@ pub(crate) fn lit_ident(lit: &LitStr, errors: &mut Errors, what: &str) -> Option
     }
 }
 
-/// `<Type as IndexField>::BLOCK_TYPE`, spanned on the field's type so that an unsupported type
+/// `<Type as IndexValue>::KIND`, spanned on the field's type so that an unsupported type
 /// is reported there.
 pub(crate) fn index_block_type(ty: &Type) -> TokenStream {
-    quote! { <#ty as ::tito::__private::IndexField>::BLOCK_TYPE }
+    quote! { <#ty as ::tito::model::IndexValue>::KIND }
 }
 
 /// The argument type of a typed query binding the field (spanned likewise).
 pub(crate) fn index_arg(ty: &Type) -> TokenStream {
-    quote! { <#ty as ::tito::__private::IndexField>::Arg }
+    quote! { <#ty as ::tito::model::IndexValue>::Arg }
 }
 
 /// The element type of a typed query range over the field (spanned likewise).
 pub(crate) fn index_range_arg(ty: &Type) -> TokenStream {
-    quote! { <#ty as ::tito::__private::IndexField>::RangeArg<'a> }
+    quote! { <#ty as ::tito::model::IndexValue>::RangeArg<'a> }
 }
 
 #[cfg(test)]

@@ -27,6 +27,7 @@ pub(super) fn expand(model: &Model, id: usize, errors: &mut Errors) -> TokenStre
         mut conditions,
         key_only,
     } = indexes(model, errors);
+    let value_checks = index_value_checks(model);
     let events = events(model, errors);
     let publishes_on = publishes_on(model);
     let topics = topics(model);
@@ -104,11 +105,49 @@ pub(super) fn expand(model: &Model, id: usize, errors: &mut Errors) -> TokenStre
             #key_only_indexes
 
             #timestamps
+
+            #value_checks
         }
 
         #inbox_impl
 
         #queries
+    }
+}
+
+/// `index_value_problem`: each index field's type asked whether its serde form is its declared
+/// kind of key (only derived enums can answer no), once per field.
+fn index_value_checks(model: &Model) -> TokenStream {
+    let mut seen = std::collections::HashSet::new();
+    let checks: Vec<TokenStream> = model
+        .attrs
+        .indexes
+        .iter()
+        .flat_map(|index| index.fields.iter().map(move |f| (index, f)))
+        .filter(|(_, f)| seen.insert((*f).clone()))
+        .filter_map(|(index, name)| {
+            let field = model.field(name)?;
+            let ty = &field.ty;
+            let index_name = &index.name;
+            Some(quote! {
+                if let ::std::option::Option::Some(problem) =
+                    <#ty as ::tito::model::IndexValue>::stored_form_problem()
+                {
+                    return ::std::option::Option::Some(::std::format!(
+                        "field `{}` of index `{}`: {}", #name, #index_name, problem
+                    ));
+                }
+            })
+        })
+        .collect();
+    if checks.is_empty() {
+        return TokenStream::new();
+    }
+    quote! {
+        fn index_value_problem(&self) -> ::std::option::Option<::std::string::String> {
+            #(#checks)*
+            ::std::option::Option::None
+        }
     }
 }
 

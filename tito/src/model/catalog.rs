@@ -353,6 +353,12 @@ fn row_configs<T: TitoModelTrait>(
 impl CodeSchema {
     pub(crate) fn of<T: TitoModelTrait>() -> TitoResult<CodeSchema> {
         let model = T::default();
+        if let Some(problem) = model.index_value_problem() {
+            return Err(TitoError::invalid_argument(format!(
+                "model of table {:?} cannot be indexed as declared: {problem}",
+                model.table()
+            )));
+        }
         let conditions: HashMap<String, (String, u32)> = model
             .conditions()
             .into_iter()

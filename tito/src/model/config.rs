@@ -158,6 +158,14 @@ pub trait TitoModelTrait:
     fn managed_timestamps(&self) -> bool {
         true
     }
+
+    /// Why an index field's type would not be stored as the kind of key its index declares,
+    /// if it would not (the derive asks each field's [`IndexValue`](crate::model::IndexValue):
+    /// an enum whose serde form is not its declared kind). Checked when the model is first
+    /// used; the error names the index, the field and the variant.
+    fn index_value_problem(&self) -> Option<String> {
+        None
+    }
 }
 
 /// One secondary index.

@@ -93,9 +93,10 @@
 //! | `#[tito(manual_timestamps)]` | Tito never sets `created_at` / `updated_at` (see [`TitoModelTrait::managed_timestamps`]) |
 //!
 //! Index field types come from the Rust types: `String`, integers, floats, `bool`,
-//! `chrono::DateTime<Utc>`, and `Option<T>` (sparse) or `Vec<T>` (one entry per element) of
-//! those. Field names follow serde's `rename` and `rename_all`. Mistakes are compile errors at
-//! the token that is wrong.
+//! `chrono::DateTime<Utc>`, `uuid::Uuid` (feature `uuid`), your unit enums and newtypes with
+//! `#[derive(tito::IndexValue)]` (see [`value`]), and `Option<T>` (sparse) or `Vec<T>` (one
+//! entry per element) of those. Field names follow serde's `rename` and `rename_all`. Mistakes
+//! are compile errors at the token that is wrong.
 //!
 //! For `index = "by_team_created: team_id, created_at"` the typed methods are
 //! `by_team_created(&team)` (binds `team_id`; `by_team_created_range(a..b)` ranges over it), then
@@ -140,6 +141,7 @@ pub(crate) mod index;
 pub(crate) mod query;
 pub(crate) mod rewriters;
 pub mod shape;
+pub mod value;
 mod write;
 
 use std::collections::HashSet;
@@ -156,6 +158,7 @@ pub use config::{
 pub use index::MAX_INDEX_ENTRIES_PER_ROW;
 pub use query::{DEFAULT_PAGE_LIMIT, IndexQuery, MAX_PAGE_LIMIT, QueryArg, TableQuery, TitoPage};
 pub use shape::{MAX_VERSION, ShapeError, TitoShape, read_exact};
+pub use value::{IndexValue, ScalarIndexValue};
 
 pub(crate) use crate::engine::read_only;
 use crate::engine::{self, OnStore, TitoEngine, TitoTransaction};

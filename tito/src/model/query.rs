@@ -74,6 +74,8 @@ by_value_or_reference!(
     i8, i16, i32, i64, isize, u8, u16, u32, u64, usize, f32, f64, bool
 );
 by_value_or_reference!(chrono::DateTime<chrono::Utc>);
+#[cfg(feature = "uuid")]
+by_value_or_reference!(uuid::Uuid);
 
 /// One page of results.
 #[derive(Clone, Debug, PartialEq, Serialize)]
