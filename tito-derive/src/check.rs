@@ -148,7 +148,7 @@ fn check_event_names(model: &Model, errors: &mut Errors) {
 }
 
 /// Index fields of a type that can never be indexed (maps, sets, tuples, references...) are
-/// reported here, once, at the field's type. Other types go through the `IndexField` bound that
+/// reported here, once, at the field's type. Other types go through the `IndexValue` bound that
 /// `expand` generates, so type aliases and newer supported types keep working.
 fn check_index_field_types(model: &Model, errors: &mut Errors) {
     let mut reported = HashSet::new();
@@ -163,7 +163,7 @@ fn check_index_field_types(model: &Model, errors: &mut Errors) {
                 errors.push(syn::Error::new_spanned(
                     &field.ty,
                     format!(
-                        "field `{name}` cannot be indexed: {why}; index fields are `String`, integers, floats, `bool`, `chrono::DateTime<Utc>`, or an `Option` or `Vec` of those"
+                        "field `{name}` cannot be indexed: {why}; index fields are `String`, integers up to 64 bits, floats, `bool`, `chrono::DateTime<Utc>`, `uuid::Uuid`, unit enums and newtypes with `#[derive(tito::IndexValue)]`, or an `Option` or `Vec` of those"
                     ),
                 ));
             }

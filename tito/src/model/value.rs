@@ -59,7 +59,7 @@ use super::config::TitoIndexBlockType;
 #[diagnostic::on_unimplemented(
     message = "`{Self}` cannot be an index field",
     label = "not an index value",
-    note = "add `#[derive(tito::IndexValue)]` to `{Self}` if it is a unit enum or a newtype over an index value (`struct OrderId(String)`)",
+    note = "if `{Self}` is your unit enum or a newtype over an index value (`struct OrderId(String)`), add `#[derive(tito::IndexValue)]` to it; a struct of several fields is not one value: index a field of the model that holds what you query by",
     note = "built-in index values are `String`, integers up to 64 bits, floats, `bool`, `chrono::DateTime<Utc>`, `uuid::Uuid` (feature `uuid`), and `Option` or `Vec` of those"
 )]
 pub trait IndexValue {
