@@ -4,4 +4,5 @@
 
 mod every_attribute_form;
 mod inbox_model;
+mod index_values;
 mod shapes;

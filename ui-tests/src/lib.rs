@@ -17,6 +17,9 @@ pub mod every_attribute_form;
 /// An inbox model with every role.
 #[path = "../../tests/forms/inbox_model.rs"]
 pub mod inbox_model;
+/// Index values of the application's own types.
+#[path = "../../tests/forms/index_values.rs"]
+pub mod index_values;
 /// A model with two previous shapes.
 #[path = "../../tests/forms/shapes.rs"]
 pub mod shapes;
