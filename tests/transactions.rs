@@ -26,6 +26,8 @@ macro_rules! transactions_suite {
                 a_non_retryable_commit_failure_is_returned_at_once,
                 fault_rules_skip_and_filter_by_key,
                 each_attempt_starts_from_the_captured_values,
+                an_async_closure_borrows_its_surroundings_and_is_replayed,
+                a_borrowing_transaction_runs_in_a_spawned_task_of_generic_code,
             ]
         );
     };
@@ -252,4 +254,119 @@ async fn tikv_transactions_work_on_a_current_thread_runtime() {
         .await
         .unwrap();
     assert_eq!(read(&ctx.db, b"t:k").await.as_deref(), Some(&b"v"[..]));
+}
+
+#[derive(
+    tito::TitoModel, Default, Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize,
+)]
+#[tito(table = "tx_account")]
+#[tito(index = "tx_account_by_owner: owner")]
+pub struct Account {
+    pub id: String,
+    pub owner: String,
+    pub cents: i64,
+}
+
+/// Moves `cents` from one account to another, borrowing the model handle, the ids and an
+/// attempt counter from the caller: no clone by hand.
+async fn transfer<E: TitoEngine>(
+    db: &E,
+    accounts: &tito::TitoModel<E, Account>,
+    from: &str,
+    to: &str,
+    cents: i64,
+    attempts: &AtomicU32,
+) -> Result<i64, TitoError> {
+    db.transaction(async |tx| {
+        attempts.fetch_add(1, Ordering::SeqCst);
+        let mut a = accounts.find_by_id_in_tx(from, &tx).await?;
+        let mut b = accounts.find_by_id_in_tx(to, &tx).await?;
+        a.cents -= cents;
+        b.cents += cents;
+        let left = a.cents;
+        accounts
+            .update_with_options(a, tito::TitoOptions::default(), &tx)
+            .await?;
+        accounts
+            .update_with_options(b, tito::TitoOptions::default(), &tx)
+            .await?;
+        Ok(left)
+    })
+    .await
+}
+
+pub async fn an_async_closure_borrows_its_surroundings_and_is_replayed<E: TitoEngine>(ctx: Ctx<E>) {
+    let db = faulty(&ctx);
+    let accounts = db.clone().model::<Account>();
+    let (from, to) = (format!("a-{}", ctx.key("x").len()), "b".to_string());
+    for (id, cents) in [(&from, 100), (&to, 0)] {
+        accounts
+            .build(Account {
+                id: id.clone(),
+                owner: "o".into(),
+                cents,
+            })
+            .await
+            .unwrap();
+    }
+    // Two conflicting commits: the closure runs three times, each from the borrowed values and
+    // the store as it is, and the transfer applies once.
+    db.faults()
+        .add(FaultRule::new(FaultPoint::Commit, Fault::Conflict).times(2));
+    let attempts = AtomicU32::new(0);
+    let left = transfer(&db, &accounts, &from, &to, 30, &attempts)
+        .await
+        .unwrap();
+    assert_eq!((left, attempts.load(Ordering::SeqCst)), (70, 3));
+    let b = accounts.find_by_id(&to, vec![]).await.unwrap();
+    assert_eq!(b.cents, 30);
+    // An error from the closure rolls back and comes back as it was.
+    let err = transfer(&db, &accounts, &from, "missing", 30, &attempts)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, TitoError::NotFound(_)), "{err:?}");
+    assert_eq!(accounts.find_by_id(&from, vec![]).await.unwrap().cents, 70);
+}
+
+pub async fn a_borrowing_transaction_runs_in_a_spawned_task_of_generic_code<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    // Generic code over `E` spawning a task whose transaction borrows the task's locals: the
+    // future must be `Send` for `tokio::spawn`, which rustc proves for the boxed future.
+    let db = ctx.db.clone();
+    let task = tokio::spawn(async move {
+        let accounts = db.clone().model::<Account>();
+        let id = format!("spawned-{}", QueueEventId::next());
+        accounts
+            .build(Account {
+                id: id.clone(),
+                owner: "s".into(),
+                cents: 5,
+            })
+            .await?;
+        let attempts = AtomicU32::new(0);
+        let doubled = db
+            .transaction(async |tx| {
+                attempts.fetch_add(1, Ordering::SeqCst);
+                let mut a = accounts.find_by_id_in_tx(&id, &tx).await?;
+                a.cents *= 2;
+                let cents = a.cents;
+                accounts
+                    .update_with_options(a, tito::TitoOptions::default(), &tx)
+                    .await?;
+                Ok::<_, TitoError>(cents)
+            })
+            .await?;
+        Ok::<_, TitoError>((doubled, attempts.load(Ordering::SeqCst)))
+    });
+    assert_eq!(task.await.unwrap().unwrap(), (10, 1));
+}
+
+/// A fresh id per call.
+struct QueueEventId;
+
+impl QueueEventId {
+    fn next() -> String {
+        tito::QueueEvent::now("k", ()).id
+    }
 }

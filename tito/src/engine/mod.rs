@@ -117,6 +117,8 @@
 use std::future::Future;
 use std::time::Duration;
 
+use futures::future::BoxFuture;
+
 use crate::error::{TitoError, TitoResult};
 
 #[cfg(any(test, feature = "test-util"))]
@@ -301,6 +303,14 @@ pub trait TitoEngine: Clone + Send + Sync + 'static {
     ///   attempt returns its value and one proven not to have committed is replayed (see
     ///   [Unknown outcomes](self#unknown-outcomes)).
     /// - Dropping the returned future rolls the transaction back.
+    /// - Two shapes of `f`: an async closure, `async |tx| { .. }`, borrows what it uses from
+    ///   its surroundings (a model handle, an id, a request body) and is replayed with the same
+    ///   borrowed values, no clones; `|tx| async move { .. }` owns what it captures, cloned per
+    ///   attempt (for a transaction spawned as a task of its own, which cannot borrow). Both
+    ///   work in generic code over `E: TitoEngine` and in spawned tasks: the returned future is
+    ///   a boxed `Send` future (one allocation per call), which is what lets rustc prove
+    ///   `Send` for a borrowing async closure in generic code (its opaque `impl Future` could
+    ///   not be, rust-lang/rust#110338).
     /// - `f` may handle an error of an operation it ran and still return `Ok`: Tito's
     ///   operations (model writes, publications, kv writes) check what can refuse them before
     ///   they buffer anything, so a refused one left nothing behind. One that failed after
@@ -327,33 +337,45 @@ pub trait TitoEngine: Clone + Send + Sync + 'static {
     ///     .transaction(|tx| async move { tx.get(b"greeting").await })
     ///     .await?;
     /// assert_eq!(value.as_deref(), Some(&b"hello"[..]));
+    ///
+    /// // An async closure borrows `key` and `suffix`: nothing is cloned by hand.
+    /// let (key, suffix) = (b"greeting".to_vec(), String::from(", world"));
+    /// let longer = db
+    ///     .transaction(async |tx| {
+    ///         let mut value = tx.get(&key).await?.unwrap_or_default();
+    ///         value.extend_from_slice(suffix.as_bytes());
+    ///         tx.put(key.clone(), value.clone()).await?;
+    ///         Ok::<_, TitoError>(value)
+    ///     })
+    ///     .await?;
+    /// assert_eq!(longer, b"hello, world");
     /// # Ok(())
     /// # }
     /// ```
-    fn transaction<F, Fut, T, E>(&self, f: F) -> impl Future<Output = Result<T, E>> + Send
+    fn transaction<'a, F, Fut, T, E>(&'a self, f: F) -> BoxFuture<'a, Result<T, E>>
     where
-        F: FnOnce(Self::Transaction) -> Fut + Clone + Send,
-        Fut: Future<Output = Result<T, E>> + Send,
-        T: Send,
-        E: From<TitoError> + Send,
+        F: FnOnce(Self::Transaction) -> Fut + Clone + Send + 'a,
+        Fut: Future<Output = Result<T, E>> + Send + 'a,
+        T: Send + 'a,
+        E: From<TitoError> + Send + 'a,
     {
         let policy = self.retry_policy();
-        retry::run(self, policy, f)
+        Box::pin(retry::run(self, policy, f))
     }
 
     /// [`TitoEngine::transaction`] with an explicit retry policy.
-    fn transaction_with<F, Fut, T, E>(
-        &self,
+    fn transaction_with<'a, F, Fut, T, E>(
+        &'a self,
         policy: RetryPolicy,
         f: F,
-    ) -> impl Future<Output = Result<T, E>> + Send
+    ) -> BoxFuture<'a, Result<T, E>>
     where
-        F: FnOnce(Self::Transaction) -> Fut + Clone + Send,
-        Fut: Future<Output = Result<T, E>> + Send,
-        T: Send,
-        E: From<TitoError> + Send,
+        F: FnOnce(Self::Transaction) -> Fut + Clone + Send + 'a,
+        Fut: Future<Output = Result<T, E>> + Send + 'a,
+        T: Send + 'a,
+        E: From<TitoError> + Send + 'a,
     {
-        retry::run(self, policy, f)
+        Box::pin(retry::run(self, policy, f))
     }
 }
 
