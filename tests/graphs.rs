@@ -38,6 +38,10 @@ macro_rules! graphs_suite {
                 publish_batch_writes_in_bounded_transactions_and_resumes,
                 a_periodic_job_starts_a_workflow_once_per_tick,
                 graphs_run_on_cluster_nodes_across_a_crash,
+                a_step_id_taken_after_retention_is_no_step_of_its_workflow,
+                a_batch_published_again_after_retention_adds_no_child_twice,
+                two_publications_of_one_batch_at_once_both_succeed,
+                control_characters_in_graph_names_are_refused,
             ]
         );
     };
@@ -1241,4 +1245,273 @@ pub async fn graphs_run_on_cluster_nodes_across_a_crash<E: TitoEngine>(ctx: Ctx<
     assert_eq!(children_run.lock().unwrap().len(), 120);
     let state = graphs.workflow(&id).await.unwrap().unwrap();
     assert!(state.finished(), "{state:?}");
+}
+
+/// A queue whose completed rows `expire_completed` deletes at once.
+fn forgetful<E: TitoEngine>(db: &E, name: &str) -> Arc<Queue<E>> {
+    Arc::new(Queue::new(
+        db.clone(),
+        QueueConfig::new(2, Duration::ZERO).topic(name),
+    ))
+}
+
+/// Expires `queue`'s completed rows until the invocation of `id` is gone (a row is past a zero
+/// retention once the clock moved past its commit).
+async fn forget<E: TitoEngine>(queue: &Arc<Queue<E>>, id: &str) {
+    let (queue, id) = (queue.clone(), id.to_string());
+    wait_for(
+        "the completed row to expire",
+        Duration::from_secs(30),
+        move || {
+            let (queue, id) = (queue.clone(), id.clone());
+            async move {
+                queue.expire_completed().await.unwrap();
+                matches!(
+                    queue
+                        .invocation_state::<serde_json::Value>(&id)
+                        .await
+                        .unwrap(),
+                    InvocationState::Unknown
+                )
+            }
+        },
+    )
+    .await;
+}
+
+pub async fn a_step_id_taken_after_retention_is_no_step_of_its_workflow<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    // Steps a → b, b held (a far due time, then a gate). a completes, retention deletes its row, and an
+    // unrelated job takes a's event id and completes with another result. b must read a as
+    // gone (NotFound), never the other job's result; the workflow must not count the other
+    // job as its step, and cancelling the workflow must not touch it.
+    let graphs = Graphs::new(ctx.db.clone());
+    let steps = forgetful(&ctx.db, "reused-steps");
+    let wf = fresh("reused");
+    const A: StepName<String> = StepName::new("a");
+    const B: StepName<String> = StepName::new("b");
+    let mut workflow = Workflow::new(&wf);
+    workflow.step(&A, &steps, QueueEvent::now("a", "mine".to_string()));
+    workflow
+        .step(
+            &B,
+            &steps,
+            QueueEvent::after("b", "reader".to_string(), Duration::from_secs(3600)),
+        )
+        .after([&A]);
+    let published = graphs.publish_workflow(&workflow).await.unwrap();
+    let a_id = published.step_id("a").unwrap().to_string();
+    let read: Arc<Mutex<Vec<String>>> = Arc::default();
+    let gate = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (reads, seen, open) = (graphs.clone(), read.clone(), gate.clone());
+    let mut workers = Workers::new();
+    workers.spawn_worker(
+        steps.clone(),
+        fast(0..2).concurrency(4),
+        move |event: QueueEvent<String>| {
+            let (graphs, seen, open) = (reads.clone(), seen.clone(), open.clone());
+            async move {
+                while event.payload == "gate" && !open.load(Ordering::SeqCst) {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                if event.payload == "reader" {
+                    let got = graphs.dependency(&event, &A).await;
+                    seen.lock().unwrap().push(format!("{got:?}"));
+                }
+                QueueHandlerOutcome::acknowledge_with(&format!("result of {}", event.payload))
+            }
+        },
+    );
+    assert_eq!(
+        await_finished(&steps, &a_id).await,
+        Finished::Completed(Some(serde_json::json!("result of mine")))
+    );
+    forget(&steps, &a_id).await;
+    // The unrelated job, under a's id, held pending until it is cancelled or run.
+    let other = steps
+        .publish(
+            QueueEvent::after("x", "other".to_string(), Duration::from_secs(3600)).with_id(&a_id),
+        )
+        .await
+        .unwrap();
+    assert!(!other.duplicate);
+    let state = graphs.workflow(&wf).await.unwrap().unwrap();
+    assert_eq!(state.steps[0].state, InvocationState::Unknown, "{state:?}");
+    // Cancelling the workflow cancels b (still waiting for its time) and not the other job.
+    let b_id = published.step_id("b").unwrap().to_string();
+    assert_eq!(
+        graphs
+            .cancel_workflow(&wf, "no longer needed")
+            .await
+            .unwrap(),
+        1
+    );
+    assert!(matches!(
+        steps.invocation_state::<String>(&a_id).await.unwrap(),
+        InvocationState::Pending { .. }
+    ));
+    assert!(matches!(
+        steps.invocation_state::<String>(&b_id).await.unwrap(),
+        InvocationState::Finished(Finished::Cancelled(_))
+    ));
+    // Another workflow the same way, whose b runs once a gate step ends: it reads a as past
+    // retention.
+    const GATE: StepName<String> = StepName::new("gate");
+    let wf2 = fresh("reused2");
+    let mut workflow = Workflow::new(&wf2);
+    workflow.step(&A, &steps, QueueEvent::now("a", "mine".to_string()));
+    workflow.step(&GATE, &steps, QueueEvent::now("g", "gate".to_string()));
+    workflow
+        .step(&B, &steps, QueueEvent::now("b", "reader".to_string()))
+        .after([&A, &GATE]);
+    let published = graphs.publish_workflow(&workflow).await.unwrap();
+    let a2 = published.step_id("a").unwrap().to_string();
+    await_finished(&steps, &a2).await;
+    forget(&steps, &a2).await;
+    let other = steps
+        .publish(QueueEvent::now("x", "other".to_string()).with_id(&a2))
+        .await
+        .unwrap();
+    assert!(!other.duplicate);
+    gate.store(true, Ordering::SeqCst);
+    let b2 = published.step_id("b").unwrap().to_string();
+    await_finished(&steps, &b2).await;
+    workers.shutdown().await.unwrap();
+    let read = read.lock().unwrap().clone();
+    assert_eq!(read.len(), 1, "{read:?}");
+    assert!(
+        read[0].contains("NotFound") && read[0].contains("completed_retention"),
+        "{read:?}"
+    );
+}
+
+pub async fn a_batch_published_again_after_retention_adds_no_child_twice<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    // A publication got 300 of 1,500 children in and failed; those ran and retention deleted
+    // their rows. Published again, the batch adds the other 1,200 only, and calls back once
+    // with 1,500.
+    let graphs = Graphs::new(ctx.db.clone());
+    let jobs = forgetful(&ctx.db, "resumed-late");
+    let callbacks = topic(&ctx.db, "resumed-late-callbacks", 1);
+    let calls: Calls = Arc::default();
+    let id = fresh("late");
+    let batch = Batch::new(&id).on_complete(&callbacks, QueueEvent::now("cb", "done".to_string()));
+    let events: Vec<QueueEvent<Work>> = (0..1_500)
+        .map(|n| QueueEvent::now(format!("k{}", n % 16), Work { n }))
+        .collect();
+    assert!(graphs.open_batch(&batch).await.unwrap());
+    graphs
+        .add_to_batch(&id, &jobs, &events[..300])
+        .await
+        .unwrap();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let mut workers = Workers::new();
+    callback_worker(&mut workers, &callbacks, &calls);
+    let counted = runs.clone();
+    workers.spawn_worker(
+        jobs.clone(),
+        fast(0..2).concurrency(8),
+        move |_: QueueEvent<Work>| {
+            let counted = counted.clone();
+            async move {
+                counted.fetch_add(1, Ordering::SeqCst);
+                Ok(QueueHandlerOutcome::Acknowledge)
+            }
+        },
+    );
+    let watch = runs.clone();
+    wait_for(
+        "the first 300 children",
+        Duration::from_secs(60),
+        move || {
+            let watch = watch.clone();
+            async move { watch.load(Ordering::SeqCst) >= 300 }
+        },
+    )
+    .await;
+    for event in &events[..300] {
+        forget(&jobs, &event.id).await;
+    }
+    let answers = graphs
+        .publish_batch(&batch, &jobs, &events)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(answers.len(), 1_500);
+    assert_eq!(answers.iter().filter(|a| a.duplicate).count(), 300);
+    let seen = calls.clone();
+    let key = (id.clone(), BatchCallback::Complete);
+    let wanted = key.clone();
+    wait_for("the callback", Duration::from_secs(60), move || {
+        let (seen, key) = (seen.clone(), wanted.clone());
+        async move { seen.lock().unwrap().contains_key(&key) }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    workers.shutdown().await.unwrap();
+    assert_eq!(runs.load(Ordering::SeqCst), 1_500);
+    let complete = calls.lock().unwrap()[&key].clone();
+    assert_eq!(complete.len(), 1);
+    assert_eq!(
+        (complete[0].counts.added, complete[0].counts.completed),
+        (1_500, 1_500)
+    );
+}
+
+pub async fn two_publications_of_one_batch_at_once_both_succeed<E: TitoEngine>(ctx: Ctx<E>) {
+    // Two replicas of one job publish the same 3,500-child batch at once: each answers `Ok`
+    // (the one that finds it closed by the other, `None`), and the batch has each child once.
+    for round in 0..3 {
+        let (a, b) = (Graphs::new(ctx.db.clone()), Graphs::new(ctx.db.clone()));
+        let jobs = topic(&ctx.db, "twice", 4);
+        let id = fresh(&format!("twice{round}"));
+        let batch = Batch::new(&id);
+        let events: Vec<QueueEvent<Work>> = (0..3_500)
+            .map(|n| QueueEvent::after(format!("k{n}"), Work { n }, Duration::from_secs(3600)))
+            .collect();
+        let (x, y) = tokio::join!(
+            a.publish_batch(&batch, &jobs, &events),
+            b.publish_batch(&batch, &jobs, &events)
+        );
+        let (x, y) = (x.unwrap(), y.unwrap());
+        assert!(x.is_some() || y.is_some(), "round {round}");
+        let state = a.batch(&id).await.unwrap().unwrap();
+        assert!(state.closed);
+        assert_eq!(state.counts.added, 3_500, "round {round}");
+    }
+}
+
+pub async fn control_characters_in_graph_names_are_refused<E: TitoEngine>(ctx: Ctx<E>) {
+    let graphs = Graphs::new(ctx.db.clone());
+    let jobs = topic(&ctx.db, "names", 1);
+    for id in ["line\nbreak", "tab\there", "bell\u{7}"] {
+        let err = graphs
+            .publish_batch(
+                &Batch::new(id),
+                &jobs,
+                &[QueueEvent::now("k", Work { n: 1 })],
+            )
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("control character"), "{err}");
+        let mut workflow = Workflow::new(id);
+        workflow.step(
+            &StepName::<()>::new("s"),
+            &jobs,
+            QueueEvent::now("k", Work { n: 1 }),
+        );
+        let err = graphs.publish_workflow(&workflow).await.unwrap_err();
+        assert!(err.to_string().contains("control character"), "{err}");
+        let mut workflow = Workflow::new(fresh("named"));
+        workflow.step(
+            &StepName::<()>::named(id),
+            &jobs,
+            QueueEvent::now("k", Work { n: 1 }),
+        );
+        let err = graphs.publish_workflow(&workflow).await.unwrap_err();
+        assert!(err.to_string().contains("control character"), "{err}");
+    }
+    assert_eq!(crate::support::pending_total(&jobs).await, 0);
 }

@@ -47,6 +47,14 @@ pub(crate) fn esc(text: &str) -> String {
             '>' => out.push_str("&gt;"),
             '"' => out.push_str("&quot;"),
             '\'' => out.push_str("&#39;"),
+            // Bidirectional controls would reorder the text around them on screen (a name
+            // that reads as another): shown as their code points instead.
+            '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}' | '\u{200E}' | '\u{200F}' => {
+                out.push_str(&format!("&lt;U+{:04X}&gt;", c as u32))
+            }
+            c if c.is_control() && !matches!(c, '\n' | '\t' | '\r') => {
+                out.push_str(&format!("&lt;U+{:04X}&gt;", c as u32))
+            }
             c => out.push(c),
         }
     }

@@ -538,13 +538,18 @@ impl From<TitoError> for Failure {
     }
 }
 
+/// The HTTP status of a failure: a bad request, something not there, or the server's.
+fn status_of(err: &TitoError) -> StatusCode {
+    match err {
+        TitoError::InvalidArgument(_) => StatusCode::BAD_REQUEST,
+        TitoError::NotFound(_) => StatusCode::NOT_FOUND,
+        _ => StatusCode::INTERNAL_SERVER_ERROR,
+    }
+}
+
 impl IntoResponse for Failure {
     fn into_response(self) -> Response {
-        let status = match self.0 {
-            TitoError::InvalidArgument(_) => StatusCode::BAD_REQUEST,
-            TitoError::NotFound(_) => StatusCode::NOT_FOUND,
-            _ => StatusCode::INTERNAL_SERVER_ERROR,
-        };
+        let status = status_of(&self.0);
         let body = html::page(
             "Error",
             &format!("<p class=\"error\">{}</p>", html::esc(&self.0.to_string())),
@@ -554,12 +559,28 @@ impl IntoResponse for Failure {
     }
 }
 
+/// A JSON route's failure: the same status as a page's, with `{"error": ".."}`.
+struct JsonFailure(TitoError);
+
+impl From<TitoError> for JsonFailure {
+    fn from(err: TitoError) -> Self {
+        JsonFailure(err)
+    }
+}
+
+impl IntoResponse for JsonFailure {
+    fn into_response(self) -> Response {
+        let body = serde_json::json!({ "error": self.0.to_string() });
+        (status_of(&self.0), Json(body)).into_response()
+    }
+}
+
 type Page = Result<Html<String>, Failure>;
-type Data = Result<Json<serde_json::Value>, Failure>;
+type Data = Result<Json<serde_json::Value>, JsonFailure>;
 
 fn json<T: Serialize>(value: &T) -> Data {
     Ok(Json(
-        serde_json::to_value(value).map_err(|e| Failure(TitoError::from(e)))?,
+        serde_json::to_value(value).map_err(|e| JsonFailure(TitoError::from(e)))?,
     ))
 }
 
@@ -974,7 +995,17 @@ async fn graphs_json<E: TitoEngine>(
 
 #[derive(Deserialize)]
 struct IdParams {
-    id: String,
+    #[serde(default)]
+    id: Option<String>,
+}
+
+impl IdParams {
+    /// The id asked for, or a bad request that says how to ask.
+    fn id(&self, page: &str) -> Result<&str, TitoError> {
+        self.id
+            .as_deref()
+            .ok_or_else(|| TitoError::invalid_argument(format!("name the {page}: /{page}?id=<id>")))
+    }
 }
 
 async fn load_workflow<E: TitoEngine>(
@@ -992,7 +1023,7 @@ async fn workflow_page<E: TitoEngine>(
     Query(params): Query<IdParams>,
 ) -> Page {
     let started = Instant::now();
-    let data = load_workflow(&state, &params.id).await?;
+    let data = load_workflow(&state, params.id("workflow")?).await?;
     Ok(Html(html::workflow(&data, started)))
 }
 
@@ -1000,7 +1031,7 @@ async fn workflow_json<E: TitoEngine>(
     State(state): State<Arc<Inner<E>>>,
     Query(params): Query<IdParams>,
 ) -> Data {
-    json(&load_workflow(&state, &params.id).await?)
+    json(&load_workflow(&state, params.id("workflow")?).await?)
 }
 
 async fn load_batch<E: TitoEngine>(
@@ -1018,7 +1049,7 @@ async fn batch_page<E: TitoEngine>(
     Query(params): Query<IdParams>,
 ) -> Page {
     let started = Instant::now();
-    let data = load_batch(&state, &params.id).await?;
+    let data = load_batch(&state, params.id("batch")?).await?;
     Ok(Html(html::batch(&data, started)))
 }
 
@@ -1026,7 +1057,7 @@ async fn batch_json<E: TitoEngine>(
     State(state): State<Arc<Inner<E>>>,
     Query(params): Query<IdParams>,
 ) -> Data {
-    json(&load_batch(&state, &params.id).await?)
+    json(&load_batch(&state, params.id("batch")?).await?)
 }
 
 // ---------------------------------------------------------------------------------------------

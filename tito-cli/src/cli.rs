@@ -91,9 +91,14 @@ pub(crate) enum Command {
     /// Deletes what has expired: completed queue rows past retention, expired kv keys, old
     /// commit markers. Prints what it deleted.
     Gc {
-        /// The retention of completed queue rows, in seconds.
+        /// The retention of completed queue rows, in seconds, for every queue of the store
+        /// (whatever each queue's own `completed_retention`).
         #[arg(long, default_value_t = 86_400)]
         retention: u64,
+        /// The age past which finished workflows and batches are deleted, in seconds (default:
+        /// `--retention`).
+        #[arg(long)]
+        graph_retention: Option<u64>,
     },
     /// Keys: show a storage key as its decoded segments.
     #[command(subcommand)]

@@ -561,8 +561,12 @@ async fn execute<E: TitoEngine>(db: E, typed: &Typing, cli: Cli) -> Outcome {
         Command::Repair { table } => {
             commands::index::audit(typed.model(&table)?, &table, true, json).await
         }
-        Command::Gc { retention } => {
-            commands::store::gc(&db, Duration::from_secs(retention), json).await
+        Command::Gc {
+            retention,
+            graph_retention,
+        } => {
+            let graphs = Duration::from_secs(graph_retention.unwrap_or(retention));
+            commands::store::gc(&db, Duration::from_secs(retention), graphs, json).await
         }
         Command::Serve { listen } => commands::store::serve(db, typed, listen).await,
         Command::Keys(_) | Command::Store(_) => unreachable!("answered before a store is opened"),

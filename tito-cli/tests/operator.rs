@@ -3641,6 +3641,25 @@ async fn the_cli_lists_shows_and_cancels_workflows_and_batches() {
         shown.contains("open 0, completed 0, cancelled 3"),
         "{shown}"
     );
+    // gc keeps finished graphs younger than --graph-retention (whatever --retention says of
+    // completed rows), and deletes them past it.
+    let kept = stdout_json(&at(&[
+        "gc",
+        "--retention",
+        "0",
+        "--graph-retention",
+        "3600",
+        "--json",
+    ]));
+    assert_eq!(
+        (&kept["finished workflows"], &kept["finished batches"]),
+        (&serde_json::json!(0), &serde_json::json!(0)),
+        "{kept}"
+    );
+    let gone = stdout_json(&at(&["gc", "--graph-retention", "0", "--json"]));
+    assert_eq!(gone["finished batches"], 1, "{gone}");
+    assert_eq!(gone["finished workflows"], 1, "{gone}");
+    assert!(!at(&["batch", "show", "import 1"]).status.success());
 }
 
 /// The dashboard's graphs: the list, a workflow drawn as an inline SVG (a node per step,
@@ -3730,6 +3749,37 @@ async fn the_dashboard_draws_workflows_and_shows_batches() {
     assert!(batch.contains("data-figure=\"open\">2<"), "{batch}");
     let (status, _) = send(&router, get("/workflow?id=nope"), local).await;
     assert_eq!(status, StatusCode::NOT_FOUND);
-    let (status, _) = send(&router, get("/api/batch?id=nope"), local).await;
-    assert_eq!(status, StatusCode::NOT_FOUND);
+    // The JSON routes answer their failures in JSON, and a missing id says how to ask.
+    for (path, status_wanted, says) in [
+        (
+            "/api/batch?id=nope",
+            StatusCode::NOT_FOUND,
+            "no batch \\\"nope\\\"",
+        ),
+        (
+            "/api/workflow?id=nope",
+            StatusCode::NOT_FOUND,
+            "no workflow",
+        ),
+        ("/api/workflow?id=", StatusCode::BAD_REQUEST, "is empty"),
+        (
+            "/api/workflow",
+            StatusCode::BAD_REQUEST,
+            "/workflow?id=<id>",
+        ),
+    ] {
+        let (status, body) = send(&router, get(path), local).await;
+        assert_eq!(status, status_wanted, "{path}: {body}");
+        let error: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert!(
+            error["error"]
+                .as_str()
+                .unwrap()
+                .contains(&says.replace('\\', "")),
+            "{path}: {body}"
+        );
+    }
+    let (status, page) = send(&router, get("/batch"), local).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(page.contains("/batch?id=&lt;id&gt;"), "{page}");
 }

@@ -12,7 +12,12 @@ use tito::{TitoEngine, TitoResult};
 use crate::typing::{ModelOps, Typing};
 use crate::{Failure, Outcome, print, say, until_short};
 
-pub(crate) async fn gc<E: TitoEngine>(db: &E, retention: Duration, json: bool) -> Outcome {
+pub(crate) async fn gc<E: TitoEngine>(
+    db: &E,
+    retention: Duration,
+    graph_retention: Duration,
+    json: bool,
+) -> Outcome {
     let started = Instant::now();
     let mut report = serde_json::Map::new();
     for info in inspect::queues(db, 1000).await? {
@@ -28,9 +33,9 @@ pub(crate) async fn gc<E: TitoEngine>(db: &E, retention: Duration, json: bool) -
         let unique = until_short(full, async || queue.sweep_unique().await).await?;
         report.insert(format!("queue {} unique keys", info.label), unique.into());
     }
-    // Workflows and batches that finished before the retention, as their completed rows.
+    // Workflows and batches that finished before their retention.
     let graphs = tito::queue::graph::Graphs::new(db.clone())
-        .expire(retention)
+        .expire(graph_retention)
         .await?;
     report.insert("finished workflows".into(), graphs.workflows.into());
     report.insert("finished batches".into(), graphs.batches.into());

@@ -321,21 +321,30 @@ impl<E: TitoEngine> Graphs<E> {
         let order = workflow::reverse_topological(&steps);
         let mut total = 0;
         for chunk in order.chunks(workflow::CANCEL_BATCH) {
-            let chunk: Arc<Vec<workflow::StepRecord>> =
-                Arc::new(chunk.iter().map(|&i| steps[i].1.clone()).collect());
+            let chunk: Arc<Vec<(String, workflow::StepRecord)>> =
+                Arc::new(chunk.iter().map(|&i| steps[i].clone()).collect());
             let (db, why) = (self.engine().clone(), why.to_string());
+            let workflow_id = id.to_string();
             total += self
                 .engine()
                 .transaction(|tx| {
                     let (chunk, db, why) = (chunk.clone(), db.clone(), why.clone());
+                    let workflow_id = workflow_id.clone();
                     async move {
                         let mut cancelled = 0;
-                        for record in chunk.iter() {
+                        for (name, record) in chunk.iter() {
                             let id_key = keys::event_id_key(&record.q, &record.id);
                             let Some(at) = tx.get(id_key.as_bytes()).await? else {
                                 continue;
                             };
                             let at = keys::key_str(&at)?.to_string();
+                            // Still this step (its id may name a later invocation).
+                            let Some(row) = tx.get(at.as_bytes()).await? else {
+                                continue;
+                            };
+                            if !workflow::row_is_step(&row, &workflow_id, name)? {
+                                continue;
+                            }
                             if let Some(wakes) = cancel_row(&tx, &record.q, &at, &why).await? {
                                 graph::wake_after_commit(&db, &tx, wakes);
                                 crate::event::nudge::wakeups(&db, &record.q)

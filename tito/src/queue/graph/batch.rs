@@ -160,7 +160,7 @@ impl Batch {
         let refuse = |why: String| {
             TitoError::invalid_argument(format!("batch {:?}: {why}; nothing was written", self.id))
         };
-        check_name("a batch id", &self.id)?;
+        super::check_new_name("a batch id", &self.id)?;
         if let Some(why) = &self.refused {
             return Err(refuse(why.clone()));
         }
@@ -502,9 +502,12 @@ impl<E: TitoEngine> Graphs<E> {
     /// [`PUBLISH_BATCH_BYTES`](crate::queue::PUBLISH_BATCH_BYTES) each), the close in the
     /// last. No callback can fire before the close, so a failure part way leaves an open
     /// batch: publishing the same batch and events again adds what is missing (the rest are
-    /// duplicates by their ids) and closes it. A batch of its id there and closed already is
-    /// answered with `None` (nothing written). For one transaction, with the data that caused
-    /// it, use [`Graphs::publish_batch_in_tx`].
+    /// duplicates by their ids, also those whose completed rows retention deleted since: a
+    /// batch keeps its children's ids until it expires) and closes it. A batch of its id there
+    /// and closed already is answered with `None` (nothing written), and so is one that
+    /// another publication of it closed while this one ran (what this one added before is in
+    /// it). For one transaction, with the data that caused it, use
+    /// [`Graphs::publish_batch_in_tx`].
     pub async fn publish_batch<T: Serialize>(
         &self,
         batch: &Batch,
@@ -538,16 +541,24 @@ impl<E: TitoEngine> Graphs<E> {
                     let (db, id, target, chunk) =
                         (db.clone(), id.clone(), target.clone(), chunk.clone());
                     async move {
+                        // Closed meanwhile by another publication of this batch (which added
+                        // what this one had not): nothing more to do here.
+                        if closed(&tx, &id).await? {
+                            return Ok::<_, TitoError>(None);
+                        }
                         let mut wakes = Vec::new();
                         let answers = add(&tx, &id, &target, &chunk, &mut wakes).await?;
                         if n == last {
                             close(&tx, &id, &mut wakes).await?;
                         }
                         super::wake_after_commit(&db, &tx, wakes);
-                        Ok::<_, TitoError>(answers)
+                        Ok(Some(answers))
                     }
                 })
                 .await?;
+            let Some(answers) = answers else {
+                return Ok(None);
+            };
             published.extend(answers);
         }
         Ok(Some(published))
@@ -713,9 +724,40 @@ async fn add<X: TitoTransaction>(
             Ok(item)
         })
         .collect::<TitoResult<_>>()?;
+    // Children of this batch already (kept until the batch expires): a publication repeated
+    // after their rows passed retention must not add and run them again.
+    let child_keys: Vec<Vec<u8>> = items
+        .iter()
+        .map(|item| keys::batch_child_key(id, root, &item.stored.id).into_bytes())
+        .collect();
+    let known = tx.batch_get(&child_keys).await?;
+    let (fresh, old): (Vec<usize>, Vec<usize>) =
+        (0..items.len()).partition(|&i| known[i].is_none());
+    let items_to_plan: Vec<ToPublish> = fresh.iter().map(|&i| items[i].clone()).collect();
     let mut writes = engine::Writes::default();
     check_meta(tx, root, *partitions, &mut writes).await?;
-    let planned = unique::plan(tx, root, *partitions, &items, &mut writes).await?;
+    let planned = unique::plan(tx, root, *partitions, &items_to_plan, &mut writes).await?;
+    // Answers in the events' order: a known child is a duplicate (its invocation's key when
+    // it still holds its id, else its batch-child key).
+    let mut answers: Vec<Option<Published>> = vec![None; items.len()];
+    if !old.is_empty() {
+        let id_keys: Vec<Vec<u8>> = old
+            .iter()
+            .map(|&i| keys::event_id_key(root, &items[i].stored.id).into_bytes())
+            .collect();
+        let held = tx.batch_get(&id_keys).await?;
+        for (&i, at) in old.iter().zip(held) {
+            let key = match at {
+                Some(at) => keys::key_str(&at)?.to_string(),
+                None => String::from_utf8_lossy(&child_keys[i]).into_owned(),
+            };
+            answers[i] = Some(Published::duplicate_of(items[i].stored.id.clone(), key));
+        }
+    }
+    for (&i, (published, _)) in fresh.iter().zip(&planned) {
+        answers[i] = Some(published.clone());
+    }
+    let items = items_to_plan;
     let mut per_shard: BTreeMap<u32, u64> = BTreeMap::new();
     for ((published, partition), item) in planned.iter().zip(&items) {
         if published.duplicate {
@@ -758,10 +800,16 @@ async fn add<X: TitoTransaction>(
     writes.apply(tx).await?;
     wakes.sort_by(|a, b| (&a.root, a.partition).cmp(&(&b.root, b.partition)));
     wakes.dedup();
-    Ok(planned
-        .into_iter()
-        .map(|(published, _)| published)
-        .collect())
+    Ok(answers.into_iter().flatten().collect())
+}
+
+/// Whether batch `id` is there and closed.
+async fn closed<X: TitoTransaction>(tx: &X, id: &str) -> TitoResult<bool> {
+    let key = keys::batch_key(id);
+    match tx.get(key.as_bytes()).await? {
+        Some(bytes) => Ok(parse::<BatchRecord>("batch", key.as_bytes(), &bytes)?.closed),
+        None => Ok(false),
+    }
 }
 
 /// Closes batch `id` inside `tx`, firing what is due; `false` when it was closed.

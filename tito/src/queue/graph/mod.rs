@@ -206,6 +206,18 @@ pub(crate) fn check_name(what: &str, name: &str) -> TitoResult<()> {
     Ok(())
 }
 
+/// [`check_name`], and for a name being created: no control characters (a newline or tab in
+/// an id would break the lines the CLI prints and an operator runs).
+pub(crate) fn check_new_name(what: &str, name: &str) -> TitoResult<()> {
+    check_name(what, name)?;
+    if let Some(c) = name.chars().find(|c| c.is_control()) {
+        return Err(TitoError::invalid_argument(format!(
+            "{what} {name:?} holds the control character {c:?}: use printable characters"
+        )));
+    }
+    Ok(())
+}
+
 /// The store's workflows and batches: publish, read, cancel, and read a step's dependencies'
 /// results. Cheap to clone; every handle on one store sees the same graphs.
 #[derive(Clone, Debug)]

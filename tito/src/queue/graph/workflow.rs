@@ -208,7 +208,7 @@ impl Workflow {
                 self.id
             )))
         };
-        check_name("a workflow id", &self.id)?;
+        super::check_new_name("a workflow id", &self.id)?;
         if let Some(why) = &self.refused {
             return refuse(why.clone());
         }
@@ -224,7 +224,7 @@ impl Workflow {
         let mut names = HashSet::new();
         let mut ids = HashSet::new();
         for step in &self.steps {
-            if let Err(err) = check_name("a step name", &step.name) {
+            if let Err(err) = super::check_new_name("a step name", &step.name) {
                 return refuse(err.to_string());
             }
             if !names.insert(step.name.as_str()) {
@@ -799,6 +799,8 @@ impl<E: TitoEngine> Graphs<E> {
                     None => InvocationState::Unknown,
                     Some(at) => match rows.next().flatten() {
                         None => InvocationState::Unknown,
+                        // Past retention, its event id taken by another invocation since.
+                        Some(row) if !row_is_step(&row, id, &name)? => InvocationState::Unknown,
                         Some(row) => state_of(&record.q, &record.id, &at, &row)?,
                     },
                 };
@@ -897,7 +899,11 @@ impl<E: TitoEngine> Graphs<E> {
                 Some(at) => tx.get(at).await?,
                 None => None,
             };
-            let (Some(at), Some(row)) = (at, row) else {
+            // Gone, or its event id taken by another invocation since retention deleted it.
+            let (Some(at), Some(row)) = (
+                at,
+                row.filter(|row| row_is_step(row, workflow, name).unwrap_or(false)),
+            ) else {
                 return Err(TitoError::NotFound(format!(
                     "step {name:?} of workflow {workflow:?} (event {:?}) is past its queue's \
                      completed_retention",
@@ -914,6 +920,15 @@ impl<E: TitoEngine> Graphs<E> {
         })
         .await
     }
+}
+
+/// Whether a stored invocation row is step `step` of workflow `workflow` (an event id of a
+/// step whose completed row retention deleted may name a later, unrelated invocation).
+pub(crate) fn row_is_step(row: &[u8], workflow: &str, step: &str) -> TitoResult<bool> {
+    let stored = crate::event::StoredEvent::parse(row)?;
+    Ok(stored
+        .step
+        .is_some_and(|link| link.workflow == workflow && link.step == step))
 }
 
 /// The indexes of `steps`, each step before the steps it depends on (dependents first).
