@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use tito::queue::testing::{Drained, Settled, drain, drain_within, settled};
+use tito::queue::testing::{Drained, Settled, drain, drain_transactional, drain_within, settled};
 use tito::queue::{FailurePolicy, Limits, PeriodicJob, QueueSpec, Schedule, Topic};
 use tito::{
     Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, TitoEngine, TitoError, TitoModel,
@@ -37,6 +37,9 @@ macro_rules! queue_declared_suite {
                 a_drain_says_what_is_paused_instead_of_waiting_for_it,
                 settled_says_an_invocation_was_set_aside,
                 a_model_event_queue_takes_the_stores_partition_count,
+                a_declared_queue_starts_its_worker_and_schedules_in_one_call,
+                start_with_overrides_the_declared_worker,
+                a_transactional_drain_commits_writes_with_outcomes,
             ]
         );
     };
@@ -635,4 +638,182 @@ pub async fn a_model_event_queue_takes_the_stores_partition_count<E: TitoEngine>
         }
         other => panic!("the write is refused: {other:?}"),
     }
+}
+
+pub async fn a_declared_queue_starts_its_worker_and_schedules_in_one_call<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    // Declared: three partitions, a failure policy, a periodic digest, and how its workers
+    // run. `start` runs all of it: every partition is served, the digest ticks, and a failing
+    // event dies after the declared attempts.
+    let every = Schedule::every("digest", Duration::from_secs(1)).unwrap();
+    let mail = MAIL
+        .spec(3, Duration::from_secs(3600))
+        .failure_policy(quick_policy(2))
+        .periodic(PeriodicJob::new(every, Mail::Digest))
+        .worker(
+            WorkerConfig::new(0..3)
+                .concurrency(2)
+                .max_idle_backoff(Duration::from_millis(20)),
+        )
+        .open(ctx.db.clone())
+        .await
+        .unwrap();
+    let keys: Vec<String> = (0..30).map(|n| format!("user{n}")).collect();
+    let partitions: std::collections::BTreeSet<u32> = keys
+        .iter()
+        .map(|k| tito::queue::partition_for(k, 3))
+        .collect();
+    assert_eq!(partitions.len(), 3);
+    for key in &keys {
+        mail.publish(QueueEvent::now(key, Mail::Reset { user: key.clone() }))
+            .await
+            .unwrap();
+    }
+    let doomed = QueueEvent::now("bad", Mail::Newsletter { issue: 0 });
+    let doomed_id = doomed.id.clone();
+    mail.publish(doomed).await.unwrap();
+    let (resets, digests) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let (r, d) = (resets.clone(), digests.clone());
+    let mut workers = Workers::new();
+    workers.start(&mail, move |event: QueueEvent<Mail>| {
+        let (r, d) = (r.clone(), d.clone());
+        async move {
+            match event.payload {
+                Mail::Reset { .. } => r.fetch_add(1, Ordering::SeqCst),
+                Mail::Digest => d.fetch_add(1, Ordering::SeqCst),
+                Mail::Newsletter { .. } => return Err(TitoError::handler("no such issue")),
+            };
+            Ok(QueueHandlerOutcome::Acknowledge)
+        }
+    });
+    assert_eq!(workers.len(), 2, "a worker and the periodic runner");
+    let (r, d) = (resets.clone(), digests.clone());
+    wait_for(
+        "every reset and a digest",
+        Duration::from_secs(30),
+        move || {
+            let done = r.load(Ordering::SeqCst) == 30 && d.load(Ordering::SeqCst) >= 1;
+            async move { done }
+        },
+    )
+    .await;
+    let outcome = settled(&mail, &doomed_id, Duration::from_secs(20))
+        .await
+        .unwrap();
+    workers.shutdown().await.unwrap();
+    assert!(
+        matches!(outcome, Settled::Dead { attempts: 2, .. }),
+        "{outcome:?}"
+    );
+    // A declared worker config the queue cannot run is refused at open.
+    let err = MAIL
+        .spec(3, Duration::from_secs(3600))
+        .worker(WorkerConfig::new(3..5))
+        .open(ctx.db.clone())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, TitoError::InvalidArgument(_)), "{err:?}");
+}
+
+pub async fn start_with_overrides_the_declared_worker<E: TitoEngine>(ctx: Ctx<E>) {
+    // No periodic job declared: `start_with` runs the worker alone, on the partitions given.
+    let mail = spec().open(ctx.db.clone()).await.unwrap();
+    let first = "k-first".to_string();
+    let p1 = tito::queue::partition_for(&first, 2);
+    let second = (0..)
+        .map(|n| format!("k-{n}"))
+        .find(|k| tito::queue::partition_for(k, 2) != p1)
+        .unwrap();
+    let (first, second) = (first.as_str(), second.as_str());
+    for key in [first, second] {
+        mail.publish(QueueEvent::now(key, Mail::Digest))
+            .await
+            .unwrap();
+    }
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = seen.clone();
+    let mut workers = Workers::new();
+    workers.start_with(
+        &mail,
+        WorkerConfig::new(p1..p1 + 1).max_idle_backoff(Duration::from_millis(20)),
+        move |event: QueueEvent<Mail>| {
+            let log = log.clone();
+            async move {
+                log.lock().unwrap().push(event.key);
+                Ok(QueueHandlerOutcome::Acknowledge)
+            }
+        },
+    );
+    assert_eq!(workers.len(), 1);
+    let watch = seen.clone();
+    wait_for(
+        "the first partition's event",
+        Duration::from_secs(20),
+        move || {
+            let done = !watch.lock().unwrap().is_empty();
+            async move { done }
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    workers.shutdown().await.unwrap();
+    assert_eq!(seen.lock().unwrap().clone(), vec![first.to_string()]);
+    assert_eq!(pending_total(mail.queue()).await, 1);
+}
+
+pub async fn a_transactional_drain_commits_writes_with_outcomes<E: TitoEngine>(ctx: Ctx<E>) {
+    use tito::TitoTransaction;
+    let mail = spec()
+        .failure_policy(quick_policy(2))
+        .open(ctx.db.clone())
+        .await
+        .unwrap();
+    for issue in 1..=4 {
+        mail.publish(QueueEvent::now(
+            format!("k{issue}"),
+            Mail::Newsletter { issue },
+        ))
+        .await
+        .unwrap();
+    }
+    let prefix = String::from_utf8(ctx.key("")).unwrap();
+    let marker = {
+        let prefix = prefix.clone();
+        move |issue: u32| format!("{prefix}sent:{issue}")
+    };
+    // Issue 4 writes its marker and then fails: its write rolls back with the attempt.
+    let drained = drain_transactional(&mail, move |event: QueueEvent<Mail>, tx| {
+        let prefix = prefix.clone();
+        async move {
+            let Mail::Newsletter { issue } = event.payload else {
+                return Ok(QueueHandlerOutcome::Acknowledge);
+            };
+            tx.put(format!("{prefix}sent:{issue}").into_bytes(), b"1".to_vec())
+                .await?;
+            if issue == 4 {
+                return Err(TitoError::handler("bounced"));
+            }
+            Ok(QueueHandlerOutcome::Acknowledge)
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        (drained.acknowledged, drained.dead, drained.still_due),
+        (3, 1, 0),
+        "{drained:?}"
+    );
+    for issue in 1..=3 {
+        assert!(
+            crate::support::read(&ctx.db, marker(issue).as_bytes())
+                .await
+                .is_some()
+        );
+    }
+    assert!(
+        crate::support::read(&ctx.db, marker(4).as_bytes())
+            .await
+            .is_none()
+    );
 }

@@ -115,35 +115,149 @@ where
     Fut: Future<Output = QueueHandlerResult<T>> + Send + 'static,
 {
     let policy = queue.declared_failure_policy();
-    let queue = queue.into_queue();
+    drain_core(
+        queue.into_queue(),
+        policy,
+        within,
+        move |queue, config, cut| {
+            let handler = move |event: QueueEvent<T>| CutOff::bound(cut.clone(), handler(event));
+            let (stop, stopped) = tokio::sync::watch::channel(false);
+            (
+                stop,
+                tokio::spawn(run_worker(queue, config, handler, stopped)),
+            )
+        },
+    )
+    .await
+}
+
+/// [`drain`] with a transactional handler (as
+/// [`run_transactional_worker`](super::run_transactional_worker) runs it): its writes and
+/// each outcome commit together, replayed after a conflict.
+///
+/// ```
+/// use std::time::Duration;
+/// use tito::queue::testing::drain_transactional;
+/// use tito::queue::Topic;
+/// use tito::{QueueEvent, QueueHandlerOutcome, TitoError, TitoTransaction};
+///
+/// # #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+/// # async fn main() -> Result<(), TitoError> {
+/// let db = tito::Embedded::temporary().await?;
+/// const JOBS: Topic<u32> = Topic::new("jobs");
+/// let jobs = JOBS.spec(2, Duration::from_secs(3600)).open(db.clone()).await?;
+/// jobs.publish(QueueEvent::now("k", 7u32)).await?;
+/// let drained = drain_transactional(&jobs, |event: QueueEvent<u32>, tx| async move {
+///     tx.put(format!("seen:{}", event.payload).into_bytes(), b"1".to_vec()).await?;
+///     Ok(QueueHandlerOutcome::Acknowledge)
+/// })
+/// .await?;
+/// assert_eq!(drained.acknowledged, 1);
+/// # db.close().await
+/// # }
+/// ```
+pub async fn drain_transactional<E, T, F, Fut>(
+    queue: impl WorkerQueue<E, T>,
+    handler: F,
+) -> TitoResult<Drained>
+where
+    E: TitoEngine,
+    T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
+    F: Fn(QueueEvent<T>, E::Transaction) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = QueueHandlerResult<T>> + Send + 'static,
+{
+    drain_transactional_within(queue, handler, DRAIN_WITHIN).await
+}
+
+/// [`drain_transactional`], for at most `within` (as [`drain_within`]).
+pub async fn drain_transactional_within<E, T, F, Fut>(
+    queue: impl WorkerQueue<E, T>,
+    handler: F,
+    within: Duration,
+) -> TitoResult<Drained>
+where
+    E: TitoEngine,
+    T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
+    F: Fn(QueueEvent<T>, E::Transaction) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = QueueHandlerResult<T>> + Send + 'static,
+{
+    let policy = queue.declared_failure_policy();
+    drain_core(
+        queue.into_queue(),
+        policy,
+        within,
+        move |queue, config, cut| {
+            let handler = move |event: QueueEvent<T>, tx: E::Transaction| {
+                CutOff::bound(cut.clone(), handler(event, tx))
+            };
+            let (stop, stopped) = tokio::sync::watch::channel(false);
+            let worker = super::run_transactional_worker(queue, config, handler, stopped);
+            (stop, tokio::spawn(worker))
+        },
+    )
+    .await
+}
+
+/// The drain's time, which bounds its handlers too: one still running at the deadline is cut
+/// off there (the worker's shutdown would otherwise wait for it up to `handler_timeout`).
+#[derive(Clone)]
+struct CutOff {
+    deadline: Instant,
+    within: Duration,
+    count: Arc<AtomicU64>,
+}
+
+impl CutOff {
+    /// `work`, cancelled as a failed attempt once the drain's time is over.
+    fn bound<T, W>(
+        cut: CutOff,
+        work: W,
+    ) -> impl Future<Output = QueueHandlerResult<T>> + Send + 'static
+    where
+        T: Send + 'static,
+        W: Future<Output = QueueHandlerResult<T>> + Send + 'static,
+    {
+        async move {
+            match tokio::time::timeout_at(cut.deadline, work).await {
+                Ok(result) => result,
+                Err(_) => {
+                    cut.count.fetch_add(1, Ordering::Relaxed);
+                    Err(TitoError::handler(format!(
+                        "cancelled: the drain's time ({:?}) was over while the handler ran",
+                        cut.within
+                    )))
+                }
+            }
+        }
+    }
+}
+
+type Started = (
+    tokio::sync::watch::Sender<bool>,
+    tokio::task::JoinHandle<TitoResult<()>>,
+);
+
+/// Runs the worker `start` starts (over every partition, with the declared failure policy)
+/// until nothing is due or `within` passed, and says what it did.
+async fn drain_core<E: TitoEngine>(
+    queue: Arc<Queue<E>>,
+    policy: Option<super::FailurePolicy>,
+    within: Duration,
+    start: impl FnOnce(Arc<Queue<E>>, WorkerConfig, CutOff) -> Started,
+) -> TitoResult<Drained> {
     queue.declare().await?;
     let mut config = WorkerConfig::new(0..queue.config().partitions)
         .max_idle_backoff(Duration::from_millis(10))
         .maintenance_interval(Duration::from_secs(3600));
     config.failure_policy = policy;
     let before = queue.stats();
-    let deadline = crate::util::deadline_after(within);
-    // The drain's time bounds its handlers too: one still running at the deadline is cut off
-    // there (the worker's shutdown would otherwise wait for it up to `handler_timeout`).
-    let cut_off = Arc::new(AtomicU64::new(0));
-    let cut = cut_off.clone();
-    let handler = move |event: QueueEvent<T>| {
-        let work = handler(event);
-        let cut = cut.clone();
-        async move {
-            match tokio::time::timeout_at(deadline, work).await {
-                Ok(result) => result,
-                Err(_) => {
-                    cut.fetch_add(1, Ordering::Relaxed);
-                    Err(TitoError::handler(format!(
-                        "cancelled: the drain's time ({within:?}) was over while the handler ran"
-                    )))
-                }
-            }
-        }
+    let cut_off = CutOff {
+        deadline: crate::util::deadline_after(within),
+        within,
+        count: Arc::default(),
     };
-    let (stop, stopped) = tokio::sync::watch::channel(false);
-    let worker = tokio::spawn(run_worker(queue.clone(), config, handler, stopped));
+    let deadline = cut_off.deadline;
+    let (stop, worker) = start(queue.clone(), config, cut_off.clone());
     let retries_until = Some(within);
     let (mut runnable, _) = due_now(&queue, retries_until, false).await?;
     while runnable > 0 && Instant::now() < deadline && !worker.is_finished() {
@@ -170,7 +284,7 @@ where
         retried: delta(|s| s.retried),
         dead: delta(|s| s.dead),
         still_due,
-        cut_off: cut_off.load(Ordering::Relaxed),
+        cut_off: cut_off.count.load(Ordering::Relaxed),
         paused,
     })
 }

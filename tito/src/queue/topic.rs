@@ -6,6 +6,7 @@
 //! publishers, workers, periodic runners and operator calls then all go through the one typed
 //! handle.
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -72,6 +73,9 @@ pub struct QueueSpec<T> {
     pub failure_policy: Option<FailurePolicy>,
     /// The periodic jobs its runners publish ([`TopicQueue::periodic_jobs`]).
     pub periodic: Vec<PeriodicJob<T>>,
+    /// How [`Workers::start`](crate::Workers::start) runs its workers (`None`: every
+    /// partition, the defaults).
+    pub worker: Option<super::WorkerConfig>,
 }
 
 impl<T> Topic<T> {
@@ -84,6 +88,7 @@ impl<T> Topic<T> {
             limits: None,
             failure_policy: None,
             periodic: Vec::new(),
+            worker: None,
         }
     }
 }
@@ -108,6 +113,14 @@ impl<T> QueueSpec<T> {
         self
     }
 
+    /// How [`Workers::start`](crate::Workers::start) runs the queue's workers: its partitions,
+    /// concurrency, timeouts (default: every partition, the defaults). Checked at
+    /// [`open`](Self::open).
+    pub fn worker(mut self, config: super::WorkerConfig) -> Self {
+        self.worker = Some(config);
+        self
+    }
+
     /// Opens the queue on `db`, declaring it: the partition count is stored when the store has
     /// none (so limits and pauses can be set before anything is published) and checked
     /// otherwise; the declared limits are stored when they differ from the stored ones. Refused
@@ -127,6 +140,9 @@ impl<T> QueueSpec<T> {
         if let Some(policy) = &self.failure_policy {
             policy.check()?;
         }
+        if let Some(worker) = &self.worker {
+            worker.check(self.config.partitions)?;
+        }
         let queue = Arc::new(Queue::new(db, self.config.clone()));
         queue.declare().await?;
         if let Some(limits) = &self.limits
@@ -139,6 +155,7 @@ impl<T> QueueSpec<T> {
             topic: self.topic,
             failure_policy: self.failure_policy.clone(),
             periodic: Arc::new(self.periodic.clone()),
+            worker: self.worker.clone(),
         })
     }
 }
@@ -183,6 +200,7 @@ impl<T> Topic<T> {
                 topic: self,
                 failure_policy: None,
                 periodic: Arc::new(Vec::new()),
+                worker: None,
             }),
         }
     }
@@ -220,6 +238,7 @@ pub struct TopicQueue<E, T> {
     topic: Topic<T>,
     failure_policy: Option<FailurePolicy>,
     periodic: Arc<Vec<PeriodicJob<T>>>,
+    worker: Option<super::WorkerConfig>,
 }
 
 impl<E, T> Clone for TopicQueue<E, T> {
@@ -229,6 +248,7 @@ impl<E, T> Clone for TopicQueue<E, T> {
             topic: self.topic,
             failure_policy: self.failure_policy.clone(),
             periodic: self.periodic.clone(),
+            worker: self.worker.clone(),
         }
     }
 }
@@ -247,6 +267,97 @@ impl<E, T: Clone> TopicQueue<E, T> {
     /// The periodic jobs the queue was declared with.
     pub fn periodic_jobs(&self) -> Vec<PeriodicJob<T>> {
         self.periodic.as_ref().clone()
+    }
+}
+
+impl<E: TitoEngine, T> TopicQueue<E, T> {
+    /// How [`Workers::start`](crate::Workers::start) runs this queue's workers: the declared
+    /// [`QueueSpec::worker`], else every partition with the defaults.
+    pub fn worker_config(&self) -> super::WorkerConfig {
+        self.worker
+            .clone()
+            .unwrap_or_else(|| super::WorkerConfig::new(0..self.queue.config().partitions))
+    }
+}
+
+impl crate::Workers {
+    /// Starts what declared queue `queue` runs, from its declaration: a worker with `handler`
+    /// ([`TopicQueue::worker_config`]: every partition unless the spec says otherwise, its
+    /// failure policy) and, when it declares periodic jobs, their runner. One call instead of
+    /// `spawn_worker(&q, WorkerConfig::new(0..partitions), ..)` and `spawn_periodic(&q,
+    /// q.periodic_jobs())`; [`start_with`](Self::start_with) overrides the worker's config.
+    pub fn start<E, T, F, Fut>(&mut self, queue: &TopicQueue<E, T>, handler: F) -> &mut Self
+    where
+        E: TitoEngine,
+        T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
+        F: Fn(QueueEvent<T>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = super::QueueHandlerResult<T>> + Send + 'static,
+    {
+        self.start_with(queue, queue.worker_config(), handler)
+    }
+
+    /// [`start`](Self::start) with the worker's config given here (its failure policy, when it
+    /// has none, is still the declared one).
+    pub fn start_with<E, T, F, Fut>(
+        &mut self,
+        queue: &TopicQueue<E, T>,
+        config: super::WorkerConfig,
+        handler: F,
+    ) -> &mut Self
+    where
+        E: TitoEngine,
+        T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
+        F: Fn(QueueEvent<T>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = super::QueueHandlerResult<T>> + Send + 'static,
+    {
+        self.spawn_worker(queue, config, handler);
+        self.start_periodic(queue)
+    }
+
+    /// [`start`](Self::start) with a transactional handler
+    /// ([`run_transactional_worker`](super::run_transactional_worker)).
+    pub fn start_transactional<E, T, F, Fut>(
+        &mut self,
+        queue: &TopicQueue<E, T>,
+        handler: F,
+    ) -> &mut Self
+    where
+        E: TitoEngine,
+        T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
+        F: Fn(QueueEvent<T>, E::Transaction) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = super::QueueHandlerResult<T>> + Send + 'static,
+    {
+        self.start_transactional_with(queue, queue.worker_config(), handler)
+    }
+
+    /// [`start_transactional`](Self::start_transactional) with the worker's config given here.
+    pub fn start_transactional_with<E, T, F, Fut>(
+        &mut self,
+        queue: &TopicQueue<E, T>,
+        config: super::WorkerConfig,
+        handler: F,
+    ) -> &mut Self
+    where
+        E: TitoEngine,
+        T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
+        F: Fn(QueueEvent<T>, E::Transaction) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = super::QueueHandlerResult<T>> + Send + 'static,
+    {
+        self.spawn_transactional_worker(queue, config, handler);
+        self.start_periodic(queue)
+    }
+
+    /// The declared periodic jobs' runner, when there are any.
+    fn start_periodic<E, T>(&mut self, queue: &TopicQueue<E, T>) -> &mut Self
+    where
+        E: TitoEngine,
+        T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
+    {
+        let jobs = queue.periodic_jobs();
+        if !jobs.is_empty() {
+            self.spawn_periodic(queue, jobs);
+        }
+        self
     }
 }
 
