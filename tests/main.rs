@@ -27,6 +27,7 @@ mod kv;
 mod layers;
 mod models;
 mod nudges;
+mod order_desk;
 mod queue;
 mod queue_composed;
 mod queue_declared;
