@@ -220,11 +220,10 @@ async fn run<E: TitoEngine>(db: E) -> Result<(), TitoError> {
     loop {
         let receipt = desk.receipts.get(&fresh).await?;
         let swept = desk.orders.get(&stale).await?.map(|o| o.status);
-        if receipt.is_some() && swept == Some(Status::Cancelled) {
-            println!(
-                "receipt to {}; the unpaid order was cancelled",
-                receipt.unwrap().to
-            );
+        if let Some(receipt) = &receipt
+            && swept == Some(Status::Cancelled)
+        {
+            println!("receipt to {}; the unpaid order was cancelled", receipt.to);
             break;
         }
         if tokio::time::Instant::now() > deadline {

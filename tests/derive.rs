@@ -642,6 +642,8 @@ fn desk_ids(page: &tito::TitoPage<DeskOrder>) -> Vec<&str> {
     page.items.iter().map(|o| o.id.as_str()).collect()
 }
 
+// Queries take the value or a reference to it: both forms are written here on purpose.
+#[allow(clippy::needless_borrows_for_generic_args)]
 pub async fn enums_newtypes_and_uuids_are_index_values<E: TitoEngine>(ctx: Ctx<E>) {
     let orders = ctx.db.clone().model::<DeskOrder>();
     for order in [

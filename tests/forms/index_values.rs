@@ -73,7 +73,7 @@ mod tests {
             .unwrap();
         let doing = cards
             .card_by_board_stage(&board)
-            .stage_eq(&Stage::Doing)
+            .stage_eq(Stage::Doing)
             .execute()
             .await
             .unwrap();

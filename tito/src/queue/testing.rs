@@ -209,24 +209,18 @@ struct CutOff {
 
 impl CutOff {
     /// `work`, cancelled as a failed attempt once the drain's time is over.
-    fn bound<T, W>(
-        cut: CutOff,
-        work: W,
-    ) -> impl Future<Output = QueueHandlerResult<T>> + Send + 'static
+    async fn bound<T, W>(cut: CutOff, work: W) -> QueueHandlerResult<T>
     where
-        T: Send + 'static,
-        W: Future<Output = QueueHandlerResult<T>> + Send + 'static,
+        W: Future<Output = QueueHandlerResult<T>>,
     {
-        async move {
-            match tokio::time::timeout_at(cut.deadline, work).await {
-                Ok(result) => result,
-                Err(_) => {
-                    cut.count.fetch_add(1, Ordering::Relaxed);
-                    Err(TitoError::handler(format!(
-                        "cancelled: the drain's time ({:?}) was over while the handler ran",
-                        cut.within
-                    )))
-                }
+        match tokio::time::timeout_at(cut.deadline, work).await {
+            Ok(result) => result,
+            Err(_) => {
+                cut.count.fetch_add(1, Ordering::Relaxed);
+                Err(TitoError::handler(format!(
+                    "cancelled: the drain's time ({:?}) was over while the handler ran",
+                    cut.within
+                )))
             }
         }
     }
