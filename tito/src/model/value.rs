@@ -21,7 +21,7 @@
 //!
 //! ```
 //! use serde::{Deserialize, Serialize};
-//! use tito::{IndexValue, TitoModel};
+//! use tito::{IndexValue, TitoEngine, TitoModel};
 //!
 //! #[derive(IndexValue, Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 //! #[serde(rename_all = "snake_case")]
