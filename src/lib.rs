@@ -1,0 +1,23 @@
+//! The workspace's root package holds the integration tests, examples and benches. Its library
+//! holds nothing but the guide (`docs/guide/`): each chapter's examples are compiled and run as
+//! doc tests by `cargo test --workspace`.
+
+/// `docs/guide/models.md`
+#[cfg(doctest)]
+#[doc = include_str!("../docs/guide/models.md")]
+pub struct Models;
+
+/// `docs/guide/transactions.md`
+#[cfg(doctest)]
+#[doc = include_str!("../docs/guide/transactions.md")]
+pub struct Transactions;
+
+/// `docs/guide/errors/not-an-index-field.md`
+#[cfg(doctest)]
+#[doc = include_str!("../docs/guide/errors/not-an-index-field.md")]
+pub struct ErrorNotAnIndexField;
+
+/// `docs/guide/errors/index-value-form.md`
+#[cfg(doctest)]
+#[doc = include_str!("../docs/guide/errors/index-value-form.md")]
+pub struct ErrorIndexValueForm;
