@@ -21,3 +21,13 @@ pub struct ErrorNotAnIndexField;
 #[cfg(doctest)]
 #[doc = include_str!("../docs/guide/errors/index-value-form.md")]
 pub struct ErrorIndexValueForm;
+
+/// `docs/guide/events-and-workers.md`
+#[cfg(doctest)]
+#[doc = include_str!("../docs/guide/events-and-workers.md")]
+pub struct EventsAndWorkers;
+
+/// `docs/guide/testing.md`
+#[cfg(doctest)]
+#[doc = include_str!("../docs/guide/testing.md")]
+pub struct Testing;
