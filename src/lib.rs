@@ -31,3 +31,18 @@ pub struct EventsAndWorkers;
 #[cfg(doctest)]
 #[doc = include_str!("../docs/guide/testing.md")]
 pub struct Testing;
+
+/// `docs/guide/kv.md`
+#[cfg(doctest)]
+#[doc = include_str!("../docs/guide/kv.md")]
+pub struct Kv;
+
+/// `docs/guide/inboxes.md`
+#[cfg(doctest)]
+#[doc = include_str!("../docs/guide/inboxes.md")]
+pub struct Inboxes;
+
+/// `docs/guide/changing.md`
+#[cfg(doctest)]
+#[doc = include_str!("../docs/guide/changing.md")]
+pub struct Changing;

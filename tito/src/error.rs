@@ -79,7 +79,7 @@ pub enum TitoError {
         table: String,
         /// The index.
         index: String,
-        /// Its state and progress, as text (`building: 4200 of about 10000 rows`).
+        /// Its state and progress, as text (`building (4200 of about 10000 rows)`).
         state: String,
     },
 

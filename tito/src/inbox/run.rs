@@ -47,8 +47,9 @@ impl Drop for Subscription {
 /// Serves one group of an inbox until `shutdown` resolves: claims ready rows (up to
 /// `concurrency` in flight), hands each to `handler` (the payload decoded as `P`, or the whole
 /// row), extends leases while it runs and applies its outcome if the lease still holds. An
-/// `Err`, a panic or a lost lease applies nothing: the row is claimable again when its lease
-/// ends. A second subscription to the same (model, group) in this process fails at once with
+/// `Err` or a panic counts an attempt and releases the row to be claimed again after the retry
+/// backoff (to the dead-letter group, when configured, once the attempts run out); a lost lease
+/// applies nothing: the row is claimable again when its lease ends. A second subscription to the same (model, group) in this process fails at once with
 /// [`TitoError::AlreadySubscribed`].
 ///
 /// The returned future is `Send + 'static`: spawn it, or await it in place.

@@ -96,7 +96,7 @@
 //! A unique index that is building enforces itself on new values (a write that gives a
 //! row a value another row holds fails with [`TitoError::UniqueViolation`]) but tolerates the
 //! duplicates that already exist (a write that keeps a row's value is not refused); the build
-//! finds them, stops with [`TitoError::UniqueViolation`] listing the first ids, leaves the
+//! finds them, stops with [`TitoError::DuplicateValues`] listing the first ids, leaves the
 //! index building and changes no row. Fix the rows, then build again.
 //!
 //! # Queries
@@ -125,6 +125,7 @@
 //! [`TitoModel::repair`]: crate::model::TitoModel::repair
 //! [`TitoError::SchemaMismatch`]: crate::TitoError::SchemaMismatch
 //! [`TitoError::UniqueViolation`]: crate::TitoError::UniqueViolation
+//! [`TitoError::DuplicateValues`]: crate::TitoError::DuplicateValues
 //! [`TitoError::IndexNotReady`]: crate::TitoError::IndexNotReady
 
 use std::time::Duration;
