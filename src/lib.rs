@@ -46,3 +46,8 @@ pub struct Inboxes;
 #[cfg(doctest)]
 #[doc = include_str!("../docs/guide/changing.md")]
 pub struct Changing;
+
+/// `docs/guide/queues.md`
+#[cfg(doctest)]
+#[doc = include_str!("../docs/guide/queues.md")]
+pub struct Queues;

@@ -126,10 +126,10 @@ pub mod prelude {
     pub use crate::kv::Kv;
     pub use crate::model::{TitoModelTrait, TitoOperation, TitoOptions, TitoPage};
     pub use crate::queue::{
-        ModelEvent, Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, Topic, TopicQueue,
-        WorkerConfig, Workers, run_transactional_worker, run_worker,
+        ModelEvent, Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, QueueOwner, Topic,
+        TopicQueue, WorkerConfig, Workers, run_transactional_worker, run_worker,
     };
-    pub use crate::{TitoEngine, TitoError, TitoModel, TitoResult, TitoTransaction};
+    pub use crate::{IndexValue, TitoEngine, TitoError, TitoModel, TitoResult, TitoTransaction};
 }
 
 /// The README's code samples, compiled as doc tests.
