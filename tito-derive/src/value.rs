@@ -137,6 +137,16 @@ fn expand(input: &DeriveInput) -> syn::Result<TokenStream> {
                     ));
                 }
             };
+            if last_segment_is(inner, "Vec") {
+                return Err(syn::Error::new(
+                    inner.span(),
+                    format!(
+                        "`{ident}` wraps a `Vec`, several values, not one: derive `IndexValue` \
+                         for a newtype of the element instead and make the field a `Vec` of \
+                         it (an index has an entry per element)"
+                    ),
+                ));
+            }
             let bound = quote_spanned! {inner.span()=> <#inner as ::tito::model::IndexValue> };
             quote! {
                 const KIND: ::tito::model::TitoIndexBlockType = #bound::KIND;
@@ -154,21 +164,11 @@ fn expand(input: &DeriveInput) -> syn::Result<TokenStream> {
             ));
         }
     };
-    // A newtype over a `Vec` holds several values: it is no single value a `Vec` may hold.
-    let scalar = match &input.data {
-        Data::Struct(data) => data
-            .fields
-            .iter()
-            .next()
-            .is_none_or(|f| !last_segment_is(&f.ty, "Vec")),
-        _ => true,
+    // Every derived type is a single value (a newtype over a `Vec` was refused above).
+    let scalar = quote! {
+        #[automatically_derived]
+        impl ::tito::model::ScalarIndexValue for #ident {}
     };
-    let scalar = scalar.then(|| {
-        quote! {
-            #[automatically_derived]
-            impl ::tito::model::ScalarIndexValue for #ident {}
-        }
-    });
     Ok(quote! {
         #[automatically_derived]
         impl ::tito::model::IndexValue for #ident {
