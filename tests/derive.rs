@@ -28,6 +28,7 @@ macro_rules! derive_suite {
                 enums_by_number_sort_by_number,
                 an_enum_whose_serde_form_is_not_its_kind_is_refused_at_first_use,
                 a_string_field_becomes_an_enum_over_the_same_stored_rows,
+                far_timestamps_are_indexed_and_unreadable_floats_refused,
             ]
         );
     };
@@ -968,4 +969,68 @@ pub async fn a_string_field_becomes_an_enum_over_the_same_stored_rows<E: TitoEng
     assert_eq!(paid.items.len(), 3);
     let report = new.audit(|_| {}).await.unwrap();
     assert!(report.is_clean(), "{report:?}");
+}
+
+#[derive(TitoModel, Default, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[tito(table = "far_event")]
+#[tito(index = "far_by_at: at")]
+#[tito(unique_index = "far_by_slot: slot")]
+pub struct FarEvent {
+    pub id: String,
+    pub at: DateTime<Utc>,
+    pub slot: DateTime<Utc>,
+    pub reading: f64,
+}
+
+pub async fn far_timestamps_are_indexed_and_unreadable_floats_refused<E: TitoEngine>(ctx: Ctx<E>) {
+    // Years chrono writes with a sign (before 0000, after 9999) are indexed in order, and a
+    // unique index holds over them.
+    let events = ctx.db.clone().model::<FarEvent>();
+    let year = |y: i32| Utc.with_ymd_and_hms(y, 1, 1, 0, 0, 0).unwrap();
+    for (id, y) in [("a", 2024), ("b", 10_000), ("c", -1)] {
+        events
+            .build(FarEvent {
+                id: id.into(),
+                at: year(y),
+                slot: year(y),
+                reading: 1.0,
+            })
+            .await
+            .unwrap();
+    }
+    let all = events.far_by_at_range(..).execute().await.unwrap();
+    let ids: Vec<&str> = all.items.iter().map(|e| e.id.as_str()).collect();
+    assert_eq!(ids, ["c", "a", "b"]);
+    let far = events.far_by_at(year(10_000)).execute().await.unwrap();
+    assert_eq!(far.items.len(), 1);
+    let taken = events
+        .build(FarEvent {
+            id: "d".into(),
+            at: year(1),
+            slot: year(10_000),
+            reading: 1.0,
+        })
+        .await;
+    assert!(
+        matches!(taken, Err(TitoError::UniqueViolation { .. })),
+        "{taken:?}"
+    );
+    // A NaN or infinite float would be written as null and never read back: refused, nothing
+    // written.
+    for reading in [f64::NAN, f64::INFINITY] {
+        let err = events
+            .build(FarEvent {
+                id: "nan".into(),
+                at: year(2000),
+                slot: year(2000),
+                reading,
+            })
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, TitoError::InvalidArgument(_)) && err.to_string().contains("NaN"),
+            "{err}"
+        );
+    }
+    assert!(events.get("nan").await.unwrap().is_none());
 }

@@ -6,3 +6,4 @@ mod every_attribute_form;
 mod inbox_model;
 mod index_values;
 mod shapes;
+mod short_names;

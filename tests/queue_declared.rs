@@ -714,6 +714,14 @@ pub async fn a_declared_queue_starts_its_worker_and_schedules_in_one_call<E: Tit
         .await
         .unwrap_err();
     assert!(matches!(err, TitoError::InvalidArgument(_)), "{err:?}");
+    // A fixed worker id in the declaration would be every process's: refused.
+    let err = MAIL
+        .spec(3, Duration::from_secs(3600))
+        .worker(WorkerConfig::new(0..3).worker_id("web"))
+        .open(ctx.db.clone())
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("leave worker_id unset"), "{err}");
 }
 
 pub async fn start_with_overrides_the_declared_worker<E: TitoEngine>(ctx: Ctx<E>) {

@@ -23,3 +23,6 @@ pub mod index_values;
 /// A model with two previous shapes.
 #[path = "../../tests/forms/shapes.rs"]
 pub mod shapes;
+/// Models and index values named like the derives' generic parameters.
+#[path = "../../tests/forms/short_names.rs"]
+pub mod short_names;

@@ -30,12 +30,12 @@ pub(super) fn queries(model: &Model) -> TokenStream {
     );
     quote! {
         #[doc = #trait_doc]
-        #vis trait #trait_ident<E: ::tito::TitoEngine> {
+        #vis trait #trait_ident<__TitoE: ::tito::TitoEngine> {
             #(#trait_methods)*
         }
 
         #[automatically_derived]
-        impl<E: ::tito::TitoEngine> #trait_ident<E> for ::tito::model::TitoModel<E, #ident> {
+        impl<__TitoE: ::tito::TitoEngine> #trait_ident<__TitoE> for ::tito::model::TitoModel<__TitoE, #ident> {
             #(#impl_methods)*
         }
 
@@ -68,7 +68,7 @@ fn index_queries(
             }
         })
         .collect();
-    let query_ty = quote!(::tito::model::IndexQuery<E, #ident>);
+    let query_ty = quote!(::tito::model::IndexQuery<__TitoE, #ident>);
     let stage_ident = |bound: usize| {
         format_ident!(
             "{}{}Query{}",
@@ -82,7 +82,7 @@ fn index_queries(
     let returns = |bound: usize| -> TokenStream {
         if bound < fields.len() {
             let stage = stage_ident(bound);
-            quote!(#stage<E>)
+            quote!(#stage<__TitoE>)
         } else {
             query_ty.clone()
         }
@@ -112,7 +112,7 @@ fn index_queries(
         #[doc = #doc_eq]
         fn #method(&self, value: impl ::tito::model::QueryArg<#first_arg>) -> #ret1;
         #[doc = #doc_range]
-        fn #range_method<'a, R: ::std::ops::RangeBounds<#first_range>>(&self, range: R) -> #query_ty;
+        fn #range_method<'a, __TitoR: ::std::ops::RangeBounds<#first_range>>(&self, range: __TitoR) -> #query_ty;
     }];
     let bodies = vec![quote! {
         fn #method(&self, value: impl ::tito::model::QueryArg<#first_arg>) -> #ret1 {
@@ -120,7 +120,7 @@ fn index_queries(
             query.value(value.query_arg());
             #body1
         }
-        fn #range_method<'a, R: ::std::ops::RangeBounds<#first_range>>(&self, range: R) -> #query_ty {
+        fn #range_method<'a, __TitoR: ::std::ops::RangeBounds<#first_range>>(&self, range: __TitoR) -> #query_ty {
             let mut query = self.query_by_index(#name);
             query.range(range);
             query
@@ -157,11 +157,11 @@ fn index_queries(
             format!("Restricts `{next_ident}` to `range`; no further field can be bound.");
         structs.push(quote! {
             #[doc = #stage_doc]
-            #vis struct #stage<E> {
+            #vis struct #stage<__TitoE> {
                 query: #query_ty,
             }
 
-            impl<E: ::tito::TitoEngine> #stage<E> {
+            impl<__TitoE: ::tito::TitoEngine> #stage<__TitoE> {
                 #[doc = #doc_eq]
                 pub fn #eq_method(mut self, value: impl ::tito::model::QueryArg<#next_arg>) -> #ret {
                     self.query.value(value.query_arg());
@@ -169,7 +169,7 @@ fn index_queries(
                 }
 
                 #[doc = #doc_range]
-                pub fn #next_ident<'a, R: ::std::ops::RangeBounds<#next_range>>(mut self, range: R) -> #query_ty {
+                pub fn #next_ident<'a, __TitoR: ::std::ops::RangeBounds<#next_range>>(mut self, range: __TitoR) -> #query_ty {
                     self.query.range(range);
                     self.query
                 }
@@ -180,14 +180,14 @@ fn index_queries(
                 }
             }
 
-            impl<E> ::std::ops::Deref for #stage<E> {
+            impl<__TitoE> ::std::ops::Deref for #stage<__TitoE> {
                 type Target = #query_ty;
                 fn deref(&self) -> &Self::Target {
                     &self.query
                 }
             }
 
-            impl<E> ::std::ops::DerefMut for #stage<E> {
+            impl<__TitoE> ::std::ops::DerefMut for #stage<__TitoE> {
                 fn deref_mut(&mut self) -> &mut Self::Target {
                     &mut self.query
                 }

@@ -65,10 +65,17 @@ pub(crate) fn coerce(value: &Value, kind: TitoIndexBlockType) -> Option<KeyValue
         TitoIndexBlockType::Integer => value.as_i64().map(KeyValue::I64),
         TitoIndexBlockType::Unsigned => value.as_u64().map(KeyValue::U64),
         TitoIndexBlockType::Boolean => value.as_bool().map(KeyValue::Bool),
+        // RFC 3339, and chrono's own form of years outside 0000-9999 (`+10000-01-01T..Z`,
+        // `-0001-..`), which its serde writes for such a `DateTime<Utc>`.
         TitoIndexBlockType::Timestamp => value
             .as_str()
-            .and_then(|s| DateTime::parse_from_rfc3339(s).ok())
-            .map(|t| KeyValue::Timestamp(t.with_timezone(&Utc))),
+            .and_then(|s| {
+                DateTime::parse_from_rfc3339(s)
+                    .map(|t| t.with_timezone(&Utc))
+                    .ok()
+                    .or_else(|| s.parse::<DateTime<Utc>>().ok())
+            })
+            .map(KeyValue::Timestamp),
     }
 }
 
@@ -177,6 +184,20 @@ mod tests {
                     r#type: *kind,
                 })
                 .collect(),
+        }
+    }
+
+    #[test]
+    fn timestamps_of_every_year_chrono_writes_are_indexed() {
+        use chrono::TimeZone;
+        for year in [-1, 0, 1970, 9999, 10_000, 262_000] {
+            let t = Utc.with_ymd_and_hms(year, 1, 1, 0, 0, 0).unwrap();
+            let stored = serde_json::to_value(t).unwrap();
+            assert_eq!(
+                coerce(&stored, TitoIndexBlockType::Timestamp),
+                Some(KeyValue::Timestamp(t)),
+                "{stored}"
+            );
         }
     }
 

@@ -80,6 +80,11 @@ pub trait IndexValue {
 
 /// An index value that is a single value (what a `Vec` field may hold): every [`IndexValue`]
 /// but `Vec` itself. The derive implements it for the types it derives for.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a single index value",
+    label = "a list of lists",
+    note = "a `Vec` index field has an entry per element, and each element must be one value: index a `Vec` of a single value type (or of your own `#[derive(tito::IndexValue)]` type), not a `Vec` of `Vec`s"
+)]
 pub trait ScalarIndexValue: IndexValue {}
 
 impl IndexValue for String {

@@ -66,6 +66,7 @@ impl<E: TitoEngine, T: TitoModelTrait> TitoModel<E, T> {
         let row_key = keys::row_key(&table, &id);
         let handle = self.schema_handle().await?;
         let mut row = serde_json::to_value(&model)?;
+        reads_back::<T>(&row, &table, &id)?;
         let mut configs = index_configs(&model)?;
         // The row's entries under the code's indexes, computed once: the write plan takes them
         // unless the catalog maintains an index otherwise or the row's timestamps are stamped.
@@ -439,6 +440,32 @@ pub(super) fn written_shape<T: TitoModelTrait>(
              allow-version {table} {code}` (or `tito::schema::allow_shape_version`)",
             std::any::type_name::<T>(),
             code = T::VERSION,
+        ))),
+    }
+}
+
+/// Refuses a row whose JSON would not read back as `T`. JSON has no NaN or infinity: serde
+/// writes such an `f32`/`f64` as `null`, which the field then cannot be read from, so the row
+/// would be stored and never read again. Only a row holding a `null` is decoded to check (one
+/// without cannot have lost a float that way).
+fn reads_back<T: TitoModelTrait>(row: &Value, table: &str, id: &str) -> TitoResult<()> {
+    fn has_null(value: &Value) -> bool {
+        match value {
+            Value::Null => true,
+            Value::Array(items) => items.iter().any(has_null),
+            Value::Object(fields) => fields.values().any(has_null),
+            _ => false,
+        }
+    }
+    if !has_null(row) {
+        return Ok(());
+    }
+    match serde_json::from_value::<T>(row.clone()) {
+        Ok(_) => Ok(()),
+        Err(err) => Err(TitoError::invalid_argument(format!(
+            "the row {id:?} of table {table:?} would not read back ({err}): nothing was \
+             written; a float holding NaN or infinity is written by JSON as null (store it as \
+             an Option, or check it before the write)"
         ))),
     }
 }

@@ -115,7 +115,8 @@ impl<T> QueueSpec<T> {
 
     /// How [`Workers::start`](crate::Workers::start) runs the queue's workers: its partitions,
     /// concurrency, timeouts (default: every partition, the defaults). Checked at
-    /// [`open`](Self::open).
+    /// [`open`](Self::open), which refuses a `worker_id` here: every process shares the
+    /// declaration, and two workers of one id would both hold its leases.
     pub fn worker(mut self, config: super::WorkerConfig) -> Self {
         self.worker = Some(config);
         self
@@ -142,6 +143,14 @@ impl<T> QueueSpec<T> {
         }
         if let Some(worker) = &self.worker {
             worker.check(self.config.partitions)?;
+            if let Some(id) = &worker.worker_id {
+                return Err(TitoError::invalid_argument(format!(
+                    "queue {:?}: leave worker_id unset in QueueSpec::worker (a declaration is \
+                     shared by every process, and two workers of one id would both hold its \
+                     leases); give a process its own id with Workers::start_with, not {id:?}",
+                    self.topic.name()
+                )));
+            }
         }
         let queue = Arc::new(Queue::new(db, self.config.clone()));
         queue.declare().await?;
