@@ -51,3 +51,13 @@ pub struct Changing;
 #[cfg(doctest)]
 #[doc = include_str!("../docs/guide/queues.md")]
 pub struct Queues;
+
+/// `docs/guide/operating.md`
+#[cfg(doctest)]
+#[doc = include_str!("../docs/guide/operating.md")]
+pub struct Operating;
+
+/// `docs/guide/tikv.md`
+#[cfg(doctest)]
+#[doc = include_str!("../docs/guide/tikv.md")]
+pub struct Tikv;
