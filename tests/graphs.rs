@@ -1197,16 +1197,7 @@ pub async fn graphs_run_on_cluster_nodes_across_a_crash<E: TitoEngine>(ctx: Ctx<
         .unwrap()
         .unwrap();
     // Node a crashes with both its handlers in flight; node c joins.
-    let started = hung.clone();
-    wait_for(
-        "node a to start two handlers",
-        Duration::from_secs(60),
-        move || {
-            let started = started.clone();
-            async move { started.load(Ordering::SeqCst) >= 2 }
-        },
-    )
-    .await;
+    reaches("node a to start two handlers", &hung, 2).await;
     a.1.abort();
     let c = node("c");
     let last = published
@@ -1220,14 +1211,8 @@ pub async fn graphs_run_on_cluster_nodes_across_a_crash<E: TitoEngine>(ctx: Ctx<
     // Each layer's result is WIDTH times the last one's, plus one: 1, 4, 13, 40, 121.
     let want = (0..LAYERS).fold(0u64, |r, _| r * WIDTH as u64 + 1);
     assert_eq!(done, Some(Finished::Completed(Some(want))));
-    let seen = calls.clone();
     let key = (batch_id.clone(), BatchCallback::Complete);
-    let wanted = key.clone();
-    wait_for("the batch's callback", Duration::from_secs(60), move || {
-        let (seen, key) = (seen.clone(), wanted.clone());
-        async move { seen.lock().unwrap().contains_key(&key) }
-    })
-    .await;
+    called_back(&calls, &key).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     for (stop, task) in [b, c] {
         stop.send(true).unwrap();
@@ -1245,6 +1230,26 @@ pub async fn graphs_run_on_cluster_nodes_across_a_crash<E: TitoEngine>(ctx: Ctx<
     assert_eq!(children_run.lock().unwrap().len(), 120);
     let state = graphs.workflow(&id).await.unwrap().unwrap();
     assert!(state.finished(), "{state:?}");
+}
+
+/// Waits until `calls` holds callback `key` (a batch and a callback).
+async fn called_back(calls: &Calls, key: &(String, BatchCallback)) {
+    let (seen, key) = (calls.clone(), key.clone());
+    wait_for("a batch's callback", Duration::from_secs(60), move || {
+        let (seen, key) = (seen.clone(), key.clone());
+        async move { seen.lock().unwrap().contains_key(&key) }
+    })
+    .await;
+}
+
+/// Waits until `counter` is at least `n`.
+async fn reaches(what: &str, counter: &Arc<AtomicUsize>, n: usize) {
+    let counter = counter.clone();
+    wait_for(what, Duration::from_secs(60), move || {
+        let reached = counter.load(Ordering::SeqCst) >= n;
+        async move { reached }
+    })
+    .await;
 }
 
 /// A queue whose completed rows `expire_completed` deletes at once.
@@ -1421,16 +1426,7 @@ pub async fn a_batch_published_again_after_retention_adds_no_child_twice<E: Tito
             }
         },
     );
-    let watch = runs.clone();
-    wait_for(
-        "the first 300 children",
-        Duration::from_secs(60),
-        move || {
-            let watch = watch.clone();
-            async move { watch.load(Ordering::SeqCst) >= 300 }
-        },
-    )
-    .await;
+    reaches("the first 300 children", &runs, 300).await;
     for event in &events[..300] {
         forget(&jobs, &event.id).await;
     }
@@ -1441,14 +1437,8 @@ pub async fn a_batch_published_again_after_retention_adds_no_child_twice<E: Tito
         .unwrap();
     assert_eq!(answers.len(), 1_500);
     assert_eq!(answers.iter().filter(|a| a.duplicate).count(), 300);
-    let seen = calls.clone();
     let key = (id.clone(), BatchCallback::Complete);
-    let wanted = key.clone();
-    wait_for("the callback", Duration::from_secs(60), move || {
-        let (seen, key) = (seen.clone(), wanted.clone());
-        async move { seen.lock().unwrap().contains_key(&key) }
-    })
-    .await;
+    called_back(&calls, &key).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     workers.shutdown().await.unwrap();
     assert_eq!(runs.load(Ordering::SeqCst), 1_500);

@@ -543,11 +543,12 @@ impl<E: TitoEngine> Graphs<E> {
                     async move {
                         // Closed meanwhile by another publication of this batch (which added
                         // what this one had not): nothing more to do here.
-                        if closed(&tx, &id).await? {
-                            return Ok::<_, TitoError>(None);
-                        }
                         let mut wakes = Vec::new();
-                        let answers = add(&tx, &id, &target, &chunk, &mut wakes).await?;
+                        let Some(answers) =
+                            add_unless_closed(&tx, &id, &target, &chunk, &mut wakes).await?
+                        else {
+                            return Ok::<_, TitoError>(None);
+                        };
                         if n == last {
                             close(&tx, &id, &mut wakes).await?;
                         }
@@ -697,6 +698,23 @@ async fn add<X: TitoTransaction>(
     items: &[ToPublish],
     wakes: &mut Vec<Wake>,
 ) -> TitoResult<Vec<Published>> {
+    add_unless_closed(tx, id, target, items, wakes)
+        .await?
+        .ok_or_else(|| {
+            TitoError::invalid_argument(format!(
+                "batch {id:?} is closed: no child can be added; nothing was published"
+            ))
+        })
+}
+
+/// [`add`], answering `None` (nothing written) when the batch is closed.
+async fn add_unless_closed<X: TitoTransaction>(
+    tx: &X,
+    id: &str,
+    target: &Target,
+    items: &[ToPublish],
+    wakes: &mut Vec<Wake>,
+) -> TitoResult<Option<Vec<Published>>> {
     check_name("a batch id", id)?;
     let record_key = keys::batch_key(id);
     let Some(bytes) = tx.get(record_key.as_bytes()).await? else {
@@ -707,9 +725,7 @@ async fn add<X: TitoTransaction>(
     };
     let mut record: BatchRecord = parse("batch", record_key.as_bytes(), &bytes)?;
     if record.closed {
-        return Err(TitoError::invalid_argument(format!(
-            "batch {id:?} is closed: no child can be added; nothing was published"
-        )));
+        return Ok(None);
     }
     let Target { root, partitions } = target;
     let items: Vec<ToPublish> = items
@@ -800,16 +816,7 @@ async fn add<X: TitoTransaction>(
     writes.apply(tx).await?;
     wakes.sort_by(|a, b| (&a.root, a.partition).cmp(&(&b.root, b.partition)));
     wakes.dedup();
-    Ok(answers.into_iter().flatten().collect())
-}
-
-/// Whether batch `id` is there and closed.
-async fn closed<X: TitoTransaction>(tx: &X, id: &str) -> TitoResult<bool> {
-    let key = keys::batch_key(id);
-    match tx.get(key.as_bytes()).await? {
-        Some(bytes) => Ok(parse::<BatchRecord>("batch", key.as_bytes(), &bytes)?.closed),
-        None => Ok(false),
-    }
+    Ok(Some(answers.into_iter().flatten().collect()))
 }
 
 /// Closes batch `id` inside `tx`, firing what is due; `false` when it was closed.

@@ -250,36 +250,42 @@ impl<E: TitoEngine> Graphs<E> {
         })
         .await?;
         let before_ms = now_ms.saturating_sub(crate::util::millis(older_than));
-        let mut expired = Expired::default();
-        let prefix = keys::workflow_prefix();
+        Ok(Expired {
+            workflows: self
+                .expire_each("workflows", keys::workflow_prefix(), async |id| {
+                    self.expire_workflow(id, before_ms).await
+                })
+                .await?,
+            batches: self
+                .expire_each("batches", keys::batch_prefix(), async |id| {
+                    self.expire_batch(id, before_ms).await
+                })
+                .await?,
+        })
+    }
+
+    /// Runs `expire_one` on the id of every record under `prefix` (`what` they are, for
+    /// errors), in pages of [`EXPIRE_PAGE`]; answers how many it expired.
+    async fn expire_each(
+        &self,
+        what: &str,
+        prefix: String,
+        expire_one: impl AsyncFn(&str) -> TitoResult<bool>,
+    ) -> TitoResult<usize> {
+        let mut expired = 0;
         let mut start = prefix.clone();
         loop {
-            let page = page(&self.db, "workflows", &prefix, start.clone(), EXPIRE_PAGE).await?;
+            let page = page(&self.db, what, &prefix, start.clone(), EXPIRE_PAGE).await?;
             for (id, key, _) in &page {
-                if self.expire_workflow(id, before_ms).await? {
-                    expired.workflows += 1;
+                if expire_one(id).await? {
+                    expired += 1;
                 }
                 start = keys::key_after(keys::key_str(key)?.to_string());
             }
             if page.len() < EXPIRE_PAGE {
-                break;
+                return Ok(expired);
             }
         }
-        let prefix = keys::batch_prefix();
-        let mut start = prefix.clone();
-        loop {
-            let page = page(&self.db, "batches", &prefix, start.clone(), EXPIRE_PAGE).await?;
-            for (id, key, _) in &page {
-                if self.expire_batch(id, before_ms).await? {
-                    expired.batches += 1;
-                }
-                start = keys::key_after(keys::key_str(key)?.to_string());
-            }
-            if page.len() < EXPIRE_PAGE {
-                break;
-            }
-        }
-        Ok(expired)
     }
 
     /// Deletes workflow `id`'s records when it finished and was published before
