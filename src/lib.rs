@@ -61,3 +61,8 @@ pub struct Operating;
 #[cfg(doctest)]
 #[doc = include_str!("../docs/guide/tikv.md")]
 pub struct Tikv;
+
+/// `docs/guide/guarantees.md`
+#[cfg(doctest)]
+#[doc = include_str!("../docs/guide/guarantees.md")]
+pub struct Guarantees;
