@@ -1801,8 +1801,8 @@ async fn a_closed_pipe_ends_the_output_quietly() {
     assert_eq!(out.status.code(), Some(0), "{err}");
 }
 
-/// Mounted as the README shows, the mount path answers with its slash too (a redirect to the
-/// overview); pages and the access rule work under it.
+/// Mounted as the guide's operating chapter shows, the mount path answers with its slash too (a
+/// redirect to the overview); pages and the access rule work under it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_dashboard_answers_at_its_mount_path_with_and_without_a_slash() {
     let dir = tempfile::tempdir().unwrap();
