@@ -302,6 +302,128 @@ async fn workers_report_their_host_age_and_handler_figures() {
     db.close().await.unwrap();
 }
 
+/// A worker's report carries an hour of figures per partition and a depth sample of the
+/// partitions it holds; the overview's hour sums every report, so a worker stopped and another
+/// started add up, and each partition's hour adds up to the queue's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reports_chart_each_partitions_hour_across_a_restart() {
+    use tito::queue::FailurePolicy;
+    use tito::{QueueHandlerOutcome, WorkerConfig, Workers};
+    let dir = tempfile::tempdir().unwrap();
+    let db = tito::Embedded::open(dir.path()).await.unwrap();
+    let queue = std::sync::Arc::new(Queue::new(
+        db.clone(),
+        QueueConfig::new(4, Duration::from_secs(3600)).topic("hour"),
+    ));
+    for n in 0..40u32 {
+        queue
+            .publish(QueueEvent::now(format!("k{n}"), n))
+            .await
+            .unwrap();
+    }
+    // The first handler waits at a gate: the forty rows stay due while the worker samples.
+    let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(0));
+    let handler = |gate: std::sync::Arc<tokio::sync::Semaphore>| {
+        move |event: QueueEvent<u32>| {
+            let gate = gate.clone();
+            async move {
+                drop(gate.acquire().await.unwrap());
+                if event.payload.is_multiple_of(5) {
+                    return Err(TitoError::InvalidArgument("one in five fails".into()));
+                }
+                Ok(QueueHandlerOutcome::Acknowledge)
+            }
+        }
+    };
+    let config = |id: &str| {
+        WorkerConfig::new(0..4)
+            .worker_id(id)
+            .concurrency(1)
+            .failure_policy(FailurePolicy::new(1))
+            .max_idle_backoff(Duration::from_millis(20))
+    };
+    let mut workers = Workers::new();
+    workers.spawn_worker(queue.clone(), config("a"), handler(gate.clone()));
+    let sampled = || async {
+        let o = inspect::queue_overview(&db, Some("hour")).await.unwrap();
+        o.workers.iter().any(|w| {
+            w.minutes
+                .iter()
+                .any(|m| m.depth.len() == 4 && m.depth.iter().map(|d| d.due).sum::<u64>() == 40)
+        })
+    };
+    crate::support::wait_for(
+        "a depth sample of all four partitions",
+        Duration::from_secs(30),
+        sampled,
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    gate.add_permits(1_000);
+    let settled = |n: u64| {
+        let db = db.clone();
+        move || {
+            let db = db.clone();
+            async move {
+                let o = inspect::queue_overview(&db, Some("hour")).await.unwrap();
+                o.completed.value + o.dead.value == n
+            }
+        }
+    };
+    crate::support::wait_for("the first forty settled", Duration::from_secs(30), settled(40)).await;
+    workers.shutdown().await.unwrap();
+
+    // Another worker, after the first stopped, runs ten more.
+    for n in 40..50u32 {
+        queue
+            .publish(QueueEvent::now(format!("k{n}"), n))
+            .await
+            .unwrap();
+    }
+    let mut workers = Workers::new();
+    workers.spawn_worker(queue.clone(), config("b"), handler(gate.clone()));
+    crate::support::wait_for("all fifty settled", Duration::from_secs(30), settled(50)).await;
+    workers.shutdown().await.unwrap();
+
+    let o = inspect::queue_overview(&db, Some("hour")).await.unwrap();
+    assert_eq!(o.hour.len(), 60);
+    assert!(o.hour.windows(2).all(|w| w[1].minute == w[0].minute + 1));
+    assert_eq!(o.hour.last().unwrap().minute, o.now_ms / 60_000);
+    let runs: u64 = o.hour.iter().map(|m| m.runs).sum();
+    let failed: u64 = o.hour.iter().map(|m| m.failed).sum();
+    assert_eq!((runs, failed), (50, 10), "both workers' runs, each once");
+    let late_max = o.hour.iter().map(|m| m.late_max_ms).max().unwrap();
+    assert!(late_max >= 300, "rows waited at the gate: {late_max} ms");
+    // Each partition's hour adds up to the queue's, minute by minute.
+    assert_eq!(o.partition_hours.len(), 4);
+    for (at, minute) in o.hour.iter().enumerate() {
+        let (mut runs, mut failed) = (0, 0);
+        for p in 0..4 {
+            let of_p = &o.hour_of(Some(p))[at];
+            assert_eq!(of_p.minute, minute.minute);
+            runs += of_p.runs;
+            failed += of_p.failed;
+        }
+        assert_eq!((runs, failed), (minute.runs, minute.failed), "minute {at}");
+    }
+    let handled: u64 = o.partition_hours.iter().map(|p| p.total.handled()).sum();
+    assert_eq!(handled, 40);
+    for p in &o.partition_hours {
+        assert_eq!(p.handled.len(), 60);
+        assert_eq!(p.handled.iter().sum::<u64>(), p.total.handled());
+        // This minute's depth is the overview's own count: nothing is due.
+        assert_eq!(p.total.due, Some(0));
+    }
+    // The sample the first worker took, in a past minute or this one's report.
+    let forty = o
+        .workers
+        .iter()
+        .flat_map(|w| &w.minutes)
+        .any(|m| m.depth.iter().map(|d| d.due).sum::<u64>() == 40);
+    assert!(forty, "{:?}", o.workers);
+    db.close().await.unwrap();
+}
+
 /// The search finds an owner's invocations (written `kind:id`), pending and completed, in
 /// every partition, besides ids and business keys.
 #[tokio::test]

@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use tito::inspect::{Count, QueueRow};
 
-use crate::{ActionRecord, InboxData, KvData, Overview, QueueData, TableData};
+use crate::{ActionRecord, ChartsData, InboxData, KvData, Overview, QueueData, TableData};
 
 const STYLE: &str = r#"
 body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 0; color: #1d2330; background: #f6f7f9; }
@@ -101,6 +101,11 @@ pub(crate) fn base_of(request: &axum::extract::Request) -> String {
 /// A whole page. Links are relative to the router's mount path (`<base>`), so the router works
 /// wherever it is mounted.
 pub(crate) fn page(title: &str, body: &str, started: Option<Instant>) -> String {
+    page_with(title, body, started, "")
+}
+
+/// A whole page with more in its `<head>` (a refresh).
+pub(crate) fn page_with(title: &str, body: &str, started: Option<Instant>, head: &str) -> String {
     let base = BASE.try_with(Clone::clone).unwrap_or_else(|_| "/".into());
     let home = home(&base);
     let timing = started.map_or(String::new(), |s| {
@@ -112,12 +117,13 @@ pub(crate) fn page(title: &str, body: &str, started: Option<Instant>) -> String 
     format!(
         "<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">\
          <meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\
-         <base href=\"{base}\"><title>{title} · Tito</title><style>{STYLE}</style></head><body>\
+         <base href=\"{base}\">{head}<title>{title} · Tito</title><style>{STYLE}{charts}</style></head><body>\
          <header><a class=\"brand\" href=\"{home}\">Tito</a><a href=\"{home}\">Overview</a>\
          <a href=\"graphs\">Graphs</a><a href=\"actions\">Actions</a><a href=\"backup\">Backup</a></header><main><h1>{title}</h1>{body}{timing}</main></body></html>",
         title = esc(title),
         base = esc(&base),
         home = esc(&home),
+        charts = crate::charts::STYLE,
     )
 }
 
@@ -196,18 +202,20 @@ pub(crate) fn overview(data: &Overview, started: Instant) -> String {
     b.push_str(&card("tables", &data.tables.len().to_string(), "tables"));
     b.push_str("</div>");
 
-    b.push_str("<h2>Queues</h2><table id=\"queues\"><tr><th>queue</th><th class=\"num\">partitions</th><th class=\"num\">due now</th><th class=\"num\">later</th><th>oldest due</th><th>late by</th><th class=\"num\">completed (kept)</th><th class=\"num\">last minute</th><th class=\"num\">dead</th><th>state</th><th>limits</th></tr>");
+    b.push_str("<h2>Queues</h2><table id=\"queues\"><tr><th>queue</th><th class=\"num\">partitions</th><th class=\"num\">due now</th><th class=\"num\">later</th><th>oldest due</th><th>late by</th><th class=\"num\">completed (kept)</th><th class=\"num\">last minute</th><th>last hour</th><th class=\"num\">dead</th><th>state</th><th>limits</th></tr>");
     if data.queues.is_empty() {
-        b.push_str("<tr><td colspan=\"11\" class=\"muted\">no queue in this store</td></tr>");
+        b.push_str("<tr><td colspan=\"12\" class=\"muted\">no queue in this store</td></tr>");
     }
     for queue in &data.queues {
         let now_s = queue.now_ms / 1000;
         let late = queue.oldest_due.map_or(0, |d| now_s.saturating_sub(d));
+        let hour_handled: u64 = queue.hour.iter().map(|m| m.handled()).sum();
         let _ = write!(
             b,
             "<tr data-queue=\"{key}\"><td><a href=\"queue?{topic}\">{label}</a></td><td class=\"num\">{parts}</td>\
              <td class=\"num\" data-figure=\"due-now\">{due}</td><td class=\"num\">{later}</td><td>{oldest}</td><td>{late}</td>\
              <td class=\"num\">{completed}</td><td class=\"num\">{minute}</td>\
+             <td data-figure=\"hour\"><a href=\"charts?{topic}\" title=\"charts of the last hour\">{spark}</a> {hour_total}</td>\
              <td class=\"num{dead_class}\" data-figure=\"dead\">{dead}</td><td data-figure=\"state\">{state}</td>\
              <td data-figure=\"limits\">{limits}</td></tr>",
             key = esc(&queue.info.label),
@@ -220,6 +228,11 @@ pub(crate) fn overview(data: &Overview, started: Instant) -> String {
             late = late_cell(late, queue.due_now.value > 0),
             completed = count(&queue.completed),
             minute = queue.completed_per_minute.first().map_or("0".into(), count),
+            spark = crate::charts::sparkline(
+                &queue.hour.iter().map(|m| m.handled()).collect::<Vec<_>>(),
+                &format!("handled per minute over the last hour: {hour_handled} in all"),
+            ),
+            hour_total = hour_handled,
             dead = count(&queue.dead),
             dead_class = if queue.dead.value > 0 { " warn" } else { "" },
             state = queue_state(&queue.paused),
@@ -454,6 +467,11 @@ pub(crate) fn queue(data: &QueueData, started: Instant) -> String {
     ));
     b.push_str("</div>");
 
+    let _ = write!(
+        b,
+        "<p><a id=\"charts-link\" href=\"charts?{}\">Charts of the last hour</a> (throughput, failures, depth, lateness, handler time; per partition too)</p>",
+        tq
+    );
     b.push_str("<h2>Throughput</h2><table id=\"throughput\"><tr>");
     for minute in 0..o.completed_per_minute.len() {
         let label = if minute == 0 {
@@ -944,7 +962,8 @@ fn shapes(b: &mut String, counts: &tito::schema::ShapeCounts) {
         }
         None => b.push_str("<p class=\"muted\">no catalog: no model code has used the table</p>"),
     }
-    b.push_str("<table id=\"versions\"><tr><th>version</th><th class=\"num\">rows</th></tr>");
+    b.push_str("<table id=\"versions\"><tr><th>version</th><th class=\"num\">rows</th><th>share of the rows counted</th></tr>");
+    let counted: u64 = counts.rows.values().sum();
     for (version, rows) in &counts.rows {
         let name = match version {
             0 => "<span class=\"error\">malformed header</span>".to_string(),
@@ -952,11 +971,12 @@ fn shapes(b: &mut String, counts: &tito::schema::ShapeCounts) {
         };
         let _ = write!(
             b,
-            "<tr data-version=\"{version}\"><td>{name}</td><td class=\"num\" data-figure=\"rows\">{rows}</td></tr>"
+            "<tr data-version=\"{version}\"><td>{name}</td><td class=\"num\" data-figure=\"rows\">{rows}</td><td>{}</td></tr>",
+            crate::charts::bar(&format!("share-{version}"), *rows, Some(counted), "rows")
         );
     }
     if counts.rows.is_empty() {
-        b.push_str("<tr><td colspan=\"2\" class=\"muted\">no rows</td></tr>");
+        b.push_str("<tr><td colspan=\"3\" class=\"muted\">no rows</td></tr>");
     }
     b.push_str("</table>");
     if counts.more {
@@ -968,7 +988,7 @@ fn shapes(b: &mut String, counts: &tito::schema::ShapeCounts) {
             .map_or(String::new(), |e| format!(" of about {e}"));
         let _ = write!(
             b,
-            "<p id=\"rewrite\">Rewrite to version {}: <span data-figure=\"rewrite\">{}</span>, {} rows read{of}, {} rewritten</p>",
+            "<p id=\"rewrite\">Rewrite to version {}: <span data-figure=\"rewrite\">{}</span>, {} rows read{of}, {} rewritten</p><p>{}</p>",
             rewrite.target,
             if rewrite.finished {
                 "finished"
@@ -976,7 +996,29 @@ fn shapes(b: &mut String, counts: &tito::schema::ShapeCounts) {
                 "running"
             },
             rewrite.rows_done,
-            rewrite.rewritten
+            rewrite.rewritten,
+            crate::charts::bar(
+                "rewrite-progress",
+                if rewrite.finished {
+                    rewrite
+                        .rows_estimate
+                        .unwrap_or(rewrite.rows_done)
+                        .max(rewrite.rows_done)
+                } else {
+                    rewrite.rows_done
+                },
+                if rewrite.finished {
+                    Some(
+                        rewrite
+                            .rows_estimate
+                            .unwrap_or(rewrite.rows_done)
+                            .max(rewrite.rows_done),
+                    )
+                } else {
+                    rewrite.rows_estimate
+                },
+                "rows read"
+            ),
         );
         for (what, rows) in [
             (
@@ -1037,10 +1079,24 @@ pub(crate) fn table(data: &TableData, started: Instant) -> String {
             "<tr data-index=\"{n}\"><td><code>{n}</code></td><td><code>{}</code></td><td><span class=\"state {state}\" data-figure=\"state\">{state}</span></td><td class=\"num\">{}</td><td>{}</td></tr>",
             esc(&index.definition.to_string()),
             index.since,
-            index
-                .progress
-                .as_ref()
-                .map_or("—".into(), |p| esc(&p.to_string())),
+            index.progress.as_ref().map_or("—".into(), |p| {
+                let bar = crate::charts::bar(
+                    &format!("progress-{}", esc(&index.name)),
+                    p.rows_done,
+                    p.rows_estimate,
+                    "rows",
+                );
+                match &p.failure {
+                    Some(failure) => format!(
+                        "{bar} <span class=\"late\">stopped: {}</span>",
+                        esc(failure)
+                    ),
+                    None if p.rows_finished => {
+                        format!("{bar} <span class=\"muted\">rows done; deleting leftovers</span>")
+                    }
+                    None => bar,
+                }
+            }),
             n = esc(&index.name),
         );
     }
@@ -1576,4 +1632,108 @@ fn queue_cell(topic: Option<&str>) -> String {
         Some(topic) => esc(topic),
         None => "<em>no topic</em>".to_string(),
     }
+}
+
+/// A queue's last hour as charts, or one partition's; the page reloads itself every `refresh`
+/// seconds (never with 0).
+pub(crate) fn charts(data: &ChartsData, started: Instant) -> String {
+    let o = &data.overview;
+    let topic = o.info.topic.as_deref();
+    let tq = topic_query(topic);
+    let mut b = String::new();
+    let refresh = if data.refresh == 0 {
+        format!(
+            "This page does not refresh itself. <a href=\"charts?{tq}{p}refresh={}\">Refresh every {} s</a>",
+            crate::CHARTS_REFRESH,
+            crate::CHARTS_REFRESH,
+            p = data
+                .partition
+                .map_or(String::new(), |p| format!("partition={p}&")),
+        )
+    } else {
+        format!(
+            "This page refreshes itself every <span id=\"refresh\">{}</span> s. <a href=\"charts?{tq}{p}refresh=0\">Stop refreshing</a>",
+            data.refresh,
+            p = data
+                .partition
+                .map_or(String::new(), |p| format!("partition={p}&")),
+        )
+    };
+    let _ = write!(
+        b,
+        "<p><a href=\"queue?{tq}\">The queue's page</a>{} · {refresh}</p>",
+        if data.partition.is_some() {
+            format!(" · <a href=\"charts?{tq}\">all partitions</a>")
+        } else {
+            String::new()
+        }
+    );
+    let (hour, scope) = match data.partition {
+        Some(p) => (o.hour_of(Some(p)), format!("partition {p}")),
+        None => (o.hour.clone(), "every partition".to_string()),
+    };
+    let workers = o.workers.iter().filter(|w| !w.stopped).count();
+    let _ = write!(
+        b,
+        "<p class=\"muted\">The last {} minutes of {scope}, from the reports of the workers that ran it (each writes one every {} s; {workers} running now). The current minute is partial.</p>",
+        hour.len(),
+        tito::queue::REPORT_EVERY.as_secs(),
+    );
+    b.push_str("<div class=\"charts\">");
+    b.push_str(&crate::charts::hour_charts(&hour));
+    b.push_str("</div>");
+    if data.partition.is_none() && !o.partition_hours.is_empty() {
+        b.push_str("<h2>Partitions, last hour</h2><table id=\"partition-hours\"><tr><th class=\"num\">partition</th><th>handled per minute</th><th class=\"num\">handled</th><th class=\"num\">failed</th><th class=\"num\">mean</th><th class=\"num\">longest</th><th class=\"num\">latest start</th><th class=\"num\">due now</th><th>held by</th></tr>");
+        for p in &o.partition_hours {
+            let t = &p.total;
+            let holder = o
+                .partitions
+                .iter()
+                .find(|v| v.partition == p.partition)
+                .and_then(|v| v.lease.as_ref())
+                .map_or("<span class=\"muted\">nobody</span>".to_string(), |l| {
+                    format!("<code>{}</code>", esc(&l.holder))
+                });
+            let _ = write!(
+                b,
+                "<tr data-partition=\"{n}\"><td class=\"num\"><a href=\"charts?{tq}partition={n}\">{n}</a></td><td><a href=\"charts?{tq}partition={n}\">{spark}</a></td>\
+                 <td class=\"num\" data-figure=\"handled\">{handled}</td><td class=\"num{fail_class}\" data-figure=\"failed\">{failed}</td><td class=\"num\">{mean}</td><td class=\"num\">{longest}</td>\
+                 <td class=\"num\">{late}</td><td class=\"num\" data-figure=\"due\">{due}</td><td>{holder}</td></tr>",
+                n = p.partition,
+                spark = crate::charts::sparkline(
+                    &p.handled,
+                    &format!("partition {}: handled per minute", p.partition)
+                ),
+                handled = t.handled(),
+                failed = t.failed,
+                fail_class = if t.failed > 0 { " warn" } else { "" },
+                mean = t.mean_ms().map_or("—".into(), |ms| format!("{ms} ms")),
+                longest = if t.runs > 0 {
+                    format!("{} ms", t.max_ms)
+                } else {
+                    "—".into()
+                },
+                late = if t.runs > 0 {
+                    crate::charts::Unit::Millis.format(t.late_max_ms as f64)
+                } else {
+                    "—".into()
+                },
+                due = t.due.map_or("—".into(), |d| format!(
+                    "{d}{}",
+                    if t.due_more { "+" } else { "" }
+                )),
+            );
+        }
+        b.push_str("</table>");
+    }
+    let title = match data.partition {
+        Some(p) => format!("Queue {} · partition {p} · last hour", o.info.label),
+        None => format!("Queue {} · last hour", o.info.label),
+    };
+    let head = if data.refresh == 0 {
+        String::new()
+    } else {
+        format!("<meta http-equiv=\"refresh\" content=\"{}\">", data.refresh)
+    };
+    page_with(&title, &b, Some(started), &head)
 }

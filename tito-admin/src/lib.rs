@@ -66,6 +66,7 @@
 #![warn(missing_docs)]
 #![cfg_attr(not(test), warn(clippy::unwrap_used))]
 
+mod charts;
 mod html;
 mod sources;
 
@@ -379,6 +380,7 @@ impl<E: TitoEngine> Admin<E> {
         let mut router = Router::new()
             .route("/", get(overview_page::<E>))
             .route("/queue", get(queue_page::<E>))
+            .route("/charts", get(charts_page::<E>))
             .route("/inbox", get(inbox_page::<E>))
             .route("/table", get(table_page::<E>))
             .route("/kv", get(kv_page::<E>))
@@ -393,6 +395,7 @@ impl<E: TitoEngine> Admin<E> {
                 .route(&format!("{prefix}/command"), post(command::<E>))
                 .route(&format!("{prefix}/overview"), get(overview_json::<E>))
                 .route(&format!("{prefix}/queue"), get(queue_json::<E>))
+                .route(&format!("{prefix}/charts"), get(charts_json::<E>))
                 .route(&format!("{prefix}/inbox"), get(inbox_json::<E>))
                 .route(&format!("{prefix}/table"), get(table_json::<E>))
                 .route(&format!("{prefix}/kv"), get(kv_json::<E>))
@@ -762,6 +765,96 @@ async fn queue_json<E: TitoEngine>(
     Query(params): Query<QueueParams>,
 ) -> Data {
     json(&load_queue(&state, &params).await?)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Charts
+// ---------------------------------------------------------------------------------------------
+
+/// How often the charts page reloads itself unless asked otherwise (s).
+pub(crate) const CHARTS_REFRESH: u64 = 15;
+
+#[derive(Deserialize)]
+struct ChartsParams {
+    topic: Option<String>,
+    partition: Option<u32>,
+    /// Seconds between reloads: 0 for none, else 5 to 3,600.
+    refresh: Option<u64>,
+}
+
+/// A queue's last hour: its overview (with the hour), the partition asked for, and how often
+/// the page reloads.
+#[derive(Serialize)]
+struct ChartsData {
+    #[serde(skip)]
+    overview: inspect::QueueOverview,
+    queue: String,
+    partition: Option<u32>,
+    now_ms: u64,
+    /// The hour asked for (the queue's, or the partition's), oldest minute first.
+    minutes: Vec<inspect::HourMinute>,
+    /// Each partition's hour in brief (the whole queue only).
+    partitions: Vec<inspect::PartitionHour>,
+    #[serde(skip)]
+    refresh: u64,
+}
+
+async fn load_charts<E: TitoEngine>(
+    state: &Inner<E>,
+    params: &ChartsParams,
+) -> Result<ChartsData, TitoError> {
+    let topic = params.topic.as_deref().filter(|t| !t.is_empty());
+    let refresh = params.refresh.unwrap_or(CHARTS_REFRESH);
+    if refresh != 0 && !(5..=3600).contains(&refresh) {
+        return Err(TitoError::invalid_argument(format!(
+            "refresh={refresh}: give the seconds between reloads, 5 to 3600, or 0 for none"
+        )));
+    }
+    let overview = inspect::queue_overview(&state.db, topic).await?;
+    let Some(count) = overview.info.partitions else {
+        return Err(TitoError::NotFound(format!(
+            "no queue {} in this store",
+            overview.info.label
+        )));
+    };
+    if let Some(p) = params.partition
+        && p >= count
+    {
+        return Err(TitoError::invalid_argument(format!(
+            "partition={p}: queue {} has partitions 0 to {}",
+            overview.info.label,
+            count - 1
+        )));
+    }
+    let (minutes, partitions) = match params.partition {
+        Some(p) => (overview.hour_of(Some(p)), Vec::new()),
+        None => (overview.hour.clone(), overview.partition_hours.clone()),
+    };
+    Ok(ChartsData {
+        queue: overview.info.label.clone(),
+        partition: params.partition,
+        now_ms: overview.now_ms,
+        minutes,
+        partitions,
+        overview,
+        refresh,
+    })
+}
+
+async fn charts_page<E: TitoEngine>(
+    State(state): State<Arc<Inner<E>>>,
+    Query(params): Query<ChartsParams>,
+) -> Page {
+    let started = Instant::now();
+    let data = load_charts(&state, &params).await?;
+    Ok(Html(html::charts(&data, started)))
+}
+
+async fn charts_json<E: TitoEngine>(
+    State(state): State<Arc<Inner<E>>>,
+    Query(params): Query<ChartsParams>,
+) -> Data {
+    json(&load_charts(&state, &params).await?)
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -35,6 +35,8 @@
 //! # }
 //! ```
 
+use std::collections::BTreeMap;
+
 use serde::Serialize;
 use serde_json::Value;
 
@@ -282,6 +284,194 @@ pub struct QueueOverview {
     /// summed over those workers' reports (each written every
     /// [`REPORT_EVERY`](crate::queue::REPORT_EVERY)).
     pub handlers: crate::queue::MinuteFigures,
+    /// The last [`HOUR_MINUTES`] minutes, oldest first and the current (partial) one last,
+    /// from every worker report read (see [`QueueOverview::hour_of`]).
+    pub hour: Vec<HourMinute>,
+    /// Each partition's last hour in brief, by partition.
+    pub partition_hours: Vec<PartitionHour>,
+    /// The reports the hour is read from (those written within [`REPORT_KEPT`](crate::queue::REPORT_KEPT)).
+    #[serde(skip)]
+    hour_reports: Vec<crate::queue::WorkerReport>,
+}
+
+/// How many minutes the hour of an overview covers.
+pub const HOUR_MINUTES: u64 = 60;
+
+/// One minute of a queue, or of one of its partitions, from the workers' reports: handler runs,
+/// failures, run times and lateness at start, and the depth sampled in the minute.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct HourMinute {
+    /// The minute (Unix seconds / 60).
+    pub minute: u64,
+    /// Handler runs that ended in the minute.
+    pub runs: u64,
+    /// Of those, the ones that failed.
+    pub failed: u64,
+    /// Their run time, summed (ms).
+    pub total_ms: u64,
+    /// The longest of them (ms).
+    pub max_ms: u64,
+    /// How late they started, summed (ms after their due time).
+    pub late_total_ms: u64,
+    /// The latest start (ms after its due time).
+    pub late_max_ms: u64,
+    /// Rows due when sampled, summed over the partitions sampled in the minute (`None`: no
+    /// partition was; a partition no worker holds is sampled only by the current minute's
+    /// live count).
+    pub due: Option<u64>,
+    /// Some partition had more rows due than its sample counted.
+    pub due_more: bool,
+    /// How many partitions were sampled.
+    pub sampled: u32,
+    /// How late the oldest due row of the sampled partitions was (s).
+    pub oldest_late_s: Option<u64>,
+}
+
+impl HourMinute {
+    /// Runs that did not fail: the minute's throughput.
+    pub fn handled(&self) -> u64 {
+        self.runs.saturating_sub(self.failed)
+    }
+
+    /// The mean run time (ms), if anything ran.
+    pub fn mean_ms(&self) -> Option<u64> {
+        (self.runs > 0).then(|| self.total_ms / self.runs)
+    }
+
+    /// The mean lateness at start (ms), if anything ran.
+    pub fn mean_late_ms(&self) -> Option<u64> {
+        (self.runs > 0).then(|| self.late_total_ms / self.runs)
+    }
+
+    fn add(&mut self, f: &crate::queue::MinuteFigures) {
+        self.runs += f.runs;
+        self.failed += f.failed;
+        self.total_ms = self.total_ms.saturating_add(f.total_ms);
+        self.max_ms = self.max_ms.max(f.max_ms);
+        self.late_total_ms = self.late_total_ms.saturating_add(f.late_total_ms);
+        self.late_max_ms = self.late_max_ms.max(f.late_max_ms);
+    }
+
+    fn add_depth(&mut self, due: u64, more: bool, oldest_late_s: u64) {
+        self.due = Some(self.due.unwrap_or(0) + due);
+        self.due_more |= more;
+        self.sampled += 1;
+        self.oldest_late_s = Some(self.oldest_late_s.unwrap_or(0).max(oldest_late_s));
+    }
+}
+
+/// One partition's last hour in brief.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct PartitionHour {
+    /// The partition.
+    pub partition: u32,
+    /// Its figures over the hour summed (`minute` is the first; `due` and `oldest_late_s` are
+    /// the current minute's).
+    pub total: HourMinute,
+    /// Its handled runs per minute, oldest first (as [`QueueOverview::hour`]).
+    pub handled: Vec<u64>,
+}
+
+impl QueueOverview {
+    /// The last [`HOUR_MINUTES`] minutes of the whole queue (`None`) or of one partition, oldest
+    /// first. Runs are summed over every worker's report; a minute's depth is the last sample
+    /// of each partition in it, and the current minute's is this overview's own count.
+    pub fn hour_of(&self, partition: Option<u32>) -> Vec<HourMinute> {
+        let now = self.now_ms / 60_000;
+        let first = (now + 1).saturating_sub(HOUR_MINUTES);
+        let mut minutes: Vec<HourMinute> = (first..=now)
+            .map(|minute| HourMinute {
+                minute,
+                ..HourMinute::default()
+            })
+            .collect();
+        // The last sample per (minute, partition).
+        let mut samples: BTreeMap<(u64, u32), crate::queue::DepthSample> = BTreeMap::new();
+        for report in &self.hour_reports {
+            for figures in &report.minutes {
+                let Some(slot) = figures
+                    .minute
+                    .checked_sub(first)
+                    .and_then(|at| minutes.get_mut(at as usize))
+                else {
+                    continue;
+                };
+                match partition {
+                    None => slot.add(figures),
+                    Some(p) => {
+                        if let Some(runs) = figures.partitions.iter().find(|r| r.partition == p) {
+                            slot.add(&runs.figures(figures.minute));
+                        }
+                    }
+                }
+                for sample in &figures.depth {
+                    if partition.is_some_and(|p| p != sample.partition) {
+                        continue;
+                    }
+                    let entry = samples
+                        .entry((figures.minute, sample.partition))
+                        .or_insert(*sample);
+                    if sample.at_ms > entry.at_ms {
+                        *entry = *sample;
+                    }
+                }
+            }
+        }
+        for ((minute, _), sample) in samples {
+            if minute < now {
+                minutes[(minute - first) as usize].add_depth(
+                    sample.due,
+                    sample.more,
+                    sample.oldest_late_s,
+                );
+            }
+        }
+        // The current minute: what this overview counted itself.
+        let current = minutes.last_mut().expect("an hour has minutes");
+        for view in &self.partitions {
+            if partition.is_none_or(|p| p == view.partition) {
+                current.add_depth(view.due_now.value, view.due_now.more, view.oldest_late_s);
+            }
+        }
+        minutes
+    }
+
+    fn with_hour(mut self) -> Self {
+        self.hour = self.hour_of(None);
+        self.partition_hours = self
+            .partitions
+            .iter()
+            .map(|view| {
+                let minutes = self.hour_of(Some(view.partition));
+                let mut total = HourMinute {
+                    minute: minutes.first().map_or(0, |m| m.minute),
+                    ..HourMinute::default()
+                };
+                for m in &minutes {
+                    total.runs += m.runs;
+                    total.failed += m.failed;
+                    total.total_ms = total.total_ms.saturating_add(m.total_ms);
+                    total.max_ms = total.max_ms.max(m.max_ms);
+                    total.late_total_ms = total.late_total_ms.saturating_add(m.late_total_ms);
+                    total.late_max_ms = total.late_max_ms.max(m.late_max_ms);
+                }
+                if let Some(last) = minutes.last() {
+                    (
+                        total.due,
+                        total.due_more,
+                        total.sampled,
+                        total.oldest_late_s,
+                    ) = (last.due, last.due_more, last.sampled, last.oldest_late_s);
+                }
+                PartitionHour {
+                    partition: view.partition,
+                    total,
+                    handled: minutes.iter().map(HourMinute::handled).collect(),
+                }
+            })
+            .collect();
+        self
+    }
 }
 
 /// How long after its last write a worker's report is still shown.
@@ -464,7 +654,7 @@ async fn overview_in<X: TitoTransaction>(tx: &X, topic: Option<&str>) -> TitoRes
     let dead_end = keys::prefix_end(dead_prefix.clone());
     let dead = count_in(tx, dead_prefix.as_bytes(), dead_end.as_bytes(), COUNT_BOUND).await?;
     let paused = crate::queue::read_paused(tx, &root).await?;
-    let (workers, handlers) = worker_reports(tx, &root, now_ms).await?;
+    let (workers, handlers, hour_reports) = worker_reports(tx, &root, now_ms).await?;
     let minute_start = now_s - now_s % 60;
     let mut completed_per_minute = Vec::new();
     for minute in 0..THROUGHPUT_MINUTES {
@@ -494,28 +684,40 @@ async fn overview_in<X: TitoTransaction>(tx: &X, topic: Option<&str>) -> TitoRes
         coordinator: None,
         workers,
         handlers,
-    })
+        hour: Vec::new(),
+        partition_hours: Vec::new(),
+        hour_reports,
+    }
+    .with_hour())
 }
 
-/// The reports written within [`REPORT_SHOWN`] of `now_ms`, newest first, and their handler
-/// figures of the last [`THROUGHPUT_MINUTES`] minutes summed. A report that does not parse is
-/// left out.
+/// The reports written within [`REPORT_SHOWN`] of `now_ms`, newest first, their handler
+/// figures of the last [`THROUGHPUT_MINUTES`] minutes summed, and every report read (for the
+/// hour). A report that does not parse is left out.
 async fn worker_reports<X: TitoTransaction>(
     tx: &X,
     root: &str,
     now_ms: u64,
-) -> TitoResult<(Vec<crate::queue::WorkerReport>, crate::queue::MinuteFigures)> {
+) -> TitoResult<(
+    Vec<crate::queue::WorkerReport>,
+    crate::queue::MinuteFigures,
+    Vec<crate::queue::WorkerReport>,
+)> {
     let prefix = crate::queue::report_prefix(root);
     let end = keys::prefix_end(prefix.clone());
     let shown_ms = REPORT_SHOWN.as_millis() as u64;
-    let mut reports: Vec<crate::queue::WorkerReport> = tx
+    let mut all: Vec<crate::queue::WorkerReport> = tx
         .scan(prefix.as_bytes(), end.as_bytes(), REPORTS_READ)
         .await?
         .into_iter()
         .filter_map(|(_, value)| serde_json::from_slice(&value).ok())
-        .filter(|r: &crate::queue::WorkerReport| now_ms.saturating_sub(r.written_ms) <= shown_ms)
         .collect();
-    reports.sort_by_key(|r| std::cmp::Reverse(r.written_ms));
+    all.sort_by_key(|r| std::cmp::Reverse(r.written_ms));
+    let reports: Vec<crate::queue::WorkerReport> = all
+        .iter()
+        .filter(|r| now_ms.saturating_sub(r.written_ms) <= shown_ms)
+        .cloned()
+        .collect();
     let since = (now_ms / 60_000).saturating_sub(THROUGHPUT_MINUTES - 1);
     let mut handlers = crate::queue::MinuteFigures {
         minute: since,
@@ -524,7 +726,7 @@ async fn worker_reports<X: TitoTransaction>(
     for report in &reports {
         handlers.add(&report.since(since));
     }
-    Ok((reports, handlers))
+    Ok((reports, handlers, all))
 }
 
 fn add(total: &mut Count, part: Count) {

@@ -25,7 +25,10 @@ pub(in crate::queue) use outcome::{complete, remove_pending};
 pub(crate) use policy::AfterFailure;
 pub use policy::{FailurePolicy, MAX_ATTEMPTS};
 pub(crate) use report::report_prefix;
-pub use report::{MinuteFigures, REPORT_EVERY, REPORT_KEPT, REPORT_MINUTES, WorkerReport};
+pub use report::{
+    DEPTH_BOUND, DEPTH_BOUND_EACH, DepthSample, MinuteFigures, PartitionRuns, REPORT_EVERY,
+    REPORT_KEPT, REPORT_MINUTES, WorkerReport,
+};
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -618,7 +621,10 @@ where
         stopping = stopping || stop.requested();
         let busy: HashSet<u32> = in_flight.values().copied().collect();
         leases.tick(&busy, stopping).await;
-        reporter.write_if_due(&queue).await;
+        if reporter.due() {
+            let held: Vec<u32> = leases.runnable().map(|(partition, _)| partition).collect();
+            reporter.write(&queue, false, &held).await;
+        }
         if !stopping {
             listening.write_if_due(queue.engine(), &queue.wakeups).await;
         }
@@ -740,7 +746,7 @@ where
     maintenance.join_within(MAINTENANCE_DRAIN).await;
     leases.release_all().await;
     listening.remove(queue.engine(), &queue.wakeups).await;
-    reporter.write(&queue, true).await;
+    reporter.write(&queue, true, &[]).await;
     Ok(())
 }
 

@@ -507,6 +507,7 @@ impl Pulling {
                     with_cancellation(token, invoke(running, event)),
                 );
                 let figures = self.figures.clone();
+                let late_ms = late_ms as u64;
                 handlers.spawn(
                     async move {
                         let started = std::time::Instant::now();
@@ -514,7 +515,12 @@ impl Pulling {
                         let took = started.elapsed();
                         metrics::histogram!(names::QUEUE_HANDLER_SECONDS, "queue" => label)
                             .record(took.as_secs_f64());
-                        figures.record(took, matches!(done.1, Report::Failed(_)));
+                        figures.record(
+                            partition,
+                            took,
+                            matches!(done.1, Report::Failed(_)),
+                            late_ms,
+                        );
                         done
                     }
                     .instrument(span),

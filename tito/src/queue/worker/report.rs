@@ -1,7 +1,13 @@
-//! A worker's report: who runs it and what its handlers did in the last minutes, written to
+//! A worker's report: who runs it and what its handlers did in the last hour, written to
 //! `{queue}:report:{worker}` about every [`REPORT_EVERY`] and when the worker stops, so an
-//! operator (the dashboard, `tito queue stats`) sees handler figures, hosts and ages without a
-//! metrics backend.
+//! operator (the dashboard's charts, `tito queue stats`) sees handler figures, hosts and ages
+//! without a metrics backend.
+//!
+//! Per minute a report holds the handler runs, failures, run times and lateness (how long
+//! after its due time a handler started) of each partition the worker ran, and once a minute a
+//! sample of each held partition's depth: how many rows are due, counted up to a bound
+//! ([`DEPTH_BOUND`] shared by the partitions a worker holds, at least 1,000 each), and how late
+//! the oldest of them is.
 //!
 //! The report is advisory: a write that fails is logged and tried again at the next interval,
 //! and nothing reads it to decide anything. Reports not written for [`REPORT_KEPT`] are deleted
@@ -23,7 +29,14 @@ use crate::queue::Queue;
 pub const REPORT_EVERY: Duration = Duration::from_secs(10);
 
 /// How many minutes of handler figures a report keeps (the current, partial minute first).
-pub const REPORT_MINUTES: usize = 10;
+pub const REPORT_MINUTES: usize = 60;
+
+/// How many due rows a worker counts at most for its minute's depth sample, shared by the
+/// partitions it holds (each counts at least [`DEPTH_BOUND_EACH`]).
+pub const DEPTH_BOUND: u64 = 10_000;
+
+/// The least a held partition's depth sample counts up to.
+pub const DEPTH_BOUND_EACH: u64 = 1_000;
 
 /// How long a report nobody writes is kept (a worker that stopped, or whose process died).
 pub const REPORT_KEPT: Duration = Duration::from_secs(3600);
@@ -44,20 +57,146 @@ pub struct MinuteFigures {
     pub total_ms: u64,
     /// The longest of them (ms).
     pub max_ms: u64,
+    /// How late they started, summed (ms after their due time).
+    #[serde(default)]
+    pub late_total_ms: u64,
+    /// The latest start of them (ms after its due time).
+    #[serde(default)]
+    pub late_max_ms: u64,
+    /// The same figures per partition, by partition (stored as arrays).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub partitions: Vec<PartitionRuns>,
+    /// The depth of each partition the worker held, sampled once in the minute (stored as
+    /// arrays).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub depth: Vec<DepthSample>,
 }
 
 impl MinuteFigures {
-    /// Adds another minute's figures to these.
+    /// Adds another minute's figures to these (the queue-wide ones; per-partition figures and
+    /// depth samples are not merged).
     pub fn add(&mut self, other: &MinuteFigures) {
         self.runs += other.runs;
         self.failed += other.failed;
-        self.total_ms += other.total_ms;
+        self.total_ms = self.total_ms.saturating_add(other.total_ms);
         self.max_ms = self.max_ms.max(other.max_ms);
+        self.late_total_ms = self.late_total_ms.saturating_add(other.late_total_ms);
+        self.late_max_ms = self.late_max_ms.max(other.late_max_ms);
     }
 
     /// The mean run time (ms), if anything ran.
     pub fn mean_ms(&self) -> Option<u64> {
         (self.runs > 0).then(|| self.total_ms / self.runs)
+    }
+
+    /// The mean lateness at start (ms), if anything ran.
+    pub fn mean_late_ms(&self) -> Option<u64> {
+        (self.runs > 0).then(|| self.late_total_ms / self.runs)
+    }
+}
+
+/// One partition's handler runs in one minute. Stored as an array, `[partition, runs, failed,
+/// total_ms, max_ms, late_total_ms, late_max_ms]`, to keep an hour of a worker's partitions
+/// small.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "(u32, u64, u64, u64, u64, u64, u64)")]
+#[serde(into = "(u32, u64, u64, u64, u64, u64, u64)")]
+pub struct PartitionRuns {
+    /// The partition.
+    pub partition: u32,
+    /// Handler runs that ended in the minute.
+    pub runs: u64,
+    /// Of those, the ones that failed.
+    pub failed: u64,
+    /// Their run time, summed (ms).
+    pub total_ms: u64,
+    /// The longest of them (ms).
+    pub max_ms: u64,
+    /// How late they started, summed (ms).
+    pub late_total_ms: u64,
+    /// The latest start of them (ms).
+    pub late_max_ms: u64,
+}
+
+impl From<(u32, u64, u64, u64, u64, u64, u64)> for PartitionRuns {
+    fn from(t: (u32, u64, u64, u64, u64, u64, u64)) -> Self {
+        PartitionRuns {
+            partition: t.0,
+            runs: t.1,
+            failed: t.2,
+            total_ms: t.3,
+            max_ms: t.4,
+            late_total_ms: t.5,
+            late_max_ms: t.6,
+        }
+    }
+}
+
+impl From<PartitionRuns> for (u32, u64, u64, u64, u64, u64, u64) {
+    fn from(p: PartitionRuns) -> Self {
+        (
+            p.partition,
+            p.runs,
+            p.failed,
+            p.total_ms,
+            p.max_ms,
+            p.late_total_ms,
+            p.late_max_ms,
+        )
+    }
+}
+
+impl PartitionRuns {
+    /// As a minute's figures (for sums over partitions).
+    pub fn figures(&self, minute: u64) -> MinuteFigures {
+        MinuteFigures {
+            minute,
+            runs: self.runs,
+            failed: self.failed,
+            total_ms: self.total_ms,
+            max_ms: self.max_ms,
+            late_total_ms: self.late_total_ms,
+            late_max_ms: self.late_max_ms,
+            ..MinuteFigures::default()
+        }
+    }
+}
+
+/// A held partition's depth when a worker sampled it. Stored as an array, `[partition, due,
+/// more, oldest_late_s, at_ms]`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(
+    from = "(u32, u64, bool, u64, u64)",
+    into = "(u32, u64, bool, u64, u64)"
+)]
+pub struct DepthSample {
+    /// The partition.
+    pub partition: u32,
+    /// Rows due at the sample (their due time passed), counted up to the bound.
+    pub due: u64,
+    /// More rows were due than counted.
+    pub more: bool,
+    /// How late the oldest due row was (s; 0 when none was due).
+    pub oldest_late_s: u64,
+    /// When the sample was read (engine time, Unix ms).
+    pub at_ms: u64,
+}
+
+impl From<(u32, u64, bool, u64, u64)> for DepthSample {
+    fn from(t: (u32, u64, bool, u64, u64)) -> Self {
+        DepthSample {
+            partition: t.0,
+            due: t.1,
+            more: t.2,
+            oldest_late_s: t.3,
+            at_ms: t.4,
+        }
+    }
+}
+
+impl From<DepthSample> for (u32, u64, bool, u64, u64) {
+    fn from(d: DepthSample) -> Self {
+        (d.partition, d.due, d.more, d.oldest_late_s, d.at_ms)
     }
 }
 
@@ -75,7 +214,7 @@ pub struct WorkerReport {
     /// The worker stopped (shut down) after writing it.
     pub stopped: bool,
     /// Its handlers in the last [`REPORT_MINUTES`] minutes, newest first; minutes without runs
-    /// are left out.
+    /// or a depth sample are left out.
     pub minutes: Vec<MinuteFigures>,
 }
 
@@ -100,36 +239,102 @@ pub(crate) struct Figures {
 }
 
 impl Figures {
-    /// Records one handler run that took `took` and failed or not.
-    pub fn record(&self, took: Duration, failed: bool) {
-        let minute = (chrono::Utc::now().timestamp().max(0) as u64) / 60;
+    /// Records one handler run of `partition` that started `late_ms` after its due time, took
+    /// `took` and failed or not.
+    pub fn record(&self, partition: u32, took: Duration, failed: bool, late_ms: u64) {
         let ms = crate::util::millis(took);
         let mut minutes = crate::util::lock(&self.minutes);
-        if minutes.front().is_none_or(|m| m.minute < minute) {
-            minutes.push_front(MinuteFigures {
-                minute,
-                ..MinuteFigures::default()
-            });
-            minutes.truncate(REPORT_MINUTES);
-        }
-        // A clock that stepped back files the run under the newest minute.
-        let current = minutes.front_mut().expect("a minute was just pushed");
+        let current = newest(&mut minutes, minute_now());
         current.runs += 1;
         current.failed += u64::from(failed);
         current.total_ms = current.total_ms.saturating_add(ms);
         current.max_ms = current.max_ms.max(ms);
+        current.late_total_ms = current.late_total_ms.saturating_add(late_ms);
+        current.late_max_ms = current.late_max_ms.max(late_ms);
+        let at = match current
+            .partitions
+            .binary_search_by_key(&partition, |p| p.partition)
+        {
+            Ok(at) => at,
+            Err(at) => {
+                current.partitions.insert(
+                    at,
+                    PartitionRuns {
+                        partition,
+                        ..PartitionRuns::default()
+                    },
+                );
+                at
+            }
+        };
+        let p = &mut current.partitions[at];
+        p.runs += 1;
+        p.failed += u64::from(failed);
+        p.total_ms = p.total_ms.saturating_add(ms);
+        p.max_ms = p.max_ms.max(ms);
+        p.late_total_ms = p.late_total_ms.saturating_add(late_ms);
+        p.late_max_ms = p.late_max_ms.max(late_ms);
     }
 
-    fn snapshot(&self) -> Vec<MinuteFigures> {
-        let now = (chrono::Utc::now().timestamp().max(0) as u64) / 60;
+    /// Files the depth samples of `minute` (replacing any it had).
+    fn sampled(&self, minute: u64, samples: Vec<DepthSample>) {
+        let mut minutes = crate::util::lock(&self.minutes);
+        newest(&mut minutes, minute).depth = samples;
+    }
+
+    /// The kept minutes within the last [`REPORT_MINUTES`], newest first, with `samples` as
+    /// the current minute's depth when given.
+    fn snapshot(&self, samples: Option<(u64, &[DepthSample])>) -> Vec<MinuteFigures> {
+        let now = minute_now();
         let oldest = now.saturating_sub(REPORT_MINUTES as u64 - 1);
-        let minutes = crate::util::lock(&self.minutes);
-        minutes
+        let mut minutes: Vec<MinuteFigures> = crate::util::lock(&self.minutes)
             .iter()
             .filter(|m| m.minute >= oldest)
             .cloned()
-            .collect()
+            .collect();
+        if let Some((minute, samples)) = samples {
+            match minutes.iter_mut().find(|m| m.minute == minute) {
+                Some(m) => m.depth = samples.to_vec(),
+                None => {
+                    let at = minutes.partition_point(|m| m.minute > minute);
+                    minutes.insert(
+                        at,
+                        MinuteFigures {
+                            minute,
+                            depth: samples.to_vec(),
+                            ..MinuteFigures::default()
+                        },
+                    );
+                }
+            }
+        }
+        minutes
     }
+
+    /// Whether `minute` has its depth samples.
+    fn has_depth(&self, minute: u64) -> bool {
+        crate::util::lock(&self.minutes)
+            .iter()
+            .any(|m| m.minute == minute && !m.depth.is_empty())
+    }
+}
+
+/// The current minute (Unix seconds / 60, by this host's clock).
+fn minute_now() -> u64 {
+    (chrono::Utc::now().timestamp().max(0) as u64) / 60
+}
+
+/// The newest kept minute, pushed first when `minute` is newer (the oldest beyond
+/// [`REPORT_MINUTES`] dropped). A clock that stepped back files under the newest minute.
+fn newest(minutes: &mut VecDeque<MinuteFigures>, minute: u64) -> &mut MinuteFigures {
+    if minutes.front().is_none_or(|m| m.minute < minute) {
+        minutes.push_front(MinuteFigures {
+            minute,
+            ..MinuteFigures::default()
+        });
+        minutes.truncate(REPORT_MINUTES);
+    }
+    minutes.front_mut().expect("a minute was just pushed")
 }
 
 /// Writes one worker's report.
@@ -150,47 +355,59 @@ impl Reporter {
         }
     }
 
-    /// Writes the report when it is due (at once the first time, then every [`REPORT_EVERY`]).
-    pub async fn write_if_due<E: TitoEngine>(&mut self, queue: &Queue<E>) {
-        if Instant::now() >= self.next {
-            self.write(queue, false).await;
-        }
+    /// Whether the report is due (at once the first time, then every [`REPORT_EVERY`]).
+    pub fn due(&self) -> bool {
+        Instant::now() >= self.next
     }
 
-    /// Writes the report now; `stopped` when the worker is done.
-    pub async fn write<E: TitoEngine>(&mut self, queue: &Queue<E>, stopped: bool) {
+    /// Writes the report now, with a depth sample of the `held` partitions once a minute;
+    /// `stopped` when the worker is done.
+    pub async fn write<E: TitoEngine>(&mut self, queue: &Queue<E>, stopped: bool, held: &[u32]) {
         self.next = Instant::now() + REPORT_EVERY;
         let first = self.started_ms.is_none();
         let root = queue.root().to_string();
         let key = report_key(&root, &self.worker);
-        let minutes = self.figures.snapshot();
+        let minute = minute_now();
+        // Once a minute, and not by a worker on its way out (its partitions are being let go).
+        let sample = !stopped && !held.is_empty() && !self.figures.has_depth(minute);
         let (worker, started) = (self.worker.clone(), self.started_ms);
-        let written: TitoResult<u64> = queue
+        let figures = self.figures.clone();
+        let written: TitoResult<(u64, Vec<DepthSample>)> = queue
             .engine()
             .transaction(|tx| {
-                let (root, key, worker, minutes) =
-                    (root.clone(), key.clone(), worker.clone(), minutes.clone());
+                let (root, key, worker, figures) =
+                    (root.clone(), key.clone(), worker.clone(), figures.clone());
                 async move {
                     let now_ms = engine::version_millis(tx.start_version());
                     if first {
                         sweep_stale(&tx, &root, &key, now_ms).await?;
                     }
+                    let samples = if sample {
+                        depth_samples(&tx, &root, held, now_ms).await?
+                    } else {
+                        Vec::new()
+                    };
                     let report = WorkerReport {
                         worker,
                         runner: crate::util::runner().to_string(),
                         started_ms: started.unwrap_or(now_ms),
                         written_ms: now_ms,
                         stopped,
-                        minutes,
+                        minutes: figures.snapshot(sample.then_some((minute, &samples))),
                     };
                     tx.put(key.into_bytes(), serde_json::to_vec(&report)?)
                         .await?;
-                    Ok::<_, crate::TitoError>(report.started_ms)
+                    Ok::<_, crate::TitoError>((report.started_ms, samples))
                 }
             })
             .await;
         match written {
-            Ok(started_ms) => self.started_ms = Some(started_ms),
+            Ok((started_ms, samples)) => {
+                self.started_ms = Some(started_ms);
+                if sample {
+                    self.figures.sampled(minute, samples);
+                }
+            }
             Err(err) => tracing::debug!(
                 queue = %queue.label(),
                 worker = %self.worker,
@@ -200,6 +417,61 @@ impl Reporter {
         }
     }
 }
+
+/// The depth of each of `held`: its rows due at `now_ms`, counted up to its share of
+/// [`DEPTH_BOUND`], and how late the first of them is.
+async fn depth_samples<X: TitoTransaction>(
+    tx: &X,
+    root: &str,
+    held: &[u32],
+    now_ms: u64,
+) -> TitoResult<Vec<DepthSample>> {
+    let now_s = now_ms / 1000;
+    let bound = (DEPTH_BOUND / held.len().max(1) as u64).max(DEPTH_BOUND_EACH);
+    let mut samples = Vec::with_capacity(held.len());
+    for &partition in held {
+        let prefix = keys::pending_partition_prefix(root, partition);
+        // Due: a due time at or before this second.
+        let end = keys::pending_bucket_prefix(root, partition, now_s + 1);
+        let mut start = prefix.into_bytes();
+        let (mut due, mut more, mut oldest) = (0u64, false, None);
+        loop {
+            let want = DEPTH_PAGE.min((bound - due) as usize + 1);
+            let rows = tx.scan(&start, end.as_bytes(), want).await?;
+            if oldest.is_none()
+                && let Some((_, value)) = rows.first()
+            {
+                // The first row runs next; its own due time (its key's is less an urgency's
+                // boost). A row that does not decode counts, without a lateness.
+                oldest = Some(
+                    crate::event::StoredEvent::parse(value)
+                        .map_or(now_s, |stored| stored.timestamp.max(0) as u64),
+                );
+            }
+            let take = rows.len().min((bound - due) as usize);
+            due += take as u64;
+            if take < rows.len() {
+                more = true;
+                break;
+            }
+            match rows.last() {
+                Some((key, _)) if rows.len() == want => start = keys::key_after_bytes(key),
+                _ => break,
+            }
+        }
+        samples.push(DepthSample {
+            partition,
+            due,
+            more,
+            oldest_late_s: oldest.map_or(0, |o| now_s.saturating_sub(o)),
+            at_ms: now_ms,
+        });
+    }
+    Ok(samples)
+}
+
+/// Rows read per scan of a depth sample.
+const DEPTH_PAGE: usize = 1_000;
 
 /// Deletes up to [`STALE_SWEEP`] reports of the queue not written for [`REPORT_KEPT`] (never
 /// `own`, and never one that does not parse as a report: that is left for an operator).
@@ -247,14 +519,50 @@ mod tests {
     #[test]
     fn figures_sum_runs_failures_and_times_per_minute() {
         let figures = Figures::default();
-        figures.record(Duration::from_millis(10), false);
-        figures.record(Duration::from_millis(30), true);
-        let minutes = figures.snapshot();
+        figures.record(3, Duration::from_millis(10), false, 500);
+        figures.record(1, Duration::from_millis(30), true, 1500);
+        figures.record(3, Duration::from_millis(20), false, 0);
+        let minutes = figures.snapshot(None);
         assert_eq!(minutes.len(), 1);
         let m = &minutes[0];
-        assert_eq!((m.runs, m.failed, m.total_ms, m.max_ms), (2, 1, 40, 30));
+        assert_eq!((m.runs, m.failed, m.total_ms, m.max_ms), (3, 1, 60, 30));
+        assert_eq!((m.late_total_ms, m.late_max_ms), (2000, 1500));
         assert_eq!(m.mean_ms(), Some(20));
+        assert_eq!(m.mean_late_ms(), Some(666));
         assert_eq!(MinuteFigures::default().mean_ms(), None);
+        // Per partition, in partition order.
+        let parts: Vec<(u32, u64, u64, u64, u64)> = m
+            .partitions
+            .iter()
+            .map(|p| (p.partition, p.runs, p.failed, p.total_ms, p.late_max_ms))
+            .collect();
+        assert_eq!(parts, vec![(1, 1, 1, 30, 1500), (3, 2, 0, 30, 500)]);
+        // A depth sample joins the minute it was read in, replacing an earlier one.
+        let sample = DepthSample {
+            partition: 3,
+            due: 12,
+            more: false,
+            oldest_late_s: 4,
+            at_ms: 9,
+        };
+        figures.sampled(m.minute, vec![sample]);
+        assert!(figures.has_depth(m.minute));
+        assert_eq!(figures.snapshot(None)[0].depth, vec![sample]);
+        // Stored compactly, and read back the same.
+        let json = serde_json::to_string(&figures.snapshot(None)[0]).unwrap();
+        assert!(
+            json.contains("\"partitions\":[[1,1,1,30,30,1500,1500],[3,2,0,30,20,500,500]]"),
+            "{json}"
+        );
+        assert!(json.contains("\"depth\":[[3,12,false,4,9]]"), "{json}");
+        let back: MinuteFigures = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, figures.snapshot(None)[0]);
+        // A report written before per-partition figures reads with none.
+        let old: MinuteFigures =
+            serde_json::from_str(r#"{"minute":5,"runs":2,"failed":1,"total_ms":8,"max_ms":5}"#)
+                .unwrap();
+        assert_eq!((old.runs, old.late_total_ms), (2, 0));
+        assert!(old.partitions.is_empty() && old.depth.is_empty());
     }
 
     #[test]
@@ -265,6 +573,7 @@ mod tests {
             failed,
             total_ms: runs * 5,
             max_ms: 7,
+            ..MinuteFigures::default()
         };
         let report = WorkerReport {
             worker: "w".into(),
