@@ -38,6 +38,8 @@ pub(crate) enum Unit {
 impl Unit {
     pub(crate) fn format(self, value: f64) -> String {
         match self {
+            // A half-way grid line of a small axis (2.5) keeps its fraction.
+            Unit::Count if value.fract() != 0.0 && value < 100.0 => format!("{value:.1}"),
             Unit::Count => thousands(value.round() as u64),
             Unit::Millis if value < 1000.0 => format!("{} ms", value.round() as u64),
             Unit::Millis => seconds(value / 1000.0),
@@ -59,11 +61,11 @@ fn seconds(s: f64) -> String {
     }
 }
 
-fn thousands(n: u64) -> String {
+pub(crate) fn thousands(n: u64) -> String {
     let digits = n.to_string();
     let mut out = String::new();
     for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
             out.push(',');
         }
         out.push(c);
@@ -87,7 +89,7 @@ fn clock(minute: u64) -> String {
 
 /// The least of 1, 2, 5 × 10^k at or above `value` (1 for nothing).
 fn nice_ceiling(value: f64) -> f64 {
-    if !(value > 0.0) || !value.is_finite() {
+    if value.is_nan() || value <= 0.0 || !value.is_finite() {
         return 1.0;
     }
     let magnitude = 10f64.powf(value.log10().floor());
@@ -488,6 +490,7 @@ pub(crate) const STYLE: &str = r#"
 .charts { display: grid; grid-template-columns: repeat(auto-fill, minmax(520px, 1fr)); gap: 16px; }
 figure.chart { background: #fff; margin: 0; padding: 10px 14px; box-shadow: 0 1px 2px rgba(0,0,0,.06); border-radius: 4px; }
 figure.chart h3 { font-size: 14px; margin: 0 0 2px; } figure.chart .summary { margin: 0 0 6px; color: #4a5365; font-size: 12px; }
+figure.chart p.muted { font-size: 12px; margin: 4px 0 0; }
 figure.chart svg { width: 100%; height: 170px; display: block; }
 figure.chart .grid { stroke: #e6e8ec; stroke-width: 1; } figure.chart .axis { fill: #7a8294; font-size: 11px; }
 .s-ok { fill: #2f7dd1; } .s-bad { fill: #c8362c; } .s-depth { stroke: #7a4fd1; stroke-width: 2; } circle.s-depth { fill: #7a4fd1; }
@@ -521,6 +524,7 @@ mod tests {
     #[test]
     fn values_read_in_their_units() {
         assert_eq!(Unit::Count.format(1_234_567.0), "1,234,567");
+        assert_eq!(Unit::Count.format(2.5), "2.5");
         assert_eq!(Unit::Millis.format(12.0), "12 ms");
         assert_eq!(Unit::Millis.format(1500.0), "1.5 s");
         assert_eq!(Unit::Millis.format(90_000.0), "1.5 min");

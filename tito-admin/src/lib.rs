@@ -1732,15 +1732,7 @@ fn describe_limits(limits: &tito::queue::Limits) -> String {
 
 /// `1,200`: a number with thousands separators.
 fn thousands(n: usize) -> String {
-    let digits = n.to_string();
-    let mut out = String::new();
-    for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i).is_multiple_of(3) {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    out
+    charts::thousands(n as u64)
 }
 
 /// A bounded count in words: `1,200`, or `10,000+` past its bound.

@@ -1104,6 +1104,7 @@ async fn the_dashboard_shows_the_seeded_figures_in_a_browser() {
             ("/inbox?table=job&group=mail", "inbox"),
             ("/inbox?table=job&group=mail-dead", "inbox-dead"),
             ("/table?name=user", "table"),
+            ("/table?name=note", "table-note"),
             ("/kv?namespace=sessions", "kv"),
         ]
         .map(|(path, name)| (name, browse(&base, path, name)))
@@ -1249,6 +1250,23 @@ async fn the_dashboard_shows_the_seeded_figures_in_a_browser() {
         "ready"
     );
     assert!(table.contains("Start an audit"));
+    // Rows by shape version and the rewrite's progress, as bars with their numbers.
+    let note = page("table-note");
+    assert!(
+        note.contains("<progress id=\"share-1\" max=\"3\" value=\"1\"")
+            && note.contains("1 of 3 rows (33%)"),
+        "{note}"
+    );
+    assert!(
+        note.contains("<progress id=\"share-2\" max=\"3\" value=\"2\"")
+            && note.contains("2 of 3 rows (67%)"),
+        "{note}"
+    );
+    assert!(
+        note.contains("<progress id=\"rewrite-progress\" max=\"3\" value=\"3\"")
+            && note.contains("3 of 3 rows read (100%)"),
+        "{note}"
+    );
     let kv = page("kv");
     for key in ["s0", "s1", "s2"] {
         assert!(kv.contains(&format!("data-key=\"{key}\"")), "{key}");
@@ -3782,4 +3800,268 @@ async fn the_dashboard_draws_workflows_and_shows_batches() {
     let (status, page) = send(&router, get("/batch"), local).await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
     assert!(page.contains("/batch?id=&lt;id&gt;"), "{page}");
+}
+
+/// A queue's hour drawn by the browser: the five charts of the queue and of one partition,
+/// from a report of a worker that ran the last fifty minutes (written as a worker writes it)
+/// and from a real worker that runs now; every bar and point says its number, the page
+/// refreshes itself unless told not to, and the JSON API answers the same figures.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_charts_draw_a_queues_last_hour_in_a_browser() {
+    use tito::queue::{DepthSample, MinuteFigures, PartitionRuns, WorkerReport};
+    let dir = tempfile::tempdir().unwrap();
+    let db = Embedded::open(dir.path()).await.unwrap();
+    let root = tito::keys::queue_root(Some("charts"));
+    let queue = Arc::new(Queue::new(
+        db.clone(),
+        QueueConfig::new(4, Duration::from_secs(3600)).topic("charts"),
+    ));
+    // Fifty minutes of an earlier worker: partition p ran `runs(ago, p)` handlers in the minute
+    // `ago` minutes back, one of them failed every third minute, and its depth was sampled.
+    let now_ms = chrono::Utc::now().timestamp_millis() as u64;
+    let now_min = now_ms / 60_000;
+    let runs = |ago: u64, p: u32| (ago % 7) + u64::from(p) + 1;
+    let minutes: Vec<MinuteFigures> = (2..=50u64)
+        .map(|ago| {
+            let partitions: Vec<PartitionRuns> = (0..4u32)
+                .map(|p| PartitionRuns {
+                    partition: p,
+                    runs: runs(ago, p),
+                    failed: u64::from(ago % 3 == 0),
+                    total_ms: runs(ago, p) * 20,
+                    max_ms: 40 + ago,
+                    late_total_ms: runs(ago, p) * 100,
+                    late_max_ms: 500 + ago,
+                })
+                .collect();
+            let mut figures = MinuteFigures {
+                minute: now_min - ago,
+                ..MinuteFigures::default()
+            };
+            for p in &partitions {
+                figures.add(&p.figures(figures.minute));
+            }
+            figures.partitions = partitions;
+            figures.depth = (0..4u32)
+                .map(|p| DepthSample {
+                    partition: p,
+                    due: ago + u64::from(p),
+                    more: false,
+                    oldest_late_s: ago,
+                    at_ms: (now_min - ago) * 60_000 + 5_000,
+                })
+                .collect();
+            figures
+        })
+        .rev()
+        .collect();
+    let report = WorkerReport {
+        worker: "earlier".into(),
+        runner: "pid 1 on elsewhere".into(),
+        started_ms: now_ms - 3_000_000,
+        written_ms: now_ms,
+        stopped: true,
+        minutes,
+    };
+    let tx = db.begin().await.unwrap();
+    tx.put(
+        format!("{root}:report:earlier").into_bytes(),
+        serde_json::to_vec(&report).unwrap(),
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    // A real worker now: twelve events, every fourth failing for good.
+    for n in 0..12u32 {
+        queue
+            .publish(QueueEvent::now(format!("key-{n}"), n))
+            .await
+            .unwrap();
+    }
+    let mut workers = tito::Workers::new();
+    workers.spawn_worker(
+        queue.clone(),
+        WorkerConfig::new(0..4)
+            .failure_policy(tito::queue::FailurePolicy::new(1))
+            .max_idle_backoff(Duration::from_millis(20)),
+        |event: QueueEvent<u32>| async move {
+            if event.payload.is_multiple_of(4) {
+                return Err(tito::TitoError::InvalidArgument(
+                    "every fourth fails".into(),
+                ));
+            }
+            Ok(QueueHandlerOutcome::Acknowledge)
+        },
+    );
+    let settled = || async {
+        let o = tito::inspect::queue_overview(&db, Some("charts"))
+            .await
+            .unwrap();
+        o.completed.value + o.dead.value == 12
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !settled().await {
+        assert!(Instant::now() < deadline, "the twelve events settled");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    workers.shutdown().await.unwrap();
+
+    // The JSON API: the seeded minutes and the real worker's twelve, each counted once.
+    let router = tito_admin::Admin::new(db.clone()).router();
+    let local = Some("127.0.0.1:50000");
+    let (status, body) = send(&router, get("/api/charts?topic=charts"), local).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let data: Value = serde_json::from_str(&body).unwrap();
+    let hour = data["minutes"].as_array().unwrap();
+    assert_eq!(hour.len(), 60);
+    let sum = |field: &str| hour.iter().map(|m| m[field].as_u64().unwrap()).sum::<u64>();
+    let seeded_runs: u64 = (2..=50u64)
+        .flat_map(|ago| (0..4u32).map(move |p| runs(ago, p)))
+        .sum();
+    let seeded_failed: u64 = (2..=50u64).filter(|ago| ago % 3 == 0).count() as u64 * 4;
+    assert_eq!(sum("runs"), seeded_runs + 12);
+    assert_eq!(sum("failed"), seeded_failed + 3);
+    let parts = data["partitions"].as_array().unwrap();
+    assert_eq!(parts.len(), 4);
+    let (status, body) = send(&router, get("/api/charts?topic=charts&partition=2"), local).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let two: Value = serde_json::from_str(&body).unwrap();
+    let seeded_two: u64 = (2..=50u64).map(|ago| runs(ago, 2)).sum();
+    let two_runs: u64 = two["minutes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["runs"].as_u64().unwrap())
+        .sum();
+    assert!(
+        (seeded_two..=seeded_two + 12).contains(&two_runs),
+        "partition 2: {two_runs} runs, {seeded_two} seeded"
+    );
+    // Bad input is refused with what to give instead.
+    for (path, says) in [
+        ("/api/charts?topic=charts&partition=4", "partitions 0 to 3"),
+        ("/api/charts?topic=charts&refresh=2", "5 to 3600, or 0"),
+        ("/api/charts?topic=nope", "no queue nope"),
+    ] {
+        let (status, body) = send(&router, get(path), local).await;
+        assert!(status.is_client_error(), "{path}: {status} {body}");
+        assert!(body.contains(says), "{path}: {body}");
+    }
+
+    // The browser.
+    let app = axum::Router::new().merge(tito_admin::Admin::new(db.clone()).mount("/tito"));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(tito_admin::serve(listener, app, async {
+        let _ = stopped.await;
+    }));
+    let base = format!("http://{addr}/tito");
+    let pages = tokio::task::spawn_blocking(move || {
+        [
+            ("/charts?topic=charts", "charts"),
+            (
+                "/charts?topic=charts&partition=2&refresh=0",
+                "charts-partition-2",
+            ),
+            ("", "overview-with-sparklines"),
+        ]
+        .map(|(path, name)| (name, browse(&base, path, name)))
+    })
+    .await
+    .unwrap();
+    let page = |name: &str| pages.iter().find(|(n, _)| *n == name).unwrap().1.clone();
+    let charts = page("charts");
+    for chart in [
+        "throughput",
+        "failures",
+        "depth",
+        "lateness",
+        "handler-time",
+    ] {
+        let at = charts
+            .find(&format!("data-chart=\"{chart}\""))
+            .unwrap_or_else(|| panic!("chart {chart}: {charts}"));
+        let figure = &charts[at..at + charts[at..].find("</figure>").unwrap()];
+        assert!(figure.contains("<svg"), "{chart}");
+        assert!(
+            figure.contains("<table class=\"numbers\""),
+            "{chart} has its numbers"
+        );
+        assert!(
+            figure.matches("data-minute=").count() >= 2 * 49,
+            "{chart}: a mark and a row per seeded minute"
+        );
+    }
+    // Minute by minute, each mark carries the figure the report holds: ten minutes back,
+    // partitions ran 4 + 10 % 7 * 4 + 6 runs (one failed in minutes divisible by three).
+    let ten = now_min - 10;
+    let ten_runs: u64 = (0..4).map(|p| runs(10, p)).sum();
+    let mark = |chart: &str, minute: u64| -> String {
+        let at = charts.find(&format!("data-chart=\"{chart}\"")).unwrap();
+        let figure = &charts[at..];
+        let tag = format!("data-minute=\"{minute}\" data-value=\"");
+        let from = figure
+            .find(&tag)
+            .unwrap_or_else(|| panic!("{chart} minute {minute}"))
+            + tag.len();
+        figure[from..from + figure[from..].find('"').unwrap()].to_string()
+    };
+    assert_eq!(mark("throughput", ten), ten_runs.to_string());
+    assert_eq!(
+        mark("failures", ten - 2),
+        "4",
+        "minute 12 back: one failure a partition"
+    );
+    assert_eq!(mark("depth", ten), (10 + 11 + 12 + 13).to_string());
+    assert_eq!(mark("handler-time", ten), "20", "20 ms a run");
+    assert_eq!(mark("lateness", ten), "100", "100 ms late a run");
+    // In words, for screen readers and at a glance.
+    assert!(
+        charts.contains("handled: ") && charts.contains(" in all, at most "),
+        "{charts}"
+    );
+    assert!(charts.contains("<meta http-equiv=\"refresh\" content=\"15\">"));
+    // The partitions' table links each partition's charts.
+    for p in 0..4 {
+        assert!(
+            charts.contains(&format!("href=\"charts?topic=charts&amp;partition={p}\"")),
+            "partition {p}: {charts}"
+        );
+    }
+    let two = page("charts-partition-2");
+    assert!(
+        !two.contains("http-equiv=\"refresh\""),
+        "refresh=0 stops it"
+    );
+    let at = two.find("data-chart=\"throughput\"").unwrap();
+    let tag = format!("data-minute=\"{ten}\" data-value=\"");
+    let from = two[at..].find(&tag).unwrap() + at + tag.len();
+    let value = &two[from..from + two[from..].find('"').unwrap()];
+    assert_eq!(value, runs(10, 2).to_string(), "partition 2's own figure");
+    let overview = page("overview-with-sparklines");
+    let row = overview
+        .split("data-queue=\"charts\"")
+        .nth(1)
+        .and_then(|row| row.split("</tr>").next())
+        .unwrap();
+    assert!(row.contains("class=\"spark\""), "{row}");
+    assert!(row.contains("href=\"charts?topic=charts&amp;\""), "{row}");
+
+    // Screenshots for the documentation, when asked: TITO_DOC_SCREENSHOTS=docs/images.
+    if let Ok(dir) = std::env::var("TITO_DOC_SCREENSHOTS") {
+        let shots = Path::new(env!("CARGO_TARGET_TMPDIR")).join("dashboard");
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        for name in ["charts", "charts-partition-2"] {
+            std::fs::copy(
+                shots.join(format!("{name}.png")),
+                dir.join(format!("dashboard-{name}.png")),
+            )
+            .unwrap();
+        }
+    }
+    let _ = stop.send(());
+    server.await.unwrap().unwrap();
+    db.close().await.unwrap();
 }
