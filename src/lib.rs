@@ -66,3 +66,33 @@ pub struct Tikv;
 #[cfg(doctest)]
 #[doc = include_str!("../docs/guide/guarantees.md")]
 pub struct Guarantees;
+
+/// `docs/guide/errors/index-not-ready.md`
+#[cfg(doctest)]
+#[doc = include_str!("../docs/guide/errors/index-not-ready.md")]
+pub struct ErrorIndexNotReady;
+
+/// `docs/guide/errors/unique-values.md`
+#[cfg(doctest)]
+#[doc = include_str!("../docs/guide/errors/unique-values.md")]
+pub struct ErrorUniqueValues;
+
+/// `docs/guide/errors/retries-exhausted.md`
+#[cfg(doctest)]
+#[doc = include_str!("../docs/guide/errors/retries-exhausted.md")]
+pub struct ErrorRetriesExhausted;
+
+/// `docs/guide/errors/commit-outcome-unknown.md`
+#[cfg(doctest)]
+#[doc = include_str!("../docs/guide/errors/commit-outcome-unknown.md")]
+pub struct ErrorCommitOutcomeUnknown;
+
+/// `docs/guide/errors/transaction-aborted.md`
+#[cfg(doctest)]
+#[doc = include_str!("../docs/guide/errors/transaction-aborted.md")]
+pub struct ErrorTransactionAborted;
+
+/// `docs/guide/errors/row-shape-not-read.md`
+#[cfg(doctest)]
+#[doc = include_str!("../docs/guide/errors/row-shape-not-read.md")]
+pub struct ErrorRowShapeNotRead;

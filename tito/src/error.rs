@@ -33,7 +33,11 @@ pub enum TitoError {
 
     /// [`TitoEngine::transaction`](crate::TitoEngine::transaction) replayed a closure as often as
     /// its retry policy allows, and the last commit still conflicted.
-    #[error("transaction still conflicted after {attempts} attempts: {source}")]
+    #[error(
+        "transaction still conflicted after {attempts} attempts: {source}; other transactions \
+         kept writing the keys it wrote: run it again later, or allow more attempts with \
+         `transaction_with(RetryPolicy::default().max_attempts(..))`"
+    )]
     RetriesExhausted {
         /// How many times the closure ran.
         attempts: u32,
@@ -73,7 +77,10 @@ pub enum TitoError {
     /// A query used an index that is not ready: it is being built (older rows are not in it
     /// yet), being dropped, or unknown to the stored catalog. The message carries the build's
     /// progress.
-    #[error("index {index:?} of table {table:?} is not ready: {state}")]
+    #[error(
+        "index {index:?} of table {table:?} is not ready: {state}{}",
+        index_fix(table, index, state)
+    )]
     IndexNotReady {
         /// The table.
         table: String,
@@ -85,7 +92,12 @@ pub enum TitoError {
 
     /// A unique index cannot be built: rows already hold the same values. The build stopped
     /// where it was, the index stays unready and no row was changed.
-    #[error("unique index {index:?} of table {table:?} cannot be built: rows hold the same values: {}", format_pairs(.rows))]
+    #[error(
+        "unique index {index:?} of table {table:?} cannot be built: rows hold the same values: {}; \
+         give each pair different values (or delete one row), then start the build again with \
+         `restart_build({index:?})` or `tito index restart {table} {index}`",
+        format_pairs(.rows)
+    )]
     DuplicateValues {
         /// The table.
         table: String,
@@ -111,7 +123,10 @@ pub enum TitoError {
     AlreadyExists(String),
 
     /// A write would give a unique index's values to a second row. Nothing was written.
-    #[error("unique index {index:?} already holds these values for row {owner:?}")]
+    #[error(
+        "unique index {index:?} already holds these values for row {owner:?}: write other values, \
+         or update row {owner:?} instead"
+    )]
     UniqueViolation {
         /// The unique index.
         index: String,
@@ -273,6 +288,27 @@ fn cause(message: &str, source: &Option<BoxError>) -> String {
     }
 }
 
+/// What to do about an index that is not ready, from its state's text.
+fn index_fix(table: &str, index: &str, state: &str) -> String {
+    if state.starts_with("building") {
+        if state.contains("stopped:") {
+            format!(
+                "; fix the rows it names, then `restart_build({index:?})` or `tito index restart \
+                 {table} {index}`"
+            )
+        } else {
+            format!(
+                "; queries on it are refused until it is built: by queue workers' maintenance, \
+                 by `build_indexes` on the model, or by `tito index build {table}`"
+            )
+        }
+    } else if state.starts_with("dropping") {
+        "; the code that declared it is gone: query an index the code declares".to_string()
+    } else {
+        String::new()
+    }
+}
+
 fn format_pairs(rows: &[(String, String)]) -> String {
     let pairs: Vec<String> = rows
         .iter()
@@ -366,6 +402,58 @@ impl From<serde_json::Error> for TitoError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn errors_a_user_meets_say_what_to_do() {
+        let not_ready = |state: &str| {
+            TitoError::IndexNotReady {
+                table: "user".into(),
+                index: "user_by_email".into(),
+                state: state.into(),
+            }
+            .to_string()
+        };
+        assert_eq!(
+            not_ready("building (4200 of about 10000 rows)"),
+            "index \"user_by_email\" of table \"user\" is not ready: building (4200 of about \
+             10000 rows); queries on it are refused until it is built: by queue workers' \
+             maintenance, by `build_indexes` on the model, or by `tito index build user`"
+        );
+        assert!(
+            not_ready("building (3 rows; stopped: duplicates)").ends_with(
+                "fix the rows it names, then `restart_build(\"user_by_email\")` or `tito index \
+                 restart user user_by_email`"
+            )
+        );
+        assert!(not_ready("dropping").ends_with("query an index the code declares"));
+        assert!(not_ready("the catalog (version 2) does not list it").ends_with("list it"));
+        let duplicates = TitoError::DuplicateValues {
+            table: "member".into(),
+            index: "member_by_email".into(),
+            rows: vec![("1".into(), "2".into())],
+        };
+        assert!(
+            duplicates
+                .to_string()
+                .ends_with("`tito index restart member member_by_email`"),
+            "{duplicates}"
+        );
+        let taken = TitoError::UniqueViolation {
+            index: "member_by_email".into(),
+            owner: "7".into(),
+        };
+        assert!(taken.to_string().ends_with("or update row \"7\" instead"));
+        let exhausted = TitoError::RetriesExhausted {
+            attempts: 10,
+            source: Box::new(TitoError::conflict("key k")),
+        };
+        assert!(
+            exhausted
+                .to_string()
+                .contains("allow more attempts with `transaction_with(RetryPolicy::default().max_attempts(..))`"),
+            "{exhausted}"
+        );
+    }
 
     #[test]
     fn storage_errors_say_their_cause() {
