@@ -370,7 +370,12 @@ async fn reports_chart_each_partitions_hour_across_a_restart() {
             }
         }
     };
-    crate::support::wait_for("the first forty settled", Duration::from_secs(30), settled(40)).await;
+    crate::support::wait_for(
+        "the first forty settled",
+        Duration::from_secs(30),
+        settled(40),
+    )
+    .await;
     workers.shutdown().await.unwrap();
 
     // Another worker, after the first stopped, runs ten more.
