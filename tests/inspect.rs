@@ -429,6 +429,73 @@ async fn reports_chart_each_partitions_hour_across_a_restart() {
     db.close().await.unwrap();
 }
 
+/// A worker that holds more partitions than it samples a minute counts them in turn: a minute's
+/// depth sums each partition's last count at or before it, across workers, and the current
+/// minute is the overview's own count.
+#[tokio::test]
+async fn a_partition_counted_in_turn_keeps_its_last_depth() {
+    use tito::queue::{DepthSample, MinuteFigures, WorkerReport};
+    let db = Memory::new();
+    let queue = Queue::new(
+        db.clone(),
+        QueueConfig::new(2, Duration::from_secs(3600)).topic("turns"),
+    );
+    queue.publish(QueueEvent::now("a", 1u32)).await.unwrap();
+    queue.publish(QueueEvent::now("b", 2u32)).await.unwrap();
+    let root = keys::queue_root(Some("turns"));
+    let now_min = chrono::Utc::now().timestamp() as u64 / 60;
+    let sampled = |minute: u64, partition: u32, due: u64| MinuteFigures {
+        minute,
+        depth: vec![DepthSample {
+            partition,
+            due,
+            more: false,
+            oldest_late_s: due,
+            at_ms: minute * 60_000 + 1_000,
+        }],
+        ..MinuteFigures::default()
+    };
+    let report = |worker: &str, minutes: Vec<MinuteFigures>| WorkerReport {
+        worker: worker.into(),
+        runner: "pid 1 on h".into(),
+        started_ms: (now_min - 30) * 60_000,
+        written_ms: now_min * 60_000,
+        stopped: true,
+        minutes,
+    };
+    let (m5, m4, m3, m2, m1) = (now_min - 5, now_min - 4, now_min - 3, now_min - 2, now_min - 1);
+    let tx = db.begin().await.unwrap();
+    for (worker, minutes) in [
+        ("one", vec![sampled(m3, 1, 4), sampled(m5, 0, 7)]),
+        ("two", vec![sampled(m2, 0, 1)]),
+    ] {
+        tx.put(
+            format!("{root}:report:{worker}").into_bytes(),
+            serde_json::to_vec(&report(worker, minutes)).unwrap(),
+        )
+        .await
+        .unwrap();
+    }
+    tx.commit().await.unwrap();
+    let o = inspect::queue_overview(&db, Some("turns")).await.unwrap();
+    let at = |minute: u64| {
+        let m = o.hour.iter().find(|m| m.minute == minute).unwrap();
+        (m.due, m.sampled, m.oldest_late_s)
+    };
+    assert_eq!(at(m5 - 1), (None, 0, None), "nothing counted yet");
+    assert_eq!(at(m5), (Some(7), 1, Some(7)));
+    assert_eq!(at(m4), (Some(7), 1, Some(7)), "partition 0 keeps its count");
+    assert_eq!(at(m3), (Some(11), 2, Some(7)));
+    assert_eq!(at(m2), (Some(5), 2, Some(4)), "another worker's later count of 0");
+    assert_eq!(at(m1), (Some(5), 2, Some(4)));
+    let current = o.hour.last().unwrap();
+    assert_eq!((current.due, current.sampled), (Some(2), 2), "this minute: counted now");
+    // One partition's hour: its own counts only.
+    let zero = o.hour_of(Some(0));
+    let of = |minute: u64| zero.iter().find(|m| m.minute == minute).unwrap().due;
+    assert_eq!((of(m5), of(m3), of(m2)), (Some(7), Some(7), Some(1)));
+}
+
 /// The search finds an owner's invocations (written `kind:id`), pending and completed, in
 /// every partition, besides ids and business keys.
 #[tokio::test]

@@ -429,7 +429,7 @@ pub(crate) fn hour_charts(hour: &[HourMinute]) -> String {
             values: per(&|m| m.due.map(|d| d as f64)),
         }],
         &format!(
-            "Each worker counts the partitions it holds once a minute; this minute's figure is this page's own count.{}",
+            "Each worker counts the partitions it holds once a minute (64 at most, in turn); a partition not counted in a minute keeps its last count; this minute's figure is this page's own count.{}",
             if capped {
                 " Some counts stopped at their bound: the queue held more."
             } else {

@@ -315,13 +315,13 @@ pub struct HourMinute {
     pub late_total_ms: u64,
     /// The latest start (ms after its due time).
     pub late_max_ms: u64,
-    /// Rows due when sampled, summed over the partitions sampled in the minute (`None`: no
-    /// partition was; a partition no worker holds is sampled only by the current minute's
-    /// live count).
+    /// Rows due, summed over the partitions counted by the minute: each partition's last count
+    /// at or before it (`None`: no partition was counted yet). The current minute's is the
+    /// overview's own count of every partition.
     pub due: Option<u64>,
     /// Some partition had more rows due than its sample counted.
     pub due_more: bool,
-    /// How many partitions were sampled.
+    /// How many partitions the depth sums.
     pub sampled: u32,
     /// How late the oldest due row of the sampled partitions was (s).
     pub oldest_late_s: Option<u64>,
@@ -374,8 +374,9 @@ pub struct PartitionHour {
 
 impl QueueOverview {
     /// The last [`HOUR_MINUTES`] minutes of the whole queue (`None`) or of one partition, oldest
-    /// first. Runs are summed over every worker's report; a minute's depth is the last sample
-    /// of each partition in it, and the current minute's is this overview's own count.
+    /// first. Runs are summed over every worker's report; a minute's depth sums each
+    /// partition's last count at or before it, and the current minute's is this overview's own
+    /// count.
     pub fn hour_of(&self, partition: Option<u32>) -> Vec<HourMinute> {
         let now = self.now_ms / 60_000;
         let first = (now + 1).saturating_sub(HOUR_MINUTES);
@@ -417,13 +418,18 @@ impl QueueOverview {
                 }
             }
         }
-        for ((minute, _), sample) in samples {
-            if minute < now {
-                minutes[(minute - first) as usize].add_depth(
-                    sample.due,
-                    sample.more,
-                    sample.oldest_late_s,
-                );
+        // Each partition's last count carries forward to the minutes after it that have none
+        // (a worker samples at most `DEPTH_PARTITIONS` of its partitions a minute).
+        let mut last: BTreeMap<u32, crate::queue::DepthSample> = BTreeMap::new();
+        let mut samples = samples.into_iter().peekable();
+        for slot in minutes.iter_mut().filter(|m| m.minute < now) {
+            while let Some(((_, partition), sample)) =
+                samples.next_if(|((minute, _), _)| *minute <= slot.minute)
+            {
+                last.insert(partition, sample);
+            }
+            for sample in last.values() {
+                slot.add_depth(sample.due, sample.more, sample.oldest_late_s);
             }
         }
         // The current minute: what this overview counted itself.

@@ -143,9 +143,10 @@ pub use unique::{MAX_UNIQUE_KEY_BYTES, MAX_UNIQUE_PERIOD, Unique, UniqueStates};
 pub(crate) use worker::AfterFailure;
 pub(crate) use worker::report_prefix;
 pub use worker::{
-    DEPTH_BOUND, DEPTH_BOUND_EACH, DepthSample, FailurePolicy, MAX_ATTEMPTS, MAX_SETTING,
-    MIN_LEASE, MinuteFigures, PartitionRuns, REPORT_EVERY, REPORT_KEPT, REPORT_MINUTES, Shutdown,
-    WorkerConfig, WorkerReport, run_cluster_worker, run_transactional_worker, run_worker,
+    DEPTH_BOUND, DEPTH_PARTITIONS, DepthSample, FailurePolicy, MAX_ATTEMPTS, MAX_SETTING,
+    MIN_LEASE, MinuteFigures, PartitionRuns, REPORT_DETAIL_BYTES, REPORT_EVERY, REPORT_KEPT,
+    REPORT_MINUTES, Shutdown, WorkerConfig, WorkerReport, run_cluster_worker,
+    run_transactional_worker, run_worker,
 };
 
 use crate::engine::{self, TitoEngine, TitoTransaction};

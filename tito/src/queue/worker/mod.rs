@@ -26,8 +26,8 @@ pub(crate) use policy::AfterFailure;
 pub use policy::{FailurePolicy, MAX_ATTEMPTS};
 pub(crate) use report::report_prefix;
 pub use report::{
-    DEPTH_BOUND, DEPTH_BOUND_EACH, DepthSample, MinuteFigures, PartitionRuns, REPORT_EVERY,
-    REPORT_KEPT, REPORT_MINUTES, WorkerReport,
+    DEPTH_BOUND, DEPTH_PARTITIONS, DepthSample, MinuteFigures, PartitionRuns, REPORT_DETAIL_BYTES,
+    REPORT_EVERY, REPORT_KEPT, REPORT_MINUTES, WorkerReport,
 };
 
 use std::collections::{HashMap, HashSet};

@@ -5,9 +5,10 @@
 //!
 //! Per minute a report holds the handler runs, failures, run times and lateness (how long
 //! after its due time a handler started) of each partition the worker ran, and once a minute a
-//! sample of each held partition's depth: how many rows are due, counted up to a bound
-//! ([`DEPTH_BOUND`] shared by the partitions a worker holds, at least 1,000 each), and how late
-//! the oldest of them is.
+//! sample of the depth of up to [`DEPTH_PARTITIONS`] of the partitions it holds (in turn, when
+//! it holds more): how many rows are due, counted up to [`DEPTH_BOUND`] shared by the partitions
+//! sampled, and how late the oldest of them is. A report keeps per-partition figures for as many
+//! recent minutes as fit in [`REPORT_DETAIL_BYTES`]; older minutes keep their totals only.
 //!
 //! The report is advisory: a write that fails is logged and tried again at the next interval,
 //! and nothing reads it to decide anything. Reports not written for [`REPORT_KEPT`] are deleted
@@ -32,11 +33,15 @@ pub const REPORT_EVERY: Duration = Duration::from_secs(10);
 pub const REPORT_MINUTES: usize = 60;
 
 /// How many due rows a worker counts at most for its minute's depth sample, shared by the
-/// partitions it holds (each counts at least [`DEPTH_BOUND_EACH`]).
+/// partitions it samples (each counts at least one).
 pub const DEPTH_BOUND: u64 = 10_000;
 
-/// The least a held partition's depth sample counts up to.
-pub const DEPTH_BOUND_EACH: u64 = 1_000;
+/// How many of its partitions a worker samples a minute at most (in turn, when it holds more).
+pub const DEPTH_PARTITIONS: usize = 64;
+
+/// About how many bytes of per-partition figures and depth samples a report keeps; past it the
+/// oldest minutes keep their totals only.
+pub const REPORT_DETAIL_BYTES: usize = 128 * 1024;
 
 /// How long a report nobody writes is kept (a worker that stopped, or whose process died).
 pub const REPORT_KEPT: Duration = Duration::from_secs(3600);
@@ -308,6 +313,7 @@ impl Figures {
                 }
             }
         }
+        keep_detail_within(&mut minutes, REPORT_DETAIL_BYTES);
         minutes
     }
 
@@ -316,6 +322,22 @@ impl Figures {
         crate::util::lock(&self.minutes)
             .iter()
             .any(|m| m.minute == minute && !m.depth.is_empty())
+    }
+}
+
+/// Drops the per-partition figures and depth samples of the oldest minutes (newest first in
+/// `minutes`) once the newer ones take about `bytes` as stored; totals stay.
+fn keep_detail_within(minutes: &mut [MinuteFigures], bytes: usize) {
+    // As stored: about 40 bytes a partition's figures, 30 a depth sample.
+    let mut used = 0usize;
+    for minute in minutes.iter_mut() {
+        let detail = minute.partitions.len() * 40 + minute.depth.len() * 30;
+        if used + detail > bytes {
+            minute.partitions = Vec::new();
+            minute.depth = Vec::new();
+        } else {
+            used += detail;
+        }
     }
 }
 
@@ -343,6 +365,8 @@ pub(crate) struct Reporter {
     pub figures: Arc<Figures>,
     started_ms: Option<u64>,
     next: Instant,
+    /// Where the next depth sample starts among the held partitions (in partition order).
+    depth_turn: u32,
 }
 
 impl Reporter {
@@ -352,7 +376,28 @@ impl Reporter {
             figures: Arc::default(),
             started_ms: None,
             next: Instant::now(),
+            depth_turn: 0,
         }
+    }
+
+    /// Up to [`DEPTH_PARTITIONS`] of `held` to sample, in partition order from where the last
+    /// sample stopped (every partition, when it holds no more).
+    fn in_turn(&mut self, held: &[u32]) -> Vec<u32> {
+        let mut held = held.to_vec();
+        held.sort_unstable();
+        if held.len() <= DEPTH_PARTITIONS {
+            return held;
+        }
+        let start = held.partition_point(|&p| p < self.depth_turn);
+        let turn: Vec<u32> = held
+            .iter()
+            .cycle()
+            .skip(start)
+            .take(DEPTH_PARTITIONS)
+            .copied()
+            .collect();
+        self.depth_turn = turn.last().map_or(0, |p| p.wrapping_add(1));
+        turn
     }
 
     /// Whether the report is due (at once the first time, then every [`REPORT_EVERY`]).
@@ -370,6 +415,12 @@ impl Reporter {
         let minute = minute_now();
         // Once a minute, and not by a worker on its way out (its partitions are being let go).
         let sample = !stopped && !held.is_empty() && !self.figures.has_depth(minute);
+        let sampled: Vec<u32> = if sample {
+            self.in_turn(held)
+        } else {
+            Vec::new()
+        };
+        let sampled = &sampled;
         let (worker, started) = (self.worker.clone(), self.started_ms);
         let figures = self.figures.clone();
         let written: TitoResult<(u64, Vec<DepthSample>)> = queue
@@ -383,7 +434,7 @@ impl Reporter {
                         sweep_stale(&tx, &root, &key, now_ms).await?;
                     }
                     let samples = if sample {
-                        depth_samples(&tx, &root, held, now_ms).await?
+                        depth_samples(&tx, &root, sampled, now_ms).await?
                     } else {
                         Vec::new()
                     };
@@ -427,7 +478,7 @@ async fn depth_samples<X: TitoTransaction>(
     now_ms: u64,
 ) -> TitoResult<Vec<DepthSample>> {
     let now_s = now_ms / 1000;
-    let bound = (DEPTH_BOUND / held.len().max(1) as u64).max(DEPTH_BOUND_EACH);
+    let bound = (DEPTH_BOUND / held.len().max(1) as u64).max(1);
     let mut samples = Vec::with_capacity(held.len());
     for &partition in held {
         let prefix = keys::pending_partition_prefix(root, partition);
@@ -563,6 +614,53 @@ mod tests {
                 .unwrap();
         assert_eq!((old.runs, old.late_total_ms), (2, 0));
         assert!(old.partitions.is_empty() && old.depth.is_empty());
+    }
+
+    #[test]
+    fn a_report_keeps_detail_of_its_newest_minutes_within_its_bound() {
+        let minute = |minute: u64, partitions: u32| MinuteFigures {
+            minute,
+            runs: u64::from(partitions),
+            partitions: (0..partitions)
+                .map(|partition| PartitionRuns {
+                    partition,
+                    runs: 1,
+                    ..PartitionRuns::default()
+                })
+                .collect(),
+            ..MinuteFigures::default()
+        };
+        // Newest first: 100 partitions a minute is 4,000 bytes; 10,000 bytes keep two minutes.
+        let mut minutes: Vec<MinuteFigures> = (0..5).rev().map(|m| minute(m, 100)).collect();
+        keep_detail_within(&mut minutes, 10_000);
+        let kept: Vec<usize> = minutes.iter().map(|m| m.partitions.len()).collect();
+        assert_eq!(kept, [100, 100, 0, 0, 0]);
+        assert!(minutes.iter().all(|m| m.runs == 100), "totals stay");
+        // Stored, a report of 10,000 partitions a minute for an hour stays near the bound.
+        let mut big: Vec<MinuteFigures> = (0..60).rev().map(|m| minute(m, 10_000)).collect();
+        keep_detail_within(&mut big, REPORT_DETAIL_BYTES);
+        let json = serde_json::to_vec(&big).unwrap();
+        assert!(json.len() < 2 * REPORT_DETAIL_BYTES, "{} bytes", json.len());
+    }
+
+    #[test]
+    fn a_worker_samples_its_partitions_in_turn() {
+        let mut reporter = Reporter::new("w");
+        let few: Vec<u32> = vec![3, 1, 2];
+        assert_eq!(reporter.in_turn(&few), [1, 2, 3]);
+        let many: Vec<u32> = (0..150).rev().collect();
+        let mut seen = std::collections::BTreeSet::new();
+        for _ in 0..3 {
+            let turn = reporter.in_turn(&many);
+            assert_eq!(turn.len(), DEPTH_PARTITIONS);
+            seen.extend(turn);
+        }
+        // Three turns of 64 cover all 150, wrapping around.
+        assert_eq!(seen.len(), 150);
+        // Partitions let go meanwhile: the turn goes on from the next one held.
+        let fewer: Vec<u32> = (0..150).filter(|p| p % 2 == 0).collect();
+        let turn = reporter.in_turn(&fewer);
+        assert!(turn.iter().all(|p| p % 2 == 0) && turn.len() == DEPTH_PARTITIONS);
     }
 
     #[test]
