@@ -6,7 +6,7 @@ use std::ops::Bound;
 use chrono::{DateTime, TimeZone, Utc};
 use serde::{Deserialize, Serialize};
 use tito::model::{TitoIndexBlockType, TitoIndexConfig, TitoIndexField, TitoModelTrait};
-use tito::{TitoEngine, TitoError, TitoModel};
+use tito::{TitoEngine, TitoError, TitoModel, TitoTransaction};
 
 use crate::support::Ctx;
 
@@ -249,6 +249,36 @@ pub async fn a_unique_index_looks_up_one_row_or_none<E: TitoEngine>(ctx: Ctx<E>)
     assert_eq!(bookings.get_booking_by_slot("red", &4).await.unwrap(), None);
     // A value that only prefixes a stored one names no row.
     assert_eq!(bookings.get_booking_by_slot("blu", &4).await.unwrap(), None);
+    // In a transaction: what it sees, its own writes included.
+    let tx = ctx.db.begin().await.unwrap();
+    bookings
+        .build_with_options(
+            Booking {
+                id: "b4".into(),
+                room: "green".into(),
+                day: 1,
+            },
+            tito::TitoOptions::default(),
+            &tx,
+        )
+        .await
+        .unwrap();
+    let own = bookings
+        .get_booking_by_slot_in_tx("green", 1, &tx)
+        .await
+        .unwrap();
+    assert_eq!(own.map(|b| b.id), Some("b4".to_string()));
+    let b2 = bookings
+        .get_booking_by_slot_in_tx("blue", &4, &tx)
+        .await
+        .unwrap();
+    assert_eq!(b2.map(|b| b.id), Some("b2".to_string()));
+    assert_eq!(
+        bookings.get_booking_by_slot("green", 1).await.unwrap(),
+        None,
+        "not committed"
+    );
+    tx.rollback().await.unwrap();
 }
 
 /// Typed query methods take text as anything `AsRef<str>` and other values by value or by

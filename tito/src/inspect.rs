@@ -378,79 +378,57 @@ impl QueueOverview {
     /// partition's last count at or before it, and the current minute's is this overview's own
     /// count.
     pub fn hour_of(&self, partition: Option<u32>) -> Vec<HourMinute> {
-        let now = self.now_ms / 60_000;
-        let first = (now + 1).saturating_sub(HOUR_MINUTES);
-        let mut minutes: Vec<HourMinute> = (first..=now)
-            .map(|minute| HourMinute {
-                minute,
-                ..HourMinute::default()
-            })
-            .collect();
+        let (first, now, mut minutes) = self.blank_hour();
         // The last sample per (minute, partition).
-        let mut samples: BTreeMap<(u64, u32), crate::queue::DepthSample> = BTreeMap::new();
-        for report in &self.hour_reports {
-            for figures in &report.minutes {
-                let Some(slot) = figures
-                    .minute
-                    .checked_sub(first)
-                    .and_then(|at| minutes.get_mut(at as usize))
-                else {
-                    continue;
-                };
-                match partition {
-                    None => slot.add(figures),
-                    Some(p) => {
-                        if let Some(runs) = figures.partitions.iter().find(|r| r.partition == p) {
-                            slot.add(&runs.figures(figures.minute));
-                        }
-                    }
-                }
-                for sample in &figures.depth {
-                    if partition.is_some_and(|p| p != sample.partition) {
-                        continue;
-                    }
-                    let entry = samples
-                        .entry((figures.minute, sample.partition))
-                        .or_insert(*sample);
-                    if sample.at_ms > entry.at_ms {
-                        *entry = *sample;
+        let mut samples: Samples = BTreeMap::new();
+        for (figures, at) in self.report_minutes(first, minutes.len()) {
+            let slot = &mut minutes[at];
+            match partition {
+                None => slot.add(figures),
+                Some(p) => {
+                    if let Some(runs) = figures.partitions.iter().find(|r| r.partition == p) {
+                        slot.add(&runs.figures(figures.minute));
                     }
                 }
             }
-        }
-        // Each partition's last count carries forward to the minutes after it that have none
-        // (a worker samples at most `DEPTH_PARTITIONS` of its partitions a minute).
-        let mut last: BTreeMap<u32, crate::queue::DepthSample> = BTreeMap::new();
-        let mut samples = samples.into_iter().peekable();
-        for slot in minutes.iter_mut().filter(|m| m.minute < now) {
-            while let Some(((_, partition), sample)) =
-                samples.next_if(|((minute, _), _)| *minute <= slot.minute)
-            {
-                last.insert(partition, sample);
-            }
-            for sample in last.values() {
-                slot.add_depth(sample.due, sample.more, sample.oldest_late_s);
+            for sample in &figures.depth {
+                if partition.is_none_or(|p| p == sample.partition) {
+                    keep_latest(&mut samples, figures.minute, sample);
+                }
             }
         }
-        // The current minute: what this overview counted itself.
-        let current = minutes.last_mut().expect("an hour has minutes");
-        for view in &self.partitions {
-            if partition.is_none_or(|p| p == view.partition) {
-                current.add_depth(view.due_now.value, view.due_now.more, view.oldest_late_s);
-            }
-        }
+        carry_depth(&mut minutes, now, samples);
+        self.count_now(&mut minutes, partition);
         minutes
     }
 
-    fn with_hour(mut self) -> Self {
-        self.hour = self.hour_of(None);
-        self.partition_hours = self
-            .partitions
+    /// Every partition's hour in brief, in one pass over the reports.
+    fn partition_hours(&self) -> Vec<PartitionHour> {
+        let (first, now, blank) = self.blank_hour();
+        let mut runs: BTreeMap<u32, Vec<HourMinute>> = BTreeMap::new();
+        let mut samples: BTreeMap<u32, Samples> = BTreeMap::new();
+        for (figures, at) in self.report_minutes(first, blank.len()) {
+            for r in &figures.partitions {
+                runs.entry(r.partition).or_insert_with(|| blank.clone())[at]
+                    .add(&r.figures(figures.minute));
+            }
+            for sample in &figures.depth {
+                keep_latest(
+                    samples.entry(sample.partition).or_default(),
+                    figures.minute,
+                    sample,
+                );
+            }
+        }
+        self.partitions
             .iter()
             .map(|view| {
-                let minutes = self.hour_of(Some(view.partition));
+                let p = view.partition;
+                let mut minutes = runs.remove(&p).unwrap_or_else(|| blank.clone());
+                carry_depth(&mut minutes, now, samples.remove(&p).unwrap_or_default());
+                self.count_now(&mut minutes, Some(p));
                 let mut total = HourMinute {
-                    minute: minutes.first().map_or(0, |m| m.minute),
+                    minute: first,
                     ..HourMinute::default()
                 };
                 for m in &minutes {
@@ -470,13 +448,86 @@ impl QueueOverview {
                     ) = (last.due, last.due_more, last.sampled, last.oldest_late_s);
                 }
                 PartitionHour {
-                    partition: view.partition,
+                    partition: p,
                     total,
                     handled: minutes.iter().map(HourMinute::handled).collect(),
                 }
             })
+            .collect()
+    }
+
+    /// The hour's first minute, the current one, and a blank minute for each.
+    fn blank_hour(&self) -> (u64, u64, Vec<HourMinute>) {
+        let now = self.now_ms / 60_000;
+        let first = (now + 1).saturating_sub(HOUR_MINUTES);
+        let minutes = (first..=now)
+            .map(|minute| HourMinute {
+                minute,
+                ..HourMinute::default()
+            })
             .collect();
+        (first, now, minutes)
+    }
+
+    /// Every report's minutes within the hour, with their place in it.
+    fn report_minutes(
+        &self,
+        first: u64,
+        len: usize,
+    ) -> impl Iterator<Item = (&crate::queue::MinuteFigures, usize)> {
+        self.hour_reports
+            .iter()
+            .flat_map(|report| &report.minutes)
+            .filter_map(move |figures| {
+                let at = figures.minute.checked_sub(first)? as usize;
+                (at < len).then_some((figures, at))
+            })
+    }
+
+    /// The current minute's depth: what this overview counted itself.
+    fn count_now(&self, minutes: &mut [HourMinute], partition: Option<u32>) {
+        let Some(current) = minutes.last_mut() else {
+            return;
+        };
+        for view in &self.partitions {
+            if partition.is_none_or(|p| p == view.partition) {
+                current.add_depth(view.due_now.value, view.due_now.more, view.oldest_late_s);
+            }
+        }
+    }
+
+    fn with_hour(mut self) -> Self {
+        self.hour = self.hour_of(None);
+        self.partition_hours = self.partition_hours();
         self
+    }
+}
+
+/// Depth samples by (minute, partition).
+type Samples = BTreeMap<(u64, u32), crate::queue::DepthSample>;
+
+/// Keeps the later of two samples of one partition in one minute.
+fn keep_latest(samples: &mut Samples, minute: u64, sample: &crate::queue::DepthSample) {
+    let entry = samples.entry((minute, sample.partition)).or_insert(*sample);
+    if sample.at_ms > entry.at_ms {
+        *entry = *sample;
+    }
+}
+
+/// Each past minute's depth: every partition's last count at or before it (a worker samples at
+/// most `DEPTH_PARTITIONS` of its partitions a minute, so a count carries forward).
+fn carry_depth(minutes: &mut [HourMinute], now: u64, samples: Samples) {
+    let mut last: BTreeMap<u32, crate::queue::DepthSample> = BTreeMap::new();
+    let mut samples = samples.into_iter().peekable();
+    for slot in minutes.iter_mut().filter(|m| m.minute < now) {
+        while let Some(((_, partition), sample)) =
+            samples.next_if(|((minute, _), _)| *minute <= slot.minute)
+        {
+            last.insert(partition, sample);
+        }
+        for sample in last.values() {
+            slot.add_depth(sample.due, sample.more, sample.oldest_late_s);
+        }
     }
 }
 

@@ -230,9 +230,22 @@ fn unique_lookup(
         "The row of [`{ident}`] with these values of {names}, or `None`, through unique index \
          `{name}` (one read of the index)."
     );
+    let get_in_tx = format_ident!("get_{}_in_tx", name, span = index.lit.span());
+    let doc_get_in_tx = format!(
+        "[`get_{name}`](Self::get_{name}) in your transaction `tx`: reads what `tx` sees, its \
+         own writes included."
+    );
     let method = quote! {
         #[doc = #doc_get]
         fn #get_method(&self, #(#params),*) -> impl ::std::future::Future<
+            Output = ::tito::TitoResult<::std::option::Option<#ident>>,
+        > + ::std::marker::Send;
+        #[doc = #doc_get_in_tx]
+        fn #get_in_tx(
+            &self,
+            #(#params,)*
+            tx: &<__TitoE as ::tito::TitoEngine>::Transaction,
+        ) -> impl ::std::future::Future<
             Output = ::tito::TitoResult<::std::option::Option<#ident>>,
         > + ::std::marker::Send;
     };
@@ -244,6 +257,20 @@ fn unique_lookup(
             #(#binds)*
             query.limit(1);
             async move { ::std::result::Result::Ok(query.execute().await?.items.into_iter().next()) }
+        }
+        fn #get_in_tx(
+            &self,
+            #(#params,)*
+            tx: &<__TitoE as ::tito::TitoEngine>::Transaction,
+        ) -> impl ::std::future::Future<
+            Output = ::tito::TitoResult<::std::option::Option<#ident>>,
+        > + ::std::marker::Send {
+            let mut query = self.query_by_index(#name);
+            #(#binds)*
+            query.limit(1);
+            async move {
+                ::std::result::Result::Ok(query.execute_in_tx(tx).await?.items.into_iter().next())
+            }
         }
     };
     (method, body)
