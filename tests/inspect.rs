@@ -463,7 +463,13 @@ async fn a_partition_counted_in_turn_keeps_its_last_depth() {
         stopped: true,
         minutes,
     };
-    let (m5, m4, m3, m2, m1) = (now_min - 5, now_min - 4, now_min - 3, now_min - 2, now_min - 1);
+    let (m5, m4, m3, m2, m1) = (
+        now_min - 5,
+        now_min - 4,
+        now_min - 3,
+        now_min - 2,
+        now_min - 1,
+    );
     let tx = db.begin().await.unwrap();
     for (worker, minutes) in [
         ("one", vec![sampled(m3, 1, 4), sampled(m5, 0, 7)]),
@@ -486,10 +492,18 @@ async fn a_partition_counted_in_turn_keeps_its_last_depth() {
     assert_eq!(at(m5), (Some(7), 1, Some(7)));
     assert_eq!(at(m4), (Some(7), 1, Some(7)), "partition 0 keeps its count");
     assert_eq!(at(m3), (Some(11), 2, Some(7)));
-    assert_eq!(at(m2), (Some(5), 2, Some(4)), "another worker's later count of 0");
+    assert_eq!(
+        at(m2),
+        (Some(5), 2, Some(4)),
+        "another worker's later count of 0"
+    );
     assert_eq!(at(m1), (Some(5), 2, Some(4)));
     let current = o.hour.last().unwrap();
-    assert_eq!((current.due, current.sampled), (Some(2), 2), "this minute: counted now");
+    assert_eq!(
+        (current.due, current.sampled),
+        (Some(2), 2),
+        "this minute: counted now"
+    );
     // One partition's hour: its own counts only.
     let zero = o.hour_of(Some(0));
     let of = |minute: u64| zero.iter().find(|m| m.minute == minute).unwrap().due;
