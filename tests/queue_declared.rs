@@ -714,6 +714,18 @@ pub async fn a_declared_queue_starts_its_worker_and_schedules_in_one_call<E: Tit
         .await
         .unwrap_err();
     assert!(matches!(err, TitoError::InvalidArgument(_)), "{err:?}");
+    // So is one that reaches past the queue's partitions (a count changed in one place only).
+    let err = MAIL
+        .spec(3, Duration::from_secs(3600))
+        .worker(WorkerConfig::new(0..8))
+        .open(ctx.db.clone())
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("runs partitions 0..8, but the queue has partitions 0..3"),
+        "{err}"
+    );
     // A fixed worker id in the declaration would be every process's: refused.
     let err = MAIL
         .spec(3, Duration::from_secs(3600))

@@ -79,6 +79,8 @@ pub(crate) struct Series {
     /// The CSS class that colours it.
     pub class: &'static str,
     pub values: Vec<Option<f64>>,
+    /// Shown in the numbers table only, not drawn nor summed up in words.
+    pub table_only: bool,
 }
 
 /// `HH:MM` (UTC) of a minute (Unix s / 60).
@@ -113,7 +115,8 @@ pub(crate) fn chart(
     note: &str,
 ) -> String {
     let n = minutes.len().max(1);
-    let peak = series
+    let (drawn, table): (Vec<&Series>, Vec<&Series>) = series.iter().partition(|s| !s.table_only);
+    let peak = drawn
         .iter()
         .flat_map(|s| s.values.iter().flatten())
         .fold(0f64, |a, &b| a.max(b));
@@ -125,7 +128,7 @@ pub(crate) fn chart(
     let x_mid = |i: usize| LEFT + step * (i as f64 + 0.5);
 
     let mut summary = Vec::new();
-    for s in series {
+    for s in &drawn {
         summary.push(describe(s, unit, minutes, kind == Kind::Bars));
     }
     let summary = summary.join(" ");
@@ -196,7 +199,7 @@ pub(crate) fn chart(
     }
     match kind {
         Kind::Bars => {
-            if let Some(s) = series.first() {
+            if let Some(s) = drawn.first() {
                 let width = (step * 0.8).max(1.0);
                 for (i, value) in s.values.iter().enumerate() {
                     let Some(value) = value else { continue };
@@ -216,7 +219,7 @@ pub(crate) fn chart(
             }
         }
         Kind::Lines => {
-            for s in series {
+            for s in &drawn {
                 // Runs of minutes with values, each one polyline.
                 let mut run: Vec<(f64, f64)> = Vec::new();
                 let mut lines = Vec::new();
@@ -258,9 +261,9 @@ pub(crate) fn chart(
         }
     }
     b.push_str("</svg>");
-    if series.len() > 1 {
+    if drawn.len() > 1 {
         b.push_str("<p class=\"legend\">");
-        for s in series {
+        for s in &drawn {
             let _ = write!(b, "<span class=\"key {}\"></span>{} ", s.class, esc(s.name));
         }
         b.push_str("</p>");
@@ -273,7 +276,8 @@ pub(crate) fn chart(
         b,
         "<details><summary>numbers</summary><table class=\"numbers\" id=\"{id}-numbers\"><tr><th>minute (UTC)</th>"
     );
-    for s in series {
+    let columns: Vec<&Series> = drawn.iter().chain(table.iter()).copied().collect();
+    for s in &columns {
         let _ = write!(b, "<th class=\"num\">{}</th>", esc(s.name));
     }
     b.push_str("</tr>");
@@ -385,8 +389,9 @@ pub(crate) fn bar(id: &str, part: u64, whole: Option<u64>, what: &str) -> String
     }
 }
 
-/// The five charts of a queue's (or a partition's) hour.
-pub(crate) fn hour_charts(hour: &[HourMinute]) -> String {
+/// The five charts of a queue's (or a partition's) hour; `partitions`: how many partitions the
+/// hour covers.
+pub(crate) fn hour_charts(hour: &[HourMinute], partitions: u32) -> String {
     let minutes: Vec<u64> = hour.iter().map(|m| m.minute).collect();
     let per = |f: &dyn Fn(&HourMinute) -> Option<f64>| hour.iter().map(f).collect::<Vec<_>>();
     let mut b = String::new();
@@ -400,6 +405,7 @@ pub(crate) fn hour_charts(hour: &[HourMinute]) -> String {
             name: "handled",
             class: "s-ok",
             values: per(&|m| Some(m.handled() as f64)),
+            table_only: false,
         }],
         "",
     ));
@@ -413,29 +419,48 @@ pub(crate) fn hour_charts(hour: &[HourMinute]) -> String {
             name: "failed",
             class: "s-bad",
             values: per(&|m| Some(m.failed as f64)),
+            table_only: false,
         }],
         "",
     ));
     let capped = hour.iter().any(|m| m.due_more);
+    // Minutes (before this one) whose depth covers fewer than all the partitions.
+    let partial = hour
+        .iter()
+        .filter(|m| m.due.is_some() && m.sampled < partitions)
+        .count();
+    let mut note = "Each worker counts the partitions it holds once a minute (64 at most, in turn); a partition not counted in a minute keeps its last count; this minute's figure is this page's own count.".to_string();
+    if partial > 0 {
+        let _ = write!(
+            note,
+            " In {partial} minute{} not every one of the {partitions} partitions had been counted yet: those minutes show the rows of the partitions counted (see \"partitions counted\" in the numbers), not the whole queue's.",
+            if partial == 1 { "" } else { "s" }
+        );
+    }
+    if capped {
+        note.push_str(" Some counts stopped at their bound: the queue held more.");
+    }
     b.push_str(&chart(
         "depth",
         "Depth: rows due and waiting",
         Unit::Count,
         Kind::Lines,
         &minutes,
-        &[Series {
-            name: "due",
-            class: "s-depth",
-            values: per(&|m| m.due.map(|d| d as f64)),
-        }],
-        &format!(
-            "Each worker counts the partitions it holds once a minute (64 at most, in turn); a partition not counted in a minute keeps its last count; this minute's figure is this page's own count.{}",
-            if capped {
-                " Some counts stopped at their bound: the queue held more."
-            } else {
-                ""
-            }
-        ),
+        &[
+            Series {
+                name: "due",
+                class: "s-depth",
+                values: per(&|m| m.due.map(|d| d as f64)),
+                table_only: false,
+            },
+            Series {
+                name: "partitions counted",
+                class: "",
+                values: per(&|m| m.due.map(|_| f64::from(m.sampled))),
+                table_only: true,
+            },
+        ],
+        &note,
     ));
     b.push_str(&chart(
         "lateness",
@@ -448,16 +473,19 @@ pub(crate) fn hour_charts(hour: &[HourMinute]) -> String {
                 name: "mean",
                 class: "s-mean",
                 values: per(&|m| m.mean_late_ms().map(|v| v as f64)),
+                table_only: false,
             },
             Series {
                 name: "latest",
                 class: "s-max",
                 values: per(&|m| (m.runs > 0).then_some(m.late_max_ms as f64)),
+                table_only: false,
             },
             Series {
                 name: "oldest waiting",
                 class: "s-wait",
                 values: per(&|m| m.oldest_late_s.map(|s| s as f64 * 1000.0)),
+                table_only: false,
             },
         ],
         "\"oldest waiting\" is how late the oldest due row was when the depth was counted.",
@@ -473,11 +501,13 @@ pub(crate) fn hour_charts(hour: &[HourMinute]) -> String {
                 name: "mean",
                 class: "s-mean",
                 values: per(&|m| m.mean_ms().map(|v| v as f64)),
+                table_only: false,
             },
             Series {
                 name: "longest",
                 class: "s-max",
                 values: per(&|m| (m.runs > 0).then_some(m.max_ms as f64)),
+                table_only: false,
             },
         ],
         "",
@@ -546,6 +576,7 @@ mod tests {
                 name: "handled",
                 class: "s-ok",
                 values: vec![Some(4.0), None, Some(10.0)],
+                table_only: false,
             }],
             "",
         );
@@ -578,6 +609,7 @@ mod tests {
                 name: "due",
                 class: "s-depth",
                 values: vec![Some(1.0), Some(2.0), None, Some(3.0), Some(3.0)],
+                table_only: false,
             }],
             "",
         );
@@ -585,6 +617,34 @@ mod tests {
         assert_eq!(html.matches("<circle").count(), 4, "{html}");
         let empty = chart("e", "Empty", Unit::Count, Kind::Lines, &[1, 2], &[], "");
         assert!(!empty.contains("<polyline"));
+    }
+
+    #[test]
+    fn a_depth_of_some_partitions_only_says_so() {
+        let minute = |minute, due: Option<u64>, sampled| HourMinute {
+            minute,
+            due,
+            sampled,
+            ..HourMinute::default()
+        };
+        let hour = [
+            minute(1, None, 0),
+            minute(2, Some(30), 64),
+            minute(3, Some(900), 1000),
+        ];
+        let html = hour_charts(&hour, 1000);
+        assert!(
+            html.contains("In 1 minute not every one of the 1000 partitions had been counted yet"),
+            "{html}"
+        );
+        // The count of partitions is in the numbers, not drawn.
+        assert!(html.contains("<th class=\"num\">partitions counted</th>"));
+        assert!(
+            html.contains("<td class=\"num\">30</td><td class=\"num\">64</td>"),
+            "{html}"
+        );
+        let whole = hour_charts(&[minute(2, Some(30), 4)], 4);
+        assert!(!whole.contains("not every one"));
     }
 
     #[test]

@@ -186,6 +186,25 @@ fn topic_query(topic: Option<&str>) -> String {
     topic.map_or(String::new(), |t| format!("topic={}&", q(t)))
 }
 
+/// The charts page of a queue (and of one partition, with a refresh when given).
+fn charts_href(topic: Option<&str>, partition: Option<u32>, refresh: Option<u64>) -> String {
+    let mut params = Vec::new();
+    if let Some(topic) = topic {
+        params.push(format!("topic={}", q(topic)));
+    }
+    if let Some(p) = partition {
+        params.push(format!("partition={p}"));
+    }
+    if let Some(r) = refresh {
+        params.push(format!("refresh={r}"));
+    }
+    if params.is_empty() {
+        "charts".to_string()
+    } else {
+        format!("charts?{}", params.join("&"))
+    }
+}
+
 pub(crate) fn overview(data: &Overview, started: Instant) -> String {
     let mut b = String::new();
     let due: u64 = data.queues.iter().map(|q| q.due_now.value).sum();
@@ -215,7 +234,7 @@ pub(crate) fn overview(data: &Overview, started: Instant) -> String {
             "<tr data-queue=\"{key}\"><td><a href=\"queue?{topic}\">{label}</a></td><td class=\"num\">{parts}</td>\
              <td class=\"num\" data-figure=\"due-now\">{due}</td><td class=\"num\">{later}</td><td>{oldest}</td><td>{late}</td>\
              <td class=\"num\">{completed}</td><td class=\"num\">{minute}</td>\
-             <td data-figure=\"hour\"><a href=\"charts?{topic}\" title=\"charts of the last hour\">{spark}</a> {hour_total}</td>\
+             <td data-figure=\"hour\"><a href=\"{charts}\" title=\"charts of the last hour\">{spark}</a> {hour_total}</td>\
              <td class=\"num{dead_class}\" data-figure=\"dead\">{dead}</td><td data-figure=\"state\">{state}</td>\
              <td data-figure=\"limits\">{limits}</td></tr>",
             key = esc(&queue.info.label),
@@ -233,6 +252,7 @@ pub(crate) fn overview(data: &Overview, started: Instant) -> String {
                 &format!("handled per minute over the last hour: {hour_handled} in all"),
             ),
             hour_total = hour_handled,
+            charts = esc(&charts_href(queue.info.topic.as_deref(), None, None)),
             dead = count(&queue.dead),
             dead_class = if queue.dead.value > 0 { " warn" } else { "" },
             state = queue_state(&queue.paused),
@@ -469,8 +489,8 @@ pub(crate) fn queue(data: &QueueData, started: Instant) -> String {
 
     let _ = write!(
         b,
-        "<p><a id=\"charts-link\" href=\"charts?{}\">Charts of the last hour</a> (throughput, failures, depth, lateness, handler time; per partition too)</p>",
-        tq
+        "<p><a id=\"charts-link\" href=\"{}\">Charts of the last hour</a> (throughput, failures, depth, lateness, handler time; per partition too)</p>",
+        esc(&charts_href(topic, None, None))
     );
     b.push_str("<h2>Throughput</h2><table id=\"throughput\"><tr>");
     for minute in 0..o.completed_per_minute.len() {
@@ -1643,27 +1663,29 @@ pub(crate) fn charts(data: &ChartsData, started: Instant) -> String {
     let mut b = String::new();
     let refresh = if data.refresh == 0 {
         format!(
-            "This page does not refresh itself. <a href=\"charts?{tq}{p}refresh={}\">Refresh every {} s</a>",
+            "This page does not refresh itself. <a href=\"{}\">Refresh every {} s</a>",
+            esc(&charts_href(
+                topic,
+                data.partition,
+                Some(crate::CHARTS_REFRESH)
+            )),
             crate::CHARTS_REFRESH,
-            crate::CHARTS_REFRESH,
-            p = data
-                .partition
-                .map_or(String::new(), |p| format!("partition={p}&")),
         )
     } else {
         format!(
-            "This page refreshes itself every <span id=\"refresh\">{}</span> s. <a href=\"charts?{tq}{p}refresh=0\">Stop refreshing</a>",
+            "This page refreshes itself every <span id=\"refresh\">{}</span> s. <a href=\"{}\">Stop refreshing</a>",
             data.refresh,
-            p = data
-                .partition
-                .map_or(String::new(), |p| format!("partition={p}&")),
+            esc(&charts_href(topic, data.partition, Some(0))),
         )
     };
     let _ = write!(
         b,
         "<p><a href=\"queue?{tq}\">The queue's page</a>{} · {refresh}</p>",
         if data.partition.is_some() {
-            format!(" · <a href=\"charts?{tq}\">all partitions</a>")
+            format!(
+                " · <a href=\"{}\">all partitions</a>",
+                esc(&charts_href(topic, None, None))
+            )
         } else {
             String::new()
         }
@@ -1680,7 +1702,11 @@ pub(crate) fn charts(data: &ChartsData, started: Instant) -> String {
         tito::queue::REPORT_EVERY.as_secs(),
     );
     b.push_str("<div class=\"charts\">");
-    b.push_str(&crate::charts::hour_charts(&hour));
+    let partitions = match data.partition {
+        Some(_) => 1,
+        None => o.info.partitions.unwrap_or(0),
+    };
+    b.push_str(&crate::charts::hour_charts(&hour, partitions));
     b.push_str("</div>");
     if data.partition.is_none() && !o.partition_hours.is_empty() {
         b.push_str("<h2>Partitions, last hour</h2><table id=\"partition-hours\"><tr><th class=\"num\">partition</th><th>handled per minute</th><th class=\"num\">handled</th><th class=\"num\">failed</th><th class=\"num\">mean</th><th class=\"num\">longest</th><th class=\"num\">latest start</th><th class=\"num\">due now</th><th>held by</th></tr>");
@@ -1692,14 +1718,22 @@ pub(crate) fn charts(data: &ChartsData, started: Instant) -> String {
                 .find(|v| v.partition == p.partition)
                 .and_then(|v| v.lease.as_ref())
                 .map_or("<span class=\"muted\">nobody</span>".to_string(), |l| {
-                    format!("<code>{}</code>", esc(&l.holder))
+                    if l.expires_ms != 0 && l.expires_ms < o.now_ms {
+                        format!(
+                            "<span class=\"muted\">nobody (the lease of <code>{}</code> ran out)</span>",
+                            esc(&l.holder)
+                        )
+                    } else {
+                        format!("<code>{}</code>", esc(&l.holder))
+                    }
                 });
             let _ = write!(
                 b,
-                "<tr data-partition=\"{n}\"><td class=\"num\"><a href=\"charts?{tq}partition={n}\">{n}</a></td><td><a href=\"charts?{tq}partition={n}\">{spark}</a></td>\
+                "<tr data-partition=\"{n}\"><td class=\"num\"><a href=\"{href}\">{n}</a></td><td><a href=\"{href}\">{spark}</a></td>\
                  <td class=\"num\" data-figure=\"handled\">{handled}</td><td class=\"num{fail_class}\" data-figure=\"failed\">{failed}</td><td class=\"num\">{mean}</td><td class=\"num\">{longest}</td>\
                  <td class=\"num\">{late}</td><td class=\"num\" data-figure=\"due\">{due}</td><td>{holder}</td></tr>",
                 n = p.partition,
+                href = esc(&charts_href(topic, Some(p.partition), None)),
                 spark = crate::charts::sparkline(
                     &p.handled,
                     &format!("partition {}: handled per minute", p.partition)

@@ -682,7 +682,9 @@ async fn overview_json<E: TitoEngine>(State(state): State<Arc<Inner<E>>>) -> Dat
 #[derive(Deserialize)]
 struct QueueParams {
     topic: Option<String>,
-    partition: Option<u32>,
+    /// Parsed by the page (`partition_param`), so that text which is not a partition is
+    /// answered with what to give.
+    partition: Option<String>,
     cursor: Option<String>,
     completed_cursor: Option<String>,
     dead_after: Option<String>,
@@ -716,15 +718,19 @@ async fn load_queue<E: TitoEngine>(
         partition,
         pending,
         completed,
-    } = inspect::queue_view(
+    } = match inspect::queue_view(
         &state.db,
         topic,
-        params.partition,
+        partition_param(params.partition.as_deref())?,
         params.cursor.as_deref(),
         params.completed_cursor.as_deref(),
         PAGE,
     )
-    .await?;
+    .await
+    {
+        Err(TitoError::NotFound(_)) => return Err(no_such_queue(&state.db, topic).await),
+        other => other?,
+    };
     let dead_after = params.dead_after.as_deref().filter(|a| !a.is_empty());
     let dead = tito::queue::dead(&state.db, topic, dead_after, PAGE).await?;
     let schedules = tito::queue::schedules(&state.db, topic).await?;
@@ -777,9 +783,11 @@ pub(crate) const CHARTS_REFRESH: u64 = 15;
 #[derive(Deserialize)]
 struct ChartsParams {
     topic: Option<String>,
-    partition: Option<u32>,
+    /// A partition number (parsed by the page, so that other text is answered with what to
+    /// give).
+    partition: Option<String>,
     /// Seconds between reloads: 0 for none, else 5 to 3,600.
-    refresh: Option<u64>,
+    refresh: Option<String>,
 }
 
 /// A queue's last hour: its overview (with the hour), the partition asked for, and how often
@@ -804,35 +812,43 @@ async fn load_charts<E: TitoEngine>(
     params: &ChartsParams,
 ) -> Result<ChartsData, TitoError> {
     let topic = params.topic.as_deref().filter(|t| !t.is_empty());
-    let refresh = params.refresh.unwrap_or(CHARTS_REFRESH);
+    let refresh_help = "give the seconds between reloads, 5 to 3600, or 0 for none";
+    let refresh = match params.refresh.as_deref().map(str::trim) {
+        None | Some("") => CHARTS_REFRESH,
+        Some(text) => text.parse::<u64>().map_err(|_| {
+            TitoError::invalid_argument(format!("refresh={text:?}: {refresh_help}"))
+        })?,
+    };
     if refresh != 0 && !(5..=3600).contains(&refresh) {
         return Err(TitoError::invalid_argument(format!(
-            "refresh={refresh}: give the seconds between reloads, 5 to 3600, or 0 for none"
+            "refresh={refresh}: {refresh_help}"
         )));
     }
     let overview = inspect::queue_overview(&state.db, topic).await?;
     let Some(count) = overview.info.partitions else {
-        return Err(TitoError::NotFound(format!(
-            "no queue {} in this store",
-            overview.info.label
-        )));
+        return Err(no_such_queue(&state.db, topic).await);
     };
-    if let Some(p) = params.partition
-        && p >= count
-    {
-        return Err(TitoError::invalid_argument(format!(
-            "partition={p}: queue {} has partitions 0 to {}",
-            overview.info.label,
+    let out_of_range = |text: &str| {
+        TitoError::invalid_argument(format!(
+            "partition={text:?}: {} has partitions 0 to {}",
+            queue_named(topic),
             count - 1
-        )));
-    }
-    let (minutes, partitions) = match params.partition {
+        ))
+    };
+    let partition = match params.partition.as_deref().map(str::trim) {
+        None | Some("") => None,
+        Some(text) => match text.parse::<u32>() {
+            Ok(p) if p < count => Some(p),
+            _ => return Err(out_of_range(text)),
+        },
+    };
+    let (minutes, partitions) = match partition {
         Some(p) => (overview.hour_of(Some(p)), Vec::new()),
         None => (overview.hour.clone(), overview.partition_hours.clone()),
     };
     Ok(ChartsData {
         queue: overview.info.label.clone(),
-        partition: params.partition,
+        partition,
         now_ms: overview.now_ms,
         minutes,
         partitions,
@@ -1482,6 +1498,41 @@ pub const DEAD_BATCH: usize = 100;
 /// How confirmations, results and the action log name a queue: a topic quoted, the queue
 /// without a topic in words (no topic reads like that), so a queue whose topic is `default`
 /// and the queue without a topic are told apart.
+/// A queue's page's `partition`: absent or empty for none, else a partition number.
+fn partition_param(text: Option<&str>) -> Result<Option<u32>, TitoError> {
+    match text.map(str::trim) {
+        None | Some("") => Ok(None),
+        Some(text) => text.parse().map(Some).map_err(|_| {
+            TitoError::invalid_argument(format!(
+                "partition={text:?}: give a partition number of the queue (0 or more)"
+            ))
+        }),
+    }
+}
+
+/// The answer for a queue the store does not have: which queues it has.
+async fn no_such_queue<E: TitoEngine>(db: &E, topic: Option<&str>) -> TitoError {
+    let known: Vec<String> = inspect::queues(db, NAMES)
+        .await
+        .map(|queues| {
+            queues
+                .iter()
+                .filter(|q| q.partitions.is_some())
+                .map(|q| queue_named(q.topic.as_deref()))
+                .collect()
+        })
+        .unwrap_or_default();
+    let listed = if known.is_empty() {
+        "it has none".to_string()
+    } else {
+        format!("its queues: {}", known.join(", "))
+    };
+    TitoError::NotFound(match topic {
+        Some(topic) => format!("no queue {topic:?} in this store ({listed})"),
+        None => format!("the queue without a topic is not in this store ({listed})"),
+    })
+}
+
 pub(crate) fn queue_named(topic: Option<&str>) -> String {
     match topic {
         Some(topic) => format!("queue {topic:?}"),

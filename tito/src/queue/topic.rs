@@ -115,8 +115,9 @@ impl<T> QueueSpec<T> {
 
     /// How [`Workers::start`](crate::Workers::start) runs the queue's workers: its partitions,
     /// concurrency, timeouts (default: every partition, the defaults). Checked at
-    /// [`open`](Self::open), which refuses a `worker_id` here: every process shares the
-    /// declaration, and two workers of one id would both hold its leases.
+    /// [`open`](Self::open), which refuses a partition range reaching past the queue's
+    /// partitions and a `worker_id` here: every process shares the declaration, and two workers
+    /// of one id would both hold its leases.
     pub fn worker(mut self, config: super::WorkerConfig) -> Self {
         self.worker = Some(config);
         self
@@ -143,6 +144,17 @@ impl<T> QueueSpec<T> {
         }
         if let Some(worker) = &self.worker {
             worker.check(self.config.partitions)?;
+            // A declaration names the partitions it runs: one the queue lacks is a mistake (a
+            // partition count changed in one place and not the other), not a range to clip.
+            if worker.partitions.end > self.config.partitions {
+                return Err(TitoError::invalid_argument(format!(
+                    "queue {:?}: QueueSpec::worker runs partitions {:?}, but the queue has \
+                     partitions 0..{}: declare a range within them",
+                    self.topic.name(),
+                    worker.partitions,
+                    self.config.partitions
+                )));
+            }
             if let Some(id) = &worker.worker_id {
                 return Err(TitoError::invalid_argument(format!(
                     "queue {:?}: leave worker_id unset in QueueSpec::worker (a declaration is \
