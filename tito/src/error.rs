@@ -480,7 +480,9 @@ mod tests {
         };
         assert_eq!(
             exhausted.to_string(),
-            "transaction still conflicted after 3 attempts: transaction conflict: key k: write conflict"
+            "transaction still conflicted after 3 attempts: transaction conflict: key k: write \
+             conflict; other transactions kept writing the keys it wrote: run it again later, or \
+             allow more attempts with `transaction_with(RetryPolicy::default().max_attempts(..))`"
         );
         let err = TitoError::storage(
             "cannot connect: PD cluster failed to respond",
