@@ -1034,6 +1034,35 @@ fn browse(base: &str, path: &str, name: &str) -> String {
     dom
 }
 
+/// A dashboard served on loopback for the browser, until `stop`.
+struct Served {
+    /// `http://ADDR` and the mount path.
+    base: String,
+    stop: tokio::sync::oneshot::Sender<()>,
+    server: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+impl Served {
+    async fn start(app: axum::Router, mount: &str) -> Served {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(tito_admin::serve(listener, app, async {
+            let _ = stopped.await;
+        }));
+        Served {
+            base: format!("http://{addr}{mount}"),
+            stop,
+            server,
+        }
+    }
+
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        self.server.await.unwrap().unwrap();
+    }
+}
+
 /// The text of the first element carrying `attribute` after `anchor` in `dom`.
 fn figure_after(dom: &str, anchor: &str, attribute: &str) -> String {
     let from = dom
@@ -1087,13 +1116,8 @@ async fn the_dashboard_shows_the_seeded_figures_in_a_browser() {
             .model::<User>()
             .mount("/tito"),
     );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(tito_admin::serve(listener, app, async {
-        let _ = stopped.await;
-    }));
-    let base = format!("http://{addr}/tito");
+    let served = Served::start(app, "/tito").await;
+    let base = served.base.clone();
 
     let pages = tokio::task::spawn_blocking(move || {
         [
@@ -1272,8 +1296,7 @@ async fn the_dashboard_shows_the_seeded_figures_in_a_browser() {
         assert!(kv.contains(&format!("data-key=\"{key}\"")), "{key}");
     }
 
-    let _ = stop.send(());
-    server.await.unwrap().unwrap();
+    served.stop().await;
 }
 
 /// Sends one request to the router, from `peer` when given.
@@ -2357,13 +2380,8 @@ async fn the_dashboard_runs_a_queue_from_a_browser() {
     assert_eq!(drained.dead, 2);
 
     let app = tito_admin::Admin::new(db.clone()).router();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(tito_admin::serve(listener, app, async {
-        let _ = stopped.await;
-    }));
-    let base = format!("http://{addr}");
+    let served = Served::start(app, "").await;
+    let base = served.base.clone();
     let pending_key = {
         let partition = tito::queue::partition_for("k1", 2);
         let page = tito::inspect::queue_scan(
@@ -2499,8 +2517,7 @@ async fn the_dashboard_runs_a_queue_from_a_browser() {
     );
     assert_eq!(support_pending(&dead).await, 0);
 
-    let _ = stop.send(());
-    server.await.unwrap().unwrap();
+    served.stop().await;
     db.close().await.unwrap();
 }
 
@@ -3996,13 +4013,8 @@ async fn the_charts_draw_a_queues_last_hour_in_a_browser() {
 
     // The browser.
     let app = axum::Router::new().merge(tito_admin::Admin::new(db.clone()).mount("/tito"));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(tito_admin::serve(listener, app, async {
-        let _ = stopped.await;
-    }));
-    let base = format!("http://{addr}/tito");
+    let served = Served::start(app, "/tito").await;
+    let base = served.base.clone();
     let pages = tokio::task::spawn_blocking(move || {
         [
             ("/charts?topic=charts", "charts"),
@@ -4107,7 +4119,6 @@ async fn the_charts_draw_a_queues_last_hour_in_a_browser() {
             .unwrap();
         }
     }
-    let _ = stop.send(());
-    server.await.unwrap().unwrap();
+    served.stop().await;
     db.close().await.unwrap();
 }

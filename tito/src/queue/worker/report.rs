@@ -152,6 +152,19 @@ impl From<PartitionRuns> for (u32, u64, u64, u64, u64, u64, u64) {
 }
 
 impl PartitionRuns {
+    /// A partition's share of a minute's figures.
+    fn of(partition: u32, f: &MinuteFigures) -> Self {
+        PartitionRuns {
+            partition,
+            runs: f.runs,
+            failed: f.failed,
+            total_ms: f.total_ms,
+            max_ms: f.max_ms,
+            late_total_ms: f.late_total_ms,
+            late_max_ms: f.late_max_ms,
+        }
+    }
+
     /// As a minute's figures (for sums over partitions).
     pub fn figures(&self, minute: u64) -> MinuteFigures {
         MinuteFigures {
@@ -248,37 +261,30 @@ impl Figures {
     /// `took` and failed or not.
     pub fn record(&self, partition: u32, took: Duration, failed: bool, late_ms: u64) {
         let ms = crate::util::millis(took);
+        let run = PartitionRuns {
+            partition,
+            runs: 1,
+            failed: u64::from(failed),
+            total_ms: ms,
+            max_ms: ms,
+            late_total_ms: late_ms,
+            late_max_ms: late_ms,
+        };
         let mut minutes = crate::util::lock(&self.minutes);
         let current = newest(&mut minutes, minute_now());
-        current.runs += 1;
-        current.failed += u64::from(failed);
-        current.total_ms = current.total_ms.saturating_add(ms);
-        current.max_ms = current.max_ms.max(ms);
-        current.late_total_ms = current.late_total_ms.saturating_add(late_ms);
-        current.late_max_ms = current.late_max_ms.max(late_ms);
-        let at = match current
+        current.add(&run.figures(current.minute));
+        match current
             .partitions
             .binary_search_by_key(&partition, |p| p.partition)
         {
-            Ok(at) => at,
-            Err(at) => {
-                current.partitions.insert(
-                    at,
-                    PartitionRuns {
-                        partition,
-                        ..PartitionRuns::default()
-                    },
-                );
-                at
+            Ok(at) => {
+                let kept = &mut current.partitions[at];
+                let mut sum = kept.figures(0);
+                sum.add(&run.figures(0));
+                *kept = PartitionRuns::of(partition, &sum);
             }
-        };
-        let p = &mut current.partitions[at];
-        p.runs += 1;
-        p.failed += u64::from(failed);
-        p.total_ms = p.total_ms.saturating_add(ms);
-        p.max_ms = p.max_ms.max(ms);
-        p.late_total_ms = p.late_total_ms.saturating_add(late_ms);
-        p.late_max_ms = p.late_max_ms.max(late_ms);
+            Err(at) => current.partitions.insert(at, run),
+        }
     }
 
     /// Files the depth samples of `minute` (replacing any it had).
