@@ -649,6 +649,56 @@ mod tests {
         assert!(json.len() < 2 * REPORT_DETAIL_BYTES, "{} bytes", json.len());
     }
 
+    /// Prints how large an hour of a busy worker's report is as stored, by partitions held
+    /// (`cargo test -p tito --lib report_sizes -- --ignored --nocapture`).
+    #[test]
+    #[ignore]
+    fn report_sizes() {
+        for partitions in [1u32, 4, 16, 38, 64, 256] {
+            let mut minutes: Vec<MinuteFigures> = (0..60u64)
+                .rev()
+                .map(|m| {
+                    let minute = 29_500_000 + m;
+                    let runs: Vec<PartitionRuns> = (0..partitions)
+                        .map(|partition| PartitionRuns {
+                            partition,
+                            runs: 1_234,
+                            failed: 12,
+                            total_ms: 45_678,
+                            max_ms: 890,
+                            late_total_ms: 123_456,
+                            late_max_ms: 2_345,
+                        })
+                        .collect();
+                    let mut figures = MinuteFigures {
+                        minute,
+                        ..MinuteFigures::default()
+                    };
+                    for r in &runs {
+                        figures.add(&r.figures(minute));
+                    }
+                    figures.partitions = runs;
+                    figures.depth = (0..partitions.min(DEPTH_PARTITIONS as u32))
+                        .map(|partition| DepthSample {
+                            partition,
+                            due: 4_321,
+                            more: false,
+                            oldest_late_s: 17,
+                            at_ms: minute * 60_000 + 5_000,
+                        })
+                        .collect();
+                    figures
+                })
+                .collect();
+            keep_detail_within(&mut minutes, REPORT_DETAIL_BYTES);
+            let detailed = minutes.iter().filter(|m| !m.partitions.is_empty()).count();
+            let bytes = serde_json::to_vec(&minutes).unwrap().len();
+            println!(
+                "{partitions:>4} partitions: {bytes:>7} bytes for an hour, {detailed} minutes with per-partition detail"
+            );
+        }
+    }
+
     #[test]
     fn a_worker_samples_its_partitions_in_turn() {
         let mut reporter = Reporter::new("w");
