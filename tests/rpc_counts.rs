@@ -521,30 +521,27 @@ async fn tikv_a_limited_start_costs_one_gate_and_one_release_commit() {
         println!("{topic:<8} commits {writes:?}; all calls (reads include idle polls) {all:?}");
         counted.push(writes);
     }
-    // A prewrite that meets a lock left by an earlier transaction whose secondary keys are
+    // A request that meets a lock left by an earlier transaction whose secondary keys are
     // still being committed (the client commits them after it answers) resolves the lock
-    // (`KvCheckTxnStatus`, `KvResolveLock`) and is sent again: that retry is the timing of
-    // the run, not a cost of the limit, so one prewrite per resolved lock is not counted.
-    let commits = |c: &BTreeMap<String, u64>| {
-        let retried = c.get("KvResolveLock").copied().unwrap_or(0);
-        (
-            c.get("KvPrewrite").map(|n| n.saturating_sub(retried)),
-            c.get("KvCommit").copied(),
-        )
+    // (`KvCheckTxnStatus`, `KvResolveLock`). A prewrite that met it is sent again (one more
+    // `KvPrewrite`); a read that met it is not. Either is the timing of the run, not a cost of
+    // the limit: each resolved lock may account for one prewrite, no more.
+    let prewrites_fit = |c: &BTreeMap<String, u64>, expected: u64| {
+        let resolved = c.get("KvResolveLock").copied().unwrap_or(0);
+        let sent = c.get("KvPrewrite").copied().unwrap_or(0);
+        (expected..=expected + resolved).contains(&sent)
     };
-    let (plain, limited, both) = (
-        commits(&counted[0]),
-        commits(&counted[1]),
-        commits(&counted[2]),
-    );
+    let commits = |c: &BTreeMap<String, u64>| c.get("KvCommit").copied();
     // Plain: three transactions that write, the lease (with the worker's heartbeat), the
     // worker's first report (one key, written as it starts and then every 10 s) and the
     // outcome. A limit adds two, the gate's and the release's, whatever the number of limits
     // (the gate resolves an unknown outcome, so it writes a commit marker beside its slots:
     // one more commit request for the secondaries).
-    assert_eq!(plain, (Some(3), Some(5)), "{counted:?}");
-    assert_eq!(limited, (Some(5), Some(8)), "{counted:?}");
-    assert_eq!(both.0, Some(5), "{counted:?}");
+    assert!(prewrites_fit(&counted[0], 3), "{counted:?}");
+    assert_eq!(commits(&counted[0]), Some(5), "{counted:?}");
+    assert!(prewrites_fit(&counted[1], 5), "{counted:?}");
+    assert_eq!(commits(&counted[1]), Some(8), "{counted:?}");
+    assert!(prewrites_fit(&counted[2], 5), "{counted:?}");
 }
 
 /// A handle whose requests are counted per operation: without nudges (a worker writes its
