@@ -361,6 +361,8 @@ fn newest(minutes: &mut VecDeque<MinuteFigures>, minute: u64) -> &mut MinuteFigu
             ..MinuteFigures::default()
         });
         minutes.truncate(REPORT_MINUTES);
+        // What no report would carry is not kept in memory either.
+        keep_detail_within(minutes.make_contiguous(), REPORT_DETAIL_BYTES);
     }
     minutes.front_mut().expect("a minute was just pushed")
 }
