@@ -1921,12 +1921,17 @@ pub async fn cancellation_stops_pending_work_and_tells_running_handlers<E: TitoE
         let id = event.id.clone();
         queue.publish(event).await.unwrap();
         let told = Arc::new(AtomicUsize::new(0));
+        // Set by the handler itself: the worker counts a delivery when it pulls the row, before
+        // the handler's first call, and a cancel committed in between rightly keeps the handler
+        // from ever being called (then there is nobody to tell).
+        let started = Arc::new(AtomicUsize::new(0));
         let effect = ctx.key(&format!("effect:{n}"));
         let (stop, rx) = watch::channel(false);
-        let t = told.clone();
+        let (t, s) = (told.clone(), started.clone());
         let wait_to_be_told = move || {
-            let t = t.clone();
+            let (t, s) = (t.clone(), s.clone());
             async move {
+                s.fetch_add(1, Ordering::SeqCst);
                 let cancel = tito::queue::cancellation();
                 let heard = tokio::time::timeout(Duration::from_secs(20), cancel.cancelled()).await;
                 if heard.is_ok() && cancel.is_cancelled() {
@@ -1934,8 +1939,6 @@ pub async fn cancellation_stops_pending_work_and_tells_running_handlers<E: TitoE
                 }
             }
         };
-        // Read before the worker starts: it may deliver at once.
-        let delivered = queue.stats().delivered;
         let worker = if transactional {
             let effect = effect.clone();
             tokio::spawn(run_transactional_worker(
@@ -1965,10 +1968,10 @@ pub async fn cancellation_stops_pending_work_and_tells_running_handlers<E: TitoE
                 rx,
             ))
         };
-        let q = queue.clone();
+        let s = started.clone();
         wait_for("the handler to start", Duration::from_secs(10), move || {
-            let q = q.clone();
-            async move { q.stats().delivered > delivered }
+            let s = s.clone();
+            async move { s.load(Ordering::SeqCst) >= 1 }
         })
         .await;
         let acknowledged = queue.stats().acknowledged;
