@@ -4121,4 +4121,42 @@ async fn the_charts_draw_a_queues_last_hour_in_a_browser() {
     }
     served.stop().await;
     db.close().await.unwrap();
+
+    // `tito queue stats` prints the same hour: in all and per partition.
+    let path = dir.path().to_str().unwrap();
+    let text = execute(path, &["queue", "stats", "--topic", "charts"])
+        .await
+        .unwrap();
+    let line = line_after(&text, "the last hour: ");
+    assert!(
+        line.starts_with(&format!(
+            "{} runs, {} failed, mean ",
+            seeded_runs + 12,
+            seeded_failed + 3
+        )),
+        "{text}"
+    );
+    assert!(line.contains(" ms late on average, at most "), "{text}");
+    let header = text.lines().find(|l| l.contains("PARTITION")).unwrap();
+    assert!(
+        header.contains("RUNS 1H") && header.contains("FAILED 1H"),
+        "{text}"
+    );
+    let mut per_partition = 0;
+    for p in 0..4u32 {
+        let row: Vec<&str> = text
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(&p.to_string()))
+            .unwrap_or_else(|| panic!("partition {p}: {text}"))
+            .split_whitespace()
+            .collect();
+        let seeded: u64 = (2..=50u64).map(|ago| runs(ago, p)).sum();
+        let ran: u64 = row[4].parse().unwrap();
+        assert!(
+            (seeded..=seeded + 12).contains(&ran),
+            "partition {p}: {text}"
+        );
+        per_partition += ran;
+    }
+    assert_eq!(per_partition, seeded_runs + 12, "{text}");
 }

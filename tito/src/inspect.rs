@@ -343,6 +343,33 @@ impl HourMinute {
         (self.runs > 0).then(|| self.late_total_ms / self.runs)
     }
 
+    /// Minutes summed: runs, failures and times added (the longest kept), `minute` the first
+    /// one's, and the depth the last one's (the current depth when they end with the current
+    /// minute).
+    pub fn sum_of(minutes: &[HourMinute]) -> HourMinute {
+        let mut total = HourMinute {
+            minute: minutes.first().map_or(0, |m| m.minute),
+            ..HourMinute::default()
+        };
+        for m in minutes {
+            total.runs += m.runs;
+            total.failed += m.failed;
+            total.total_ms = total.total_ms.saturating_add(m.total_ms);
+            total.max_ms = total.max_ms.max(m.max_ms);
+            total.late_total_ms = total.late_total_ms.saturating_add(m.late_total_ms);
+            total.late_max_ms = total.late_max_ms.max(m.late_max_ms);
+        }
+        if let Some(last) = minutes.last() {
+            (
+                total.due,
+                total.due_more,
+                total.sampled,
+                total.oldest_late_s,
+            ) = (last.due, last.due_more, last.sampled, last.oldest_late_s);
+        }
+        total
+    }
+
     fn add(&mut self, f: &crate::queue::MinuteFigures) {
         self.runs += f.runs;
         self.failed += f.failed;
@@ -427,29 +454,9 @@ impl QueueOverview {
                 let mut minutes = runs.remove(&p).unwrap_or_else(|| blank.clone());
                 carry_depth(&mut minutes, now, samples.remove(&p).unwrap_or_default());
                 self.count_now(&mut minutes, Some(p));
-                let mut total = HourMinute {
-                    minute: first,
-                    ..HourMinute::default()
-                };
-                for m in &minutes {
-                    total.runs += m.runs;
-                    total.failed += m.failed;
-                    total.total_ms = total.total_ms.saturating_add(m.total_ms);
-                    total.max_ms = total.max_ms.max(m.max_ms);
-                    total.late_total_ms = total.late_total_ms.saturating_add(m.late_total_ms);
-                    total.late_max_ms = total.late_max_ms.max(m.late_max_ms);
-                }
-                if let Some(last) = minutes.last() {
-                    (
-                        total.due,
-                        total.due_more,
-                        total.sampled,
-                        total.oldest_late_s,
-                    ) = (last.due, last.due_more, last.sampled, last.oldest_late_s);
-                }
                 PartitionHour {
                     partition: p,
-                    total,
+                    total: HourMinute::sum_of(&minutes),
                     handled: minutes.iter().map(HourMinute::handled).collect(),
                 }
             })

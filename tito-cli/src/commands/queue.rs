@@ -497,6 +497,19 @@ fn stats_text(o: &inspect::QueueOverview, label: &str) -> String {
             None => String::new(),
         }
     ));
+    let hour = inspect::HourMinute::sum_of(&o.hour);
+    out.push_str(&format!(
+        "\nthe last hour: {} runs, {} failed{}",
+        hour.runs,
+        hour.failed,
+        match (hour.mean_ms(), hour.mean_late_ms()) {
+            (Some(mean), Some(late)) => format!(
+                ", mean {mean} ms, longest {} ms; started {late} ms late on average, at most {} ms",
+                hour.max_ms, hour.late_max_ms
+            ),
+            _ => String::new(),
+        }
+    ));
     let since = (o.now_ms / 60_000).saturating_sub(inspect::THROUGHPUT_MINUTES - 1);
     for w in &o.workers {
         let f = w.since(since);
@@ -512,16 +525,25 @@ fn stats_text(o: &inspect::QueueOverview, label: &str) -> String {
         ));
     }
     out.push_str(&format!(
-        "\n{:>9} {:>10} {:>10} {:>8}  {}",
-        "PARTITION", "DUE NOW", "LATER", "LATE S", "LEASE"
+        "\n{:>9} {:>10} {:>10} {:>8} {:>8} {:>9}  {}",
+        "PARTITION", "DUE NOW", "LATER", "LATE S", "RUNS 1H", "FAILED 1H", "LEASE"
     ));
     for p in &o.partitions {
-        let lease = p
-            .lease
-            .as_ref()
-            .map_or("free".to_string(), |l| l.holder.clone());
+        let lease = p.lease.as_ref().map_or("free".to_string(), |l| {
+            if l.expires_ms != 0 && l.expires_ms < o.now_ms {
+                format!("free (the lease of {} ran out)", l.holder)
+            } else {
+                l.holder.clone()
+            }
+        });
+        let hour = o
+            .partition_hours
+            .iter()
+            .find(|h| h.partition == p.partition)
+            .map(|h| (h.total.runs, h.total.failed))
+            .unwrap_or_default();
         out.push_str(&format!(
-            "\n{:>9} {:>10} {:>10} {:>8}  {lease}",
+            "\n{:>9} {:>10} {:>10} {:>8} {:>8} {:>9}  {lease}",
             p.partition,
             p.due_now.to_string(),
             p.future.to_string(),
@@ -530,6 +552,8 @@ fn stats_text(o: &inspect::QueueOverview, label: &str) -> String {
             } else {
                 0
             },
+            hour.0,
+            hour.1,
         ));
     }
     out
