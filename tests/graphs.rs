@@ -34,6 +34,7 @@ macro_rules! graphs_suite {
                 a_batch_filled_over_time_calls_back_only_after_its_close,
                 concurrent_last_children_start_each_callback_once,
                 finished_graphs_expire_and_unfinished_ones_stay,
+                a_workers_maintenance_expires_finished_graphs_in_turn_across_a_restart,
                 cancel_batch_cancels_only_its_own_children,
                 publish_batch_writes_in_bounded_transactions_and_resumes,
                 a_periodic_job_starts_a_workflow_once_per_tick,
@@ -911,6 +912,112 @@ pub async fn finished_graphs_expire_and_unfinished_ones_stay<E: TitoEngine>(ctx:
     tx.rollback().await.unwrap();
     // The open workflow still runs to its end.
     let state = graphs.workflow(&open).await.unwrap().unwrap();
+    assert_eq!(state.counts()[0], ("waiting", 1));
+}
+
+pub async fn a_workers_maintenance_expires_finished_graphs_in_turn_across_a_restart<
+    E: TitoEngine,
+>(
+    ctx: Ctx<E>,
+) {
+    // A sweep of the whole store (see finished_graphs_expire_and_unfinished_ones_stay).
+    if std::env::var("TITO_PD_ENDPOINTS").is_ok() {
+        return;
+    }
+    let graphs = Graphs::new(ctx.db.clone());
+    let queue = topic(&ctx.db, "graph-sweep", 2);
+    let step = |name: &str| StepName::<()>::named(name);
+    // More finished batches than one pass looks at (256), an open one, a workflow the worker
+    // runs to its end and one that waits an hour.
+    let ended: Vec<String> = (0..300).map(|i| fresh(&format!("ended{i}"))).collect();
+    for id in &ended {
+        graphs
+            .publish_batch::<u32>(&Batch::new(id), &queue, &[])
+            .await
+            .unwrap();
+    }
+    let filling = fresh("filling");
+    graphs.open_batch(&Batch::new(&filling)).await.unwrap();
+    let (runs, waits) = (fresh("runs"), fresh("waits"));
+    let mut wf = Workflow::new(&runs);
+    wf.step(&step("a"), &queue, QueueEvent::now("k", 1u32));
+    wf.step(&step("b"), &queue, QueueEvent::now("k", 2u32))
+        .after(["a"]);
+    graphs.publish_workflow(&wf).await.unwrap();
+    let mut wf = Workflow::new(&waits);
+    wf.step(
+        &step("a"),
+        &queue,
+        QueueEvent::after("k", 1u32, Duration::from_secs(3600)),
+    );
+    wf.step(&step("b"), &queue, QueueEvent::now("k", 2u32))
+        .after(["a"]);
+    graphs.publish_workflow(&wf).await.unwrap();
+    let handler = |_event: QueueEvent<u32>| async move { Ok(QueueHandlerOutcome::Acknowledge) };
+    let config = || fast(0..2).maintenance_interval(Duration::from_millis(50));
+
+    // A worker that keeps finished graphs for an hour runs the workflow to its end and
+    // deletes nothing.
+    let mut workers = Workers::new();
+    workers.spawn_worker(
+        queue.clone(),
+        config().expire_graphs(Duration::from_secs(3600)),
+        handler,
+    );
+    let (g, id) = (graphs.clone(), runs.clone());
+    wait_for(
+        "the workflow to finish",
+        Duration::from_secs(30),
+        move || {
+            let (g, id) = (g.clone(), id.clone());
+            async move { g.workflow(&id).await.unwrap().unwrap().finished() }
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    workers.shutdown().await.unwrap();
+    for id in &ended {
+        assert!(graphs.batch(id).await.unwrap().is_some(), "{id} is young");
+    }
+
+    // Restarted with no retention: every finished graph goes, in passes of 256, and the
+    // unfinished ones stay.
+    let mut workers = Workers::new();
+    workers.spawn_worker(
+        queue.clone(),
+        config().expire_graphs(Duration::ZERO),
+        handler,
+    );
+    let (g, all) = (graphs.clone(), ended.clone());
+    wait_for(
+        "the finished graphs to expire",
+        Duration::from_secs(30),
+        move || {
+            let (g, all) = (g.clone(), all.clone());
+            async move {
+                for id in &all {
+                    if g.batch(id).await.unwrap().is_some() {
+                        return false;
+                    }
+                }
+                true
+            }
+        },
+    )
+    .await;
+    let (g, id) = (graphs.clone(), runs.clone());
+    wait_for(
+        "the workflow to expire",
+        Duration::from_secs(30),
+        move || {
+            let (g, id) = (g.clone(), id.clone());
+            async move { g.workflow(&id).await.unwrap().is_none() }
+        },
+    )
+    .await;
+    workers.shutdown().await.unwrap();
+    assert!(graphs.batch(&filling).await.unwrap().is_some());
+    let state = graphs.workflow(&waits).await.unwrap().unwrap();
     assert_eq!(state.counts()[0], ("waiting", 1));
 }
 

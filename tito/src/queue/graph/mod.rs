@@ -228,6 +228,30 @@ pub struct Graphs<E> {
 /// Graph records [`Graphs::expire`] looks at per page.
 const EXPIRE_PAGE: usize = 256;
 
+/// Where a worker's maintenance goes on expiring graphs ([`Graphs::expire_step`]): the next
+/// workflow and batch records to look at (`None`: the first).
+#[derive(Clone, Debug, Default)]
+pub struct GraphSweep {
+    workflows: Option<String>,
+    batches: Option<String>,
+}
+
+/// The two kinds of graph record retention deletes.
+#[derive(Clone, Copy)]
+enum Kind {
+    Workflows,
+    Batches,
+}
+
+impl Kind {
+    fn prefix(self) -> String {
+        match self {
+            Kind::Workflows => keys::workflow_prefix(),
+            Kind::Batches => keys::batch_prefix(),
+        }
+    }
+}
+
 /// What [`Graphs::expire`] deleted.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 #[non_exhaustive]
@@ -245,47 +269,93 @@ impl<E: TitoEngine> Graphs<E> {
     /// callbacks fired with its last child). Unfinished ones are kept however old. Reads every
     /// record in pages of 256; `tito gc` runs it with its retention.
     pub async fn expire(&self, older_than: std::time::Duration) -> TitoResult<Expired> {
+        let before_ms = self.expiry_bound(older_than).await?;
+        Ok(Expired {
+            workflows: self.expire_each(Kind::Workflows, before_ms).await?,
+            batches: self.expire_each(Kind::Batches, before_ms).await?,
+        })
+    }
+
+    /// One step of [`Self::expire`] for a worker's maintenance
+    /// ([`WorkerConfig::expire_graphs`](crate::queue::WorkerConfig::expire_graphs)): looks at
+    /// up to [`EXPIRE_PAGE`] workflows and as many batches from where `sweep` stopped, deletes
+    /// the finished ones published more than `older_than` ago, and moves `sweep` on (back to
+    /// the first record once it reached the last). Answers what it deleted and whether more
+    /// records follow the pages it read.
+    pub async fn expire_step(
+        &self,
+        older_than: std::time::Duration,
+        sweep: &mut GraphSweep,
+    ) -> TitoResult<(Expired, bool)> {
+        let before_ms = self.expiry_bound(older_than).await?;
+        let mut expired = Expired::default();
+        let mut more = false;
+        for kind in [Kind::Workflows, Kind::Batches] {
+            let after = match kind {
+                Kind::Workflows => &mut sweep.workflows,
+                Kind::Batches => &mut sweep.batches,
+            };
+            let start = after.take().unwrap_or_else(|| kind.prefix());
+            let (n, next) = self.expire_page(kind, start, before_ms).await?;
+            match kind {
+                Kind::Workflows => expired.workflows = n,
+                Kind::Batches => expired.batches = n,
+            }
+            more |= next.is_some();
+            *after = next;
+        }
+        Ok((expired, more))
+    }
+
+    /// The publication time (store clock, ms) before which a finished graph is old enough.
+    async fn expiry_bound(&self, older_than: std::time::Duration) -> TitoResult<u64> {
         let now_ms = crate::engine::read_only(&self.db, async |tx| {
             Ok(crate::engine::version_millis(tx.start_version()))
         })
         .await?;
-        let before_ms = now_ms.saturating_sub(crate::util::millis(older_than));
-        Ok(Expired {
-            workflows: self
-                .expire_each("workflows", keys::workflow_prefix(), async |id| {
-                    self.expire_workflow(id, before_ms).await
-                })
-                .await?,
-            batches: self
-                .expire_each("batches", keys::batch_prefix(), async |id| {
-                    self.expire_batch(id, before_ms).await
-                })
-                .await?,
-        })
+        Ok(now_ms.saturating_sub(crate::util::millis(older_than)))
     }
 
-    /// Runs `expire_one` on the id of every record under `prefix` (`what` they are, for
-    /// errors), in pages of [`EXPIRE_PAGE`]; answers how many it expired.
-    async fn expire_each(
-        &self,
-        what: &str,
-        prefix: String,
-        expire_one: impl AsyncFn(&str) -> TitoResult<bool>,
-    ) -> TitoResult<usize> {
+    /// Expires the finished records of `kind` published before `before_ms`, every page of
+    /// them; answers how many it expired.
+    async fn expire_each(&self, kind: Kind, before_ms: u64) -> TitoResult<usize> {
         let mut expired = 0;
-        let mut start = prefix.clone();
+        let mut start = kind.prefix();
         loop {
-            let page = page(&self.db, what, &prefix, start.clone(), EXPIRE_PAGE).await?;
-            for (id, key, _) in &page {
-                if expire_one(id).await? {
-                    expired += 1;
-                }
-                start = keys::key_after(keys::key_str(key)?.to_string());
-            }
-            if page.len() < EXPIRE_PAGE {
-                return Ok(expired);
+            let (n, next) = self.expire_page(kind, start, before_ms).await?;
+            expired += n;
+            match next {
+                Some(next) => start = next,
+                None => return Ok(expired),
             }
         }
+    }
+
+    /// Expires the finished records of `kind` published before `before_ms` among one page of
+    /// [`EXPIRE_PAGE`] from `start`; answers how many it expired and where the next page
+    /// starts (`None`: this was the last).
+    async fn expire_page(
+        &self,
+        kind: Kind,
+        start: String,
+        before_ms: u64,
+    ) -> TitoResult<(usize, Option<String>)> {
+        let what = match kind {
+            Kind::Workflows => "workflows",
+            Kind::Batches => "batches",
+        };
+        let page = page(&self.db, what, &kind.prefix(), start, EXPIRE_PAGE).await?;
+        let mut expired = 0;
+        let mut next = None;
+        for (id, key, _) in &page {
+            let gone = match kind {
+                Kind::Workflows => self.expire_workflow(id, before_ms).await?,
+                Kind::Batches => self.expire_batch(id, before_ms).await?,
+            };
+            expired += usize::from(gone);
+            next = Some(keys::key_after(keys::key_str(key)?.to_string()));
+        }
+        Ok((expired, next.filter(|_| page.len() == EXPIRE_PAGE)))
     }
 
     /// Deletes workflow `id`'s records when it finished and was published before

@@ -88,7 +88,8 @@ pub struct WorkerConfig {
     /// The pause between maintenance passes once their work has caught up. A pass deletes
     /// completed rows past retention, expired commit markers
     /// ([`sweep_commit_markers`](crate::engine::sweep_commit_markers)), expired kv keys (with
-    /// [`Self::sweep_kv`]) and runs one batch of index builds and drops for every model this
+    /// [`Self::sweep_kv`]), finished job graphs (with [`Self::expire_graphs`]) and runs one
+    /// batch of index builds and drops for every model this
     /// process used on the store ([`crate::schema::maintain`]). Only the maintainer runs it:
     /// every standalone worker, the coordinator in cluster mode.
     pub maintenance_interval: Duration,
@@ -109,6 +110,11 @@ pub struct WorkerConfig {
     pub worker_id: Option<String>,
     /// Also prune expired [`crate::kv`] keys during maintenance.
     pub sweep_kv: bool,
+    /// Also delete, during maintenance, the records of finished workflows and batches
+    /// published more than this long ago ([`WorkerConfig::expire_graphs`]); `None` (the
+    /// default) leaves them to [`Graphs::expire`](crate::queue::graph::Graphs::expire) and
+    /// `tito gc`.
+    pub expire_graphs: Option<Duration>,
     /// What a failed attempt leads to; `None` (the default) leaves the invocation pending,
     /// unchanged, to run again.
     pub failure_policy: Option<FailurePolicy>,
@@ -132,6 +138,7 @@ impl WorkerConfig {
             outcome_delay: Duration::ZERO,
             worker_id: None,
             sweep_kv: false,
+            expire_graphs: None,
             failure_policy: None,
         }
     }
@@ -195,6 +202,18 @@ impl WorkerConfig {
     /// same cadence as completed-row retention).
     pub fn sweep_kv(mut self, sweep: bool) -> Self {
         self.sweep_kv = sweep;
+        self
+    }
+
+    /// Makes the worker's maintenance also delete the records of workflows and batches that
+    /// finished and were published more than `older_than` ago, as
+    /// [`Graphs::expire`](crate::queue::graph::Graphs::expire) does (their ids stop being
+    /// idempotency keys then). Each pass looks at up to 256 workflows and 256 batches from
+    /// where the last pass stopped, and passes follow at once while they delete and records
+    /// remain, so a store's graphs are gone through in turn at a bounded cost per pass. One
+    /// worker on the store is enough: graphs belong to the store, not to a queue.
+    pub fn expire_graphs(mut self, older_than: Duration) -> Self {
+        self.expire_graphs = Some(older_than);
         self
     }
 
@@ -855,6 +874,9 @@ fn spawn_maintenance<E: TitoEngine>(
     let queue = queue.clone();
     let interval = config.maintenance_interval;
     let sweep_kv = config.sweep_kv;
+    let mut graphs = config
+        .expire_graphs
+        .map(|older_than| (older_than, crate::queue::graph::GraphSweep::default()));
     OwnedTask::spawn(async move {
         loop {
             if *stop.borrow() {
@@ -868,7 +890,9 @@ fn spawn_maintenance<E: TitoEngine>(
                 }
             }
             let span = tracing::debug_span!("tito.maintenance", queue = %queue.label());
-            let full = maintenance_pass(&queue, sweep_kv).instrument(span).await;
+            let full = maintenance_pass(&queue, sweep_kv, graphs.as_mut())
+                .instrument(span)
+                .await;
             if full {
                 tokio::task::yield_now().await;
             } else {
@@ -890,7 +914,11 @@ async fn stopped(stop: &mut tokio::sync::watch::Receiver<bool>) {
 }
 
 /// One maintenance pass; whether some step did a full batch (more may be waiting).
-async fn maintenance_pass<E: TitoEngine>(queue: &Queue<E>, sweep_kv: bool) -> bool {
+async fn maintenance_pass<E: TitoEngine>(
+    queue: &Queue<E>,
+    sweep_kv: bool,
+    graphs: Option<&mut (Duration, crate::queue::graph::GraphSweep)>,
+) -> bool {
     let mut full = false;
     match queue.expire_completed().await {
         // A full batch: more may be waiting; continue at once.
@@ -919,6 +947,24 @@ async fn maintenance_pass<E: TitoEngine>(queue: &Queue<E>, sweep_kv: bool) -> bo
         match crate::kv::sweep_expired(queue.engine(), crate::kv::SWEEP_BATCH).await {
             Ok(deleted) => full |= deleted == crate::kv::SWEEP_BATCH,
             Err(err) => tracing::warn!(error = %err, "kv sweep failed"),
+        }
+    }
+    if let Some((older_than, sweep)) = graphs {
+        let store = crate::queue::graph::Graphs::new(queue.engine().clone());
+        match store.expire_step(*older_than, sweep).await {
+            Ok((expired, more)) => {
+                let deleted = expired.workflows + expired.batches;
+                if deleted > 0 {
+                    tracing::info!(
+                        workflows = expired.workflows,
+                        batches = expired.batches,
+                        "finished graphs expired"
+                    );
+                }
+                // Go on at once while pages delete; a pass over records that stay waits.
+                full |= more && deleted > 0;
+            }
+            Err(err) => tracing::warn!(error = %err, "expiring finished graphs failed"),
         }
     }
     // Outcome transactions write commit markers; the maintainer expires them.
