@@ -278,7 +278,7 @@ impl<E: TitoEngine> Graphs<E> {
 
     /// One step of [`Self::expire`] for a worker's maintenance
     /// ([`WorkerConfig::expire_graphs`](crate::queue::WorkerConfig::expire_graphs)): looks at
-    /// up to [`EXPIRE_PAGE`] workflows and as many batches from where `sweep` stopped, deletes
+    /// up to 256 workflows and as many batches from where `sweep` stopped, deletes
     /// the finished ones published more than `older_than` ago, and moves `sweep` on (back to
     /// the first record once it reached the last). Answers what it deleted and whether more
     /// records follow the pages it read.
