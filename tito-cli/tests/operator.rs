@@ -4011,6 +4011,29 @@ async fn the_charts_draw_a_queues_last_hour_in_a_browser() {
         }
     }
 
+    // An index caught mid-build: ten users, then a deploy adds a unique index, built one
+    // batch of four rows.
+    let users = db.clone().model::<User>();
+    for n in 0..10 {
+        users
+            .build(User {
+                id: format!("u{n}"),
+                team: "t".into(),
+                email: format!("u{n}@example.com"),
+            })
+            .await
+            .unwrap();
+    }
+    tito::schema::set_write_grace(&db, Duration::from_millis(1)).unwrap();
+    let next = db.clone().model::<UserV2>();
+    next.schema().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let step = next.schema_step(4).await.unwrap();
+    assert_eq!(
+        (step.index.as_deref(), step.handled, step.finished),
+        (Some("user_by_email"), 4, false)
+    );
+
     // The browser.
     let app = axum::Router::new().merge(tito_admin::Admin::new(db.clone()).mount("/tito"));
     let served = Served::start(app, "/tito").await;
@@ -4023,6 +4046,7 @@ async fn the_charts_draw_a_queues_last_hour_in_a_browser() {
                 "charts-partition-2",
             ),
             ("", "overview-with-sparklines"),
+            ("/table?name=user", "table-mid-build"),
         ]
         .map(|(path, name)| (name, browse(&base, path, name)))
     })
@@ -4105,6 +4129,27 @@ async fn the_charts_draw_a_queues_last_hour_in_a_browser() {
         .unwrap();
     assert!(row.contains("class=\"spark\""), "{row}");
     assert!(row.contains("href=\"charts?topic=charts\""), "{row}");
+
+    // The index being built: its state, and its progress as a bar with its numbers.
+    let table = page("table-mid-build");
+    assert_eq!(
+        figure_after(
+            &table,
+            "data-index=\"user_by_email\"",
+            "data-figure=\"state\""
+        ),
+        "building"
+    );
+    let row = table
+        .split("data-index=\"user_by_email\"")
+        .nth(1)
+        .and_then(|row| row.split("</tr>").next())
+        .unwrap();
+    assert!(
+        row.contains("<progress id=\"progress-user_by_email\" max=\"10\" value=\"4\"")
+            && row.contains("4 of 10 rows (40%)"),
+        "{row}"
+    );
 
     // Screenshots for the documentation, when asked: TITO_DOC_SCREENSHOTS=docs/images.
     if let Ok(dir) = std::env::var("TITO_DOC_SCREENSHOTS") {
