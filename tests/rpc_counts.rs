@@ -241,6 +241,8 @@ struct OutcomeCase {
     reschedule: bool,
     /// Run by `run_transactional_worker` (the handler in the outcome's transaction).
     transactional: bool,
+    /// Published as the children of one batch (no callback).
+    batch: bool,
 }
 
 /// Publishes the case's events, lets a worker start all of them (each handler waits), then
@@ -266,12 +268,28 @@ async fn outcome_calls(
         QueueConfig::new(2, Duration::from_secs(3600)),
     ));
     let now = chrono::Utc::now().timestamp() - 1;
+    let mut children = Vec::new();
     for key in &case.keys {
         let mut event = QueueEvent::new(key.clone(), 1u32, now);
         if case.owned {
             event = event.with_owner(QueueOwner::new("user", key.clone()));
         }
-        queue.publish(event).await.unwrap();
+        if case.batch {
+            children.push(event);
+        } else {
+            queue.publish(event).await.unwrap();
+        }
+    }
+    if case.batch {
+        use tito::queue::graph::{Batch, Graphs};
+        Graphs::new(db.clone())
+            .publish_batch(
+                &Batch::new(format!("batch-{}", case.name)),
+                &*queue,
+                &children,
+            )
+            .await
+            .unwrap();
     }
     let started = Arc::new(AtomicUsize::new(0));
     let gate = Arc::new(tokio::sync::Semaphore::new(0));
@@ -346,6 +364,9 @@ async fn tikv_queue_outcomes_cost_the_counted_requests() {
     let cluster = TestCluster::start().await.unwrap();
     // Each kind of queue key in a region of its own, as in a queue large enough to span regions.
     for split in [
+        "batch-child:",
+        "batch-shard:",
+        "batch:",
         "commit-marker:",
         "queue:completed:",
         "queue:event:",
@@ -374,6 +395,7 @@ async fn tikv_queue_outcomes_cost_the_counted_requests() {
             owned: false,
             reschedule: false,
             transactional: false,
+            batch: false,
         },
         OutcomeCase {
             name: "reschedule 1",
@@ -381,6 +403,7 @@ async fn tikv_queue_outcomes_cost_the_counted_requests() {
             owned: false,
             reschedule: true,
             transactional: false,
+            batch: false,
         },
         OutcomeCase {
             name: "acknowledge 1 with an owner",
@@ -388,6 +411,7 @@ async fn tikv_queue_outcomes_cost_the_counted_requests() {
             owned: true,
             reschedule: false,
             transactional: false,
+            batch: false,
         },
         OutcomeCase {
             name: "acknowledge 4 in one partition (one batch)",
@@ -395,6 +419,7 @@ async fn tikv_queue_outcomes_cost_the_counted_requests() {
             owned: false,
             reschedule: false,
             transactional: false,
+            batch: false,
         },
         OutcomeCase {
             name: "acknowledge 4 over two partitions (one batch)",
@@ -402,6 +427,7 @@ async fn tikv_queue_outcomes_cost_the_counted_requests() {
             owned: false,
             reschedule: false,
             transactional: false,
+            batch: false,
         },
         OutcomeCase {
             name: "acknowledge 1 (transactional worker)",
@@ -409,6 +435,31 @@ async fn tikv_queue_outcomes_cost_the_counted_requests() {
             owned: false,
             reschedule: false,
             transactional: true,
+            batch: false,
+        },
+        OutcomeCase {
+            name: "acknowledge 1 batch child",
+            keys: in_partition(0, 1, "g"),
+            owned: false,
+            reschedule: false,
+            transactional: false,
+            batch: true,
+        },
+        OutcomeCase {
+            name: "acknowledge 4 batch children (one batch)",
+            keys: in_partition(0, 4, "h"),
+            owned: false,
+            reschedule: false,
+            transactional: false,
+            batch: true,
+        },
+        OutcomeCase {
+            name: "acknowledge 1 batch child (transactional worker)",
+            keys: in_partition(0, 1, "i"),
+            owned: false,
+            reschedule: false,
+            transactional: true,
+            batch: true,
         },
     ];
     // A publication, with no worker running: the event-id check, then the pending row and the
@@ -467,6 +518,14 @@ async fn tikv_queue_outcomes_cost_the_counted_requests() {
     // primary's region again for its other keys.
     assert_eq!(counted[4], kv(4, 7, 13, 6), "{}", cases[4].name);
     assert_eq!(counted[5], kv(3, 5, 4, 5), "{}", cases[5].name);
+    // A batch child's end reads its batch shard in the outcome's batched read (one request
+    // more, to the shard's region, in parallel with the others: no round trip of its own) and
+    // writes the shard; the child that empties its shard also reads the batch's record (one
+    // `KvGet`) and writes it: two regions more to prewrite and commit, two keys more read
+    // back. Four children write the shard and the record once for all four.
+    assert_eq!(counted[6], kv(4, 7, 7, 7), "{}", cases[6].name);
+    assert_eq!(counted[7], kv(4, 8, 16, 7), "{}", cases[7].name);
+    assert_eq!(counted[8], kv(4, 7, 7, 7), "{}", cases[8].name);
 }
 
 /// The writes a concurrency limit adds to one started event on TiKV: a worker's whole run over

@@ -269,13 +269,18 @@ where
                     let outcome = first_polled(handler(event, tx.clone())).await?;
                     let next =
                         successor(&pulled.stored, &outcome).map_err(TitoError::InvalidArgument)?;
-                    // The lease and the pending row, read in one batch.
+                    // The lease and the pending row, read in one batch (with the batch shard
+                    // the end of a batch child reads).
                     let partition = pulled.parsed.partition;
                     let check = HeldCheck::new(&root, partition, &owner, false);
                     let mut reads = check.keys().to_vec();
                     reads.push(pulled.key.clone().into_bytes());
+                    let row_at = reads.len() - 1;
+                    if next.is_none() {
+                        reads.extend(crate::queue::graph::prefetch_key(&pulled.stored));
+                    }
                     let values = tx.batch_get(&reads).await?;
-                    let (lease, row) = values.split_at(values.len() - 1);
+                    let (lease, row) = values[..=row_at].split_at(row_at);
                     if !check.decide(&tx, generation, lease).await? {
                         return Err(Rolled::Evidence(TitoError::LeaseLost(format!(
                             "partition {partition}"

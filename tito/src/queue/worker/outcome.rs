@@ -25,6 +25,17 @@ pub(super) struct Outcome {
     pub kind: OutcomeKind,
 }
 
+impl Outcome {
+    /// Whether it ends its invocation (completed without a replacement, or dead): then its end
+    /// is applied to its workflow and batch.
+    fn ends(&self) -> bool {
+        matches!(
+            self.kind,
+            OutcomeKind::Acknowledge { .. } | OutcomeKind::Dead { .. }
+        )
+    }
+}
+
 /// What an outcome does to its invocation.
 pub(super) enum OutcomeKind {
     /// Completed, with the handler's result when it returned one.
@@ -149,6 +160,16 @@ async fn apply<E: TitoEngine>(
             .iter()
             .map(|o| o.running.pulled.key.clone().into_bytes()),
     );
+    let pending_reads = reads.len();
+    // The batch shards the ends of batch children read, in the same request.
+    let mut shards: Vec<Vec<u8>> = batch
+        .iter()
+        .filter(|o| o.ends())
+        .filter_map(|o| graph::prefetch_key(&o.running.pulled.stored))
+        .collect();
+    shards.sort_unstable();
+    shards.dedup();
+    reads.extend(shards);
     // An acknowledgement whose commit outcome is unknown is resolved, not guessed: applied, it
     // counts as applied; proven not applied, it is replayed (after re-checking the lease).
     let policy = queue.engine().retry_policy().resolving();
@@ -157,7 +178,7 @@ async fn apply<E: TitoEngine>(
         .engine()
         .transaction_with(policy, |tx| async move {
             let values = tx.batch_get(reads).await?;
-            let (lease_values, pending) = values.split_at(lease_reads);
+            let (lease_values, pending) = values[..pending_reads].split_at(lease_reads);
             let mut held: HashMap<(u32, u64), bool> = HashMap::new();
             let mut lost = false;
             let per_check = lease_values.chunks(HeldCheck::KEYS);
