@@ -849,6 +849,21 @@ pub async fn concurrent_last_children_start_each_callback_once<E: TitoEngine>(ct
     }
 }
 
+/// Publishes workflow `id` on `queue`: step a (due after `a_after`), then b after it.
+async fn two_steps<E: TitoEngine>(
+    graphs: &Graphs<E>,
+    queue: &Arc<Queue<E>>,
+    id: &str,
+    a_after: Duration,
+) {
+    let step = |name: &str| StepName::<()>::named(name);
+    let mut wf = Workflow::new(id);
+    wf.step(&step("a"), queue, QueueEvent::after("k", 1u32, a_after));
+    wf.step(&step("b"), queue, QueueEvent::now("k", 2u32))
+        .after(["a"]);
+    graphs.publish_workflow(&wf).await.unwrap();
+}
+
 pub async fn finished_graphs_expire_and_unfinished_ones_stay<E: TitoEngine>(ctx: Ctx<E>) {
     // A sweep of the whole store: on a cluster shared by concurrent tests (TITO_PD_ENDPOINTS)
     // it would delete their finished graphs under them. Every store here is the test's own.
@@ -857,24 +872,11 @@ pub async fn finished_graphs_expire_and_unfinished_ones_stay<E: TitoEngine>(ctx:
     }
     let graphs = Graphs::new(ctx.db.clone());
     let queue = topic(&ctx.db, "expiring", 2);
-    let step = |name: &str| StepName::<()>::named(name);
     // "done" finishes (its one step is cancelled); "open" waits for a step due in an hour.
     let (done, open) = (fresh("done"), fresh("open"));
-    let mut wf = Workflow::new(&done);
-    wf.step(&step("a"), &queue, QueueEvent::now("k", 1u32));
-    wf.step(&step("b"), &queue, QueueEvent::now("k", 2u32))
-        .after(["a"]);
-    graphs.publish_workflow(&wf).await.unwrap();
+    two_steps(&graphs, &queue, &done, Duration::ZERO).await;
     assert_eq!(graphs.cancel_workflow(&done, "finished").await.unwrap(), 2);
-    let mut wf = Workflow::new(&open);
-    wf.step(
-        &step("a"),
-        &queue,
-        QueueEvent::after("k", 1u32, Duration::from_secs(3600)),
-    );
-    wf.step(&step("b"), &queue, QueueEvent::now("k", 2u32))
-        .after(["a"]);
-    graphs.publish_workflow(&wf).await.unwrap();
+    two_steps(&graphs, &queue, &open, Duration::from_secs(3600)).await;
     // An empty closed batch has finished; one still open has not.
     let (ended, filling) = (fresh("ended"), fresh("filling"));
     graphs
@@ -926,7 +928,6 @@ pub async fn a_workers_maintenance_expires_finished_graphs_in_turn_across_a_rest
     }
     let graphs = Graphs::new(ctx.db.clone());
     let queue = topic(&ctx.db, "graph-sweep", 2);
-    let step = |name: &str| StepName::<()>::named(name);
     // More finished batches than one pass looks at (256), an open one, a workflow the worker
     // runs to its end and one that waits an hour.
     let ended: Vec<String> = (0..300).map(|i| fresh(&format!("ended{i}"))).collect();
@@ -939,20 +940,8 @@ pub async fn a_workers_maintenance_expires_finished_graphs_in_turn_across_a_rest
     let filling = fresh("filling");
     graphs.open_batch(&Batch::new(&filling)).await.unwrap();
     let (runs, waits) = (fresh("runs"), fresh("waits"));
-    let mut wf = Workflow::new(&runs);
-    wf.step(&step("a"), &queue, QueueEvent::now("k", 1u32));
-    wf.step(&step("b"), &queue, QueueEvent::now("k", 2u32))
-        .after(["a"]);
-    graphs.publish_workflow(&wf).await.unwrap();
-    let mut wf = Workflow::new(&waits);
-    wf.step(
-        &step("a"),
-        &queue,
-        QueueEvent::after("k", 1u32, Duration::from_secs(3600)),
-    );
-    wf.step(&step("b"), &queue, QueueEvent::now("k", 2u32))
-        .after(["a"]);
-    graphs.publish_workflow(&wf).await.unwrap();
+    two_steps(&graphs, &queue, &runs, Duration::ZERO).await;
+    two_steps(&graphs, &queue, &waits, Duration::from_secs(3600)).await;
     let handler = |_event: QueueEvent<u32>| async move { Ok(QueueHandlerOutcome::Acknowledge) };
     let config = || fast(0..2).maintenance_interval(Duration::from_millis(50));
 
