@@ -616,3 +616,57 @@ async fn counted_handle(cluster: &tito_tikv_test_server::TestCluster) -> TiKV {
     db.pause_moved_checks();
     db
 }
+
+/// Graph retention reads a page of records and skips those too young by the time each record
+/// carries: a store of young workflows and batches costs one scan of each kind, however many
+/// steps and children they have. An old finished one is then read whole and deleted.
+#[tokio::test(flavor = "current_thread")]
+async fn tikv_graph_retention_reads_nothing_of_young_graphs() {
+    use std::time::Duration;
+    use tito::queue::graph::{Batch, Graphs, StepName, Workflow};
+    use tito::queue::{Queue, QueueConfig, QueueEvent};
+    let cluster = TestCluster::start().await.unwrap();
+    for split in ["batch:", "queue:", "workflow-step:", "workflow:"] {
+        cluster.split(split);
+    }
+    let db = counted_handle(&cluster).await;
+    let graphs = Graphs::new(db.clone());
+    let queue = Queue::new(db.clone(), QueueConfig::new(2, Duration::from_secs(3600)));
+    let later = chrono::Utc::now().timestamp() + 3600;
+    for w in 0..3 {
+        let mut wf = Workflow::new(format!("young-{w}"));
+        for s in 0..20 {
+            wf.step(
+                &StepName::<()>::named(&format!("s{s}")),
+                &queue,
+                QueueEvent::new(format!("k{s}"), s, later),
+            );
+        }
+        graphs.publish_workflow(&wf).await.unwrap();
+    }
+    let children: Vec<QueueEvent<u32>> = (0..50)
+        .map(|n| QueueEvent::new(format!("c{n}"), n, later))
+        .collect();
+    graphs
+        .publish_batch(&Batch::new("young-batch"), &queue, &children)
+        .await
+        .unwrap();
+    let before = quiet(&cluster).await;
+    let expired = graphs.expire(Duration::from_secs(3600)).await.unwrap();
+    let counted = delta(&before, &quiet(&cluster).await);
+    println!("{:<45} {counted:?}", "retention over young graphs");
+    assert_eq!((expired.workflows, expired.batches), (0, 0));
+    assert_eq!(counted, calls(&[("KvScan", 2)]), "one page of each kind");
+    // Old enough (no retention), a finished graph is read and deleted: an empty closed batch.
+    graphs
+        .publish_batch::<u32>(&Batch::new("ended"), &queue, &[])
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let before = quiet(&cluster).await;
+    let expired = graphs.expire(Duration::ZERO).await.unwrap();
+    let counted = delta(&before, &quiet(&cluster).await);
+    println!("{:<45} {counted:?}", "retention deleting one batch");
+    assert_eq!((expired.workflows, expired.batches), (0, 1));
+    assert!(counted.get("KvPrewrite").is_some(), "{counted:?}");
+}

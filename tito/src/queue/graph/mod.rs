@@ -246,6 +246,12 @@ pub struct GraphSweep {
     batches: Option<String>,
 }
 
+/// The publication time a workflow's and a batch's record both carry.
+#[derive(serde::Deserialize)]
+struct Created {
+    created_ms: u64,
+}
+
 /// The two kinds of graph record retention deletes.
 #[derive(Clone, Copy)]
 enum Kind {
@@ -357,13 +363,19 @@ impl<E: TitoEngine> Graphs<E> {
         let page = page(&self.db, what, &kind.prefix(), start, EXPIRE_PAGE).await?;
         let mut expired = 0;
         let mut next = None;
-        for (id, key, _) in &page {
+        for (id, key, value) in &page {
+            next = Some(keys::key_after(keys::key_str(key)?.to_string()));
+            // Too young by the record's own time: its steps or children are not read.
+            let young = serde_json::from_slice::<Created>(value)
+                .is_ok_and(|record| record.created_ms >= before_ms);
+            if young {
+                continue;
+            }
             let gone = match kind {
                 Kind::Workflows => self.expire_workflow(id, before_ms).await?,
                 Kind::Batches => self.expire_batch(id, before_ms).await?,
             };
             expired += usize::from(gone);
-            next = Some(keys::key_after(keys::key_str(key)?.to_string()));
         }
         Ok((expired, next.filter(|_| page.len() == EXPIRE_PAGE)))
     }
