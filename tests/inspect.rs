@@ -429,6 +429,70 @@ async fn reports_chart_each_partitions_hour_across_a_restart() {
     db.close().await.unwrap();
 }
 
+/// A worker started again under its id (a fixed `worker_id`) carries its earlier runs' hour on:
+/// three runs of one id, the store reopened between the second and the third, count every
+/// handler run once, in one row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_restarted_under_its_id_keeps_its_hour() {
+    use tito::{QueueHandlerOutcome, WorkerConfig, Workers};
+    let dir = tempfile::tempdir().unwrap();
+    let mut db = tito::Embedded::open(dir.path()).await.unwrap();
+    for life in 1..=3u64 {
+        if life == 3 {
+            db.close().await.unwrap();
+            db = tito::Embedded::open(dir.path()).await.unwrap();
+        }
+        let queue = std::sync::Arc::new(Queue::new(
+            db.clone(),
+            QueueConfig::new(2, Duration::from_secs(3600)).topic("lives"),
+        ));
+        for n in 0..5 {
+            queue
+                .publish(QueueEvent::now(format!("k{life}-{n}"), n))
+                .await
+                .unwrap();
+        }
+        let mut workers = Workers::new();
+        workers.spawn_worker(
+            queue.clone(),
+            WorkerConfig::new(0..2)
+                .worker_id("fixed")
+                .max_idle_backoff(Duration::from_millis(20)),
+            |_: QueueEvent<u32>| async move { Ok(QueueHandlerOutcome::Acknowledge) },
+        );
+        let db2 = db.clone();
+        crate::support::wait_for("this run's five", Duration::from_secs(30), move || {
+            let db = db2.clone();
+            async move {
+                let o = inspect::queue_overview(&db, Some("lives")).await.unwrap();
+                o.completed.value == 5 * life
+            }
+        })
+        .await;
+        workers.shutdown().await.unwrap();
+        let o = inspect::queue_overview(&db, Some("lives")).await.unwrap();
+        let runs: u64 = o.hour.iter().map(|m| m.runs).sum();
+        assert_eq!(
+            runs,
+            5 * life,
+            "run {life}: every run's handlers, each once"
+        );
+        let by_partition: u64 = o.partition_hours.iter().map(|p| p.total.runs).sum();
+        assert_eq!(by_partition, 5 * life, "run {life}");
+        assert_eq!(
+            o.handlers.runs,
+            5 * life,
+            "run {life}: the last minutes too"
+        );
+        let rows: Vec<_> = o.workers.iter().filter(|w| w.worker == "fixed").collect();
+        assert_eq!(rows.len(), 1, "one row for the id");
+        assert!(rows[0].stopped, "run {life}");
+        let since = o.now_ms / 60_000 - 60;
+        assert_eq!(rows[0].since(since).runs, 5 * life, "run {life}");
+    }
+    db.close().await.unwrap();
+}
+
 /// A worker that holds more partitions than it samples a minute counts them in turn: a minute's
 /// depth sums each partition's last count at or before it, across workers, and the current
 /// minute is the overview's own count.

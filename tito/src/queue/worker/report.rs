@@ -287,6 +287,42 @@ impl Figures {
         }
     }
 
+    /// Adds the minutes of an earlier run under the same worker id (its last report) to these:
+    /// totals and per-partition figures summed minute by minute, a depth sample kept where
+    /// this run has none.
+    fn absorb(&self, earlier: &[MinuteFigures]) {
+        let mut minutes = crate::util::lock(&self.minutes);
+        for old in earlier {
+            match minutes.iter_mut().find(|m| m.minute == old.minute) {
+                Some(kept) => {
+                    kept.add(old);
+                    for runs in &old.partitions {
+                        match kept
+                            .partitions
+                            .binary_search_by_key(&runs.partition, |p| p.partition)
+                        {
+                            Ok(at) => {
+                                let mut sum = kept.partitions[at].figures(0);
+                                sum.add(&runs.figures(0));
+                                kept.partitions[at] = PartitionRuns::of(runs.partition, &sum);
+                            }
+                            Err(at) => kept.partitions.insert(at, *runs),
+                        }
+                    }
+                    if kept.depth.is_empty() {
+                        kept.depth = old.depth.clone();
+                    }
+                }
+                None => {
+                    let at = minutes.partition_point(|m| m.minute > old.minute);
+                    minutes.insert(at, old.clone());
+                }
+            }
+        }
+        minutes.truncate(REPORT_MINUTES);
+        keep_detail_within(minutes.make_contiguous(), REPORT_DETAIL_BYTES);
+    }
+
     /// Files the depth samples of `minute` (replacing any it had).
     fn sampled(&self, minute: u64, samples: Vec<DepthSample>) {
         let mut minutes = crate::util::lock(&self.minutes);
@@ -372,6 +408,9 @@ pub(crate) struct Reporter {
     worker: String,
     pub figures: Arc<Figures>,
     started_ms: Option<u64>,
+    /// Whether the last report of an earlier run under this worker id was read (and its
+    /// minutes taken over).
+    took_over: bool,
     next: Instant,
     /// Where the next depth sample starts among the held partitions (in partition order).
     depth_turn: u32,
@@ -383,6 +422,7 @@ impl Reporter {
             worker: worker.to_string(),
             figures: Arc::default(),
             started_ms: None,
+            took_over: false,
             next: Instant::now(),
             depth_turn: 0,
         }
@@ -429,6 +469,27 @@ impl Reporter {
             Vec::new()
         };
         let sampled = &sampled;
+        if !self.took_over {
+            // A worker started again under its id (a fixed `worker_id`, a cluster node id)
+            // writes where its earlier run reported: that run's hour is carried on, not lost.
+            match read_report(queue.engine(), &key).await {
+                Ok(earlier) => {
+                    self.took_over = true;
+                    if let Some(earlier) = earlier {
+                        self.figures.absorb(&earlier.minutes);
+                    }
+                }
+                Err(err) => {
+                    tracing::debug!(
+                        queue = %queue.label(),
+                        worker = %self.worker,
+                        error = %err,
+                        "an earlier report under this worker id was not read; tried again later"
+                    );
+                    return;
+                }
+            }
+        }
         let (worker, started) = (self.worker.clone(), self.started_ms);
         let figures = self.figures.clone();
         let written: TitoResult<(u64, Vec<DepthSample>)> = queue
@@ -560,6 +621,13 @@ async fn sweep_stale<X: TitoTransaction>(
 }
 
 /// `{queue}:report:{worker}`: a worker's report.
+/// The report at `key`, if one is stored and parses (one that does not is left to be
+/// overwritten, as before).
+async fn read_report<E: TitoEngine>(db: &E, key: &str) -> TitoResult<Option<WorkerReport>> {
+    let bytes = engine::read_only(db, async |tx| tx.get(key.as_bytes()).await).await?;
+    Ok(bytes.and_then(|bytes| serde_json::from_slice(&bytes).ok()))
+}
+
 pub(crate) fn report_key(root: &str, worker: &str) -> String {
     let mut key = report_prefix(root);
     keys::encode_bounded(worker, &mut key);
