@@ -637,7 +637,7 @@ async fn tikv_graph_retention_reads_nothing_of_young_graphs() {
         let mut wf = Workflow::new(format!("young-{w}"));
         for s in 0..20 {
             wf.step(
-                &StepName::<()>::named(&format!("s{s}")),
+                &StepName::<()>::named(format!("s{s}")),
                 &queue,
                 QueueEvent::new(format!("k{s}"), s, later),
             );
