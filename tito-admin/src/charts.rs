@@ -622,10 +622,9 @@ mod tests {
     #[test]
     fn a_depth_of_some_partitions_only_says_so() {
         let minute = |minute, due: Option<u64>, sampled| HourMinute {
-            minute,
             due,
             sampled,
-            ..HourMinute::default()
+            ..HourMinute::at(minute)
         };
         let hour = [
             minute(1, None, 0),

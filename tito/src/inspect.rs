@@ -298,23 +298,14 @@ pub struct QueueOverview {
 pub const HOUR_MINUTES: u64 = 60;
 
 /// One minute of a queue, or of one of its partitions, from the workers' reports: handler runs,
-/// failures, run times and lateness at start, and the depth sampled in the minute.
+/// failures, run times and lateness at start (its [`MinuteFigures`](crate::queue::MinuteFigures),
+/// read through it: `m.runs`, `m.mean_ms()`), and the depth sampled in the minute.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct HourMinute {
-    /// The minute (Unix seconds / 60).
-    pub minute: u64,
-    /// Handler runs that ended in the minute.
-    pub runs: u64,
-    /// Of those, the ones that failed.
-    pub failed: u64,
-    /// Their run time, summed (ms).
-    pub total_ms: u64,
-    /// The longest of them (ms).
-    pub max_ms: u64,
-    /// How late they started, summed (ms after their due time).
-    pub late_total_ms: u64,
-    /// The latest start (ms after its due time).
-    pub late_max_ms: u64,
+    /// The minute's handler figures (the per-partition figures and depth samples of a
+    /// report's minute are not kept here).
+    #[serde(flatten)]
+    pub figures: crate::queue::MinuteFigures,
     /// Rows due, summed over the partitions counted by the minute: each partition's last count
     /// at or before it (`None`: no partition was counted yet). The current minute's is the
     /// overview's own count of every partition.
@@ -327,37 +318,38 @@ pub struct HourMinute {
     pub oldest_late_s: Option<u64>,
 }
 
+impl std::ops::Deref for HourMinute {
+    type Target = crate::queue::MinuteFigures;
+
+    fn deref(&self) -> &Self::Target {
+        &self.figures
+    }
+}
+
 impl HourMinute {
+    /// A minute with nothing in it yet.
+    pub fn at(minute: u64) -> Self {
+        HourMinute {
+            figures: crate::queue::MinuteFigures {
+                minute,
+                ..Default::default()
+            },
+            ..HourMinute::default()
+        }
+    }
+
     /// Runs that did not fail: the minute's throughput.
     pub fn handled(&self) -> u64 {
         self.runs.saturating_sub(self.failed)
-    }
-
-    /// The mean run time (ms), if anything ran.
-    pub fn mean_ms(&self) -> Option<u64> {
-        (self.runs > 0).then(|| self.total_ms / self.runs)
-    }
-
-    /// The mean lateness at start (ms), if anything ran.
-    pub fn mean_late_ms(&self) -> Option<u64> {
-        (self.runs > 0).then(|| self.late_total_ms / self.runs)
     }
 
     /// Minutes summed: runs, failures and times added (the longest kept), `minute` the first
     /// one's, and the depth the last one's (the current depth when they end with the current
     /// minute).
     pub fn sum_of(minutes: &[HourMinute]) -> HourMinute {
-        let mut total = HourMinute {
-            minute: minutes.first().map_or(0, |m| m.minute),
-            ..HourMinute::default()
-        };
+        let mut total = HourMinute::at(minutes.first().map_or(0, |m| m.minute));
         for m in minutes {
-            total.runs += m.runs;
-            total.failed += m.failed;
-            total.total_ms = total.total_ms.saturating_add(m.total_ms);
-            total.max_ms = total.max_ms.max(m.max_ms);
-            total.late_total_ms = total.late_total_ms.saturating_add(m.late_total_ms);
-            total.late_max_ms = total.late_max_ms.max(m.late_max_ms);
+            total.figures.add(&m.figures);
         }
         if let Some(last) = minutes.last() {
             (
@@ -368,15 +360,6 @@ impl HourMinute {
             ) = (last.due, last.due_more, last.sampled, last.oldest_late_s);
         }
         total
-    }
-
-    fn add(&mut self, f: &crate::queue::MinuteFigures) {
-        self.runs += f.runs;
-        self.failed += f.failed;
-        self.total_ms = self.total_ms.saturating_add(f.total_ms);
-        self.max_ms = self.max_ms.max(f.max_ms);
-        self.late_total_ms = self.late_total_ms.saturating_add(f.late_total_ms);
-        self.late_max_ms = self.late_max_ms.max(f.late_max_ms);
     }
 
     fn add_depth(&mut self, due: u64, more: bool, oldest_late_s: u64) {
@@ -411,10 +394,10 @@ impl QueueOverview {
         for (figures, at) in self.report_minutes(first, minutes.len()) {
             let slot = &mut minutes[at];
             match partition {
-                None => slot.add(figures),
+                None => slot.figures.add(figures),
                 Some(p) => {
                     if let Some(runs) = figures.partitions.iter().find(|r| r.partition == p) {
-                        slot.add(&runs.figures(figures.minute));
+                        slot.figures.add(&runs.figures(figures.minute));
                     }
                 }
             }
@@ -437,6 +420,7 @@ impl QueueOverview {
         for (figures, at) in self.report_minutes(first, blank.len()) {
             for r in &figures.partitions {
                 runs.entry(r.partition).or_insert_with(|| blank.clone())[at]
+                    .figures
                     .add(&r.figures(figures.minute));
             }
             for sample in &figures.depth {
@@ -467,12 +451,7 @@ impl QueueOverview {
     fn blank_hour(&self) -> (u64, u64, Vec<HourMinute>) {
         let now = self.now_ms / 60_000;
         let first = (now + 1).saturating_sub(HOUR_MINUTES);
-        let minutes = (first..=now)
-            .map(|minute| HourMinute {
-                minute,
-                ..HourMinute::default()
-            })
-            .collect();
+        let minutes = (first..=now).map(HourMinute::at).collect();
         (first, now, minutes)
     }
 
