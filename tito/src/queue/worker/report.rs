@@ -273,18 +273,7 @@ impl Figures {
         let mut minutes = crate::util::lock(&self.minutes);
         let current = newest(&mut minutes, minute_now());
         current.add(&run.figures(current.minute));
-        match current
-            .partitions
-            .binary_search_by_key(&partition, |p| p.partition)
-        {
-            Ok(at) => {
-                let kept = &mut current.partitions[at];
-                let mut sum = kept.figures(0);
-                sum.add(&run.figures(0));
-                *kept = PartitionRuns::of(partition, &sum);
-            }
-            Err(at) => current.partitions.insert(at, run),
-        }
+        add_partition_runs(&mut current.partitions, &run);
     }
 
     /// Adds the minutes of an earlier run under the same worker id (its last report) to these:
@@ -297,17 +286,7 @@ impl Figures {
                 Some(kept) => {
                     kept.add(old);
                     for runs in &old.partitions {
-                        match kept
-                            .partitions
-                            .binary_search_by_key(&runs.partition, |p| p.partition)
-                        {
-                            Ok(at) => {
-                                let mut sum = kept.partitions[at].figures(0);
-                                sum.add(&runs.figures(0));
-                                kept.partitions[at] = PartitionRuns::of(runs.partition, &sum);
-                            }
-                            Err(at) => kept.partitions.insert(at, *runs),
-                        }
+                        add_partition_runs(&mut kept.partitions, runs);
                     }
                     if kept.depth.is_empty() {
                         kept.depth = old.depth.clone();
@@ -364,6 +343,19 @@ impl Figures {
         crate::util::lock(&self.minutes)
             .iter()
             .any(|m| m.minute == minute && !m.depth.is_empty())
+    }
+}
+
+/// Adds `runs` to its partition's figures in `partitions` (kept in partition order), or files
+/// them as that partition's.
+fn add_partition_runs(partitions: &mut Vec<PartitionRuns>, runs: &PartitionRuns) {
+    match partitions.binary_search_by_key(&runs.partition, |p| p.partition) {
+        Ok(at) => {
+            let mut sum = partitions[at].figures(0);
+            sum.add(&runs.figures(0));
+            partitions[at] = PartitionRuns::of(runs.partition, &sum);
+        }
+        Err(at) => partitions.insert(at, *runs),
     }
 }
 
@@ -620,7 +612,6 @@ async fn sweep_stale<X: TitoTransaction>(
     Ok(())
 }
 
-/// `{queue}:report:{worker}`: a worker's report.
 /// The report at `key`, if one is stored and parses (one that does not is left to be
 /// overwritten, as before).
 async fn read_report<E: TitoEngine>(db: &E, key: &str) -> TitoResult<Option<WorkerReport>> {
@@ -628,6 +619,7 @@ async fn read_report<E: TitoEngine>(db: &E, key: &str) -> TitoResult<Option<Work
     Ok(bytes.and_then(|bytes| serde_json::from_slice(&bytes).ok()))
 }
 
+/// `{queue}:report:{worker}`: a worker's report.
 pub(crate) fn report_key(root: &str, worker: &str) -> String {
     let mut key = report_prefix(root);
     keys::encode_bounded(worker, &mut key);
