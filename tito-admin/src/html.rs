@@ -1718,7 +1718,7 @@ pub(crate) fn charts(data: &ChartsData, started: Instant) -> String {
                 .find(|v| v.partition == p.partition)
                 .and_then(|v| v.lease.as_ref())
                 .map_or("<span class=\"muted\">nobody</span>".to_string(), |l| {
-                    if l.expires_ms != 0 && l.expires_ms < o.now_ms {
+                    if l.ran_out(o.now_ms) {
                         format!(
                             "<span class=\"muted\">nobody (the lease of <code>{}</code> ran out)</span>",
                             esc(&l.holder)

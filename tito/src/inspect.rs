@@ -229,6 +229,14 @@ pub struct LeaseView {
     pub expires_ms: u64,
 }
 
+impl LeaseView {
+    /// Whether it ran out before `now_ms` (engine time): its holder no longer holds the
+    /// partition, and the next worker to ask takes it. `false` when the expiry is unknown.
+    pub fn ran_out(&self, now_ms: u64) -> bool {
+        self.expires_ms != 0 && self.expires_ms < now_ms
+    }
+}
+
 /// One partition of a queue.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct PartitionView {

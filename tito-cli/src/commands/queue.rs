@@ -530,7 +530,7 @@ fn stats_text(o: &inspect::QueueOverview, label: &str) -> String {
     ));
     for p in &o.partitions {
         let lease = p.lease.as_ref().map_or("free".to_string(), |l| {
-            if l.expires_ms != 0 && l.expires_ms < o.now_ms {
+            if l.ran_out(o.now_ms) {
                 format!("free (the lease of {} ran out)", l.holder)
             } else {
                 l.holder.clone()
