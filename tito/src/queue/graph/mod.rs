@@ -266,6 +266,14 @@ impl Kind {
             Kind::Batches => keys::batch_prefix(),
         }
     }
+
+    /// What a page of them is called in errors.
+    fn what(self) -> &'static str {
+        match self {
+            Kind::Workflows => "workflows",
+            Kind::Batches => "batches",
+        }
+    }
 }
 
 /// What [`Graphs::expire`] deleted.
@@ -304,22 +312,18 @@ impl<E: TitoEngine> Graphs<E> {
         sweep: &mut GraphSweep,
     ) -> TitoResult<(Expired, bool)> {
         let before_ms = self.expiry_bound(older_than).await?;
-        let mut expired = Expired::default();
         let mut more = false;
-        for kind in [Kind::Workflows, Kind::Batches] {
-            let after = match kind {
-                Kind::Workflows => &mut sweep.workflows,
-                Kind::Batches => &mut sweep.batches,
-            };
+        let mut step = async |kind: Kind, after: &mut Option<String>| {
             let start = after.take().unwrap_or_else(|| kind.prefix());
-            let (n, next) = self.expire_page(kind, start, before_ms).await?;
-            match kind {
-                Kind::Workflows => expired.workflows = n,
-                Kind::Batches => expired.batches = n,
-            }
+            let (expired, next) = self.expire_page(kind, start, before_ms).await?;
             more |= next.is_some();
             *after = next;
-        }
+            Ok::<_, TitoError>(expired)
+        };
+        let expired = Expired {
+            workflows: step(Kind::Workflows, &mut sweep.workflows).await?,
+            batches: step(Kind::Batches, &mut sweep.batches).await?,
+        };
         Ok((expired, more))
     }
 
@@ -356,11 +360,7 @@ impl<E: TitoEngine> Graphs<E> {
         start: String,
         before_ms: u64,
     ) -> TitoResult<(usize, Option<String>)> {
-        let what = match kind {
-            Kind::Workflows => "workflows",
-            Kind::Batches => "batches",
-        };
-        let page = page(&self.db, what, &kind.prefix(), start, EXPIRE_PAGE).await?;
+        let page = page(&self.db, kind.what(), &kind.prefix(), start, EXPIRE_PAGE).await?;
         let mut expired = 0;
         let mut next = None;
         for (id, key, value) in &page {
