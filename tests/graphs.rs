@@ -41,6 +41,7 @@ macro_rules! graphs_suite {
                 graphs_run_on_cluster_nodes_across_a_crash,
                 a_step_id_taken_after_retention_is_no_step_of_its_workflow,
                 a_batch_published_again_after_retention_adds_no_child_twice,
+                a_batch_callbacks_taken_id_is_refused_or_fires_once_under_its_own,
                 two_publications_of_one_batch_at_once_both_succeed,
                 control_characters_in_graph_names_are_refused,
             ]
@@ -1604,4 +1605,124 @@ pub async fn control_characters_in_graph_names_are_refused<E: TitoEngine>(ctx: C
         assert!(err.to_string().contains("control character"), "{err}");
     }
     assert_eq!(crate::support::pending_total(&jobs).await, 0);
+}
+
+/// Round-six defect 4 (G-BAT-1): a callback whose event id a pending invocation holds is refused
+/// at publication (nothing written); the same `Batch` value published again after its batch
+/// expired calls back again; and a callback whose id was taken after the batch opened still
+/// fires, once, under an id of its own.
+pub async fn a_batch_callbacks_taken_id_is_refused_or_fires_once_under_its_own<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    // The expiry below sweeps the whole store (see finished_graphs_expire_and_unfinished_ones_stay).
+    if std::env::var("TITO_PD_ENDPOINTS").is_ok() {
+        return;
+    }
+    let graphs = Graphs::new(ctx.db.clone());
+    let jobs = topic(&ctx.db, "taken-jobs", 2);
+    let callbacks = topic(&ctx.db, "taken-callbacks", 2);
+    let calls: Calls = Arc::default();
+    let mut workers = Workers::new();
+    callback_worker(&mut workers, &callbacks, &calls);
+    workers.spawn_worker(jobs.clone(), fast(0..2), |_: QueueEvent<Work>| async {
+        Ok(QueueHandlerOutcome::Acknowledge)
+    });
+    let children = |n: u32| -> Vec<QueueEvent<Work>> {
+        (0..n)
+            .map(|n| QueueEvent::now(format!("k{n}"), Work { n }))
+            .collect()
+    };
+    let count = |id: &str, calls: &Calls| {
+        calls
+            .lock()
+            .unwrap()
+            .get(&(id.to_string(), BatchCallback::Complete))
+            .map_or(0, Vec::len)
+    };
+
+    // Held by a pending invocation: refused, nothing written.
+    let pending = QueueEvent::after("cb", "later".to_string(), Duration::from_secs(3600));
+    callbacks.publish(pending.clone()).await.unwrap();
+    let refused_id = fresh("refused");
+    let refused = Batch::new(&refused_id).on_complete(
+        &callbacks,
+        QueueEvent::now("cb", "never".to_string()).with_id(&pending.id),
+    );
+    let err = graphs
+        .publish_batch(&refused, &jobs, &children(2))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, TitoError::InvalidArgument(_))
+            && err.to_string().contains("is held by a pending invocation"),
+        "{err}"
+    );
+    assert!(graphs.batch(&refused_id).await.unwrap().is_none());
+
+    // One value published, expired, and published again: two callbacks.
+    let id = fresh("reused");
+    let batch = Batch::new(&id).on_complete(&callbacks, QueueEvent::now("cb", "done".to_string()));
+    graphs
+        .publish_batch(&batch, &jobs, &children(3))
+        .await
+        .unwrap()
+        .unwrap();
+    called_back(&calls, &(id.clone(), BatchCallback::Complete)).await;
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    graphs.expire(Duration::ZERO).await.unwrap();
+    assert!(graphs.batch(&id).await.unwrap().is_none());
+    graphs
+        .publish_batch(&batch, &jobs, &children(3))
+        .await
+        .unwrap()
+        .expect("a new batch under the same id");
+    let (seen, key) = (calls.clone(), id.clone());
+    wait_for(
+        "the second batch's callback",
+        Duration::from_secs(30),
+        move || {
+            let n = count(&key, &seen);
+            async move { n >= 2 }
+        },
+    )
+    .await;
+
+    // Taken after the batch opened (a job published under the callback's id): fires once,
+    // under an id of its own.
+    let raced = fresh("raced");
+    let taken = format!("{raced}-cb");
+    let batch = Batch::new(&raced).on_complete(
+        &callbacks,
+        QueueEvent::now("cb", "raced".to_string()).with_id(&taken),
+    );
+    assert!(graphs.open_batch(&batch).await.unwrap());
+    callbacks
+        .publish(
+            QueueEvent::after("cb", "first".to_string(), Duration::from_secs(3600)).with_id(&taken),
+        )
+        .await
+        .unwrap();
+    graphs
+        .add_to_batch(&raced, &jobs, &children(2))
+        .await
+        .unwrap();
+    graphs.close_batch(&raced).await.unwrap();
+    called_back(&calls, &(raced.clone(), BatchCallback::Complete)).await;
+    // Let anything doubled show up before counting.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    workers.shutdown().await.unwrap();
+    assert_eq!(
+        count(&id, &calls),
+        2,
+        "one callback per batch of the reused value"
+    );
+    assert_eq!(count(&raced, &calls), 1);
+    assert_eq!(count(&refused_id, &calls), 0);
+    assert!(matches!(
+        callbacks
+            .invocation_state::<serde_json::Value>(&taken)
+            .await
+            .unwrap(),
+        InvocationState::Pending { .. }
+    ));
 }

@@ -697,3 +697,47 @@ async fn a_queue_page_is_read_in_one_snapshot() {
             .is_err()
     );
 }
+
+/// A worker whose process was killed (no report for longer than `REPORT_GONE_AFTER`, never
+/// stopped) reads as gone, not as a worker that reported a while ago; a recent one runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_workers_report_reads_as_gone() {
+    let db = tito::backend::memory::Memory::new();
+    let root = keys::queue_root(Some("killed"));
+    let now_ms = tito::engine::version_millis(db.current_version().await.unwrap());
+    let gone_ms = tito::queue::REPORT_GONE_AFTER.as_millis() as u64;
+    let tx = db.begin().await.unwrap();
+    for (worker, ago, stopped) in [
+        ("killed", gone_ms + 5_000, false),
+        ("alive", 2_000, false),
+        ("stopped", gone_ms + 5_000, true),
+    ] {
+        let report = serde_json::json!({
+            "worker": worker, "runner": "pid 1 on host", "started_ms": now_ms - ago - 1,
+            "written_ms": now_ms - ago, "stopped": stopped, "minutes": []
+        });
+        tx.put(
+            format!("{root}:report:{worker}").into_bytes(),
+            serde_json::to_vec(&report).unwrap(),
+        )
+        .await
+        .unwrap();
+    }
+    tx.commit().await.unwrap();
+    let o = inspect::queue_overview(&db, Some("killed")).await.unwrap();
+    let state = |name: &str| {
+        let w = o.workers.iter().find(|w| w.worker == name).unwrap();
+        (
+            w.gone(o.now_ms),
+            w.running(o.now_ms),
+            w.state_note(o.now_ms),
+        )
+    };
+    let (gone, running, note) = state("killed");
+    assert!(
+        gone && !running && note.starts_with(" (gone: no report for "),
+        "{note}"
+    );
+    assert_eq!(state("alive"), (false, true, String::new()));
+    assert_eq!(state("stopped"), (false, false, " (stopped)".to_string()));
+}

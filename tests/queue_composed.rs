@@ -31,6 +31,7 @@ macro_rules! queue_composed_suite {
                 a_handlers_own_not_found_counts_as_a_failed_attempt,
                 a_transactional_handlers_own_not_found_counts_as_a_failed_attempt,
                 a_high_priority_published_into_a_backlog_runs_at_the_next_pull,
+                an_urgent_row_in_a_second_the_pass_served_runs_at_the_next_pull,
                 priorities_hold_under_queue_and_key_concurrency_limits,
                 priorities_order_due_times_near_the_epoch,
                 a_cancel_committed_during_the_gate_is_never_started,
@@ -211,6 +212,50 @@ pub async fn a_high_priority_published_into_a_backlog_runs_at_the_next_pull<E: T
         "published after {started_before} starts, ran {}th: {order:?}",
         at + 1
     );
+}
+
+/// Promises Q-PRIO-7 and Q-PRIO-10 together (round-six defect 5): an urgent row whose ordering
+/// second is one the pass already served (its due time less its urgency's boost falls on the
+/// backlog's) still runs at the next pull: the fairness rule holds back only rows of no higher
+/// urgency than what the pass served there.
+pub async fn an_urgent_row_in_a_second_the_pass_served_runs_at_the_next_pull<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    let queue = queue(&ctx.db, 1);
+    let t = now();
+    let boost = 9 * tito::queue::URGENCY_STEP.as_secs() as i64;
+    // Thirty rows in the urgent row's ordering second, thirty in the seconds after it.
+    for n in 0..60 {
+        let due = t - boost + if n < 30 { 0 } else { n as i64 - 29 };
+        queue
+            .publish(QueueEvent::new("k", Job { n }, due))
+            .await
+            .unwrap();
+    }
+    let (order, handler) = ordered(10);
+    let worker = start(&queue, fast(0..1).concurrency(1), handler);
+    wait_starts(&order, 3, Duration::from_secs(20)).await;
+    queue
+        .publish(QueueEvent::new("k", Job { n: 900 }, t).with_urgency(9))
+        .await
+        .unwrap();
+    let started_before = order.lock().unwrap().len();
+    drained(&queue, 61).await;
+    worker.stop().await;
+    let order = order.lock().unwrap().clone();
+    let at = order.iter().position(|n| *n == 900).unwrap();
+    // Its ordering time equals the first thirty rows' (its urgency's boost is their lateness):
+    // it runs after them (first in, first out among equals) and before every row of a later
+    // second, but for one a pull already reading may have started.
+    let later_before = order[..at].iter().filter(|n| **n >= 30).count();
+    assert!(
+        started_before <= 30 && later_before <= 1,
+        "published after {started_before} starts, ran {}th of 61: {order:?}",
+        at + 1
+    );
+    // Among equals, the backlog kept its order.
+    let rest: Vec<u32> = order.iter().copied().filter(|n| *n != 900).collect();
+    assert_eq!(rest, (0..60).collect::<Vec<u32>>());
 }
 
 /// Promise Q-PRIO-3: priorities and FIFO among equals hold under queue-wide plus per-key

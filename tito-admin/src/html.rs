@@ -693,7 +693,7 @@ fn handler_figures(o: &tito::inspect::QueueOverview) -> String {
         } else {
             format!("{} ms", h.max_ms)
         },
-        o.workers.iter().filter(|w| !w.stopped).count(),
+        o.workers.iter().filter(|w| w.running(o.now_ms)).count(),
         tito::queue::REPORT_EVERY.as_secs(),
     )
 }
@@ -737,11 +737,7 @@ fn lease_holders(o: &tito::inspect::QueueOverview) -> String {
                 (
                     esc(&r.runner),
                     ago(r.started_ms),
-                    format!(
-                        "{} ago{}",
-                        ago(r.written_ms),
-                        if r.stopped { " (stopped)" } else { "" }
-                    ),
+                    format!("{} ago{}", ago(r.written_ms), r.state_note(o.now_ms)),
                     f.runs.to_string(),
                     f.failed.to_string(),
                     f.mean_ms().map_or("—".into(), |ms| format!("{ms} ms")),
@@ -1694,7 +1690,7 @@ pub(crate) fn charts(data: &ChartsData, started: Instant) -> String {
         Some(p) => (o.hour_of(Some(p)), format!("partition {p}")),
         None => (o.hour.clone(), "every partition".to_string()),
     };
-    let workers = o.workers.iter().filter(|w| !w.stopped).count();
+    let workers = o.workers.iter().filter(|w| w.running(o.now_ms)).count();
     let _ = write!(
         b,
         "<p class=\"muted\">The last {} minutes of {scope}, from the reports of the workers that ran it (each writes one every {} s; {workers} running now). The current minute is partial.</p>",

@@ -401,7 +401,8 @@ pub(crate) enum StoreCommand {
 
 #[derive(Subcommand)]
 pub(crate) enum KeysCommand {
-    /// Decodes a key (as printed by the other commands).
+    /// Decodes a key, as the other commands print it: its text, or the quoted form of a key
+    /// that is not UTF-8 text (`"\xff\u{1}k"`).
     Decode { key: String },
 }
 

@@ -280,10 +280,9 @@ impl Tool {
 
     /// Runs `cli`, parsed from `args` (the words after `tito`).
     async fn run(self, cli: Cli, args: Vec<std::ffi::OsString>) -> Result<String, Ended> {
-        if let Command::Keys(KeysCommand::Decode { key }) = &cli.command {
+        if let Command::Keys(command) = &cli.command {
             // Needs no store.
-            let segments = inspect::key_segments(key.as_bytes())?;
-            return Ok(print(cli.json, &segments, || segments.join("\n"))?);
+            return Ok(keys_command(command, cli.json)?);
         }
         if let Command::Store(command) = cli.command {
             // Names its stores itself.
@@ -569,7 +568,22 @@ async fn execute<E: TitoEngine>(db: E, typed: &Typing, cli: Cli) -> Outcome {
             commands::store::gc(&db, Duration::from_secs(retention), graphs, json).await
         }
         Command::Serve { listen } => commands::store::serve(db, typed, listen).await,
-        Command::Keys(_) | Command::Store(_) => unreachable!("answered before a store is opened"),
+        Command::Keys(command) => keys_command(&command, json),
+        Command::Store(_) => Err(Failure(
+            "tito store names its own stores (embedded:DIR, sqlite:DIR, tikv:HOST:PORT) and \
+             runs before any store is opened: run it as a command of its own"
+                .into(),
+        )),
+    }
+}
+
+/// `tito keys`: needs no store, wherever it runs (here, or in an application for `--url`).
+pub(crate) fn keys_command(command: &KeysCommand, json: bool) -> Outcome {
+    match command {
+        KeysCommand::Decode { key } => {
+            let segments = inspect::key_segments(key.as_bytes())?;
+            print(json, &segments, || segments.join("\n"))
+        }
     }
 }
 

@@ -246,9 +246,10 @@ pub(crate) async fn send(
     Err(Ended::Failed(match (status.as_u16(), said) {
         (_, Some(said)) => format!("the admin router at {url} said: {said}"),
         (404 | 405, None) => format!(
-            "no Tito admin router at {url} (it answered {status}): give the path the \
-             application mounts it at (Admin::mount(\"/tito\") is {}/tito)",
-            url.trim_end_matches('/')
+            "no Tito admin router at {url} (it answered {status}): give --url the address of \
+             the path the application mounts the router at, on its host (a router mounted with \
+             Admin::mount(\"/tito\") is at {}/tito)",
+            origin(url)
         ),
         (_, None) => format!(
             "the admin router at {url} answered {status}: {}",
@@ -257,9 +258,29 @@ pub(crate) async fn send(
     }))
 }
 
+/// `scheme://host:port` of `url`, without its path.
+fn origin(url: &str) -> &str {
+    let after_scheme = url.find("://").map_or(0, |at| at + 3);
+    match url[after_scheme..].find('/') {
+        Some(path) => &url[..after_scheme + path],
+        None => url.trim_end_matches('/'),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_missing_router_is_hinted_at_the_hosts_root() {
+        assert_eq!(
+            origin("http://127.0.0.1:8080/admin"),
+            "http://127.0.0.1:8080"
+        );
+        assert_eq!(origin("http://host/ops/tito/"), "http://host");
+        assert_eq!(origin("http://host:9"), "http://host:9");
+        assert_eq!(origin("http://host/"), "http://host");
+    }
 
     #[test]
     fn the_token_never_leaves_in_the_command_line() {

@@ -469,7 +469,10 @@ fn reads_a_seeded_store(store: &[&str], run_line: &dyn Fn(&str) -> Output) {
     assert!(text.contains("1 attempts"), "{text}");
     assert!(text.contains("the mail server said no"), "{text}");
     // The answer names its queue, and its hints carry the flags they need.
-    assert!(text.starts_with("queue flaky: "), "{text}");
+    assert!(
+        text.starts_with("queue flaky: 2 dead invocations\nflaky-0  key "),
+        "{text}"
+    );
     assert!(
         text.contains(&format!(
             "retry: tito {prefix} queue retry-dead --topic flaky flaky-0"
@@ -3437,9 +3440,13 @@ fn tito_url_runs_the_models_commands_in_the_application_and_refuses_without_its_
     let https = url.replace("http://", "https://");
     refused_with(&with_token_at(&https, &["queue", "ls"]), "plain HTTP");
     let elsewhere = url.replace("/ops/tito", "/tito");
-    refused_with(
-        &with_token_at(&elsewhere, &["queue", "ls"]),
-        "no Tito admin router at",
+    let missing = with_token_at(&elsewhere, &["queue", "ls"]);
+    refused_with(&missing, "no Tito admin router at");
+    // The hint names the mount path on the host, not under the address that was wrong.
+    assert!(
+        !stderr(&missing).contains("/tito/tito"),
+        "{}",
+        stderr(&missing)
     );
     refused_with(
         &with_token(&["store", "verify", "embedded:/a", "embedded:/b"]),
@@ -3484,6 +3491,23 @@ fn tito_url_runs_the_models_commands_in_the_application_and_refuses_without_its_
             r#"{"args":["queue","stats","--topic","two words"]}"#,
         );
         assert_eq!(code, 200, "{command}: {body}");
+        let reply: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(reply["exit"], 1, "{command}: {reply}");
+        // Commands that need no store, and those that name their own, answer in words there
+        // too: nothing an operator sends panics.
+        let (code, body) = post(
+            &[&bearer],
+            r#"{"args":["keys","decode","\"table:user:a;<;1\"","--json"]}"#,
+        );
+        assert_eq!(code, 200, "{command}: {body}");
+        let reply: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(reply["exit"], 0, "{command}: {reply}");
+        let decoded: Value = serde_json::from_str(reply["stdout"].as_str().unwrap()).unwrap();
+        assert_eq!(decoded, serde_json::json!(["table", "user", "a:1"]));
+        let (_, body) = post(
+            &[&bearer],
+            r#"{"args":["store","verify","embedded:/a","embedded:/b"]}"#,
+        );
         let reply: Value = serde_json::from_str(&body).unwrap();
         assert_eq!(reply["exit"], 1, "{command}: {reply}");
     }

@@ -1085,7 +1085,7 @@ pub async fn queue_aside<E: TitoEngine>(
         .map(|(key, value)| {
             let record: Option<AsideRecord> = serde_json::from_slice(&value).ok();
             AsideRow {
-                key: String::from_utf8_lossy(&key).into_owned(),
+                key: keys::key_text(&key),
                 raw: record
                     .is_none()
                     .then(|| String::from_utf8_lossy(&value).into_owned()),
@@ -1100,7 +1100,7 @@ pub async fn queue_aside<E: TitoEngine>(
 }
 
 fn queue_row(root: &str, state: QueueState, key: &[u8], value: &[u8]) -> QueueRow {
-    let text = String::from_utf8_lossy(key).into_owned();
+    let text = keys::key_text(key);
     let (mut partition, mut due, mut processed_ms) = (None, None, None);
     let mut problems = Vec::new();
     match state {
@@ -1235,7 +1235,7 @@ pub struct RawRow {
 }
 
 fn raw_row(table: &str, key: &[u8], value: &[u8]) -> RawRow {
-    let text = String::from_utf8_lossy(key).into_owned();
+    let text = keys::key_text(key);
     let (version, json) = crate::model::shape::split(value).unwrap_or((0, value));
     let parsed = serde_json::from_slice::<Value>(json).ok();
     RawRow {
@@ -1326,7 +1326,11 @@ pub fn inbox_bad_key(table: &str, id: &str) -> String {
 /// assert_eq!(tito::inspect::key_segments(key.as_bytes()).unwrap(), ["table", "user", "a:1"]);
 /// ```
 pub fn key_segments(key: &[u8]) -> TitoResult<Vec<String>> {
-    let text = keys::key_str(key)?;
+    // The quoted form the other commands print a key in (`"\xff..."`), or the key itself.
+    let owned = std::str::from_utf8(key)
+        .ok()
+        .and_then(keys::parse_display_key);
+    let text = keys::key_str(owned.as_deref().unwrap_or(key))?;
     Ok(keys::segments(text)
         .map(|segment| keys::decode_str(segment).unwrap_or_else(|_| segment.to_string()))
         .collect())

@@ -88,12 +88,82 @@ pub fn key_after_bytes(key: &[u8]) -> Vec<u8> {
     out
 }
 
-/// A key for messages: UTF-8 shown as text, anything else escaped.
+/// A key for messages, in quotes: its text as Rust writes a string (`\\`, `\"`, `\n`,
+/// `\u{1}` and so on), and each byte that is not part of UTF-8 text as `\xNN` (`ff 01 6b`
+/// prints as `"\xff\u{1}k"`). Two different keys never print the same, and
+/// [`parse_display_key`] (and `tito keys decode`) reads the printed form back.
 pub fn display_key(key: &[u8]) -> String {
-    match std::str::from_utf8(key) {
-        Ok(text) => format!("{text:?}"),
-        Err(_) => format!("{:?}", String::from_utf8_lossy(key)),
+    let mut out = String::with_capacity(key.len() + 2);
+    out.push('"');
+    for chunk in key.utf8_chunks() {
+        for c in chunk.valid().chars() {
+            // As a string's Debug form writes it (a single quote is left as it is).
+            match c {
+                '\'' => out.push(c),
+                _ => out.extend(c.escape_debug()),
+            }
+        }
+        for byte in chunk.invalid() {
+            out.push_str(&format!("\\x{byte:02x}"));
+        }
     }
+    out.push('"');
+    out
+}
+
+/// A key as listings show it: a UTF-8 key that does not begin with `"` as its text, any other
+/// key in [`display_key`]'s quoted form, so that two keys never show the same. `tito keys
+/// decode` takes both forms.
+pub fn key_text(key: &[u8]) -> String {
+    match std::str::from_utf8(key) {
+        Ok(text) if !text.starts_with('"') => text.to_string(),
+        _ => display_key(key),
+    }
+}
+
+/// Reads a key printed by [`display_key`] back into its bytes: a quoted form with Rust's
+/// string escapes (`\\`, `\"`, `\'`, `\n`, `\r`, `\t`, `\0`, `\u{...}`) and `\xNN` for
+/// any byte. `None` when `text` is not such a form.
+pub fn parse_display_key(text: &str) -> Option<Vec<u8>> {
+    let inner = text.strip_prefix('"')?.strip_suffix('"')?;
+    let mut out = Vec::with_capacity(inner.len());
+    let mut chars = inner.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => match chars.next()? {
+                '\\' => out.push(b'\\'),
+                '"' => out.push(b'"'),
+                '\'' => out.push(b'\''),
+                'n' => out.push(b'\n'),
+                'r' => out.push(b'\r'),
+                't' => out.push(b'\t'),
+                '0' => out.push(0),
+                'x' => {
+                    let hex: String = [chars.next()?, chars.next()?].iter().collect();
+                    out.push(u8::from_str_radix(&hex, 16).ok()?);
+                }
+                'u' => {
+                    if chars.next()? != '{' {
+                        return None;
+                    }
+                    let mut hex = String::new();
+                    loop {
+                        match chars.next()? {
+                            '}' => break,
+                            digit => hex.push(digit),
+                        }
+                    }
+                    let c = char::from_u32(u32::from_str_radix(&hex, 16).ok()?)?;
+                    out.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes());
+                }
+                _ => return None,
+            },
+            // An unescaped quote cannot be inside the form.
+            '"' => return None,
+            c => out.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes()),
+        }
+    }
+    Some(out)
 }
 
 /// Appends the segment encoding of a string to `out`.
@@ -1387,6 +1457,28 @@ mod tests {
     }
 
     #[test]
+    fn printed_keys_tell_invalid_bytes_apart() {
+        let (a, b) = (
+            display_key(&[0xff, 0x01, b'k']),
+            display_key(&[0xfe, 0x01, b'k']),
+        );
+        assert_eq!(a, "\"\\xff\\u{1}k\"");
+        assert_ne!(a, b);
+        // UTF-8 keys print as before: as Rust writes a string.
+        assert_eq!(display_key(b"queue:lease:0000"), "\"queue:lease:0000\"");
+        assert_eq!(
+            display_key("a\"b\\c'é\n".as_bytes()),
+            format!("{:?}", "a\"b\\c'é\n")
+        );
+        assert_eq!(
+            parse_display_key("\"\\xff\\u{1}k\""),
+            Some(vec![0xff, 0x01, b'k'])
+        );
+        assert_eq!(parse_display_key("no quotes"), None);
+        assert_eq!(parse_display_key("\"a\"b\""), None);
+    }
+
+    #[test]
     fn key_after_does_not_skip_longer_keys() {
         // Continuing after `a2` must still see `a20`: key_after does, prefix_end does not.
         let keys = ["a2", "a20", "a3"];
@@ -1453,6 +1545,18 @@ mod tests {
             let _ = key_str(&bytes);
             let _ = base64url_decode(&text);
             let _ = display_key(&bytes);
+        }
+
+        /// Round-six defect 3: a printed key reads back as its bytes, so two keys never print
+        /// the same.
+        #[test]
+        fn printed_keys_read_back_as_their_bytes(
+            bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..40),
+            text in ".{0,40}",
+        ) {
+            prop_assert_eq!(parse_display_key(&display_key(&bytes)), Some(bytes.clone()));
+            prop_assert_eq!(parse_display_key(&display_key(text.as_bytes())), Some(text.as_bytes().to_vec()));
+            let _ = parse_display_key(&text);
         }
 
         #[test]

@@ -289,7 +289,12 @@ pub async fn copy<S: TitoEngine, D: TitoEngine>(
 ) -> TitoResult<CopyReport> {
     options.check()?;
     let started = Instant::now();
-    let record = read_record(to).await?;
+    // An overwrite ignores an interrupted copy's cursor, so it reads none (a damaged record
+    // is overwritten like every other key).
+    let record = match options.existing {
+        Existing::Overwrite => None,
+        Existing::Refuse | Existing::Resume => read_record(to).await?,
+    };
     let mut state = CopyProgress::default();
     // Where this pass starts: an interrupted copy's cursor, or the first key.
     let start = match (options.existing, &record) {
@@ -802,18 +807,20 @@ async fn copy_range<X: TitoTransaction, D: TitoEngine>(
         if !end.is_empty() && from.as_slice() >= end {
             return Ok(());
         }
-        let pairs = source_range(source, &from, end, options).await?;
-        // The span this range covers: up to its last key, or (the source has nothing left)
-        // to the end, so the destination's keys past the source's last go too.
-        let upto = match pairs.last() {
-            Some((last, _)) => key_after_bytes(last),
-            None => end.to_vec(),
+        let range = source_range(source, &from, end, options).await?;
+        // The span this range covers: up to its last key read (a key the copy skips included),
+        // or (the source has nothing left in the span) to the span's end, so the destination's
+        // keys past the source's last go too. Never an empty range for the end: a range whose
+        // keys were all skipped still ends where its scan stopped.
+        let (upto, tail) = match &range.last_read {
+            Some(last) => (key_after_bytes(last), false),
+            None => (end.to_vec(), true),
         };
-        let tail = pairs.is_empty();
         let synced = sync_range(
             to,
-            pairs,
+            range.pairs,
             (&from, &upto),
+            range.last_read.as_deref(),
             source.start_version(),
             options.holders,
         )
@@ -836,24 +843,50 @@ async fn copy_range<X: TitoTransaction, D: TitoEngine>(
     }
 }
 
+/// One range of the source, as a copy reads it.
+struct SourceRange {
+    /// The range's keys the copy takes (skipped keys left out).
+    pairs: Vec<KvPair>,
+    /// The last key the range covers, skipped or not: the next range starts after it. `None`
+    /// when the scan reached the end of the span (the range covers the rest of it).
+    last_read: Option<Vec<u8>>,
+}
+
 /// The next range of the source: up to `batch` keys from `from`, ending early at the key that
-/// reaches `batch_bytes`; the copy record is skipped.
+/// reaches `batch_bytes`. Skipped keys (the copy record, the moved marker, holder keys) count
+/// towards the batch and are left out of `pairs`, but never end the span: the range covers
+/// every key it read.
 async fn source_range<X: TitoTransaction>(
     source: &X,
     from: &[u8],
     end: &[u8],
     options: &CopyOptions,
-) -> TitoResult<Vec<KvPair>> {
-    let mut pairs = source.scan(from, end, options.batch).await?;
-    pairs.retain(|(key, _)| !skipped(key, options.holders));
+) -> TitoResult<SourceRange> {
+    let scanned = source.scan(from, end, options.batch).await?;
+    let mut last_read = match scanned.last() {
+        // A full batch: the span may go on past it.
+        Some((last, _)) if scanned.len() >= options.batch => Some(last.clone()),
+        // Fewer keys than asked: the scan reached the end of the span.
+        _ => None,
+    };
+    let mut pairs = Vec::with_capacity(scanned.len());
     let mut bytes = 0usize;
-    if let Some(cut) = pairs.iter().position(|(key, value)| {
+    for (key, value) in scanned {
+        if skipped(&key, options.holders) {
+            continue;
+        }
         bytes += key.len() + value.len();
-        bytes >= options.batch_bytes
-    }) {
-        pairs.truncate(cut + 1);
+        let full = bytes >= options.batch_bytes;
+        if full {
+            // The range ends at this key: what follows it is the next range's.
+            last_read = Some(key.clone());
+        }
+        pairs.push((key, value));
+        if full {
+            break;
+        }
     }
-    Ok(pairs)
+    Ok(SourceRange { pairs, last_read })
 }
 
 /// The most deletes one destination transaction of a copy holds (a destination with far more
@@ -881,12 +914,15 @@ async fn sync_range<D: TitoEngine>(
     to: &D,
     pairs: Vec<KvPair>,
     (from, upto): (&[u8], &[u8]),
+    last_read: Option<&[u8]>,
     snapshot: u64,
     holders: bool,
 ) -> TitoResult<Synced> {
     let (from, upto) = (from.to_vec(), upto.to_vec());
+    let last_read = last_read.map(<[u8]>::to_vec);
     to.transaction(|tx| {
-        let (pairs, from, upto) = (pairs.clone(), from.clone(), upto.clone());
+        let (pairs, from, upto, last_read) =
+            (pairs.clone(), from.clone(), upto.clone(), last_read.clone());
         async move {
             let mut theirs = Pager::new(tx.clone(), from, upto, holders);
             let mut ours = pairs.into_iter().peekable();
@@ -926,6 +962,11 @@ async fn sync_range<D: TitoEngine>(
                 ours.next();
                 synced.source_keys += 1;
                 synced.reached = Some(key);
+            }
+            // The whole span is equal now: the cursor goes to its last key read, a skipped
+            // one included, so a resumed copy does not read it again.
+            if synced.whole && last_read.is_some() {
+                synced.reached = last_read;
             }
             if let Some(cursor) = &synced.reached {
                 let record = CopyRecord {
@@ -995,7 +1036,12 @@ impl<X: TitoTransaction> Pager<X> {
 async fn read_record<D: TitoEngine>(to: &D) -> TitoResult<Option<CopyRecord>> {
     crate::engine::read_only(to, async |tx| match tx.get(COPY_RECORD_KEY).await? {
         Some(bytes) => serde_json::from_slice(&bytes).map(Some).map_err(|err| {
-            TitoError::Integrity(format!("the destination's copy record is damaged: {err}"))
+            TitoError::Integrity(format!(
+                "the destination's copy record (key {}) is damaged: {err}; overwrite the \
+                 destination to copy again from the first key (Existing::Overwrite, \
+                 tito store copy --overwrite)",
+                display_key(COPY_RECORD_KEY)
+            ))
         }),
         None => Ok(None),
     })

@@ -519,7 +519,7 @@ fn stats_text(o: &inspect::QueueOverview, label: &str) -> String {
             w.runner,
             o.now_ms.saturating_sub(w.started_ms) / 1000,
             o.now_ms.saturating_sub(w.written_ms) / 1000,
-            if w.stopped { " (stopped)" } else { "" },
+            w.state_note(o.now_ms),
             f.runs,
             f.failed,
         ));
@@ -611,7 +611,16 @@ fn dead_text(
     if dead.is_empty() {
         return "no dead invocations".into();
     }
-    let mut out = String::from("\n");
+    let mut out = format!(
+        "{} dead invocation{}{}\n",
+        dead.len(),
+        if dead.len() == 1 { "" } else { "s" },
+        if dead.len() == limit {
+            " on this page"
+        } else {
+            ""
+        }
+    );
     for d in dead {
         let (retry, discard) = hints(&d.id);
         out.push_str(&format!(

@@ -1369,17 +1369,61 @@ fn only_key_errors(err: &tikv_client::Error) -> bool {
     }
 }
 
+/// An error's text with the keys it names printed as Tito prints keys
+/// ([`crate::keys::display_key`], which `tito keys decode` reads), not as the client's arrays
+/// of decimal bytes: a write conflict, another transaction's lock, and the errors that wrap
+/// them. Any other error as the client words it.
+pub(crate) fn describe(err: &tikv_client::Error) -> String {
+    use tikv_client::Error as E;
+    let key = |key: &[u8]| crate::keys::display_key(key);
+    match err {
+        E::KeyError(key_error) => {
+            if let Some(conflict) = &key_error.conflict {
+                format!(
+                    "write conflict on key {} (this transaction started at ts {}, a \
+                     transaction started at ts {} committed it at ts {}; primary {})",
+                    key(&conflict.key),
+                    conflict.start_ts,
+                    conflict.conflict_ts,
+                    conflict.conflict_commit_ts,
+                    key(&conflict.primary)
+                )
+            } else if let Some(lock) = &key_error.locked {
+                format!(
+                    "key {} is locked by the transaction started at ts {} (primary {}, TTL {} ms)",
+                    key(&lock.key),
+                    lock.lock_version,
+                    key(&lock.primary_lock),
+                    lock.lock_ttl
+                )
+            } else {
+                err.to_string()
+            }
+        }
+        E::ExtractedErrors(errors) | E::MultipleKeyErrors(errors) => {
+            let mut shown: Vec<String> = errors.iter().take(5).map(describe).collect();
+            if errors.len() > 5 {
+                shown.push(format!("and {} more", errors.len() - 5));
+            }
+            shown.join("; ")
+        }
+        E::PessimisticLockError { inner, .. } => describe(inner),
+        E::UndeterminedError(inner) => format!("undetermined commit: {}", describe(inner)),
+        _ => err.to_string(),
+    }
+}
+
 /// Classifies an error of `commit()`.
 pub(crate) fn classify_commit(err: tikv_client::Error) -> TitoError {
     if matches!(err, tikv_client::Error::UndeterminedError(_)) {
         return TitoError::CommitOutcomeUnknown {
-            message: err.to_string(),
+            message: describe(&err),
             source: Some(Box::new(err)),
         };
     }
     if is_conflict(&err) {
         return TitoError::Conflict {
-            message: err.to_string(),
+            message: describe(&err),
             source: Some(Box::new(err)),
         };
     }
@@ -1396,7 +1440,7 @@ pub(crate) fn classify_commit(err: tikv_client::Error) -> TitoError {
 fn classify_read(err: tikv_client::Error, what: &str) -> TitoError {
     if is_conflict(&err) {
         return TitoError::Conflict {
-            message: format!("{what}: {err}"),
+            message: format!("{what}: {}", describe(&err)),
             source: Some(Box::new(err)),
         };
     }
@@ -1437,6 +1481,22 @@ mod tests {
             let classified = classify_commit(err);
             assert!(classified.is_retryable(), "{classified:?}");
         }
+    }
+
+    #[test]
+    fn a_conflict_names_its_key_as_tito_prints_keys() {
+        let mut key_error = ProtoKeyError::default();
+        let conflict = key_error.conflict.get_or_insert_with(Default::default);
+        conflict.key = b"queue@pipeline:lease:0000".to_vec();
+        conflict.primary = vec![0xff, 1];
+        let err = Error::ExtractedErrors(vec![Error::KeyError(Box::new(key_error))]);
+        let shown = classify_commit(err).to_string();
+        assert!(
+            shown.contains("write conflict on key \"queue@pipeline:lease:0000\"")
+                && shown.contains("primary \"\\xff\\u{1}\"")
+                && !shown.contains("[113, 117"),
+            "{shown}"
+        );
     }
 
     #[test]

@@ -232,8 +232,7 @@ fn receive(datagram: &[u8], all: &StoreWakeups, bucket: &mut Bucket, figures: &T
         let root_hash = u64::from_be_bytes(entry[..8].try_into().unwrap_or_default());
         let partition = u32::from_be_bytes(entry[9..].try_into().unwrap_or_default());
         match (all.by_hash(root_hash), entry[8]) {
-            (Some(wakeups), KIND_WORK) if wakeups.listening() => {
-                wakeups.wake(partition);
+            (Some(wakeups), KIND_WORK) if wakeups.listening() && wakeups.wake_nudged(partition) => {
                 figures.received.fetch_add(1, Ordering::Relaxed);
             }
             (Some(wakeups), KIND_CANCEL) if wakeups.listening() => {
@@ -454,4 +453,33 @@ pub(crate) fn advertised_ip(probe: Option<SocketAddr>) -> IpAddr {
         })
         .filter(|ip| !ip.is_unspecified())
         .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Round-six defect 7: forged nudges naming every partition number leave the wake-up map
+    /// no larger than the partitions this process's queue handles have.
+    #[test]
+    fn forged_nudges_cannot_grow_the_wake_up_map() {
+        let all = StoreWakeups::default();
+        let root = "queue@forged";
+        let wakeups = all.of_root(root);
+        wakeups.has_partitions(4);
+        wakeups.listen(true);
+        let hash = crate::keys::fnv1a(root.as_bytes());
+        let figures = TaskFigures::default();
+        let mut bucket = Bucket::new(u64::MAX / 2);
+        for first in (0..100_000u32).step_by(ENTRIES_PER_DATAGRAM) {
+            let mut datagram = MAGIC.to_vec();
+            for partition in first..first + ENTRIES_PER_DATAGRAM as u32 {
+                datagram.extend_from_slice(&encode_entry(hash, KIND_WORK, partition));
+            }
+            receive(&datagram, &all, &mut bucket, &figures);
+        }
+        assert_eq!(wakeups.partitions_recorded(), 4);
+        assert_eq!(figures.received.load(Ordering::Relaxed), 4);
+        assert!(figures.dropped.load(Ordering::Relaxed) >= 99_000);
+    }
 }

@@ -41,6 +41,10 @@ pub(crate) struct Wakeups {
     /// The pending rows cancelled in this process most recently (at most [`RECENT_CANCELS`]),
     /// looked up by a handler's start ([`Wakeups::was_cancelled`]).
     cancelled: Mutex<(HashSet<String>, VecDeque<String>)>,
+    /// The most partitions a queue handle of this process gave the queue: a nudge naming a
+    /// partition past them is dropped, so the wake-up map holds only partitions this process
+    /// can work.
+    partitions: std::sync::atomic::AtomicU32,
 }
 
 /// How many of the latest cancelled rows a queue remembers in this process: far more than a
@@ -150,6 +154,28 @@ impl Wakeups {
         crate::util::lock(&self.cancelled).0.contains(key)
     }
 
+    /// Records that a queue handle of this process has `partitions` partitions.
+    pub(crate) fn has_partitions(&self, partitions: u32) {
+        self.partitions
+            .fetch_max(partitions, std::sync::atomic::Ordering::AcqRel);
+    }
+
+    /// A nudge from another process: wakes the workers of `partition` when this process has
+    /// a queue handle with that partition; `false` (nothing recorded) otherwise.
+    pub(crate) fn wake_nudged(&self, partition: u32) -> bool {
+        if partition >= self.partitions.load(std::sync::atomic::Ordering::Acquire) {
+            return false;
+        }
+        self.wake(partition);
+        true
+    }
+
+    /// How many partitions the wake-up map holds (for tests of its bound).
+    #[cfg(test)]
+    pub(crate) fn partitions_recorded(&self) -> usize {
+        crate::util::lock(&self.state).1.len()
+    }
+
     /// Wakes the workers of `partition` (this process's, of this queue on this store).
     pub(crate) fn wake(&self, partition: u32) {
         {
@@ -222,6 +248,14 @@ impl Wakeups {
 pub(crate) struct StoreWakeups(Mutex<HashMap<String, Arc<Wakeups>>>);
 
 impl StoreWakeups {
+    /// The wake-ups of the queue at `root`, made at the first call.
+    pub(crate) fn of_root(&self, root: &str) -> Arc<Wakeups> {
+        crate::util::lock(&self.0)
+            .entry(root.to_string())
+            .or_insert_with(|| Arc::new(Wakeups::new(root)))
+            .clone()
+    }
+
     /// The wake-ups of the queue whose root hashes to `hash`.
     pub(crate) fn by_hash(&self, hash: u64) -> Option<Arc<Wakeups>> {
         crate::util::lock(&self.0)
@@ -235,11 +269,7 @@ impl StoreWakeups {
 /// The wake-ups of the queue at `root` on store `db`, without nudges (see
 /// `super::nudge::wakeups`, which every writer uses).
 pub(crate) fn local_wakeups<E: TitoEngine>(db: &E, root: &str) -> Arc<Wakeups> {
-    let all = db.extensions().get::<StoreWakeups>();
-    crate::util::lock(&all.0)
-        .entry(root.to_string())
-        .or_insert_with(|| Arc::new(Wakeups::new(root)))
-        .clone()
+    db.extensions().get::<StoreWakeups>().of_root(root)
 }
 
 /// The wake-ups of the queue at `root` on store `db`, only if something asked for them already

@@ -38,7 +38,7 @@ pub struct DeadInvocation {
 
 impl DeadInvocation {
     pub(crate) fn from_row(key: &[u8], value: &[u8]) -> TitoResult<Self> {
-        let storage_key = String::from_utf8_lossy(key).into_owned();
+        let storage_key = crate::keys::key_text(key);
         let stored = StoredEvent::parse(value)
             .map_err(|err| TitoError::Integrity(format!("dead row {storage_key:?}: {err}")))?;
         Ok(DeadInvocation {

@@ -144,8 +144,8 @@ pub(crate) use worker::AfterFailure;
 pub(crate) use worker::report_prefix;
 pub use worker::{
     DEPTH_BOUND, DEPTH_PARTITIONS, DepthSample, FailurePolicy, MAX_ATTEMPTS, MAX_SETTING,
-    MIN_LEASE, MinuteFigures, PartitionRuns, REPORT_DETAIL_BYTES, REPORT_EVERY, REPORT_KEPT,
-    REPORT_MINUTES, Shutdown, WorkerConfig, WorkerReport, run_cluster_worker,
+    MIN_LEASE, MinuteFigures, PartitionRuns, REPORT_DETAIL_BYTES, REPORT_EVERY, REPORT_GONE_AFTER,
+    REPORT_KEPT, REPORT_MINUTES, Shutdown, WorkerConfig, WorkerReport, run_cluster_worker,
     run_transactional_worker, run_worker,
 };
 
@@ -393,9 +393,11 @@ impl<E: TitoEngine> Queue<E> {
     /// A queue handle. Nothing is read or written until the first publication or pull.
     pub fn new(db: E, config: QueueConfig) -> Self {
         let root = keys::queue_root(config.topic.as_deref());
+        let wakeups = crate::event::nudge::wakeups(&db, &root);
+        wakeups.has_partitions(config.partitions);
         Queue {
             label: crate::telemetry::queue_label(config.topic.as_deref()),
-            wakeups: crate::event::nudge::wakeups(&db, &root),
+            wakeups,
             db,
             config,
             root,

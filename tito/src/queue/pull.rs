@@ -7,8 +7,8 @@
 //! boundary is stepped over, and its due time bounds the wait before the next pass. The pass
 //! then walks rows in key order (due time, then enqueue version) in scans of the rows it still
 //! wants (at least [`SCAN_ROWS`], at most [`MAX_SCAN_ROWS`]). A row enqueued at or after the horizon (for example one a handler just
-//! created for "now") makes the cursor jump past its whole due-time bucket, so newly created
-//! same-time work can never keep later buckets waiting. Malformed rows are counted, logged, left
+//! created for "now") in a bucket the pass served at its urgency is stepped over, so newly
+//! created same-time work can never keep later buckets waiting. Malformed rows are counted, logged, left
 //! in place and stepped over. When a scan finds nothing more, the pass is over.
 //!
 //! The cursor also goes back to the front at a pull when that is cheap: when the rows it would
@@ -16,10 +16,12 @@
 //! at most [`RESTART_BUDGET`]. So a row that sorts before the cursor (a more urgent row
 //! published meanwhile, by this process or another; a row that waited for a concurrency slot)
 //! is seen at the next pull. Going back keeps the pass (its horizon, and the buckets it
-//! returned rows of): a row created during the pass is skipped, with the rest of its bucket,
-//! only when the pass already served that bucket, so work a handler re-creates for a time
-//! already served still waits for the next pass, while new work at another time (a high
-//! urgency's earlier ordering time) does not. The runnable boundary moves on to the pull's
+//! returned rows of, each with the highest urgency it returned there): a row created during
+//! the pass is skipped only when the pass already served its bucket at its urgency or a higher
+//! one, so work a handler re-creates for a time already served still waits for the next pass,
+//! while new work at another time, or more urgent than what the pass served in its bucket (a
+//! high urgency whose ordering time falls on a served second), does not: urgency wins, and the
+//! fairness rule is for rows of equal urgency. The runnable boundary moves on to the pull's
 //! time. When the front is crowded with rows that cannot run (a backlog waiting for one key's
 //! slot, rows no worker can decode, many not yet due), the cursor goes on past them and goes
 //! back at the latest [`MAX_PASS_AGE`] after it last did; meanwhile every pull also reads one
@@ -75,28 +77,46 @@ struct Pass {
     passed_over: usize,
     /// When the cursor last went back to the front.
     began: Instant,
-    /// The ordering buckets (seconds) the pass returned rows of: rows created during the pass
-    /// in one of them wait for the next pass (the fairness rule); past [`MAX_VISITED`]
-    /// buckets, every bucket up to `visited_below` counts as one.
-    visited: std::collections::HashSet<u64>,
-    visited_below: Option<u64>,
+    /// The ordering buckets (seconds) the pass returned rows of, each with the highest urgency
+    /// it returned there: rows created during the pass in one of them wait for the next pass
+    /// (the fairness rule) unless they are more urgent than every row the pass returned of
+    /// that bucket; past [`MAX_VISITED`] buckets, every bucket up to `visited_below.0` counts
+    /// as one, served at urgency `visited_below.1`.
+    visited: std::collections::HashMap<u64, u8>,
+    visited_below: Option<(u64, u8)>,
 }
 
 /// The most buckets a pass remembers one by one.
 const MAX_VISITED: usize = 4096;
 
 impl Pass {
-    fn visited(&self, bucket: u64) -> bool {
-        self.visited.contains(&bucket) || self.visited_below.is_some_and(|below| bucket <= below)
+    /// Whether a row of `urgency` created during the pass in `bucket` waits for the next pass:
+    /// the pass returned a row of that bucket at least as urgent. A more urgent row does not
+    /// wait (urgency wins; the fairness rule is for rows of equal urgency).
+    fn served(&self, bucket: u64, urgency: u8) -> bool {
+        self.visited
+            .get(&bucket)
+            .is_some_and(|&most| urgency <= most)
+            || self
+                .visited_below
+                .is_some_and(|(below, most)| bucket <= below && urgency <= most)
     }
 
-    fn visit(&mut self, bucket: u64) {
-        if self.visited.len() >= MAX_VISITED {
-            let top = self.visited.drain().max().unwrap_or(bucket).max(bucket);
-            self.visited_below = Some(self.visited_below.map_or(top, |b| b.max(top)));
+    fn visit(&mut self, bucket: u64, urgency: u8) {
+        if let Some(most) = self.visited.get_mut(&bucket) {
+            *most = (*most).max(urgency);
             return;
         }
-        self.visited.insert(bucket);
+        if self.visited.len() >= MAX_VISITED {
+            let (mut top, mut most) = self.visited_below.unwrap_or((bucket, urgency));
+            for (b, u) in self.visited.drain() {
+                top = top.max(b);
+                most = most.max(u);
+            }
+            self.visited_below = Some((top.max(bucket), most.max(urgency)));
+            return;
+        }
+        self.visited.insert(bucket, urgency);
     }
 }
 
@@ -186,16 +206,18 @@ impl Cursor {
                 let Ok(parsed) = keys::parse_pending_key(root, text) else {
                     continue;
                 };
-                if parsed.version < pass.horizon || pass.visited(parsed.timestamp) || skip(text) {
+                if parsed.version < pass.horizon || skip(text) {
                     continue;
                 }
                 let Ok(stored) = StoredEvent::parse(&value) else {
                     continue;
                 };
-                if stored.timestamp.max(0) as u64 > runnable {
+                if pass.served(parsed.timestamp, stored.urgency)
+                    || stored.timestamp.max(0) as u64 > runnable
+                {
                     continue;
                 }
-                pass.visit(parsed.timestamp);
+                pass.visit(parsed.timestamp, stored.urgency);
                 result.items.push(Pulled {
                     key: text.to_string(),
                     parsed,
@@ -244,14 +266,6 @@ impl Cursor {
                         continue;
                     }
                 };
-                if parsed.version >= pass.horizon && pass.visited(parsed.timestamp) {
-                    // Enqueued during this pass in a bucket it already served: skip the rest
-                    // of the bucket.
-                    let bucket =
-                        keys::pending_bucket_prefix(root, self.partition, parsed.timestamp);
-                    pass.next = keys::prefix_end(bucket).into_bytes();
-                    break;
-                }
                 if skip(text) {
                     continue;
                 }
@@ -262,6 +276,13 @@ impl Cursor {
                         continue;
                     }
                 };
+                if parsed.version >= pass.horizon && pass.served(parsed.timestamp, stored.urgency) {
+                    // Enqueued during this pass in a bucket it already served at this urgency
+                    // or a higher one: waits for the next pass. (Rows after it in the bucket
+                    // were enqueued during the pass too; a more urgent one among them is still
+                    // taken.)
+                    continue;
+                }
                 // An urgency orders a row before its own due time: it is not runnable yet.
                 let due = stored.timestamp.max(0) as u64;
                 if due > pass.boundary {
@@ -269,7 +290,7 @@ impl Cursor {
                     continue;
                 }
                 pass.passed_over -= 1;
-                pass.visit(parsed.timestamp);
+                pass.visit(parsed.timestamp, stored.urgency);
                 result.items.push(Pulled {
                     key: text.to_string(),
                     parsed,

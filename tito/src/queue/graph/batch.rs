@@ -303,16 +303,20 @@ async fn fire_due<X: TitoTransaction>(
             continue;
         }
         record.fired.push(callback.kind);
-        let event = callback.fired(id, counts, now_s);
+        let mut event = callback.fired(id, counts, now_s);
         let id_key = keys::event_id_key(&callback.q, &event.id);
         if tx.get(id_key.as_bytes()).await?.is_some() {
-            tracing::warn!(
+            // Held since the batch opened (by a finished invocation, or one published since):
+            // the callback still runs, once, under an id of its own.
+            let derived = free_id(tx, &callback.q, &event.id, record.created_ms).await?;
+            tracing::info!(
                 batch = id,
                 callback = ?callback.kind,
                 event = event.id,
-                "a batch callback's event id is held by a live invocation; the callback is not published again"
+                fires_as = derived,
+                "a batch callback's event id is held by another invocation; the callback fires under a derived id"
             );
-            continue;
+            event.id = derived;
         }
         insert_pending(tx, &callback.q, callback.p, &event, event.to_bytes()?).await?;
         wakes.push(Wake {
@@ -321,6 +325,43 @@ async fn fire_due<X: TitoTransaction>(
         });
     }
     Ok(())
+}
+
+/// Whether the row an event-id key names (`at`) is a finished invocation of queue `root`
+/// (completed, cancelled or dead), which no longer runs.
+fn finished_row(root: &str, at: &[u8]) -> bool {
+    std::str::from_utf8(at).is_ok_and(|at| {
+        at.starts_with(&keys::completed_prefix(root)) || at.starts_with(&keys::dead_prefix(root))
+    })
+}
+
+/// The id a batch callback fires under when its own (`id`) is held: `{id}.{created_ms}` (the
+/// batch's creation time, so each batch of one id has its own), or that followed by `.2`,
+/// `.3`, ... up to `.16` when that is held too.
+async fn free_id<X: TitoTransaction>(
+    tx: &X,
+    root: &str,
+    id: &str,
+    created_ms: u64,
+) -> TitoResult<String> {
+    for n in 1..=16u32 {
+        let candidate = if n == 1 {
+            format!("{id}.{created_ms}")
+        } else {
+            format!("{id}.{created_ms}.{n}")
+        };
+        if tx
+            .get(keys::event_id_key(root, &candidate).as_bytes())
+            .await?
+            .is_none()
+        {
+            return Ok(candidate);
+        }
+    }
+    Err(TitoError::Integrity(format!(
+        "a batch callback's event id {id:?} and sixteen ids derived from it are held in queue {}",
+        keys::queue_name(root)
+    )))
 }
 
 /// Applies the end of batch child `event_id` inside `tx`: its shard's counts, and when its
@@ -678,6 +719,27 @@ async fn open<X: TitoTransaction>(
     for (root, partitions) in roots {
         check_meta(tx, root, partitions, &mut writes).await?;
     }
+    // A callback's event id a pending invocation holds could never fire under it: refused. One
+    // a finished invocation holds (the callback of an earlier batch of this id, published again
+    // after it expired; a job that completed) fires under a derived id (see `fire_due`).
+    let id_keys: Vec<Vec<u8>> = callbacks
+        .iter()
+        .map(|c| keys::event_id_key(&c.q, &c.event.id).into_bytes())
+        .collect();
+    for (callback, at) in callbacks.iter().zip(tx.batch_get(&id_keys).await?) {
+        if let Some(at) = at
+            && !finished_row(&callback.q, &at)
+        {
+            return Err(TitoError::invalid_argument(format!(
+                "batch {id:?}: its {:?} callback's event id {:?} is held by a pending invocation \
+                 of queue {} (give the callback's event another id, or leave the event's own \
+                 fresh one); nothing was written",
+                callback.kind,
+                callback.event.id,
+                keys::queue_name(&callback.q)
+            )));
+        }
+    }
     let record = BatchRecord {
         created_ms: engine::version_millis(tx.start_version()),
         closed: false,
@@ -765,7 +827,7 @@ async fn add_unless_closed<X: TitoTransaction>(
         for (&i, at) in old.iter().zip(held) {
             let key = match at {
                 Some(at) => keys::key_str(&at)?.to_string(),
-                None => String::from_utf8_lossy(&child_keys[i]).into_owned(),
+                None => keys::key_text(&child_keys[i]),
             };
             answers[i] = Some(Published::duplicate_of(items[i].stored.id.clone(), key));
         }

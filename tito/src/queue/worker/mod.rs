@@ -27,7 +27,7 @@ pub use policy::{FailurePolicy, MAX_ATTEMPTS};
 pub(crate) use report::report_prefix;
 pub use report::{
     DEPTH_BOUND, DEPTH_PARTITIONS, DepthSample, MinuteFigures, PartitionRuns, REPORT_DETAIL_BYTES,
-    REPORT_EVERY, REPORT_KEPT, REPORT_MINUTES, WorkerReport,
+    REPORT_EVERY, REPORT_GONE_AFTER, REPORT_KEPT, REPORT_MINUTES, WorkerReport,
 };
 
 use std::collections::{HashMap, HashSet};

@@ -236,7 +236,38 @@ pub struct WorkerReport {
     pub minutes: Vec<MinuteFigures>,
 }
 
+/// A worker that has not stopped but wrote no report for this long is gone (its process was
+/// killed or lost the store): three report intervals.
+pub const REPORT_GONE_AFTER: Duration = Duration::from_secs(3 * REPORT_EVERY.as_secs());
+
 impl WorkerReport {
+    /// Whether the worker is gone at `now_ms` (engine time): it did not stop, and wrote no
+    /// report for [`REPORT_GONE_AFTER`].
+    pub fn gone(&self, now_ms: u64) -> bool {
+        !self.stopped
+            && now_ms.saturating_sub(self.written_ms) > REPORT_GONE_AFTER.as_millis() as u64
+    }
+
+    /// Whether the worker runs at `now_ms`: neither stopped nor gone.
+    pub fn running(&self, now_ms: u64) -> bool {
+        !self.stopped && !self.gone(now_ms)
+    }
+
+    /// What the worker's state adds after "reported N s ago": nothing for a running worker,
+    /// " (stopped)", or " (gone: no report for N s)".
+    pub fn state_note(&self, now_ms: u64) -> String {
+        if self.stopped {
+            " (stopped)".into()
+        } else if self.gone(now_ms) {
+            format!(
+                " (gone: no report for {} s, its process was likely killed)",
+                now_ms.saturating_sub(self.written_ms) / 1000
+            )
+        } else {
+            String::new()
+        }
+    }
+
     /// The figures of the minutes at or after `since_minute`, summed.
     pub fn since(&self, since_minute: u64) -> MinuteFigures {
         let mut sum = MinuteFigures {
