@@ -5,5 +5,6 @@
 mod every_attribute_form;
 mod inbox_model;
 mod index_values;
+mod queue_events;
 mod shapes;
 mod short_names;

@@ -123,16 +123,24 @@ pub struct QueueEvent<T> {
     pub batch: Option<String>,
     /// Set by the constructors of a due time relative to now ([`QueueEvent::now`],
     /// [`QueueEvent::after`], [`QueueEvent::retried_after`]): the delay, counted at
-    /// publication from the store's clock (see "Due times" on [`QueueEvent`]).
+    /// publication from the store's clock (see "Due times" on [`QueueEvent`]). Opaque: it
+    /// goes along in struct update syntax (`QueueEvent { payload, ..event }`), and a struct
+    /// literal that names every field writes `relative: RelativeDue::default()` (the due time
+    /// is then `timestamp`, as given).
     #[serde(skip)]
-    relative: Option<Relative>,
+    pub relative: RelativeDue,
 }
 
-/// A due time given as a delay from now: `timestamp` as this host's clock estimated it, and the
-/// delay. At publication the delay is counted from the publishing transaction's time (the
-/// store's clock, the one workers compare due times with), unless the caller changed
-/// `timestamp` since: then the time it set is the due time.
-#[derive(Clone, Copy, Debug, PartialEq)]
+/// A due time given as a delay from now, as [`QueueEvent::now`], [`QueueEvent::after`] and
+/// [`QueueEvent::retried_after`] record it in [`QueueEvent::relative`]: `timestamp` as this
+/// host's clock estimated it, and the delay. At publication the delay is counted from the
+/// publishing transaction's time (the store's clock, the one workers compare due times with),
+/// unless the caller changed `timestamp` since: then the time it set is the due time. The
+/// default is none (the due time is `timestamp`). Never stored.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RelativeDue(Option<Relative>);
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Relative {
     estimate: i64,
     delay_ms: u64,
@@ -203,7 +211,7 @@ impl<T> QueueEvent<T> {
             max_attempts: None,
             workflow: None,
             batch: None,
-            relative: None,
+            relative: RelativeDue(None),
         }
     }
 
@@ -213,10 +221,10 @@ impl<T> QueueEvent<T> {
         let now_ms = chrono::Utc::now().timestamp_millis();
         let delay_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
         self.timestamp = due_second(now_ms, delay_ms);
-        self.relative = Some(Relative {
+        self.relative = RelativeDue(Some(Relative {
             estimate: self.timestamp,
             delay_ms,
-        });
+        }));
         self
     }
 
@@ -224,6 +232,7 @@ impl<T> QueueEvent<T> {
     /// set (the caller did not set `timestamp` since).
     pub(crate) fn delay_ms(&self) -> Option<u64> {
         self.relative
+            .0
             .filter(|r| r.estimate == self.timestamp)
             .map(|r| r.delay_ms)
     }
@@ -331,7 +340,7 @@ impl<T> QueueEvent<T> {
     pub fn rescheduled(self, timestamp: i64) -> Self {
         QueueEvent {
             timestamp,
-            relative: None,
+            relative: RelativeDue(None),
             ..self
         }
     }
@@ -355,7 +364,7 @@ impl<T> QueueEvent<T> {
         QueueEvent {
             payload,
             timestamp,
-            relative: None,
+            relative: RelativeDue(None),
             ..self
         }
     }
@@ -642,7 +651,7 @@ impl StoredEvent {
                 step: link.step.clone(),
             }),
             batch: self.batch.as_ref().map(|link| link.id.clone()),
-            relative: None,
+            relative: RelativeDue(None),
         })
     }
 }

@@ -109,7 +109,7 @@ use crate::event::publish::{check_meta, forget_event_id};
 pub use crate::event::{
     HandlerResult, MAX_JSON_DEPTH, MAX_OWNER_BYTES, MAX_QUEUE_EVENT_BYTES, MAX_RESULT_BYTES,
     MAX_URGENCY, ModelEvent, Published, QueueEvent, QueueHandlerOutcome, QueueHandlerResult,
-    QueueOwner, TitoOperation, Topic, URGENCY_STEP, partition_for,
+    QueueOwner, RelativeDue, TitoOperation, Topic, URGENCY_STEP, partition_for,
 };
 #[allow(deprecated)]
 pub use crate::event::{MAX_PRIORITY, PRIORITY_STEP};
