@@ -1726,3 +1726,44 @@ pub async fn a_batch_callbacks_taken_id_is_refused_or_fires_once_under_its_own<E
         InvocationState::Pending { .. }
     ));
 }
+
+/// Round-six defect 10: a `numbered()` batch whose children are built anew by each run (fresh
+/// ids from `QueueEvent::now`) and whose first publication failed part way gets exactly the
+/// missing children from the second; without `numbered()` the children need ids of their own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_numbered_batch_published_again_after_a_failure_adds_only_what_is_missing() {
+    use tito::engine::{Fault, FaultPoint, FaultRule, FaultyEngine};
+    let db = FaultyEngine::new(tito::backend::memory::Memory::new());
+    let graphs = Graphs::new(db.clone());
+    let jobs = topic(&db, "numbered", 4);
+    let batch = Batch::new("nightly").numbered();
+    // Each run of the job builds its list anew: every child a fresh id.
+    let build = || -> Vec<QueueEvent<Work>> {
+        (0..2_500)
+            .map(|n| QueueEvent::now(format!("doc-{n}"), Work { n }))
+            .collect()
+    };
+    // The open and the first 1,000 children commit; the next transaction fails.
+    db.faults().add(
+        FaultRule::new(FaultPoint::Commit, Fault::Storage)
+            .skip(2)
+            .times(1),
+    );
+    let failed = graphs.publish_batch(&batch, &jobs, &build()).await;
+    assert!(failed.is_err(), "{failed:?}");
+    let state = graphs.batch("nightly").await.unwrap().unwrap();
+    assert!(!state.closed);
+    assert_eq!(state.counts.added, 1_000);
+    let answers = graphs
+        .publish_batch(&batch, &jobs, &build())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(answers.len(), 2_500);
+    assert_eq!(answers.iter().filter(|a| a.duplicate).count(), 1_000);
+    assert_eq!(answers[7].id, "nightly.7");
+    let state = graphs.batch("nightly").await.unwrap().unwrap();
+    assert!(state.closed);
+    assert_eq!(state.counts.added, 2_500);
+    assert_eq!(crate::support::pending_total(&jobs).await, 2_500);
+}

@@ -81,6 +81,7 @@ pub struct Batch {
     id: String,
     callbacks: Vec<CallbackDecl>,
     refused: Option<String>,
+    numbered: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -97,12 +98,51 @@ impl Batch {
             id: id.into(),
             callbacks: Vec::new(),
             refused: None,
+            numbered: false,
         }
     }
 
     /// The batch's id.
     pub fn id(&self) -> &str {
         &self.id
+    }
+
+    /// Gives the children of [`Graphs::publish_batch`] and [`Graphs::publish_batch_in_tx`] the
+    /// event ids `{batch id}.{n}`, `n` their position in the list from 0, whatever ids their
+    /// events carry. A publication repeated after a failure then adds exactly what is missing
+    /// also when the children were built with fresh ids ([`QueueEvent::now`] makes a new one
+    /// each call), as long as the list is the same in the same order. (Children added with
+    /// [`Graphs::add_to_batch`] keep their own ids.)
+    ///
+    /// ```
+    /// use tito::queue::graph::Batch;
+    /// use tito::QueueEvent;
+    ///
+    /// let batch = Batch::new("nightly-2026-12-06").numbered();
+    /// // Built anew by each run of the job: child 0 is "nightly-2026-12-06.0" each time.
+    /// let children: Vec<QueueEvent<u32>> =
+    ///     (0..5000).map(|doc| QueueEvent::now(format!("doc-{doc}"), doc)).collect();
+    /// # let _ = (batch, children);
+    /// ```
+    pub fn numbered(mut self) -> Self {
+        self.numbered = true;
+        self
+    }
+
+    /// The checked children of a whole-list publication, numbered when the batch says so.
+    fn children<T: Serialize>(
+        &self,
+        events: &[QueueEvent<T>],
+        one_tx: bool,
+    ) -> TitoResult<Vec<ToPublish>> {
+        let mut items = checked(events, one_tx)?;
+        if self.numbered {
+            for (n, item) in items.iter_mut().enumerate() {
+                item.stored.id = format!("{}.{n}", self.id);
+                item.bytes = item.stored.to_bytes()?;
+            }
+        }
+        Ok(items)
     }
 
     /// Publishes `event` to `queue` once every child ended (see [`BatchCallback::Complete`]),
@@ -543,8 +583,10 @@ impl<E: TitoEngine> Graphs<E> {
     /// [`PUBLISH_BATCH_BYTES`](crate::queue::PUBLISH_BATCH_BYTES) each), the close in the
     /// last. No callback can fire before the close, so a failure part way leaves an open
     /// batch: publishing the same batch and events again adds what is missing (the rest are
-    /// duplicates by their ids, also those whose completed rows retention deleted since: a
-    /// batch keeps its children's ids until it expires) and closes it. A batch of its id there
+    /// duplicates by their ids: give the children ids of their own, or make the batch
+    /// [`Batch::numbered`], since [`QueueEvent::now`] makes a fresh id each time it is called;
+    /// also those whose completed rows retention deleted since: a batch keeps its children's
+    /// ids until it expires) and closes it. A batch of its id there
     /// and closed already is answered with `None` (nothing written), and so is one that
     /// another publication of it closed while this one ran (what this one added before is in
     /// it). For one transaction, with the data that caused it, use
@@ -556,7 +598,7 @@ impl<E: TitoEngine> Graphs<E> {
         events: &[QueueEvent<T>],
     ) -> TitoResult<Option<Vec<Published>>> {
         batch.check()?;
-        let items = checked(events, false)?;
+        let items = batch.children(events, false)?;
         let target = queue.graph_target();
         let id = batch.id.clone();
         // Opened now, or left open by a publication that failed part way: go on.
@@ -616,7 +658,7 @@ impl<E: TitoEngine> Graphs<E> {
         tx: &E::Transaction,
     ) -> TitoResult<Option<Vec<Published>>> {
         let callbacks = batch.check()?;
-        let items = checked(events, true)?;
+        let items = batch.children(events, true)?;
         let published = publish(tx, &batch.id, &callbacks, &queue.graph_target(), &items).await?;
         Ok(published.map(|(published, wakes)| {
             super::wake_after_commit(&self.db, tx, wakes);
