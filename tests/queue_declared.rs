@@ -40,6 +40,7 @@ macro_rules! queue_declared_suite {
                 a_declared_queue_starts_its_worker_and_schedules_in_one_call,
                 start_with_overrides_the_declared_worker,
                 a_transactional_drain_commits_writes_with_outcomes,
+                a_drain_runs_handlers_with_the_declared_workers_timeout,
             ]
         );
     };
@@ -836,4 +837,43 @@ pub async fn a_transactional_drain_commits_writes_with_outcomes<E: TitoEngine>(c
             .await
             .is_none()
     );
+}
+
+/// Round-six defect 9: a drain runs its handlers with the declared worker's settings, its
+/// handler timeout above all (a handler over it is a failed attempt, as under `Workers::start`).
+pub async fn a_drain_runs_handlers_with_the_declared_workers_timeout<E: TitoEngine>(ctx: Ctx<E>) {
+    let mail = spec()
+        .failure_policy(quick_policy(1))
+        .worker(WorkerConfig::new(0..2).handler_timeout(Duration::from_millis(100)))
+        .open(ctx.db.clone())
+        .await
+        .unwrap();
+    let slow = QueueEvent::now("ada", Mail::Digest);
+    let slow_id = slow.id.clone();
+    mail.publish(slow).await.unwrap();
+    let started = std::time::Instant::now();
+    let drained = drain_within(
+        &mail,
+        |_event: QueueEvent<Mail>| async {
+            tokio::time::sleep(Duration::from_secs(30)).await;
+            Ok(QueueHandlerOutcome::Acknowledge)
+        },
+        Duration::from_secs(20),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        (drained.failed, drained.dead, drained.cut_off),
+        (1, 1, 0),
+        "timed out by the declared 100 ms, not cut off by the drain: {drained:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "{:?}",
+        started.elapsed()
+    );
+    let outcome = settled(&mail, &slow_id, Duration::from_secs(1))
+        .await
+        .unwrap();
+    assert!(matches!(outcome, Settled::Dead { .. }), "{outcome:?}");
 }

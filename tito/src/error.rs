@@ -49,7 +49,13 @@ pub enum TitoError {
     /// The commit may or may not have taken effect (for example the connection broke after the
     /// commit request was sent). The closure is never run again after this error: reconcile
     /// against the stored state instead.
-    #[error("the outcome of the commit is unknown: {message}{}", cause(message, .source))]
+    #[error(
+        "the outcome of the commit is unknown (it may have applied; the closure is not run \
+         again): run the transaction with `RetryPolicy::default().resolve_unknown_outcomes()` \
+         to have it decided, or check the stored state before doing the work again: \
+         {message}{}",
+        cause(message, .source)
+    )]
     CommitOutcomeUnknown {
         /// What happened.
         message: String,

@@ -126,8 +126,8 @@ pub mod prelude {
     pub use crate::kv::Kv;
     pub use crate::model::{TitoModelTrait, TitoOperation, TitoOptions, TitoPage};
     pub use crate::queue::{
-        ModelEvent, Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, QueueOwner, Topic,
-        TopicQueue, WorkerConfig, Workers, run_transactional_worker, run_worker,
+        ModelEvent, Queue, QueueConfig, QueueEvent, QueueHandlerOutcome, QueueHandlerResult,
+        QueueOwner, Topic, TopicQueue, WorkerConfig, Workers, run_transactional_worker, run_worker,
     };
     pub use crate::{IndexValue, TitoEngine, TitoError, TitoModel, TitoResult, TitoTransaction};
 }

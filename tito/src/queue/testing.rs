@@ -84,7 +84,9 @@ pub struct Drained {
 }
 
 /// Runs a worker over every partition of `queue` with `handler` (and the queue's declared
-/// failure policy) until no pending row is due, or [`DRAIN_WITHIN`] has passed; returns what
+/// failure policy and worker settings: handler timeout, concurrency, page size, lease and
+/// outcome batching of [`QueueSpec::worker`](crate::queue::QueueSpec::worker)) until no
+/// pending row is due, or [`DRAIN_WITHIN`] has passed; returns what
 /// it did. Work the handler creates for now (a `Reschedule`, an `Advance`) runs too, and so do
 /// a failure policy's retries due before the drain's time is up (so a test sees attempts run
 /// out); other rows due later stay pending. Rows in a paused queue or partition are not waited
@@ -115,9 +117,11 @@ where
     Fut: Future<Output = QueueHandlerResult<T>> + Send + 'static,
 {
     let policy = queue.declared_failure_policy();
+    let declared = queue.declared_worker_config();
     drain_core(
         queue.into_queue(),
         policy,
+        declared,
         within,
         move |queue, config, cut| {
             let handler = move |event: QueueEvent<T>| CutOff::bound(cut.clone(), handler(event));
@@ -182,9 +186,11 @@ where
     Fut: Future<Output = QueueHandlerResult<T>> + Send + 'static,
 {
     let policy = queue.declared_failure_policy();
+    let declared = queue.declared_worker_config();
     drain_core(
         queue.into_queue(),
         policy,
+        declared,
         within,
         move |queue, config, cut| {
             let handler = move |event: QueueEvent<T>, tx: E::Transaction| {
@@ -236,6 +242,7 @@ type Started = (
 async fn drain_core<E: TitoEngine>(
     queue: Arc<Queue<E>>,
     policy: Option<super::FailurePolicy>,
+    declared: Option<WorkerConfig>,
     within: Duration,
     start: impl FnOnce(Arc<Queue<E>>, WorkerConfig, CutOff) -> Started,
 ) -> TitoResult<Drained> {
@@ -243,6 +250,16 @@ async fn drain_core<E: TitoEngine>(
     let mut config = WorkerConfig::new(0..queue.config().partitions)
         .max_idle_backoff(Duration::from_millis(10))
         .maintenance_interval(Duration::from_secs(3600));
+    // A declared worker's handler settings apply (its handler timeout above all); the drain
+    // keeps its own partitions (all), idle polling and maintenance.
+    if let Some(declared) = declared {
+        config.concurrency = declared.concurrency;
+        config.page_size = declared.page_size;
+        config.handler_timeout = declared.handler_timeout;
+        config.lease_duration = declared.lease_duration;
+        config.outcome_batch = declared.outcome_batch;
+        config.outcome_delay = declared.outcome_delay;
+    }
     config.failure_policy = policy;
     let before = queue.stats();
     let cut_off = CutOff {

@@ -480,6 +480,12 @@ pub trait WorkerQueue<E, T> {
         None
     }
 
+    /// The worker settings the queue was declared with ([`QueueSpec::worker`]), if any: a
+    /// drain ([`crate::queue::testing::drain`]) runs its handlers with them.
+    fn declared_worker_config(&self) -> Option<super::WorkerConfig> {
+        None
+    }
+
     /// The queue handle the worker runs on.
     fn into_queue(self) -> Arc<Queue<E>>;
 }
@@ -495,6 +501,10 @@ impl<E, T: DeserializeOwned> WorkerQueue<E, T> for TopicQueue<E, T> {
         self.failure_policy.clone()
     }
 
+    fn declared_worker_config(&self) -> Option<super::WorkerConfig> {
+        self.worker.clone()
+    }
+
     fn into_queue(self) -> Arc<Queue<E>> {
         self.queue
     }
@@ -503,6 +513,10 @@ impl<E, T: DeserializeOwned> WorkerQueue<E, T> for TopicQueue<E, T> {
 impl<E, T: DeserializeOwned> WorkerQueue<E, T> for &TopicQueue<E, T> {
     fn declared_failure_policy(&self) -> Option<FailurePolicy> {
         self.failure_policy.clone()
+    }
+
+    fn declared_worker_config(&self) -> Option<super::WorkerConfig> {
+        self.worker.clone()
     }
 
     fn into_queue(self) -> Arc<Queue<E>> {
