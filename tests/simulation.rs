@@ -18,7 +18,10 @@
 //! applied or not, storage errors, delays); time moving in jumps; crash loops of the store's
 //! clock (restarting from its persisted mark up to four times in a row, as PD's timestamp
 //! oracle does after a leader change: its lead over the wall clock stays bounded, and no event
-//! starts before its due time, or before its delay less what the clock jumped meanwhile).
+//! starts before its due time, or before its delay less what the clock jumped meanwhile); store
+//! moves of the store as it stands (copies and migrations at random batches, 1 included, with
+//! runs of skipped keys planted, kills, catch-ups and overwrites), checked key by key by an
+//! oracle of its own.
 //!
 //! Determinism: the seed is the only source of randomness (the engine's clock is the runtime's,
 //! retries jitter from the seed, event ids are chosen by the workload, every select in the
@@ -805,6 +808,8 @@ struct Sim {
     live_trace: bool,
     /// Workflows and batches, with a random stream of their own.
     graphs: GraphSim,
+    /// Store moves (copies and migrations of snapshots), with a random stream of their own.
+    moves: MoveSim,
 }
 
 fn inbox_config() -> InboxConfig<Db, SimTask> {
@@ -1328,12 +1333,21 @@ impl Sim {
             _ => {
                 let pause = 1 + self.rng.below(400);
                 // Now and then a graph action first (its own random stream).
-                let graph = if self.graphs.rng.chance(60) {
+                let mut graph = if self.graphs.rng.chance(60) {
                     let db = self.db.clone();
                     format!("{}; ", self.graphs.step(&db).await)
                 } else {
                     String::new()
                 };
+                // Now and then a store move of the store as it is (its own stream too).
+                if self.moves.rng.chance(25) {
+                    let (line, violation) = self.moves.step(self.db.inner()).await;
+                    self.checks += 1;
+                    if let Some(violation) = violation {
+                        self.violations.push(violation);
+                    }
+                    graph.push_str(&format!("{line}; "));
+                }
                 tokio::time::sleep(Duration::from_millis(pause)).await;
                 format!("{graph}sleep {pause}")
             }
@@ -2380,6 +2394,10 @@ async fn simulate(seed: u64, steps: u32) -> Report {
         shapes: ShapeSim::default(),
         live_trace: std::env::var_os("TITO_SIM_TRACE").is_some(),
         graphs: GraphSim::new(seed, &db_for_graphs),
+        moves: MoveSim {
+            rng: Rng(seed ^ 0xbb67_ae85_84ca_a73b),
+            destination: None,
+        },
     };
     // Rewrites start soon after the allowed version changes.
     tito::schema::set_write_grace(&sim.db, Duration::from_millis(200)).unwrap();
@@ -2460,7 +2478,7 @@ fn campaign(seeds: std::ops::Range<u64>) {
     let started = std::time::Instant::now();
     let (mut checks, mut faults, mut runs, mut published, mut dead) = (0, 0, 0u64, 0, 0);
     let (mut limited, mut excused, mut ticks, mut ordered) = (0, 0, 0, 0);
-    let (mut shape_rows, mut shape_rewrites) = (0, 0);
+    let (mut shape_rows, mut shape_rewrites, mut moves) = (0, 0, 0);
     let count = seeds.end - seeds.start;
     for seed in seeds {
         let report = run(seed, steps());
@@ -2476,6 +2494,11 @@ fn campaign(seeds: std::ops::Range<u64>) {
         ordered += report.priority_checks;
         shape_rows += report.shape_rows;
         shape_rewrites += report.shape_rewrites;
+        moves += report
+            .trace
+            .iter()
+            .filter(|l| l.contains("move copy") || l.contains("move migrate"))
+            .count();
     }
     let secs = started.elapsed().as_secs_f64();
     println!(
@@ -2484,7 +2507,8 @@ fn campaign(seeds: std::ops::Range<u64>) {
          {dead} dead after their last attempt, {limited} starts under limits ({excused} past \
          one after a clock jump), {ticks} periodic ticks, {ordered} first starts checked \
          against the priority order, {shape_rows} rows of a model changing shape read by both \
-         codes' checks, {shape_rewrites} shape rewrites finished by steps",
+         codes' checks, {shape_rewrites} shape rewrites finished by steps, {moves} store moves \
+         (copies and migrations at random batches) checked key by key",
         count as f64 / secs
     );
 }
@@ -2988,5 +3012,221 @@ impl GraphSim {
         }
         let t = self.tracker.lock().unwrap();
         (checks + t.checks, violations)
+    }
+}
+
+/// Store moves in the simulation: the store as it is now is read by the simulation's own
+/// paging into a frozen source (with runs of keys a copy skips planted between its keys), then
+/// copied or migrated with a random batch (1 included) and byte bound, into a fresh destination
+/// or over the last one (a catch-up or an overwrite), sometimes killed part way and resumed.
+/// The oracle shares nothing with the copy's ranges: every key the source holds, but for the
+/// copy record, the moved marker and holder keys, is in the destination with its value, and
+/// nothing else is; the destination's own holder keys stay.
+struct MoveSim {
+    rng: Rng,
+    destination: Option<Memory>,
+}
+
+/// Every key of `db`, read in one snapshot by plain paging.
+async fn every_key(db: &Memory) -> BTreeMap<Vec<u8>, Vec<u8>> {
+    let tx = db.begin().await.unwrap();
+    let mut out = BTreeMap::new();
+    let mut from = Vec::new();
+    loop {
+        let page = tx.scan(&from, &[], 256).await.unwrap();
+        let full = page.len() == 256;
+        for (key, value) in page {
+            from = key.clone();
+            from.push(0);
+            out.insert(key, value);
+        }
+        if !full {
+            break;
+        }
+    }
+    let _ = tx.rollback().await;
+    out
+}
+
+/// What a copy must carry of `keys`.
+fn carried(keys: &BTreeMap<Vec<u8>, Vec<u8>>) -> BTreeMap<&[u8], &[u8]> {
+    keys.iter()
+        .filter(|(key, _)| {
+            key.as_slice() != b"store-copy"
+                && key.as_slice() != b"store-moved"
+                && !tito::store::is_holder_key(key)
+        })
+        .map(|(k, v)| (k.as_slice(), v.as_slice()))
+        .collect()
+}
+
+fn move_store() -> Memory {
+    Memory::with_options(
+        MemoryOptions::new()
+            .clock(MemoryClock::Runtime { epoch_ms: EPOCH_MS })
+            .partitions(PARTITIONS),
+    )
+    .unwrap()
+}
+
+impl MoveSim {
+    async fn step(&mut self, live: &Memory) -> (String, Option<String>) {
+        use tito::store::{CopyOptions, Existing, MigrateOptions};
+        // The frozen source: the live store's keys, and runs of skipped keys among them.
+        let mut keys = every_key(live).await;
+        let migrate = self.rng.chance(30);
+        let runs = self.rng.below(4);
+        for run in 0..runs {
+            let length = if self.rng.chance(20) {
+                300 + self.rng.below(1200)
+            } else {
+                1 + self.rng.below(20)
+            };
+            let at = ["", "queue:", "queue@c:", "table:", "zz"][self.rng.below(5) as usize];
+            for i in 0..length {
+                let key = match self.rng.below(3) {
+                    0 => format!("{at}queue:lease:{run}{i:05}"),
+                    1 => format!("queue@m{run}:lease-expiry:{i:05}"),
+                    _ => format!("queue@m{run}:report:{i:05}"),
+                };
+                keys.insert(key.into_bytes(), b"holder".to_vec());
+            }
+        }
+        if !migrate && self.rng.chance(30) {
+            keys.insert(b"store-moved".to_vec(), b"{}".to_vec());
+        }
+        let source = move_store();
+        let pairs: Vec<(Vec<u8>, Vec<u8>)> = keys.clone().into_iter().collect();
+        for chunk in pairs.chunks(500) {
+            let chunk = chunk.to_vec();
+            source
+                .transaction(|tx| {
+                    let chunk = chunk.clone();
+                    async move {
+                        for (k, v) in chunk {
+                            tx.put(k, v).await?;
+                        }
+                        Ok::<_, TitoError>(())
+                    }
+                })
+                .await
+                .unwrap();
+        }
+        let batch = match self.rng.below(5) {
+            0 => 1,
+            1 => 1 + self.rng.below(8) as usize,
+            2 | 3 => 1 + self.rng.below(300) as usize,
+            _ => 1000,
+        };
+        let bytes = if self.rng.chance(25) {
+            1 + self.rng.below(2000) as usize
+        } else {
+            4 << 20
+        };
+        // Over the last destination (a catch-up or an overwrite), or a fresh one; the
+        // destination holds a lease of its own and a key the source lacks.
+        let reuse = self.destination.is_some() && self.rng.chance(50);
+        let destination = match (reuse, self.destination.take()) {
+            (true, Some(old)) => old,
+            _ => {
+                let fresh = move_store();
+                if self.rng.chance(50) {
+                    fresh
+                        .transaction(|tx| async move {
+                            tx.put(b"queue:lease:9999".to_vec(), b"theirs".to_vec())
+                                .await?;
+                            tx.put(b"zzzz-stale".to_vec(), b"1".to_vec()).await
+                        })
+                        .await
+                        .unwrap();
+                }
+                fresh
+            }
+        };
+        let theirs_before = crate::support::read(&destination, b"queue:lease:9999").await;
+        let existing = if reuse && self.rng.chance(50) {
+            Existing::Resume
+        } else {
+            Existing::Overwrite
+        };
+        let options = CopyOptions::new()
+            .batch(batch)
+            .batch_bytes(bytes)
+            .existing(existing);
+        let kill_after = if self.rng.chance(30) {
+            Some(self.rng.below(6))
+        } else {
+            None
+        };
+        let what = format!(
+            "{} batch {batch} bytes {bytes} {existing:?} runs {runs} kill {kill_after:?}",
+            if migrate { "migrate" } else { "copy" }
+        );
+        let result = if migrate {
+            tito::store::migrate(
+                &source,
+                &destination,
+                MigrateOptions::new("sim").copy(options),
+                |_| {},
+            )
+            .await
+            .map(|_| ())
+        } else {
+            let mut run = options.clone();
+            if let Some(kill_after) = kill_after {
+                // Killed: the copy's future is dropped after `kill_after` ranges (a kill
+                // stops it between any two awaits).
+                let stop = Arc::new(tokio::sync::Notify::new());
+                let fire = stop.clone();
+                let mut ranges = 0;
+                let first = tito::store::copy(&source, &destination, options.clone(), move |_| {
+                    ranges += 1;
+                    if ranges > kill_after {
+                        fire.notify_one();
+                    }
+                });
+                let killed = tokio::select! {
+                    biased;
+                    _ = stop.notified() => None,
+                    done = first => Some(done),
+                };
+                if let Some(Err(err)) = killed {
+                    return (
+                        format!("move {what}: failed"),
+                        Some(format!("move {what}: the copy failed: {err}")),
+                    );
+                }
+                // Killed (or finished): resumed from its cursor.
+                run = options.existing(Existing::Resume);
+            }
+            tito::store::copy(&source, &destination, run, |_| {})
+                .await
+                .map(|_| ())
+        };
+        if let Err(err) = result {
+            return (
+                format!("move {what}: failed"),
+                Some(format!("move {what}: {err}")),
+            );
+        }
+        let copied = every_key(&destination).await;
+        let (want, got) = (carried(&keys), carried(&copied));
+        let mut violation = None;
+        if want != got {
+            let missing = want.keys().filter(|k| got.get(*k) != want.get(*k)).count();
+            let extra = got.keys().filter(|k| !want.contains_key(*k)).count();
+            violation = Some(format!(
+                "move {what}: {} keys to carry, {} carried, {missing} missing or different, \
+                 {extra} extra",
+                want.len(),
+                got.len()
+            ));
+        } else if crate::support::read(&destination, b"queue:lease:9999").await != theirs_before {
+            violation = Some(format!(
+                "move {what}: the destination's own holder key changed"
+            ));
+        }
+        self.destination = Some(destination);
+        (format!("move {what}: {} keys", want.len()), violation)
     }
 }
