@@ -1413,19 +1413,43 @@ pub(crate) fn describe(err: &tikv_client::Error) -> String {
     }
 }
 
+/// A client error as [`describe`] words it, the client's own error as its source: a message
+/// that shows it prints the keys as Tito does, and code that walks the chain still finds the
+/// client's error.
+#[derive(Debug)]
+struct Described {
+    text: String,
+    inner: tikv_client::Error,
+}
+
+impl Described {
+    fn boxed(inner: tikv_client::Error) -> (String, Option<crate::error::BoxError>) {
+        let text = describe(&inner);
+        (text.clone(), Some(Box::new(Described { text, inner })))
+    }
+}
+
+impl std::fmt::Display for Described {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+impl std::error::Error for Described {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.inner)
+    }
+}
+
 /// Classifies an error of `commit()`.
 pub(crate) fn classify_commit(err: tikv_client::Error) -> TitoError {
     if matches!(err, tikv_client::Error::UndeterminedError(_)) {
-        return TitoError::CommitOutcomeUnknown {
-            message: describe(&err),
-            source: Some(Box::new(err)),
-        };
+        let (message, source) = Described::boxed(err);
+        return TitoError::CommitOutcomeUnknown { message, source };
     }
     if is_conflict(&err) {
-        return TitoError::Conflict {
-            message: describe(&err),
-            source: Some(Box::new(err)),
-        };
+        let (message, source) = Described::boxed(err);
+        return TitoError::Conflict { message, source };
     }
     if only_key_errors(&err) {
         return TitoError::storage("commit rejected", err);
@@ -1439,9 +1463,10 @@ pub(crate) fn classify_commit(err: tikv_client::Error) -> TitoError {
 /// Classifies an error of a read or a buffered write.
 fn classify_read(err: tikv_client::Error, what: &str) -> TitoError {
     if is_conflict(&err) {
+        let (text, source) = Described::boxed(err);
         return TitoError::Conflict {
-            message: format!("{what}: {}", describe(&err)),
-            source: Some(Box::new(err)),
+            message: format!("{what}: {text}"),
+            source,
         };
     }
     TitoError::storage(format!("TiKV {what}"), err)
