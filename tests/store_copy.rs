@@ -1480,3 +1480,66 @@ async fn an_overwrite_ignores_a_damaged_copy_record_and_a_resume_says_to_overwri
     carries_all(&from, &to, false, "overwritten").await;
     assert_eq!(super::support::read(&to, b"store-copy").await, None);
 }
+
+/// A move whose later pass failed (a storage error in the destination, or a mover killed
+/// during it) is, before the switch, called again and resumes: its first pass compares the
+/// destination whole instead of refusing it as a store that holds data.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_whose_later_pass_failed_resumes_when_called_again() {
+    use tito::engine::{Fault, FaultPoint, FaultRule, FaultyEngine};
+    for killed in [false, true] {
+        let from = Memory::new();
+        fill(&from, 200, 20).await;
+        let to = FaultyEngine::new(Memory::new());
+        let options = || {
+            tito::store::MigrateOptions::new("b")
+                .copy(CopyOptions::new().batch(5))
+                .settle_keys(1)
+        };
+        let (from_task, to_task) = (from.clone(), to.clone());
+        let failed = {
+            let task = tokio::spawn(async move {
+                let faults = to_task.clone();
+                let writer = from_task.clone();
+                let mut wrote = false;
+                tito::store::migrate(&from_task, &to_task, options(), move |p| {
+                    // Writes during the first pass, so that the move runs a second one.
+                    if p.pass == 1 && p.keys_read > 0 && !wrote {
+                        wrote = true;
+                        let model = writer.clone().model::<CopiedUser>();
+                        tokio::task::block_in_place(|| {
+                            tokio::runtime::Handle::current().block_on(async {
+                                for i in 0..5 {
+                                    model.build(user(20_000 + i)).await.unwrap();
+                                }
+                            })
+                        });
+                    }
+                    if p.pass == 2 {
+                        if killed {
+                            panic!("the mover is killed in its second pass");
+                        }
+                        faults
+                            .faults()
+                            .add(FaultRule::new(FaultPoint::Commit, Fault::Storage).always());
+                    }
+                })
+                .await
+            });
+            task.await
+        };
+        match (killed, failed) {
+            (true, Err(join)) => assert!(join.is_panic()),
+            (false, Ok(Err(err))) => assert!(err.to_string().contains("injected"), "{err}"),
+            (_, other) => panic!("killed {killed}: {other:?}"),
+        }
+        to.faults().clear();
+        assert_eq!(tito::store::moved(&from).await.unwrap(), None);
+        let report = tito::store::migrate(&from, &to, options(), |_| {})
+            .await
+            .unwrap_or_else(|err| panic!("killed {killed}: {err}"));
+        assert!(report.progress.resumed, "{report:?}");
+        carries_all(&from, to.inner(), false, &format!("killed {killed}")).await;
+        assert_eq!(super::support::read(to.inner(), b"store-copy").await, None);
+    }
+}

@@ -753,6 +753,19 @@ fn reads_a_seeded_store(store: &[&str], run_line: &dyn Fn(&str) -> Output) {
     let key = tito::keys::row_key("user", "a:b");
     let decoded = stdout_json(&run(&["keys", "decode", &key, "--json"]));
     assert_eq!(decoded, serde_json::json!(["table", "user", "a:b"]));
+    // The quoted form other commands print, of a text key and of one that is not UTF-8 (as
+    // `store verify` names it), its own help's example included.
+    let quoted = tito::keys::display_key(key.as_bytes());
+    let decoded = stdout_json(&run(&["keys", "decode", &quoted, "--json"]));
+    assert_eq!(decoded, serde_json::json!(["table", "user", "a:b"]));
+    for (printed, segments) in [
+        (r#""\xff\u{1}k""#, serde_json::json!([r#""\xff\u{1}k""#])),
+        (r#""x:\xfe\0\"""#, serde_json::json!(["x", r#""\xfe\0\"""#])),
+    ] {
+        let decoded = run(&["keys", "decode", printed, "--json"]);
+        assert!(decoded.status.success(), "{printed}: {}", stderr(&decoded));
+        assert_eq!(stdout_json(&decoded), segments, "{printed}");
+    }
 
     // Bad input is refused with the library's message.
     let zero = at(&["table", "scan", "user", "--limit", "0"]);
@@ -3212,7 +3225,13 @@ async fn the_cli_copies_a_store_between_engines_and_verifies_it() {
     source.close().await.unwrap();
     drop(source);
     let small = run(&[
-        "store", "copy", "--overwrite", "--batch", "3", &from, &to_sqlite,
+        "store",
+        "copy",
+        "--overwrite",
+        "--batch",
+        "3",
+        &from,
+        &to_sqlite,
     ]);
     assert!(small.status.success(), "{}", stderr(&small));
     let check = run(&["store", "verify", &from, &to_sqlite]);

@@ -1318,19 +1318,33 @@ pub fn inbox_bad_key(table: &str, id: &str) -> String {
 }
 
 /// A storage key shown as its segments, each decoded from its string encoding where it is
-/// one (numbers stay as their digits). A key that is not UTF-8 is refused.
+/// one (numbers stay as their digits). The key is given as it is, or in the quoted form keys
+/// are printed in ([`keys::display_key`]); a segment that is not UTF-8 text (no key Tito
+/// writes has one) is shown in that quoted form.
 ///
 /// ```
 /// // The row key of id `a:1` in table `user` (`:` and the digit escaped in the segment).
 /// let key = "table:user:a;<;1";
 /// assert_eq!(tito::inspect::key_segments(key.as_bytes()).unwrap(), ["table", "user", "a:1"]);
+/// // A key that is not UTF-8 text, as other commands print it.
+/// let printed = r#""table:\xff\u{1}k""#;
+/// assert_eq!(tito::inspect::key_segments(printed.as_bytes()).unwrap(), ["table", r#""\xff\u{1}k""#]);
 /// ```
 pub fn key_segments(key: &[u8]) -> TitoResult<Vec<String>> {
     // The quoted form the other commands print a key in (`"\xff..."`), or the key itself.
     let owned = std::str::from_utf8(key)
         .ok()
         .and_then(keys::parse_display_key);
-    let text = keys::key_str(owned.as_deref().unwrap_or(key))?;
+    let key = owned.as_deref().unwrap_or(key);
+    let Ok(text) = std::str::from_utf8(key) else {
+        return Ok(key
+            .split(|&byte| byte == b':')
+            .map(|segment| match std::str::from_utf8(segment) {
+                Ok(text) => keys::decode_str(text).unwrap_or_else(|_| text.to_string()),
+                Err(_) => keys::display_key(segment),
+            })
+            .collect());
+    };
     Ok(keys::segments(text)
         .map(|segment| keys::decode_str(segment).unwrap_or_else(|_| segment.to_string()))
         .collect())

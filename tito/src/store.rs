@@ -544,6 +544,19 @@ pub async fn migrate<S: TitoEngine, D: TitoEngine>(
                 copy(from, to, options, &mut report_progress).await?
             }
         };
+        // Until the move finishes, the destination says that a copy of the source is under
+        // way (a cursor before the first key: a resume compares it whole), so a move called
+        // again after a later pass failed, or its mover was killed, resumes instead of being
+        // refused as a store that holds data.
+        let record = serde_json::to_vec(&CopyRecord {
+            cursor: Vec::new(),
+            snapshot_version: report.snapshot_version,
+        })?;
+        to.transaction(|tx| {
+            let record = record.clone();
+            async move { tx.put(COPY_RECORD_KEY.to_vec(), record).await }
+        })
+        .await?;
         let p = &report.progress;
         totals.pass = this;
         totals.keys_read += p.keys_read;
@@ -551,7 +564,8 @@ pub async fn migrate<S: TitoEngine, D: TitoEngine>(
         totals.keys_deleted += p.keys_deleted;
         totals.bytes_written += p.bytes_written;
         totals.total_keys = totals.total_keys.or(p.total_keys);
-        totals.resumed |= p.resumed;
+        // Later passes resume the move's own record: only the first says an earlier call's.
+        totals.resumed |= p.resumed && this == 1;
         totals.cursor = p.cursor.clone();
         Ok((p.keys_written + p.keys_deleted, report.snapshot_version))
     };
@@ -653,6 +667,8 @@ pub async fn migrate<S: TitoEngine, D: TitoEngine>(
         // The marker says the move finished, so a call made again later (the application
         // already writes to the new store) copies nothing over the new store's writes.
         Ok(done) => {
+            to.transaction(|tx| async move { tx.delete(COPY_RECORD_KEY.to_vec()).await })
+                .await?;
             let marker = serde_json::to_vec(&Moved {
                 finished_ms: Some(version_millis(from.current_version().await?)),
                 ..moved.clone()

@@ -295,8 +295,9 @@ impl<T> QueueEvent<T> {
     ///
     /// The rule: pending rows are ordered by their due time less `urgency` ×
     /// [`URGENCY_STEP`] (one minute), so among due invocations of a partition an urgency-9
-    /// one runs before an urgency-0 one that became due up to nine minutes earlier, and after
-    /// one that has waited longer. A less urgent invocation therefore never waits more than
+    /// one runs before an urgency-0 one that became due less than nine minutes earlier, and
+    /// after one that has waited longer (rows ordered at the same second run in the order they
+    /// were enqueued). A less urgent invocation therefore never waits more than
     /// [`MAX_URGENCY`] minutes behind more urgent ones that keep arriving (ageing). An
     /// invocation never runs before its own due time, whatever its urgency.
     ///
