@@ -1319,7 +1319,7 @@ pub fn inbox_bad_key(table: &str, id: &str) -> String {
 
 /// A storage key shown as its segments, each decoded from its string encoding where it is
 /// one (numbers stay as their digits). The key is given as it is, or in the quoted form keys
-/// are printed in ([`keys::display_key`]); a segment that is not UTF-8 text (no key Tito
+/// are printed in (`"\xff\u{1}k"`); a segment that is not UTF-8 text (no key Tito
 /// writes has one) is shown in that quoted form.
 ///
 /// ```
