@@ -30,6 +30,7 @@ macro_rules! queue_suite {
             queue,
             [
                 the_seed_sample_works,
+                a_backlog_in_one_partition_leaves_handlers_for_the_others,
                 publication_joins_the_callers_transaction,
                 model_writes_publish_their_events,
                 declared_events_follow_the_write,
@@ -3247,5 +3248,54 @@ pub async fn null_and_deep_results_read_back_and_deeper_ones_are_refused<E: Tito
             ))
             .await
             .is_ok()
+    );
+}
+
+/// Promise Q-WRK-41: a worker shares its handlers among its due partitions and begins each
+/// round of pulls with another one, so a partition holding 100 times the others' rows does
+/// not keep them waiting: every row of the light partitions starts within the first rounds
+/// (one per due partition per round at least, while as many handlers are free), not after
+/// the backlog.
+pub async fn a_backlog_in_one_partition_leaves_handlers_for_the_others<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    let queue = queue(&ctx.db, 4);
+    let key_in = |partition: u32, n: u32| {
+        (0..)
+            .map(|i| format!("p{partition}-{n}-{i}"))
+            .find(|key| tito::queue::partition_for(key, 4) == partition)
+            .unwrap()
+    };
+    let t = now();
+    let mut events = Vec::new();
+    for n in 0..200 {
+        events.push(QueueEvent::new(key_in(0, n), Job { n }, t));
+    }
+    for partition in 1..4 {
+        for n in 0..2 {
+            events.push(QueueEvent::new(key_in(partition, n), Job { n: 1000 * partition + n }, t));
+        }
+    }
+    queue.publish_many(&events).await.unwrap();
+    let order: Arc<Mutex<Vec<u32>>> = Arc::default();
+    let log = order.clone();
+    let worker = start(&queue, fast(0..4).concurrency(4), move |event: QueueEvent<Job>| {
+        let log = log.clone();
+        async move {
+            log.lock().unwrap().push(event.payload.n);
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            Ok(QueueHandlerOutcome::Acknowledge)
+        }
+    });
+    drained(&queue, 206).await;
+    worker.stop().await;
+    let order = order.lock().unwrap().clone();
+    let last_light = order.iter().rposition(|n| *n >= 1000).unwrap();
+    // Six light rows over three partitions: with a share per due partition per round (four
+    // handlers, four partitions), they are done within a few rounds of four starts.
+    assert!(
+        last_light < 40,
+        "the light partitions' last row started {}th of 206: {order:?}",
+        last_light + 1
     );
 }

@@ -78,6 +78,9 @@ pub(super) struct Pulling {
     /// the key is first polled after it, so a key's handlers first run in the order they were
     /// started (the order of their rows), whatever order the runtime polls tasks in.
     first_polls: HashMap<String, super::handler::FirstPolled>,
+    /// The partition the last round of pulls began with: the next round begins after it, so
+    /// every due partition is first in turn.
+    first_last_round: Option<u32>,
 }
 
 /// Past this many keys, the record of handlers' first polls drops the keys whose last handler
@@ -127,6 +130,7 @@ impl Pulling {
             claim: false,
             waiting: HashMap::new(),
             first_polls: HashMap::new(),
+            first_last_round: None,
         }
     }
 
@@ -191,6 +195,16 @@ impl Pulling {
             .map(|(p, _)| *p)
             .collect();
         due.sort_unstable();
+        // Each round begins with the partition after the one the last began with, and gives
+        // each due partition its share of the free handlers (below): a partition with a
+        // backlog never takes every handler while another has due rows.
+        if let Some(last) = self.first_last_round {
+            let after = due.iter().position(|p| *p > last).unwrap_or(0);
+            due.rotate_left(after);
+        }
+        if let Some(first) = due.first() {
+            self.first_last_round = Some(*first);
+        }
         let gate_before = self.gate.clone();
         // Read while partitions are due, and while handlers run (new limits count them).
         if (!due.is_empty() || !in_flight.is_empty())
@@ -221,14 +235,18 @@ impl Pulling {
         }
         let counters = queue.counters();
         self.cooling.prune(self.max_idle_backoff);
-        for partition in due {
+        let rounds = due.len();
+        for (turn, partition) in due.into_iter().enumerate() {
             // Handler slots: outcomes waiting in the outcome window hold none (their rows stay
             // in flight, so no pull returns them again).
             let free = self.concurrency.saturating_sub(handlers.len());
             if free == 0 || stop.requested() || Instant::now() >= fresh_until {
                 return;
             }
-            let mut want = free.min(self.page_size);
+            // This partition's share of the free handlers: what is left over (a partition
+            // that found less than its share) goes to the partitions after it.
+            let share = free.div_ceil(rounds - turn);
+            let mut want = share.min(self.page_size);
             let state = self.partitions.get_mut(&partition).expect("due partition");
             if let Some(limit) = self.gate.limits().concurrency {
                 // This worker's own slots count against the queue's limit: pull no more than
