@@ -3256,9 +3256,7 @@ pub async fn null_and_deep_results_read_back_and_deeper_ones_are_refused<E: Tito
 /// not keep them waiting: every row of the light partitions starts within the first rounds
 /// (one per due partition per round at least, while as many handlers are free), not after
 /// the backlog.
-pub async fn a_backlog_in_one_partition_leaves_handlers_for_the_others<E: TitoEngine>(
-    ctx: Ctx<E>,
-) {
+pub async fn a_backlog_in_one_partition_leaves_handlers_for_the_others<E: TitoEngine>(ctx: Ctx<E>) {
     let queue = queue(&ctx.db, 4);
     let key_in = |partition: u32, n: u32| {
         (0..)
@@ -3273,20 +3271,30 @@ pub async fn a_backlog_in_one_partition_leaves_handlers_for_the_others<E: TitoEn
     }
     for partition in 1..4 {
         for n in 0..2 {
-            events.push(QueueEvent::new(key_in(partition, n), Job { n: 1000 * partition + n }, t));
+            events.push(QueueEvent::new(
+                key_in(partition, n),
+                Job {
+                    n: 1000 * partition + n,
+                },
+                t,
+            ));
         }
     }
     queue.publish_many(&events).await.unwrap();
     let order: Arc<Mutex<Vec<u32>>> = Arc::default();
     let log = order.clone();
-    let worker = start(&queue, fast(0..4).concurrency(4), move |event: QueueEvent<Job>| {
-        let log = log.clone();
-        async move {
-            log.lock().unwrap().push(event.payload.n);
-            tokio::time::sleep(Duration::from_millis(2)).await;
-            Ok(QueueHandlerOutcome::Acknowledge)
-        }
-    });
+    let worker = start(
+        &queue,
+        fast(0..4).concurrency(4),
+        move |event: QueueEvent<Job>| {
+            let log = log.clone();
+            async move {
+                log.lock().unwrap().push(event.payload.n);
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                Ok(QueueHandlerOutcome::Acknowledge)
+            }
+        },
+    );
     drained(&queue, 206).await;
     worker.stop().await;
     let order = order.lock().unwrap().clone();
