@@ -41,6 +41,7 @@ macro_rules! queue_declared_suite {
                 start_with_overrides_the_declared_worker,
                 a_transactional_drain_commits_writes_with_outcomes,
                 a_drain_runs_handlers_with_the_declared_workers_timeout,
+                a_replayed_transactional_handler_is_counted,
             ]
         );
     };
@@ -876,4 +877,48 @@ pub async fn a_drain_runs_handlers_with_the_declared_workers_timeout<E: TitoEngi
         .await
         .unwrap();
     assert!(matches!(outcome, Settled::Dead { .. }), "{outcome:?}");
+}
+
+/// Issue 60: a transactional handler whose transaction conflicts is called again (a replay),
+/// and the replay is counted (`Drained::replayed`, `QueueStats::replayed`); its writes commit
+/// once, with the outcome.
+pub async fn a_replayed_transactional_handler_is_counted<E: TitoEngine>(ctx: Ctx<E>) {
+    use tito::TitoTransaction;
+    let mail = spec().open(ctx.db.clone()).await.unwrap();
+    mail.publish(QueueEvent::now("k", Mail::Digest))
+        .await
+        .unwrap();
+    let key = ctx.key("replayed:counter");
+    let calls = Arc::new(AtomicUsize::new(0));
+    let (db, seen) = (ctx.db.clone(), calls.clone());
+    let drained = drain_transactional(&mail, move |_event: QueueEvent<Mail>, tx| {
+        let (db, key, seen) = (db.clone(), key.clone(), seen.clone());
+        async move {
+            let before = tx.get(&key).await?;
+            tx.put(key.clone(), b"handler".to_vec()).await?;
+            if seen.fetch_add(1, Ordering::SeqCst) == 0 {
+                // Another transaction writes the key this one read and wrote, and commits
+                // first: this one conflicts at its commit and the handler runs again.
+                let other = key.clone();
+                db.transaction(|other_tx| {
+                    let other = other.clone();
+                    async move { other_tx.put(other, b"other".to_vec()).await }
+                })
+                .await?;
+            }
+            let _ = before;
+            Ok(QueueHandlerOutcome::Acknowledge)
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(calls.load(Ordering::SeqCst), 2, "{drained:?}");
+    assert_eq!(
+        (drained.acknowledged, drained.replayed),
+        (1, 1),
+        "{drained:?}"
+    );
+    assert_eq!(mail.queue().stats().replayed, 1);
+    let stored = crate::support::read(&ctx.db, &ctx.key("replayed:counter")).await;
+    assert_eq!(stored.as_deref(), Some(&b"handler"[..]));
 }

@@ -28,6 +28,7 @@
 //! | `tito_queue_limited_total` | counter | `queue` | runnable invocations that waited for a concurrency slot |
 //! | `tito_queue_rate_limited_total` | counter | `queue` | invocations a rate limit moved to a later due time |
 //! | `tito_queue_outcome_failures_total` | counter | `queue` | outcomes not applied (transaction not committed, lease lost, row cancelled or erased meanwhile) |
+//! | `tito_queue_replayed_total` | counter | `queue` | transactional handler calls run again: their transaction conflicted (with another transaction's write of a key it read or wrote) or its unknown outcome was resolved as not applied |
 //! | `tito_queue_malformed_total` | counter | `queue` | pending rows that do not decode (left in place) |
 //! | `tito_queue_expired_total` | counter | `queue` | completed rows deleted by retention |
 //! | `tito_queue_handler_seconds` | histogram | `queue` | handler run time, to its report |
@@ -98,6 +99,8 @@ pub mod names {
     pub const QUEUE_RATE_LIMITED: &str = "tito_queue_rate_limited_total";
     /// See the table in [`crate::telemetry`].
     pub const QUEUE_OUTCOME_FAILURES: &str = "tito_queue_outcome_failures_total";
+    /// Transactional handler calls run again because their transaction did not commit.
+    pub const QUEUE_REPLAYED: &str = "tito_queue_replayed_total";
     /// See the table in [`crate::telemetry`].
     pub const QUEUE_MALFORMED: &str = "tito_queue_malformed_total";
     /// See the table in [`crate::telemetry`].
@@ -148,6 +151,7 @@ pub mod names {
         QUEUE_LIMITED,
         QUEUE_RATE_LIMITED,
         QUEUE_OUTCOME_FAILURES,
+        QUEUE_REPLAYED,
         QUEUE_MALFORMED,
         QUEUE_EXPIRED,
         QUEUE_HANDLER_SECONDS,
@@ -197,6 +201,10 @@ pub fn describe() {
     );
     describe_counter!(QUEUE_DEAD, "Queue invocations moved to the dead state");
     describe_counter!(QUEUE_OUTCOME_FAILURES, "Queue outcomes not applied");
+    describe_counter!(
+        QUEUE_REPLAYED,
+        "Transactional handler calls run again after their transaction conflicted"
+    );
     describe_counter!(QUEUE_MALFORMED, "Pending rows that do not decode");
     describe_counter!(QUEUE_EXPIRED, "Completed rows deleted by retention");
     describe_histogram!(QUEUE_HANDLER_SECONDS, Unit::Seconds, "Handler run time");

@@ -364,6 +364,10 @@ crate::counters::counters! {
         limited,
         /// Invocations a rate limit moved to a later due time.
         rate_limited,
+        /// Transactional handler calls run again because their transaction did not commit (a
+        /// conflict, or an unknown outcome resolved as not applied): the handler ran more
+        /// than once for one attempt of its invocation.
+        replayed,
     }
 }
 
@@ -443,6 +447,11 @@ impl<E: TitoEngine> Queue<E> {
 
     pub(crate) fn counters(&self) -> &QueueCounters {
         &self.stats
+    }
+
+    /// The counters, shared (for what outlives a borrow of the handle).
+    pub(crate) fn shared_counters(&self) -> Arc<QueueCounters> {
+        self.stats.clone()
     }
 
     pub(crate) fn root(&self) -> &str {

@@ -70,6 +70,9 @@ pub struct Drained {
     pub retried: u64,
     /// Invocations a failure policy moved to the dead state.
     pub dead: u64,
+    /// Transactional handler calls run again because their transaction did not commit (a
+    /// conflict replays the handler; see the guide's Transactional handlers).
+    pub replayed: u64,
     /// Pending rows due when the drain ended (rows whose handler fails without a failure
     /// policy stay due: they are counted here once the drain's time is up; so are rows a pause
     /// holds).
@@ -294,6 +297,7 @@ async fn drain_core<E: TitoEngine>(
         failed: delta(|s| s.failed),
         retried: delta(|s| s.retried),
         dead: delta(|s| s.dead),
+        replayed: delta(|s| s.replayed),
         still_due,
         cut_off: cut_off.count.load(Ordering::Relaxed),
         paused,

@@ -247,14 +247,21 @@ where
     // The handler's writes and its outcome commit together; an unknown outcome is resolved
     // (applied: done; proven not applied: the handler runs again in a new transaction).
     let policy = db.retry_policy().resolving();
+    let (counters, label) = (queue.shared_counters(), queue.label().to_string());
     Arc::new(move |running: Running, event: QueueEvent<T>| {
         let (handler, db, root, owner) = (handler.clone(), db.clone(), root.clone(), owner.clone());
         let (pulled, generation) = (running.pulled.clone(), running.generation);
         let policy = policy.clone();
+        let (counters, label) = (counters.clone(), label.clone());
         Box::pin(async move {
             let waker = db.clone();
+            // How often the handler was called for this attempt: more than once when its
+            // transaction was replayed.
+            let calls = Arc::new(std::sync::atomic::AtomicU64::new(0));
+            let called = calls.clone();
             let work = db.transaction_with(policy, |tx| {
                 let waker = waker.clone();
+                let called = called.clone();
                 let (handler, event, pulled, root, owner) = (
                     handler.clone(),
                     event.clone(),
@@ -266,6 +273,7 @@ where
                     if cancelled_before_start() {
                         return Err(Rolled::Evidence(cancelled_unstarted(&pulled.key)));
                     }
+                    called.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     let outcome = first_polled(handler(event, tx.clone())).await?;
                     let next =
                         successor(&pulled.stored, &outcome).map_err(TitoError::InvalidArgument)?;
@@ -317,6 +325,14 @@ where
                 Ok(Err(evidence)) => Report::Failed(Failure::of_worker(evidence)),
                 Err(failure) => Report::Failed(failure),
             };
+            let replays = calls
+                .load(std::sync::atomic::Ordering::Relaxed)
+                .saturating_sub(1);
+            if replays > 0 {
+                crate::queue::QueueCounters::bump(&counters.replayed, replays);
+                metrics::counter!(crate::telemetry::names::QUEUE_REPLAYED, "queue" => label)
+                    .increment(replays);
+            }
             (running, report)
         })
     })
