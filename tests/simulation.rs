@@ -3027,39 +3027,6 @@ struct MoveSim {
     destination: Option<Memory>,
 }
 
-/// Every key of `db`, read in one snapshot by plain paging.
-async fn every_key(db: &Memory) -> BTreeMap<Vec<u8>, Vec<u8>> {
-    let tx = db.begin().await.unwrap();
-    let mut out = BTreeMap::new();
-    let mut from = Vec::new();
-    loop {
-        let page = tx.scan(&from, &[], 256).await.unwrap();
-        let full = page.len() == 256;
-        for (key, value) in page {
-            from = key.clone();
-            from.push(0);
-            out.insert(key, value);
-        }
-        if !full {
-            break;
-        }
-    }
-    let _ = tx.rollback().await;
-    out
-}
-
-/// What a copy must carry of `keys`.
-fn carried(keys: &BTreeMap<Vec<u8>, Vec<u8>>) -> BTreeMap<&[u8], &[u8]> {
-    keys.iter()
-        .filter(|(key, _)| {
-            key.as_slice() != b"store-copy"
-                && key.as_slice() != b"store-moved"
-                && !tito::store::is_holder_key(key)
-        })
-        .map(|(k, v)| (k.as_slice(), v.as_slice()))
-        .collect()
-}
-
 fn move_store() -> Memory {
     Memory::with_options(
         MemoryOptions::new()
@@ -3073,7 +3040,7 @@ impl MoveSim {
     async fn step(&mut self, live: &Memory) -> (String, Option<String>) {
         use tito::store::{CopyOptions, Existing, MigrateOptions};
         // The frozen source: the live store's keys, and runs of skipped keys among them.
-        let mut keys = every_key(live).await;
+        let mut keys = crate::support::every_key(live).await;
         let migrate = self.rng.chance(30);
         let runs = self.rng.below(4);
         for run in 0..runs {
@@ -3209,8 +3176,9 @@ impl MoveSim {
                 Some(format!("move {what}: {err}")),
             );
         }
-        let copied = every_key(&destination).await;
-        let (want, got) = (carried(&keys), carried(&copied));
+        let copied = crate::support::every_key(&destination).await;
+        let want = crate::support::carried(&keys, false);
+        let got = crate::support::carried(&copied, false);
         let mut violation = None;
         if want != got {
             let missing = want.keys().filter(|k| got.get(*k) != want.get(*k)).count();

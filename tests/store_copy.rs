@@ -1159,47 +1159,10 @@ async fn a_copy_onto_a_full_disk_fails_clearly_and_resumes_once_space_is_freed()
     }
 }
 
-/// Every key of `db`, read in one snapshot by the test's own paging: an oracle that shares no
-/// code with the copy's ranges (how a range ends, what it skips).
-async fn every_key<E: TitoEngine>(db: &E) -> std::collections::BTreeMap<Vec<u8>, Vec<u8>> {
-    let tx = db.begin().await.unwrap();
-    let mut out = std::collections::BTreeMap::new();
-    let mut from = Vec::new();
-    loop {
-        let page = tx.scan(&from, &[], 100).await.unwrap();
-        let full = page.len() == 100;
-        for (key, value) in page {
-            from = key.clone();
-            from.push(0);
-            out.insert(key, value);
-        }
-        if !full {
-            break;
-        }
-    }
-    let _ = tx.rollback().await;
-    out
-}
-
-/// The keys a copy must carry: all but the copy's own record, a moved marker and (unless
-/// `holders`) the keys that say who runs what now.
-fn carried(
-    keys: &std::collections::BTreeMap<Vec<u8>, Vec<u8>>,
-    holders: bool,
-) -> std::collections::BTreeMap<Vec<u8>, Vec<u8>> {
-    keys.iter()
-        .filter(|(key, _)| {
-            key.as_slice() != b"store-copy"
-                && key.as_slice() != b"store-moved"
-                && (holders || !tito::store::is_holder_key(key))
-        })
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect()
-}
-
 /// Asserts that `to` carries every key of `from` a copy must carry, and nothing else of the
 /// kind (holder keys of its own may stay).
 async fn carries_all<S: TitoEngine, D: TitoEngine>(from: &S, to: &D, holders: bool, what: &str) {
+    use crate::support::{carried, every_key};
     let (source, copied) = (every_key(from).await, every_key(to).await);
     let (want, got) = (carried(&source, holders), carried(&copied, holders));
     let missing: Vec<_> = want

@@ -364,3 +364,41 @@ macro_rules! engine_suite {
         )*
     };
 }
+
+/// Every key of `db`, read in one snapshot by plain paging: an oracle for store moves that
+/// shares no code with the copy's ranges (how a range ends, what it skips).
+pub async fn every_key<E: TitoEngine>(db: &E) -> std::collections::BTreeMap<Vec<u8>, Vec<u8>> {
+    let tx = db.begin().await.unwrap();
+    let mut out = std::collections::BTreeMap::new();
+    let mut from = Vec::new();
+    loop {
+        let page = tx.scan(&from, &[], 100).await.unwrap();
+        let full = page.len() == 100;
+        for (key, value) in page {
+            from = key.clone();
+            from.push(0);
+            out.insert(key, value);
+        }
+        if !full {
+            break;
+        }
+    }
+    let _ = tx.rollback().await;
+    out
+}
+
+/// The keys a copy must carry of `keys`: all but the copy's own record, a moved marker and
+/// (unless `holders`) the keys that say who runs what now.
+pub fn carried(
+    keys: &std::collections::BTreeMap<Vec<u8>, Vec<u8>>,
+    holders: bool,
+) -> std::collections::BTreeMap<Vec<u8>, Vec<u8>> {
+    keys.iter()
+        .filter(|(key, _)| {
+            key.as_slice() != b"store-copy"
+                && key.as_slice() != b"store-moved"
+                && (holders || !tito::store::is_holder_key(key))
+        })
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect()
+}
