@@ -3064,21 +3064,7 @@ impl MoveSim {
         }
         let source = move_store();
         let pairs: Vec<(Vec<u8>, Vec<u8>)> = keys.clone().into_iter().collect();
-        for chunk in pairs.chunks(500) {
-            let chunk = chunk.to_vec();
-            source
-                .transaction(|tx| {
-                    let chunk = chunk.clone();
-                    async move {
-                        for (k, v) in chunk {
-                            tx.put(k, v).await?;
-                        }
-                        Ok::<_, TitoError>(())
-                    }
-                })
-                .await
-                .unwrap();
-        }
+        crate::support::put_all(&source, &pairs).await;
         let batch = match self.rng.below(5) {
             0 => 1,
             1 => 1 + self.rng.below(8) as usize,

@@ -1299,20 +1299,7 @@ async fn copies_and_resumes_at_random_batches_over_runs_of_skipped_keys_lose_not
         keys.push((b"store-copy".to_vec(), b"{not a record".to_vec()));
         keys.push((b"zz-last".to_vec(), b"z".to_vec()));
         keys.sort();
-        for chunk in keys.chunks(500) {
-            let chunk = chunk.to_vec();
-            from.transaction(|tx| {
-                let chunk = chunk.clone();
-                async move {
-                    for (k, v) in chunk {
-                        tx.put(k, v).await?;
-                    }
-                    Ok::<_, TitoError>(())
-                }
-            })
-            .await
-            .unwrap();
-        }
+        crate::support::put_all(&from, &keys).await;
         // Keys the destination must lose, and holders of its own it keeps.
         to.transaction(|tx| async move {
             tx.put(b"d:00003x".to_vec(), b"stale".to_vec()).await?;

@@ -402,3 +402,21 @@ pub fn carried(
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect()
 }
+
+/// Writes `pairs` into `db`, 500 keys a transaction.
+pub async fn put_all<E: TitoEngine>(db: &E, pairs: &[(Vec<u8>, Vec<u8>)]) {
+    for chunk in pairs.chunks(500) {
+        let chunk = chunk.to_vec();
+        db.transaction(|tx| {
+            let chunk = chunk.clone();
+            async move {
+                for (k, v) in chunk {
+                    tx.put(k, v).await?;
+                }
+                Ok::<_, tito::TitoError>(())
+            }
+        })
+        .await
+        .unwrap();
+    }
+}
