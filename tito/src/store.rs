@@ -864,7 +864,7 @@ struct SourceRange {
     /// The range's keys the copy takes (skipped keys left out).
     pairs: Vec<KvPair>,
     /// The last key the range covers, skipped or not: the next range starts after it. `None`
-    /// when the scan reached the end of the span (the range covers the rest of it).
+    /// when the scan read nothing: the range covers the rest of the span.
     last_read: Option<Vec<u8>>,
 }
 
@@ -879,12 +879,9 @@ async fn source_range<X: TitoTransaction>(
     options: &CopyOptions,
 ) -> TitoResult<SourceRange> {
     let scanned = source.scan(from, end, options.batch).await?;
-    let mut last_read = match scanned.last() {
-        // A full batch: the span may go on past it.
-        Some((last, _)) if scanned.len() >= options.batch => Some(last.clone()),
-        // Fewer keys than asked: the scan reached the end of the span.
-        _ => None,
-    };
+    // The span may go on past the last key read, even after a scan shorter than the batch
+    // (an engine may answer fewer keys than asked): only a scan that reads nothing ends it.
+    let mut last_read = scanned.last().map(|(last, _)| last.clone());
     let mut pairs = Vec::with_capacity(scanned.len());
     let mut bytes = 0usize;
     for (key, value) in scanned {
