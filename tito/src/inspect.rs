@@ -1336,16 +1336,13 @@ pub fn key_segments(key: &[u8]) -> TitoResult<Vec<String>> {
         .ok()
         .and_then(keys::parse_display_key);
     let key = owned.as_deref().unwrap_or(key);
-    let Ok(text) = std::str::from_utf8(key) else {
-        return Ok(key
-            .split(|&byte| byte == b':')
-            .map(|segment| match std::str::from_utf8(segment) {
-                Ok(text) => keys::decode_str(text).unwrap_or_else(|_| text.to_string()),
-                Err(_) => keys::display_key(segment),
-            })
-            .collect());
-    };
-    Ok(keys::segments(text)
-        .map(|segment| keys::decode_str(segment).unwrap_or_else(|_| segment.to_string()))
+    // Split on the separator's byte (ASCII, so never part of a longer UTF-8 character): a
+    // text key splits as `keys::segments` splits it.
+    Ok(key
+        .split(|&byte| byte == keys::SEPARATOR as u8)
+        .map(|segment| match std::str::from_utf8(segment) {
+            Ok(text) => keys::decode_str(text).unwrap_or_else(|_| text.to_string()),
+            Err(_) => keys::display_key(segment),
+        })
         .collect())
 }

@@ -285,6 +285,20 @@ pub async fn copy<S: TitoEngine, D: TitoEngine>(
     from: &S,
     to: &D,
     options: CopyOptions,
+    progress: impl FnMut(&CopyProgress),
+) -> TitoResult<CopyReport> {
+    copy_pass(from, to, options, false, progress).await
+}
+
+/// One pass of [`copy`]. At its end the copy record goes, or with `keep_record` (a pass of a
+/// [`migrate`] that has not finished) it stays, its cursor before the first key: a move called
+/// again after a later pass failed resumes (compares the destination whole) instead of
+/// refusing it as a store that holds data.
+async fn copy_pass<S: TitoEngine, D: TitoEngine>(
+    from: &S,
+    to: &D,
+    options: CopyOptions,
+    keep_record: bool,
     mut progress: impl FnMut(&CopyProgress),
 ) -> TitoResult<CopyReport> {
     options.check()?;
@@ -355,9 +369,23 @@ pub async fn copy<S: TitoEngine, D: TitoEngine>(
     let _ = source.rollback().await;
     result?;
     let clock_waited = wait_for_clock(to, snapshot, options.clock_wait).await?;
-    // The pass is whole: the record goes (a later copy is a catch-up pass, or refused).
-    to.transaction(|tx| async move { tx.delete(COPY_RECORD_KEY.to_vec()).await })
-        .await?;
+    // The pass is whole: the record goes (a later copy is a catch-up pass, or refused), or
+    // says so for a move that goes on.
+    let whole = serde_json::to_vec(&CopyRecord {
+        cursor: Vec::new(),
+        snapshot_version: snapshot,
+    })?;
+    to.transaction(|tx| {
+        let whole = whole.clone();
+        async move {
+            if keep_record {
+                tx.put(COPY_RECORD_KEY.to_vec(), whole).await
+            } else {
+                tx.delete(COPY_RECORD_KEY.to_vec()).await
+            }
+        }
+    })
+    .await?;
     Ok(CopyReport {
         progress: state,
         snapshot_version: snapshot,
@@ -541,22 +569,11 @@ pub async fn migrate<S: TitoEngine, D: TitoEngine>(
                 } else {
                     resume.clone()
                 };
-                copy(from, to, options, &mut report_progress).await?
+                // Until the move finishes, its record stays in the destination (a pass of
+                // tracked keys leaves it as it is).
+                copy_pass(from, to, options, true, &mut report_progress).await?
             }
         };
-        // Until the move finishes, the destination says that a copy of the source is under
-        // way (a cursor before the first key: a resume compares it whole), so a move called
-        // again after a later pass failed, or its mover was killed, resumes instead of being
-        // refused as a store that holds data.
-        let record = serde_json::to_vec(&CopyRecord {
-            cursor: Vec::new(),
-            snapshot_version: report.snapshot_version,
-        })?;
-        to.transaction(|tx| {
-            let record = record.clone();
-            async move { tx.put(COPY_RECORD_KEY.to_vec(), record).await }
-        })
-        .await?;
         let p = &report.progress;
         totals.pass = this;
         totals.keys_read += p.keys_read;
