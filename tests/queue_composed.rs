@@ -181,30 +181,44 @@ pub async fn a_transactional_handlers_own_not_found_counts_as_a_failed_attempt<E
     assert_eq!(calls.load(Ordering::SeqCst), 2, "two attempts, then dead");
 }
 
+/// Publishes a backlog of urgency-0 rows (row `n` due at `dues[n]`) into a one-partition
+/// queue, starts one handler of `handler_ms` per row, and once three rows started publishes
+/// row 900 of urgency 9 due at `due`; drains the queue. Returns the order rows started in, how
+/// many had started when the urgent publication returned, and where the urgent row started.
+async fn urgent_into_backlog<E: TitoEngine>(
+    db: &E,
+    dues: &[i64],
+    due: i64,
+    handler_ms: u64,
+) -> (Vec<u32>, usize, usize) {
+    let queue = queue(db, 1);
+    for (n, at) in (0u32..).zip(dues) {
+        queue
+            .publish(QueueEvent::new("k", Job { n }, *at))
+            .await
+            .unwrap();
+    }
+    let (order, handler) = ordered(handler_ms);
+    let worker = start(&queue, fast(0..1).concurrency(1), handler);
+    wait_starts(&order, 3, Duration::from_secs(20)).await;
+    queue
+        .publish(QueueEvent::new("k", Job { n: 900 }, due).with_urgency(9))
+        .await
+        .unwrap();
+    let started_before = order.lock().unwrap().len();
+    drained(&queue, dues.len() + 1).await;
+    worker.stop().await;
+    let order = order.lock().unwrap().clone();
+    let at = order.iter().position(|n| *n == 900).unwrap();
+    (order, started_before, at)
+}
+
 /// Promise Q-PRIO-2: a higher priority published while a backlog runs is seen at the next pull.
 pub async fn a_high_priority_published_into_a_backlog_runs_at_the_next_pull<E: TitoEngine>(
     ctx: Ctx<E>,
 ) {
-    let queue = queue(&ctx.db, 1);
     let t = now();
-    for n in 0..30 {
-        queue
-            .publish(QueueEvent::new("k", Job { n }, t))
-            .await
-            .unwrap();
-    }
-    let (order, handler) = ordered(20);
-    let worker = start(&queue, fast(0..1).concurrency(1), handler);
-    wait_starts(&order, 3, Duration::from_secs(20)).await;
-    queue
-        .publish(QueueEvent::new("k", Job { n: 900 }, t).with_urgency(9))
-        .await
-        .unwrap();
-    let started_before = order.lock().unwrap().len();
-    drained(&queue, 31).await;
-    worker.stop().await;
-    let order = order.lock().unwrap().clone();
-    let at = order.iter().position(|n| *n == 900).unwrap();
+    let (order, started_before, at) = urgent_into_backlog(&ctx.db, &[t; 30], t, 20).await;
     // The one running when it was published finishes; a pull already reading when the
     // publish committed may start one more row; the start after is the priority.
     assert!(
@@ -221,29 +235,13 @@ pub async fn a_high_priority_published_into_a_backlog_runs_at_the_next_pull<E: T
 pub async fn an_urgent_row_in_a_second_the_pass_served_runs_at_the_next_pull<E: TitoEngine>(
     ctx: Ctx<E>,
 ) {
-    let queue = queue(&ctx.db, 1);
     let t = now();
     let boost = 9 * tito::queue::URGENCY_STEP.as_secs() as i64;
     // Thirty rows in the urgent row's ordering second, thirty in the seconds after it.
-    for n in 0..60 {
-        let due = t - boost + if n < 30 { 0 } else { n as i64 - 29 };
-        queue
-            .publish(QueueEvent::new("k", Job { n }, due))
-            .await
-            .unwrap();
-    }
-    let (order, handler) = ordered(10);
-    let worker = start(&queue, fast(0..1).concurrency(1), handler);
-    wait_starts(&order, 3, Duration::from_secs(20)).await;
-    queue
-        .publish(QueueEvent::new("k", Job { n: 900 }, t).with_urgency(9))
-        .await
-        .unwrap();
-    let started_before = order.lock().unwrap().len();
-    drained(&queue, 61).await;
-    worker.stop().await;
-    let order = order.lock().unwrap().clone();
-    let at = order.iter().position(|n| *n == 900).unwrap();
+    let dues: Vec<i64> = (0..60)
+        .map(|n| t - boost + if n < 30 { 0 } else { n - 29 })
+        .collect();
+    let (order, started_before, at) = urgent_into_backlog(&ctx.db, &dues, t, 10).await;
     // Its ordering time equals the first thirty rows' (its urgency's boost is their lateness):
     // it runs after them (first in, first out among equals) and before every row of a later
     // second, but for one a pull already reading may have started.

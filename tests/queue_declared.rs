@@ -381,22 +381,8 @@ pub async fn a_drain_keeps_to_its_time_and_cuts_off_handlers_still_running<E: Ti
     ctx: Ctx<E>,
 ) {
     let mail = spec().open(ctx.db.clone()).await.unwrap();
-    let slow = QueueEvent::now("ada", Mail::Digest);
-    let slow_id = slow.id.clone();
-    mail.publish(slow).await.unwrap();
     // A 15 s handler in a 2 s drain: cut off when the 2 s are over, not waited for.
-    let started = std::time::Instant::now();
-    let drained = drain_within(
-        &mail,
-        |_event: QueueEvent<Mail>| async {
-            tokio::time::sleep(Duration::from_secs(15)).await;
-            Ok(QueueHandlerOutcome::Acknowledge)
-        },
-        Duration::from_secs(2),
-    )
-    .await
-    .unwrap();
-    let took = started.elapsed();
+    let (slow_id, drained, took) = drain_a_slow_handler(&mail, 15, 2).await;
     assert!(took < Duration::from_secs(7), "a 2 s drain took {took:?}");
     assert_eq!(
         (
@@ -840,6 +826,30 @@ pub async fn a_transactional_drain_commits_writes_with_outcomes<E: TitoEngine>(c
     );
 }
 
+/// Publishes one event to `mail` and drains it for `within_s` seconds with a handler that
+/// sleeps `sleeps_s` seconds; returns the event's id, the drain's answer and how long it took.
+async fn drain_a_slow_handler<E: TitoEngine>(
+    mail: &tito::queue::TopicQueue<E, Mail>,
+    sleeps_s: u64,
+    within_s: u64,
+) -> (String, Drained, Duration) {
+    let slow = QueueEvent::now("ada", Mail::Digest);
+    let slow_id = slow.id.clone();
+    mail.publish(slow).await.unwrap();
+    let started = std::time::Instant::now();
+    let drained = drain_within(
+        mail,
+        move |_event: QueueEvent<Mail>| async move {
+            tokio::time::sleep(Duration::from_secs(sleeps_s)).await;
+            Ok(QueueHandlerOutcome::Acknowledge)
+        },
+        Duration::from_secs(within_s),
+    )
+    .await
+    .unwrap();
+    (slow_id, drained, started.elapsed())
+}
+
 /// Round-six defect 9: a drain runs its handlers with the declared worker's settings, its
 /// handler timeout above all (a handler over it is a failed attempt, as under `Workers::start`).
 pub async fn a_drain_runs_handlers_with_the_declared_workers_timeout<E: TitoEngine>(ctx: Ctx<E>) {
@@ -849,30 +859,13 @@ pub async fn a_drain_runs_handlers_with_the_declared_workers_timeout<E: TitoEngi
         .open(ctx.db.clone())
         .await
         .unwrap();
-    let slow = QueueEvent::now("ada", Mail::Digest);
-    let slow_id = slow.id.clone();
-    mail.publish(slow).await.unwrap();
-    let started = std::time::Instant::now();
-    let drained = drain_within(
-        &mail,
-        |_event: QueueEvent<Mail>| async {
-            tokio::time::sleep(Duration::from_secs(30)).await;
-            Ok(QueueHandlerOutcome::Acknowledge)
-        },
-        Duration::from_secs(20),
-    )
-    .await
-    .unwrap();
+    let (slow_id, drained, took) = drain_a_slow_handler(&mail, 30, 20).await;
     assert_eq!(
         (drained.failed, drained.dead, drained.cut_off),
         (1, 1, 0),
         "timed out by the declared 100 ms, not cut off by the drain: {drained:?}"
     );
-    assert!(
-        started.elapsed() < Duration::from_secs(15),
-        "{:?}",
-        started.elapsed()
-    );
+    assert!(took < Duration::from_secs(15), "{took:?}");
     let outcome = settled(&mail, &slow_id, Duration::from_secs(1))
         .await
         .unwrap();
