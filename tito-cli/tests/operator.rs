@@ -2225,12 +2225,23 @@ impl Browser {
             .arg("about:blank")
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null());
-        // SAFETY: between fork and exec only async-signal-safe calls (dup2) run.
+        // SAFETY: between fork and exec only async-signal-safe calls (fcntl, dup2, close) run.
+        // The pipe's ends may themselves be fds 3 or 4 (the test process opens and closes
+        // files on other threads): each is first copied above them, so that neither `dup2`
+        // overwrites the other end, and `dup2` onto a different fd always clears the
+        // close-on-exec flag (`dup2(3, 3)` would keep it, and Chromium would start without
+        // its pipe).
         unsafe {
             command.pre_exec(move || {
-                if libc::dup2(r, 3) < 0 || libc::dup2(w, 4) < 0 {
+                let (r, w) = (
+                    libc::fcntl(r, libc::F_DUPFD, 10),
+                    libc::fcntl(w, libc::F_DUPFD, 10),
+                );
+                if r < 0 || w < 0 || libc::dup2(r, 3) < 0 || libc::dup2(w, 4) < 0 {
                     return Err(std::io::Error::last_os_error());
                 }
+                libc::close(r);
+                libc::close(w);
                 Ok(())
             });
         }
