@@ -45,6 +45,7 @@ macro_rules! queue_suite {
                 scans_read_what_a_pull_wants_up_to_256_rows,
                 overlapping_workers_never_share_a_partition,
                 a_lost_lease_applies_no_outcome,
+                a_takeover_fences_a_transactional_outcome_already_under_way,
                 shutdown_drains_started_handlers,
                 handlers_run_concurrently,
                 completed_rows_expire,
@@ -3306,4 +3307,92 @@ pub async fn a_backlog_in_one_partition_leaves_handlers_for_the_others<E: TitoEn
         "the light partitions' last row started {}th of 206: {order:?}",
         last_light + 1
     );
+}
+
+/// Issue 60: a transactional handler's transaction locks a fence slot of its partition, not
+/// the holder key; a takeover committed while that transaction is under way (after it began,
+/// before it commits) writes every slot of the old holder, so the handler's writes and its
+/// outcome never commit, and the attempt is not counted against the invocation.
+pub async fn a_takeover_fences_a_transactional_outcome_already_under_way<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    let queue = queue(&ctx.db, 1);
+    let published = queue
+        .publish(QueueEvent::new("k", Job { n: 1 }, now()))
+        .await
+        .unwrap();
+    let (release_tx, release_rx) = watch::channel(false);
+    let started = Arc::new(AtomicUsize::new(0));
+    let (s, effect) = (started.clone(), ctx.key("fenced-effect"));
+    let (stop, rx) = watch::channel(false);
+    let worker = tokio::spawn(run_transactional_worker(
+        queue.clone(),
+        fast(0..1).lease_duration(Duration::from_secs(60)),
+        move |_event: QueueEvent<Job>, tx: E::Transaction| {
+            let (mut release, s, effect) = (release_rx.clone(), s.clone(), effect.clone());
+            async move {
+                // Reads (so the transaction has begun on every engine), then waits.
+                let _ = tx.get(&effect).await?;
+                tx.put(effect, b"written".to_vec()).await?;
+                s.fetch_add(1, Ordering::SeqCst);
+                let _ = release.wait_for(|go| *go).await;
+                Ok(QueueHandlerOutcome::Acknowledge)
+            }
+        },
+        rx,
+    ));
+    let s = started.clone();
+    wait_for("the handler to start", Duration::from_secs(30), move || {
+        let s = s.clone();
+        async move { s.load(Ordering::SeqCst) == 1 }
+    })
+    .await;
+    // The worker's holder record names its fence slots (one per handler, one for its batch).
+    let holder = crate::support::read(&ctx.db, b"queue:lease:0000")
+        .await
+        .unwrap();
+    let holder: tito::queue::lease::Lease = serde_json::from_slice(&holder).unwrap();
+    assert_eq!(holder.fences, Some(17), "{holder:?}");
+    // Another worker takes the partition the way workers do, as if this one had stalled past
+    // its expiry (the expiry is set in the past first; a renewal in between is tried again).
+    let mut taken = false;
+    for _ in 0..5 {
+        ctx.db
+            .transaction(|tx| async move {
+                tx.put(b"queue:lease-expiry:0000".to_vec(), b"0".to_vec())
+                    .await
+            })
+            .await
+            .unwrap();
+        let held = tito::queue::lease::acquire(&ctx.db, "queue", &[0], "thief", 60_000, true, 4)
+            .await
+            .unwrap();
+        if held.get(&0).is_some_and(|l| l.owner == "thief") {
+            taken = true;
+            break;
+        }
+    }
+    assert!(taken, "the thief took the lease");
+    release_tx.send(true).unwrap();
+    let q = queue.clone();
+    wait_for("the fenced attempt", Duration::from_secs(30), move || {
+        let q = q.clone();
+        async move { q.stats().failed >= 1 }
+    })
+    .await;
+    stop.send(true).unwrap();
+    worker.await.unwrap().unwrap();
+    // Nothing of the handler's transaction committed; the invocation is still pending, with no
+    // failed attempt recorded on it, for the thief to run.
+    assert_eq!(
+        crate::support::read(&ctx.db, &ctx.key("fenced-effect")).await,
+        None
+    );
+    assert_eq!(queue.stats().acknowledged, 0);
+    assert_eq!(pending_total(&queue).await, 1);
+    let state = queue
+        .invocation_state::<serde_json::Value>(&published.id)
+        .await
+        .unwrap();
+    assert_eq!(state, tito::queue::InvocationState::Pending { attempt: 1 });
 }

@@ -42,6 +42,8 @@ macro_rules! queue_declared_suite {
                 a_transactional_drain_commits_writes_with_outcomes,
                 a_drain_runs_handlers_with_the_declared_workers_timeout,
                 a_replayed_transactional_handler_is_counted,
+                transactional_handlers_of_one_partition_never_conflict_on_its_lease,
+                a_commit_that_keeps_conflicting_is_not_a_failed_attempt,
             ]
         );
     };
@@ -913,5 +915,107 @@ pub async fn a_replayed_transactional_handler_is_counted<E: TitoEngine>(ctx: Ctx
     );
     assert_eq!(mail.queue().stats().replayed, 1);
     let stored = crate::support::read(&ctx.db, &ctx.key("replayed:counter")).await;
+    assert_eq!(stored.as_deref(), Some(&b"handler"[..]));
+}
+
+/// Issue 60: sixteen transactional handlers of one partition, whose transactions all overlap,
+/// commit without a conflict among them: each locks a fence slot of its own, not the lease's
+/// holder key. Under a one-attempt failure policy a conflict counted as a failure would kill a
+/// job; none is replayed, none dies.
+pub async fn transactional_handlers_of_one_partition_never_conflict_on_its_lease<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    use tito::TitoTransaction;
+    const ONE: Topic<u32> = Topic::new("one-partition");
+    let jobs = ONE
+        .spec(1, Duration::from_secs(3600))
+        .failure_policy(FailurePolicy::new(1))
+        .open(ctx.db.clone())
+        .await
+        .unwrap();
+    let events: Vec<QueueEvent<u32>> = (0..48)
+        .map(|n| QueueEvent::now(format!("k{n}"), n))
+        .collect();
+    jobs.publish_many(&events).await.unwrap();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let (seen, prefix) = (calls.clone(), ctx.key("fenced:"));
+    let drained = drain_transactional(&jobs, move |event: QueueEvent<u32>, tx| {
+        let (seen, mut key) = (seen.clone(), prefix.clone());
+        async move {
+            seen.fetch_add(1, Ordering::SeqCst);
+            key.extend_from_slice(event.payload.to_string().as_bytes());
+            tx.put(key, b"done".to_vec()).await?;
+            // Long enough that the sixteen handlers' transactions overlap.
+            tokio::time::sleep(Duration::from_millis(30)).await;
+            Ok(QueueHandlerOutcome::Acknowledge)
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        (
+            drained.acknowledged,
+            drained.replayed,
+            drained.dead,
+            drained.failed
+        ),
+        (48, 0, 0, 0),
+        "{drained:?}"
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 48);
+    for n in 0..48 {
+        let key = [ctx.key("fenced:"), n.to_string().into_bytes()].concat();
+        assert!(
+            crate::support::read(&ctx.db, &key).await.is_some(),
+            "row {n}"
+        );
+    }
+}
+
+/// Issue 60: a transactional handler whose commit still conflicts after its transaction's
+/// replays (another writer keeps writing the key it writes) did nothing wrong: the invocation
+/// stays pending and runs again, without a failed attempt counted, so a one-attempt failure
+/// policy does not kill it.
+pub async fn a_commit_that_keeps_conflicting_is_not_a_failed_attempt<E: TitoEngine>(ctx: Ctx<E>) {
+    use tito::TitoTransaction;
+    const HOT: Topic<u32> = Topic::new("hot-key");
+    let jobs = HOT
+        .spec(1, Duration::from_secs(3600))
+        .failure_policy(FailurePolicy::new(1))
+        .open(ctx.db.clone())
+        .await
+        .unwrap();
+    jobs.publish(QueueEvent::now("k", 1)).await.unwrap();
+    let key = ctx.key("contended:hot");
+    let calls = Arc::new(AtomicUsize::new(0));
+    let (db, seen) = (ctx.db.clone(), calls.clone());
+    // The default retry policy runs a transaction 10 times; the other writer wins 12 times.
+    let drained = drain_transactional(&jobs, move |_event: QueueEvent<u32>, tx| {
+        let (db, key, seen) = (db.clone(), key.clone(), seen.clone());
+        async move {
+            tx.put(key.clone(), b"handler".to_vec()).await?;
+            if seen.fetch_add(1, Ordering::SeqCst) < 12 {
+                let other = key.clone();
+                db.transaction(|other_tx| {
+                    let other = other.clone();
+                    async move { other_tx.put(other, b"other".to_vec()).await }
+                })
+                .await?;
+            }
+            Ok(QueueHandlerOutcome::Acknowledge)
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        (drained.acknowledged, drained.dead, drained.retried),
+        (1, 0, 0),
+        "{drained:?}"
+    );
+    assert!(drained.failed >= 1, "{drained:?}");
+    assert_eq!(calls.load(Ordering::SeqCst), 13, "{drained:?}");
+    // Ten calls in the first attempt (nine replays), three in the second (two).
+    assert_eq!(drained.replayed, 11, "{drained:?}");
+    let stored = crate::support::read(&ctx.db, &ctx.key("contended:hot")).await;
     assert_eq!(stored.as_deref(), Some(&b"handler"[..]));
 }

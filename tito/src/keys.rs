@@ -720,6 +720,9 @@ pub fn fnv1a(bytes: &[u8]) -> u64 {
 // {queue}:owner:{b64url(kind)}:{b64url(id)}:{state}:{b64url(queue_storage_key)}
 // {queue}:lease:{partition:04}                   a partition lease's holder (JSON)
 // {queue}:lease-expiry:{partition:04}            a standalone lease's expiry (a version)
+// {queue}:lease-fence:{partition:04}:{slot:04}    a lease's fence slot: an outcome locks its
+//                                                own, a takeover writes every one its holder
+//                                                may use (the generation that took it)
 // {queue}:event:{event_id}                       the live invocation of an event id
 // {queue}:meta                                   the queue's partition count (JSON)
 // {queue}:undecodable:{partition:04}:{timestamp:020}:{enqueue_version:020}:{event_id}
@@ -1011,6 +1014,13 @@ pub fn batch_child_key(id: &str, root: &str, event_id: &str) -> String {
 /// The lease key of a partition.
 pub fn lease_key(root: &str, partition: u32) -> String {
     format!("{root}:lease:{partition:04}")
+}
+
+/// A partition lease's fence slot `slot`: each transaction of the holder that applies outcomes
+/// locks a slot no other transaction of the holder has at that time, and a takeover or a
+/// release writes every slot the holder may use (see `queue::lease`).
+pub fn lease_fence_key(root: &str, partition: u32, slot: u32) -> String {
+    format!("{root}:lease-fence:{partition:04}:{slot:04}")
 }
 
 /// The expiry key of a standalone partition lease: renewals write it, never the holder key.

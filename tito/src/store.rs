@@ -68,7 +68,7 @@ pub const COPY_RECORD_KEY: &[u8] = b"store-copy";
 /// Whether a key only says who runs what now, and is left out of copies and verifications by
 /// default: a queue's partition leases and their expiries, its workers' heartbeats and reports,
 /// its cluster memberships and coordinator, its concurrency slots, its workers' nudge addresses
-/// (`{queue}:lease:`, `:lease-expiry:`, `:worker:`, `:report:`, `:node:`, `:coordinator`,
+/// (`{queue}:lease:`, `:lease-expiry:`, `:lease-fence:`, `:worker:`, `:report:`, `:node:`, `:coordinator`,
 /// `:members`, `:running:`, `:nudge:`),
 /// and inbox claims' leases (`inbox-lease:`). See `docs/storage-layout.md`.
 pub fn is_holder_key(key: &[u8]) -> bool {
@@ -93,6 +93,7 @@ pub fn is_holder_key(key: &[u8]) -> bool {
         Some(
             "lease"
                 | "lease-expiry"
+                | "lease-fence"
                 | "worker"
                 | "report"
                 | "node"

@@ -527,6 +527,7 @@ impl Node {
         db: &E,
         root: &str,
         wanted: &[u32],
+        fences: u32,
     ) -> TitoResult<HashMap<u32, Lease>> {
         let (id, epoch) = (self.id.clone(), self.epoch);
         let open = store_open(db);
@@ -582,12 +583,15 @@ impl Node {
                         }
                         None => 1,
                     };
+                    super::lease::fence_out(&tx, &root, *partition, lease.as_ref(), generation)
+                        .await?;
                     let lease = Lease {
                         owner: id.clone(),
                         generation,
                         expires: u64::MAX,
                         epoch: Some(epoch),
                         open: None,
+                        fences: Some(fences),
                     };
                     tx.put(key, serde_json::to_vec(&lease)?).await?;
                     held.insert(*partition, lease);

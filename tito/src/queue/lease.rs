@@ -2,21 +2,31 @@
 //! token), and for standalone leases an expiry measured in engine versions, never in a node's
 //! clock.
 //!
-//! # Two keys per lease, so renewals never fence out their own holder
+//! # Three kinds of key per lease, so that neither renewals nor a holder's own concurrent
+//! # transactions conflict with each other
 //!
-//! - `{queue}:lease:{p}` holds the **holder record** (owner, generation, and for cluster leases
-//!   the holder's epoch). It is written only when the lease changes hands: taken (the
-//!   generation goes up by one) or released (the owner is cleared, the generation kept, so
-//!   generations only ever grow).
+//! - `{queue}:lease:{p}` holds the **holder record** (owner, generation, the number of fence
+//!   slots the holder uses, and for cluster leases the holder's epoch). It is written only when
+//!   the lease changes hands: taken (the generation goes up by one) or released (the owner is
+//!   cleared, the generation kept, so generations only ever grow).
 //! - `{queue}:lease-expiry:{p}` holds a standalone lease's expiry. Renewals write only this key.
 //!   (Cluster leases have none: they live as long as their holder's node record.)
+//! - `{queue}:lease-fence:{p}:{slot}`, slots `0..fences`: each transaction of the holder that
+//!   applies outcomes on `p` (a transactional handler's, an outcome batch's) holds a slot that
+//!   no other transaction of the holder holds at the same time (a [`FencePool`]).
 //!
 //! An outcome transaction checks the holder record (owner and generation) and the expiry at its
-//! start version, then locks the holder key. A takeover writes the holder key, so a takeover
-//! committed after the outcome transaction started makes the outcome's commit fail; a renewal
-//! writes only the expiry key, so the holder's own renewals never conflict with its outcomes,
-//! however long a transactional handler runs. A renewal and a takeover both write the expiry
-//! key, so they cannot both commit.
+//! start version, then locks its fence slot. A takeover and a release write the holder key and
+//! every fence slot of the holder they replace, so a takeover committed after the outcome
+//! transaction started makes the outcome's commit fail (the fence), while two outcome
+//! transactions of one holder lock different slots and never conflict with each other: the
+//! partition's commits do not funnel through one key. A renewal writes only the expiry key, so
+//! the holder's own renewals never conflict with its outcomes, however long a transactional
+//! handler runs. A renewal and a takeover both write the expiry key, so they cannot both commit.
+//!
+//! A holder record without `fences` (written by a version before fence slots), a transaction
+//! with no free slot (more at once than the holder declared), and a check without a slot lock
+//! the holder key instead: the fence holds, at the cost of conflicts among those transactions.
 
 use std::collections::HashMap;
 
@@ -28,7 +38,7 @@ use crate::keys;
 
 /// A lease's holder record as stored under `{queue}:lease:{partition}`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct Lease {
+pub struct Lease {
     /// The holder; empty once released.
     pub owner: String,
     pub generation: u64,
@@ -44,6 +54,106 @@ pub(crate) struct Lease {
     /// that is gone and is taken at once, without waiting for its expiry.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub open: Option<u64>,
+    /// How many fence slots (`0..fences`) the holder's transactions lock instead of the holder
+    /// key; a takeover or release writes them all. Absent in records of earlier versions.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fences: Option<u32>,
+}
+
+/// The most fence slots a lease has.
+pub(crate) const MAX_FENCES: u32 = 256;
+
+/// The fence slots of a worker running `concurrency` handlers: one per handler transaction and
+/// one for the worker's outcome batch (one at a time), at most [`MAX_FENCES`].
+pub(crate) fn fence_count(concurrency: usize) -> u32 {
+    u32::try_from(concurrency.saturating_add(1))
+        .unwrap_or(MAX_FENCES)
+        .clamp(2, MAX_FENCES)
+}
+
+/// Writes every fence slot of `previous` (the holder record being replaced or released) inside
+/// `tx`, so each transaction of that holder still open fails to commit. Each slot takes the
+/// generation that replaced it.
+pub(crate) async fn fence_out<X: TitoTransaction>(
+    tx: &X,
+    root: &str,
+    partition: u32,
+    previous: Option<&Lease>,
+    generation: u64,
+) -> TitoResult<()> {
+    let Some(fences) = previous.and_then(|lease| lease.fences) else {
+        return Ok(());
+    };
+    for slot in 0..fences.min(MAX_FENCES) {
+        tx.put(
+            keys::lease_fence_key(root, partition, slot).into_bytes(),
+            generation.to_string().into_bytes(),
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+/// Hands out fence slots of one worker's leases: per partition, the lowest slot no transaction
+/// of the worker holds. A slot goes back when its [`Fence`] is dropped.
+#[derive(Debug)]
+pub(crate) struct FencePool {
+    fences: u32,
+    used: std::sync::Mutex<HashMap<u32, std::collections::BTreeSet<u32>>>,
+}
+
+impl FencePool {
+    /// A pool of `fences` slots per partition (what the worker writes into its holder records).
+    pub fn new(fences: u32) -> std::sync::Arc<Self> {
+        std::sync::Arc::new(FencePool {
+            fences,
+            used: Default::default(),
+        })
+    }
+
+    /// A free slot of `partition`, held until the returned value is dropped; `None` inside it
+    /// when every slot is taken (the transaction then locks the holder key).
+    pub fn take(self: &std::sync::Arc<Self>, partition: u32) -> Fence {
+        let mut used = self.used.lock().unwrap_or_else(|e| e.into_inner());
+        let taken = used.entry(partition).or_default();
+        let slot = (0..self.fences).find(|slot| !taken.contains(slot));
+        if let Some(slot) = slot {
+            taken.insert(slot);
+        }
+        Fence {
+            pool: self.clone(),
+            partition,
+            slot,
+        }
+    }
+}
+
+/// A fence slot held by one transaction (see [`FencePool`]).
+#[derive(Debug)]
+pub(crate) struct Fence {
+    pool: std::sync::Arc<FencePool>,
+    partition: u32,
+    slot: Option<u32>,
+}
+
+impl Fence {
+    /// The slot, or `None` when none was free.
+    pub fn slot(&self) -> Option<u32> {
+        self.slot
+    }
+}
+
+impl Drop for Fence {
+    fn drop(&mut self) {
+        let Some(slot) = self.slot else { return };
+        let mut used = self.pool.used.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(taken) = used.get_mut(&self.partition) {
+            taken.remove(&slot);
+            if taken.is_empty() {
+                used.remove(&self.partition);
+            }
+        }
+    }
 }
 
 impl Lease {
@@ -89,13 +199,14 @@ fn parse_expiry(bytes: &[u8]) -> u64 {
 /// Standalone leases: renews the leases `owner` holds among `partitions` and, when `take` is
 /// set, takes every free, released or expired one, in one transaction. Returns the leases
 /// `owner` holds afterwards. Renewing writes only expiry keys.
-pub(crate) async fn acquire<E: TitoEngine>(
+pub async fn acquire<E: TitoEngine>(
     db: &E,
     root: &str,
     partitions: &[u32],
     owner: &str,
     duration_ms: u64,
     take: bool,
+    fences: u32,
 ) -> TitoResult<HashMap<u32, Lease>> {
     let holder_keys: Vec<Vec<u8>> = partitions
         .iter()
@@ -154,12 +265,14 @@ pub(crate) async fn acquire<E: TitoEngine>(
                     Some(lease) => lease.generation + 1,
                     None => 1,
                 };
+                fence_out(&tx, root, *partition, lease.as_ref(), generation).await?;
                 let lease = Lease {
                     owner: owner.clone(),
                     generation,
                     expires,
                     epoch: None,
                     open,
+                    fences: Some(fences),
                 };
                 tx.put(holder_keys[i].clone(), serde_json::to_vec(&lease)?)
                     .await?;
@@ -174,9 +287,9 @@ pub(crate) async fn acquire<E: TitoEngine>(
 }
 
 /// The lease check of an outcome transaction: whether `owner` still holds a partition at a
-/// generation. When it does, the holder key is locked, so a takeover committed after this
-/// transaction started makes the commit fail instead of applying the outcome (renewals do not
-/// touch that key). Split in two so its reads join the transaction's one batched read:
+/// generation. When it does, the transaction's fence slot (or the holder key) is locked, so a
+/// takeover committed after this transaction started makes the commit fail instead of applying
+/// the outcome (renewals do not touch either). Split in two so its reads join the transaction's one batched read:
 /// [`HeldCheck::keys`] (the holder record, then the expiry key, or for a cluster node its node
 /// record) and [`HeldCheck::decide`] on their values.
 pub(crate) struct HeldCheck<'a> {
@@ -186,6 +299,8 @@ pub(crate) struct HeldCheck<'a> {
     /// The holder key, then the expiry key (standalone) or the owner's node record (cluster).
     keys: [Vec<u8>; HeldCheck::KEYS],
     cluster: bool,
+    /// The fence slot the transaction holds (see [`FencePool`]); `None`: the holder key.
+    fence: Option<u32>,
 }
 
 impl<'a> HeldCheck<'a> {
@@ -207,7 +322,16 @@ impl<'a> HeldCheck<'a> {
                 second.into_bytes(),
             ],
             cluster,
+            fence: None,
         }
+    }
+
+    /// The check of a transaction that holds fence slot `fence` of the partition (`None`: no
+    /// slot was free): it locks that slot instead of the holder key when the holder record has
+    /// it.
+    pub fn fenced(mut self, fence: Option<u32>) -> Self {
+        self.fence = fence;
+        self
     }
 
     /// The keys to read, in the order [`Self::decide`] takes their values.
@@ -247,7 +371,13 @@ impl<'a> HeldCheck<'a> {
         if !alive {
             return Ok(false);
         }
-        tx.lock_keys(std::slice::from_ref(holder)).await?;
+        match (self.fence, lease.fences) {
+            (Some(slot), Some(fences)) if slot < fences.min(MAX_FENCES) => {
+                let fence = keys::lease_fence_key(self.root, self.partition, slot);
+                tx.lock_keys(&[fence.into_bytes()]).await?;
+            }
+            _ => tx.lock_keys(std::slice::from_ref(holder)).await?,
+        }
         Ok(true)
     }
 }
@@ -287,16 +417,23 @@ pub(crate) async fn release<E: TitoEngine>(
         async move {
             let raw: Vec<Vec<u8>> = keys.iter().map(|k| k.clone().into_bytes()).collect();
             let current = tx.batch_get(&raw).await?;
-            for ((key, expiry_key), value) in keys.iter().zip(expiry_keys).zip(current) {
+            let each = partitions
+                .iter()
+                .zip(keys.iter().zip(expiry_keys))
+                .zip(current);
+            for ((partition, (key, expiry_key)), value) in each {
                 let Some(mut lease) = value.as_deref().and_then(|v| parse(key, v)) else {
                     continue;
                 };
                 if lease.owner != owner {
                     continue;
                 }
+                // Its slots are written here: the next holder has none to write.
+                fence_out(&tx, root, *partition, Some(&lease), lease.generation).await?;
                 lease.owner.clear();
                 lease.epoch = None;
                 lease.expires = 0;
+                lease.fences = None;
                 tx.put(key.clone().into_bytes(), serde_json::to_vec(&lease)?)
                     .await?;
                 tx.delete(expiry_key).await?;
@@ -387,6 +524,7 @@ mod tests {
             expires: 0,
             epoch: None,
             open: None,
+            fences: None,
         };
         assert!(lease.released());
         let bytes = serde_json::to_vec(&lease).unwrap();

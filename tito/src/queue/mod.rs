@@ -83,6 +83,11 @@ mod cluster;
 mod completed;
 mod dead;
 pub mod graph;
+/// Partition leases as stored: internal, public with the `test-util` feature for tests that
+/// take a lease over as another worker would.
+#[cfg(feature = "test-util")]
+pub mod lease;
+#[cfg(not(feature = "test-util"))]
 pub(crate) mod lease;
 mod limits;
 mod pause;

@@ -52,8 +52,8 @@ impl Failure {
     }
 
     /// The worker's own evidence that the attempt was not the invocation's: its partition lease
-    /// was lost, or its pending row is gone (erased by its owner, cancelled, completed
-    /// elsewhere). Not counted.
+    /// was lost, its pending row is gone (erased by its owner, cancelled, completed
+    /// elsewhere), or its transaction's commit kept conflicting. Not counted.
     fn of_worker(error: TitoError) -> Self {
         Failure {
             error,
@@ -64,17 +64,27 @@ impl Failure {
 }
 
 /// Why a transactional handler's transaction did not commit: the worker's own evidence (its
-/// lease was lost, or the row is gone), kept apart from everything else (the handler's errors,
-/// storage errors) so that only the evidence excuses an attempt. Either rolls back.
+/// lease was lost, or the row is gone), a commit that still conflicted after the transaction's
+/// replays, and everything else (the handler's errors, storage errors), kept apart so that
+/// only the evidence and the conflicts excuse an attempt. Each rolls back.
 #[derive(Debug)]
 enum Rolled {
     Evidence(TitoError),
+    /// The commit conflicted as often as the retry policy allows: the handler did nothing
+    /// wrong (another transaction kept writing what this one wrote), so the invocation stays
+    /// pending and runs again without a failed attempt counted.
+    Contended(TitoError),
     Failed(TitoError),
 }
 
 impl From<TitoError> for Rolled {
     fn from(error: TitoError) -> Self {
-        Rolled::Failed(error)
+        match error {
+            TitoError::RetriesExhausted { .. } | TitoError::Conflict { .. } => {
+                Rolled::Contended(error)
+            }
+            error => Rolled::Failed(error),
+        }
     }
 }
 
@@ -255,6 +265,11 @@ where
         let (counters, label) = (counters.clone(), label.clone());
         Box::pin(async move {
             let waker = db.clone();
+            // A fence slot of its partition, held by this invocation's transaction alone: the
+            // worker's other handlers lock other slots, so their commits never conflict on the
+            // lease, while a takeover (which writes every slot) still fences them all.
+            let fence = running.fences.take(pulled.parsed.partition);
+            let slot = fence.slot();
             // How often the handler was called for this attempt: more than once when its
             // transaction was replayed.
             let calls = Arc::new(std::sync::atomic::AtomicU64::new(0));
@@ -274,13 +289,16 @@ where
                         return Err(Rolled::Evidence(cancelled_unstarted(&pulled.key)));
                     }
                     called.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    let outcome = first_polled(handler(event, tx.clone())).await?;
+                    // The handler's own error counts as its attempt's, whatever its kind.
+                    let outcome = first_polled(handler(event, tx.clone()))
+                        .await
+                        .map_err(Rolled::Failed)?;
                     let next =
                         successor(&pulled.stored, &outcome).map_err(TitoError::InvalidArgument)?;
                     // The lease and the pending row, read in one batch (with the batch shard
                     // the end of a batch child reads).
                     let partition = pulled.parsed.partition;
-                    let check = HeldCheck::new(&root, partition, &owner, false);
+                    let check = HeldCheck::new(&root, partition, &owner, false).fenced(slot);
                     let mut reads = check.keys().to_vec();
                     reads.push(pulled.key.clone().into_bytes());
                     let row_at = reads.len() - 1;
@@ -317,7 +335,7 @@ where
             // The worker's evidence passes the supervisor as a value, the rest as errors.
             let work = work.map(|result| match result {
                 Ok(rescheduled) => Ok(Ok(rescheduled)),
-                Err(Rolled::Evidence(error)) => Ok(Err(error)),
+                Err(Rolled::Evidence(error) | Rolled::Contended(error)) => Ok(Err(error)),
                 Err(Rolled::Failed(error)) => Err(error),
             });
             let report = match supervise(timeout, work).await {

@@ -80,6 +80,8 @@ pub(super) struct LeaseKeeper<E> {
     /// New handlers may start until then (see the module docs on freshness).
     fresh_until: Instant,
     maintenance: Arc<Maintenance>,
+    /// The fence slots written into the holder records this worker takes.
+    fences: u32,
 }
 
 /// How long to wait before the next tick while partitions drain, so handed-off partitions move
@@ -93,6 +95,7 @@ impl<E: TitoEngine> LeaseKeeper<E> {
         id: String,
         partitions: Vec<u32>,
         duration: Duration,
+        fences: u32,
     ) -> Self {
         // A standalone worker always maintains; the loop starts with a pass.
         let maintenance = Arc::new(Maintenance {
@@ -107,17 +110,25 @@ impl<E: TitoEngine> LeaseKeeper<E> {
                 duration,
             },
             maintenance,
+            fences,
         )
     }
 
     /// A cluster node's leases: the partitions the membership assigns to it.
-    pub fn cluster(queue: Arc<Queue<E>>, node: Node) -> Self {
+    pub fn cluster(queue: Arc<Queue<E>>, node: Node, fences: u32) -> Self {
         let id = node.id.clone();
-        Self::new(queue, id, Mode::Cluster(node), Arc::default())
+        Self::new(queue, id, Mode::Cluster(node), Arc::default(), fences)
     }
 
-    fn new(queue: Arc<Queue<E>>, id: String, mode: Mode, maintenance: Arc<Maintenance>) -> Self {
+    fn new(
+        queue: Arc<Queue<E>>,
+        id: String,
+        mode: Mode,
+        maintenance: Arc<Maintenance>,
+        fences: u32,
+    ) -> Self {
         LeaseKeeper {
+            fences,
             queue,
             id,
             mode,
@@ -266,8 +277,16 @@ impl<E: TitoEngine> LeaseKeeper<E> {
                 } else {
                     partitions.clone()
                 };
-                let held =
-                    lease::acquire(db, root, &wanted, &self.id, duration_ms, !stopping).await?;
+                let held = lease::acquire(
+                    db,
+                    root,
+                    &wanted,
+                    &self.id,
+                    duration_ms,
+                    !stopping,
+                    self.fences,
+                )
+                .await?;
                 self.count_lost(&held, |_| true);
                 self.draining.retain(|p| held.contains_key(p));
                 self.held = held;
@@ -278,7 +297,7 @@ impl<E: TitoEngine> LeaseKeeper<E> {
             }
             Mode::Cluster(node) => {
                 let tick = node.tick(db, root, queue.config().partitions).await?;
-                let acquired = node.acquire(db, root, &tick.assigned).await?;
+                let acquired = node.acquire(db, root, &tick.assigned, self.fences).await?;
                 self.maintenance.set(tick.coordinator);
                 let assigned: HashSet<u32> = tick.assigned.iter().copied().collect();
                 self.count_lost(&acquired, |p| assigned.contains(p));

@@ -61,6 +61,9 @@ pub(super) struct Running {
     pub pulled: crate::queue::pull::Pulled,
     /// The generation of the partition lease it was pulled under.
     pub generation: u64,
+    /// The worker's fence slots: each transaction that applies its outcome holds one of its
+    /// partition's (see `queue::lease`).
+    pub fences: Arc<crate::queue::lease::FencePool>,
 }
 
 /// How a worker runs. Build with [`WorkerConfig::new`] and the setters.
@@ -561,7 +564,8 @@ where
     let node = Node::new(cluster);
     config.worker_id = Some(node.id.clone());
     let invoke = handler::plain(handler, config.handler_timeout);
-    let leases = LeaseKeeper::cluster(queue.clone(), node);
+    let fences = crate::queue::lease::fence_count(config.concurrency);
+    let leases = LeaseKeeper::cluster(queue.clone(), node, fences);
     Box::pin(worker_loop(queue, config, leases, invoke, shutdown))
 }
 
@@ -582,7 +586,8 @@ fn standalone_leases<E: TitoEngine>(
         .clone()
         .filter(|p| *p < queue.config().partitions)
         .collect();
-    LeaseKeeper::standalone(queue.clone(), id, partitions, config.lease_duration)
+    let fences = crate::queue::lease::fence_count(config.concurrency);
+    LeaseKeeper::standalone(queue.clone(), id, partitions, config.lease_duration, fences)
 }
 
 async fn worker_loop<E, T, S>(

@@ -1,5 +1,5 @@
 //! Applying outcomes: batches of acknowledgements and replacements, each batch one transaction
-//! that re-checks (and locks) the partition leases it applies under.
+//! that re-checks the partition leases it applies under and locks a fence slot of each.
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
@@ -149,9 +149,21 @@ async fn apply<E: TitoEngine>(
         .collect();
     order.sort_unstable();
     order.dedup();
+    // A fence slot per partition, held for the whole transaction (the worker's handler
+    // transactions hold others).
+    let mut fences: HashMap<u32, crate::queue::lease::Fence> = HashMap::new();
+    for outcome in batch {
+        let partition = outcome.running.pulled.parsed.partition;
+        if !fences.contains_key(&partition) {
+            fences.insert(partition, outcome.running.fences.take(partition));
+        }
+    }
     let checks: Vec<((u32, u64), HeldCheck<'_>)> = order
         .iter()
-        .map(|&(p, g)| ((p, g), HeldCheck::new(root, p, owner, cluster)))
+        .map(|&(p, g)| {
+            let slot = fences.get(&p).and_then(|fence| fence.slot());
+            ((p, g), HeldCheck::new(root, p, owner, cluster).fenced(slot))
+        })
         .collect();
     let mut reads: Vec<Vec<u8>> = checks.iter().flat_map(|(_, c)| c.keys().to_vec()).collect();
     let lease_reads = reads.len();

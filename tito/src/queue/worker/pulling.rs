@@ -81,6 +81,8 @@ pub(super) struct Pulling {
     /// The partition the last round of pulls began with: the next round begins after it, so
     /// every due partition is first in turn.
     first_last_round: Option<u32>,
+    /// The worker's fence slots, handed to every invocation it starts.
+    fences: std::sync::Arc<crate::queue::lease::FencePool>,
 }
 
 /// Past this many keys, the record of handlers' first polls drops the keys whose last handler
@@ -131,6 +133,9 @@ impl Pulling {
             waiting: HashMap::new(),
             first_polls: HashMap::new(),
             first_last_round: None,
+            fences: crate::queue::lease::FencePool::new(crate::queue::lease::fence_count(
+                concurrency,
+            )),
         }
     }
 
@@ -506,6 +511,7 @@ impl Pulling {
                 let running = Running {
                     pulled: item,
                     generation: state.generation,
+                    fences: self.fences.clone(),
                 };
                 let token = Cancellation::default();
                 self.tokens
