@@ -41,6 +41,7 @@ use crate::keys;
 pub struct Lease {
     /// The holder; empty once released.
     pub owner: String,
+    /// The fencing token: one more at each change of hands.
     pub generation: u64,
     /// The expiry when the lease was taken (the expiry key has the current one).
     #[serde(default)]

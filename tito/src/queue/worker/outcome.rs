@@ -154,9 +154,9 @@ async fn apply<E: TitoEngine>(
     let mut fences: HashMap<u32, crate::queue::lease::Fence> = HashMap::new();
     for outcome in batch {
         let partition = outcome.running.pulled.parsed.partition;
-        if !fences.contains_key(&partition) {
-            fences.insert(partition, outcome.running.fences.take(partition));
-        }
+        fences
+            .entry(partition)
+            .or_insert_with(|| outcome.running.fences.take(partition));
     }
     let checks: Vec<((u32, u64), HeldCheck<'_>)> = order
         .iter()
