@@ -993,6 +993,53 @@ pub fn batch_shard_key(id: &str, shard: u32) -> String {
     format!("{}{shard:04}", batch_shard_prefix(id))
 }
 
+/// `graph-end:`, the prefix of every graph end not folded yet.
+pub fn graph_ends_prefix() -> String {
+    "graph-end:".to_string()
+}
+
+/// `graph-end:{kind}:{id}:`, the prefix of the ends of one graph not folded yet (`kind`: `b`
+/// for a batch, `w` for a workflow).
+pub fn graph_end_prefix(kind: char, id: &str) -> String {
+    let mut key = graph_ends_prefix();
+    key.push(kind);
+    key.push(SEPARATOR);
+    encode_str(id, &mut key);
+    key.push(SEPARATOR);
+    key
+}
+
+/// `graph-end:{kind}:{id}:{version:020}:{member}`: a batch child's or a workflow step's end,
+/// written by the transaction that ended it (`version` its start version), deleted by the
+/// transaction that folds it into its graph (`member`: a batch child's queue and event id, a
+/// workflow step's name).
+pub fn graph_end_key(kind: char, id: &str, version: u64, member: &[&str]) -> String {
+    let mut key = graph_end_prefix(kind, id);
+    key.push_str(&format!("{version:020}"));
+    for segment in member {
+        key.push(SEPARATOR);
+        encode_bounded(segment, &mut key);
+    }
+    key
+}
+
+/// The graph a `graph-end:` key belongs to: its kind and id.
+pub fn graph_of_end_key(key: &[u8]) -> Option<(char, String)> {
+    let rest = std::str::from_utf8(key).ok()?.strip_prefix("graph-end:")?;
+    let mut chars = rest.chars();
+    let kind = chars.next()?;
+    let rest = chars.as_str().strip_prefix(SEPARATOR)?;
+    let (id, _) = rest.split_once(SEPARATOR)?;
+    Some((kind, decode_str(id).ok()?))
+}
+
+/// `batch-closed:{id}`: written by the close of a batch (empty value); additions lock it.
+pub fn batch_closed_key(id: &str) -> String {
+    let mut key = "batch-closed:".to_string();
+    encode_str(id, &mut key);
+    key
+}
+
 /// `batch-child:{id}:`, the prefix of a batch's children.
 pub fn batch_child_prefix(id: &str) -> String {
     let mut key = "batch-child:".to_string();

@@ -99,7 +99,8 @@ pub(super) async fn cancel_row<X: TitoTransaction>(
         parsed,
         stored,
     };
-    let wakes = super::worker::complete(tx, root, partitions, &pulled, None, None).await?;
+    let now = super::graph::Apply::Now;
+    let wakes = super::worker::complete(tx, root, partitions, &pulled, None, None, now).await?;
     Ok(Some(wakes))
 }
 

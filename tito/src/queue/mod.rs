@@ -828,7 +828,14 @@ impl<E: TitoEngine> Queue<E> {
         if !ended.is_empty() {
             engine::aborting(tx, async {
                 for stored in &ended {
-                    let wakes = graph::finished(tx, stored, graph::Finish::Cancelled).await?;
+                    let wakes = graph::finished(
+                        tx,
+                        &self.root,
+                        stored,
+                        graph::Finish::Cancelled,
+                        graph::Apply::Now,
+                    )
+                    .await?;
                     graph::wake_after_commit(&self.db, tx, wakes);
                 }
                 Ok(())

@@ -274,8 +274,20 @@ async fn drain_core<E: TitoEngine>(
     let (stop, worker) = start(queue.clone(), config, cut_off.clone());
     let retries_until = Some(within);
     let (mut runnable, _) = due_now(&queue, retries_until, false).await?;
-    while runnable > 0 && Instant::now() < deadline && !worker.is_finished() {
-        tokio::time::sleep(Duration::from_millis(5)).await;
+    loop {
+        while runnable > 0 && Instant::now() < deadline && !worker.is_finished() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            (runnable, _) = due_now(&queue, retries_until, false).await?;
+        }
+        // Graph ends not folded yet may make more rows due (a released step, a callback):
+        // folded here (this process's fold of them may be under way too), then looked at again.
+        if Instant::now() >= deadline
+            || worker.is_finished()
+            || !super::graph::fold::pending(queue.engine()).await?
+        {
+            break;
+        }
+        super::graph::fold::sweep(queue.engine()).await?;
         (runnable, _) = due_now(&queue, retries_until, false).await?;
     }
     let _ = stop.send(true);

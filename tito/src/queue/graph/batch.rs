@@ -243,15 +243,22 @@ impl Batch {
     }
 }
 
-/// A batch's record: its callbacks, whether it is closed, how many shards have open children.
+/// A batch's record: its callbacks, whether it is closed, the ends folded so far, how many
+/// shards have open children by the counts of versions before end records.
 #[derive(Serialize, Deserialize)]
 struct BatchRecord {
     created_ms: u64,
     #[serde(default)]
     closed: bool,
-    /// Shards whose `open` count is above zero.
+    /// Shards whose `open` count is above zero. Kept by additions for versions before end
+    /// records (which end children by their shard's counts and fire when it reaches zero);
+    /// this version fires by the counts.
     #[serde(default)]
     busy: u32,
+    /// The children's ends folded into the record (`added` unused: additions count in the
+    /// shards).
+    #[serde(default)]
+    folded: BatchCounts,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     callbacks: Vec<StoredCallback>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -298,9 +305,15 @@ pub(crate) struct ChildRecord {
     pub(crate) id: String,
 }
 
-/// The sum of a batch's shard counts.
-async fn totals<X: TitoTransaction>(tx: &X, id: &str) -> TitoResult<BatchCounts> {
-    let mut total = BatchCounts::default();
+/// A batch's counts: its shards' (children added, and ended by versions before end records)
+/// and the ends folded into `record`.
+async fn totals<X: TitoTransaction>(
+    tx: &X,
+    id: &str,
+    record: &BatchRecord,
+) -> TitoResult<BatchCounts> {
+    let mut total = record.folded;
+    total.added = 0;
     for (key, value) in scan_prefix(tx, &keys::batch_shard_prefix(id)).await? {
         let shard: ShardCounts = parse("batch shard", &key, &value)?;
         total.added += shard.counts.added;
@@ -311,6 +324,21 @@ async fn totals<X: TitoTransaction>(tx: &X, id: &str) -> TitoResult<BatchCounts>
     Ok(total)
 }
 
+/// A batch child's end record (its key names the batch, the child's queue and event id).
+#[derive(Serialize, Deserialize)]
+struct ChildEnd {
+    how: Finish,
+}
+
+/// Adds the end `how` to `counts`.
+fn count_end(counts: &mut BatchCounts, how: Finish) {
+    match how {
+        Finish::Completed => counts.completed += 1,
+        Finish::Cancelled => counts.cancelled += 1,
+        Finish::Dead => counts.dead += 1,
+    }
+}
+
 /// Publishes the callbacks of batch `id` whose condition holds and that have not fired, and
 /// marks them fired in `record` (the caller writes it).
 async fn fire_due<X: TitoTransaction>(
@@ -319,19 +347,17 @@ async fn fire_due<X: TitoTransaction>(
     record: &mut BatchRecord,
     wakes: &mut Vec<Wake>,
 ) -> TitoResult<()> {
-    let all_ended = record.closed && record.busy == 0;
     let waiting: Vec<StoredCallback> = record
         .callbacks
         .iter()
         .filter(|c| !record.fired.contains(&c.kind))
         .cloned()
         .collect();
-    // Only the end or a death fires anything: no scan of the shards otherwise.
-    if waiting.is_empty() || !(all_ended || waiting.iter().any(|c| c.kind == BatchCallback::Death))
-    {
+    if waiting.is_empty() {
         return Ok(());
     }
-    let counts = totals(tx, id).await?;
+    let counts = totals(tx, id, record).await?;
+    let all_ended = record.closed && counts.open() == 0;
     let now_s = i64::try_from(engine::version_millis(tx.start_version()) / 1000).unwrap_or(0);
     for callback in waiting {
         let due = match callback.kind {
@@ -359,10 +385,10 @@ async fn fire_due<X: TitoTransaction>(
             event.id = derived;
         }
         insert_pending(tx, &callback.q, callback.p, &event, event.to_bytes()?).await?;
-        wakes.push(Wake {
-            root: callback.q.clone(),
-            partition: partition_for(&event.key, callback.p),
-        });
+        wakes.push(Wake::due(
+            &callback.q,
+            partition_for(&event.key, callback.p),
+        ));
     }
     Ok(())
 }
@@ -404,54 +430,112 @@ async fn free_id<X: TitoTransaction>(
     )))
 }
 
-/// Applies the end of batch child `event_id` inside `tx`: its shard's counts, and when its
-/// shard emptied or it died, the record and the callbacks due.
-pub(super) async fn child_finished<X: TitoTransaction>(
+/// Records the end of batch child `event_id` of queue `root` inside `tx`: an end record,
+/// folded into the batch once `tx` commits (see the module). Writes nothing another
+/// transaction's end writes.
+pub(super) async fn child_ended<X: TitoTransaction>(
     tx: &X,
+    root: &str,
     event_id: &str,
     link: &BatchLink,
     how: Finish,
     wakes: &mut Vec<Wake>,
 ) -> TitoResult<()> {
-    let shard_key = keys::batch_shard_key(&link.id, link.shard);
-    let Some(bytes) = tx.get(shard_key.as_bytes()).await? else {
+    let value = serde_json::to_vec(&ChildEnd { how })?;
+    let graph = super::fold::GraphRef::batch(&link.id);
+    super::fold::write_end(tx, graph, &[root, event_id], value, wakes).await
+}
+
+/// Applies the end `how` of a child of batch `id` inside `tx`, with the batch's end records
+/// not folded yet: its record's counts and the callbacks now due.
+pub(super) async fn child_ended_now<X: TitoTransaction>(
+    tx: &X,
+    id: &str,
+    how: Finish,
+    wakes: &mut Vec<Wake>,
+) -> TitoResult<()> {
+    let record_key = keys::batch_key(id);
+    let Some(bytes) = tx.get(record_key.as_bytes()).await? else {
         // The batch was deleted.
         return Ok(());
     };
-    let mut shard: ShardCounts = parse("batch shard", shard_key.as_bytes(), &bytes)?;
-    if shard.open == 0 {
-        tracing::warn!(
-            batch = link.id,
-            shard = link.shard,
-            event = event_id,
-            "a batch child ended in a shard without open children; not counted"
-        );
-        return Ok(());
+    let mut record: BatchRecord = parse("batch", record_key.as_bytes(), &bytes)?;
+    fold_ends_into(tx, id, &mut record).await?;
+    count_end(&mut record.folded, how);
+    fire_due(tx, id, &mut record, wakes).await?;
+    tx.put(record_key.into_bytes(), serde_json::to_vec(&record)?)
+        .await
+}
+
+/// Adds every end record of batch `id` to `record`'s counts and deletes them, inside `tx`.
+async fn fold_ends_into<X: TitoTransaction>(
+    tx: &X,
+    id: &str,
+    record: &mut BatchRecord,
+) -> TitoResult<()> {
+    let mut full = true;
+    while full {
+        let ends = super::fold::ends_of(tx, super::fold::BATCH, id).await?;
+        full = ends.len() == super::fold::FOLD_ENDS;
+        for (key, value) in ends {
+            let end: ChildEnd = parse("batch child end", &key, &value)?;
+            count_end(&mut record.folded, end.how);
+            tx.delete(key).await?;
+        }
     }
-    shard.open -= 1;
-    match how {
-        Finish::Completed => shard.counts.completed += 1,
-        Finish::Cancelled => shard.counts.cancelled += 1,
-        Finish::Dead => shard.counts.dead += 1,
+    Ok(())
+}
+
+/// Folds batch `id`'s end records inside `tx`: adds them to its record's counts, deletes them,
+/// and fires the callbacks now due. Returns whether more end records wait than one fold takes.
+pub(super) async fn fold_batch<X: TitoTransaction>(
+    tx: &X,
+    id: &str,
+    wakes: &mut Vec<Wake>,
+) -> TitoResult<bool> {
+    let ends = super::fold::ends_of(tx, super::fold::BATCH, id).await?;
+    if ends.is_empty() {
+        return Ok(false);
     }
-    // The child's key stays until the batch expires: one write less per child's end.
-    tx.put(shard_key.into_bytes(), serde_json::to_vec(&shard)?)
-        .await?;
-    if shard.open > 0 && how != Finish::Dead {
-        return Ok(());
-    }
-    let record_key = keys::batch_key(&link.id);
+    let full = ends.len() == super::fold::FOLD_ENDS;
+    let record_key = keys::batch_key(id);
     let Some(bytes) = tx.get(record_key.as_bytes()).await? else {
-        return Ok(());
+        // The batch was deleted (expired): its ends count for nothing.
+        for (key, _) in ends {
+            tx.delete(key).await?;
+        }
+        return Ok(full);
     };
     let mut record: BatchRecord = parse("batch", record_key.as_bytes(), &bytes)?;
-    if shard.open == 0 {
-        record.busy = record.busy.saturating_sub(1);
+    for (key, value) in ends {
+        let end: ChildEnd = parse("batch child end", &key, &value)?;
+        count_end(&mut record.folded, end.how);
+        tx.delete(key).await?;
     }
-    fire_due(tx, &link.id, &mut record, wakes).await?;
+    fire_due(tx, id, &mut record, wakes).await?;
     tx.put(record_key.into_bytes(), serde_json::to_vec(&record)?)
         .await?;
-    Ok(())
+    Ok(full)
+}
+
+/// The ends of batch `id` not folded yet, counted, read in `tx` (readers add them to the
+/// record's, so counts are exact before the fold).
+async fn unfolded<X: TitoTransaction>(tx: &X, id: &str) -> TitoResult<BatchCounts> {
+    let mut counts = BatchCounts::default();
+    let start = keys::graph_end_prefix(super::fold::BATCH, id).into_bytes();
+    let end = keys::prefix_end_bytes(&start);
+    let mut from = start;
+    loop {
+        let page = tx.scan(&from, &end, 1000).await?;
+        for (key, value) in &page {
+            let record: ChildEnd = parse("batch child end", key, value)?;
+            count_end(&mut counts, record.how);
+        }
+        match page.last() {
+            Some((key, _)) if page.len() == 1000 => from = keys::key_after_bytes(key),
+            _ => return Ok(counts),
+        }
+    }
 }
 
 /// A batch as [`Graphs::batch`] reads it.
@@ -613,9 +697,8 @@ impl<E: TitoEngine> Graphs<E> {
         if chunks.is_empty() {
             chunks.push(Vec::new());
         }
-        let last = chunks.len() - 1;
         let mut published = Vec::with_capacity(items.len());
-        for (n, chunk) in chunks.into_iter().enumerate() {
+        for chunk in chunks {
             let chunk = Arc::new(chunk);
             let (db, id, target) = (self.db.clone(), id.clone(), target.clone());
             let answers = self
@@ -632,9 +715,6 @@ impl<E: TitoEngine> Graphs<E> {
                         else {
                             return Ok::<_, TitoError>(None);
                         };
-                        if n == last {
-                            close(&tx, &id, &mut wakes).await?;
-                        }
                         super::wake_after_commit(&db, &tx, wakes);
                         Ok(Some(answers))
                     }
@@ -645,6 +725,10 @@ impl<E: TitoEngine> Graphs<E> {
             };
             published.extend(answers);
         }
+        // The close in a small transaction of its own: the children's transactions never
+        // write the record, which the folds of children completing meanwhile write. Closed by
+        // another publication of the batch since this one's last children: they are in it.
+        self.close_batch(&id).await?;
         Ok(Some(published))
     }
 
@@ -675,7 +759,11 @@ impl<E: TitoEngine> Graphs<E> {
                 return Ok(None);
             };
             let record: BatchRecord = parse("batch", key.as_bytes(), &bytes)?;
-            let counts = totals(tx, id).await?;
+            let mut counts = totals(tx, id, &record).await?;
+            let pending = unfolded(tx, id).await?;
+            counts.completed += pending.completed;
+            counts.cancelled += pending.cancelled;
+            counts.dead += pending.dead;
             Ok(Some(BatchState {
                 id: id.to_string(),
                 created_ms: record.created_ms,
@@ -786,6 +874,7 @@ async fn open<X: TitoTransaction>(
         created_ms: engine::version_millis(tx.start_version()),
         closed: false,
         busy: 0,
+        folded: BatchCounts::default(),
         callbacks: callbacks.to_vec(),
         fired: Vec::new(),
     };
@@ -831,6 +920,13 @@ async fn add_unless_closed<X: TitoTransaction>(
     if record.closed {
         return Ok(None);
     }
+    // A close writes this key: an addition and a close never both commit without one seeing
+    // the other (the record is not locked, since folds write it while children are added).
+    let closed_key = keys::batch_closed_key(id).into_bytes();
+    if tx.get(&closed_key).await?.is_some() {
+        return Ok(None);
+    }
+    tx.lock_keys(std::slice::from_ref(&closed_key)).await?;
     let Target { root, partitions } = target;
     let items: Vec<ToPublish> = items
         .iter()
@@ -891,10 +987,7 @@ async fn add_unless_closed<X: TitoTransaction>(
                 id: item.stored.id.clone(),
             })?,
         );
-        wakes.push(Wake {
-            root: root.clone(),
-            partition: *partition,
-        });
+        wakes.push(Wake::due(root, *partition));
     }
     let shard_keys: Vec<Vec<u8>> = per_shard
         .keys()
@@ -918,7 +1011,7 @@ async fn add_unless_closed<X: TitoTransaction>(
         writes.put(record_key, serde_json::to_vec(&record)?);
     }
     writes.apply(tx).await?;
-    wakes.sort_by(|a, b| (&a.root, a.partition).cmp(&(&b.root, b.partition)));
+    wakes.sort();
     wakes.dedup();
     Ok(Some(answers.into_iter().flatten().collect()))
 }
@@ -938,6 +1031,10 @@ async fn close<X: TitoTransaction>(tx: &X, id: &str, wakes: &mut Vec<Wake>) -> T
     // The callbacks' rows and the record are written as they go: a failure part way marks
     // the caller's transaction failed (it refuses to commit half a close).
     engine::aborting(tx, async {
+        // The ends not folded yet count: folded here, with the close.
+        fold_ends_into(tx, id, &mut record).await?;
+        tx.put(keys::batch_closed_key(id).into_bytes(), Vec::new())
+            .await?;
         fire_due(tx, id, &mut record, wakes).await?;
         tx.put(key.into_bytes(), serde_json::to_vec(&record)?).await
     })

@@ -1,24 +1,39 @@
 //! Job graphs: workflows (steps that become due when the steps they depend on completed) and
 //! batches (groups of invocations whose end runs callbacks exactly once).
 //!
-//! Both live in the store beside the queues and change in the transactions that change their
-//! invocations: publishing a graph is one transaction (the caller's, or one of its own), and
-//! a step's or a child's end is applied by the transaction that completes, buries or cancels
-//! it. A crash between two of those can neither lose nor double anything, since there is no
-//! "between".
+//! Both live in the store beside the queues. Publishing a graph is one transaction (the
+//! caller's, or one of its own). A step's or a child's end is written by the transaction that
+//! completes, buries or cancels it as an **end record** of its own (`graph-end:..`, a key no
+//! other transaction writes), and **folded** into its graph by a transaction that follows:
+//! the fold reads the graph's end records, applies them (a batch's counts and callbacks, a
+//! workflow's dependents), and deletes them, all at once. So the transactions that end a
+//! graph's members never write a key in common (sixteen handlers completing children of one
+//! batch, two dependencies of one step ending at once, a batch taking children while its
+//! earlier ones complete: none conflicts with another), and a fold applies each end exactly
+//! once (it deletes what it applied in the transaction that applies it; two folds of one graph
+//! write the same records, so one of them retries).
+//!
+//! Folds run in the process that committed the end, one graph at a time per process (the
+//! [`fold::Folder`]), right after the commit; an end whose fold did not run (the process
+//! crashed after the commit, the commit's outcome was unknown) is found and folded by the
+//! workers' maintenance pass (at a worker's start, then every `maintenance_interval`). Readers
+//! count end records not folded yet, so a batch's counts and whether it finished are exact at
+//! any time; a dependent's release and a callback's publication follow the end by one fold.
 //!
 //! - A workflow step with dependencies waits as a row of its own (`{queue}:waiting:..`); one
-//!   edge key per dependency names it. The transaction that ends a dependency reads the edges
-//!   and rewrites (or releases) each waiting row it names, so two dependencies ending at once
-//!   in two processes both write that row and one of them retries: a step is never released
-//!   twice or missed (no write skew on any engine).
-//! - A batch counts its children per shard (a child's shard is its partition, whose
-//!   invocations end under one worker's lease), and its record counts the shards with open
-//!   children: a child's end writes its shard's counters, and the record only when its shard
-//!   empties. The transaction that empties the last shard of a closed batch inserts the
-//!   callbacks and marks them fired, in that transaction.
+//!   edge key per dependency names it. The fold of a dependency's end reads the edges and
+//!   rewrites (or releases) each waiting row it names: a step is never released twice or
+//!   missed (no write skew on any engine: two folds that touch one waiting row both write it).
+//! - A batch counts its children added per shard (a child's shard is its partition), written
+//!   by the additions only; the ends folded so far are counted in its record. A batch is
+//!   closed by writing its record and its closed key: an addition locks the closed key, so a
+//!   close and an addition never both commit unseen by each other, and additions never write
+//!   what folds write (the record only when a shard gets its first child). The fold (or the
+//!   close) that finds a closed batch's children all ended inserts the callbacks and marks
+//!   them fired, in that transaction.
 
 pub(crate) mod batch;
+pub(crate) mod fold;
 pub(crate) mod workflow;
 
 use std::sync::Arc;
@@ -47,56 +62,93 @@ pub use workflow::{
 pub const MAX_GRAPH_NAME: usize = 256;
 
 /// How an invocation ended, as its graph sees it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub(crate) enum Finish {
     Completed,
     Cancelled,
     Dead,
 }
 
-/// A partition to wake once the transaction that made its rows due has committed.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct Wake {
-    pub root: String,
-    pub partition: u32,
+/// What to do once a transaction that changed graphs has committed.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Wake {
+    /// Wake the workers of a partition that got due rows.
+    Due { root: String, partition: u32 },
+    /// Fold a graph's end records.
+    Fold(fold::GraphRef),
 }
 
-/// Applies an invocation's end to its graphs inside `tx` (the transaction that ended it):
-/// its batch's counters and callbacks, its workflow's dependents. Returns the partitions that
-/// got due rows.
+impl Wake {
+    /// The partition `partition` of the queue at `root`.
+    pub fn due(root: &str, partition: u32) -> Self {
+        Wake::Due {
+            root: root.to_string(),
+            partition,
+        }
+    }
+}
+
+/// When an invocation's end is applied to its graphs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Apply {
+    /// By a fold after the commit: a worker's outcomes, so that its transactions never write
+    /// a key in common.
+    Folded,
+    /// In the transaction that ended it: cancellations and erasures, whose callers read the
+    /// cascade (a dependent cancelled, a callback due) right after their commit.
+    Now,
+}
+
+/// Applies an invocation's end to its graphs inside `tx` (the transaction that ended it),
+/// now or as an end record per graph (its batch, its workflow) folded once `tx` commits (see
+/// the module). Returns what to do after the commit.
 pub(crate) async fn finished<X: TitoTransaction>(
     tx: &X,
+    root: &str,
     stored: &StoredEvent,
     how: Finish,
+    apply: Apply,
 ) -> TitoResult<Vec<Wake>> {
     let mut wakes = Vec::new();
     if let Some(link) = &stored.batch {
-        batch::child_finished(tx, &stored.id, link, how, &mut wakes).await?;
+        match apply {
+            Apply::Folded => {
+                batch::child_ended(tx, root, &stored.id, link, how, &mut wakes).await?
+            }
+            Apply::Now => batch::child_ended_now(tx, &link.id, how, &mut wakes).await?,
+        }
     }
     if let Some(link) = &stored.step {
-        workflow::step_finished(tx, link, how, &mut wakes).await?;
+        match apply {
+            Apply::Folded => workflow::step_ended(tx, link, how, &mut wakes).await?,
+            Apply::Now => {
+                workflow::step_finished(tx, &link.workflow, &link.step, how, &mut wakes).await?
+            }
+        }
     }
     Ok(wakes)
 }
 
-/// The key [`finished`] reads first when `stored` ends: its batch shard's counts. An outcome
-/// transaction reads it with the lease and the pending rows, so on TiKV the child's end costs
-/// no read round trip of its own (the client keeps what a transaction read).
-pub(crate) fn prefetch_key(stored: &StoredEvent) -> Option<Vec<u8>> {
-    stored
-        .batch
-        .as_ref()
-        .map(|link| keys::batch_shard_key(&link.id, link.shard).into_bytes())
-}
-
-/// Wakes this process's workers of `wakes` once `tx` commits.
+/// Wakes this process's workers of the partitions among `wakes` once `tx` commits, and folds
+/// the graphs among them.
 pub(crate) fn wake_after_commit<E: TitoEngine, X: TitoTransaction>(
     db: &E,
     tx: &X,
     wakes: Vec<Wake>,
 ) {
+    let mut folds = Vec::new();
     for wake in wakes {
-        crate::event::nudge::wakeups(db, &wake.root).wake_after_commit(tx, wake.partition);
+        match wake {
+            Wake::Due { root, partition } => {
+                crate::event::nudge::wakeups(db, &root).wake_after_commit(tx, partition)
+            }
+            Wake::Fold(graph) => folds.push(graph),
+        }
+    }
+    if !folds.is_empty() {
+        let db = db.clone();
+        tx.after_commit(Box::new(move || fold::request(&db, folds)));
     }
 }
 
@@ -397,6 +449,7 @@ impl<E: TitoEngine> Graphs<E> {
                     for prefix in [
                         keys::workflow_step_prefix(&id),
                         keys::workflow_edges_prefix(&id),
+                        keys::graph_end_prefix(fold::WORKFLOW, &id),
                     ] {
                         for (key, _) in crate::queue::scan_prefix(&tx, &prefix).await? {
                             tx.delete(key).await?;
@@ -419,7 +472,12 @@ impl<E: TitoEngine> Graphs<E> {
             .transaction(|tx| {
                 let id = id.clone();
                 async move {
+                    // An end not folded yet may still fire a callback: the next pass.
+                    if !fold::ends_of(&tx, fold::BATCH, &id).await?.is_empty() {
+                        return Ok(false);
+                    }
                     tx.delete(keys::batch_key(&id).into_bytes()).await?;
+                    tx.delete(keys::batch_closed_key(&id).into_bytes()).await?;
                     for prefix in [keys::batch_shard_prefix(&id), keys::batch_child_prefix(&id)] {
                         for (key, _) in crate::queue::scan_prefix(&tx, &prefix).await? {
                             tx.delete(key).await?;

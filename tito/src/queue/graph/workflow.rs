@@ -465,10 +465,7 @@ async fn plan<X: TitoTransaction>(
         if step.after.is_empty() {
             let bytes = stored.to_bytes()?;
             plan_insert(start, root, *partitions, &stored, bytes, writes)?;
-            wakes.push(Wake {
-                root: root.clone(),
-                partition: partition_for(&stored.key, *partitions),
-            });
+            wakes.push(Wake::due(root, partition_for(&stored.key, *partitions)));
             continue;
         }
         let stored = stored.settle_due(start).unwrap_or(stored);
@@ -509,18 +506,60 @@ async fn plan<X: TitoTransaction>(
     ))
 }
 
-/// Applies the end of workflow step `link` inside `tx`: each step waiting for it drops it
-/// (released when it waits for nothing more) or, when it ended without completing, follows its
-/// [`OnFailure`] rule; cancellations cascade the same way.
-pub(super) async fn step_finished<X: TitoTransaction>(
+/// A workflow step's end record (its key names the workflow and the step too).
+#[derive(Serialize, Deserialize)]
+struct StepEnd {
+    step: String,
+    how: Finish,
+}
+
+/// Records the end of workflow step `link` inside `tx`: an end record, folded into the
+/// workflow once `tx` commits (see the module). Writes nothing another transaction's end
+/// writes.
+pub(super) async fn step_ended<X: TitoTransaction>(
     tx: &X,
     link: &StepLink,
     how: Finish,
     wakes: &mut Vec<Wake>,
 ) -> TitoResult<()> {
-    let workflow = &link.workflow;
+    let value = serde_json::to_vec(&StepEnd {
+        step: link.step.clone(),
+        how,
+    })?;
+    let graph = super::fold::GraphRef::workflow(&link.workflow);
+    super::fold::write_end(tx, graph, &[&link.step], value, wakes).await
+}
+
+/// Folds workflow `id`'s end records inside `tx`, in the order they were written: applies
+/// each (see [`step_finished`]) and deletes it. Returns whether more end records wait than one
+/// fold takes.
+pub(super) async fn fold_workflow<X: TitoTransaction>(
+    tx: &X,
+    id: &str,
+    wakes: &mut Vec<Wake>,
+) -> TitoResult<bool> {
+    let ends = super::fold::ends_of(tx, super::fold::WORKFLOW, id).await?;
+    let full = ends.len() == super::fold::FOLD_ENDS;
+    for (key, value) in ends {
+        let end: StepEnd = parse("workflow step end", &key, &value)?;
+        step_finished(tx, id, &end.step, end.how, wakes).await?;
+        tx.delete(key).await?;
+    }
+    Ok(full)
+}
+
+/// Applies the end of step `step` of workflow `workflow` inside `tx`: each step waiting for it
+/// drops it (released when it waits for nothing more) or, when it ended without completing,
+/// follows its [`OnFailure`] rule; cancellations cascade the same way.
+pub(super) async fn step_finished<X: TitoTransaction>(
+    tx: &X,
+    workflow: &str,
+    step: &str,
+    how: Finish,
+    wakes: &mut Vec<Wake>,
+) -> TitoResult<()> {
     // A worklist, not recursion: a cancellation may cascade through thousands of steps.
-    let mut ended = vec![(link.step.clone(), how)];
+    let mut ended = vec![(step.to_string(), how)];
     while let Some((step, how)) = ended.pop() {
         for (edge_key, value) in
             scan_prefix(tx, &keys::workflow_edge_prefix(workflow, &step)).await?
@@ -566,10 +605,7 @@ pub(super) async fn step_finished<X: TitoTransaction>(
             if released {
                 remove_waiting(tx, &edge.q, &edge.w, &waiting).await?;
                 insert_pending(tx, &edge.q, edge.p, &waiting, waiting.to_bytes()?).await?;
-                wakes.push(Wake {
-                    root: edge.q.clone(),
-                    partition: partition_for(&waiting.key, edge.p),
-                });
+                wakes.push(Wake::due(&edge.q, partition_for(&waiting.key, edge.p)));
             } else {
                 tx.put(edge.w.clone().into_bytes(), waiting.to_bytes()?)
                     .await?;
@@ -611,7 +647,7 @@ async fn cancel_waiting_row<X: TitoTransaction>(
     }
     crate::queue::completed::store_completed(tx, root, &mut stored, true).await?;
     if let Some(batch) = &stored.batch {
-        super::batch::child_finished(tx, &stored.id, batch, Finish::Cancelled, wakes).await?;
+        super::batch::child_ended_now(tx, &batch.id, Finish::Cancelled, wakes).await?;
     }
     Ok(())
 }
@@ -637,7 +673,14 @@ pub(crate) async fn cancel_waiting<X: TitoTransaction>(
     };
     let mut wakes = Vec::new();
     cancel_waiting_row(tx, root, key, stored, why, &mut wakes).await?;
-    step_finished(tx, &link, Finish::Cancelled, &mut wakes).await?;
+    step_finished(
+        tx,
+        &link.workflow,
+        &link.step,
+        Finish::Cancelled,
+        &mut wakes,
+    )
+    .await?;
     Ok(Some(wakes))
 }
 

@@ -302,9 +302,6 @@ where
                     let mut reads = check.keys().to_vec();
                     reads.push(pulled.key.clone().into_bytes());
                     let row_at = reads.len() - 1;
-                    if next.is_none() {
-                        reads.extend(crate::queue::graph::prefetch_key(&pulled.stored));
-                    }
                     let values = tx.batch_get(&reads).await?;
                     let (lease, row) = values[..=row_at].split_at(row_at);
                     if !check.decide(&tx, generation, lease).await? {
@@ -326,6 +323,7 @@ where
                         &pulled,
                         next.as_ref(),
                         result.as_ref(),
+                        crate::queue::graph::Apply::Folded,
                     )
                     .await?;
                     crate::queue::graph::wake_after_commit(&waker, &tx, wakes);

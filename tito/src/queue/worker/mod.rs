@@ -948,6 +948,13 @@ async fn maintenance_pass<E: TitoEngine>(
         Ok(deleted) => full |= deleted == super::RETENTION_BATCH,
         Err(err) => tracing::warn!(error = %err, "sweeping expired unique keys failed"),
     }
+    // Graph ends whose fold did not run where they were committed (a crash, an unknown
+    // outcome): folded here.
+    match crate::queue::graph::fold::sweep(queue.engine()).await {
+        Ok(0) => {}
+        Ok(graphs) => tracing::info!(graphs, "graph ends left unfolded were folded"),
+        Err(err) => tracing::warn!(error = %err, "folding graph ends left behind failed"),
+    }
     if sweep_kv {
         match crate::kv::sweep_expired(queue.engine(), crate::kv::SWEEP_BATCH).await {
             Ok(deleted) => full |= deleted == crate::kv::SWEEP_BATCH,

@@ -19,21 +19,13 @@ use crate::queue::lease::HeldCheck;
 use crate::queue::pull::Pulled;
 use crate::telemetry::names;
 
+/// A worker's outcomes apply their ends to graphs by folds (see `queue::graph`).
+const FOLDED: graph::Apply = graph::Apply::Folded;
+
 /// An outcome ready to commit.
 pub(super) struct Outcome {
     pub running: Running,
     pub kind: OutcomeKind,
-}
-
-impl Outcome {
-    /// Whether it ends its invocation (completed without a replacement, or dead): then its end
-    /// is applied to its workflow and batch.
-    fn ends(&self) -> bool {
-        matches!(
-            self.kind,
-            OutcomeKind::Acknowledge { .. } | OutcomeKind::Dead { .. }
-        )
-    }
 }
 
 /// What an outcome does to its invocation.
@@ -132,7 +124,8 @@ pub(super) struct Committed {
 /// One outcome transaction; returns the keys of the invocations it completed. It reads
 /// everything it checks in one batch before writing: each partition's lease (holder record and
 /// expiry, or for a cluster node its own node record) and each invocation's pending row; on TiKV
-/// that is one read round trip whatever the batch holds.
+/// that is one read round trip whatever the batch holds. (An end of a graph's member writes its
+/// end record without reading anything.)
 async fn apply<E: TitoEngine>(
     queue: &Queue<E>,
     owner: &str,
@@ -173,15 +166,6 @@ async fn apply<E: TitoEngine>(
             .map(|o| o.running.pulled.key.clone().into_bytes()),
     );
     let pending_reads = reads.len();
-    // The batch shards the ends of batch children read, in the same request.
-    let mut shards: Vec<Vec<u8>> = batch
-        .iter()
-        .filter(|o| o.ends())
-        .filter_map(|o| graph::prefetch_key(&o.running.pulled.stored))
-        .collect();
-    shards.sort_unstable();
-    shards.dedup();
-    reads.extend(shards);
     // An acknowledgement whose commit outcome is unknown is resolved, not guessed: applied, it
     // counts as applied; proven not applied, it is replayed (after re-checking the lease).
     let policy = queue.engine().retry_policy().resolving();
@@ -214,10 +198,11 @@ async fn apply<E: TitoEngine>(
                 }
                 let wakes = match &outcome.kind {
                     OutcomeKind::Acknowledge { result } => {
-                        complete(&tx, root, partitions, pulled, None, result.as_ref()).await?
+                        complete(&tx, root, partitions, pulled, None, result.as_ref(), FOLDED)
+                            .await?
                     }
                     OutcomeKind::Reschedule(next) => {
-                        complete(&tx, root, partitions, pulled, Some(next), None).await?
+                        complete(&tx, root, partitions, pulled, Some(next), None, FOLDED).await?
                     }
                     OutcomeKind::Retry { backoff, error } => {
                         retry(&tx, root, partitions, pulled, *backoff, error).await?;
@@ -245,6 +230,7 @@ pub(in crate::queue) async fn complete<X: TitoTransaction>(
     pulled: &Pulled,
     replacement: Option<&StoredEvent>,
     result: Option<&serde_json::Value>,
+    apply: graph::Apply,
 ) -> TitoResult<Vec<Wake>> {
     remove_pending(tx, root, pulled).await?;
     let mut completed = pulled.stored.clone();
@@ -263,7 +249,7 @@ pub(in crate::queue) async fn complete<X: TitoTransaction>(
                 Some(_) => Finish::Cancelled,
                 None => Finish::Completed,
             };
-            graph::finished(tx, &completed, how).await
+            graph::finished(tx, root, &completed, how, apply).await
         }
     }
 }
@@ -344,7 +330,7 @@ pub(super) async fn bury<X: TitoTransaction>(
         dead_key.into_bytes(),
     )
     .await?;
-    graph::finished(tx, &dead, Finish::Dead).await
+    graph::finished(tx, root, &dead, Finish::Dead, graph::Apply::Folded).await
 }
 
 /// The longest error text kept beside a row.
