@@ -44,6 +44,9 @@ macro_rules! graphs_suite {
                 a_batch_callbacks_taken_id_is_refused_or_fires_once_under_its_own,
                 two_publications_of_one_batch_at_once_both_succeed,
                 control_characters_in_graph_names_are_refused,
+                a_batch_takes_children_while_its_transactional_workers_complete_earlier_ones,
+                dependencies_ending_at_once_in_transactional_handlers_never_conflict,
+                ends_whose_folds_were_lost_are_folded_by_the_next_workers_maintenance,
             ]
         );
     };
@@ -1766,4 +1769,234 @@ async fn a_numbered_batch_published_again_after_a_failure_adds_only_what_is_miss
     assert!(state.closed);
     assert_eq!(state.counts.added, 2_500);
     assert_eq!(crate::support::pending_total(&jobs).await, 2_500);
+}
+
+/// Issue 60: a batch published while the transactional workers of its queue already complete
+/// its earlier children: the additions and the completions write no key in common (a child's
+/// end is an end record, folded after its commit), so the publication goes through at once,
+/// no handler is replayed, and the callback fires once with every child counted.
+pub async fn a_batch_takes_children_while_its_transactional_workers_complete_earlier_ones<
+    E: TitoEngine,
+>(
+    ctx: Ctx<E>,
+) {
+    const CHILDREN: u32 = 1_500;
+    let graphs = Graphs::new(ctx.db.clone());
+    let jobs = topic(&ctx.db, "growing-jobs", 2);
+    let callbacks = topic(&ctx.db, "growing-callbacks", 1);
+    let calls: Calls = Arc::default();
+    let mut workers = Workers::new();
+    callback_worker(&mut workers, &callbacks, &calls);
+    let prefix = ctx.key("growing:");
+    workers.spawn_transactional_worker(
+        jobs.clone(),
+        fast(0..2),
+        move |event: QueueEvent<Work>, tx: E::Transaction| {
+            let mut key = prefix.clone();
+            async move {
+                key.extend_from_slice(event.payload.n.to_string().as_bytes());
+                tx.put(key, b"done".to_vec()).await?;
+                Ok(QueueHandlerOutcome::Acknowledge)
+            }
+        },
+    );
+    let id = fresh("growing");
+    let batch = Batch::new(&id)
+        .numbered()
+        .on_complete(&callbacks, QueueEvent::now("cb", "all ended".to_string()));
+    let events: Vec<QueueEvent<Work>> = (0..CHILDREN)
+        .map(|n| QueueEvent::now(format!("k{n}"), Work { n }))
+        .collect();
+    // The first children, published alone, are being completed while the rest are added.
+    let first = 300;
+    graphs.open_batch(&batch).await.unwrap();
+    let early: Vec<QueueEvent<Work>> = events[..first]
+        .iter()
+        .enumerate()
+        .map(|(n, e)| e.clone().with_id(format!("{id}.{n}")))
+        .collect();
+    graphs.add_to_batch(&id, &jobs, &early).await.unwrap();
+    let published = graphs
+        .publish_batch(&batch, &jobs, &events)
+        .await
+        .expect("a batch publication while its workers run goes through")
+        .expect("the batch was open");
+    assert_eq!(published.len(), CHILDREN as usize);
+    assert_eq!(
+        published.iter().filter(|p| p.duplicate).count(),
+        first,
+        "the children added first are duplicates"
+    );
+    let key = (id.clone(), BatchCallback::Complete);
+    called_back(&calls, &key).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    workers.shutdown().await.unwrap();
+    let complete = calls.lock().unwrap()[&key].clone();
+    assert_eq!(complete.len(), 1, "{complete:?}");
+    let counts = complete[0].counts;
+    assert_eq!(
+        (counts.added, counts.completed),
+        (u64::from(CHILDREN), u64::from(CHILDREN))
+    );
+    assert_eq!(jobs.stats().replayed, 0, "{:?}", jobs.stats());
+    assert_eq!(jobs.stats().acknowledged, u64::from(CHILDREN));
+    let state = graphs.batch(&id).await.unwrap().unwrap();
+    assert!(state.finished());
+    assert_eq!(state.counts, counts);
+}
+
+/// Issue 60: a fan-in step's two dependencies end at once in transactional handlers (their
+/// transactions overlap): each end writes an end record of its own, so neither handler is
+/// replayed, and the step after both runs once.
+pub async fn dependencies_ending_at_once_in_transactional_handlers_never_conflict<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    const DOCS: u32 = 12;
+    let graphs = Graphs::new(ctx.db.clone());
+    let pipeline = topic(&ctx.db, "fan-in", 1);
+    let runs: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
+    let mut workers = Workers::new();
+    let seen = runs.clone();
+    workers.spawn_transactional_worker(
+        pipeline.clone(),
+        fast(0..1),
+        move |event: QueueEvent<String>, tx: E::Transaction| {
+            let seen = seen.clone();
+            async move {
+                let step = event.payload.clone();
+                tx.put(format!("fan-in:{}:{step}", event.key).into_bytes(), vec![1])
+                    .await?;
+                if step == "classify" || step == "thumbnail" {
+                    // The two dependencies' transactions overlap.
+                    tokio::time::sleep(Duration::from_millis(30)).await;
+                }
+                *seen
+                    .lock()
+                    .unwrap()
+                    .entry(format!("{}:{step}", event.key))
+                    .or_default() += 1;
+                Ok(QueueHandlerOutcome::Acknowledge)
+            }
+        },
+    );
+    let mut last = Vec::new();
+    for doc in 0..DOCS {
+        let mut wf = Workflow::new(fresh(&format!("doc{doc}")));
+        let key = format!("doc{doc}");
+        let at = |step: &str| QueueEvent::now(key.clone(), step.to_string());
+        wf.step(&StepName::<()>::new("extract"), &pipeline, at("extract"));
+        wf.step(&StepName::<()>::new("classify"), &pipeline, at("classify"))
+            .after(["extract"]);
+        wf.step(
+            &StepName::<()>::new("thumbnail"),
+            &pipeline,
+            at("thumbnail"),
+        )
+        .after(["extract"]);
+        wf.step(&StepName::<()>::new("index"), &pipeline, at("index"))
+            .after(["classify", "thumbnail"]);
+        let published = graphs.publish_workflow(&wf).await.unwrap();
+        last.push(published.step_id("index").unwrap().to_string());
+    }
+    for id in &last {
+        assert_eq!(
+            await_finished(&pipeline, id).await,
+            Finished::Completed(None)
+        );
+    }
+    workers.shutdown().await.unwrap();
+    assert_eq!(pipeline.stats().replayed, 0, "{:?}", pipeline.stats());
+    let runs = runs.lock().unwrap().clone();
+    assert_eq!(runs.len(), DOCS as usize * 4, "{runs:?}");
+    assert!(runs.values().all(|n| *n == 1), "{runs:?}");
+}
+
+/// Issue 60: ends whose folds a crash lost (the process died right after each commit) stay as
+/// end records: readers count them (a batch's counts are exact, its callback not fired yet, a
+/// dependent still waiting), and the next worker's maintenance folds them, once.
+pub async fn ends_whose_folds_were_lost_are_folded_by_the_next_workers_maintenance<
+    E: TitoEngine,
+>(
+    ctx: Ctx<E>,
+) {
+    let graphs = Graphs::new(ctx.db.clone());
+    let jobs = topic(&ctx.db, "lost-folds", 2);
+    let callbacks = topic(&ctx.db, "lost-folds-callbacks", 1);
+    let id = fresh("lost-folds");
+    let batch =
+        Batch::new(&id).on_complete(&callbacks, QueueEvent::now("cb", "all ended".to_string()));
+    let events: Vec<QueueEvent<Work>> = (0..6)
+        .map(|n| QueueEvent::now(format!("k{n}"), Work { n }))
+        .collect();
+    graphs.publish_batch(&batch, &jobs, &events).await.unwrap();
+    let flow = fresh("lost-flow");
+    let mut wf = Workflow::new(&flow);
+    wf.step(
+        &StepName::<()>::new("first"),
+        &jobs,
+        QueueEvent::now("w", Work { n: 100 }),
+    );
+    wf.step(
+        &StepName::<()>::new("second"),
+        &jobs,
+        QueueEvent::now("w", Work { n: 101 }),
+    )
+    .after(["first"]);
+    let second = graphs
+        .publish_workflow(&wf)
+        .await
+        .unwrap()
+        .step_id("second")
+        .unwrap()
+        .to_string();
+    tito::queue::graph::fold::drop_fold_requests(&ctx.db, true);
+    let ran = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let ran = ran.clone();
+        move |_event: QueueEvent<Work>| {
+            let ran = ran.clone();
+            async move {
+                ran.fetch_add(1, Ordering::SeqCst);
+                Ok(QueueHandlerOutcome::Acknowledge)
+            }
+        }
+    };
+    // A worker without maintenance (it would fold them) runs the children and the first step.
+    let mut workers = Workers::new();
+    workers.spawn_worker(
+        jobs.clone(),
+        fast(0..2).maintenance_interval(Duration::from_secs(3600)),
+        handler.clone(),
+    );
+    reaches("the children and the first step", &ran, 7).await;
+    workers.shutdown().await.unwrap();
+    // Exact counts before any fold; nothing fired, the second step still waits.
+    let state = graphs.batch(&id).await.unwrap().unwrap();
+    assert_eq!((state.counts.added, state.counts.completed), (6, 6));
+    assert!(state.finished());
+    assert_eq!(state.callbacks, vec![(BatchCallback::Complete, false)]);
+    assert!(matches!(
+        jobs.invocation_state::<()>(&second).await.unwrap(),
+        InvocationState::Waiting { .. }
+    ));
+    // The next worker's first maintenance pass folds them: the callback fires once, the second
+    // step runs.
+    tito::queue::graph::fold::drop_fold_requests(&ctx.db, false);
+    let calls: Calls = Arc::default();
+    let mut workers = Workers::new();
+    callback_worker(&mut workers, &callbacks, &calls);
+    workers.spawn_worker(jobs.clone(), fast(0..2), handler);
+    let key = (id.clone(), BatchCallback::Complete);
+    called_back(&calls, &key).await;
+    assert_eq!(
+        await_finished(&jobs, &second).await,
+        Finished::Completed(None)
+    );
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    workers.shutdown().await.unwrap();
+    assert_eq!(calls.lock().unwrap()[&key].len(), 1);
+    assert_eq!(ran.load(Ordering::SeqCst), 8);
+    let state = graphs.batch(&id).await.unwrap().unwrap();
+    assert_eq!(state.callbacks, vec![(BatchCallback::Complete, true)]);
+    assert_eq!(state.counts.completed, 6);
 }

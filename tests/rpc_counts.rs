@@ -518,14 +518,13 @@ async fn tikv_queue_outcomes_cost_the_counted_requests() {
     // primary's region again for its other keys.
     assert_eq!(counted[4], kv(4, 7, 13, 6), "{}", cases[4].name);
     assert_eq!(counted[5], kv(3, 5, 4, 5), "{}", cases[5].name);
-    // A batch child's end reads its batch shard in the outcome's batched read (one request
-    // more, to the shard's region, in parallel with the others: no round trip of its own) and
-    // writes the shard; the child that empties its shard also reads the batch's record (one
-    // `KvGet`) and writes it: two regions more to prewrite and commit, two keys more read
-    // back. Four children write the shard and the record once for all four.
-    assert_eq!(counted[6], kv(4, 7, 7, 7), "{}", cases[6].name);
-    assert_eq!(counted[7], kv(4, 8, 16, 7), "{}", cases[7].name);
-    assert_eq!(counted[8], kv(4, 7, 7, 7), "{}", cases[8].name);
+    // A batch child's end writes its end record, a key of its own (no read: one region more
+    // to prewrite and commit, one key more read back); the fold that follows is a transaction
+    // of its own (it scans the batch's end records and shards, reads the record, writes it and
+    // deletes the end records it folded). Four children's ends cost one fold together.
+    assert_eq!(counted[6], kv(3, 7, 8, 7), "{}", cases[6].name);
+    assert_eq!(counted[7], kv(3, 9, 23, 7), "{}", cases[7].name);
+    assert_eq!(counted[8], kv(3, 7, 8, 7), "{}", cases[8].name);
 }
 
 /// The writes a concurrency limit adds to one started event on TiKV: a worker's whole run over

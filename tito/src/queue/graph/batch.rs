@@ -442,8 +442,8 @@ pub(super) async fn child_ended<X: TitoTransaction>(
     wakes: &mut Vec<Wake>,
 ) -> TitoResult<()> {
     let value = serde_json::to_vec(&ChildEnd { how })?;
-    let graph = super::fold::GraphRef::batch(&link.id);
-    super::fold::write_end(tx, graph, &[root, event_id], value, wakes).await
+    let graph = super::ends::GraphRef::batch(&link.id);
+    super::ends::write_end(tx, graph, &[root, event_id], value, wakes).await
 }
 
 /// Applies the end `how` of a child of batch `id` inside `tx`, with the batch's end records
@@ -475,8 +475,8 @@ async fn fold_ends_into<X: TitoTransaction>(
 ) -> TitoResult<()> {
     let mut full = true;
     while full {
-        let ends = super::fold::ends_of(tx, super::fold::BATCH, id).await?;
-        full = ends.len() == super::fold::FOLD_ENDS;
+        let ends = super::ends::ends_of(tx, super::ends::BATCH, id).await?;
+        full = ends.len() == super::ends::FOLD_ENDS;
         for (key, value) in ends {
             let end: ChildEnd = parse("batch child end", &key, &value)?;
             count_end(&mut record.folded, end.how);
@@ -493,11 +493,11 @@ pub(super) async fn fold_batch<X: TitoTransaction>(
     id: &str,
     wakes: &mut Vec<Wake>,
 ) -> TitoResult<bool> {
-    let ends = super::fold::ends_of(tx, super::fold::BATCH, id).await?;
+    let ends = super::ends::ends_of(tx, super::ends::BATCH, id).await?;
     if ends.is_empty() {
         return Ok(false);
     }
-    let full = ends.len() == super::fold::FOLD_ENDS;
+    let full = ends.len() == super::ends::FOLD_ENDS;
     let record_key = keys::batch_key(id);
     let Some(bytes) = tx.get(record_key.as_bytes()).await? else {
         // The batch was deleted (expired): its ends count for nothing.
@@ -522,7 +522,7 @@ pub(super) async fn fold_batch<X: TitoTransaction>(
 /// record's, so counts are exact before the fold).
 async fn unfolded<X: TitoTransaction>(tx: &X, id: &str) -> TitoResult<BatchCounts> {
     let mut counts = BatchCounts::default();
-    let start = keys::graph_end_prefix(super::fold::BATCH, id).into_bytes();
+    let start = keys::graph_end_prefix(super::ends::BATCH, id).into_bytes();
     let end = keys::prefix_end_bytes(&start);
     let mut from = start;
     loop {

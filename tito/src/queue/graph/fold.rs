@@ -11,41 +11,7 @@ use crate::engine::{TitoEngine, TitoTransaction};
 use crate::error::{TitoError, TitoResult};
 use crate::keys;
 
-use super::Wake;
-
-/// A graph whose end records wait to be folded.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub(crate) struct GraphRef {
-    /// `b` for a batch, `w` for a workflow (the kind segment of its end keys).
-    pub kind: char,
-    pub id: String,
-}
-
-impl GraphRef {
-    /// A batch's.
-    pub fn batch(id: &str) -> Self {
-        GraphRef {
-            kind: BATCH,
-            id: id.to_string(),
-        }
-    }
-
-    /// A workflow's.
-    pub fn workflow(id: &str) -> Self {
-        GraphRef {
-            kind: WORKFLOW,
-            id: id.to_string(),
-        }
-    }
-}
-
-/// The kind segment of a batch's end keys.
-pub(crate) const BATCH: char = 'b';
-/// The kind segment of a workflow's end keys.
-pub(crate) const WORKFLOW: char = 'w';
-
-/// End records one fold applies at most, per graph (a graph with more is folded again at once).
-pub(crate) const FOLD_ENDS: usize = 512;
+pub(crate) use super::ends::{BATCH, GraphRef, WORKFLOW};
 
 /// Graphs one fold transaction takes at most.
 const FOLD_GRAPHS: usize = 32;
@@ -57,6 +23,20 @@ pub(crate) const SWEEP_ENDS: usize = 1000;
 #[derive(Debug, Default)]
 pub(crate) struct Folder {
     state: Mutex<FolderState>,
+    /// Set by [`drop_fold_requests`]: requests are dropped, as a process that crashed right
+    /// after its commits would drop them.
+    dropping: std::sync::atomic::AtomicBool,
+}
+
+/// Test support: while `on`, this process drops the folds its commits ask for on `db`, as a
+/// process that crashed right after each commit would; the end records stay for the workers'
+/// maintenance to fold.
+#[cfg(feature = "test-util")]
+pub fn drop_fold_requests<E: TitoEngine>(db: &E, on: bool) {
+    let folder = db.extensions().get::<Folder>();
+    folder
+        .dropping
+        .store(on, std::sync::atomic::Ordering::SeqCst);
 }
 
 #[derive(Debug, Default)]
@@ -69,6 +49,9 @@ struct FolderState {
 /// wait). Called once the transaction that wrote their end records has committed.
 pub(crate) fn request<E: TitoEngine>(db: &E, graphs: Vec<GraphRef>) {
     let folder = db.extensions().get::<Folder>();
+    if folder.dropping.load(std::sync::atomic::Ordering::SeqCst) {
+        return;
+    }
     {
         let mut state = crate::util::lock(&folder.state);
         state.waiting.extend(graphs);
@@ -171,17 +154,6 @@ async fn fold_in_one<E: TitoEngine>(db: &E, graphs: &[GraphRef]) -> TitoResult<V
     .await
 }
 
-/// The end records of graph `kind`/`id` not folded yet (at most [`FOLD_ENDS`]), read in `tx`.
-pub(crate) async fn ends_of<X: TitoTransaction>(
-    tx: &X,
-    kind: char,
-    id: &str,
-) -> TitoResult<Vec<(Vec<u8>, Vec<u8>)>> {
-    let start = keys::graph_end_prefix(kind, id).into_bytes();
-    let end = keys::prefix_end_bytes(&start);
-    tx.scan(&start, &end, FOLD_ENDS).await
-}
-
 /// Whether any end record waits to be folded in the store.
 pub(crate) async fn pending<E: TitoEngine>(db: &E) -> TitoResult<bool> {
     let start = keys::graph_ends_prefix().into_bytes();
@@ -216,22 +188,4 @@ pub(crate) async fn sweep<E: TitoEngine>(db: &E) -> TitoResult<usize> {
         pending.extend(fold(db, &chunk).await?);
     }
     Ok(graphs.len())
-}
-
-/// Writes an end record of graph `graph` inside `tx` (value: `value`), and asks for its fold
-/// once `tx` commits.
-pub(crate) async fn write_end<X: TitoTransaction>(
-    tx: &X,
-    graph: GraphRef,
-    member: &[&str],
-    value: Vec<u8>,
-    wakes: &mut Vec<Wake>,
-) -> TitoResult<()> {
-    let key = keys::graph_end_key(graph.kind, &graph.id, tx.start_version(), member);
-    tx.put(key.into_bytes(), value).await?;
-    let wake = Wake::Fold(graph);
-    if !wakes.contains(&wake) {
-        wakes.push(wake);
-    }
-    Ok(())
 }

@@ -33,6 +33,12 @@
 //!   them fired, in that transaction.
 
 pub(crate) mod batch;
+mod ends;
+/// Folding graph ends (see the module): internal, public with the `test-util` feature for
+/// tests that drop the folds a crash would lose.
+#[cfg(feature = "test-util")]
+pub mod fold;
+#[cfg(not(feature = "test-util"))]
 pub(crate) mod fold;
 pub(crate) mod workflow;
 
@@ -76,7 +82,7 @@ pub(crate) enum Wake {
     /// Wake the workers of a partition that got due rows.
     Due { root: String, partition: u32 },
     /// Fold a graph's end records.
-    Fold(fold::GraphRef),
+    Fold(ends::GraphRef),
 }
 
 impl Wake {
@@ -449,7 +455,7 @@ impl<E: TitoEngine> Graphs<E> {
                     for prefix in [
                         keys::workflow_step_prefix(&id),
                         keys::workflow_edges_prefix(&id),
-                        keys::graph_end_prefix(fold::WORKFLOW, &id),
+                        keys::graph_end_prefix(ends::WORKFLOW, &id),
                     ] {
                         for (key, _) in crate::queue::scan_prefix(&tx, &prefix).await? {
                             tx.delete(key).await?;
@@ -473,7 +479,7 @@ impl<E: TitoEngine> Graphs<E> {
                 let id = id.clone();
                 async move {
                     // An end not folded yet may still fire a callback: the next pass.
-                    if !fold::ends_of(&tx, fold::BATCH, &id).await?.is_empty() {
+                    if !ends::ends_of(&tx, ends::BATCH, &id).await?.is_empty() {
                         return Ok(false);
                     }
                     tx.delete(keys::batch_key(&id).into_bytes()).await?;

@@ -526,8 +526,8 @@ pub(super) async fn step_ended<X: TitoTransaction>(
         step: link.step.clone(),
         how,
     })?;
-    let graph = super::fold::GraphRef::workflow(&link.workflow);
-    super::fold::write_end(tx, graph, &[&link.step], value, wakes).await
+    let graph = super::ends::GraphRef::workflow(&link.workflow);
+    super::ends::write_end(tx, graph, &[&link.step], value, wakes).await
 }
 
 /// Folds workflow `id`'s end records inside `tx`, in the order they were written: applies
@@ -538,8 +538,8 @@ pub(super) async fn fold_workflow<X: TitoTransaction>(
     id: &str,
     wakes: &mut Vec<Wake>,
 ) -> TitoResult<bool> {
-    let ends = super::fold::ends_of(tx, super::fold::WORKFLOW, id).await?;
-    let full = ends.len() == super::fold::FOLD_ENDS;
+    let ends = super::ends::ends_of(tx, super::ends::WORKFLOW, id).await?;
+    let full = ends.len() == super::ends::FOLD_ENDS;
     for (key, value) in ends {
         let end: StepEnd = parse("workflow step end", &key, &value)?;
         step_finished(tx, id, &end.step, end.how, wakes).await?;
