@@ -411,16 +411,24 @@ pub(crate) fn hour_charts(hour: &[HourMinute], partitions: u32) -> String {
     ));
     b.push_str(&chart(
         "failures",
-        "Failures: handler runs that failed (an error, a panic or a timeout), per minute",
+        "Failures: handler runs that failed (an error, a panic or a timeout), and transactional handler calls replayed, per minute",
         Unit::Count,
         Kind::Bars,
         &minutes,
-        &[Series {
-            name: "failed",
-            class: "s-bad",
-            values: per(&|m| Some(m.failed as f64)),
-            table_only: false,
-        }],
+        &[
+            Series {
+                name: "failed",
+                class: "s-bad",
+                values: per(&|m| Some(m.failed as f64)),
+                table_only: false,
+            },
+            Series {
+                name: "replayed",
+                class: "s-warn",
+                values: per(&|m| Some(m.replayed as f64)),
+                table_only: false,
+            },
+        ],
         "",
     ));
     let capped = hour.iter().any(|m| m.due_more);
@@ -523,7 +531,7 @@ figure.chart h3 { font-size: 14px; margin: 0 0 2px; } figure.chart .summary { ma
 figure.chart p.muted { font-size: 12px; margin: 4px 0 0; }
 figure.chart svg { width: 100%; height: 170px; display: block; }
 figure.chart .grid { stroke: #e6e8ec; stroke-width: 1; } figure.chart .axis { fill: #7a8294; font-size: 11px; }
-.s-ok { fill: #2f7dd1; } .s-bad { fill: #c8362c; } .s-depth { stroke: #7a4fd1; stroke-width: 2; } circle.s-depth { fill: #7a4fd1; }
+.s-ok { fill: #2f7dd1; } .s-bad { fill: #c8362c; } .s-warn { fill: #d1902f; } .s-depth { stroke: #7a4fd1; stroke-width: 2; } circle.s-depth { fill: #7a4fd1; }
 polyline.s-mean { stroke: #2f7dd1; stroke-width: 2; } circle.s-mean { fill: #2f7dd1; }
 polyline.s-max { stroke: #d17a2f; stroke-width: 1.5; stroke-dasharray: 4 3; } circle.s-max { fill: #d17a2f; }
 polyline.s-wait { stroke: #c8362c; stroke-width: 1.5; } circle.s-wait { fill: #c8362c; }

@@ -682,8 +682,8 @@ fn handler_figures(o: &tito::inspect::QueueOverview) -> String {
         )
     };
     format!(
-        "<h2>Handlers, last {} minutes</h2><table id=\"handlers\"><tr><th class=\"num\">runs</th><th class=\"num\">failed</th><th class=\"num\">mean</th><th class=\"num\">longest</th><th class=\"num\">workers reporting</th></tr>\
-         <tr><td class=\"num\" data-figure=\"runs\">{}</td><td class=\"num\" data-figure=\"failed\">{failed}</td><td class=\"num\" data-figure=\"mean\">{}</td><td class=\"num\" data-figure=\"longest\">{}</td><td class=\"num\">{}</td></tr></table>\
+        "<h2>Handlers, last {} minutes</h2><table id=\"handlers\"><tr><th class=\"num\">runs</th><th class=\"num\">failed</th><th class=\"num\">mean</th><th class=\"num\">longest</th><th class=\"num\">replayed</th><th class=\"num\">workers reporting</th></tr>\
+         <tr><td class=\"num\" data-figure=\"runs\">{}</td><td class=\"num\" data-figure=\"failed\">{failed}</td><td class=\"num\" data-figure=\"mean\">{}</td><td class=\"num\" data-figure=\"longest\">{}</td><td class=\"num\" data-figure=\"replayed\">{}</td><td class=\"num\">{}</td></tr></table>\
          <p class=\"muted\">Each worker reports every {} s; figures of the current minute are partial.</p>",
         tito::inspect::THROUGHPUT_MINUTES,
         h.runs,
@@ -693,6 +693,7 @@ fn handler_figures(o: &tito::inspect::QueueOverview) -> String {
         } else {
             format!("{} ms", h.max_ms)
         },
+        h.replayed,
         o.workers.iter().filter(|w| w.running(o.now_ms)).count(),
         tito::queue::REPORT_EVERY.as_secs(),
     )

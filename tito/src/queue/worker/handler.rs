@@ -258,7 +258,7 @@ where
     // (applied: done; proven not applied: the handler runs again in a new transaction).
     let policy = db.retry_policy().resolving();
     let (counters, label) = (queue.shared_counters(), queue.label().to_string());
-    Arc::new(move |running: Running, event: QueueEvent<T>| {
+    Arc::new(move |mut running: Running, event: QueueEvent<T>| {
         let (handler, db, root, owner) = (handler.clone(), db.clone(), root.clone(), owner.clone());
         let (pulled, generation) = (running.pulled.clone(), running.generation);
         let policy = policy.clone();
@@ -344,6 +344,7 @@ where
             let replays = calls
                 .load(std::sync::atomic::Ordering::Relaxed)
                 .saturating_sub(1);
+            running.replays = replays;
             if replays > 0 {
                 crate::queue::QueueCounters::bump(&counters.replayed, replays);
                 metrics::counter!(crate::telemetry::names::QUEUE_REPLAYED, "queue" => label)

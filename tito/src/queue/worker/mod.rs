@@ -64,6 +64,9 @@ pub(super) struct Running {
     /// The worker's fence slots: each transaction that applies its outcome holds one of its
     /// partition's (see `queue::lease`).
     pub fences: Arc<crate::queue::lease::FencePool>,
+    /// How often a transactional handler was called again for this attempt (its transaction
+    /// replayed); set by the handler's task.
+    pub replays: u64,
 }
 
 /// How a worker runs. Build with [`WorkerConfig::new`] and the setters.

@@ -512,6 +512,7 @@ impl Pulling {
                     pulled: item,
                     generation: state.generation,
                     fences: self.fences.clone(),
+                    replays: 0,
                 };
                 let token = Cancellation::default();
                 self.tokens
@@ -544,6 +545,7 @@ impl Pulling {
                             took,
                             matches!(done.1, Report::Failed(_)),
                             late_ms,
+                            done.0.replays,
                         );
                         done
                     }

@@ -68,6 +68,10 @@ pub struct MinuteFigures {
     /// The latest start of them (ms after its due time).
     #[serde(default)]
     pub late_max_ms: u64,
+    /// Transactional handler calls run again because their transaction did not commit (see
+    /// the guide's Transactional handlers), for the runs that ended in this minute.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub replayed: u64,
     /// The same figures per partition, by partition (stored as arrays).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub partitions: Vec<PartitionRuns>,
@@ -87,6 +91,7 @@ impl MinuteFigures {
         self.max_ms = self.max_ms.max(other.max_ms);
         self.late_total_ms = self.late_total_ms.saturating_add(other.late_total_ms);
         self.late_max_ms = self.late_max_ms.max(other.late_max_ms);
+        self.replayed += other.replayed;
     }
 
     /// The mean run time (ms), if anything ran.
@@ -98,6 +103,10 @@ impl MinuteFigures {
     pub fn mean_late_ms(&self) -> Option<u64> {
         (self.runs > 0).then(|| self.late_total_ms / self.runs)
     }
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// One partition's handler runs in one minute. Stored as an array, `[partition, runs, failed,
@@ -290,7 +299,7 @@ pub(crate) struct Figures {
 impl Figures {
     /// Records one handler run of `partition` that started `late_ms` after its due time, took
     /// `took` and failed or not.
-    pub fn record(&self, partition: u32, took: Duration, failed: bool, late_ms: u64) {
+    pub fn record(&self, partition: u32, took: Duration, failed: bool, late_ms: u64, replays: u64) {
         let ms = crate::util::millis(took);
         let run = PartitionRuns {
             partition,
@@ -304,6 +313,7 @@ impl Figures {
         let mut minutes = crate::util::lock(&self.minutes);
         let current = newest(&mut minutes, minute_now());
         current.add(&run.figures(current.minute));
+        current.replayed += replays;
         add_partition_runs(&mut current.partitions, &run);
     }
 
@@ -669,13 +679,15 @@ mod tests {
     #[test]
     fn figures_sum_runs_failures_and_times_per_minute() {
         let figures = Figures::default();
-        figures.record(3, Duration::from_millis(10), false, 500);
-        figures.record(1, Duration::from_millis(30), true, 1500);
-        figures.record(3, Duration::from_millis(20), false, 0);
+        figures.record(3, Duration::from_millis(10), false, 500, 0);
+        figures.record(1, Duration::from_millis(30), true, 1500, 2);
+        figures.record(3, Duration::from_millis(20), false, 0, 1);
         let minutes = figures.snapshot(None);
         assert_eq!(minutes.len(), 1);
         let m = &minutes[0];
         assert_eq!((m.runs, m.failed, m.total_ms, m.max_ms), (3, 1, 60, 30));
+        // Replayed transactional calls, for the dashboard.
+        assert_eq!(m.replayed, 3);
         assert_eq!((m.late_total_ms, m.late_max_ms), (2000, 1500));
         assert_eq!(m.mean_ms(), Some(20));
         assert_eq!(m.mean_late_ms(), Some(666));
