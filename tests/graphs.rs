@@ -47,6 +47,7 @@ macro_rules! graphs_suite {
                 a_batch_takes_children_while_its_transactional_workers_complete_earlier_ones,
                 dependencies_ending_at_once_in_transactional_handlers_never_conflict,
                 ends_whose_folds_were_lost_are_folded_by_the_next_workers_maintenance,
+                many_workflows_publish_in_bounded_transactions_and_again_as_duplicates,
             ]
         );
     };
@@ -1999,4 +2000,77 @@ pub async fn ends_whose_folds_were_lost_are_folded_by_the_next_workers_maintenan
     let state = graphs.batch(&id).await.unwrap().unwrap();
     assert_eq!(state.callbacks, vec![(BatchCallback::Complete, true)]);
     assert_eq!(state.counts.completed, 6);
+}
+
+/// Issue 60: many workflows at once, in bounded transactions (whole workflows of at most 1,000
+/// steps together); every one checked before anything is written; published again, each is a
+/// duplicate that writes nothing.
+pub async fn many_workflows_publish_in_bounded_transactions_and_again_as_duplicates<
+    E: TitoEngine,
+>(
+    ctx: Ctx<E>,
+) {
+    let graphs = Graphs::new(ctx.db.clone());
+    let steps = topic(&ctx.db, "many-flows", 2);
+    let prefix = fresh("many");
+    let build = |n: u32| {
+        let mut wf = Workflow::new(format!("{prefix}-{n}"));
+        wf.step(&StepName::<()>::new("a"), &steps, QueueEvent::now("k", n));
+        wf.step(&StepName::<()>::new("b"), &steps, QueueEvent::now("k", n))
+            .after(["a"]);
+        wf
+    };
+    // 700 workflows of 2 steps: two transactions of whole workflows.
+    let list: Vec<Workflow> = (0..700).map(build).collect();
+    // A bad workflow anywhere, or one id twice: nothing is written.
+    let mut bad = list.clone();
+    let mut cycle = Workflow::new(format!("{prefix}-bad"));
+    cycle
+        .step(
+            &StepName::<()>::new("x"),
+            &steps,
+            QueueEvent::now("k", 0u32),
+        )
+        .after(["y"]);
+    cycle
+        .step(
+            &StepName::<()>::new("y"),
+            &steps,
+            QueueEvent::now("k", 0u32),
+        )
+        .after(["x"]);
+    bad.push(cycle);
+    let err = graphs.publish_workflows(&bad).await.unwrap_err();
+    assert!(
+        matches!(&err, TitoError::InvalidArgument(why) if why.contains("workflow 700 of 701")),
+        "{err}"
+    );
+    let mut twice = list[..2].to_vec();
+    twice.push(build(0));
+    let err = graphs.publish_workflows(&twice).await.unwrap_err();
+    assert!(err.to_string().contains("appears twice"), "{err}");
+    assert!(
+        graphs
+            .workflow(&format!("{prefix}-0"))
+            .await
+            .unwrap()
+            .is_none()
+    );
+    let published = graphs.publish_workflows(&list).await.unwrap();
+    assert_eq!(published.len(), 700);
+    assert!(published.iter().all(|p| !p.duplicate));
+    assert_eq!(published[699].id, format!("{prefix}-699"));
+    let again = graphs.publish_workflows(&list).await.unwrap();
+    assert!(again.iter().all(|p| p.duplicate));
+    assert_eq!(again[5].steps, published[5].steps);
+    // They run: the second step of each after its first.
+    let mut workers = Workers::new();
+    workers.spawn_worker(steps.clone(), fast(0..2), |_e: QueueEvent<u32>| async {
+        Ok(QueueHandlerOutcome::Acknowledge)
+    });
+    for p in [&published[0], &published[699]] {
+        let b = p.step_id("b").unwrap();
+        assert_eq!(await_finished(&steps, b).await, Finished::Completed(None));
+    }
+    workers.shutdown().await.unwrap();
 }

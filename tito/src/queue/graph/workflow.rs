@@ -802,6 +802,87 @@ impl<E: TitoEngine> Graphs<E> {
             .await
     }
 
+    /// Publishes many workflows in transactions of their own, in their order: each
+    /// transaction holds whole workflows of at most [`PUBLISH_BATCH`](crate::queue::PUBLISH_BATCH)
+    /// steps together (a larger workflow goes alone). Returns one answer per workflow, in order.
+    ///
+    /// Every workflow is checked before anything is written (two of one id in the list are
+    /// refused). When a transaction fails, the ones before it stay committed and the error
+    /// ([`TitoError::PartiallyPublished`]) says how many workflows were published: publishing
+    /// the same list again is safe, since a workflow id published already is answered
+    /// `duplicate: true` and writes nothing.
+    pub async fn publish_workflows(
+        &self,
+        workflows: &[Workflow],
+    ) -> TitoResult<Vec<WorkflowPublished>> {
+        let mut ids = std::collections::HashSet::new();
+        for (at, workflow) in workflows.iter().enumerate() {
+            workflow.check().map_err(|err| match err {
+                TitoError::InvalidArgument(why) => TitoError::InvalidArgument(format!(
+                    "workflow {at} of {} ({:?}): {why}; nothing was published",
+                    workflows.len(),
+                    workflow.id
+                )),
+                other => other,
+            })?;
+            if !ids.insert(workflow.id.as_str()) {
+                return Err(TitoError::invalid_argument(format!(
+                    "workflow id {:?} appears twice in the list; nothing was published",
+                    workflow.id
+                )));
+            }
+        }
+        let mut chunks: Vec<Vec<Workflow>> = Vec::new();
+        let mut steps_in_last = 0;
+        for workflow in workflows {
+            let steps = workflow.steps.len();
+            match chunks.last_mut() {
+                Some(last) if steps_in_last + steps <= crate::queue::PUBLISH_BATCH => {
+                    last.push(workflow.clone());
+                    steps_in_last += steps;
+                }
+                _ => {
+                    chunks.push(vec![workflow.clone()]);
+                    steps_in_last = steps;
+                }
+            }
+        }
+        let mut published = Vec::with_capacity(workflows.len());
+        for chunk in chunks {
+            let chunk = Arc::new(chunk);
+            let db = self.db.clone();
+            let answers = self
+                .db
+                .transaction(|tx| {
+                    let (chunk, db) = (chunk.clone(), db.clone());
+                    async move {
+                        let mut answers = Vec::with_capacity(chunk.len());
+                        for workflow in chunk.iter() {
+                            let mut writes = engine::Writes::default();
+                            let (answer, wakes) = plan(&tx, workflow, &mut writes).await?;
+                            writes.apply(&tx).await?;
+                            super::wake_after_commit(&db, &tx, wakes);
+                            answers.push(answer);
+                        }
+                        Ok::<_, TitoError>(answers)
+                    }
+                })
+                .await;
+            match answers {
+                Ok(answers) => published.extend(answers),
+                Err(err) if published.is_empty() => return Err(err),
+                Err(err) => {
+                    return Err(TitoError::PartiallyPublished {
+                        published: published.len(),
+                        total: workflows.len(),
+                        cause: Box::new(err),
+                    });
+                }
+            }
+        }
+        Ok(published)
+    }
+
     /// Publishes a workflow inside `tx`, atomically with the rest of it (the data that caused
     /// it): all of it or, on an error, nothing of it in `tx`.
     pub async fn publish_workflow_in_tx(
