@@ -1,11 +1,15 @@
 //! Many processes, for real: several OS processes (this test binary, started with `soak_child`
 //! selected) publish and handle on one TiKV store (the test server), with a queue-wide
 //! concurrency limit, unique jobs, cancels across processes, a failure policy, a periodic
-//! schedule run by cluster-mode workers and nudges between processes; they are SIGKILLed and
-//! restarted in a loop, and in the middle the store moves to another cluster
-//! (`tito::store::migrate`) while they run. At the end: nothing acknowledged is lost, no
-//! transactional effect committed twice, no start after a committed cancel, the limit never
-//! exceeded, each unique key published once, each tick run once unless its runner was killed.
+//! schedule run by cluster-mode workers and nudges between processes, and job graphs
+//! (workflows with a fan-in published in the publisher's transaction, batches published while
+//! their workers run, all of them transactional handlers); they are SIGKILLed and restarted in
+//! a loop, and in the middle the store moves to another cluster (`tito::store::migrate`) while
+//! they run. At the end: nothing acknowledged is lost, no transactional effect committed twice,
+//! no start after a committed cancel, the limit never exceeded, each unique key published once,
+//! each tick run once unless its runner was killed, every workflow's steps run once each and
+//! its last step after both its dependencies, every batch called back once with every child
+//! counted.
 //!
 //! `TITO_SOAK_SECS` sets the run's length (20 s by default; the move happens halfway),
 //! `TITO_SOAK_PROCS` the processes (3).
@@ -55,6 +59,30 @@ fn soak_queue<E: TitoEngine>(db: &E) -> Arc<Queue<E>> {
         QueueConfig::new(4, Duration::from_secs(3600)).topic("soak"),
     ))
 }
+
+/// The job graphs' work: workflow steps and batch children.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+enum GraphJob {
+    Step(String),
+    Child(u32),
+}
+
+fn graph_queue<E: TitoEngine>(db: &E) -> Arc<Queue<E>> {
+    Arc::new(Queue::new(
+        db.clone(),
+        QueueConfig::new(2, Duration::from_secs(3600)).topic("soak-graph"),
+    ))
+}
+
+fn callback_queue<E: TitoEngine>(db: &E) -> Arc<Queue<E>> {
+    Arc::new(Queue::new(
+        db.clone(),
+        QueueConfig::new(1, Duration::from_secs(3600)).topic("soak-graph-cb"),
+    ))
+}
+
+/// Children of each soak batch.
+const BATCH_CHILDREN: u32 = 30;
 
 fn tick_queue<E: TitoEngine>(db: &E) -> Arc<Queue<E>> {
     Arc::new(Queue::new(
@@ -133,6 +161,55 @@ async fn soak_child() {
             }
         },
     );
+    // Job graphs: every step and child writes its effect in its handler's transaction, the
+    // batch callback too; a step's effect names its workflow and step.
+    let graphs_queue = graph_queue(&db);
+    let callbacks = callback_queue(&db);
+    let graph_runs = Arc::new(AtomicU64::new(0));
+    let (effect_name, effect_runs) = (name.clone(), graph_runs.clone());
+    workers.spawn_transactional_worker(
+        graphs_queue.clone(),
+        WorkerConfig::new(0..2).max_idle_backoff(Duration::from_millis(500)),
+        move |event: QueueEvent<GraphJob>, tx| {
+            let (name, runs) = (effect_name.clone(), effect_runs.clone());
+            async move {
+                let run = runs.fetch_add(1, Ordering::Relaxed);
+                let what = match &event.payload {
+                    GraphJob::Step(step) => format!("step:{}:{step}", event.key),
+                    GraphJob::Child(n) => format!("child:{}:{n}", event.key),
+                };
+                tx.put(
+                    format!("soak:graph:{what}:{name}:{run}").into_bytes(),
+                    Vec::new(),
+                )
+                .await?;
+                Ok(QueueHandlerOutcome::Acknowledge)
+            }
+        },
+    );
+    let (cb_name, cb_runs) = (name.clone(), graph_runs.clone());
+    workers.spawn_transactional_worker(
+        callbacks.clone(),
+        WorkerConfig::new(0..1).max_idle_backoff(Duration::from_millis(500)),
+        move |event: QueueEvent<tito::queue::graph::BatchDone<String>>, tx| {
+            let (name, runs) = (cb_name.clone(), cb_runs.clone());
+            async move {
+                let run = runs.fetch_add(1, Ordering::Relaxed);
+                let done = event.payload;
+                tx.put(
+                    format!(
+                        "soak:graph:cb:{}:{}:{}:{name}:{run}",
+                        done.batch, done.counts.added, done.counts.completed
+                    )
+                    .into_bytes(),
+                    Vec::new(),
+                )
+                .await?;
+                Ok(QueueHandlerOutcome::Acknowledge)
+            }
+        },
+    );
+    let graphs = tito::queue::graph::Graphs::new(db.clone());
     let tick_log = log.clone();
     workers.spawn_cluster_worker(
         ticks.clone(),
@@ -202,6 +279,71 @@ async fn soak_child() {
                 "publish-failed {id} {}",
                 err.to_string().replace(' ', "_")
             )),
+        }
+        // Every sixth: a workflow with a fan-in, published with a row in one transaction.
+        if n % 6 == 1 {
+            let wf_id = format!("wf-{name}-{n}");
+            let mut wf = tito::queue::graph::Workflow::new(&wf_id);
+            let step = |s: &str| {
+                QueueEvent::now(wf_id.clone(), GraphJob::Step(s.to_string()))
+                    .with_id(format!("{wf_id}.{s}"))
+            };
+            use tito::queue::graph::StepName;
+            wf.step(&StepName::<()>::new("a"), &*graphs_queue, step("a"));
+            wf.step(&StepName::<()>::new("b"), &*graphs_queue, step("b"))
+                .after(["a"]);
+            wf.step(&StepName::<()>::new("c"), &*graphs_queue, step("c"))
+                .after(["a"]);
+            wf.step(&StepName::<()>::new("d"), &*graphs_queue, step("d"))
+                .after(["b", "c"]);
+            let (g, wf) = (graphs.clone(), Arc::new(wf));
+            let done = db
+                .transaction(|tx| {
+                    let (g, wf, id) = (g.clone(), wf.clone(), wf_id.clone());
+                    async move {
+                        g.publish_workflow_in_tx(&wf, &tx).await?;
+                        tx.put(format!("soak:wf:{id}").into_bytes(), Vec::new())
+                            .await?;
+                        Ok::<_, TitoError>(())
+                    }
+                })
+                .await;
+            if let Err(TitoError::StoreMoved { .. }) = done {
+                log.line("moved".into());
+                std::process::exit(3);
+            }
+        }
+        // Every 25th: a batch, published while the workers run (its record is written once
+        // it is published whole).
+        if n % 25 == 5 {
+            let batch_id = format!("batch-{name}-{n}");
+            let batch = tito::queue::graph::Batch::new(&batch_id)
+                .numbered()
+                .on_complete(&*callbacks, QueueEvent::now("cb", batch_id.clone()));
+            let children: Vec<QueueEvent<GraphJob>> = (0..BATCH_CHILDREN)
+                .map(|c| QueueEvent::now(batch_id.clone(), GraphJob::Child(c)))
+                .collect();
+            match graphs
+                .publish_batch(&batch, &*graphs_queue, &children)
+                .await
+            {
+                Ok(_) => {
+                    let _ = db
+                        .transaction(|tx| {
+                            let key = format!("soak:batch:{batch_id}").into_bytes();
+                            async move { tx.put(key, Vec::new()).await }
+                        })
+                        .await;
+                }
+                Err(TitoError::StoreMoved { .. }) => {
+                    log.line("moved".into());
+                    std::process::exit(3);
+                }
+                Err(err) => log.line(format!(
+                    "batch-failed {batch_id} {}",
+                    err.to_string().replace(' ', "_")
+                )),
+            }
         }
         // Every tenth event cancels one published two before (often run by another process).
         if n % 10 == 3 {
@@ -416,9 +558,77 @@ async fn many_processes_publish_handle_get_killed_and_move_stores() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    // Every workflow published runs to its end and every batch published calls back, also
+    // those whose ends a kill left unfolded (a restarted worker's maintenance folds them):
+    // waited for with the same no-progress rule.
+    let graphs = tito::queue::graph::Graphs::new(b.clone());
+    let workflows: Vec<String> = keys_under(&b, "soak:wf:")
+        .await
+        .into_iter()
+        .map(|(k, _)| k["soak:wf:".len()..].to_string())
+        .collect();
+    let batches: Vec<String> = keys_under(&b, "soak:batch:")
+        .await
+        .into_iter()
+        .map(|(k, _)| k["soak:batch:".len()..].to_string())
+        .collect();
+    let mut deadline = Instant::now() + Duration::from_secs(60);
+    let mut least_open = usize::MAX;
+    loop {
+        let mut open = 0;
+        for id in &workflows {
+            if !graphs.workflow(id).await.unwrap().unwrap().finished() {
+                open += 1;
+            }
+        }
+        let cb = keys_under(&b, "soak:graph:cb:").await;
+        for id in &batches {
+            if !cb
+                .iter()
+                .any(|(k, _)| k.starts_with(&format!("soak:graph:cb:{id}:")))
+            {
+                open += 1;
+            }
+        }
+        if open == 0 {
+            break;
+        }
+        if open < least_open {
+            least_open = open;
+            deadline = Instant::now() + Duration::from_secs(60);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{open} workflows or batches unfinished, and none finished for a minute"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
     let published = keys_under(&b, "soak:pub:").await;
     for proc in &mut running {
         kill(proc, &mut killed);
+    }
+    // Each step, child and callback's effect committed once; the fan-in ran after both its
+    // dependencies (it is released only by their ends, folded).
+    let mut effects: BTreeMap<String, usize> = BTreeMap::new();
+    for (key, _) in keys_under(&b, "soak:graph:").await {
+        // soak:graph:{what...}:{process}:{run}
+        let mut parts: Vec<&str> = key.split(':').collect();
+        parts.truncate(parts.len() - 2);
+        *effects.entry(parts[2..].join(":")).or_default() += 1;
+    }
+    for id in &workflows {
+        for step in ["a", "b", "c", "d"] {
+            let what = format!("step:{id}:{step}");
+            assert_eq!(effects.get(&what), Some(&1), "{what}");
+        }
+    }
+    for id in &batches {
+        for c in 0..BATCH_CHILDREN {
+            let what = format!("child:{id}:{c}");
+            assert_eq!(effects.get(&what), Some(&1), "{what}");
+        }
+        let what = format!("cb:{id}:{BATCH_CHILDREN}:{BATCH_CHILDREN}");
+        assert_eq!(effects.get(&what), Some(&1), "{what}: {effects:?}");
     }
     // Nothing lost and no effect twice: each acknowledged publication ran exactly once or
     // was cancelled (and then never ran).
@@ -548,17 +758,26 @@ async fn many_processes_publish_handle_get_killed_and_move_stores() {
          at the move), {} publications acknowledged ({cancelled} cancelled), {} effects \
          checked, {starts} handler starts checked, at most {most} running at once (limit \
          {LIMIT}), {} unique keys, {} ticks ({reruns} run again, {reruns_after_kill} of them after their \
-         runner was killed); move: {} keys in {} passes, downtime {} ms",
+         runner was killed), {} workflows and {} batches run to their ends; move: {} keys in {} \
+         passes, downtime {} ms",
         logs.len(),
         published.len(),
         runs.len(),
         unique_keys.len(),
         ticks.len(),
+        workflows.len(),
+        batches.len(),
         moved.progress.keys_read,
         moved.progress.pass,
         moved.downtime_ms,
     );
     assert!(published.len() > 50, "the processes published too little");
+    assert!(
+        workflows.len() > 5 && !batches.is_empty(),
+        "too few graphs: {} workflows, {} batches",
+        workflows.len(),
+        batches.len()
+    );
     assert!(starts > 50, "the processes handled too little");
 }
 
