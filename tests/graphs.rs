@@ -1962,7 +1962,8 @@ pub async fn ends_whose_folds_were_lost_are_folded_by_the_next_workers_maintenan
             }
         }
     };
-    // A worker without maintenance (it would fold them) runs the children and the first step.
+    // A worker runs the children and the first step; this process folds nothing meanwhile
+    // (its worker's maintenance pass included), as a process killed after each commit.
     let mut workers = Workers::new();
     workers.spawn_worker(
         jobs.clone(),

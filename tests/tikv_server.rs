@@ -328,3 +328,38 @@ async fn methods_it_does_not_serve_fail_fast() {
     );
     assert!(started.elapsed() < Duration::from_secs(30));
 }
+
+/// How long a transaction of many keys takes to commit on the test server, at 0 and 2 ms per
+/// request, beside the commit deadline (`MOVED_COMMIT_DEADLINE`): a measurement for the
+/// guide's statement of how large a TiKV transaction may be.
+/// `cargo test --release --test tito -- --ignored tikv_server::large_transactions_commit_in_time --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement; prints figures"]
+async fn large_transactions_commit_in_time() {
+    for latency_ms in [0u64, 2] {
+        for keys in [10_000usize, 40_000, 100_000] {
+            let cluster = TestCluster::start().await.unwrap();
+            cluster.set_latency(std::time::Duration::from_millis(latency_ms));
+            let db = TiKV::connect(cluster.pd_endpoints()).await.unwrap();
+            let started = std::time::Instant::now();
+            let result = db
+                .transaction(|tx| async move {
+                    for n in 0..keys {
+                        tx.put(format!("large:{n:08}").into_bytes(), vec![7u8; 100])
+                            .await?;
+                    }
+                    Ok::<_, TitoError>(())
+                })
+                .await;
+            println!(
+                "{latency_ms} ms per request, {keys} keys of 100 bytes: {} in {:.1} s (deadline {} s)",
+                match &result {
+                    Ok(()) => "committed".to_string(),
+                    Err(err) => format!("failed ({err})"),
+                },
+                started.elapsed().as_secs_f64(),
+                tito::engine::MOVED_COMMIT_DEADLINE.as_secs()
+            );
+        }
+    }
+}

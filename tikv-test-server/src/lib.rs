@@ -285,6 +285,8 @@ pub(crate) struct Shared {
     faults: Mutex<Vec<ArmedFault>>,
     region_faults: Mutex<Vec<(String, RegionFault, u32)>>,
     calls: Mutex<HashMap<String, u64>>,
+    /// Calls of a method about one key (a `KvGet`), by method and key.
+    key_calls: Mutex<HashMap<(String, Vec<u8>), u64>>,
     /// Added to every request before it is served (see [`TestCluster::set_latency`]).
     latency: Mutex<Duration>,
     pub tikv_address: Mutex<String>,
@@ -313,6 +315,14 @@ impl Shared {
             .unwrap_or_else(|e| e.into_inner())
             .entry(method.to_string())
             .or_default() += 1;
+        if let [key] = keys {
+            *self
+                .key_calls
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .entry((method.to_string(), key.to_vec()))
+                .or_default() += 1;
+        }
         let mut faults = self.faults.lock().unwrap_or_else(|e| e.into_inner());
         for armed in faults.iter_mut() {
             let rule = &mut armed.rule;
@@ -400,6 +410,7 @@ impl TestCluster {
             faults: Mutex::default(),
             region_faults: Mutex::default(),
             calls: Mutex::default(),
+            key_calls: Mutex::default(),
             latency: Mutex::default(),
             tikv_address: Mutex::default(),
             pd_address: Mutex::default(),
@@ -523,6 +534,17 @@ impl TestCluster {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get(method)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// How many calls of `method` about `key` alone (a `KvGet` of it) the servers received.
+    pub fn calls_for(&self, method: &str, key: &[u8]) -> u64 {
+        self.shared
+            .key_calls
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&(method.to_string(), key.to_vec()))
             .copied()
             .unwrap_or(0)
     }

@@ -28,9 +28,10 @@ pub(crate) struct Folder {
     dropping: std::sync::atomic::AtomicBool,
 }
 
-/// Test support: while `on`, this process drops the folds its commits ask for on `db`, as a
-/// process that crashed right after each commit would; the end records stay for the workers'
-/// maintenance to fold.
+/// Test support: while `on`, this process folds nothing on `db`, as a process that crashed
+/// right after each commit would not: it drops the folds its commits ask for, and its workers'
+/// maintenance passes skip the end records left behind. The end records stay for the next
+/// process (or this one once it is off) to fold.
 #[cfg(feature = "test-util")]
 pub fn drop_fold_requests<E: TitoEngine>(db: &E, on: bool) {
     let folder = db.extensions().get::<Folder>();
@@ -168,6 +169,10 @@ pub(crate) async fn pending<E: TitoEngine>(db: &E) -> TitoResult<bool> {
 /// a commit whose outcome was unknown): reads up to [`SWEEP_ENDS`] of them from the first and
 /// folds their graphs. Returns how many graphs it folded.
 pub(crate) async fn sweep<E: TitoEngine>(db: &E) -> TitoResult<usize> {
+    let folder = db.extensions().get::<Folder>();
+    if folder.dropping.load(std::sync::atomic::Ordering::SeqCst) {
+        return Ok(0);
+    }
     let start = keys::graph_ends_prefix().into_bytes();
     let end = keys::prefix_end_bytes(&start);
     let graphs: BTreeSet<GraphRef> = crate::engine::read_only(db, async |tx| {
