@@ -446,8 +446,8 @@ pub(super) async fn child_ended<X: TitoTransaction>(
     super::ends::write_end(tx, graph, &[root, event_id], value, wakes).await
 }
 
-/// Applies the end `how` of a child of batch `id` inside `tx`, with the batch's end records
-/// not folded yet: its record's counts and the callbacks now due.
+/// Applies the end `how` of a child of batch `id` inside `tx`: its record's counts and the
+/// callbacks now due.
 pub(super) async fn child_ended_now<X: TitoTransaction>(
     tx: &X,
     id: &str,
@@ -460,30 +460,40 @@ pub(super) async fn child_ended_now<X: TitoTransaction>(
         return Ok(());
     };
     let mut record: BatchRecord = parse("batch", record_key.as_bytes(), &bytes)?;
-    fold_ends_into(tx, id, &mut record).await?;
+    // Ends not folded yet stay for their folds (each asked for one at its commit), which fire
+    // what they make due.
     count_end(&mut record.folded, how);
     fire_due(tx, id, &mut record, wakes).await?;
     tx.put(record_key.into_bytes(), serde_json::to_vec(&record)?)
         .await
 }
 
-/// Adds every end record of batch `id` to `record`'s counts and deletes them, inside `tx`.
+/// Adds every end record of batch `id` to `record`'s counts and deletes them, inside `tx` (page
+/// after page from the last key read: nothing relies on a scan seeing this transaction's
+/// deletes).
 async fn fold_ends_into<X: TitoTransaction>(
     tx: &X,
     id: &str,
     record: &mut BatchRecord,
 ) -> TitoResult<()> {
-    let mut full = true;
-    while full {
-        let ends = super::ends::ends_of(tx, super::ends::BATCH, id).await?;
-        full = ends.len() == super::ends::FOLD_ENDS;
-        for (key, value) in ends {
-            let end: ChildEnd = parse("batch child end", &key, &value)?;
-            count_end(&mut record.folded, end.how);
+    let start = keys::graph_end_prefix(super::ends::BATCH, id).into_bytes();
+    let end = keys::prefix_end_bytes(&start);
+    let mut from = start;
+    loop {
+        let page = tx.scan(&from, &end, super::ends::FOLD_ENDS).await?;
+        let full = page.len() == super::ends::FOLD_ENDS;
+        if let Some((last, _)) = page.last() {
+            from = keys::key_after_bytes(last);
+        }
+        for (key, value) in page {
+            let record_end: ChildEnd = parse("batch child end", &key, &value)?;
+            count_end(&mut record.folded, record_end.how);
             tx.delete(key).await?;
         }
+        if !full {
+            return Ok(());
+        }
     }
-    Ok(())
 }
 
 /// Folds batch `id`'s end records inside `tx`: adds them to its record's counts, deletes them,
