@@ -324,10 +324,26 @@ async fn totals<X: TitoTransaction>(
     Ok(total)
 }
 
-/// A batch child's end record (its key names the batch, the child's queue and event id).
+/// An end record of a batch: a child's end (its key names the batch, the child's queue and
+/// event id), or the batch's close.
 #[derive(Serialize, Deserialize)]
 struct ChildEnd {
-    how: Finish,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    how: Option<Finish>,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    close: bool,
+}
+
+impl ChildEnd {
+    /// Applies it to `record`: a child's end to its counts, a close to its flag.
+    fn apply(&self, record: &mut BatchRecord) {
+        if let Some(how) = self.how {
+            count_end(&mut record.folded, how);
+        }
+        if self.close {
+            record.closed = true;
+        }
+    }
 }
 
 /// Adds the end `how` to `counts`.
@@ -441,7 +457,10 @@ pub(super) async fn child_ended<X: TitoTransaction>(
     how: Finish,
     wakes: &mut Vec<Wake>,
 ) -> TitoResult<()> {
-    let value = serde_json::to_vec(&ChildEnd { how })?;
+    let value = serde_json::to_vec(&ChildEnd {
+        how: Some(how),
+        close: false,
+    })?;
     let graph = super::ends::GraphRef::batch(&link.id);
     super::ends::write_end(tx, graph, &[root, event_id], value, wakes).await
 }
@@ -468,34 +487,6 @@ pub(super) async fn child_ended_now<X: TitoTransaction>(
         .await
 }
 
-/// Adds every end record of batch `id` to `record`'s counts and deletes them, inside `tx` (page
-/// after page from the last key read: nothing relies on a scan seeing this transaction's
-/// deletes).
-async fn fold_ends_into<X: TitoTransaction>(
-    tx: &X,
-    id: &str,
-    record: &mut BatchRecord,
-) -> TitoResult<()> {
-    let start = keys::graph_end_prefix(super::ends::BATCH, id).into_bytes();
-    let end = keys::prefix_end_bytes(&start);
-    let mut from = start;
-    loop {
-        let page = tx.scan(&from, &end, super::ends::FOLD_ENDS).await?;
-        let full = page.len() == super::ends::FOLD_ENDS;
-        if let Some((last, _)) = page.last() {
-            from = keys::key_after_bytes(last);
-        }
-        for (key, value) in page {
-            let record_end: ChildEnd = parse("batch child end", &key, &value)?;
-            count_end(&mut record.folded, record_end.how);
-            tx.delete(key).await?;
-        }
-        if !full {
-            return Ok(());
-        }
-    }
-}
-
 /// Folds batch `id`'s end records inside `tx`: adds them to its record's counts, deletes them,
 /// and fires the callbacks now due. Returns whether more end records wait than one fold takes.
 pub(super) async fn fold_batch<X: TitoTransaction>(
@@ -518,8 +509,8 @@ pub(super) async fn fold_batch<X: TitoTransaction>(
     };
     let mut record: BatchRecord = parse("batch", record_key.as_bytes(), &bytes)?;
     for (key, value) in ends {
-        let end: ChildEnd = parse("batch child end", &key, &value)?;
-        count_end(&mut record.folded, end.how);
+        let end: ChildEnd = parse("batch end", &key, &value)?;
+        end.apply(&mut record);
         tx.delete(key).await?;
     }
     fire_due(tx, id, &mut record, wakes).await?;
@@ -538,8 +529,10 @@ async fn unfolded<X: TitoTransaction>(tx: &X, id: &str) -> TitoResult<BatchCount
     loop {
         let page = tx.scan(&from, &end, 1000).await?;
         for (key, value) in &page {
-            let record: ChildEnd = parse("batch child end", key, value)?;
-            count_end(&mut counts, record.how);
+            let record: ChildEnd = parse("batch end", key, value)?;
+            if let Some(how) = record.how {
+                count_end(&mut counts, how);
+            }
         }
         match page.last() {
             Some((key, _)) if page.len() == 1000 => from = keys::key_after_bytes(key),
@@ -650,17 +643,40 @@ impl<E: TitoEngine> Graphs<E> {
     /// holds fire (at once when every child ended already). `false` when it was closed.
     pub async fn close_batch(&self, id: &str) -> TitoResult<bool> {
         let (db, id) = (self.db.clone(), id.to_string());
-        self.db
+        let closed = self
+            .db
             .transaction(|tx| {
-                let (db, id) = (db.clone(), id.clone());
+                let id = id.clone();
                 async move {
+                    // Its fold runs here once it committed, not in the background.
                     let mut wakes = Vec::new();
                     let closed = close(&tx, &id, &mut wakes).await?;
-                    super::wake_after_commit(&db, &tx, wakes);
                     Ok::<_, TitoError>(closed)
                 }
             })
-            .await
+            .await?;
+        if closed {
+            // The close's fold (and what it fires) before the call returns; one that fails is
+            // left to the background fold and the workers' maintenance.
+            let folded = db
+                .transaction(|tx| {
+                    let (db, id) = (db.clone(), id.clone());
+                    async move {
+                        let mut wakes = Vec::new();
+                        fold_batch(&tx, &id, &mut wakes).await?;
+                        super::wake_after_commit(&db, &tx, wakes);
+                        Ok::<_, TitoError>(())
+                    }
+                })
+                .await;
+            if let Err(err) = folded {
+                tracing::warn!(batch = id, error = %err, "folding a batch's close failed; it is folded later");
+                let mut wakes = Vec::new();
+                wakes.push(Wake::Fold(super::ends::GraphRef::batch(&id)));
+                super::fold_later(&self.db, wakes);
+            }
+        }
+        Ok(closed)
     }
 
     /// [`Graphs::close_batch`] inside `tx`.
@@ -769,6 +785,12 @@ impl<E: TitoEngine> Graphs<E> {
                 return Ok(None);
             };
             let record: BatchRecord = parse("batch", key.as_bytes(), &bytes)?;
+            // Closed by a close not folded yet too.
+            let closed = record.closed
+                || tx
+                    .get(keys::batch_closed_key(id).as_bytes())
+                    .await?
+                    .is_some();
             let mut counts = totals(tx, id, &record).await?;
             let pending = unfolded(tx, id).await?;
             counts.completed += pending.completed;
@@ -777,7 +799,7 @@ impl<E: TitoEngine> Graphs<E> {
             Ok(Some(BatchState {
                 id: id.to_string(),
                 created_ms: record.created_ms,
-                closed: record.closed,
+                closed,
                 counts,
                 callbacks: record
                     .callbacks
@@ -1026,30 +1048,52 @@ async fn add_unless_closed<X: TitoTransaction>(
     Ok(Some(answers.into_iter().flatten().collect()))
 }
 
-/// Closes batch `id` inside `tx`, firing what is due; `false` when it was closed.
+/// Closes batch `id` inside `tx`; `false` when it was closed. Writes the closed key (which
+/// additions lock) and an end record of the close, folded after the commit like a child's end
+/// (the fold fires what is due): a close never writes what folds write, so it does not
+/// conflict with children completing.
 async fn close<X: TitoTransaction>(tx: &X, id: &str, wakes: &mut Vec<Wake>) -> TitoResult<bool> {
     check_name("a batch id", id)?;
+    let key = keys::batch_key(id);
+    let closed_key = keys::batch_closed_key(id);
+    let read = tx
+        .batch_get(&[key.clone().into_bytes(), closed_key.clone().into_bytes()])
+        .await?;
+    let Some(bytes) = &read[0] else {
+        return Err(TitoError::NotFound(format!("no batch {id:?}")));
+    };
+    let record: BatchRecord = parse("batch", key.as_bytes(), bytes)?;
+    if record.closed || read[1].is_some() {
+        return Ok(false);
+    }
+    let value = serde_json::to_vec(&ChildEnd {
+        how: None,
+        close: true,
+    })?;
+    tx.put(closed_key.into_bytes(), Vec::new()).await?;
+    let graph = super::ends::GraphRef::batch(id);
+    super::ends::write_end(tx, graph, &["close"], value, wakes).await?;
+    Ok(true)
+}
+
+/// Closes batch `id`, opened in `tx` itself (no fold can touch it before `tx` commits), firing
+/// what is due at once.
+async fn close_new<X: TitoTransaction>(tx: &X, id: &str, wakes: &mut Vec<Wake>) -> TitoResult<()> {
     let key = keys::batch_key(id);
     let Some(bytes) = tx.get(key.as_bytes()).await? else {
         return Err(TitoError::NotFound(format!("no batch {id:?}")));
     };
     let mut record: BatchRecord = parse("batch", key.as_bytes(), &bytes)?;
-    if record.closed {
-        return Ok(false);
-    }
     record.closed = true;
     // The callbacks' rows and the record are written as they go: a failure part way marks
     // the caller's transaction failed (it refuses to commit half a close).
     engine::aborting(tx, async {
-        // The ends not folded yet count: folded here, with the close.
-        fold_ends_into(tx, id, &mut record).await?;
         tx.put(keys::batch_closed_key(id).into_bytes(), Vec::new())
             .await?;
         fire_due(tx, id, &mut record, wakes).await?;
         tx.put(key.into_bytes(), serde_json::to_vec(&record)?).await
     })
-    .await?;
-    Ok(true)
+    .await
 }
 
 /// Opens, fills and closes batch `id` inside `tx`; `None` when it was there.
@@ -1066,7 +1110,7 @@ async fn publish<X: TitoTransaction>(
     let mut wakes = Vec::new();
     let published = engine::aborting(tx, async {
         let published = add(tx, id, target, items, &mut wakes).await?;
-        close(tx, id, &mut wakes).await?;
+        close_new(tx, id, &mut wakes).await?;
         Ok(published)
     })
     .await?;

@@ -25,12 +25,16 @@
 //!   rewrites (or releases) each waiting row it names: a step is never released twice or
 //!   missed (no write skew on any engine: two folds that touch one waiting row both write it).
 //! - A batch counts its children added per shard (a child's shard is its partition), written
-//!   by the additions only; the ends folded so far are counted in its record. A batch is
-//!   closed by writing its record and its closed key: an addition locks the closed key, so a
-//!   close and an addition never both commit unseen by each other, and additions never write
-//!   what folds write (the record only when a shard gets its first child). The fold (or the
-//!   close) that finds a closed batch's children all ended inserts the callbacks and marks
-//!   them fired, in that transaction.
+//!   by the additions only; the ends folded so far are counted in its record. A close writes
+//!   the batch's closed key and an end record of its own, folded like a child's end: an
+//!   addition locks the closed key, so a close and an addition never both commit unseen by
+//!   each other, and neither additions nor closes write what folds write (an addition writes
+//!   the record only when a shard gets its first child). Every decision to fire is taken by a
+//!   transaction that writes the record (a fold; a cancel's end), so two never miss each
+//!   other: the one that finds a closed batch's children all ended inserts the callbacks and
+//!   marks them fired, in that transaction. `close_batch` and `publish_batch` fold the close
+//!   before they return; a batch opened, filled and closed in one transaction
+//!   (`publish_batch_in_tx`) is closed in it at once.
 
 pub(crate) mod batch;
 mod ends;
@@ -134,6 +138,20 @@ pub(crate) async fn finished<X: TitoTransaction>(
         }
     }
     Ok(wakes)
+}
+
+/// Folds the graphs among `wakes` in the background now (their ends are committed).
+pub(crate) fn fold_later<E: TitoEngine>(db: &E, wakes: Vec<Wake>) {
+    let graphs: Vec<ends::GraphRef> = wakes
+        .into_iter()
+        .filter_map(|wake| match wake {
+            Wake::Fold(graph) => Some(graph),
+            Wake::Due { .. } => None,
+        })
+        .collect();
+    if !graphs.is_empty() {
+        fold::request(db, graphs);
+    }
 }
 
 /// Wakes this process's workers of the partitions among `wakes` once `tx` commits, and folds
