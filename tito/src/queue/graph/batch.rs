@@ -671,8 +671,7 @@ impl<E: TitoEngine> Graphs<E> {
                 .await;
             if let Err(err) = folded {
                 tracing::warn!(batch = id, error = %err, "folding a batch's close failed; it is folded later");
-                let mut wakes = Vec::new();
-                wakes.push(Wake::Fold(super::ends::GraphRef::batch(&id)));
+                let wakes = vec![Wake::Fold(super::ends::GraphRef::batch(&id))];
                 super::fold_later(&self.db, wakes);
             }
         }
