@@ -13,8 +13,8 @@
 //! once (it deletes what it applied in the transaction that applies it; two folds of one graph
 //! write the same records, so one of them retries).
 //!
-//! Folds run in the process that committed the end, one graph at a time per process (the
-//! [`fold::Folder`]), right after the commit; an end whose fold did not run (the process
+//! Folds run in the process that committed the end, one task per process and store (its
+//! `fold::Folder`), right after the commit; an end whose fold did not run (the process
 //! crashed after the commit, the commit's outcome was unknown) is found and folded by the
 //! workers' maintenance pass (at a worker's start, then every `maintenance_interval`). Readers
 //! count end records not folded yet, so a batch's counts and whether it finished are exact at
