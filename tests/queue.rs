@@ -3399,4 +3399,7 @@ pub async fn a_takeover_fences_a_transactional_outcome_already_under_way<E: Tito
         .await
         .unwrap();
     assert_eq!(state, tito::queue::InvocationState::Pending { attempt: 1 });
+    // The attempt replayed after the fence found the lease lost before calling the handler
+    // again: one call, not two.
+    assert_eq!(started.load(Ordering::SeqCst), 1);
 }

@@ -44,6 +44,7 @@ macro_rules! queue_declared_suite {
                 a_replayed_transactional_handler_is_counted,
                 transactional_handlers_of_one_partition_never_conflict_on_its_lease,
                 a_commit_that_keeps_conflicting_is_not_a_failed_attempt,
+                a_cancel_during_a_transactional_handler_does_not_call_it_again,
             ]
         );
     };
@@ -1018,4 +1019,46 @@ pub async fn a_commit_that_keeps_conflicting_is_not_a_failed_attempt<E: TitoEngi
     assert_eq!(drained.replayed, 11, "{drained:?}");
     let stored = crate::support::read(&ctx.db, &ctx.key("contended:hot")).await;
     assert_eq!(stored.as_deref(), Some(&b"handler"[..]));
+}
+
+/// Issue 60: a cancel that commits while a transactional handler runs makes its commit
+/// conflict; the attempt replayed after it finds the row gone before calling the handler
+/// again, so nothing starts after the cancel returned, and the handler's write never commits.
+pub async fn a_cancel_during_a_transactional_handler_does_not_call_it_again<E: TitoEngine>(
+    ctx: Ctx<E>,
+) {
+    use tito::TitoTransaction;
+    const CANCELLED: Topic<u32> = Topic::new("cancelled-mid-run");
+    let jobs = CANCELLED
+        .spec(1, Duration::from_secs(3600))
+        .failure_policy(FailurePolicy::new(3))
+        .open(ctx.db.clone())
+        .await
+        .unwrap();
+    let id = jobs.publish(QueueEvent::now("k", 1)).await.unwrap().id;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let (seen, receipt) = (calls.clone(), ctx.key("cancelled-mid-run:receipt"));
+    let mut workers = Workers::new();
+    workers.start_transactional(&jobs, move |_event: QueueEvent<u32>, tx| {
+        let (seen, receipt) = (seen.clone(), receipt.clone());
+        async move {
+            seen.fetch_add(1, Ordering::SeqCst);
+            tx.put(receipt, b"sent".to_vec()).await?;
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            Ok(QueueHandlerOutcome::Acknowledge)
+        }
+    });
+    let started = calls.clone();
+    wait_for("the handler to start", Duration::from_secs(30), move || {
+        let started = started.clone();
+        async move { started.load(Ordering::SeqCst) >= 1 }
+    })
+    .await;
+    assert!(jobs.queue().cancel(&id, "not needed").await.unwrap());
+    // Past the handler's end, when a replay would have called it again.
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    workers.shutdown().await.unwrap();
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    let receipt = crate::support::read(&ctx.db, &ctx.key("cancelled-mid-run:receipt")).await;
+    assert_eq!(receipt, None);
 }

@@ -288,15 +288,9 @@ where
                     if cancelled_before_start() {
                         return Err(Rolled::Evidence(cancelled_unstarted(&pulled.key)));
                     }
-                    called.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    // The handler's own error counts as its attempt's, whatever its kind.
-                    let outcome = first_polled(handler(event, tx.clone()))
-                        .await
-                        .map_err(Rolled::Failed)?;
-                    let next =
-                        successor(&pulled.stored, &outcome).map_err(TitoError::InvalidArgument)?;
-                    // The lease and the pending row, read in one batch (with the batch shard
-                    // the end of a batch child reads).
+                    // The lease and the pending row first, read in one batch, so that an
+                    // attempt replayed after a takeover (its fence slot written) or a cancel
+                    // (its row deleted) ends here without calling the handler again.
                     let partition = pulled.parsed.partition;
                     let check = HeldCheck::new(&root, partition, &owner, false).fenced(slot);
                     let mut reads = check.keys().to_vec();
@@ -315,6 +309,13 @@ where
                             pulled.key
                         ))));
                     }
+                    called.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    // The handler's own error counts as its attempt's, whatever its kind.
+                    let outcome = first_polled(handler(event, tx.clone()))
+                        .await
+                        .map_err(Rolled::Failed)?;
+                    let next =
+                        successor(&pulled.stored, &outcome).map_err(TitoError::InvalidArgument)?;
                     let result = super::outcome::result_of(outcome);
                     let wakes = complete(
                         &tx,
