@@ -48,6 +48,7 @@ macro_rules! graphs_suite {
                 dependencies_ending_at_once_in_transactional_handlers_never_conflict,
                 ends_whose_folds_were_lost_are_folded_by_the_next_workers_maintenance,
                 many_workflows_publish_in_bounded_transactions_and_again_as_duplicates,
+                cancel_batch_goes_through_while_its_children_complete,
             ]
         );
     };
@@ -2074,4 +2075,54 @@ pub async fn many_workflows_publish_in_bounded_transactions_and_again_as_duplica
         assert_eq!(await_finished(&steps, b).await, Finished::Completed(None));
     }
     workers.shutdown().await.unwrap();
+}
+
+/// Issue 60: `cancel_batch` while the batch's transactional workers complete its children: the
+/// cancel's transactions write end records, not the batch's record that the folds write, so
+/// the call goes through (before, on TiKV it ran out of retries on `batch:{id}` or cancelled
+/// nothing), every child ends once, and the callback fires once with them all counted.
+pub async fn cancel_batch_goes_through_while_its_children_complete<E: TitoEngine>(ctx: Ctx<E>) {
+    const CHILDREN: u32 = 800;
+    let graphs = Graphs::new(ctx.db.clone());
+    let jobs = topic(&ctx.db, "cancelled-batch-jobs", 4);
+    let callbacks = topic(&ctx.db, "cancelled-batch-callbacks", 1);
+    let calls: Calls = Arc::default();
+    let mut workers = Workers::new();
+    callback_worker(&mut workers, &callbacks, &calls);
+    workers.spawn_transactional_worker(
+        jobs.clone(),
+        fast(0..4),
+        move |event: QueueEvent<Work>, tx: E::Transaction| async move {
+            tx.put(format!("cancelled-batch:{}", event.payload.n).into_bytes(), vec![1])
+                .await?;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            Ok(QueueHandlerOutcome::Acknowledge)
+        },
+    );
+    let id = fresh("cancelled-batch");
+    let batch = Batch::new(&id)
+        .numbered()
+        .on_complete(&callbacks, QueueEvent::now("cb", "ended".to_string()));
+    let events: Vec<QueueEvent<Work>> = (0..CHILDREN)
+        .map(|n| QueueEvent::now(format!("k{n}"), Work { n }))
+        .collect();
+    graphs.publish_batch(&batch, &jobs, &events).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let cancelled = graphs
+        .cancel_batch(&id, "not needed")
+        .await
+        .expect("cancel_batch goes through while children complete");
+    let key = (id.clone(), BatchCallback::Complete);
+    called_back(&calls, &key).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    workers.shutdown().await.unwrap();
+    let complete = calls.lock().unwrap()[&key].clone();
+    assert_eq!(complete.len(), 1, "{complete:?}");
+    let counts = complete[0].counts;
+    assert_eq!(counts.added, u64::from(CHILDREN));
+    assert_eq!(counts.completed + counts.cancelled, u64::from(CHILDREN), "{counts:?}");
+    assert_eq!(counts.cancelled, cancelled as u64, "{counts:?}");
+    let state = graphs.batch(&id).await.unwrap().unwrap();
+    assert!(state.finished());
+    assert_eq!(state.counts, counts);
 }

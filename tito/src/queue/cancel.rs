@@ -99,8 +99,10 @@ pub(super) async fn cancel_row<X: TitoTransaction>(
         parsed,
         stored,
     };
-    let now = super::graph::Apply::Now;
-    let wakes = super::worker::complete(tx, root, partitions, &pulled, None, None, now).await?;
+    // Its end is folded after the commit (the caller folds it before it returns): the cancel's
+    // transaction writes nothing a fold of its graph writes.
+    let folded = super::graph::Apply::Folded;
+    let wakes = super::worker::complete(tx, root, partitions, &pulled, None, None, folded).await?;
     Ok(Some(wakes))
 }
 
@@ -119,18 +121,21 @@ async fn cancel_under<E: TitoEngine>(db: &E, root: &str, id: &str, why: &str) ->
             let db = db.clone();
             async move {
                 let Some(target) = tx.get(id_key.as_bytes()).await? else {
-                    return Ok::<_, TitoError>(false);
+                    return Ok::<_, TitoError>((false, Vec::new()));
                 };
                 let target = keys::key_str(&target)?.to_string();
                 let Some(wakes) = cancel_row(&tx, &root, &target, &why).await? else {
-                    return Ok(false);
+                    return Ok((false, Vec::new()));
                 };
+                let folds = super::graph::folds_in(&wakes);
                 super::graph::wake_after_commit(&db, &tx, wakes);
                 wakeups.cancelled_after_commit(&tx, vec![target]);
-                Ok(true)
+                Ok((true, folds))
             }
         })
         .await?;
+    let (cancelled, folds) = cancelled;
+    super::graph::fold_now(db, folds).await;
     if cancelled {
         tracing::info!(queue = root, id, why, "queue invocation cancelled");
     }
@@ -200,9 +205,11 @@ async fn cancel_owner_state<E: TitoEngine>(
                         .scan(prefix.as_bytes(), end.as_bytes(), batch_rows)
                         .await?;
                     let mut cancelled = Vec::new();
+                    let mut folds = Vec::new();
                     for (owner_key, _) in &rows {
                         let target = keys::owner_key_target(keys::key_str(owner_key)?)?;
                         if let Some(wakes) = cancel_row(&tx, &root, &target, &why).await? {
+                            folds.extend(super::graph::folds_in(&wakes));
                             super::graph::wake_after_commit(&db, &tx, wakes);
                             cancelled.push(target);
                         } else {
@@ -214,12 +221,15 @@ async fn cancel_owner_state<E: TitoEngine>(
                     if count > 0 {
                         wakeups.cancelled_after_commit(&tx, cancelled);
                     }
-                    Ok::<_, TitoError>((count, rows.len()))
+                    Ok::<_, TitoError>((count, rows.len(), folds))
                 }
             })
             .await;
         let batch = match batch {
-            Ok(batch) => batch,
+            Ok((count, seen, folds)) => {
+                super::graph::fold_now(db, folds).await;
+                (count, seen)
+            }
             Err(TitoError::RetriesExhausted { .. }) if batch_rows > 1 => {
                 batch_rows = (batch_rows / 4).max(1);
                 continue;
@@ -326,13 +336,14 @@ impl<E: TitoEngine> Graphs<E> {
                 Arc::new(chunk.iter().map(|&i| steps[i].clone()).collect());
             let (db, why) = (self.engine().clone(), why.to_string());
             let workflow_id = id.to_string();
-            total += self
+            let (cancelled, folds) = self
                 .engine()
                 .transaction(|tx| {
                     let (chunk, db, why) = (chunk.clone(), db.clone(), why.clone());
                     let workflow_id = workflow_id.clone();
                     async move {
                         let mut cancelled = 0;
+                        let mut folds = Vec::new();
                         for (name, record) in chunk.iter() {
                             let id_key = keys::event_id_key(&record.q, &record.id);
                             let Some(at) = tx.get(id_key.as_bytes()).await? else {
@@ -347,16 +358,19 @@ impl<E: TitoEngine> Graphs<E> {
                                 continue;
                             }
                             if let Some(wakes) = cancel_row(&tx, &record.q, &at, &why).await? {
+                                folds.extend(graph::folds_in(&wakes));
                                 graph::wake_after_commit(&db, &tx, wakes);
                                 crate::event::nudge::wakeups(&db, &record.q)
                                     .cancelled_after_commit(&tx, vec![at]);
                                 cancelled += 1;
                             }
                         }
-                        Ok::<_, TitoError>(cancelled)
+                        Ok::<_, TitoError>((cancelled, folds))
                     }
                 })
                 .await?;
+            graph::fold_now(self.engine(), folds).await;
+            total += cancelled;
         }
         if total > 0 {
             tracing::info!(workflow = id, total, why, "workflow cancelled");
@@ -381,7 +395,7 @@ impl<E: TitoEngine> Graphs<E> {
         loop {
             let (db, why, start) = (self.engine().clone(), why.to_string(), from.clone());
             let batch_id = id.to_string();
-            let (cancelled, last, seen) = self
+            let (cancelled, last, seen, folds) = self
                 .engine()
                 .transaction(|tx| {
                     let (db, why, start, end) =
@@ -390,6 +404,7 @@ impl<E: TitoEngine> Graphs<E> {
                     async move {
                         let rows = tx.scan(&start, end.as_bytes(), batch::CANCEL_BATCH).await?;
                         let mut cancelled = 0;
+                        let mut folds = Vec::new();
                         for (key, value) in &rows {
                             let child: batch::ChildRecord =
                                 graph::parse("batch child", key, value)?;
@@ -409,6 +424,7 @@ impl<E: TitoEngine> Graphs<E> {
                                 continue;
                             }
                             if let Some(wakes) = cancel_row(&tx, &child.q, &at, &why).await? {
+                                folds.extend(graph::folds_in(&wakes));
                                 graph::wake_after_commit(&db, &tx, wakes);
                                 crate::event::nudge::wakeups(&db, &child.q)
                                     .cancelled_after_commit(&tx, vec![at]);
@@ -416,10 +432,11 @@ impl<E: TitoEngine> Graphs<E> {
                             }
                         }
                         let last = rows.last().map(|(key, _)| key.clone());
-                        Ok::<_, TitoError>((cancelled, last, rows.len()))
+                        Ok::<_, TitoError>((cancelled, last, rows.len(), folds))
                     }
                 })
                 .await?;
+            graph::fold_now(self.engine(), folds).await;
             total += cancelled;
             match last {
                 Some(last) if seen == batch::CANCEL_BATCH => from = keys::key_after_bytes(&last),

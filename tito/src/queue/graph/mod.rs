@@ -140,6 +140,34 @@ pub(crate) async fn finished<X: TitoTransaction>(
     Ok(wakes)
 }
 
+/// The graphs among `wakes` (to fold once their transaction committed).
+pub(crate) fn folds_in(wakes: &[Wake]) -> Vec<ends::GraphRef> {
+    wakes
+        .iter()
+        .filter_map(|wake| match wake {
+            Wake::Fold(graph) => Some(graph.clone()),
+            Wake::Due { .. } => None,
+        })
+        .collect()
+}
+
+/// Folds `graphs` now, their ends committed (a cancel's, whose caller reads the cascade when
+/// the call returns); what fails is left to the background fold and the maintenance.
+pub(crate) async fn fold_now<E: TitoEngine>(db: &E, mut graphs: Vec<ends::GraphRef>) {
+    graphs.sort();
+    graphs.dedup();
+    while !graphs.is_empty() {
+        match fold::fold(db, &graphs).await {
+            Ok(more) => graphs = more,
+            Err(err) => {
+                tracing::warn!(error = %err, "folding a cancel's graph ends failed; they are folded later");
+                fold::request(db, graphs);
+                return;
+            }
+        }
+    }
+}
+
 /// Folds the graphs among `wakes` in the background now (their ends are committed).
 pub(crate) fn fold_later<E: TitoEngine>(db: &E, wakes: Vec<Wake>) {
     let graphs: Vec<ends::GraphRef> = wakes
