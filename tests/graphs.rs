@@ -2093,8 +2093,11 @@ pub async fn cancel_batch_goes_through_while_its_children_complete<E: TitoEngine
         jobs.clone(),
         fast(0..4),
         move |event: QueueEvent<Work>, tx: E::Transaction| async move {
-            tx.put(format!("cancelled-batch:{}", event.payload.n).into_bytes(), vec![1])
-                .await?;
+            tx.put(
+                format!("cancelled-batch:{}", event.payload.n).into_bytes(),
+                vec![1],
+            )
+            .await?;
             tokio::time::sleep(Duration::from_millis(20)).await;
             Ok(QueueHandlerOutcome::Acknowledge)
         },
@@ -2120,7 +2123,11 @@ pub async fn cancel_batch_goes_through_while_its_children_complete<E: TitoEngine
     assert_eq!(complete.len(), 1, "{complete:?}");
     let counts = complete[0].counts;
     assert_eq!(counts.added, u64::from(CHILDREN));
-    assert_eq!(counts.completed + counts.cancelled, u64::from(CHILDREN), "{counts:?}");
+    assert_eq!(
+        counts.completed + counts.cancelled,
+        u64::from(CHILDREN),
+        "{counts:?}"
+    );
     assert_eq!(counts.cancelled, cancelled as u64, "{counts:?}");
     let state = graphs.batch(&id).await.unwrap().unwrap();
     assert!(state.finished());
