@@ -642,7 +642,7 @@ impl<E: TitoEngine> Graphs<E> {
     /// Closes batch `id`: no child can be added any more, and the callbacks whose condition
     /// holds fire (at once when every child ended already). `false` when it was closed.
     pub async fn close_batch(&self, id: &str) -> TitoResult<bool> {
-        let (db, id) = (self.db.clone(), id.to_string());
+        let id = id.to_string();
         let closed = self
             .db
             .transaction(|tx| {
@@ -656,24 +656,8 @@ impl<E: TitoEngine> Graphs<E> {
             })
             .await?;
         if closed {
-            // The close's fold (and what it fires) before the call returns; one that fails is
-            // left to the background fold and the workers' maintenance.
-            let folded = db
-                .transaction(|tx| {
-                    let (db, id) = (db.clone(), id.clone());
-                    async move {
-                        let mut wakes = Vec::new();
-                        fold_batch(&tx, &id, &mut wakes).await?;
-                        super::wake_after_commit(&db, &tx, wakes);
-                        Ok::<_, TitoError>(())
-                    }
-                })
-                .await;
-            if let Err(err) = folded {
-                tracing::warn!(batch = id, error = %err, "folding a batch's close failed; it is folded later");
-                let wakes = vec![Wake::Fold(super::ends::GraphRef::batch(&id))];
-                super::fold_later(&self.db, wakes);
-            }
+            // The close's fold (and what it fires) before the call returns.
+            super::fold_now(&self.db, vec![super::ends::GraphRef::batch(&id)]).await;
         }
         Ok(closed)
     }

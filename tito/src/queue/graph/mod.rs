@@ -151,8 +151,9 @@ pub(crate) fn folds_in(wakes: &[Wake]) -> Vec<ends::GraphRef> {
         .collect()
 }
 
-/// Folds `graphs` now, their ends committed (a cancel's, whose caller reads the cascade when
-/// the call returns); what fails is left to the background fold and the maintenance.
+/// Folds `graphs` now, their ends committed (a cancel's or a close's, whose caller reads the
+/// cascade when the call returns); what fails is left to the background fold and the
+/// maintenance.
 pub(crate) async fn fold_now<E: TitoEngine>(db: &E, mut graphs: Vec<ends::GraphRef>) {
     graphs.sort();
     graphs.dedup();
@@ -160,25 +161,11 @@ pub(crate) async fn fold_now<E: TitoEngine>(db: &E, mut graphs: Vec<ends::GraphR
         match fold::fold(db, &graphs).await {
             Ok(more) => graphs = more,
             Err(err) => {
-                tracing::warn!(error = %err, "folding a cancel's graph ends failed; they are folded later");
+                tracing::warn!(error = %err, "folding graph ends failed; they are folded later");
                 fold::request(db, graphs);
                 return;
             }
         }
-    }
-}
-
-/// Folds the graphs among `wakes` in the background now (their ends are committed).
-pub(crate) fn fold_later<E: TitoEngine>(db: &E, wakes: Vec<Wake>) {
-    let graphs: Vec<ends::GraphRef> = wakes
-        .into_iter()
-        .filter_map(|wake| match wake {
-            Wake::Fold(graph) => Some(graph),
-            Wake::Due { .. } => None,
-        })
-        .collect();
-    if !graphs.is_empty() {
-        fold::request(db, graphs);
     }
 }
 
